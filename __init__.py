@@ -1,0 +1,7 @@
+"""trtbuild: an ahead-of-time LLM engine builder (checkpoint -> ONNX graph -> engine -> runtime)."""
+
+__version__ = "0.1.0"
+
+# Engines record the format version they were written with; a runtime refuses other formats before doing any work.
+ENGINE_FORMAT_VERSION = 1
+CHECKPOINT_FORMAT_VERSION = 1

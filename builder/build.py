@@ -1,0 +1,111 @@
+"""`trtbuild build`: checkpoint -> network -> fusion passes -> target lowering -> engine directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import onnx
+from tqdm import tqdm
+
+from trtbuild.builder.convert.checkpoint import CONFIG_FILE, copy_tokenizer_files, load_checkpoint, prepare_output_dir
+from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, cpu_fingerprint, write_engine_config
+from trtbuild.builder.network import ENGINE_INPUTS, ENGINE_OUTPUTS, build_network
+from trtbuild.configs import BuildConfig, ModelConfig
+from trtbuild.errors import TrtbuildError
+
+log = logging.getLogger(__name__)
+
+
+def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
+    """Refuse, before any work, what the chosen target cannot build."""
+    if build.target == "tensorrt":
+        raise TrtbuildError("the TensorRT target is not available in this build of trtbuild; use --target cpu.")
+    if config.mapping.world_size > 1:
+        raise TrtbuildError(
+            f"the CPU target builds single-rank checkpoints, and this one has {config.mapping.world_size} ranks "
+            f"(tp={config.mapping.tp_size}, pp={config.mapping.pp_size}); re-run `trtbuild convert` with "
+            "--tp-size 1 --pp-size 1.")
+    q = config.quantization
+    if q.quant_algo or q.kv_cache_quant_algo:
+        raise TrtbuildError(
+            f"the CPU target cannot run quantization {q.quant_algo or q.kv_cache_quant_algo!r} yet; "
+            "build an unquantized checkpoint.")
+    if build.max_seq_len > config.max_position_embeddings:
+        raise TrtbuildError(
+            f"--max-seq-len {build.max_seq_len} exceeds the model's max_position_embeddings "
+            f"({config.max_position_embeddings}); pass --max-seq-len {config.max_position_embeddings} or less.")
+    if build.max_num_tokens < build.max_batch_size:
+        raise TrtbuildError(
+            f"--max-num-tokens {build.max_num_tokens} is below --max-batch-size {build.max_batch_size}: a decode "
+            "step of a full batch would not fit.")
+
+
+def default_build_config(config: ModelConfig, **overrides) -> BuildConfig:
+    """Build limits with the model's context length as max_seq_len unless given."""
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    overrides.setdefault("max_seq_len", min(config.max_position_embeddings, 4096))
+    return BuildConfig(**overrides)
+
+
+def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> tuple[onnx.ModelProto, list[str]]:
+    """Fusion passes (unless disabled) then the target lowering; returns the model and the passes applied."""
+    from trtbuild.builder.lower_cpu import lower_paged_attention
+    from trtbuild.builder.passes import run_passes
+
+    applied = []
+    if build.fuse:
+        counts = run_passes(model, build.target)
+        applied = [f"{name}:{n}" for name, n in counts.items()]
+    lower_paged_attention(model)
+    onnx.checker.check_model(model)
+    return model, applied
+
+
+def io_spec(model: onnx.ModelProto) -> dict:
+    def describe(v: onnx.ValueInfoProto) -> dict:
+        dims = [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+        return {"name": v.name, "dtype": onnx.helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).name,
+                "shape": dims}
+
+    return {"inputs": [describe(v) for v in model.graph.input], "outputs": [describe(v) for v in model.graph.output]}
+
+
+def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = None, **build_overrides) -> Path:
+    """Build an engine directory at `output` from the checkpoint at `checkpoint`."""
+    checkpoint, output = Path(checkpoint), Path(output)
+    config = ModelConfig.load(checkpoint / CONFIG_FILE) if checkpoint.is_dir() else None
+    if config is None:
+        raise TrtbuildError(f"checkpoint folder {checkpoint} does not exist; create it with `trtbuild convert`.")
+    build = build or default_build_config(config, **build_overrides)
+    check_buildable(config, build)
+    prepare_output_dir(output)
+    steps = tqdm(total=4, desc="building engine", unit="step", leave=False)
+    try:
+        _, tensors = load_checkpoint(checkpoint, rank=0)
+        steps.set_postfix_str("network"), steps.update()
+        model = build_network(config, tensors, build)
+        del tensors
+        steps.set_postfix_str("passes + lowering"), steps.update()
+        model, applied = lower_for_target(model, build)
+        steps.set_postfix_str("saving"), steps.update()
+        onnx.save_model(model, str(output / CPU_ENGINE_FILE))
+        copy_tokenizer_files(checkpoint, output)
+        assert [i["name"] for i in io_spec(model)["inputs"]] == list(ENGINE_INPUTS)
+        assert [o["name"] for o in io_spec(model)["outputs"]] == list(ENGINE_OUTPUTS)
+        write_engine_config(output, config, build, cpu_fingerprint(), io_spec(model), applied)
+        steps.update()
+    except BaseException:
+        for f in output.iterdir():
+            f.unlink()
+        output.rmdir()
+        raise
+    finally:
+        steps.close()
+    log.info("built %s with passes %s", output, applied)
+    return output
+
+
+def replace_build(build: BuildConfig, **changes) -> BuildConfig:
+    return dataclasses.replace(build, **changes)

@@ -1,0 +1,87 @@
+"""Reading and writing the unified checkpoint: `config.json` + `rank{N}.safetensors` + tokenizer files."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from trtbuild.configs import ModelConfig
+from trtbuild.errors import CheckpointError
+
+CONFIG_FILE = "config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "generation_config.json")
+
+
+def rank_file(ckpt_dir: Path, rank: int) -> Path:
+    return ckpt_dir / f"rank{rank}.safetensors"
+
+
+def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bool, last_stage: bool) -> list[str]:
+    """Every tensor name a rank holding `layers` must have (the contract `trtbuild build` relies on)."""
+    names = ["transformer.vocab_embedding.weight"] if first_stage else []
+    for i in layers:
+        p = f"transformer.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_layernorm.weight", p + "attention.dense.weight"]
+        names += [p + f"attention.{x}.weight" for x in "qkv"]
+        if config.qkv_bias:
+            names += [p + f"attention.{x}.bias" for x in "qkv"]
+        if config.qk_norm:
+            names += [p + "attention.q_norm.weight", p + "attention.k_norm.weight"]
+        names += [p + f"mlp.{x}.weight" for x in ("gate", "fc", "proj")]
+    if last_stage:
+        names += ["transformer.ln_f.weight", "lm_head.weight"]
+    return names
+
+
+def prepare_output_dir(out_dir: Path) -> None:
+    """Create `out_dir`; refuse a non-empty one so that nothing a user made is ever overwritten."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise CheckpointError(f"output folder {out_dir} exists and is not empty; choose a new folder or remove it.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+
+def copy_tokenizer_files(src_dir: Path, out_dir: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src_dir / name).is_file():
+            shutil.copy2(src_dir / name, out_dir / name)
+            copied.append(name)
+    return copied
+
+
+def save_rank(ckpt_dir: Path, rank: int, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(rank_file(ckpt_dir, rank)), metadata={"format": "pt"})
+
+
+def load_checkpoint(ckpt_dir: Path, rank: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load one rank and check it holds every tensor the builder needs, with the right shapes' element counts."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"checkpoint folder {ckpt_dir} does not exist; create it with `trtbuild convert`.")
+    config = ModelConfig.load(ckpt_dir / CONFIG_FILE)
+    path = rank_file(ckpt_dir, rank)
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete, re-run `trtbuild convert`.")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is corrupt ({e}); re-run `trtbuild convert`.") from None
+    mapping = config.mapping
+    needed = expected_tensors(
+        config,
+        mapping.layers_of(rank, config.num_hidden_layers),
+        first_stage=mapping.pp_rank(rank) == 0,
+        last_stage=mapping.pp_rank(rank) == mapping.pp_size - 1,
+    )
+    missing = [n for n in needed if n not in tensors]
+    if missing:
+        raise CheckpointError(f"{path} lacks {len(missing)} tensors (first: {missing[0]}); re-run `trtbuild convert`.")
+    return config, tensors

@@ -1,0 +1,75 @@
+"""Tensor- and pipeline-parallel sharding of a full (rank-agnostic) checkpoint, and its exact inverse."""
+
+from __future__ import annotations
+
+import torch
+
+from trtbuild.builder.convert.names import layer_of, tp_split_axis
+from trtbuild.configs import Mapping, ModelConfig
+from trtbuild.errors import CheckpointError
+
+_VOCAB_PARALLEL = ("transformer.vocab_embedding.weight", "lm_head.weight")
+
+
+def check_mapping(config: ModelConfig, mapping: Mapping) -> None:
+    """Refuse a split the model cannot take, before any tensor is touched."""
+    tp, pp = mapping.tp_size, mapping.pp_size
+    if tp < 1 or pp < 1:
+        raise CheckpointError(f"--tp-size and --pp-size must be at least 1 (got {tp} and {pp}).")
+    for what, n in (
+        ("num_attention_heads", config.num_attention_heads),
+        ("num_key_value_heads", config.num_key_value_heads),
+        ("intermediate_size", config.intermediate_size),
+    ):
+        if n % tp:
+            raise CheckpointError(f"--tp-size {tp} does not divide {what}={n}; choose a TP size that divides it.")
+    if pp > config.num_hidden_layers:
+        raise CheckpointError(f"--pp-size {pp} exceeds the {config.num_hidden_layers} layers of the model.")
+
+
+def _held_by(name: str, config: ModelConfig, mapping: Mapping, rank: int) -> bool:
+    layer = layer_of(name)
+    if layer is not None:
+        return layer in mapping.layers_of(rank, config.num_hidden_layers)
+    pp_rank = mapping.pp_rank(rank)
+    if name == "transformer.vocab_embedding.weight":
+        return pp_rank == 0
+    return pp_rank == mapping.pp_size - 1  # ln_f, lm_head
+
+
+def shard_for_rank(tensors: dict[str, torch.Tensor], config: ModelConfig, mapping: Mapping, rank: int) -> dict:
+    """The tensors of one rank: its pipeline stage's layers, each split along its TP axis.
+
+    Vocab-parallel tensors are zero-padded to a multiple of tp_size rows (`merge_shards` strips the padding).
+    """
+    tp, tp_rank = mapping.tp_size, mapping.tp_rank(rank)
+    out = {}
+    for name, t in tensors.items():
+        if not _held_by(name, config, mapping, rank):
+            continue
+        axis = tp_split_axis(name)
+        if axis is None or tp == 1:
+            out[name] = t.contiguous()
+            continue
+        if name in _VOCAB_PARALLEL and t.shape[0] % tp:
+            pad = tp - t.shape[0] % tp
+            t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+        out[name] = t.chunk(tp, dim=axis)[tp_rank].contiguous()
+    return out
+
+
+def merge_shards(shards: list[dict[str, torch.Tensor]], config: ModelConfig, mapping: Mapping) -> dict:
+    """Reassemble the rank-agnostic checkpoint from all ranks' shards (the inverse of `shard_for_rank`)."""
+    if len(shards) != mapping.world_size:
+        raise CheckpointError(f"expected {mapping.world_size} shards, got {len(shards)}.")
+    out: dict[str, torch.Tensor] = {}
+    for pp_rank in range(mapping.pp_size):
+        ranks = [pp_rank * mapping.tp_size + r for r in range(mapping.tp_size)]
+        for name in shards[ranks[0]]:
+            axis = tp_split_axis(name)
+            pieces = [shards[r][name] for r in ranks]
+            t = pieces[0] if axis is None or mapping.tp_size == 1 else torch.cat(pieces, dim=axis)
+            if name in _VOCAB_PARALLEL:
+                t = t[: config.vocab_size]
+            out[name] = t
+    return out

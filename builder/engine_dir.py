@@ -1,0 +1,131 @@
+"""The self-describing engine directory: config.json (version, model, build, target fingerprint, I/O) + rank0 file.
+
+Compatibility is checked from config.json alone, before any engine file is opened, so a wrong engine fails fast
+with a message that says what to rebuild and how.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trtbuild import ENGINE_FORMAT_VERSION, __version__
+from trtbuild.configs import BuildConfig, ModelConfig
+from trtbuild.errors import EngineCompatibilityError
+
+ENGINE_CONFIG = "config.json"
+CPU_ENGINE_FILE = "rank0.onnx"
+_CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
+              "asimd", "sve")
+
+
+def cpu_features() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+            break
+    return sorted(f for f in _CPU_FLAGS if f in flags)
+
+
+def cpu_fingerprint() -> dict[str, Any]:
+    import onnxruntime
+
+    return {"name": "cpu", "machine": platform.machine(), "cpu_features": cpu_features(),
+            "onnxruntime_version": onnxruntime.__version__}
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What config.json of an engine directory says."""
+
+    path: Path
+    model: ModelConfig
+    build: BuildConfig
+    target: dict[str, Any]
+    io: dict[str, Any]
+    passes: tuple[str, ...]
+    trtbuild_version: str
+
+    def rebuild_hint(self, target: str = "cpu") -> str:
+        return (f"rebuild it here: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> "
+                f"--target {target}`")
+
+
+def write_engine_config(out_dir: Path, model: ModelConfig, build: BuildConfig, target: dict, io: dict,
+                        passes: list[str]) -> None:
+    doc = {
+        "trtbuild_version": __version__,
+        "engine_format_version": ENGINE_FORMAT_VERSION,
+        "target": target,
+        "model_config": model.to_dict(),
+        "build_config": build.to_dict(),
+        "passes": passes,
+        "io": io,
+    }
+    (out_dir / ENGINE_CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in v.split("+")[0].split(".")[:2] if p.isdigit())
+
+
+def read_engine_config(engine_dir: Path, expect_target: str = "cpu") -> EngineInfo:
+    """Parse and check an engine directory for this machine; raises EngineCompatibilityError before any work."""
+    engine_dir = Path(engine_dir)
+    path = engine_dir / ENGINE_CONFIG
+    if not path.is_file():
+        raise EngineCompatibilityError(
+            f"{engine_dir} is not an engine directory (no {ENGINE_CONFIG}); build one with `trtbuild build`.")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise EngineCompatibilityError(f"{path} is corrupt ({e}); rebuild the engine with `trtbuild build`.") from None
+    version = doc.get("engine_format_version")
+    built_by = doc.get("trtbuild_version", "unknown")
+    if version != ENGINE_FORMAT_VERSION:
+        raise EngineCompatibilityError(
+            f"{engine_dir} was built by trtbuild {built_by} (engine format {version}); this trtbuild {__version__} "
+            f"reads format {ENGINE_FORMAT_VERSION}. Rebuild it from its checkpoint with this version: "
+            "`trtbuild build --checkpoint <checkpoint dir> --output <new engine dir>`.")
+    target = doc.get("target") or {}
+    if target.get("name") != expect_target:
+        raise EngineCompatibilityError(
+            f"{engine_dir} was built for target {target.get('name')!r}, but this runtime runs {expect_target!r} "
+            f"engines; rebuild it: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> "
+            f"--target {expect_target}`.")
+    if expect_target == "cpu":
+        _check_cpu_target(engine_dir, target)
+    return EngineInfo(
+        path=engine_dir,
+        model=ModelConfig.from_dict(doc["model_config"]),
+        build=BuildConfig.from_dict(doc["build_config"]),
+        target=target,
+        io=doc.get("io", {}),
+        passes=tuple(doc.get("passes", ())),
+        trtbuild_version=built_by,
+    )
+
+
+def _check_cpu_target(engine_dir: Path, target: dict) -> None:
+    here = cpu_fingerprint()
+    hint = "rebuild it on this machine: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir>`."
+    if target.get("machine") != here["machine"]:
+        raise EngineCompatibilityError(
+            f"{engine_dir} was built on a {target.get('machine')} CPU and this one is {here['machine']}; {hint}")
+    missing = sorted(set(target.get("cpu_features", [])) - set(here["cpu_features"]))
+    if missing:
+        raise EngineCompatibilityError(
+            f"{engine_dir} was built for a CPU with {', '.join(missing)}, which this CPU lacks; {hint}")
+    built_ort = target.get("onnxruntime_version", "0")
+    if _version_tuple(here["onnxruntime_version"]) < _version_tuple(built_ort):
+        raise EngineCompatibilityError(
+            f"{engine_dir} was built with onnxruntime {built_ort}, newer than the installed "
+            f"{here['onnxruntime_version']}; upgrade onnxruntime (`pip install -U onnxruntime`) or {hint}")

@@ -1,0 +1,123 @@
+"""Checkpoint tensors -> the unfused ONNX network of a Llama-family decoder, with one PagedAttention node per layer.
+
+The graph is written plainly (one MatMul per projection, RoPE as its own node, residual Add then RMSNorm) so that
+each fusion pass in builder/passes/ has something real to fuse and can be tested on its own.
+
+Engine I/O (T = packed tokens of this step, B = sequences, N = tokens whose logits are wanted):
+  input_ids [T] int64, position_ids [T] int64, query_start_loc [B+1] int64, past_lengths [B] int64,
+  block_tables [B, max_blocks_per_seq] int64, logits_indices [N] int64,
+  kv_cache [num_layers, 2, num_blocks, tokens_per_block, num_kv_heads, head_size]
+  -> logits [N, vocab] float32, new_kv [num_layers, 2, T, num_kv_heads, head_size] (K after RoPE, V)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto
+
+from trtbuild.builder.graph import GraphBuilder
+from trtbuild.builder.rope import rope_tables
+from trtbuild.configs import BuildConfig, ModelConfig
+from trtbuild.plugins import paged_attention as pa
+
+ENGINE_INPUTS = ("input_ids", "position_ids", "query_start_loc", "past_lengths", "block_tables", "logits_indices",
+                 "kv_cache")
+ENGINE_OUTPUTS = ("logits", "new_kv")
+
+
+def kv_cache_shape(config: ModelConfig, build: BuildConfig, num_blocks: int | str) -> list:
+    return [config.num_hidden_layers, 2, num_blocks, build.tokens_per_block, config.num_key_value_heads,
+            config.head_size]
+
+
+class _NetworkWriter:
+    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], build: BuildConfig) -> None:
+        self.c, self.build, self.g = config, build, GraphBuilder()
+        self.tensors = tensors
+        self.np_dtype = np.float32  # the CPU target computes in fp32 (ORT's CPU kernels are fastest there)
+
+    def tensor(self, name: str) -> np.ndarray:
+        return self.tensors[name].to(torch.float32).numpy().astype(self.np_dtype)
+
+    def linear(self, x: str, prefix: str, bias: bool = False) -> str:
+        w = self.g.weight(prefix + ".weight", self.tensor(prefix + ".weight").T)  # [in, out] for MatMul
+        y = self.g.op("MatMul", [x, w], name=prefix)
+        if bias:
+            y = self.g.op("Add", [y, self.g.weight(prefix + ".bias", self.tensor(prefix + ".bias"))],
+                          name=prefix + "_bias")
+        return y
+
+    def rms_norm(self, x: str, weight_name: str) -> str:
+        w = self.g.weight(weight_name, self.tensor(weight_name))
+        return self.g.op("RMSNormalization", [x, w], axis=-1, epsilon=self.c.norm_epsilon,
+                         name=weight_name.removesuffix(".weight"))
+
+    def head_norm(self, x: str, weight_name: str, heads: int) -> str:
+        """Qwen3's per-head RMSNorm of q or k, before RoPE."""
+        per_head = self.g.op("Reshape", [x, self.g.const(np.array([0, heads, self.c.head_size]), "heads_shape")])
+        normed = self.rms_norm(per_head, weight_name)
+        return self.g.op("Reshape", [normed, self.g.const(np.array([0, heads * self.c.head_size]), "flat_shape")])
+
+    def rope(self, x: str, heads: int, positions_2d: str, cos: str, sin: str) -> str:
+        x3 = self.g.op("Unsqueeze", [x, self.g.const(np.array([0]), "axis0")])
+        y3 = self.g.op("RotaryEmbedding", [x3, cos, sin, positions_2d], num_heads=heads)
+        return self.g.op("Squeeze", [y3, self.g.const(np.array([0]), "axis0")])
+
+    def write(self) -> onnx.ModelProto:
+        c, g = self.c, self.g
+        i64, f32 = TensorProto.INT64, TensorProto.FLOAT
+        input_ids = g.input("input_ids", i64, ["num_tokens"])
+        positions = g.input("position_ids", i64, ["num_tokens"])
+        query_start = g.input("query_start_loc", i64, ["batch_plus_1"])
+        past_lengths = g.input("past_lengths", i64, ["batch"])
+        block_tables = g.input("block_tables", i64, ["batch", self.build.max_blocks_per_seq])
+        logits_indices = g.input("logits_indices", i64, ["num_logits"])
+        kv_cache = g.input("kv_cache", f32, kv_cache_shape(c, self.build, "num_blocks"))
+
+        cos_np, sin_np = rope_tables(c, self.build.max_seq_len)
+        cos, sin = g.weight("rope_cos", cos_np), g.weight("rope_sin", sin_np)
+        positions_2d = g.op("Unsqueeze", [positions, g.const(np.array([0]), "axis0")], name="positions_2d")
+
+        x = g.op("Gather", [g.weight("transformer.vocab_embedding.weight",
+                                     self.tensor("transformer.vocab_embedding.weight")), input_ids], name="embedding")
+        new_kv = []
+        for i in range(c.num_hidden_layers):
+            p = f"transformer.layers.{i}."
+            g.scope = p
+            h = self.rms_norm(x, p + "input_layernorm.weight")
+            q, k, v = (self.linear(h, p + f"attention.{n}", bias=c.qkv_bias) for n in "qkv")
+            if c.qk_norm:
+                q = self.head_norm(q, p + "attention.q_norm.weight", c.num_attention_heads)
+                k = self.head_norm(k, p + "attention.k_norm.weight", c.num_key_value_heads)
+            q = self.rope(q, c.num_attention_heads, positions_2d, cos, sin)
+            k = self.rope(k, c.num_key_value_heads, positions_2d, cos, sin)
+            attn, k_new, v_new = g.op(
+                pa.OP_TYPE, [q, k, v, kv_cache, block_tables, past_lengths, query_start], num_outputs=3,
+                domain=pa.DOMAIN, name=p + "attention.paged", layer_idx=i, num_heads=c.num_attention_heads,
+                num_kv_heads=c.num_key_value_heads, head_size=c.head_size, tokens_per_block=self.build.tokens_per_block,
+                scale=float(c.head_size**-0.5), rotary=0,
+            )
+            x = g.op("Add", [x, self.linear(attn, p + "attention.dense")], name=p + "attn_residual")
+            h = self.rms_norm(x, p + "post_layernorm.weight")
+            gate, up = self.linear(h, p + "mlp.gate"), self.linear(h, p + "mlp.fc")
+            act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up], name=p + "swiglu")
+            x = g.op("Add", [x, self.linear(act, p + "mlp.proj")], name=p + "mlp_residual")
+            kv_pair = g.op("Concat", [g.op("Unsqueeze", [t, g.const(np.array([0]), "axis0")]) for t in (k_new, v_new)],
+                           axis=0)
+            new_kv.append(g.op("Unsqueeze", [kv_pair, g.const(np.array([0]), "axis0")]))
+        g.scope = ""
+        selected = g.op("Gather", [x, logits_indices], axis=0, name="select_logit_tokens")
+        h = self.rms_norm(selected, "transformer.ln_f.weight")
+        lm_head = g.weight("lm_head.weight", self.tensor("lm_head.weight").T)
+        g.op("MatMul", [h, lm_head], name="lm_head", outputs=["logits"])
+        g.op("Concat", new_kv, axis=0, name="new_kv", outputs=["new_kv"])
+        g.output("logits", f32, ["num_logits", c.vocab_size])
+        g.output("new_kv", f32, [c.num_hidden_layers, 2, "num_tokens", c.num_key_value_heads, c.head_size])
+        return g.model("trtbuild_decoder", {pa.DOMAIN: pa.OPSET_VERSION})
+
+
+def build_network(config: ModelConfig, tensors: dict[str, torch.Tensor], build: BuildConfig) -> onnx.ModelProto:
+    """The unfused network for one single-rank checkpoint."""
+    return _NetworkWriter(config, tensors, build).write()

@@ -1,0 +1,27 @@
+"""Graph passes over the ONNX network. Each pass rewrites the model in place and returns how many sites it changed.
+
+Order matters: sibling GEMMs are merged first (QKV, gate/up), then RoPE moves into the attention op, then residual
+Add + RMSNorm are fused (a CPU-target pass: the fused op is ONNX Runtime's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import onnx
+
+from trtbuild.builder.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
+from trtbuild.builder.passes.fuse_gemms import fuse_gate_up, fuse_qkv
+from trtbuild.builder.passes.fuse_rope import fuse_rope_into_attention
+
+Pass = Callable[[onnx.ModelProto], int]
+
+PASSES: dict[str, tuple[Pass, ...]] = {
+    "cpu": (fuse_qkv, fuse_gate_up, fuse_rope_into_attention, fuse_add_rmsnorm),
+    "tensorrt": (fuse_qkv, fuse_gate_up, fuse_rope_into_attention),
+}
+
+
+def run_passes(model: onnx.ModelProto, target: str) -> dict[str, int]:
+    """Apply the target's passes in order; returns {pass name: sites rewritten}."""
+    return {p.__name__: p(model) for p in PASSES[target]}

@@ -1,0 +1,39 @@
+"""Build-time limits of an engine (what TensorRT would call optimization profiles)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from trtbuild.errors import TrtbuildError
+
+TARGETS = ("cpu", "tensorrt")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    target: str = "cpu"
+    max_batch_size: int = 16
+    max_seq_len: int = 2048  # prompt + generated tokens of one sequence
+    max_num_tokens: int = 2048  # tokens packed into one engine call (prefill chunks + decode tokens)
+    tokens_per_block: int = 16  # paged-KV block size
+    fuse: bool = True  # run the fusion passes (off only to test them)
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise TrtbuildError(f"unknown target {self.target!r}; choose one of {', '.join(TARGETS)}.")
+        for name in ("max_batch_size", "max_seq_len", "max_num_tokens", "tokens_per_block"):
+            if getattr(self, name) < 1:
+                raise TrtbuildError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.tokens_per_block)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BuildConfig:
+        return cls(**d)

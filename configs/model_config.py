@@ -1,0 +1,206 @@
+"""The unified checkpoint's `config.json` schema (see docs/checkpoint.md) and its mapping from Hugging Face configs.
+
+One `ModelConfig` describes every supported decoder family; the family only switches features
+(`qkv_bias` for Qwen2, `qk_norm` for Qwen3). Nothing reads global state: every consumer gets this object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trtbuild import CHECKPOINT_FORMAT_VERSION
+from trtbuild.errors import CheckpointError
+
+# HF `architectures[0]` -> (family, qkv_bias, qk_norm)
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
+    "LlamaForCausalLM": ("llama", False, False),
+    "MistralForCausalLM": ("mistral", False, False),
+    "Qwen2ForCausalLM": ("qwen2", True, False),
+    "Qwen3ForCausalLM": ("qwen3", False, True),
+}
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """How the model is split over ranks: rank = pp_rank * tp_size + tp_rank."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp_size
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // self.tp_size
+
+    def layers_of(self, rank: int, num_layers: int) -> range:
+        """Global layer indices held by `rank` (pipeline stages get contiguous, near-equal runs)."""
+        pp_rank = self.pp_rank(rank)
+        base, extra = divmod(num_layers, self.pp_size)
+        start = pp_rank * base + min(pp_rank, extra)
+        return range(start, start + base + (1 if pp_rank < extra else 0))
+
+    def to_dict(self) -> dict[str, int]:
+        return {"world_size": self.world_size, "tp_size": self.tp_size, "pp_size": self.pp_size}
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Quantization of weights and KV cache; all None means full precision."""
+
+    quant_algo: str | None = None  # fp8 | int4_awq | int8_sq
+    kv_cache_quant_algo: str | None = None  # fp8 | int8
+    group_size: int | None = None
+    has_zero_point: bool = False
+    pre_quant_scale: bool = False
+    exclude_modules: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    family: str
+    dtype: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_size: int
+    norm_epsilon: float
+    max_position_embeddings: int
+    rotary_base: float = 10000.0
+    rotary_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    mapping: Mapping = field(default_factory=Mapping)
+    quantization: QuantConfig = field(default_factory=QuantConfig)
+
+    # ---- serialization -------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["mapping"] = self.mapping.to_dict()
+        d["quantization"]["exclude_modules"] = list(self.quantization.exclude_modules)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return {"format_version": CHECKPOINT_FORMAT_VERSION, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        d = dict(d)
+        version = d.pop("format_version", CHECKPOINT_FORMAT_VERSION)
+        if version != CHECKPOINT_FORMAT_VERSION:
+            raise CheckpointError(
+                f"checkpoint format version {version} is not supported (this trtbuild reads version "
+                f"{CHECKPOINT_FORMAT_VERSION}); re-run `trtbuild convert` with this version."
+            )
+        mapping = d.pop("mapping", {}) or {}
+        quant = dict(d.pop("quantization", {}) or {})
+        quant["exclude_modules"] = tuple(quant.get("exclude_modules") or ())
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise CheckpointError(f"unknown fields in checkpoint config.json: {sorted(unknown)}")
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        try:
+            return cls(
+                **d,
+                mapping=Mapping(tp_size=mapping.get("tp_size", 1), pp_size=mapping.get("pp_size", 1)),
+                quantization=QuantConfig(**quant),
+            )
+        except TypeError as e:
+            raise CheckpointError(f"checkpoint config.json is incomplete: {e}") from None
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> ModelConfig:
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} not found: is this a checkpoint made by `trtbuild convert`?") from None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path} is not valid JSON ({e}); re-run `trtbuild convert`.") from None
+
+    # ---- derived sizes -------------------------------------------------------------------------------------
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_size
+
+    def with_mapping(self, mapping: Mapping) -> ModelConfig:
+        return dataclasses.replace(self, mapping=mapping)
+
+
+def model_config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig:
+    """Map a Hugging Face `config.json` dict to a ModelConfig, refusing what the engine cannot run faithfully."""
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(
+            f"unsupported architecture {arch!r}; trtbuild converts {', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
+    family, qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported; only 'silu' (SwiGLU) is.")
+    if family == "llama" and hf.get("attention_bias"):
+        qkv_bias = True
+    if hf.get("mlp_bias"):
+        raise CheckpointError("mlp_bias=true is not supported.")
+    heads = int(hf["num_attention_heads"])
+    head_size = int(hf.get("head_dim") or hf["hidden_size"] // heads)
+    rope_params = hf.get("rope_parameters") or {}
+    rope_scaling = hf.get("rope_scaling") or None
+    rope_type = (rope_scaling or rope_params).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        raise CheckpointError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3 are).")
+    if rope_type != "default":
+        rope_scaling = {k: v for k, v in (rope_scaling or rope_params).items() if k != "rope_theta"}
+        rope_scaling["rope_type"] = rope_type
+    else:
+        rope_scaling = None
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    hf_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    if dtype == "auto":
+        dtype = hf_dtype if hf_dtype in DTYPES else "float32"
+    if dtype not in DTYPES:
+        raise CheckpointError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}.")
+    return ModelConfig(
+        architecture=arch,
+        family=family,
+        dtype=dtype,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_hidden_layers=int(hf["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+        head_size=head_size,
+        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        rotary_base=float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
+        rotary_scaling=rope_scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )

@@ -1,0 +1,1 @@
+"""Custom ops of the `trtbuild` ONNX domain: their contracts (here) and per-target implementations (builder/lower_*)."""

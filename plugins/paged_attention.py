@@ -1,0 +1,62 @@
+"""The contract of `trtbuild::PagedAttention` (documented in plugins/README.md) and its numpy reference.
+
+One node per layer. Tokens of all sequences are packed along T, sequence by sequence; sequence b owns query tokens
+query_start_loc[b]:query_start_loc[b+1], which sit at positions past_lengths[b]... of that sequence. Each query
+attends causally to the sequence's first past_lengths[b] tokens, read from the paged cache through its block table,
+and to its own new tokens. The op never mutates the cache: it returns the new tokens' K (after RoPE) and V, and the
+runtime writes them to their slots. So one step's KV write is O(new tokens), and the same node serves prefill
+chunks, decode tokens and (later) draft tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+DOMAIN = "trtbuild"
+OP_TYPE = "PagedAttention"
+OPSET_VERSION = 1
+
+# Input positions. The rope inputs are present only after the RoPE fusion pass (attribute rotary=1).
+INPUTS = ("q", "k", "v", "kv_cache", "block_tables", "past_lengths", "query_start_loc",
+          "position_ids", "rope_cos", "rope_sin")
+OUTPUTS = ("attn_out", "k_new", "v_new")
+Q, K, V, KV_CACHE, BLOCK_TABLES, PAST_LENGTHS, QUERY_START_LOC, POSITION_IDS, ROPE_COS, ROPE_SIN = range(10)
+
+
+def apply_rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE (the Hugging Face Llama convention) on x [T, heads, D]; cos/sin are [max_pos, D/2]."""
+    half = x.shape[-1] // 2
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def reference_paged_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_cache: np.ndarray, block_tables: np.ndarray,
+    past_lengths: np.ndarray, query_start_loc: np.ndarray, *, layer_idx: int, num_heads: int, num_kv_heads: int,
+    head_size: int, scale: float, position_ids: np.ndarray | None = None, rope_cos: np.ndarray | None = None,
+    rope_sin: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Straightforward per-sequence loop; the lowered graphs and kernels are tested against it."""
+    num_tokens = q.shape[0]
+    q = q.reshape(num_tokens, num_heads, head_size).astype(np.float64)
+    k = k.reshape(num_tokens, num_kv_heads, head_size).astype(np.float64)
+    v = v.reshape(num_tokens, num_kv_heads, head_size).astype(np.float64)
+    if position_ids is not None:
+        q, k = apply_rope(q, position_ids, rope_cos, rope_sin), apply_rope(k, position_ids, rope_cos, rope_sin)
+    block_size = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = np.zeros_like(q)
+    for b in range(len(past_lengths)):
+        start, end, past = query_start_loc[b], query_start_loc[b + 1], past_lengths[b]
+        slots = [block_tables[b, j // block_size] * block_size + j % block_size for j in range(past)]
+        flat = kv_cache[layer_idx].reshape(2, -1, num_kv_heads, head_size)
+        keys = np.concatenate([flat[0][slots], k[start:end]]) if past else k[start:end]
+        values = np.concatenate([flat[1][slots], v[start:end]]) if past else v[start:end]
+        for t in range(end - start):
+            visible = past + t + 1
+            for h in range(num_heads):
+                scores = keys[:visible, h // group] @ q[start + t, h] * scale
+                p = np.exp(scores - scores.max())
+                out[start + t, h] = (p / p.sum()) @ values[:visible, h // group]
+    return out.reshape(num_tokens, -1).astype(np.float32), k.astype(np.float32), v.astype(np.float32)

@@ -1,0 +1,96 @@
+"""Run one step of a CPU engine: a packed batch of prefill chunks and decode tokens -> logits + KV written."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, EngineInfo, read_engine_config
+from trtbuild.errors import EngineCompatibilityError
+from trtbuild.runtime.kv_cache import PagedKVCache
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """One sequence's share of a step: compute tokens [start, start + len(token_ids)) of sequence `seq_id`."""
+
+    seq_id: int
+    token_ids: list[int]
+    start: int  # tokens already in the KV cache (the past length)
+    want_logits: bool  # True when the last token of this chunk is the sequence's newest token
+
+
+def default_threads() -> int:
+    return int(os.environ.get("TRTBUILD_NUM_THREADS", 0)) or (os.cpu_count() or 1)
+
+
+class CpuEngine:
+    """An ONNX Runtime session over an engine directory, plus the paged KV pool it reads and the runtime writes."""
+
+    def __init__(self, engine_dir: Path, num_threads: int | None = None, initial_blocks: int = 64) -> None:
+        self.info: EngineInfo = read_engine_config(Path(engine_dir), expect_target="cpu")
+        path = self.info.path / CPU_ENGINE_FILE
+        if not path.is_file():
+            raise EngineCompatibilityError(f"{path} is missing; rebuild the engine with `trtbuild build`.")
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        # NOTE: one intra-op pool, no inter-op pool: on small machines oversubscribed threads make small GEMMs slow.
+        options.intra_op_num_threads = num_threads or default_threads()
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as e:  # ORT raises its own exception types for corrupt or unsupported models
+            raise EngineCompatibilityError(f"{path} could not be loaded ({e}); rebuild the engine.") from None
+        m, b = self.info.model, self.info.build
+        self.kv = PagedKVCache(m.num_hidden_layers, m.num_key_value_heads, m.head_size, b.tokens_per_block,
+                               initial_blocks)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.info.build.max_blocks_per_seq
+
+    def step(self, chunks: list[SequenceChunk]) -> np.ndarray:
+        """Execute one packed step; returns logits [number of chunks with want_logits, vocab] in chunk order."""
+        b = self.info.build
+        if not chunks:
+            raise ValueError("a step needs at least one sequence chunk")
+        if len(chunks) > b.max_batch_size:
+            raise ValueError(f"{len(chunks)} sequences exceed the engine's max_batch_size {b.max_batch_size}")
+        num_tokens = sum(len(c.token_ids) for c in chunks)
+        if num_tokens > b.max_num_tokens:
+            raise ValueError(f"{num_tokens} tokens exceed the engine's max_num_tokens {b.max_num_tokens}")
+        block_tables = np.zeros((len(chunks), self.max_blocks_per_seq), dtype=np.int64)
+        query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
+        positions, slots, logits_rows = [], [], []
+        for i, c in enumerate(chunks):
+            end = c.start + len(c.token_ids)
+            if end > b.max_seq_len:
+                raise ValueError(f"sequence {c.seq_id} reaches {end} tokens, beyond max_seq_len {b.max_seq_len}")
+            table = self.kv.ensure_capacity(c.seq_id, end)
+            block_tables[i, : len(table)] = table
+            query_start[i + 1] = query_start[i] + len(c.token_ids)
+            positions.append(np.arange(c.start, end, dtype=np.int64))
+            slots.append(self.kv.slots(c.seq_id, c.start, end))
+            if c.want_logits:
+                logits_rows.append(query_start[i + 1] - 1)
+        feeds = {
+            "input_ids": np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=num_tokens),
+            "position_ids": np.concatenate(positions),
+            "query_start_loc": query_start,
+            "past_lengths": np.array([c.start for c in chunks], dtype=np.int64),
+            "block_tables": block_tables,
+            "logits_indices": np.array(logits_rows, dtype=np.int64),
+            "kv_cache": self.kv.pool,
+        }
+        logits, new_kv = self.session.run(None, feeds)
+        self.kv.write(new_kv, np.concatenate(slots))
+        return logits
+
+    def release(self, seq_id: int) -> None:
+        self.kv.free(seq_id)
