@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -36,6 +35,10 @@ def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
         raise TrtbuildError(
             f"--max-seq-len {build.max_seq_len} exceeds the model's max_position_embeddings "
             f"({config.max_position_embeddings}); pass --max-seq-len {config.max_position_embeddings} or less.")
+    if config.sliding_window and build.max_seq_len > config.sliding_window:
+        raise TrtbuildError(
+            f"--max-seq-len {build.max_seq_len} exceeds the model's sliding window ({config.sliding_window}), which "
+            f"this engine does not implement; pass --max-seq-len {config.sliding_window} or less.")
     if build.max_num_tokens < build.max_batch_size:
         raise TrtbuildError(
             f"--max-num-tokens {build.max_num_tokens} is below --max-batch-size {build.max_batch_size}: a decode "
@@ -45,7 +48,8 @@ def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
 def default_build_config(config: ModelConfig, **overrides) -> BuildConfig:
     """Build limits with the model's context length as max_seq_len unless given."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    overrides.setdefault("max_seq_len", min(config.max_position_embeddings, 4096))
+    limits = [config.max_position_embeddings, 4096] + ([config.sliding_window] if config.sliding_window else [])
+    overrides.setdefault("max_seq_len", min(limits))
     return BuildConfig(**overrides)
 
 
@@ -105,7 +109,3 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         steps.close()
     log.info("built %s with passes %s", output, applied)
     return output
-
-
-def replace_build(build: BuildConfig, **changes) -> BuildConfig:
-    return dataclasses.replace(build, **changes)

@@ -85,6 +85,7 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     hidden_act: str = "silu"
+    sliding_window: int | None = None  # engines are built with max_seq_len <= sliding_window, where it is exact
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     mapping: Mapping = field(default_factory=Mapping)
@@ -176,6 +177,7 @@ def model_config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig
         rope_scaling["rope_type"] = rope_type
     else:
         rope_scaling = None
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", family == "mistral") else None
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     hf_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
@@ -203,4 +205,5 @@ def model_config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig
         qk_norm=qk_norm,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        sliding_window=int(window) if window else None,
     )

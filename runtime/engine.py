@@ -15,12 +15,16 @@ from trtbuild.runtime.kv_cache import PagedKVCache
 
 @dataclass(frozen=True)
 class SequenceChunk:
-    """One sequence's share of a step: compute tokens [start, start + len(token_ids)) of sequence `seq_id`."""
+    """One sequence's share of a step: compute tokens [start, start + len(token_ids)) of sequence `seq_id`.
+
+    Logits come back for the chunk's last `num_logits` tokens: 1 when the chunk ends at the sequence's newest token,
+    0 for a prefill chunk that does not, more to verify draft tokens or to score a prompt.
+    """
 
     seq_id: int
     token_ids: list[int]
     start: int  # tokens already in the KV cache (the past length)
-    want_logits: bool  # True when the last token of this chunk is the sequence's newest token
+    num_logits: int = 1
 
 
 def default_threads() -> int:
@@ -56,7 +60,7 @@ class CpuEngine:
         return self.info.build.max_blocks_per_seq
 
     def step(self, chunks: list[SequenceChunk]) -> np.ndarray:
-        """Execute one packed step; returns logits [number of chunks with want_logits, vocab] in chunk order."""
+        """Execute one packed step; returns logits [sum of num_logits, vocab], chunk by chunk in order."""
         b = self.info.build
         if not chunks:
             raise ValueError("a step needs at least one sequence chunk")
@@ -69,6 +73,8 @@ class CpuEngine:
         query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
         positions, slots, logits_rows = [], [], []
         for i, c in enumerate(chunks):
+            if not 0 <= c.num_logits <= len(c.token_ids):
+                raise ValueError(f"num_logits {c.num_logits} is outside 0..{len(c.token_ids)} for sequence {c.seq_id}")
             end = c.start + len(c.token_ids)
             if end > b.max_seq_len:
                 raise ValueError(f"sequence {c.seq_id} reaches {end} tokens, beyond max_seq_len {b.max_seq_len}")
@@ -77,8 +83,7 @@ class CpuEngine:
             query_start[i + 1] = query_start[i] + len(c.token_ids)
             positions.append(np.arange(c.start, end, dtype=np.int64))
             slots.append(self.kv.slots(c.seq_id, c.start, end))
-            if c.want_logits:
-                logits_rows.append(query_start[i + 1] - 1)
+            logits_rows.extend(range(query_start[i + 1] - c.num_logits, query_start[i + 1]))
         feeds = {
             "input_ids": np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=num_tokens),
             "position_ids": np.concatenate(positions),

@@ -57,8 +57,11 @@ def to_checkpoint_tensors(hf_tensors: dict, config: ModelConfig) -> dict[str, to
             continue
         t = torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
         out[name] = t.to(dtype).contiguous()
-    if "lm_head.weight" not in out and "transformer.vocab_embedding.weight" in out:
-        out["lm_head.weight"] = out["transformer.vocab_embedding.weight"].clone()
+    # Tied models store one of the two (which one depends on who saved them); the checkpoint holds both.
+    embedding, lm_head = "transformer.vocab_embedding.weight", "lm_head.weight"
+    if config.tie_word_embeddings and (embedding in out) != (lm_head in out):
+        present = embedding if embedding in out else lm_head
+        out[lm_head if present == embedding else embedding] = out[present].clone()
     needed = expected_tensors(config, range(config.num_hidden_layers), first_stage=True, last_stage=True)
     missing = [n for n in needed if n not in out]
     if missing:

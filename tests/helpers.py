@@ -1,0 +1,55 @@
+"""Test helpers: paths to the real tiny models and tiny random HF models per family (importable as `helpers`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_dir() -> Path:
+    """shared/ beside the repository (the layout of both the work tree and CI's clone); TRTBUILD_SHARED overrides."""
+    return Path(os.environ.get("TRTBUILD_SHARED", REPO.parent / "shared"))
+
+
+MODELS = shared_dir() / "models"
+STORIES260K = MODELS / "stories260K"
+TINYSTORIES656K = MODELS / "tinystories-656K"
+
+# Small but structurally complete configs (GQA, several layers) for each supported family.
+_COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+RANDOM_CONFIGS = {
+    "llama": ("LlamaConfig", dict(_COMMON, rope_theta=10000.0)),
+    "llama3_rope": ("LlamaConfig", dict(_COMMON, rope_theta=500000.0, tie_word_embeddings=True, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "qwen2": ("Qwen2Config", dict(_COMMON, rope_theta=1000000.0)),
+    "qwen3": ("Qwen3Config", dict(_COMMON, head_dim=32, rope_theta=1000000.0)),
+    "mistral": ("MistralConfig", dict(_COMMON, sliding_window=None)),
+}
+
+
+def make_random_hf_model(family: str, out_dir: Path, seed: int = 0) -> Path:
+    """Save a randomly initialised transformers model of `family` (a RANDOM_CONFIGS key) to out_dir."""
+    import torch
+    import transformers
+
+    cls_name, kwargs = RANDOM_CONFIGS[family]
+    config = getattr(transformers, cls_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # make norms and biases non-trivial so that a mis-mapped tensor shows in the logits
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def require_shared_models() -> None:
+    if not STORIES260K.is_dir():
+        pytest.fail(f"shared models not found at {MODELS}; set TRTBUILD_SHARED to the folder holding models/")
