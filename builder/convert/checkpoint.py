@@ -13,7 +13,7 @@ from trtbuild.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "generation_config.json")
+                   "generation_config.json", "chat_template.jinja")
 
 
 def rank_file(ckpt_dir: Path, rank: int) -> Path:

@@ -69,7 +69,11 @@ def _sibling_groups(model: onnx.ModelProto, size: int, accept) -> list[list[onnx
 
 
 def _feeds(view: GraphView, tensor: str, op_type: str, depth: int = 8) -> bool:
-    """Whether `tensor` reaches a node of `op_type` within `depth` hops (through reshapes, norms, RoPE)."""
+    """Whether `tensor` reaches a node of `op_type` within `depth` hops (through reshapes, norms, RoPE).
+
+    The walk stops at GEMMs: a projection feeds attention directly, while an MLP output reaches the next layer's
+    attention only through that layer's own Q/K/V GEMMs.
+    """
     frontier = [tensor]
     for _ in range(depth):
         nxt = []
@@ -77,7 +81,8 @@ def _feeds(view: GraphView, tensor: str, op_type: str, depth: int = 8) -> bool:
             for user in view.consumers.get(t, []):
                 if user.op_type == op_type:
                     return True
-                nxt.extend(o for o in user.output if o)
+                if user.op_type not in ("MatMul", "Gemm"):
+                    nxt.extend(o for o in user.output if o)
         frontier = nxt
     return False
 
