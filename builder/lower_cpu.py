@@ -33,7 +33,7 @@ class _Lowering:
     def metadata(self, node: onnx.NodeProto, block_size: int) -> dict[str, str]:
         """Batch-layout indices shared by all layers (keyed by the metadata inputs they come from)."""
         key = (node.input[pa.KV_CACHE], node.input[pa.BLOCK_TABLES], node.input[pa.PAST_LENGTHS],
-               node.input[pa.QUERY_START_LOC], node.input[pa.Q], block_size)
+               node.input[pa.QUERY_START_LOC], block_size)
         if key in self.meta:
             return self.meta[key]
         g, op, c = self.g, self.g.op, self.c
@@ -68,7 +68,8 @@ class _Lowering:
         mask = op("Where", [visible, c(np.float32(0.0)), c(np.float32(-np.inf))])
         mask = op("Unsqueeze", [mask, c([1, 2])])
         # unpack: packed token t of sequence s(t) sits at row s(t) * Sq + (t - starts[s(t)]) of [B * Sq]
-        t = op("Range", [c(0), op("Squeeze", [op("Slice", [op("Shape", [key[4]]), c([0]), c([1])])]), c(1)])
+        num_tokens = op("Squeeze", [op("Slice", [qsl, c([-1]), c([np.iinfo(np.int64).max])])])  # T = qsl[B]
+        t = op("Range", [c(0), num_tokens, c(1)])
         seq_of_t = op("ReduceSum", [op("Cast", [op("GreaterOrEqual", [op("Unsqueeze", [t, c([1])]),
                                                                         row(op("Slice", [qsl, c([1]), c([2**62])]))])],
                                                 to=onnx.TensorProto.INT64), c([1])], keepdims=0)

@@ -36,12 +36,13 @@ class PagedKVCache:
 
     def ensure_capacity(self, seq_id: int, num_tokens: int) -> list[int]:
         """Give `seq_id` enough blocks to hold `num_tokens` tokens; returns its block table."""
+        needed = -(-num_tokens // self.tokens_per_block) - len(self.block_tables.get(seq_id, ()))
+        if needed > len(self.free_blocks) and not self.growable:  # fail before taking anything: no partial table
+            raise MemoryError(f"KV cache pool is full: sequence {seq_id} needs {needed} more blocks, "
+                              f"{len(self.free_blocks)} are free")
         table = self.block_tables.setdefault(seq_id, [])
-        needed = -(-num_tokens // self.tokens_per_block) - len(table)
         for _ in range(max(needed, 0)):
             if not self.free_blocks:
-                if not self.growable:
-                    raise MemoryError("KV cache pool is full")
                 self._grow()
             table.append(self.free_blocks.pop(0))
         return table
