@@ -88,6 +88,10 @@ def read_engine_config(engine_dir: Path, expect_target: str = "cpu") -> EngineIn
         doc = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise EngineCompatibilityError(f"{path} is corrupt ({e}); rebuild the engine with `trtbuild build`.") from None
+    if not isinstance(doc, dict) or "engine_format_version" not in doc:
+        raise EngineCompatibilityError(
+            f"{engine_dir} is not an engine directory ({ENGINE_CONFIG} has no engine_format_version); "
+            "build one with `trtbuild build --checkpoint <checkpoint dir> --output <engine dir>`.")
     version = doc.get("engine_format_version")
     built_by = doc.get("trtbuild_version", "unknown")
     if version != ENGINE_FORMAT_VERSION:
@@ -103,10 +107,14 @@ def read_engine_config(engine_dir: Path, expect_target: str = "cpu") -> EngineIn
             f"--target {expect_target}`.")
     if expect_target == "cpu":
         _check_cpu_target(engine_dir, target)
+    try:
+        model, build = ModelConfig.from_dict(doc["model_config"]), BuildConfig.from_dict(doc["build_config"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise EngineCompatibilityError(f"{path} is incomplete or corrupt ({e!r}); rebuild the engine.") from None
     return EngineInfo(
         path=engine_dir,
-        model=ModelConfig.from_dict(doc["model_config"]),
-        build=BuildConfig.from_dict(doc["build_config"]),
+        model=model,
+        build=build,
         target=target,
         io=doc.get("io", {}),
         passes=tuple(doc.get("passes", ())),

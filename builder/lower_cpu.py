@@ -1,9 +1,9 @@
 """Lower `trtbuild::PagedAttention` to standard ONNX ops that ONNX Runtime's CPU provider runs.
 
 ONNX Runtime has no CPU kernel for paged attention, so each node becomes gathers over the paged pool plus a dense
-masked attention over [batch, max_query_len, max_context_len]. Index arithmetic that depends only on the batch
-layout (block tables, lengths) is emitted once and shared by every layer. The gathers read O(context tokens) of
-the pool, never the whole pool.
+masked attention of each sequence's new tokens over its past tokens and its own new tokens. Index arithmetic that
+depends only on the batch layout (block tables, lengths) is emitted once and shared by every layer. The gathers
+read O(context tokens) of the pool, never the whole pool.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from trtbuild.builder.graph import GraphBuilder, GraphView, topological_sort
+from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder, GraphView, topological_sort
 from trtbuild.plugins import paged_attention as pa
 
 
@@ -41,32 +41,27 @@ class _Lowering:
         cache, tables, past, qsl = key[:4]
         starts = op("Slice", [qsl, c([0]), c([-1])])  # [B]
         q_lens = op("Sub", [op("Slice", [qsl, c([1]), c([np.iinfo(np.int64).max])]), starts])
-        ctx_lens = op("Add", [past, q_lens])
         max_q = op("ReduceMax", [q_lens, c([0])], keepdims=1)
-        max_ctx = op("ReduceMax", [ctx_lens, c([0])], keepdims=1)
+        max_past = op("ReduceMax", [past, c([0])], keepdims=1)
         i = op("Range", [c(0), op("Squeeze", [max_q]), c(1)])  # [Sq]
-        j = op("Range", [c(0), op("Squeeze", [max_ctx]), c(1)])  # [L]
+        j = op("Range", [c(0), op("Squeeze", [max_past]), c(1)])  # [Lp]
         col = lambda x: op("Unsqueeze", [x, c([1])])  # noqa: E731  [B] -> [B, 1]
         row = lambda x: op("Unsqueeze", [x, c([0])])  # noqa: E731  [n] -> [1, n]
-        starts_c, past_c, ctx_c = col(starts), col(past), col(ctx_lens)
-        # query gather: q_index[b, i] = starts[b] + i (clamped to 0 on padding rows)
+        neg_inf, zero = c(np.float32(-np.inf)), c(np.float32(0.0))
+        # this step's tokens, unpacked to [B, Sq]: q_index[b, i] = starts[b] + i (0 on padding rows)
         q_valid = op("Less", [row(i), col(q_lens)])
-        q_index = op("Where", [q_valid, op("Add", [starts_c, row(i)]), c(0)])
-        # context gather: positions j < past come from the pool, the rest from this step's new tokens
-        past_valid = op("Less", [row(j), past_c])
-        block_col = op("Div", [j, c(block_size)])
-        slots = op("Add", [op("Mul", [op("Gather", [tables, block_col], axis=1), c(block_size)]),
+        q_index = op("Where", [q_valid, op("Add", [col(starts), row(i)]), c(0)])
+        # past tokens, read from the pool: slot of position j of sequence b (0 past the sequence's end)
+        past_valid = op("Less", [row(j), col(past)])  # [B, Lp]
+        slots = op("Add", [op("Mul", [op("Gather", [tables, op("Div", [j, c(block_size)])], axis=1), c(block_size)]),
                            row(op("Mod", [j, c(block_size)]))])
         slots = op("Where", [past_valid, slots, c(0)])
-        new_valid = op("And", [op("Not", [past_valid]), op("Less", [row(j), ctx_c])])
-        new_index = op("Where", [new_valid, op("Add", [starts_c, op("Sub", [row(j), past_c])]), c(0)])
-        # causal mask [B, 1, 1, Sq, L]: key j is visible to query i of sequence b iff j <= past[b] + i and j < ctx[b]
-        i_col = op("Unsqueeze", [i, c([0, 2])])  # [1, Sq, 1]
-        j_row = op("Unsqueeze", [j, c([0, 1])])  # [1, 1, L]
-        visible = op("And", [op("LessOrEqual", [j_row, op("Add", [op("Unsqueeze", [past, c([1, 2])]), i_col])]),
-                             op("Less", [j_row, op("Unsqueeze", [ctx_lens, c([1, 2])])])])
-        mask = op("Where", [visible, c(np.float32(0.0)), c(np.float32(-np.inf))])
-        mask = op("Unsqueeze", [mask, c([1, 2])])
+        past_mask = op("Unsqueeze", [op("Where", [past_valid, zero, neg_inf]), c([0, 1, 3])])  # [1, 1, B, 1, Lp]
+        # new tokens: query i sees new token i2 iff i2 <= i and i2 < q_len[b] (padding rows still see token 0)
+        i_row, i_col = op("Unsqueeze", [i, c([0, 1])]), op("Unsqueeze", [i, c([0, 2])])  # [1, 1, Sq], [1, Sq, 1]
+        new_visible = op("And", [op("LessOrEqual", [i_row, i_col]),
+                                 op("Less", [i_row, op("Unsqueeze", [q_lens, c([1, 2])])])])
+        new_mask = op("Unsqueeze", [op("Where", [new_visible, zero, neg_inf]), c([0, 1])])  # [1, 1, B, Sq, Sq]
         # unpack: packed token t of sequence s(t) sits at row s(t) * Sq + (t - starts[s(t)]) of [B * Sq]
         num_tokens = op("Squeeze", [op("Slice", [qsl, c([-1]), c([np.iinfo(np.int64).max])])])  # T = qsl[B]
         t = op("Range", [c(0), num_tokens, c(1)])
@@ -74,12 +69,16 @@ class _Lowering:
                                                                         row(op("Slice", [qsl, c([1]), c([2**62])]))])],
                                                 to=onnx.TensorProto.INT64), c([1])], keepdims=0)
         out_index = op("Add", [op("Mul", [seq_of_t, max_q]), op("Sub", [t, op("Gather", [starts, seq_of_t])])])
-        cache_shape = op("Shape", [cache])
-        slots_per_pool = op("Mul", [op("Slice", [cache_shape, c([2]), c([3])]),
-                                    op("Slice", [cache_shape, c([3]), c([4])])])
-        m = dict(q_index=q_index, past_valid=op("Unsqueeze", [past_valid, c([2, 3])]), slots=slots,
-                 new_index=new_index, mask=mask, out_index=out_index, slots_per_pool=slots_per_pool,
-                 batch_x_sq=op("Mul", [op("Shape", [past]), max_q]))
+        # pool rows of past token j of sequence b for kv head h, within one (layer, K|V) plane: [KVH, B, Lp]
+        cache_shape = op("Shape", [cache])  # [L, 2, KVH, NB, BS, D]
+        kv_heads = op("Slice", [cache_shape, c([2]), c([3])])
+        slots_per_head = op("Mul", [op("Slice", [cache_shape, c([3]), c([4])]),
+                                    op("Slice", [cache_shape, c([4]), c([5])])])
+        head_base = op("Mul", [op("Range", [c(0), op("Squeeze", [kv_heads]), c(1)]), slots_per_head])
+        head_slots = op("Add", [op("Unsqueeze", [head_base, c([1, 2])]), op("Unsqueeze", [slots, c([0])])])
+        m = dict(q_index=q_index, head_slots=head_slots, past_mask=past_mask, new_mask=new_mask, out_index=out_index,
+                 slots_per_plane=op("Mul", [kv_heads, slots_per_head]),
+                 key_split=op("Concat", [max_past, max_q], axis=0))
         self.meta[key] = m
         return m
 
@@ -107,23 +106,26 @@ class _Lowering:
             k = self.rope(k, pos, cos, sin, d // 2)
         op("Identity", [k], outputs=[node.output[1]])
         k = node.output[1]
-        pool = op("Reshape", [node.input[pa.KV_CACHE], c([-1, kv_heads, d])])  # aliases the pool, no copy
-        context = []
-        for which, new in ((0, k), (1, v)):
-            offset = op("Mul", [m["slots_per_pool"], c([2 * layer + which])])
-            from_pool = op("Gather", [pool, op("Add", [m["slots"], offset])])  # [B, L, KVH, D]
-            from_step = op("Gather", [new, m["new_index"]])
-            context.append(op("Where", [m["past_valid"], from_pool, from_step]))
-        k_ctx, v_ctx = context
-        q_b = op("Gather", [op("Mul", [q, c(np.float32(scale))]), m["q_index"]])  # [B, Sq, H, D]
-        q_b = op("Reshape", [q_b, c([0, 0, kv_heads, group, d])])
-        q_b = op("Transpose", [q_b], perm=[0, 2, 3, 1, 4])  # [B, KVH, G, Sq, D]
-        k_t = op("Unsqueeze", [op("Transpose", [k_ctx], perm=[0, 2, 3, 1]), c([2])])  # [B, KVH, 1, D, L]
-        v_t = op("Unsqueeze", [op("Transpose", [v_ctx], perm=[0, 2, 1, 3]), c([2])])  # [B, KVH, 1, L, D]
-        probs = op("Softmax", [op("Add", [op("MatMul", [q_b, k_t]), m["mask"]])], axis=-1)
-        out = op("Transpose", [op("MatMul", [probs, v_t])], perm=[0, 3, 1, 2, 4])  # [B, Sq, KVH, G, D]
-        out = op("Reshape", [out, op("Concat", [m["batch_x_sq"], c([heads * d])], axis=0)])
-        op("Gather", [out, m["out_index"]], outputs=[node.output[0]])
+        pool = op("Reshape", [node.input[pa.KV_CACHE], c([-1, d])])  # aliases the pool, no copy
+        # Keys and values in two parts, both [KVH, 1, B, tokens, D]: past tokens gathered from the pool (O(context),
+        # never the whole pool) and this step's own tokens unpacked per sequence; one softmax spans both.
+        past_kv = [op("Gather", [pool, op("Add", [m["head_slots"],
+                                                  op("Mul", [m["slots_per_plane"], c([2 * layer + w])])])])
+                   for w in (0, 1)]
+        new_kv = [op("Gather", [op("Transpose", [x], perm=[1, 0, 2]), m["q_index"]], axis=1) for x in (k, v)]
+        keys, values = ([op("Unsqueeze", [x, c([1])]) for x in pair] for pair in zip(past_kv, new_kv, strict=True))
+        q_h = op("Gather", [op("Transpose", [q], perm=[1, 0, 2]), m["q_index"]], axis=1)  # [H, B, Sq, D]
+        q_g = op("Reshape", [q_h, op("Concat", [c([kv_heads, group]), op("Slice", [op("Shape", [q_h]), c([1]),
+                                                                               c([4])])], axis=0)])
+        scores = [op("Add", [op("FusedMatMul", [q_g, key], domain=MS_DOMAIN, transB=1, alpha=float(scale)), mask])
+                  for key, mask in zip(keys, (m["past_mask"], m["new_mask"]), strict=True)]  # [KVH, G, B, Sq, *]
+        probs = op("Split", [op("Softmax", [op("Concat", scores, axis=-1)], axis=-1), m["key_split"]],
+                   num_outputs=2, axis=-1)
+        out = op("Add", [op("MatMul", [p, val]) for p, val in zip(probs, values, strict=True)])
+        out = op("Reshape", [out, c([heads, -1, d])])  # [H, B * Sq, D]
+        out = op("Gather", [out, m["out_index"]], axis=1)  # [H, T, D]
+        out = op("Reshape", [op("Transpose", [out], perm=[1, 0, 2]), c([0, heads * d])])
+        op("Identity", [out], outputs=[node.output[0]])
 
 
 def lower_paged_attention(model: onnx.ModelProto) -> int:
@@ -142,4 +144,6 @@ def lower_paged_attention(model: onnx.ModelProto) -> int:
     for opset in list(model.opset_import):
         if opset.domain == pa.DOMAIN:
             model.opset_import.remove(opset)
+    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
     return len(targets)

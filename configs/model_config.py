@@ -114,7 +114,8 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - names
         if unknown:
-            raise CheckpointError(f"unknown fields in checkpoint config.json: {sorted(unknown)}")
+            raise CheckpointError(f"unknown fields in checkpoint config.json: {sorted(unknown)}; is this a checkpoint "
+                                  "written by `trtbuild convert`?")
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         try:
             return cls(
@@ -152,6 +153,17 @@ class ModelConfig:
 
 def model_config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig:
     """Map a Hugging Face `config.json` dict to a ModelConfig, refusing what the engine cannot run faithfully."""
+    if not isinstance(hf, dict):
+        raise CheckpointError("the model's config.json is not a JSON object.")
+    try:
+        return _model_config_from_hf(hf, dtype)
+    except KeyError as e:
+        raise CheckpointError(f"the model's config.json lacks the field {e}; it is incomplete.") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise CheckpointError(f"the model's config.json has an invalid value ({e}).") from None
+
+
+def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:

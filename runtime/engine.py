@@ -10,7 +10,7 @@ import numpy as np
 
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, EngineInfo, read_engine_config
 from trtbuild.errors import EngineCompatibilityError
-from trtbuild.runtime.kv_cache import PagedKVCache
+from trtbuild.runtime.kv_cache import KVCacheStorage
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,11 @@ class SequenceChunk:
     0 for a prefill chunk that does not, more to verify draft tokens or to score a prompt.
     """
 
-    seq_id: int
+    seq_id: int | str
     token_ids: list[int]
     start: int  # tokens already in the KV cache (the past length)
-    num_logits: int = 1
+    num_logits: int
+    block_ids: tuple[int, ...] | list[int]  # the sequence's block table, covering at least start + len(token_ids)
 
 
 def default_threads() -> int:
@@ -34,7 +35,7 @@ def default_threads() -> int:
 class CpuEngine:
     """An ONNX Runtime session over an engine directory, plus the paged KV pool it reads and the runtime writes."""
 
-    def __init__(self, engine_dir: Path, num_threads: int | None = None, initial_blocks: int = 64) -> None:
+    def __init__(self, engine_dir: Path, num_threads: int | None = None, num_blocks: int = 64) -> None:
         self.info: EngineInfo = read_engine_config(Path(engine_dir), expect_target="cpu")
         path = self.info.path / CPU_ENGINE_FILE
         if not path.is_file():
@@ -51,9 +52,13 @@ class CpuEngine:
             self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types for corrupt or unsupported models
             raise EngineCompatibilityError(f"{path} could not be loaded ({e}); rebuild the engine.") from None
+        self.allocate_kv_cache(num_blocks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """(Re)create the KV pool with `num_blocks` blocks; its previous contents are dropped."""
         m, b = self.info.model, self.info.build
-        self.kv = PagedKVCache(m.num_hidden_layers, m.num_key_value_heads, m.head_size, b.tokens_per_block,
-                               initial_blocks)
+        self.kv = KVCacheStorage(m.num_hidden_layers, m.num_key_value_heads, m.head_size, b.tokens_per_block,
+                                 num_blocks)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -78,11 +83,12 @@ class CpuEngine:
             end = c.start + len(c.token_ids)
             if end > b.max_seq_len:
                 raise ValueError(f"sequence {c.seq_id} reaches {end} tokens, beyond max_seq_len {b.max_seq_len}")
-            table = self.kv.ensure_capacity(c.seq_id, end)
-            block_tables[i, : len(table)] = table
+            if len(c.block_ids) * b.tokens_per_block < end:
+                raise ValueError(f"sequence {c.seq_id} has {len(c.block_ids)} blocks, too few for {end} tokens")
+            block_tables[i, : len(c.block_ids)] = c.block_ids
             query_start[i + 1] = query_start[i] + len(c.token_ids)
             positions.append(np.arange(c.start, end, dtype=np.int64))
-            slots.append(self.kv.slots(c.seq_id, c.start, end))
+            slots.append(self.kv.slots(c.block_ids, c.start, end))
             logits_rows.extend(range(query_start[i + 1] - c.num_logits, query_start[i + 1]))
         feeds = {
             "input_ids": np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=num_tokens),
@@ -96,6 +102,3 @@ class CpuEngine:
         logits, new_kv = self.session.run(None, feeds)
         self.kv.write(new_kv, np.concatenate(slots))
         return logits
-
-    def release(self, seq_id: int) -> None:
-        self.kv.free(seq_id)

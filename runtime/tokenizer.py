@@ -1,8 +1,10 @@
-"""Tokenizer files of an engine directory, and incremental detokenization for streaming."""
+"""The tokenizer of an engine directory (Hugging Face `tokenizer.json`); streaming text is in detokenizer.py."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from trtbuild.errors import TrtbuildError
@@ -16,12 +18,43 @@ class Tokenizer:
         if not path.is_file():
             raise TrtbuildError(f"{directory} has no tokenizer.json; pass token ids or rebuild with tokenizer files.")
         self._tok = HFTokenizer.from_file(str(path))
+        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        self.byte_fallback_ids = _byte_fallback_ids(json.loads(self._tok.to_str()), self._tok.get_vocab())
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text; add_special_tokens adds what the tokenizer's template adds (e.g. BOS)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def encode_bad_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word's token ids, encoded as given (no BOS or other special tokens)."""
+        return tuple(tuple(self.encode(w, add_special_tokens=False)) for w in words)
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _byte_fallback_ids(config: dict, vocab: dict[str, int]) -> frozenset[int]:
+    """Ids of <0xNN> tokens when the decoder has a ByteFallback step (sentencepiece-style), else none.
+
+    ByteFallback turns a whole run of such tokens into text at once: a run that is not valid UTF-8 as a whole
+    becomes one U+FFFD per byte, so text decoded from a run is only final once a non-byte token ends it.
+    """
+
+    def has_byte_fallback(decoder: dict | None) -> bool:
+        if not decoder:
+            return False
+        return decoder.get("type") == "ByteFallback" or any(map(has_byte_fallback, decoder.get("decoders") or []))
+
+    if not has_byte_fallback(config.get("decoder")):
+        return frozenset()
+    return frozenset(i for t, i in vocab.items() if _BYTE_TOKEN.fullmatch(t))
 
 
 def load_generation_eos(directory: Path) -> tuple[int, ...]:
@@ -31,21 +64,3 @@ def load_generation_eos(directory: Path) -> tuple[int, ...]:
         return ()
     eos = json.loads(path.read_text()).get("eos_token_id")
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-
-
-class IncrementalDetokenizer:
-    """Yields text as tokens arrive; holds back output while it ends in an incomplete UTF-8 sequence."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
-        self.tokenizer = tokenizer
-        self.ids = list(prompt_ids)
-        self.prefix_len = len(tokenizer.decode(self.ids))
-        self.emitted = ""
-
-    def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)[self.prefix_len :]
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.emitted = text[len(self.emitted) :], text
-        return delta

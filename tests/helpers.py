@@ -33,13 +33,16 @@ RANDOM_CONFIGS = {
 }
 
 
-def make_random_hf_model(family: str, out_dir: Path, seed: int = 0) -> Path:
-    """Save a randomly initialised transformers model of `family` (a RANDOM_CONFIGS key) to out_dir."""
+def make_random_hf_model(family: str, out_dir: Path, seed: int = 0, overrides: dict | None = None) -> Path:
+    """Save a randomly initialised transformers model of `family` (a RANDOM_CONFIGS key) to out_dir.
+
+    `overrides` replaces entries of the family's config (e.g. {"vocab_size": 321} for a vocab TP does not divide).
+    """
     import torch
     import transformers
 
     cls_name, kwargs = RANDOM_CONFIGS[family]
-    config = getattr(transformers, cls_name)(**kwargs)
+    config = getattr(transformers, cls_name)(**{**kwargs, **(overrides or {})})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # make norms and biases non-trivial so that a mis-mapped tensor shows in the logits

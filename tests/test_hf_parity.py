@@ -11,7 +11,9 @@ import torch
 from helpers import STORIES260K, TINYSTORIES656K, require_shared_models
 
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
-from trtbuild.runtime.generate import GenerationRequest, Generator
+from trtbuild.runtime.engine_core import RuntimeConfig
+from trtbuild.runtime.llm import LLM
+from trtbuild.runtime.sampling import SamplingParams
 
 RTOL = 1e-4
 MODELS = ["stories260K", "tinystories-656K", "llama", "llama3_rope", "qwen2", "qwen3", "mistral"]
@@ -48,6 +50,11 @@ def assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
     assert err <= RTOL, f"relative logit error {err:.2e} > {RTOL}"
 
 
+def chunk(seq: int, ids: list[int], start: int, num_logits: int = 1) -> SequenceChunk:
+    """A chunk of test sequence `seq`, which owns blocks seq*32 .. seq*32+31 (enough for 256 tokens of 8)."""
+    return SequenceChunk(seq, ids, start, num_logits, list(range(seq * 32, seq * 32 + 32)))
+
+
 def prompt(vocab: int, length: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, vocab, size=length).tolist()
 
@@ -55,15 +62,15 @@ def prompt(vocab: int, length: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("name", MODELS)
 def test_prefill_and_32_decode_steps(name, hf_and_engine):
     hf, engine_dir = hf_and_engine(name)
-    engine = CpuEngine(engine_dir, num_threads=1)
+    engine = CpuEngine(engine_dir, num_threads=1, num_blocks=32)
     ids = prompt(hf.config.vocab_size, 13, seed=1)
     with torch.no_grad():
         full = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0].tolist()
     expected = hf_logits(hf, full)
-    got = engine.step([SequenceChunk(0, ids, 0, num_logits=len(ids))])
+    got = engine.step([chunk(0, ids, 0, num_logits=len(ids))])
     assert_close(got, expected[: len(ids)])
     for pos in range(len(ids), len(full)):  # 32 decode steps fed with HF's greedy tokens
-        got = engine.step([SequenceChunk(0, [full[pos]], pos)])
+        got = engine.step([chunk(0, [full[pos]], pos)])
         assert_close(got[0], expected[pos])
 
 
@@ -71,13 +78,13 @@ def test_prefill_and_32_decode_steps(name, hf_and_engine):
 def test_mixed_batch_and_chunked_prefill(name, hf_and_engine):
     """One step holding a decode token, a first prefill chunk and a continuing prefill chunk of different lengths."""
     hf, engine_dir = hf_and_engine(name)
-    engine = CpuEngine(engine_dir, num_threads=1)
+    engine = CpuEngine(engine_dir, num_threads=1, num_blocks=96)
     a, b, c = (prompt(hf.config.vocab_size, n, seed=s) for n, s in ((21, 2), (7, 3), (17, 4)))
-    engine.step([SequenceChunk(10, a[:20], 0, num_logits=0), SequenceChunk(12, c[:9], 0, num_logits=0)])
+    engine.step([chunk(0, a[:20], 0, num_logits=0), chunk(2, c[:9], 0, num_logits=0)])
     got = engine.step([
-        SequenceChunk(10, a[20:], 20),  # decode: past 20
-        SequenceChunk(11, b, 0, num_logits=len(b)),  # whole prompt
-        SequenceChunk(12, c[9:], 9, num_logits=len(c) - 9),  # second chunk of a split prefill
+        chunk(0, a[20:], 20),  # decode: past 20
+        chunk(1, b, 0, num_logits=len(b)),  # whole prompt
+        chunk(2, c[9:], 9, num_logits=len(c) - 9),  # second chunk of a split prefill
     ])
     assert got.shape[0] == 1 + len(b) + len(c) - 9
     assert_close(got[0], hf_logits(hf, a)[-1])
@@ -94,8 +101,8 @@ def test_greedy_64_tokens_identical_to_generate(name, hf_and_engine):
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0].tolist()
         expected.append(out[len(ids) :])
-    requests = [GenerationRequest(ids, max_new_tokens=64) for ids in prompts]
-    engine = CpuEngine(engine_dir, num_threads=1)
-    assert Generator(engine).generate(requests) == expected
-    assert Generator(engine, prefill_chunk_size=4).generate(requests) == expected  # chunked prefill
-    assert len(engine.kv.free_blocks) == engine.kv.num_blocks  # every block went back to the pool
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    for chunk_limit in (None, 4):  # whole prompts, then prefill chunks of 4 tokens
+        llm = LLM(engine_dir, RuntimeConfig(num_threads=1, max_prefill_chunk=chunk_limit))
+        assert [c.token_ids for c in llm.generate(prompts, params)] == expected
+        assert llm.core.kv.pool.num_free == llm.core.kv.pool.num_blocks  # every block went back to the pool

@@ -1,4 +1,6 @@
-"""The paged KV pool (runtime/kv_cache.py) and the engine's write path: ownership, growth, O(new tokens) writes."""
+"""The paged KV pool: storage (runtime/kv_cache.py) and the engine's write path (slots, O(new tokens) writes, no pool
+copy), and block ownership as KVCacheManager hands it out (invariants, ceil(tokens / block) blocks per sequence, a
+full pool changes nothing). Exact block ids, prefix reuse and LRU eviction are in test_scheduler.py."""
 
 from __future__ import annotations
 
@@ -7,116 +9,179 @@ import pytest
 from helpers import RANDOM_CONFIGS
 
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
-from trtbuild.runtime.kv_cache import PagedKVCache
+from trtbuild.runtime.kv_cache import KVCacheStorage
+from trtbuild.runtime.kv_cache_manager import KVCacheManager
+from trtbuild.runtime.request import Request
+from trtbuild.runtime.sampling import SamplingParams
 
 LAYERS, KV_HEADS, HEAD, BLOCK = 2, 2, 4, 4
 VOCAB = RANDOM_CONFIGS["llama"][1]["vocab_size"]
 ENGINE_OPTIONS = dict(max_batch_size=4, max_num_tokens=256)  # as in test_hf_parity: the session reuses the build
 
 
-def make_cache(num_blocks: int, growable: bool = True) -> PagedKVCache:
-    return PagedKVCache(LAYERS, KV_HEADS, HEAD, BLOCK, num_blocks, growable=growable)
+def make_storage(num_blocks: int) -> KVCacheStorage:
+    return KVCacheStorage(LAYERS, KV_HEADS, HEAD, BLOCK, num_blocks)
 
 
-def assert_ownership(cache: PagedKVCache) -> None:
-    """Every block is free or owned by exactly one sequence, never both, never twice."""
-    owned = [b for table in cache.block_tables.values() for b in table]
-    everything = owned + cache.free_blocks
-    assert sorted(everything) == list(range(cache.num_blocks)), (cache.block_tables, cache.free_blocks)
+def req(rid: str, prompt: list[int]) -> Request:
+    return Request(rid, list(prompt), SamplingParams())
 
 
-def test_block_ids_are_handed_out_and_returned_in_order():
-    cache = make_cache(8)
-    assert cache.ensure_capacity(1, 5) == [0, 1]
-    assert cache.ensure_capacity(2, 4) == [2]
-    assert cache.ensure_capacity(1, 8) == [0, 1]  # still fits: nothing new
-    assert cache.ensure_capacity(1, 9) == [0, 1, 3]
-    assert cache.ensure_capacity(3, 0) == []
-    assert cache.free_blocks == [4, 5, 6, 7]
-    assert_ownership(cache)
-    cache.free(1)
-    assert cache.free_blocks == [4, 5, 6, 7, 0, 1, 3]  # freed blocks queue behind the never-used ones
-    assert 1 not in cache.block_tables
-    cache.free(1)  # freeing twice (or an unknown sequence) is a no-op
-    assert cache.free_blocks == [4, 5, 6, 7, 0, 1, 3]
-    assert cache.ensure_capacity(4, 5 * BLOCK) == [4, 5, 6, 7, 0]
-    assert cache.ensure_capacity(2, 2 * BLOCK) == [2, 1]
-    assert cache.free_blocks == [3]
-    assert_ownership(cache)
-    assert cache.num_blocks == 8
+def ceil_blocks(tokens: int, block: int = BLOCK) -> int:
+    return -(-tokens // block)
+
+
+# The pool layout, [layers, K|V, kv_heads, blocks, tokens_per_block, head_size] (builder/network.kv_cache_shape),
+# is known only to these two helpers.
+def slot_kv(pool: np.ndarray, block: int, offset: int) -> np.ndarray:
+    """A view of one token slot's K and V in every layer: [layers, 2, kv_heads, head_size], as new_kv[:, :, t]."""
+    return pool[:, :, :, block, offset]
+
+
+def changed_slots(pool: np.ndarray, before: np.ndarray) -> list[int]:
+    """Flat slot ids (block * tokens_per_block + offset) whose K or V differ, in any layer or head."""
+    return np.flatnonzero((pool != before).any(axis=(0, 1, 2, 5)).reshape(-1)).tolist()
+
+
+# --- storage ------------------------------------------------------------------------------------------------------
+
+
+def test_storage_shape_and_sizes():
+    storage = make_storage(8)
+    assert storage.pool.shape == (LAYERS, 2, KV_HEADS, 8, BLOCK, HEAD) and storage.pool.dtype == np.float32
+    assert (storage.num_blocks, storage.tokens_per_block) == (8, BLOCK)
+    assert storage.bytes_per_token == LAYERS * 2 * KV_HEADS * HEAD * 4 == slot_kv(storage.pool, 0, 0).nbytes
+    assert storage.bytes_per_block == BLOCK * storage.bytes_per_token
+    assert storage.pool.nbytes == storage.num_blocks * storage.bytes_per_block
+    assert not storage.pool.any()
+    assert KVCacheStorage(LAYERS, KV_HEADS, HEAD, BLOCK, 3, dtype=np.float16).bytes_per_token == \
+        LAYERS * 2 * KV_HEADS * HEAD * 2
+
+
+def test_slots_map_positions_through_the_block_table():
+    storage = make_storage(8)
+    table = [5, 2, 7]
+    np.testing.assert_array_equal(storage.slots(table, 0, 10), [20, 21, 22, 23, 8, 9, 10, 11, 28, 29])
+    np.testing.assert_array_equal(storage.slots(table, 3, 6), [23, 8, 9])
+    np.testing.assert_array_equal(storage.slots(tuple(table), 11, 12), [31])
+    assert storage.slots(table, 4, 4).size == 0
+
+
+def test_write_touches_exactly_the_given_slots():
+    storage = make_storage(8)
+    rng = np.random.default_rng(1)
+    storage.pool[...] = rng.standard_normal(storage.pool.shape)
+    pool, data = storage.pool, storage.pool.__array_interface__["data"][0]
+    before = pool.copy()
+    slots = np.array([23, 8, 9, 28, 0])
+    new_kv = rng.standard_normal((LAYERS, 2, len(slots), KV_HEADS, HEAD)).astype(np.float32)
+    storage.write(new_kv, slots)
+    assert storage.pool is pool and storage.pool.__array_interface__["data"][0] == data  # in place
+    expected = before.copy()
+    for t, s in enumerate(slots):
+        slot_kv(expected, s // BLOCK, s % BLOCK)[...] = new_kv[:, :, t]
+    np.testing.assert_array_equal(storage.pool, expected)
+    assert changed_slots(storage.pool, before) == sorted(slots.tolist())
+
+
+# --- ownership (KVCacheManager over BlockPool) ----------------------------------------------------------------------
+
+
+def assert_ownership(kv: KVCacheManager, requests: dict[str, Request]) -> None:
+    """Every block is free (ref 0, in the free queue once) or held (ref = number of tables holding it), never both;
+    a table never holds a block twice; the content index and the blocks' hashes agree; a table's registered blocks
+    carry its own hashes."""
+    pool = kv.pool
+    held = [b for table in kv.blocks.values() for b in table]
+    for table in kv.blocks.values():
+        assert len(set(table)) == len(table), table
+    for block in range(pool.num_blocks):
+        assert pool.ref_counts[block] == held.count(block), (block, kv.blocks)
+        assert (pool.ref_counts[block] == 0) == (block in pool.free_queue), block
+    assert len(pool.free_queue) == pool.num_blocks - len(set(held))
+    assert {h: b for b, h in enumerate(pool.block_hash) if h is not None} == pool.cached
+    for rid, table in kv.blocks.items():
+        for i in range(kv.num_cached.get(rid, 0)):
+            assert pool.block_hash[table[i]] in (None, requests[rid].block_hashes[i])
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_ownership_invariants_under_random_admit_grow_free(caching):
+    """Random traffic with shared prefixes: allocate (with prefix reuse), grow, register full blocks, free."""
+    rng = np.random.default_rng(0)
+    kv = KVCacheManager(num_blocks=12, block_size=BLOCK, enable_prefix_caching=caching)
+    live: dict[str, Request] = {}
+    prefixes = [rng.integers(0, 5, size=8).tolist() for _ in range(3)]
+    hits = refused = 0
+    for i in range(300):
+        op = rng.random()
+        if op < 0.4 or not live:  # admit: a shared prefix + a random tail
+            r = req(f"r{i}", prefixes[rng.integers(3)][: rng.integers(1, 9)] + rng.integers(0, 5, size=rng.integers(
+                0, 6)).tolist())
+            prefix = kv.computed_prefix(r)
+            hits += bool(prefix)
+            n = len(r.token_ids)
+            if kv.allocate(r, n, prefix):
+                live[r.request_id] = r
+                r.num_computed_tokens = n
+                kv.cache_full_blocks(r)
+                assert len(kv.block_table(r)) == ceil_blocks(n)
+            else:
+                refused += 1
+                assert r.request_id not in kv.blocks
+        elif op < 0.75:  # grow by a decoded token
+            r = live[list(live)[rng.integers(len(live))]]
+            r.token_ids.append(int(rng.integers(0, 5)))
+            if kv.allocate(r, len(r.token_ids)):
+                r.num_computed_tokens = len(r.token_ids)
+                kv.cache_full_blocks(r)
+            else:
+                r.token_ids.pop()
+            assert len(kv.block_table(r)) == ceil_blocks(r.num_computed_tokens)
+        else:
+            kv.free(live.pop(list(live)[rng.integers(len(live))]))
+        assert_ownership(kv, live)
+    assert refused and (hits if caching else not hits)
+    for r in live.values():
+        kv.free(r)
+    assert kv.pool.num_free == 12 and not kv.blocks
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 4, 5, 8, 9, 31])
 def test_a_sequence_owns_ceil_tokens_over_block_size_blocks(tokens):
-    cache = make_cache(16)
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK)
+    r, before = req("a", [1]), []
     for n in range(1, tokens + 1):  # growing one token at a time, as decoding does
-        table = cache.ensure_capacity(7, n)
-        assert len(table) == -(-n // BLOCK)
-    assert len(cache.free_blocks) == 16 - -(-tokens // BLOCK)
+        assert kv.allocate(r, n)
+        assert len(kv.block_table(r)) == ceil_blocks(n)
+        assert kv.block_table(r)[: len(before)] == before  # growth appends, the blocks held stay where they are
+        before = list(kv.block_table(r))
+    assert kv.pool.num_free == 16 - ceil_blocks(tokens)
+    assert kv.allocate(r, 1) and len(kv.block_table(r)) == ceil_blocks(tokens)  # never shrinks while held
 
 
-def test_growth_doubles_the_pool_and_keeps_contents():
-    cache = make_cache(2)
-    rng = np.random.default_rng(0)
-    cache.ensure_capacity(1, 2 * BLOCK)
-    cache.pool[...] = rng.standard_normal(cache.pool.shape)
-    before = cache.pool.copy()
-    assert cache.free_blocks == []
-    assert cache.ensure_capacity(2, 1) == [2]
-    assert cache.num_blocks == 4 and cache.pool.shape == (LAYERS, 2, 4, BLOCK, KV_HEADS, HEAD)
-    np.testing.assert_array_equal(cache.pool[:, :, :2], before)
-    assert not cache.pool[:, :, 2:].any()
-    assert cache.free_blocks == [3]
-    assert cache.ensure_capacity(3, 5 * BLOCK) == [3, 4, 5, 6, 7]  # 4 -> 8 blocks on the way
-    assert cache.num_blocks == 8 and cache.free_blocks == []
-    np.testing.assert_array_equal(cache.pool[:, :, :2], before)
-    assert cache.bytes_per_token == LAYERS * 2 * KV_HEADS * HEAD * 4
-    assert cache.pool.nbytes == cache.num_blocks * BLOCK * cache.bytes_per_token
-    assert_ownership(cache)
-
-
-def test_a_full_fixed_pool_raises_and_changes_nothing():
-    cache = make_cache(4, growable=False)
-    cache.ensure_capacity(1, 3 * BLOCK)
-    pool = cache.pool
-    with pytest.raises(MemoryError):
-        cache.ensure_capacity(2, 2 * BLOCK)  # needs 2 blocks, 1 is free
-    assert cache.block_tables == {1: [0, 1, 2]} and cache.free_blocks == [3]  # no partial table
-    with pytest.raises(MemoryError):
-        cache.ensure_capacity(1, 5 * BLOCK)
-    assert cache.block_tables == {1: [0, 1, 2]} and cache.free_blocks == [3]
-    assert cache.ensure_capacity(2, BLOCK) == [3]  # what does fit still works
-    with pytest.raises(MemoryError):
-        cache.ensure_capacity(3, 1)
-    assert cache.pool is pool and cache.num_blocks == 4
-    cache.free(1)
-    assert cache.ensure_capacity(3, 1) == [0]
-
-
-def test_slots_map_positions_through_the_block_table():
-    cache = make_cache(8)
-    cache.block_tables[5] = [5, 2, 7]
-    np.testing.assert_array_equal(cache.slots(5, 0, 10), [20, 21, 22, 23, 8, 9, 10, 11, 28, 29])
-    np.testing.assert_array_equal(cache.slots(5, 3, 6), [23, 8, 9])
-    assert cache.slots(5, 4, 4).size == 0
-
-
-def test_write_touches_exactly_the_given_slots():
-    cache = make_cache(8)
-    rng = np.random.default_rng(1)
-    cache.pool[...] = rng.standard_normal(cache.pool.shape)
-    pool, data = cache.pool, cache.pool.__array_interface__["data"][0]
-    before = pool.copy()
-    slots = np.array([23, 8, 9, 28, 0])
-    new_kv = rng.standard_normal((LAYERS, 2, len(slots), KV_HEADS, HEAD)).astype(np.float32)
-    cache.write(new_kv, slots)
-    assert cache.pool is pool and cache.pool.__array_interface__["data"][0] == data  # in place
-    expected = before.copy()
-    for t, s in enumerate(slots):
-        expected[:, :, s // BLOCK, s % BLOCK] = new_kv[:, :, t]
-    np.testing.assert_array_equal(cache.pool, expected)
-    changed = np.flatnonzero((cache.pool != before).any(axis=(0, 1, 4, 5)).reshape(-1))
-    assert sorted(changed.tolist()) == sorted(slots.tolist())
+def test_a_full_pool_refuses_and_changes_nothing():
+    kv = KVCacheManager(num_blocks=4, block_size=BLOCK)
+    a, b, c = req("a", list(range(3 * BLOCK))), req("b", [1]), req("c", [2])
+    assert kv.allocate(a, 3 * BLOCK)
+    a.num_computed_tokens = 3 * BLOCK
+    kv.cache_full_blocks(a)
+    table_a, free = list(kv.block_table(a)), list(kv.pool.free_queue)
+    assert not kv.allocate(b, 2 * BLOCK)  # needs 2 blocks, 1 is free
+    assert kv.blocks == {"a": table_a} and list(kv.pool.free_queue) == free  # no partial table
+    assert not kv.allocate(a, 5 * BLOCK)
+    assert kv.blocks == {"a": table_a} and list(kv.pool.free_queue) == free
+    # a prefix hit that would still need too many fresh blocks takes no reference on the shared blocks
+    d = req("d", list(range(2 * BLOCK)) + [99] * (2 * BLOCK + 1))
+    prefix = kv.computed_prefix(d)
+    assert prefix == table_a[:2]
+    assert not kv.allocate(d, len(d.token_ids), prefix)
+    assert kv.pool.ref_counts[prefix[0]] == 1 and "d" not in kv.blocks and "d" not in kv.num_cached
+    assert kv.allocate(b, BLOCK)  # what does fit still works
+    assert not kv.allocate(c, 1)
+    kv.free(a)
+    assert kv.allocate(c, 1)
+    assert kv.pool.num_free == 2
 
 
 # --- through the engine ---------------------------------------------------------------------------------------
@@ -132,11 +197,10 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 def feeds_for(engine: CpuEngine, chunks: list[SequenceChunk], pool: np.ndarray) -> dict[str, np.ndarray]:
-    """The engine inputs for `chunks`, built independently of CpuEngine.step from the block tables it holds."""
+    """The engine inputs for `chunks`, built independently of CpuEngine.step from the chunks' block tables."""
     tables = np.zeros((len(chunks), engine.max_blocks_per_seq), dtype=np.int64)
     for i, c in enumerate(chunks):
-        table = engine.kv.block_tables[c.seq_id]
-        tables[i, : len(table)] = table
+        tables[i, : len(c.block_ids)] = c.block_ids
     lengths = [len(c.token_ids) for c in chunks]
     ends = np.cumsum(lengths)
     return {
@@ -152,14 +216,14 @@ def feeds_for(engine: CpuEngine, chunks: list[SequenceChunk], pool: np.ndarray) 
 
 
 def test_prefill_writes_the_sessions_new_kv_into_its_slots(engine_dir):
-    engine = CpuEngine(engine_dir, num_threads=1, initial_blocks=16)
+    engine = CpuEngine(engine_dir, num_threads=1, num_blocks=16)
     block = engine.info.build.tokens_per_block
     pool = engine.kv.pool
     empty = pool.copy()
-    chunks = [SequenceChunk(0, tokens(13, 0), 0, num_logits=13), SequenceChunk(1, tokens(5, 1), 0)]
+    tables = {0: [9, 4], 1: [2]}  # non-contiguous, out of order
+    chunks = [SequenceChunk(0, tokens(13, 0), 0, 13, tables[0]), SequenceChunk(1, tokens(5, 1), 0, 1, tables[1])]
     logits = engine.step(chunks)
     assert engine.kv.pool is pool  # written in place, no copy
-    assert engine.kv.block_tables == {0: [0, 1], 1: [2]}
     want_logits, new_kv = engine.session.run(None, feeds_for(engine, chunks, empty))
     np.testing.assert_array_equal(logits, want_logits)
     assert new_kv.shape == (engine.info.model.num_hidden_layers, 2, 18, engine.info.model.num_key_value_heads,
@@ -167,66 +231,72 @@ def test_prefill_writes_the_sessions_new_kv_into_its_slots(engine_dir):
     expected = empty.copy()
     for t in range(18):
         seq, pos = (0, t) if t < 13 else (1, t - 13)
-        expected[:, :, engine.kv.block_tables[seq][pos // block], pos % block] = new_kv[:, :, t]
+        slot_kv(expected, tables[seq][pos // block], pos % block)[...] = new_kv[:, :, t]
     np.testing.assert_array_equal(pool, expected)  # exactly those slots, nothing else
     assert np.abs(new_kv).min() > 0  # (every token's K and V really landed: no zero rows left behind)
 
     # a decode step writes one slot per layer and K/V, and leaves the rest of the pool alone
     before = pool.copy()
-    engine.step([SequenceChunk(0, tokens(1, 2), 13)])
+    engine.step([SequenceChunk(0, tokens(1, 2), 13, 1, tables[0])])
     assert engine.kv.pool is pool
-    changed = (pool != before).any(axis=(0, 1, 4, 5))
-    assert np.argwhere(changed).tolist() == [[1, 13 % block]]
+    assert changed_slots(pool, before) == [tables[0][13 // block] * block + 13 % block]
 
 
-def test_pool_is_reused_until_it_grows_and_growth_keeps_the_cache(engine_dir):
-    engine = CpuEngine(engine_dir, num_threads=1, initial_blocks=2)
+def test_pool_is_reused_across_steps_and_block_placement_does_not_change_logits(engine_dir):
+    """Steps read and write the one pool object; where a sequence's blocks lie in it does not change its logits."""
+    engine = CpuEngine(engine_dir, num_threads=1, num_blocks=8)
     block = engine.info.build.tokens_per_block
     pool = engine.kv.pool
     a = tokens(2 * block + 3, 3)
-    engine.step([SequenceChunk(0, a[: 2 * block], 0, num_logits=0)])
-    assert engine.kv.pool is pool and engine.kv.num_blocks == 2
-    held = pool.copy()
-    logits = engine.step([SequenceChunk(0, a[2 * block :], 2 * block)])  # needs a third block: the pool doubles
-    assert engine.kv.pool is not pool and engine.kv.num_blocks == 4
-    np.testing.assert_array_equal(engine.kv.pool[:, :, :2], held)
-    # the grown pool is the one the next step reads: same logits as an engine that never had to grow
-    fresh = CpuEngine(engine_dir, num_threads=1, initial_blocks=8)
-    fresh.step([SequenceChunk(0, a[: 2 * block], 0, num_logits=0)])
-    np.testing.assert_allclose(logits, fresh.step([SequenceChunk(0, a[2 * block :], 2 * block)]), rtol=1e-6,
-                               atol=1e-6)
+    engine.step([SequenceChunk(0, a[: 2 * block], 0, 0, [6, 1, 4])])
+    assert engine.kv.pool is pool
+    logits = engine.step([SequenceChunk(0, a[2 * block :], 2 * block, 1, [6, 1, 4])])
+    assert engine.kv.pool is pool and engine.kv.num_blocks == 8
+    fresh = CpuEngine(engine_dir, num_threads=1, num_blocks=3)  # contiguous blocks, a pool just big enough
+    fresh.step([SequenceChunk(0, a[: 2 * block], 0, 0, [0, 1, 2])])
+    np.testing.assert_allclose(logits, fresh.step([SequenceChunk(0, a[2 * block :], 2 * block, 1, [0, 1, 2])]),
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="too few"):  # a table that does not cover the chunk is refused
+        engine.step([SequenceChunk(0, a, 0, 1, [6, 1])])
+    engine.allocate_kv_cache(5)  # a new, empty pool of the asked size
+    assert engine.kv.pool is not pool and engine.kv.num_blocks == 5 and not engine.kv.pool.any()
 
 
 @pytest.mark.parametrize("max_seq_len", [64, 256])
 def test_blocks_used_follow_tokens_held_not_max_seq_len(max_seq_len, random_hf_model, engine_from_hf):
     engine_dir = engine_from_hf(random_hf_model("llama"), **dict(ENGINE_OPTIONS, max_seq_len=max_seq_len))
-    engine = CpuEngine(engine_dir, num_threads=1, initial_blocks=1)
+    engine = CpuEngine(engine_dir, num_threads=1, num_blocks=10)  # fewer blocks than one max_seq_len=256 sequence
     block = engine.info.build.tokens_per_block
     assert engine.info.build.max_seq_len == max_seq_len
-    held = 0
+    kv = KVCacheManager(num_blocks=10, block_size=block)
+    held, requests = 0, []
     for seq, n in enumerate([1, block - 1, block, block + 1, 3 * block + 2]):
-        engine.step([SequenceChunk(seq, tokens(n, seq), 0)])
-        held += -(-n // block)
-        assert len(engine.kv.block_tables[seq]) == -(-n // block)
-        assert engine.kv.num_blocks - len(engine.kv.free_blocks) == held
+        r = req(str(seq), tokens(n, seq))
+        assert kv.allocate(r, n)
+        requests.append(r)
+        logits = engine.step([SequenceChunk(r.request_id, r.token_ids, 0, 1, kv.block_table(r))])
+        assert logits.shape == (1, VOCAB) and np.isfinite(logits).all()
+        held += ceil_blocks(n, block)
+        assert len(kv.block_table(r)) == ceil_blocks(n, block)
+        assert kv.pool.num_blocks - kv.pool.num_free == held
     assert held == 9
-    assert engine.kv.num_blocks == 16  # 1 block doubled until 9 fit, whatever max_seq_len allows
-    assert engine.kv.pool.nbytes == 16 * block * engine.kv.bytes_per_token
-    for seq in range(5):
-        engine.release(seq)
-    assert len(engine.kv.free_blocks) == engine.kv.num_blocks
+    assert engine.kv.num_blocks == 10 and engine.kv.pool.nbytes == 10 * block * engine.kv.bytes_per_token
+    for r in requests:
+        kv.free(r)
+    assert kv.pool.num_free == kv.pool.num_blocks
 
 
 def test_logits_only_for_requested_tokens(engine_dir):
     """One call mixing pasts 0, 9 and 20 returns exactly the rows asked for, equal to the all-rows call's."""
     a, b, c = tokens(21, 4), tokens(14, 5), tokens(6, 6)
+    tables = [[0, 1, 2], [3, 4], [5]]
 
     def run(num_logits: tuple[int, int, int]) -> np.ndarray:
-        engine = CpuEngine(engine_dir, num_threads=1)
-        engine.step([SequenceChunk(0, a[:20], 0, num_logits=0), SequenceChunk(1, b[:9], 0, num_logits=0)])
-        return engine.step([SequenceChunk(0, a[20:], 20, num_logits=num_logits[0]),
-                            SequenceChunk(1, b[9:], 9, num_logits=num_logits[1]),
-                            SequenceChunk(2, c, 0, num_logits=num_logits[2])])
+        engine = CpuEngine(engine_dir, num_threads=1, num_blocks=8)
+        engine.step([SequenceChunk(0, a[:20], 0, 0, tables[0]), SequenceChunk(1, b[:9], 0, 0, tables[1])])
+        return engine.step([SequenceChunk(0, a[20:], 20, num_logits[0], tables[0]),
+                            SequenceChunk(1, b[9:], 9, num_logits[1], tables[1]),
+                            SequenceChunk(2, c, 0, num_logits[2], tables[2])])
 
     vocab = VOCAB
     full = run((1, 5, 6))
@@ -236,6 +306,6 @@ def test_logits_only_for_requested_tokens(engine_dir):
         assert got.shape == (sum(counts), vocab), counts
         rows = [0] * counts[0] + list(range(6 - counts[1], 6)) + list(range(12 - counts[2], 12))
         np.testing.assert_allclose(got, full[rows], rtol=1e-5, atol=1e-5 * np.abs(full).max(), err_msg=str(counts))
-    engine = CpuEngine(engine_dir, num_threads=1)
+    engine = CpuEngine(engine_dir, num_threads=1, num_blocks=8)
     with pytest.raises(ValueError, match="num_logits"):
-        engine.step([SequenceChunk(0, a[:3], 0, num_logits=4)])
+        engine.step([SequenceChunk(0, a[:3], 0, 4, [0])])

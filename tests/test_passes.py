@@ -330,11 +330,16 @@ def ids(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, VOCAB, size=n).tolist()
 
 
+def chunk(seq: int, token_ids: list[int], start: int, num_logits: int = 1) -> SequenceChunk:
+    """Sequence `seq` owns every third block from block `seq` (interleaved tables: 16 blocks, 128 tokens each)."""
+    return SequenceChunk(seq, token_ids, start, num_logits, list(range(seq, 48, 3)))
+
+
 A, B, C = ids(13, 1), ids(16, 2), ids(6, 3)
 STEPS = [  # prefill + first chunk; decode + continuing chunk + fresh prompt; three decodes (block boundaries)
-    [SequenceChunk(0, A[:11], 0, num_logits=11), SequenceChunk(1, B[:9], 0, num_logits=0)],
-    [SequenceChunk(0, A[11:12], 11), SequenceChunk(1, B[9:15], 9, num_logits=6), SequenceChunk(2, C[:5], 0, 5)],
-    [SequenceChunk(0, A[12:], 12), SequenceChunk(1, B[15:], 15), SequenceChunk(2, C[5:], 5)],
+    [chunk(0, A[:11], 0, num_logits=11), chunk(1, B[:9], 0, num_logits=0)],
+    [chunk(0, A[11:12], 11), chunk(1, B[9:15], 9, num_logits=6), chunk(2, C[:5], 0, 5)],
+    [chunk(0, A[12:], 12), chunk(1, B[15:], 15), chunk(2, C[5:], 5)],
 ]
 
 

@@ -1,0 +1,185 @@
+"""The engine loop on its own thread: requests come in and outputs go out through queues.
+
+Callers (gRPC handlers, the Triton backend, `trtbuild run`) never wait on a step: `submit` validates the request
+in the caller's thread, enqueues it, and returns a stream; the loop thread drains commands, runs `step()` and
+routes each output to its request's stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from trtbuild.runtime.engine_core import EngineCore, RequestOutput
+from trtbuild.runtime.request import FinishReason, RequestMetrics
+from trtbuild.runtime.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The server holds as many unfinished requests as it accepts; retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped because of an internal error."""
+
+
+@dataclass
+class _Add:
+    request: object
+    stream: RequestStream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class RequestStream:
+    """Outputs of one request, in order; iterate it, or call `get()`. `cancel()` aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, num_prompt_tokens: int) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self._queue: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put(item)
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        item = self._queue.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while not self.finished:
+            yield self.get()
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.engine.cancel(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, max_queue_size: int = 256) -> None:
+        self.core = core
+        self.max_queue_size = max_queue_size
+        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._stopped = False  # set once the loop has ended: no more submits
+        self.completed: list[RequestMetrics] = []  # metrics of finished requests, for stats
+        self._thread = threading.Thread(target=self._loop, name="trtbuild-engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- caller side -------------------------------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        """Validate and enqueue; raises ValueError (bad field), QueueFullError or EngineDeadError."""
+        if self._error is not None:
+            raise EngineDeadError(f"the engine loop stopped: {self._error}")
+        request = self.core.make_request(prompt, params, request_id)
+        with self._lock:
+            if self._stopped:
+                raise EngineDeadError("the engine loop has stopped (shut down)")
+            if request.request_id in self._streams:
+                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            if len(self._streams) >= self.max_queue_size:
+                raise QueueFullError(f"the server already holds {self.max_queue_size} unfinished requests")
+            stream = RequestStream(self, request.request_id, request.num_prompt_tokens)
+            self._streams[request.request_id] = stream
+        self._commands.put(_Add(request, stream))
+        return stream
+
+    def cancel(self, request_id: str) -> bool:
+        """Abort a request; its stream ends with finish_reason "abort" and its blocks return to the pool."""
+        with self._lock:
+            known = request_id in self._streams
+        if known:
+            self._commands.put(_Abort(request_id))
+        return known
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    # ---- loop thread -------------------------------------------------------------------------------------------
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Add):
+            try:
+                self.core.add_request(command.request)
+            except ValueError as e:
+                self._finish(command.stream.request_id, e)
+        else:
+            output = self.core.abort_request(command.request_id)
+            if output is not None:
+                self._deliver(output)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        with self._lock:
+            stream = self._streams.get(output.request_id)
+            if output.finished:
+                self._streams.pop(output.request_id, None)
+                if output.metrics is not None:
+                    self.completed.append(output.metrics)
+        if stream is not None:
+            stream.put(output)
+
+    def _finish(self, request_id: str, error: BaseException) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(error)
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                # Block for work when idle; otherwise take whatever arrived since the last step.
+                block = not self.core.has_unfinished()
+                try:
+                    command = self._commands.get(block=block)
+                    while True:
+                        if command is None:
+                            return
+                        self._apply(command)
+                        command = self._commands.get_nowait()
+                except queue.Empty:
+                    pass
+                for output in self.core.step():
+                    self._deliver(output)
+        except BaseException as e:  # never leave a client waiting forever
+            log.exception("engine loop failed")
+            self._error = e
+            with self._lock:
+                streams, self._streams = list(self._streams.values()), {}
+            for stream in streams:
+                stream.put(EngineDeadError(f"the engine loop stopped: {e}"))
+        finally:
+            try:
+                for request_id in list(self.core.tracked):
+                    output = self.core.abort_request(request_id)
+                    if output is not None:
+                        self._deliver(output)
+            finally:
+                # Requests whose _Add was still queued behind the shutdown never reached the core: end their streams
+                # too, and refuse later submits, so that no client waits forever.
+                with self._lock:
+                    self._stopped = True
+                    streams, self._streams = list(self._streams.values()), {}
+                for stream in streams:
+                    stream.put(RequestOutput(stream.request_id, [], "", True, FinishReason.ABORT.value,
+                                             num_prompt_tokens=stream.num_prompt_tokens))

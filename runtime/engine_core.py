@@ -1,0 +1,183 @@
+"""EngineCore: one synchronous step = schedule -> execute the engine -> sample -> update requests -> outputs.
+
+No threads here (see async_engine.py): tests drive `step()` directly and see exactly what the server sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trtbuild.runtime.detokenizer import IncrementalDetokenizer
+from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+from trtbuild.runtime.kv_cache_manager import KVCacheManager
+from trtbuild.runtime.memory import kv_cache_blocks
+from trtbuild.runtime.request import FinishReason, Request, RequestMetrics
+from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
+from trtbuild.runtime.scheduler import Scheduler, SchedulerConfig
+from trtbuild.runtime.tokenizer import Tokenizer, load_generation_eos
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """Serving options. Limits left None take the engine's build limits; larger ones are refused, not clipped."""
+
+    kv_cache_memory: float | None = None  # bytes (> 1) or a fraction of available memory (<= 1); None: see memory.py
+    kv_cache_blocks: int | None = None  # exact number of blocks (overrides kv_cache_memory)
+    policy: str = "max_utilization"
+    enable_prefix_caching: bool = True
+    max_batch_size: int | None = None
+    max_num_tokens: int | None = None
+    max_prefill_chunk: int | None = None
+    num_threads: int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a streaming delta); the last one has finished=True."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    num_running: int
+    num_waiting: int
+    num_scheduled_tokens: int
+    num_preempted: int
+    kv_cache_usage: float
+    seconds: float
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    sampling: SamplingState
+    detokenizer: IncrementalDetokenizer | None
+
+
+class EngineCore:
+    def __init__(self, engine_dir: Path, config: RuntimeConfig | None = None) -> None:
+        self.config = config = config or RuntimeConfig()
+        engine_dir = Path(engine_dir)
+        self.engine = CpuEngine(engine_dir, num_threads=config.num_threads, num_blocks=1)  # checks compatibility
+        build, model = self.engine.info.build, self.engine.info.model
+        for name in ("max_batch_size", "max_num_tokens"):
+            asked, built = getattr(config, name), getattr(build, name)
+            if asked is not None and asked > built:
+                raise ValueError(f"{name} {asked} exceeds the engine's build limit {built}; rebuild the engine "
+                                 f"with --{name.replace('_', '-')} {asked}")
+        num_blocks = kv_cache_blocks(self.engine.kv.bytes_per_block, build, config.kv_cache_memory,
+                                     config.kv_cache_blocks)
+        self.engine.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, build.tokens_per_block, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_tokens=config.max_num_tokens or build.max_num_tokens,
+                            max_batch_size=config.max_batch_size or build.max_batch_size,
+                            max_seq_len=build.max_seq_len, policy=config.policy,
+                            max_prefill_chunk=config.max_prefill_chunk),
+            self.kv)
+        self.tokenizer = Tokenizer(engine_dir) if (engine_dir / "tokenizer.json").is_file() else None
+        self.eos_token_ids = tuple(dict.fromkeys(model.eos_token_ids + load_generation_eos(engine_dir)))
+        self.vocab_size = model.vocab_size
+        self.sampler = Sampler()
+        self.tracked: dict[str, _Tracked] = {}
+        self.last_stats: StepStats | None = None
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, build.tokens_per_block,
+                 num_blocks * build.tokens_per_block, num_blocks * self.engine.kv.bytes_per_block / 2**20)
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        """Tokenize and validate a request without touching engine state (safe from any thread).
+        Raises ValueError with a message naming the offending field."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this engine has no tokenizer; send prompt token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_token_ids: ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        request = Request(request_id or uuid.uuid4().hex, prompt_ids, params, self.eos_token_ids)
+        self.scheduler.check_fits(request)
+        SamplingState(params, prompt_ids, self.eos_token_ids, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
+        return request
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.tracked:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        state = SamplingState(request.sampling, request.prompt_ids, self.eos_token_ids, token_ids=request.token_ids,
+                              tokenizer=self.tokenizer, vocab_size=self.vocab_size)
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.sampling) if self.tokenizer else None
+        self.scheduler.add_request(request)
+        self.tracked[request.request_id] = _Tracked(request, state, detok)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        tracked = self.tracked.get(request_id)
+        if tracked is None:
+            return None
+        self.scheduler.finish(tracked.request, FinishReason.ABORT)
+        return self._final_output(tracked, [], "", [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
+            return []
+        chunks = [SequenceChunk(c.request.request_id, c.request.token_ids[c.start : c.start + c.num_tokens],
+                                c.start, c.num_logits, c.block_ids) for c in scheduled.chunks]
+        logits = self.engine.step(chunks)
+        states = [self.tracked[c.request.request_id].sampling for c in scheduled.chunks if c.num_logits]
+        sampled = self.sampler.sample(logits, states)
+        got_token = self.scheduler.update(scheduled, sampled.token_ids.tolist())
+        outputs = []
+        for request, logprobs in zip(got_token, [lp for lp in sampled.logprobs], strict=True):
+            outputs.append(self._output(self.tracked[request.request_id], logprobs))
+        self.last_stats = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), scheduled.num_tokens,
+                                    len(scheduled.preempted), self.kv.pool.usage, time.perf_counter() - start)
+        return outputs
+
+    def _output(self, tracked: _Tracked, logprobs: TokenLogprobs | None) -> RequestOutput:
+        request = tracked.request
+        token = request.token_ids[-1]
+        text = ""
+        stopped_by_token = request.finish_reason == FinishReason.STOP and (
+            token in request.sampling.stop_token_ids or token in request.eos_token_ids)
+        if tracked.detokenizer is not None and not stopped_by_token:
+            text = tracked.detokenizer.add(token)
+            if tracked.detokenizer.finished_by_stop is not None:
+                # NOTE: the text is cut at the stop string, so the reason is "stop" even when this very token also
+                # reached max_tokens (update() already finished the request with "length"), as vLLM reports it.
+                self.scheduler.finish(request, FinishReason.STOP)
+                request.finish_reason = FinishReason.STOP
+        new_logprobs = [logprobs] if logprobs is not None else []
+        if request.finished:
+            return self._final_output(tracked, [token], text, new_logprobs)
+        return RequestOutput(request.request_id, [token], text, False, None, new_logprobs,
+                             request.num_prompt_tokens, request.num_output_tokens)
+
+    def _final_output(self, tracked: _Tracked, tokens: list[int], text: str, logprobs: list) -> RequestOutput:
+        request = tracked.request
+        if tracked.detokenizer is not None and tracked.detokenizer.finished_by_stop is None:
+            text += tracked.detokenizer.flush()
+        del self.tracked[request.request_id]
+        return RequestOutput(request.request_id, tokens, text, True, request.finish_reason.value, logprobs,
+                             request.num_prompt_tokens, request.num_output_tokens, request.metrics)

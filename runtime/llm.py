@@ -1,0 +1,53 @@
+"""Offline, in-process generation over the same engine loop the server runs (EngineCore)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from trtbuild.runtime.engine_core import EngineCore, RequestOutput, RuntimeConfig
+from trtbuild.runtime.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+class LLM:
+    def __init__(self, engine_dir: Path, config: RuntimeConfig | None = None) -> None:
+        self.core = EngineCore(Path(engine_dir), config)
+
+    def stream(self, prompts: Sequence[str | list[int]],
+               params: SamplingParams | Sequence[SamplingParams]) -> Iterator[tuple[int, RequestOutput]]:
+        """Run every prompt to completion, yielding (prompt index, output delta) as tokens are sampled.
+        All requests are validated before any is queued (ValueError names the bad field)."""
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"params: got {len(params_list)} for {len(prompts)} prompts")
+        requests = [self.core.make_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        index = {r.request_id: i for i, r in enumerate(requests)}
+        for r in requests:
+            self.core.add_request(r)
+        try:
+            while self.core.has_unfinished():
+                for output in self.core.step():
+                    yield index[output.request_id], output
+        finally:  # a consumer that stops early must not leave requests holding KV blocks
+            for r in requests:
+                self.core.abort_request(r.request_id)
+
+    def generate(self, prompts: Sequence[str | list[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
+        tokens: list[list[int]] = [[] for _ in prompts]
+        texts = [""] * len(prompts)
+        reasons = [""] * len(prompts)
+        for i, output in self.stream(prompts, params):
+            tokens[i] += output.new_token_ids
+            texts[i] += output.new_text
+            if output.finished:
+                reasons[i] = output.finish_reason or ""
+        return [Completion(t, s, r) for t, s, r in zip(tokens, texts, reasons, strict=True)]

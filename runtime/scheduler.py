@@ -1,0 +1,186 @@
+"""Token-budget inflight batching: each step mixes decode tokens and prefill chunks of many requests.
+
+Requests are scheduled in tokens: every step computes, for each scheduled request, some of the tokens between
+`num_computed_tokens` and `len(token_ids)`. A decode is one such token, a prefill chunk many; draft tokens of
+speculative decoding will be more known tokens, with no new phase.
+
+Policies (as TensorRT-LLM's capacity scheduler):
+- guaranteed_no_evict: admit a request only when blocks for its whole lifetime (prompt + max_tokens) can be
+  reserved, so running requests never run out of KV memory.
+- max_utilization: admit while the current chunk fits; when the pool runs dry, preempt the most recently admitted
+  request (free its blocks, recompute it later, reusing whatever prefix blocks are still cached).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from trtbuild.runtime.kv_cache_manager import KVCacheManager
+from trtbuild.runtime.request import FinishReason, Request, RequestStatus
+
+POLICIES = ("guaranteed_no_evict", "max_utilization")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_tokens: int
+    max_batch_size: int
+    max_seq_len: int
+    policy: str = "max_utilization"
+    max_prefill_chunk: int | None = None  # cap on one request's prefill tokens per step (None: the whole budget)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # tokens of this request already computed
+    num_tokens: int
+    num_logits: int  # 1 when the chunk reaches the request's newest token, else 0
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ---- admission ---------------------------------------------------------------------------------------------
+    def lifetime_tokens(self, request: Request) -> int:
+        return min(request.num_prompt_tokens + request.sampling.max_tokens, self.config.max_seq_len)
+
+    def check_fits(self, request: Request) -> None:
+        """Reject, at submission, a request that could never run (raises ValueError naming the limit)."""
+        n, limit = request.num_prompt_tokens, self.config.max_seq_len
+        if n == 0:
+            raise ValueError("prompt is empty")
+        if n >= limit:
+            raise ValueError(f"prompt has {n} tokens; the engine's max_seq_len is {limit} (prompt + output), "
+                             "so shorten the prompt or rebuild the engine with a larger --max-seq-len")
+        blocks = -(-self.lifetime_tokens(request) // self.kv.block_size)
+        if blocks > self.kv.pool.num_blocks:
+            raise ValueError(f"request needs {blocks} KV blocks but the whole cache holds {self.kv.pool.num_blocks}; "
+                             "lower max_tokens or give the server more --kv-cache-memory")
+
+    def add_request(self, request: Request) -> None:
+        self.check_fits(request)
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+    def _chunk_size(self, request: Request, budget: int) -> int:
+        todo = len(request.token_ids) - request.num_computed_tokens
+        limit = self.config.max_prefill_chunk or budget
+        return min(todo, budget, todo if todo == 1 else limit)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.metrics.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget, chunks, preempted = self.config.max_num_tokens, [], []
+        scheduled: list[tuple[Request, int]] = []
+        for request in list(self.running):
+            if request not in self.running:
+                continue  # preempted below to make room for an earlier request
+            num_new = self._chunk_size(request, budget)
+            if num_new <= 0:
+                continue
+            while not self.kv.allocate(request, request.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_batch_size:
+            request = self.waiting[0]
+            prefix = self.kv.computed_prefix(request)
+            computed = len(prefix) * self.kv.block_size
+            num_new = min(len(request.token_ids) - computed, budget, self.config.max_prefill_chunk or budget)
+            reserve = self.lifetime_tokens(request) if self.config.policy == "guaranteed_no_evict" else 0
+            if not self.kv.allocate(request, max(computed + num_new, reserve), prefix):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = computed
+            request.status = RequestStatus.RUNNING
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = time.monotonic()
+                request.metrics.num_prefix_cached_tokens = computed
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+        for request, num_new in scheduled:
+            start = request.num_computed_tokens
+            chunks.append(ScheduledChunk(request, start, num_new, int(start + num_new == len(request.token_ids)),
+                                         tuple(self.kv.block_table(request))))
+        return SchedulerOutput(chunks, preempted)
+
+    # ---- after the engine ran ----------------------------------------------------------------------------------
+    def update(self, output: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Advance computed counts and append sampled tokens (one per chunk with logits, in order); returns the
+        requests that received a token."""
+        got_token, sampled_iter = [], iter(sampled)
+        for chunk in output.chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_full_blocks(request)
+            if not chunk.num_logits:
+                continue
+            token = next(sampled_iter)
+            request.token_ids.append(token)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = time.monotonic()
+            got_token.append(request)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                self.finish(request, reason)
+        return got_token
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.sampling
+        is_stop = token in params.stop_token_ids or (not params.ignore_eos and token in request.eos_token_ids)
+        if is_stop and request.num_output_tokens >= params.min_tokens:
+            return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens or len(request.token_ids) >= self.config.max_seq_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request (stop, length or abort) and return its blocks to the pool; idempotent."""
+        if request.finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+            self.kv.free(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+            self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.metrics.finished_time = time.monotonic()

@@ -1,0 +1,302 @@
+"""`trtbuild serve`: the gRPC front end over the engine loop (service trtbuild.v1.Generation, see proto/).
+
+Handlers never wait on a step: they validate and enqueue through AsyncEngine.submit and then only read their
+request's output queue. Besides Generation the server runs the standard grpc.health.v1 service (NOT_SERVING until
+the engine is loaded, then SERVING) and server reflection. Status codes are listed in proto/trtbuild.proto.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from trtbuild import __version__
+from trtbuild.errors import TrtbuildError
+from trtbuild.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from trtbuild.runtime.engine_core import EngineCore, RequestOutput, RuntimeConfig
+from trtbuild.runtime.proto import trtbuild_pb2 as pb
+from trtbuild.runtime.proto import trtbuild_pb2_grpc as pb_grpc
+from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "trtbuild.v1.Generation"
+DEFAULT_PORT = 8001
+_POLL_S = 1.0  # how often a waiting handler re-checks that its client is still connected
+_DRAIN_S = 5.0  # how long a handler whose client left waits for its aborted request to end
+_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+_OPTIONAL_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "logprobs",
+                    "include_stop_str_in_output")
+
+
+# ---- proto <-> runtime ----------------------------------------------------------------------------------------------
+def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
+    """SamplingParams of a request's options; unset fields keep SamplingParams' defaults (ValueError names a field)."""
+    kwargs: dict[str, object] = {name: getattr(options, name) for name in _OPTIONAL_FIELDS if options.HasField(name)}
+    for name in ("stop", "stop_token_ids", "bad_words"):
+        if getattr(options, name):
+            kwargs[name] = list(getattr(options, name))
+    if options.bad_words_ids:
+        kwargs["bad_words_ids"] = [list(word.ids) for word in options.bad_words_ids]
+    return SamplingParams(**kwargs)
+
+
+def request_prompt(request: pb.GenerateRequest) -> str | list[int]:
+    """The prompt text or token ids; exactly one must be given (ValueError otherwise)."""
+    has_text, ids = request.HasField("prompt"), list(request.prompt_token_ids)
+    if has_text and ids:
+        raise ValueError("prompt: set either prompt (text) or prompt_token_ids, not both")
+    if not has_text and not ids:
+        raise ValueError("prompt: set prompt (text) or prompt_token_ids")
+    if has_text and not request.prompt:
+        raise ValueError("prompt is empty")
+    return request.prompt if has_text else ids
+
+
+def _logprobs(lp: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                            top=[pb.TopLogprob(token_id=t, logprob=p) for t, p in lp.top])
+
+
+def _usage(output: RequestOutput) -> pb.Usage:
+    usage = pb.Usage(prompt_tokens=output.num_prompt_tokens, output_tokens=output.num_output_tokens)
+    m = output.metrics
+    if m is not None:
+        usage.cached_prefix_tokens, usage.num_preemptions = m.num_prefix_cached_tokens, m.num_preemptions
+        if m.queue_time is not None:
+            usage.queue_time_s = m.queue_time
+        if m.ttft is not None:
+            usage.ttft_s = m.ttft
+        if m.finished_time is not None:
+            usage.e2e_s = m.finished_time - m.arrival_time
+    return usage
+
+
+def response(output: RequestOutput) -> pb.GenerateResponse:
+    r = pb.GenerateResponse(request_id=output.request_id, token_ids=output.new_token_ids, text=output.new_text,
+                            finished=output.finished, logprobs=[_logprobs(lp) for lp in output.logprobs],
+                            finish_reason=_FINISH_REASONS.get(output.finish_reason or "", 0))
+    if output.finished:
+        r.usage.CopyFrom(_usage(output))
+    return r
+
+
+# ---- the service ----------------------------------------------------------------------------------------------------
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """trtbuild.v1.Generation over an AsyncEngine (None until the engine is loaded: every call is UNAVAILABLE)."""
+
+    def __init__(self, max_queue_size: int, health_servicer: health.HealthServicer | None = None) -> None:
+        self.engine: AsyncEngine | None = None
+        self.max_queue_size = max_queue_size
+        self.health = health_servicer
+        self.finish_reasons: Counter[str] = Counter()
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+
+    def _engine(self, context: grpc.ServicerContext) -> AsyncEngine:
+        if self.engine is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still loading; retry when health is SERVING")
+        return self.engine
+
+    def _dead(self, context: grpc.ServicerContext, error: Exception) -> NoReturn:
+        if self.health is not None:
+            self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+
+    def _outputs(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[RequestOutput]:
+        """Submit the request and yield its outputs; the request is aborted if the RPC ends first."""
+        engine = self._engine(context)
+        try:
+            stream = engine.submit(request_prompt(request), sampling_params(request.sampling),
+                                   request.request_id or None)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QueueFullError as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry later")
+        except EngineDeadError as e:
+            self._dead(context, e)
+        with self._lock:
+            self._streams[stream.request_id] = stream
+        try:
+            # Runs when the RPC ends for any reason, e.g. the client cancelled or disconnected: free the KV blocks.
+            if not context.add_callback(stream.cancel):
+                stream.cancel()
+            while not stream.finished:
+                try:
+                    output = stream.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if not context.is_active():
+                        stream.cancel()
+                    continue
+                except ValueError as e:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                except EngineDeadError as e:
+                    self._dead(context, e)
+                self._count(output)
+                yield output
+        finally:
+            if not stream.finished:  # the call ended first (client gone): abort and wait for the request's end
+                self._drain(stream)
+            with self._lock:
+                self._streams.pop(stream.request_id, None)
+
+    def _count(self, output: RequestOutput) -> None:
+        if output.finished:
+            with self._lock:
+                self.finish_reasons[output.finish_reason or "unknown"] += 1
+
+    def _drain(self, stream: RequestStream) -> None:
+        stream.cancel()
+        deadline = time.monotonic() + _DRAIN_S
+        while not stream.finished and (left := deadline - time.monotonic()) > 0:
+            try:
+                self._count(stream.get(timeout=left))
+            except (queue.Empty, ValueError, EngineDeadError):
+                return
+
+    def GenerateStream(self, request: pb.GenerateRequest,
+                       context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        for output in self._outputs(request, context):
+            yield response(output)
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
+        merged = pb.GenerateResponse()
+        for output in self._outputs(request, context):
+            part = response(output)
+            text = merged.text + part.text
+            merged.MergeFrom(part)  # appends token_ids and logprobs; takes finished, finish_reason, usage
+            merged.text = text
+        return merged
+
+    def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext) -> pb.CancelResponse:
+        if not request.request_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty; give the id of the request")
+        return pb.CancelResponse(found=self._engine(context).cancel(request.request_id))
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.cancel()
+
+    def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
+        core = self._engine(context).core
+        info, sched = core.engine.info, core.scheduler.config
+        return pb.ModelInfo(
+            architecture=info.model.architecture, dtype=info.model.dtype, vocab_size=core.vocab_size,
+            num_layers=info.model.num_hidden_layers, max_seq_len=sched.max_seq_len,
+            max_batch_size=sched.max_batch_size, max_num_tokens=sched.max_num_tokens,
+            tokens_per_block=core.kv.block_size, kv_cache_blocks=core.kv.pool.num_blocks,
+            kv_cache_tokens=core.kv.pool.num_blocks * core.kv.block_size, policy=sched.policy,
+            prefix_caching=core.kv.pool.enable_caching, max_queue_size=self.max_queue_size,
+            has_tokenizer=core.tokenizer is not None, eos_token_ids=core.eos_token_ids,
+            trtbuild_version=__version__)
+
+    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.Stats:
+        engine = self._engine(context)
+        core = engine.core
+        completed = list(engine.completed)
+        pool = core.kv.pool
+        stats = pb.Stats(num_running=len(core.scheduler.running), num_waiting=len(core.scheduler.waiting),
+                         num_unfinished=engine.num_unfinished, kv_cache_usage=pool.usage, kv_free_blocks=pool.num_free,
+                         kv_total_blocks=pool.num_blocks, num_finished=len(completed),
+                         num_preemptions=sum(m.num_preemptions for m in completed))
+        with self._lock:
+            stats.finish_reasons.update(self.finish_reasons)
+        last = core.last_stats
+        if last is not None:
+            stats.last_step.CopyFrom(pb.StepStats(
+                num_running=last.num_running, num_waiting=last.num_waiting,
+                num_scheduled_tokens=last.num_scheduled_tokens, num_preempted=last.num_preempted,
+                kv_cache_usage=last.kv_cache_usage, seconds=last.seconds))
+        return stats
+
+
+# ---- the server -----------------------------------------------------------------------------------------------------
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class GenerationServer:
+    """A started gRPC server (health NOT_SERVING) bound to host:port (`port` 0 picks one: see `.port`).
+    `load()` loads the engine and turns health to SERVING; `stop()` shuts down gracefully."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, max_queue_size: int = 256) -> None:
+        if max_queue_size < 1:
+            raise ValueError(f"max_queue_size must be at least 1, got {max_queue_size}")
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self.servicer = GenerationServicer(max_queue_size, self.health)
+        # NOTE: each streaming call holds a worker thread while its request is unfinished.
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=max_queue_size + 16, thread_name_prefix="grpc"),
+                                   options=[("grpc.so_reuseport", 0)])  # a second server must not share the port
+        pb_grpc.add_GenerationServicer_to_server(self.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._server)
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        try:
+            self.port = self._server.add_insecure_port(_address(host, port))
+        except RuntimeError as e:
+            raise TrtbuildError(f"cannot listen on {_address(host, port)} ({e}); is the port in use?") from None
+        if self.port == 0:  # older grpcio reports a failed bind this way
+            raise TrtbuildError(f"cannot listen on {_address(host, port)}; is the port in use?")
+        self.address = _address(host, self.port)
+        self._server.start()
+
+    def _set_health(self, status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, status)
+
+    def load(self, engine_dir: Path, config: RuntimeConfig | None = None) -> EngineCore:
+        core = EngineCore(Path(engine_dir), config)
+        self.servicer.engine = AsyncEngine(core, self.servicer.max_queue_size)
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        return core
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting calls, end every stream (its request is aborted), then stop the engine loop."""
+        self.health.enter_graceful_shutdown()
+        done = self._server.stop(grace)
+        self.servicer.cancel_all()
+        done.wait(grace + 1.0)
+        if self.servicer.engine is not None:
+            self.servicer.engine.shutdown()
+
+
+def serve(engine_dir: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT, config: RuntimeConfig | None = None,
+          max_queue_size: int = 256, grace: float = 5.0) -> None:
+    """Serve until SIGTERM or SIGINT (from the main thread). Binds loopback unless told otherwise."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server = GenerationServer(host, port, max_queue_size)
+        try:
+            print(f"trtbuild serve listening on {server.address}", flush=True)
+            core = server.load(engine_dir, config)
+            kv, pool = core.kv, core.kv.pool
+            print(f"trtbuild serve: KV cache {pool.num_blocks} blocks x {kv.block_size} tokens = "
+                  f"{pool.num_blocks * kv.block_size} tokens; policy {core.scheduler.config.policy}; "
+                  f"max queue {max_queue_size}; ready", flush=True)
+            while not stop.wait(0.5):
+                pass
+            print("trtbuild serve: shutting down", flush=True)
+        finally:
+            server.stop(grace)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,207 @@
+"""The `trtbuild` command line: fast start without heavy imports, the convert -> build -> run flow on stories260K,
+and bad input answered by an `Error:` line and an exit code, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+from helpers import STORIES260K, require_shared_models
+
+from trtbuild import __version__
+from trtbuild.cli import main
+
+HEAVY_MODULES = ("torch", "onnx", "onnxruntime", "transformers", "safetensors", "gguf", "tokenizers", "numpy")
+STORY = "Once upon a time, there was a little girl named Lily."
+LONG_PROMPT = "Once upon a time there was a little dog who liked to run in the park with his best friend the cat."
+
+
+def invoke(*args) -> Result:
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def assert_ok(result: Result) -> None:
+    assert result.exit_code == 0, (result.output, result.exception)
+
+
+def assert_user_error(result: Result, pattern: str) -> None:
+    """Exit code != 0 from a click error (not a crash), an `Error:` line that matches, and no traceback."""
+    assert result.exit_code != 0, result.output
+    assert isinstance(result.exception, SystemExit), f"crashed: {result.exception!r}"  # ClickException -> exit
+    assert "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, result.stderr
+    assert re.search(pattern, errors[0]), errors[0]
+
+
+@pytest.fixture(scope="module")
+def stories(tmp_path_factory) -> dict[str, Path]:
+    """stories260K converted and built through the CLI: checkpoint, engine, and a max_seq_len=16 engine."""
+    require_shared_models()
+    work = tmp_path_factory.mktemp("cli")
+    paths = {"ckpt": work / "ckpt", "engine": work / "engine", "engine16": work / "engine16"}
+    result = invoke("convert", "--model", STORIES260K, "--output", paths["ckpt"])
+    assert_ok(result)
+    assert f"wrote {paths['ckpt']}: LlamaForCausalLM, 5 layers, dtype float32, 1 rank(s)" in result.stdout
+    for engine, max_seq_len in (("engine", 256), ("engine16", 16)):
+        result = invoke("build", "--checkpoint", paths["ckpt"], "--output", paths[engine], "--max-seq-len", max_seq_len,
+                        "--tokens-per-block", 8)
+        assert_ok(result)
+        assert f"wrote engine {paths[engine]}" in result.stdout
+    return paths
+
+
+# ---- start-up ---------------------------------------------------------------------------------------------------
+def test_help_is_fast_in_a_real_process():
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "--help"], capture_output=True, text=True,
+                          timeout=30)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    assert "trtbuild convert" in proc.stdout and "build" in proc.stdout and "run" in proc.stdout
+    assert elapsed < 2.0, f"`trtbuild --help` took {elapsed:.2f} s"
+
+
+def test_cli_import_and_help_load_no_heavy_modules():
+    code = (
+        "import contextlib, io, json, sys\n"
+        "import trtbuild.cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    for args in (['--help'], ['convert', '--help'], ['build', '--help'], ['run', '--help']):\n"
+        "        trtbuild.cli.main(args, standalone_mode=False)\n"
+        "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    loaded = set(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert "click" in loaded and "trtbuild" in loaded
+    assert loaded.isdisjoint(HEAVY_MODULES), sorted(loaded & set(HEAVY_MODULES))
+
+
+def test_version_and_help_texts():
+    result = invoke("--version")
+    assert_ok(result)
+    assert result.stdout.strip() == f"trtbuild, version {__version__}"
+    for command, option in (("convert", "--tp-size"), ("build", "--max-seq-len"), ("run", "--top-p")):
+        result = invoke(command, "--help")
+        assert_ok(result)
+        assert option in result.stdout
+
+
+# ---- end to end -------------------------------------------------------------------------------------------------
+def test_convert_build_run_stories260k_greedy(stories):
+    result = invoke("run", "--engine", stories["engine"], "--prompt", "Once upon a time", "--max-tokens", 40)
+    assert_ok(result)
+    assert result.stdout.startswith(STORY), result.stdout
+    assert result.stdout.endswith("\n")
+    again = invoke("run", "--engine", stories["engine"], "--prompt", "Once upon a time", "--max-tokens", 40)
+    assert again.stdout == result.stdout  # greedy is deterministic
+
+
+def test_convert_options_reach_the_checkpoint(tmp_path):
+    require_shared_models()
+    result = invoke("convert", "--model", STORIES260K, "--output", tmp_path / "ckpt", "--dtype", "bfloat16",
+                    "--tp-size", 2, "--pp-size", 2)
+    assert_ok(result)
+    assert "dtype bfloat16, 4 rank(s)" in result.stdout
+    doc = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert (doc["dtype"], doc["mapping"]) == ("bfloat16", {"world_size": 4, "tp_size": 2, "pp_size": 2})
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors")) == [f"rank{r}.safetensors"
+                                                                                  for r in range(4)]
+    result = invoke("build", "--checkpoint", tmp_path / "ckpt", "--output", tmp_path / "engine")
+    assert_user_error(result, r"single-rank checkpoints.*4 ranks.*--tp-size 1 --pp-size 1")
+    assert not (tmp_path / "engine").exists()
+
+
+# ---- bad input --------------------------------------------------------------------------------------------------
+def test_convert_bad_input(tmp_path):
+    require_shared_models()
+    assert_user_error(invoke("convert", "--model", tmp_path / "nowhere", "--output", tmp_path / "out"),
+                      r"Invalid value for '--model'.*does not exist")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine")
+    assert_user_error(invoke("convert", "--model", STORIES260K, "--output", taken), r"exists and is not empty")
+    assert [p.name for p in taken.iterdir()] == ["notes.txt"] and (taken / "notes.txt").read_text() == "mine"
+    assert_user_error(invoke("convert", "--model", STORIES260K, "--output", tmp_path / "out", "--tp-size", 3),
+                      r"--tp-size 3 does not divide num_attention_heads=8")
+    assert_user_error(invoke("convert", "--model", STORIES260K, "--output", tmp_path / "out", "--dtype", "int8"),
+                      r"Invalid value for '--dtype'")
+    for edit, pattern in (({"architectures": ["GPT2LMHeadModel"]}, r"unsupported architecture 'GPT2LMHeadModel'"),
+                          ({"hidden_size": None}, r"config\.json has an invalid value")):
+        model = tmp_path / "model"
+        shutil.rmtree(model, ignore_errors=True)
+        shutil.copytree(STORIES260K, model, ignore=shutil.ignore_patterns("*.gguf"))
+        hf = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**hf, **edit}))
+        assert_user_error(invoke("convert", "--model", model, "--output", tmp_path / "out"), pattern)
+    assert not (tmp_path / "out").exists()
+
+
+def test_build_bad_input(stories, tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_user_error(invoke("build", "--checkpoint", tmp_path / "empty", "--output", tmp_path / "e"),
+                      r"config\.json not found: is this a checkpoint made by `trtbuild convert`")
+    assert_user_error(invoke("build", "--checkpoint", STORIES260K, "--output", tmp_path / "e"),
+                      r"unknown fields in checkpoint config\.json.*trtbuild convert")
+    assert_user_error(invoke("build", "--checkpoint", stories["engine"], "--output", tmp_path / "e"),
+                      r"unknown fields in checkpoint config\.json")
+    assert_user_error(invoke("build", "--checkpoint", tmp_path / "nowhere", "--output", tmp_path / "e"),
+                      r"Invalid value for '--checkpoint'.*does not exist")
+    assert_user_error(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e", "--target",
+                             "tensorrt"), r"TensorRT target is not available.*--target cpu")
+    assert_user_error(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e", "--max-seq-len",
+                             4096), r"--max-seq-len 4096 exceeds the model's max_position_embeddings \(512\)")
+    assert not (tmp_path / "e").exists()
+
+
+def test_run_bad_input(stories, tmp_path):
+    (tmp_path / "empty").mkdir()
+    engine = stories["engine"]
+    assert_user_error(invoke("run", "--engine", tmp_path / "empty", "--prompt", "hi"),
+                      r"is not an engine directory.*trtbuild build")
+    assert_user_error(invoke("run", "--engine", stories["ckpt"], "--prompt", "hi"), r"trtbuild build")
+    assert_user_error(invoke("run", "--engine", tmp_path / "nowhere", "--prompt", "hi"),
+                      r"Invalid value for '--engine'.*does not exist")
+    assert_user_error(invoke("run", "--engine", engine, "--prompt", "hi", "--top-p", 0),
+                      r"Invalid value for '--top-p'")
+    assert_user_error(invoke("run", "--engine", engine, "--prompt", "hi", "--max-tokens", 0),
+                      r"Invalid value for '--max-tokens'")
+    assert_user_error(invoke("run", "--engine", engine, "--prompt", "hi", "--temperature", -1),
+                      r"Invalid value for '--temperature'")
+    wrong_target = tmp_path / "wrong_target"
+    shutil.copytree(engine, wrong_target)
+    doc = json.loads((wrong_target / "config.json").read_text())
+    doc["target"]["name"] = "tensorrt"
+    (wrong_target / "config.json").write_text(json.dumps(doc))
+    assert_user_error(invoke("run", "--engine", wrong_target, "--prompt", "hi"),
+                      r"built for target 'tensorrt'.*--target cpu")
+
+
+@pytest.mark.parametrize("max_tokens", [1, 40])
+def test_run_prompt_beyond_max_seq_len(stories, max_tokens):
+    result = invoke("run", "--engine", stories["engine16"], "--prompt", LONG_PROMPT, "--max-tokens", max_tokens)
+    assert_user_error(result, r"prompt has \d+ tokens; the engine's max_seq_len is 16 \(prompt \+ output\)")
+    assert result.stdout == ""  # nothing is printed before the error
+    ok = invoke("run", "--engine", stories["engine16"], "--prompt", "Once upon a time", "--max-tokens", 8)
+    assert_ok(ok)
+    assert ok.stdout.startswith("Once upon a time, there was")
+
+
+def test_bad_input_in_a_real_process_prints_no_traceback(stories, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "convert", "--model", STORIES260K, "--output",
+                           stories["ckpt"]], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("Error: output folder") and "exists and is not empty" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "run", "--engine", stories["engine16"], "--prompt",
+                           LONG_PROMPT], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("Error: prompt has ")

@@ -1,0 +1,319 @@
+"""`trtbuild serve` end to end: real server subprocesses on loopback (port 0), driven through runtime/client.py and
+raw gRPC stubs, checked against in-process generation (`LLM`) of the same requests one at a time."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from helpers import STORIES260K, require_shared_models
+
+from trtbuild.runtime.async_engine import EngineDeadError
+from trtbuild.runtime.client import GenerationClient, make_request
+from trtbuild.runtime.engine_core import RuntimeConfig
+from trtbuild.runtime.llm import LLM
+from trtbuild.runtime.proto import trtbuild_pb2 as pb
+from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.server import GenerationServer
+
+NAMES = ["Lily", "Tom", "Sue", "Ben", "Max", "Amy", "Tim", "Mia"]
+PLACES = ["park", "sea", "shop", "forest"]
+PROMPTS = [f"{n} went to the {p}" for n in NAMES for p in PLACES]  # 32 different prompts
+LONG = dict(max_tokens=230, ignore_eos=True)  # runs ~230 steps: long enough to be cancelled mid-stream
+TIMEOUT = 60.0
+REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+
+class Server:
+    """A `trtbuild serve` subprocess; stdout is read by a thread (the port comes from its first line)."""
+
+    def __init__(self, engine: Path, log: Path, *args: str) -> None:
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trtbuild.cli", "serve", "--engine", str(engine), "--port", "0", "--threads", "1",
+             *args], stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+        self.lines: list[str] = []
+        self.address = ""
+        self._listening = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("trtbuild serve listening on "):
+                self.address = line.split()[-1]
+                self._listening.set()
+        self._listening.set()  # exited
+
+    def client(self) -> GenerationClient:
+        assert self._listening.wait(TIMEOUT), "server did not print its address"
+        assert self.address, f"server exited: {self.lines}\n{self.log.read_text()}"
+        client = GenerationClient(self.address, timeout=TIMEOUT)
+        client.wait_ready(TIMEOUT)
+        return client
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def engine(engine_from_hf) -> Path:
+    require_shared_models()
+    return engine_from_hf(STORIES260K, max_batch_size=32, max_num_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def servers(engine, tmp_path_factory, request) -> dict[str, Server]:
+    """All servers start at once (they load in parallel); each is killed at the end of the module."""
+    logs = tmp_path_factory.mktemp("server_logs")
+    args = {"main": (), "tiny_kv": ("--kv-cache-blocks", "16", "--policy", "max_utilization"),
+            "small_queue": ("--max-queue-size", "2")}
+    started: dict[str, Server] = {}
+    request.addfinalizer(lambda: [s.stop() for s in started.values()])
+    for name, extra in args.items():
+        started[name] = Server(engine, logs / f"{name}.log", *extra)
+    return started
+
+
+@pytest.fixture(scope="module")
+def main(servers) -> GenerationClient:
+    with servers["main"].client() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def llm(engine) -> LLM:
+    return LLM(engine, RuntimeConfig(num_threads=1))
+
+
+def alone(llm: LLM, prompt: str, **sampling: object) -> tuple[list[int], str, str]:
+    out = llm.generate([prompt], SamplingParams(**sampling))[0]
+    return out.token_ids, out.text, out.finish_reason
+
+
+def collect(responses) -> tuple[list[int], str, pb.GenerateResponse]:
+    tokens, text, last = [], "", None
+    for r in responses:
+        tokens += r.token_ids
+        text += r.text
+        last = r
+    return tokens, text, last
+
+
+def wait_for(client: GenerationClient, ok: Callable[[pb.Stats], bool], timeout: float = 20.0) -> pb.Stats:
+    deadline = time.monotonic() + timeout
+    while not ok(stats := client.stats()):
+        assert time.monotonic() < deadline, f"stats never reached the expected state: {stats}"
+        time.sleep(0.02)
+    return stats
+
+
+def pool_is_full(s: pb.Stats) -> bool:
+    return s.kv_free_blocks == s.kv_total_blocks and s.kv_cache_usage == 0 and s.num_unfinished == 0
+
+
+def run_concurrently(client: GenerationClient, prompts: list[str], **sampling: object) -> list[tuple]:
+    barrier = threading.Barrier(len(prompts))
+
+    def one(prompt: str) -> tuple:
+        barrier.wait(TIMEOUT)
+        return collect(client.generate_stream(prompt, timeout=TIMEOUT, **sampling))
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def test_32_concurrent_streams_equal_each_request_alone(main, llm):
+    expected = [alone(llm, p, max_tokens=40) for p in PROMPTS]
+    running, done = [], threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.005):
+            running.append(main.stats().num_running)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    results = run_concurrently(main, PROMPTS, max_tokens=40)
+    done.set()
+    watcher.join(TIMEOUT)
+    for prompt, (tokens, text, reason), (got, got_text, last) in zip(PROMPTS, expected, results, strict=True):
+        assert (got, got_text) == (tokens, text), prompt
+        assert last.finished and last.finish_reason == REASONS[reason]
+        assert last.usage.output_tokens == len(tokens) and last.usage.prompt_tokens == len(llm.core.make_request(
+            prompt, SamplingParams()).prompt_ids)
+        assert last.usage.HasField("ttft_s") and last.usage.HasField("queue_time_s")
+    assert max(running) >= 8, f"the requests did not run batched: {running}"
+    wait_for(main, pool_is_full)
+
+
+def test_tiny_kv_pool_preempts_and_still_returns_every_request(servers, llm):
+    client = servers["tiny_kv"].client()
+    info = client.model_info()
+    assert (info.kv_cache_blocks, info.kv_cache_tokens, info.policy) == (16, 128, "max_utilization")
+    assert "KV cache 16 blocks x 8 tokens = 128 tokens" in "\n".join(servers["tiny_kv"].lines)
+    prompts = PROMPTS[::3]  # 11 requests of ~48 tokens (6 blocks) each against 16 blocks
+    expected = [alone(llm, p, max_tokens=40) for p in prompts]
+    results = run_concurrently(client, prompts, max_tokens=40)
+    assert [(r[0], r[1]) for r in results] == [(e[0], e[1]) for e in expected]
+    stats = wait_for(client, pool_is_full)
+    assert stats.num_preemptions > 0 and sum(r[2].usage.num_preemptions for r in results) == stats.num_preemptions
+
+
+def test_cancel_rpc_and_client_disconnect_return_the_kv_pool(main, servers):
+    aborts = main.stats().finish_reasons["abort"]
+    stream = main.generate_stream("Once upon a time", request_id="to-cancel", timeout=TIMEOUT, **LONG)
+    first = next(stream)
+    assert main.stats().kv_free_blocks < main.stats().kv_total_blocks  # the request holds blocks while it runs
+    assert main.cancel("to-cancel") is True
+    tokens, _, last = collect(stream)
+    assert last.finished and last.finish_reason == pb.FINISH_REASON_ABORT
+    assert len(first.token_ids) + len(tokens) < LONG["max_tokens"]
+    wait_for(main, pool_is_full)
+    assert main.cancel("to-cancel") is False  # finished: nothing to cancel
+    # A client that cancels its call, and one that closes its channel, mid-stream.
+    stream = main.generate_stream("Once upon a time", timeout=TIMEOUT, **LONG)
+    next(stream)
+    stream.cancel()
+    with pytest.raises(grpc.RpcError) as e:
+        collect(stream)
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    other = servers["main"].client()
+    stream = other.generate_stream("Once upon a time", timeout=TIMEOUT, **LONG)
+    next(stream)
+    other.close()
+    wait_for(main, lambda s: pool_is_full(s) and s.finish_reasons["abort"] == aborts + 3)
+
+
+BAD_INPUTS = [
+    ("empty prompt", dict(prompt=""), "prompt is empty"),
+    ("prompt and token ids", dict(prompt="Once", prompt_token_ids=[1, 2]), "not both"),
+    ("neither prompt nor token ids", dict(), "prompt: set prompt"),
+    ("top_p 0", dict(prompt="Once", sampling=pb.SamplingOptions(top_p=0)), "top_p must be in (0, 1]"),
+    ("temperature -1", dict(prompt="Once", sampling=pb.SamplingOptions(temperature=-1)), "temperature must be"),
+    ("max_tokens 0", dict(prompt="Once", sampling=pb.SamplingOptions(max_tokens=0)), "max_tokens must be"),
+    ("seed -1", dict(prompt="Once", sampling=pb.SamplingOptions(seed=-1)), "seed must be"),
+    ("logprobs 21", dict(prompt="Once", sampling=pb.SamplingOptions(logprobs=21)), "logprobs must be"),
+    ("token id beyond vocab", dict(prompt_token_ids=[1, 512]), "prompt_token_ids: ids [512] are outside"),
+    ("stop token beyond vocab", dict(prompt="Once", sampling=pb.SamplingOptions(stop_token_ids=[9999])),
+     "stop_token_ids must be token ids below the vocabulary size 512"),
+    ("prompt longer than max_seq_len", dict(prompt_token_ids=[1] + [300] * 299), "max_seq_len is 256"),
+]
+
+
+@pytest.mark.parametrize("rpc", ["Generate", "GenerateStream"])
+def test_bad_inputs_are_invalid_argument_naming_the_field(main, rpc):
+    def call(request: pb.GenerateRequest) -> object:
+        result = getattr(main.stub, rpc)(request, timeout=TIMEOUT)
+        return list(result) if rpc == "GenerateStream" else result
+
+    for name, fields, message in BAD_INPUTS:
+        with pytest.raises(grpc.RpcError) as e:
+            call(pb.GenerateRequest(**fields))
+        assert (e.value.code(), message in e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, True), name
+    # request_id of an unfinished request: INVALID_ARGUMENT (see the status table in trtbuild.proto)
+    stream = main.generate_stream("Once", request_id=f"dup-{rpc}", timeout=TIMEOUT, **LONG)
+    next(stream)
+    with pytest.raises(grpc.RpcError) as e:
+        main.generate("Twice", request_id=f"dup-{rpc}", timeout=TIMEOUT)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already in use" in e.value.details()
+    assert main.cancel(f"dup-{rpc}") and collect(stream)[2].finish_reason == pb.FINISH_REASON_ABORT
+
+
+def test_full_queue_is_resource_exhausted_then_sigterm_shuts_down_gracefully(servers):
+    server = servers["small_queue"]
+    client = server.client()
+    streams = [client.generate_stream("Once upon a time", timeout=TIMEOUT, **LONG) for _ in range(2)]
+    ids = [next(s).request_id for s in streams]  # both accepted and running: the queue (2) is full
+    with ThreadPoolExecutor(6) as pool:
+        errors = list(pool.map(lambda _: _error(lambda: client.generate("Hi", timeout=TIMEOUT, max_tokens=4)),
+                               range(6)))
+    assert all(e is not None and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in e.details()
+               for e in errors), errors
+    assert all(client.cancel(i) for i in ids) and [collect(s)[2].finish_reason for s in streams] == [3, 3]
+    assert client.generate("Hi", timeout=TIMEOUT, max_tokens=4).finished  # room again
+    # SIGTERM: the running stream ends (aborted), health stops SERVING, the process exits 0.
+    stream = client.generate_stream("Once upon a time", timeout=TIMEOUT, **LONG)
+    next(stream)
+    server.proc.send_signal(signal.SIGTERM)
+    assert collect(stream)[2].finish_reason == pb.FINISH_REASON_ABORT
+    assert server.proc.wait(TIMEOUT) == 0 and "trtbuild serve: shutting down" in server.lines
+    assert server.address.startswith("127.0.0.1:")  # loopback by default
+
+
+def _error(call: Callable[[], object]) -> grpc.RpcError | None:
+    try:
+        call()
+    except grpc.RpcError as e:
+        return e
+    return None
+
+
+def test_health_reflection_model_info_and_unary_equals_stream(main, servers, llm):
+    assert main.health_status() == main.health_status("") == "SERVING"
+    db = ProtoReflectionDescriptorDatabase(main.channel)
+    assert {"trtbuild.v1.Generation", "grpc.health.v1.Health"} <= set(db.get_services())
+    assert db.FindFileContainingSymbol("trtbuild.v1.Generation").name.endswith("trtbuild.proto")
+    info = main.model_info()
+    assert (info.architecture, info.vocab_size, info.max_seq_len, info.max_batch_size, info.max_num_tokens) == (
+        "LlamaForCausalLM", 512, 256, 32, 512)
+    assert info.kv_cache_tokens == info.kv_cache_blocks * 8 > 0 and info.trtbuild_version
+    cases = [dict(max_tokens=30), dict(temperature=0.9, top_k=40, top_p=0.9, seed=7, max_tokens=30, logprobs=3),
+             dict(stop=["."], max_tokens=60), dict(stop_token_ids=[269], bad_words=["Lily"], min_tokens=2),
+             dict(ignore_eos=True, max_tokens=50, repetition_penalty=1.3, include_stop_str_in_output=True)]
+    for sampling in cases:
+        tokens, text, last = collect(main.generate_stream("Once upon a time", timeout=TIMEOUT, **sampling))
+        unary = main.generate("Once upon a time", timeout=TIMEOUT, **sampling)
+        assert (list(unary.token_ids), unary.text, unary.finish_reason) == (tokens, text, last.finish_reason)
+        assert unary.usage.output_tokens == last.usage.output_tokens == len(tokens)
+        exp_tokens, exp_text, exp_reason = alone(llm, "Once upon a time", **sampling)
+        assert (tokens, text, last.finish_reason) == (exp_tokens, exp_text, REASONS[exp_reason]), sampling
+        if "logprobs" in sampling:
+            assert [lp.token_id for lp in unary.logprobs] == tokens and all(len(lp.top) == 3 for lp in unary.logprobs)
+    assert main.generate([1, 403, 407], timeout=TIMEOUT, max_tokens=5).usage.prompt_tokens == 3  # token-id prompt
+    expected = alone(llm, PROMPTS[0], max_tokens=20)[1]
+    for extra in ([], ["--no-stream"]):
+        out = subprocess.run([sys.executable, "-m", "trtbuild.cli", "client", "--address", main.address, "--prompt",
+                              PROMPTS[0], "--max-tokens", "20", *extra], capture_output=True, text=True,
+                             timeout=TIMEOUT)
+        assert (out.returncode, out.stdout) == (0, PROMPTS[0] + expected + "\n"), out.stderr
+    out = subprocess.run([sys.executable, "-m", "trtbuild.cli", "client", "--address", main.address, "--prompt", "x",
+                          "--top-k", "-1"], capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode == 2
+
+
+def test_health_is_not_serving_until_the_engine_loads_and_a_dead_engine_is_unavailable(engine):
+    server = GenerationServer(port=0, max_queue_size=4)
+    try:
+        with GenerationClient(server.address, timeout=TIMEOUT) as client:
+            assert client.health_status() == "NOT_SERVING"
+            with pytest.raises(grpc.RpcError) as e:
+                client.generate("Once", timeout=TIMEOUT)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in e.value.details()
+            server.load(engine, RuntimeConfig(num_threads=1))
+            client.wait_ready(TIMEOUT)
+            assert client.generate("Once", timeout=TIMEOUT, max_tokens=3).usage.output_tokens == 3
+            loaded, server.servicer.engine = server.servicer.engine, _DeadEngine()
+            with pytest.raises(grpc.RpcError) as e:
+                client.generate("Once", timeout=TIMEOUT)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "engine loop stopped" in e.value.details()
+            assert client.health_status() == "NOT_SERVING"
+            server.servicer.engine = loaded
+            assert make_request([1, 2], stop=".").sampling.stop == ["."]
+    finally:
+        server.stop(grace=1.0)
+
+
+class _DeadEngine:
+    def submit(self, *args: object) -> None:
+        raise EngineDeadError("the engine loop stopped: boom")
