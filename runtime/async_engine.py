@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput
-from trtbuild.runtime.request import FinishReason, RequestMetrics
+from trtbuild.runtime.request import FinishReason
 from trtbuild.runtime.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._stopped = False  # set once the loop has ended: no more submits
-        self.completed: list[RequestMetrics] = []  # metrics of finished requests, for stats
+        self.num_finished = 0  # requests that ended (any reason), and their preemptions: counters for stats
+        self.num_preemptions = 0
         self._thread = threading.Thread(target=self._loop, name="trtbuild-engine-loop", daemon=True)
         self._thread.start()
 
@@ -134,8 +135,9 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if output.finished:
                 self._streams.pop(output.request_id, None)
+                self.num_finished += 1
                 if output.metrics is not None:
-                    self.completed.append(output.metrics)
+                    self.num_preemptions += output.metrics.num_preemptions
         if stream is not None:
             stream.put(output)
 

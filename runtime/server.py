@@ -209,12 +209,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.Stats:
         engine = self._engine(context)
         core = engine.core
-        completed = list(engine.completed)
         pool = core.kv.pool
         stats = pb.Stats(num_running=len(core.scheduler.running), num_waiting=len(core.scheduler.waiting),
                          num_unfinished=engine.num_unfinished, kv_cache_usage=pool.usage, kv_free_blocks=pool.num_free,
-                         kv_total_blocks=pool.num_blocks, num_finished=len(completed),
-                         num_preemptions=sum(m.num_preemptions for m in completed))
+                         kv_total_blocks=pool.num_blocks, num_finished=engine.num_finished,
+                         num_preemptions=engine.num_preemptions)
         with self._lock:
             stats.finish_reasons.update(self.finish_reasons)
         last = core.last_stats

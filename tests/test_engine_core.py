@@ -387,7 +387,7 @@ def test_async_concurrent_submits_get_their_alone_tokens(llama, alone):
         t.join(TIMEOUT)
     try:
         assert results == alone
-        assert len(engine.completed) == len(PROMPTS) and engine.num_unfinished == 0
+        assert engine.num_finished == len(PROMPTS) and engine.num_unfinished == 0
         assert_pool_full(engine.core)
     finally:
         engine.shutdown()
