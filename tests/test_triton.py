@@ -1,0 +1,384 @@
+"""Triton Inference Server: `trtbuild triton-repo` writes the model repository, `trtbuild triton-serve` runs the real
+tritonserver bundled in nvidia-pytriton on loopback, and tritonclient (gRPC streaming) and plain HTTP (generate,
+generate_stream) drive it; outputs are checked against in-process greedy generation (`LLM`) of each request alone.
+Server tests are skipped, saying why, when nvidia-pytriton or tritonclient is not installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from helpers import STORIES260K, require_shared_models
+
+from trtbuild.cli import main as cli
+from trtbuild.runtime.engine_core import RuntimeConfig
+from trtbuild.runtime.llm import LLM
+from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.triton_server import launcher
+from trtbuild.triton_server.repository import runtime_options
+from trtbuild.triton_server.tensors import INPUTS, parse_request
+
+TIMEOUT = 60.0
+PROMPTS = [f"{n} went to the {p}" for n in ("Lily", "Tom", "Sue", "Ben") for p in ("park", "sea", "shop", "forest")]
+LONG = dict(max_tokens=240, ignore_eos=True)
+_TYPES = {t.name: t.data_type.removeprefix("TYPE_").replace("STRING", "BYTES") for t in INPUTS}
+_NUMPY = {"BYTES": np.object_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_}
+
+
+# ---- without a server -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(engine_from_hf) -> Path:
+    require_shared_models()
+    return engine_from_hf(STORIES260K, max_batch_size=16, max_num_tokens=512)
+
+
+def test_triton_repo_writes_a_python_model_with_runtime_parameters(engine, tmp_path):
+    run = CliRunner().invoke
+    out = run(cli, ["triton-repo", "--engine", str(engine), "--output", str(tmp_path), "--no-decoupled",
+                    "--kv-cache-blocks", "64", "--policy", "guaranteed_no_evict", "--no-prefix-caching",
+                    "--max-batch-size", "8", "--threads", "1"])
+    assert out.exit_code == 0, out.output
+    config = (tmp_path / "trtbuild" / "config.pbtxt").read_text()
+    model_py = (tmp_path / "trtbuild" / "1" / "model.py").read_text()
+    assert "from trtbuild.triton_server.model import TritonPythonModel" in model_py
+    for line in ('backend: "python"', "max_batch_size: 8", "decoupled: false", "dynamic_batching { }"):
+        assert line in config, line
+    assert all(f'name: "{t.name}"' in config for t in INPUTS)
+    params = re.findall(r'parameters: \{ key: "(\w+)", value: \{ string_value: "(.*)" \} \}', config)
+    engine_dir, runtime, queue_size = runtime_options({k: {"string_value": v} for k, v in params})  # as model.py
+    assert (engine_dir, runtime.kv_cache_blocks, runtime.policy, runtime.enable_prefix_caching, runtime.max_batch_size,
+            runtime.num_threads, runtime.kv_cache_memory, queue_size) == (
+        engine.resolve(), 64, "guaranteed_no_evict", False, 8, 1, None, 256)
+    again = run(cli, ["triton-repo", "--engine", str(engine), "--output", str(tmp_path)])
+    assert again.exit_code == 2 and "already exists" in again.output
+    big = run(cli, ["triton-repo", "--engine", str(engine), "--output", str(tmp_path), "--model-name", "b",
+                    "--max-batch-size", "64"])
+    assert big.exit_code == 2 and "exceeds the engine's build limit 16" in big.output
+
+
+def test_tensors_map_to_sampling_params():
+    one = lambda v, t: np.array([[v]], dtype=t)  # noqa: E731 - [batch 1, 1]
+    parsed = parse_request({"input_ids": np.array([[5, 6, 7, 0]], np.int32), "input_lengths": one(3, np.int32),
+                            "request_output_len": one(9, np.int32), "end_id": one(13, np.int32),
+                            "stop_words": np.array([[b"", b"."]], object), "random_seed": one(7, np.uint64),
+                            "streaming": one(True, bool), "return_log_probs": one(True, bool)}, vocab_size=512)
+    p = parsed.params
+    assert (parsed.prompt_ids, p.max_tokens, p.stop_token_ids, p.ignore_eos, p.stop, p.seed, p.logprobs) == (
+        [5, 6, 7], 9, (13,), True, (".",), 7, 0)
+    assert parsed.stream and parsed.return_log_probs
+    with pytest.raises(ValueError, match="end_id must be a token id in"):
+        parse_request({"text_input": np.array([[b"x"]], object), "end_id": one(512, np.int32)}, vocab_size=512)
+    with pytest.raises(ValueError, match="stop_words must be UTF-8 text"):
+        parse_request({"text_input": np.array([[b"x"]], object), "stop_words": np.array([[b"\xff"]], object)})
+    with pytest.raises(ValueError, match="batch size must be 1"):
+        parse_request({"text_input": np.array([[b"x"], [b"y"]], object)})
+
+
+def test_triton_serve_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(launcher, "PYTRITON_PACKAGE", "no_such_pytriton_package")
+    out = CliRunner().invoke(cli, ["triton-serve", "--repo", str(tmp_path)])
+    assert out.exit_code == 2 and "tritonserver not found" in out.output and "pip install" in out.output
+
+
+# ---- a real server --------------------------------------------------------------------------------------------------
+class TritonServer:
+    """`trtbuild triton-serve` as a subprocess; stdout is read by a thread (the ready line)."""
+
+    def __init__(self, repo: Path, log: Path) -> None:
+        self.grpc, self.http, self.metrics_port = launcher.free_ports(3)
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trtbuild.cli", "triton-serve", "--repo", str(repo), "--grpc-port", str(self.grpc),
+             "--http-port", str(self.http), "--metrics-port", str(self.metrics_port), "--exit-timeout", "10"],
+            stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if "triton-serve: ready" in line:
+                self.ready.set()
+        self.ready.set()  # exited
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(TIMEOUT)
+
+    def post(self, path: str, body: dict) -> tuple[int, str]:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.http}{path}", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def gauges(self, model: str = "trtbuild") -> dict[str, float]:
+        """{"kv_free": ..., "req_active": ...} of one model, from Triton's /metrics."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=TIMEOUT) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("trtbuild_") and f'model="{model}"' in line:
+                kind = line.split('_type="')[1].split('"')[0]
+                out[("kv_" if line.startswith("trtbuild_kv") else "req_") + kind] = float(line.split()[-1])
+        return out
+
+    def wait_gauges(self, ok: Callable[[dict], bool], model: str = "trtbuild", timeout: float = 20.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while not ok(g := self.gauges(model)):
+            assert time.monotonic() < deadline, f"metrics never reached the expected state: {g}"
+            time.sleep(0.01)
+        return g
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory, request) -> TritonServer:
+    try:
+        launcher.find_tritonserver()
+    except launcher.TritonNotInstalledError as e:
+        pytest.skip(str(e))
+    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed: pip install 'trtbuild[triton]'")
+    repo = tmp_path_factory.mktemp("triton_repo")
+    for extra in (["--threads", "1"], ["--model-name", "trtbuild_sync", "--no-decoupled", "--threads", "1"]):
+        out = CliRunner().invoke(cli, ["triton-repo", "--engine", str(engine), "--output", str(repo), *extra])
+        assert out.exit_code == 0, out.output
+    launcher.stub_env()  # made once and cached (pip installs numpy 1.26 for the stub): not counted in the timeouts
+    shm_before = sorted(os.listdir("/dev/shm"))
+    server = TritonServer(repo, tmp_path_factory.mktemp("triton_logs") / "server.log")
+    request.addfinalizer(server.stop)
+    assert server.ready.wait(TIMEOUT) and server.proc.poll() is None, f"{server.lines}\n{server.log.read_text()}"
+    server.shm_before = shm_before
+    return server
+
+
+@pytest.fixture(scope="module")
+def llm(engine) -> LLM:
+    return LLM(engine, RuntimeConfig(num_threads=1))
+
+
+def alone(llm: LLM, prompt: str, **sampling: object) -> tuple[list[int], str, str]:
+    out = llm.generate([prompt], SamplingParams(**sampling))[0]
+    return out.token_ids, out.text, out.finish_reason
+
+
+def grpc_inputs(**fields: object) -> list:
+    import tritonclient.grpc as grpcclient
+
+    inputs = []
+    for name, value in fields.items():
+        dtype = _TYPES[name]
+        array = np.array([value if isinstance(value, list) else [value]], dtype=_NUMPY[dtype])
+        if dtype == "BYTES":
+            array = np.array([[v.encode() for v in array[0]]], dtype=np.object_)
+        inputs.append(grpcclient.InferInput(name, list(array.shape), dtype))
+        inputs[-1].set_data_from_numpy(array)
+    return inputs
+
+
+class Stream:
+    """One tritonclient gRPC client with a bidirectional stream; responses of its requests arrive on a queue."""
+
+    def __init__(self, server: TritonServer) -> None:
+        import tritonclient.grpc as grpcclient
+
+        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
+        self.responses: queue.Queue = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
+
+    def send(self, model: str = "trtbuild", **fields: object) -> None:
+        self.client.async_stream_infer(model, grpc_inputs(**fields), enable_empty_final_response=True)
+
+    def next(self) -> tuple[object, object]:
+        return self.responses.get(timeout=TIMEOUT)
+
+    def collect(self) -> tuple[list[int], str, str, int]:
+        """(token ids, text, finish reason, number of responses) up to the FINAL response; raises on an error."""
+        tokens, text, reason, n = [], "", "", 0
+        while True:
+            result, error = self.next()
+            if error is not None:
+                raise error
+            response = result.get_response()
+            if response.outputs:
+                n += 1
+                tokens += result.as_numpy("output_ids").reshape(-1).tolist()
+                text += result.as_numpy("text_output").reshape(-1)[0].decode()
+                reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
+            if response.parameters["triton_final_response"].bool_param:
+                return tokens, text, reason, n
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
+
+
+def test_16_concurrent_grpc_streams_equal_each_request_alone(server, llm):
+    expected = [alone(llm, p, max_tokens=40) for p in PROMPTS]
+    running, done = [], threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.01):
+            running.append(server.gauges().get("req_running", 0))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    streams = [Stream(server) for _ in PROMPTS]  # 16 clients, one inflight batch
+    barrier = threading.Barrier(len(PROMPTS))
+
+    def one(i: int) -> tuple:
+        barrier.wait(TIMEOUT)
+        streams[i].send(text_input=PROMPTS[i], max_tokens=40, stream=True)
+        return streams[i].collect()
+
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(pool.map(one, range(len(PROMPTS))))
+    finally:
+        done.set()
+        watcher.join(TIMEOUT)
+        for s in streams:
+            s.close()
+    for prompt, (tokens, text, reason), (got, got_text, got_reason, n) in zip(PROMPTS, expected, results, strict=True):
+        assert (got, got_text, got_reason) == (tokens, text, reason), prompt
+        assert n == len(tokens)  # streamed: one response per token
+    assert max(running) >= 8, f"the requests did not run batched: {running}"
+    server.wait_gauges(lambda g: g["kv_free"] == g["kv_max"] and g["req_active"] == 0)
+
+
+def test_http_generate_and_generate_stream_equal_the_runtime(server, llm):
+    prompt = "Once upon a time"
+    tokens, text, reason = alone(llm, prompt, max_tokens=30)
+    status, body = server.post("/v2/models/trtbuild/generate_stream", {"text_input": prompt, "max_tokens": 30,
+                                                                        "stream": True, "return_log_probs": True})
+    events = [json.loads(line[len("data: "):]) for line in body.splitlines() if line.startswith("data: ")]
+    assert status == 200 and len(events) == len(tokens)
+    ids = [e["output_ids"] for e in events]  # one token per event (a scalar in the JSON)
+    assert (ids, "".join(e["text_output"] for e in events), events[-1]["finish_reason"]) == (tokens, text, reason)
+    assert all(e["output_log_probs"] <= 0 for e in events)
+    assert events[-1]["cum_log_probs"] == pytest.approx(sum(e["output_log_probs"] for e in events), rel=1e-5)
+    prompt_ids = llm.core.tokenizer.encode(prompt)
+    for model in ("trtbuild", "trtbuild_sync"):  # one response; the input is in the output unless excluded
+        status, body = server.post(f"/v2/models/{model}/generate", {"text_input": prompt, "max_tokens": 30})
+        out = json.loads(body)
+        assert status == 200 and (out["text_output"], out["output_ids"], out["finish_reason"]) == (
+            prompt + text, prompt_ids + tokens, reason)
+        assert out["sequence_length"] == len(prompt_ids) + len(tokens)
+        status, body = server.post(f"/v2/models/{model}/generate", {"input_ids": prompt_ids, "request_output_len": 30,
+                                                                    "exclude_input_in_output": True})
+        assert status == 200 and (json.loads(body)["output_ids"], json.loads(body)["text_output"]) == (tokens, text)
+    cases = [dict(stop_words=["."], max_tokens=60), dict(end_id=269, min_tokens=2, bad_words=["Lily"]),
+             dict(temperature=0.9, top_k=40, top_p=0.9, random_seed=7, max_tokens=30)]
+    for case in cases:  # non-decoupled: requests sent together join one execute() (the dynamic batcher's)
+        with ThreadPoolExecutor(4) as pool:
+            bodies = list(pool.map(lambda p, case=case: server.post("/v2/models/trtbuild_sync/generate", {
+                "text_input": p, "exclude_input_in_output": True, **case}), PROMPTS[:4]))
+        sampling = {{"stop_words": "stop", "random_seed": "seed", "end_id": "stop_token_ids"}.get(k, k): v
+                    for k, v in case.items()}
+        if "stop_token_ids" in sampling:
+            sampling.update(stop_token_ids=[sampling["stop_token_ids"]], ignore_eos=True)
+        for p, (status, body) in zip(PROMPTS[:4], bodies, strict=True):
+            exp_tokens, exp_text, exp_reason = alone(llm, p, **sampling)
+            out = json.loads(body)
+            assert status == 200 and (out["output_ids"], out["text_output"], out["finish_reason"]) == (
+                exp_tokens, exp_text, exp_reason), case
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.http}/v2/models/trtbuild_sync/stats", timeout=TIMEOUT) as r:
+        stats = json.load(r)["model_stats"][0]
+    assert stats["execution_count"] < stats["inference_count"], stats  # some execute() calls got several requests
+
+
+def test_a_cancelled_stream_stops_and_frees_its_kv_blocks(server):
+    before = server.gauges()
+    load = [Stream(server) for _ in range(7)]  # other long requests keep the batch busy while one is cancelled
+    victim = Stream(server)
+    try:
+        for s in load:
+            s.send(text_input="Once upon a time", stream=True, **LONG)
+        victim.send(text_input="Tom went to the sea", stream=True, **LONG)
+        result, error = victim.next()
+        assert error is None and result.as_numpy("output_ids").size == 1
+        server.wait_gauges(lambda g: g["kv_used"] > 0 and g["req_active"] == 8)  # running: they hold blocks
+        victim.client.stop_stream(cancel_requests=True)
+        server.wait_gauges(lambda g: g["req_cancelled"] == before["req_cancelled"] + 1)
+        assert [s.collect()[2] for s in load] == ["length"] * 7  # the others were not disturbed
+    finally:
+        for s in [*load, victim]:
+            s.close()
+    after = server.wait_gauges(lambda g: g["kv_free"] == g["kv_max"] and g["req_active"] == 0)
+    assert after["req_completed"] == before["req_completed"] + 8
+    status, body = server.post("/v2/models/trtbuild/generate", {"text_input": "Once upon a time", **LONG})
+    assert status == 200 and json.loads(body)["finish_reason"] == "length"  # the full pool serves a long request
+
+
+BAD = [  # (inputs, message) over gRPC streaming and HTTP generate
+    (dict(text_input="Once", top_p=0.0), "top_p must be in (0, 1]"),
+    (dict(text_input=""), "text_input is empty"),
+    (dict(max_tokens=4), "send exactly one of text_input (BYTES) and input_ids (INT32), got neither"),
+    (dict(text_input="Once", input_ids=[1, 2]), "got both"),
+    (dict(text_input="Once", max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(text_input="Once", temperature=-1.0), "temperature must be a number >= 0"),
+    (dict(text_input="Once", end_id=9999), "end_id must be a token id in [0, 512)"),
+    (dict(text_input="Once", beam_width=2), "beam search is not supported"),
+    (dict(text_input="Once", min_tokens=9, max_tokens=4), "min_tokens must be <= max_tokens"),
+    (dict(input_ids=[1, 600]), "input_ids: ids [600] are outside the vocabulary [0, 512)"),
+    (dict(input_ids=[1] + [300] * 299), "the engine's max_seq_len is 256"),
+]
+
+
+def test_bad_inputs_get_errors_naming_the_tensor(server):
+    stream = Stream(server)
+    try:
+        for fields, message in BAD:
+            stream.send(**fields)
+            with pytest.raises(Exception) as e:
+                stream.collect()
+            assert message in str(e.value), (fields, str(e.value))
+            status, body = server.post("/v2/models/trtbuild_sync/generate", fields)
+            assert status == 400 and message in json.loads(body)["error"], (fields, body)
+    finally:
+        stream.close()
+    status, body = server.post("/v2/models/trtbuild_sync/generate", {"text_input": "Once", "stream": True})
+    assert status == 400 and "only supported if the model is deployed in decoupled mode" in body
+    status, body = server.post("/v2/models/trtbuild/generate", {"text_input": "Once", "max_tokenz": 3})
+    assert status == 400 and "unknown inputs ['max_tokenz']" in body  # not silently ignored
+    stream = Stream(server)
+    try:
+        inputs = grpc_inputs(text_input="Once", temperature=1.0)
+        inputs[1]._input.name = "max_tokens"  # FP32 data under an INT32 tensor's name: Triton's own check
+        stream.client.async_stream_infer("trtbuild", inputs)
+        with pytest.raises(Exception, match="input 'max_tokens' data-type is 'FP32', but model 'trtbuild' expects"):
+            stream.collect()
+    finally:
+        stream.close()
+    status, body = server.post("/v2/models/trtbuild/generate", {"text_input": "Once", "max_tokens": 3})
+    assert status == 200 and json.loads(body)["sequence_length"] > 3  # the stub survived every error
+
+
+def test_sigterm_stops_the_server_cleanly_leaving_no_shared_memory(server):
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(TIMEOUT) == 0, server.log.read_text()[-3000:]
+    assert "triton-serve: tritonserver exited with code 0" in server.lines[-1]
+    assert server.log.read_text().count("trtbuild: engine loop stopped") == 2  # finalize() of both models
+    assert sorted(os.listdir("/dev/shm")) == server.shm_before
