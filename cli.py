@@ -168,5 +168,169 @@ def client(address: str, prompt: str, max_tokens: int, temperature: float, top_k
     click.echo()
 
 
+@main.command()
+@click.option("--engine", type=_existing, default=None, help="Engine directory: benchmark it in-process.")
+@click.option("--address", default=None, help="host:port of a running `trtbuild serve` to benchmark instead.")
+@click.option("--dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help='JSON lines {"prompt": "..." or "input_ids": [...], "output_tokens": N}.')
+@click.option("--num-requests", type=click.IntRange(min=1), default=None,
+              help="Synthetic requests (with --dataset: use the first N lines).")
+@click.option("--input-len", type=click.IntRange(min=1), default=None, help="Synthetic prompt tokens (random ids).")
+@click.option("--output-len", type=click.IntRange(min=1), default=None, help="Synthetic output tokens.")
+@click.option("--seed", type=int, default=0, help="Seed of the synthetic prompts and the arrival times.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=None, help="Requests in flight at most.")
+@click.option("--request-rate", type=click.FloatRange(min=0, min_open=True), default=float("inf"),
+              help="Poisson arrivals, requests per second (inf: all at once).")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0,
+              help="Seconds each request may take; slower ones are cancelled and counted as failed.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Engine (ONNX Runtime) and HF (torch) threads [default: all cores].")
+@click.option("--compare-sequential", is_flag=True, help="Also run the requests one at a time; print the speedup.")
+@click.option("--compare-hf", type=_existing, default=None,
+              help="HF model folder or llama .gguf: also time transformers generate() on the same prompts batched.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
+def bench(engine: Path | None, address: str | None, dataset: Path | None, num_requests: int | None,
+          input_len: int | None, output_len: int | None, seed: int, concurrency: int | None, request_rate: float,
+          timeout: float, threads: int | None, compare_sequential: bool, compare_hf: Path | None,
+          as_json: bool) -> None:
+    """Measure throughput and latency of an engine (in-process) or a server under load, with baselines as ratios."""
+    from trtbuild.runtime.bench import BenchOptions, format_report, run_bench, to_json
+
+    options = BenchOptions(engine=engine, address=address, dataset=dataset, num_requests=num_requests,
+                           input_len=input_len, output_len=output_len, seed=seed, concurrency=concurrency,
+                           request_rate=request_rate, timeout=timeout, threads=threads,
+                           compare_sequential=compare_sequential, compare_hf=compare_hf)
+    report = run_bench(options, log=lambda message: click.echo(message, err=True))
+    click.echo(to_json(report) if as_json else format_report(report))
+
+
+@main.command("triton-repo")
+@click.option("--engine", required=True, type=_existing, help="Engine directory written by `trtbuild build`.")
+@click.option("--output", required=True, type=_out, help="Model repository folder (created; may hold other models).")
+@click.option("--model-name", default="trtbuild", help="Name of the model in the repository (and in client calls).")
+@click.option("--decoupled/--no-decoupled", default=True,
+              help="Decoupled: token streaming (gRPC stream, HTTP generate_stream); else one response per request.")
+@click.option("--kv-cache-memory", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="KV cache budget: bytes (> 1) or a fraction of available memory (<= 1).")
+@click.option("--kv-cache-blocks", type=click.IntRange(min=1), default=None,
+              help="Exact number of KV blocks (overrides --kv-cache-memory).")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=None, help="[default: the engine's]")
+@click.option("--max-num-tokens", type=click.IntRange(min=1), default=None, help="[default: the engine's]")
+@click.option("--policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]), default="max_utilization",
+              help="Batch scheduler policy (config parameter batch_scheduler_policy).")
+@click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes.")
+@click.option("--max-queue-size", type=click.IntRange(min=1), default=256, help="Unfinished requests held at most.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
+def triton_repo(engine: Path, output: Path, model_name: str, decoupled: bool, kv_cache_memory: float | None,
+                kv_cache_blocks: int | None, max_batch_size: int | None, max_num_tokens: int | None, policy: str,
+                no_prefix_caching: bool, max_queue_size: int, threads: int | None) -> None:
+    """Write a Triton model repository whose Python-backend model hosts the trtbuild runtime."""
+    from trtbuild.errors import TrtbuildError
+    from trtbuild.triton_server.repository import ModelOptions, write_model_repository
+
+    try:
+        options = ModelOptions(kv_cache_memory=kv_cache_memory, kv_cache_blocks=kv_cache_blocks,
+                               max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+                               batch_scheduler_policy=policy, enable_kv_cache_reuse=not no_prefix_caching,
+                               max_queue_size=max_queue_size, num_threads=threads)
+        model = write_model_repository(engine, output, model_name, decoupled, options)
+    except ValueError as e:
+        raise TrtbuildError(str(e)) from None
+    click.echo(f"wrote Triton model {model} ({'decoupled' if decoupled else 'not decoupled'}); serve it with "
+               f"`trtbuild triton-serve --repo {output}`")
+
+
+@main.command("triton-serve", context_settings={"ignore_unknown_options": True})
+@click.option("--repo", required=True, type=_existing, help="Model repository written by `trtbuild triton-repo`.")
+@click.option("--host", default="127.0.0.1", help="Address of all endpoints; loopback by default (0.0.0.0: all).")
+@click.option("--grpc-port", type=click.IntRange(min=1, max=65535), default=8001, help="KServe v2 gRPC port.")
+@click.option("--http-port", type=click.IntRange(min=1, max=65535), default=8000, help="KServe v2 HTTP port.")
+@click.option("--metrics-port", type=click.IntRange(min=1, max=65535), default=8002, help="Prometheus /metrics.")
+@click.option("--exit-timeout", type=click.IntRange(min=0), default=30,
+              help="Seconds in-flight requests get at shutdown (tritonserver's --exit-timeout-secs).")
+@click.argument("tritonserver_args", nargs=-1, type=click.UNPROCESSED)
+def triton_serve(repo: Path, host: str, grpc_port: int, http_port: int, metrics_port: int, exit_timeout: int,
+                 tritonserver_args: tuple[str, ...]) -> None:
+    """Run the tritonserver bundled with nvidia-pytriton over a model repository until SIGTERM / Ctrl-C.
+
+    Arguments after `--` go to tritonserver as they are (e.g. -- --log-verbose=1).
+    """
+    from trtbuild.errors import TrtbuildError
+    from trtbuild.triton_server.launcher import TritonNotInstalledError, serve
+
+    try:
+        code = serve(repo, host, grpc_port, http_port, metrics_port, tuple(tritonserver_args),
+                     exit_timeout=exit_timeout)
+    except TritonNotInstalledError as e:
+        raise TrtbuildError(str(e)) from None
+    sys.exit(code)
+
+
+@main.command("eval")
+@click.option("--engine", required=True, type=_existing, help="Engine directory written by `trtbuild build`.")
+@click.option("--dataset", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="UTF-8 text file, tokenized whole by the engine's tokenizer.")
+@click.option("--max-seq-len", type=click.IntRange(min=1), default=None,
+              help="Tokens fed per sliding window [default: the engine's max_seq_len, at most 1024].")
+@click.option("--stride", type=click.IntRange(min=1), default=None,
+              help="Tokens scored per window (each token once) [default: half the window].")
+@click.option("--reference-engine", type=_existing, default=None,
+              help="A second engine (e.g. unquantized): report its perplexity and the top-1 agreement.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
+def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: int | None,
+                 reference_engine: Path | None, threads: int | None) -> None:
+    """Perplexity of an engine on a text (sliding windows), optionally against a reference engine."""
+    from trtbuild.errors import TrtbuildError
+    from trtbuild.runtime.eval import evaluate_text
+
+    try:
+        r = evaluate_text(engine, dataset.read_text(encoding="utf-8"), max_seq_len=max_seq_len, stride=stride,
+                          reference_engine=reference_engine, num_threads=threads)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TrtbuildError(str(e)) from None
+    click.echo(f"perplexity {r.perplexity:.4f} (mean NLL {r.nll:.4f} nats) over {r.num_tokens} tokens, "
+               f"{r.num_windows} windows of {r.max_seq_len} tokens, stride {r.stride}")
+    if r.reference_perplexity is not None:
+        click.echo(f"reference perplexity {r.reference_perplexity:.4f}; top-1 agreement "
+                   f"{100 * r.argmax_agreement:.2f}% of {r.num_tokens} positions")
+
+
+@main.command()
+@click.option("--model", required=True, type=_existing,
+              help="Hugging Face model folder, a .gguf file, or an unquantized trtbuild checkpoint folder.")
+@click.option("--output", required=True, type=_out, help="Checkpoint folder to create (must not exist or be empty).")
+@click.option("--qformat", required=True, type=click.Choice(["fp8", "int4_awq", "int8_sq"]),
+              help="fp8: e4m3 weights and activations; int4_awq: 4-bit weights, AWQ; int8_sq: int8 SmoothQuant.")
+@click.option("--kv-cache-dtype", type=click.Choice(["fp8", "int8"]), default=None,
+              help="Also quantize the KV cache (per-layer static scales).")
+@click.option("--calib-dataset", type=_existing, default=None,
+              help='.txt file, .jsonl (field "text") or folder of .txt [default: Python standard-library docstrings].')
+@click.option("--calib-size", type=click.IntRange(min=1), default=512, help="Calibration samples.")
+@click.option("--calib-max-seq-len", type=click.IntRange(min=1), default=512, help="Tokens per calibration sample.")
+@click.option("--awq-block-size", type=click.IntRange(min=1), default=128,
+              help="int4_awq: input features per weight scale (a power of two that divides them).")
+@click.option("--exclude", multiple=True, default=("lm_head",),
+              help="Keep linears whose checkpoint name matches this fnmatch pattern unquantized (repeatable; "
+                   "replaces the default), e.g. 'transformer.layers.0.*'.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
+              help="Dtype of the unquantized tensors; auto keeps the model's.")
+@click.option("--tp-size", type=click.IntRange(min=1), default=1, help="Tensor-parallel ranks.")
+@click.option("--pp-size", type=click.IntRange(min=1), default=1, help="Pipeline-parallel ranks.")
+def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None, calib_dataset: Path | None,
+             calib_size: int, calib_max_seq_len: int, awq_block_size: int, exclude: tuple[str, ...], dtype: str,
+             tp_size: int, pp_size: int) -> None:
+    """Calibrate a model with nvidia-modelopt and write a quantized checkpoint (docs/quantization.md)."""
+    from trtbuild.quantize.quantize import quantize as run_quantize
+
+    r = run_quantize(model, output, qformat, kv_cache_dtype=kv_cache_dtype, calib_dataset=calib_dataset,
+                     calib_size=calib_size, calib_max_seq_len=calib_max_seq_len, awq_block_size=awq_block_size,
+                     exclude=exclude, dtype=dtype, tp_size=tp_size, pp_size=pp_size)
+    q = r.config.quantization
+    group = f" (group {q.group_size})" if q.group_size else ""
+    click.echo(f"wrote {output}: {q.quant_algo}{group}, KV cache {q.kv_cache_quant_algo or r.config.dtype}, "
+               f"{len(r.quantized)} linears quantized, {len(r.excluded)} kept in {r.config.dtype}, calibrated on "
+               f"{r.calib_shape[0]} x {r.calib_shape[1]} tokens in {r.seconds['calibrate']:.1f} s, "
+               f"{r.config.mapping.world_size} rank(s)")
+
 if __name__ == "__main__":
     main()

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from trtbuild.builder.convert.checkpoint import CONFIG_FILE, copy_tokenizer_files, load_checkpoint, prepare_output_dir
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, cpu_fingerprint, write_engine_config
 from trtbuild.builder.network import ENGINE_INPUTS, ENGINE_OUTPUTS, build_network
+from trtbuild.builder.quantized import check_quantization
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.errors import TrtbuildError
 
@@ -26,11 +27,7 @@ def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
             f"the CPU target builds single-rank checkpoints, and this one has {config.mapping.world_size} ranks "
             f"(tp={config.mapping.tp_size}, pp={config.mapping.pp_size}); re-run `trtbuild convert` with "
             "--tp-size 1 --pp-size 1.")
-    q = config.quantization
-    if q.quant_algo or q.kv_cache_quant_algo:
-        raise TrtbuildError(
-            f"the CPU target cannot run quantization {q.quant_algo or q.kv_cache_quant_algo!r} yet; "
-            "build an unquantized checkpoint.")
+    check_quantization(config, build)
     if build.max_seq_len > config.max_position_embeddings:
         raise TrtbuildError(
             f"--max-seq-len {build.max_seq_len} exceeds the model's max_position_embeddings "
@@ -57,11 +54,15 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> tuple[onnx.M
     """Fusion passes (unless disabled) then the target lowering; returns the model and the passes applied."""
     from trtbuild.builder.lower_cpu import lower_paged_attention
     from trtbuild.builder.passes import run_passes
+    from trtbuild.builder.passes.lower_quant_cpu import lower_quantized_linears
 
     applied = []
     if build.fuse:
         counts = run_passes(model, build.target)
         applied = [f"{name}:{n}" for name, n in counts.items()]
+    quantized = lower_quantized_linears(model)  # always: the engine must run low-bit kernels, not dequantized copies
+    if quantized:
+        applied.append(f"lower_quantized_linears:{quantized}")
     lower_paged_attention(model)
     onnx.checker.check_model(model)
     return model, applied

@@ -13,12 +13,17 @@ import onnx
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder, GraphView, topological_sort
 from trtbuild.plugins import paged_attention as pa
+from trtbuild.runtime.kv_cache import fp8_e4m3_values
+
+_MISSING = object()
 
 
-def _attr(node: onnx.NodeProto, name: str):
+def _attr(node: onnx.NodeProto, name: str, default=_MISSING):
     for a in node.attribute:
         if a.name == name:
             return onnx.helper.get_attribute_value(a)
+    if default is not _MISSING:
+        return default
     raise KeyError(f"{node.name} lacks attribute {name}")
 
 
@@ -90,6 +95,42 @@ class _Lowering:
         return op("Concat", [op("Sub", [op("Mul", [x1, cos_t]), op("Mul", [x2, sin_t])]),
                              op("Add", [op("Mul", [x2, cos_t]), op("Mul", [x1, sin_t])])], axis=-1)
 
+    @staticmethod
+    def kv_quant(node: onnx.NodeProto, which: int) -> tuple[str | None, np.float32]:
+        algo = _attr(node, "kv_cache_quant_algo", None)
+        algo = algo.decode() if isinstance(algo, bytes) else algo
+        return algo, np.float32(_attr(node, "kv_cache_scale")[which] if algo else 1.0)
+
+    def dequantize_kv(self, gathered: str, node: onnx.NodeProto, which: int) -> str:
+        """Float32 K (which=0) or V (1) of the rows gathered from a quantized pool; only those rows are touched.
+        int8: Cast * scale. fp8 (uint8 bit patterns): Gather from a 256-entry table of e4m3 value * scale (exact)."""
+        algo, scale = self.kv_quant(node, which)
+        if algo is None:
+            return gathered
+        op, c = self.g.op, self.c
+        if algo == "int8":
+            return op("Mul", [op("Cast", [gathered], to=onnx.TensorProto.FLOAT), c(scale, "kv_scale")])
+        table = c((fp8_e4m3_values() * scale).astype(np.float32), "kv_fp8_table")
+        return op("Gather", [table, op("Cast", [gathered], to=onnx.TensorProto.INT32)])
+
+    def fake_quantize_kv(self, x: str, node: onnx.NodeProto, which: int) -> str:
+        """This step's own K or V as the pool will hold it (quantized, then dequantized), so that every key and value
+        attended is a stored one whatever the chunking, as in the modelopt-simulated model. Plain float ops (Div,
+        Round half to even, Clip / Cast to e4m3 saturating): ONNX Runtime's QDQ rewrites stay out of attention."""
+        algo, scale = self.kv_quant(node, which)
+        if algo is None:
+            return x
+        op, c = self.g.op, self.c
+        s = c(scale, "kv_scale")
+        y = op("Div", [x, s])
+        if algo == "int8":
+            y = op("Clip", [op("Round", [y]), c(np.float32(-127), "kv_min"), c(np.float32(127), "kv_max")])
+        else:
+            fp8 = op("Cast", [op("Clip", [y, c(np.float32(-448), "kv_min"), c(np.float32(448), "kv_max")])],
+                     to=onnx.TensorProto.FLOAT8E4M3FN)
+            y = op("Cast", [fp8], to=onnx.TensorProto.FLOAT)
+        return op("Mul", [y, s])
+
     def lower(self, node: onnx.NodeProto) -> None:
         g, op, c = self.g, self.g.op, self.c
         layer, heads, kv_heads = _attr(node, "layer_idx"), _attr(node, "num_heads"), _attr(node, "num_kv_heads")
@@ -109,10 +150,10 @@ class _Lowering:
         pool = op("Reshape", [node.input[pa.KV_CACHE], c([-1, d])])  # aliases the pool, no copy
         # Keys and values in two parts, both [KVH, 1, B, tokens, D]: past tokens gathered from the pool (O(context),
         # never the whole pool) and this step's own tokens unpacked per sequence; one softmax spans both.
-        past_kv = [op("Gather", [pool, op("Add", [m["head_slots"],
-                                                  op("Mul", [m["slots_per_plane"], c([2 * layer + w])])])])
-                   for w in (0, 1)]
-        new_kv = [op("Gather", [op("Transpose", [x], perm=[1, 0, 2]), m["q_index"]], axis=1) for x in (k, v)]
+        past_kv = [self.dequantize_kv(op("Gather", [pool, op("Add", [m["head_slots"], op(
+            "Mul", [m["slots_per_plane"], c([2 * layer + w])])])]), node, w) for w in (0, 1)]
+        new_kv = [op("Gather", [op("Transpose", [self.fake_quantize_kv(x, node, w)], perm=[1, 0, 2]), m["q_index"]],
+                     axis=1) for w, x in enumerate((k, v))]
         keys, values = ([op("Unsqueeze", [x, c([1])]) for x in pair] for pair in zip(past_kv, new_kv, strict=True))
         q_h = op("Gather", [op("Transpose", [q], perm=[1, 0, 2]), m["q_index"]], axis=1)  # [H, B, Sq, D]
         q_g = op("Reshape", [q_h, op("Concat", [c([kv_heads, group]), op("Slice", [op("Shape", [q_h]), c([1]),

@@ -8,9 +8,17 @@ Engine I/O (T = packed tokens of this step, B = sequences, N = tokens whose logi
   block_tables [B, max_blocks_per_seq] int64, logits_indices [N] int64,
   kv_cache [num_layers, 2, num_kv_heads, num_blocks, tokens_per_block, head_size]
   -> logits [N, vocab] float32, new_kv [num_layers, 2, T, num_kv_heads, head_size] (K after RoPE, V)
+
+Quantized checkpoints: linears take the standard Q/DQ form of their format (builder/quantized.py). A quantized KV
+cache makes `kv_cache` int8 (or uint8 holding float8 e4m3fn bits); each PagedAttention node then carries the
+attributes `kv_cache_quant_algo` and `kv_cache_scale` [K scale, V scale], and the model's metadata_props carry
+the per-layer scales (`trtbuild.kv_cache_scales`, JSON [[k, v], ...]) for the runtime, which quantizes new_kv when
+it writes the pool. new_kv itself stays float32.
 """
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import onnx
@@ -18,6 +26,7 @@ import torch
 from onnx import TensorProto
 
 from trtbuild.builder.graph import GraphBuilder
+from trtbuild.builder.quantized import KV_CACHE_ELEM_TYPES, QuantizedLinears, kv_cache_scales
 from trtbuild.builder.rope import rope_tables
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.plugins import paged_attention as pa
@@ -25,6 +34,7 @@ from trtbuild.plugins import paged_attention as pa
 ENGINE_INPUTS = ("input_ids", "position_ids", "query_start_loc", "past_lengths", "block_tables", "logits_indices",
                  "kv_cache")
 ENGINE_OUTPUTS = ("logits", "new_kv")
+KV_SCALES_METADATA = "trtbuild.kv_cache_scales"
 
 
 def kv_cache_shape(config: ModelConfig, build: BuildConfig, num_blocks: int | str) -> list:
@@ -39,16 +49,21 @@ class _NetworkWriter:
         self.c, self.build, self.g = config, build, GraphBuilder()
         self.tensors = tensors
         self.np_dtype = np.float32  # the CPU target computes in fp32 (ORT's CPU kernels are fastest there)
+        self.quant = QuantizedLinears(self.g, config, tensors)
+        self.kv_scales = kv_cache_scales(config, tensors)
 
     def tensor(self, name: str) -> np.ndarray:
         return self.tensors[name].to(torch.float32).numpy().astype(self.np_dtype)
 
-    def linear(self, x: str, prefix: str, bias: bool = False) -> str:
-        w = self.g.weight(prefix + ".weight", self.tensor(prefix + ".weight").T)  # [in, out] for MatMul
-        y = self.g.op("MatMul", [x, w], name=prefix)
+    def linear(self, x: str, prefix: str, bias: bool = False, outputs: list[str] | None = None) -> str:
+        if self.quant.is_quantized(prefix):
+            y = self.quant.matmul(x, prefix, outputs=None if bias else outputs)
+        else:
+            w = self.g.weight(prefix + ".weight", self.tensor(prefix + ".weight").T)  # [in, out] for MatMul
+            y = self.g.op("MatMul", [x, w], name=prefix, outputs=None if bias else outputs)
         if bias:
             y = self.g.op("Add", [y, self.g.weight(prefix + ".bias", self.tensor(prefix + ".bias"))],
-                          name=prefix + "_bias")
+                          name=prefix + "_bias", outputs=outputs)
         return y
 
     def rms_norm(self, x: str, weight_name: str) -> str:
@@ -76,7 +91,8 @@ class _NetworkWriter:
         past_lengths = g.input("past_lengths", i64, ["batch"])
         block_tables = g.input("block_tables", i64, ["batch", self.build.max_blocks_per_seq])
         logits_indices = g.input("logits_indices", i64, ["num_logits"])
-        kv_cache = g.input("kv_cache", f32, kv_cache_shape(c, self.build, "num_blocks"))
+        kv_algo = c.quantization.kv_cache_quant_algo
+        kv_cache = g.input("kv_cache", KV_CACHE_ELEM_TYPES[kv_algo], kv_cache_shape(c, self.build, "num_blocks"))
 
         cos_np, sin_np = rope_tables(c, self.build.max_seq_len)
         cos, sin = g.weight("rope_cos", cos_np), g.weight("rope_sin", sin_np)
@@ -95,11 +111,13 @@ class _NetworkWriter:
                 k = self.head_norm(k, p + "attention.k_norm.weight", c.num_key_value_heads)
             q = self.rope(q, c.num_attention_heads, positions_2d, cos, sin)
             k = self.rope(k, c.num_key_value_heads, positions_2d, cos, sin)
+            kv_quant = {} if self.kv_scales is None else dict(
+                kv_cache_quant_algo=kv_algo, kv_cache_scale=[float(s) for s in self.kv_scales[i]])
             attn, k_new, v_new = g.op(
                 pa.OP_TYPE, [q, k, v, kv_cache, block_tables, past_lengths, query_start], num_outputs=3,
                 domain=pa.DOMAIN, name=p + "attention.paged", layer_idx=i, num_heads=c.num_attention_heads,
                 num_kv_heads=c.num_key_value_heads, head_size=c.head_size, tokens_per_block=self.build.tokens_per_block,
-                scale=float(c.head_size**-0.5), rotary=0,
+                scale=float(c.head_size**-0.5), rotary=0, **kv_quant,
             )
             x = g.op("Add", [x, self.linear(attn, p + "attention.dense")], name=p + "attn_residual")
             h = self.rms_norm(x, p + "post_layernorm.weight")
@@ -112,12 +130,14 @@ class _NetworkWriter:
         g.scope = ""
         selected = g.op("Gather", [x, logits_indices], axis=0, name="select_logit_tokens")
         h = self.rms_norm(selected, "transformer.ln_f.weight")
-        lm_head = g.weight("lm_head.weight", self.tensor("lm_head.weight").T)
-        g.op("MatMul", [h, lm_head], name="lm_head", outputs=["logits"])
+        self.linear(h, "lm_head", outputs=["logits"])
         g.op("Concat", new_kv, axis=0, name="new_kv", outputs=["new_kv"])
         g.output("logits", f32, ["num_logits", c.vocab_size])
         g.output("new_kv", f32, [c.num_hidden_layers, 2, "num_tokens", c.num_key_value_heads, c.head_size])
-        return g.model("trtbuild_decoder", {pa.DOMAIN: pa.OPSET_VERSION})
+        model = g.model("trtbuild_decoder", {pa.DOMAIN: pa.OPSET_VERSION})
+        if self.kv_scales is not None:
+            onnx.helper.set_model_props(model, {KV_SCALES_METADATA: json.dumps(self.kv_scales.tolist())})
+        return model
 
 
 def build_network(config: ModelConfig, tensors: dict[str, torch.Tensor], build: BuildConfig) -> onnx.ModelProto:

@@ -7,6 +7,7 @@ One `ModelConfig` describes every supported decoder family; the family only swit
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,16 +54,62 @@ class Mapping:
         return {"world_size": self.world_size, "tp_size": self.tp_size, "pp_size": self.pp_size}
 
 
+QUANT_ALGOS = ("fp8", "int4_awq", "int8_sq")
+KV_CACHE_QUANT_ALGOS = ("fp8", "int8")
+# Scale tensors each quantized linear `P` carries besides `P.weight` (format: docs/quantization.md).
+QUANT_SCALES: dict[str, tuple[str, ...]] = {
+    "fp8": ("weights_scaling_factor", "activation_scaling_factor"),
+    "int4_awq": ("weights_scaling_factor", "prequant_scaling_factor"),
+    "int8_sq": ("weights_scaling_factor", "activation_scaling_factor", "prequant_scaling_factor"),
+}
+
+
 @dataclass(frozen=True)
 class QuantConfig:
-    """Quantization of weights and KV cache; all None means full precision."""
+    """Quantization of weights and KV cache; all None means full precision (docs/quantization.md)."""
 
     quant_algo: str | None = None  # fp8 | int4_awq | int8_sq
     kv_cache_quant_algo: str | None = None  # fp8 | int8
-    group_size: int | None = None
+    group_size: int | None = None  # int4_awq: input features per weight scale (128 unless set)
     has_zero_point: bool = False
-    pre_quant_scale: bool = False
-    exclude_modules: tuple[str, ...] = ()
+    pre_quant_scale: bool = False  # linears carry prequant_scaling_factor (int4_awq, int8_sq)
+    exclude_modules: tuple[str, ...] = ()  # fnmatch patterns over linear prefixes kept unquantized
+
+    def __post_init__(self) -> None:
+        def bad(what: str) -> CheckpointError:
+            return CheckpointError(f"checkpoint quantization config: {what}; re-run `trtbuild quantize`.")
+
+        if self.quant_algo not in (None, *QUANT_ALGOS):
+            raise bad(f"quant_algo {self.quant_algo!r} is not one of {', '.join(QUANT_ALGOS)} or null")
+        if self.kv_cache_quant_algo not in (None, *KV_CACHE_QUANT_ALGOS):
+            raise bad(f"kv_cache_quant_algo {self.kv_cache_quant_algo!r} is not one of "
+                      f"{', '.join(KV_CACHE_QUANT_ALGOS)} or null")
+        if self.has_zero_point:
+            raise bad("has_zero_point=true (asymmetric weights) is not supported")
+        if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
+                                            or self.group_size < 1):
+            raise bad(f"group_size {self.group_size!r} is not a positive integer")
+        if self.group_size is not None and self.quant_algo != "int4_awq":
+            raise bad(f"group_size is only meaningful for int4_awq, not {self.quant_algo!r}")
+        if bool(self.pre_quant_scale) != (self.quant_algo in ("int4_awq", "int8_sq")):
+            raise bad(f"pre_quant_scale={self.pre_quant_scale} does not match quant_algo {self.quant_algo!r}")
+        if not all(isinstance(p, str) for p in self.exclude_modules):
+            raise bad("exclude_modules must be a list of strings")
+
+    @property
+    def weight_group_size(self) -> int:
+        """int4_awq group size (input features per scale)."""
+        return self.group_size or 128
+
+    def is_excluded(self, prefix: str) -> bool:
+        """Whether the linear with checkpoint prefix `prefix` (e.g. `lm_head`) stays unquantized."""
+        return self.quant_algo is None or any(fnmatch.fnmatchcase(prefix, p) for p in self.exclude_modules)
+
+    def scale_names(self, prefix: str) -> tuple[str, ...]:
+        """Scale tensors the linear `prefix` carries (none when excluded or unquantized)."""
+        if self.is_excluded(prefix):
+            return ()
+        return tuple(f"{prefix}.{s}" for s in QUANT_SCALES[self.quant_algo or ""])
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,13 +53,21 @@ class CpuEngine:
             self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types for corrupt or unsupported models
             raise EngineCompatibilityError(f"{path} could not be loaded ({e}); rebuild the engine.") from None
+        self.kv_quant_algo = self.info.model.quantization.kv_cache_quant_algo
+        self.kv_scales = None
+        if self.kv_quant_algo:  # per-layer (K, V) scales, stored in the engine file by builder/network.py
+            meta = self.session.get_modelmeta().custom_metadata_map.get("trtbuild.kv_cache_scales")
+            if meta is None:
+                raise EngineCompatibilityError(f"{path} has a {self.kv_quant_algo} KV cache but no KV scales; "
+                                               "rebuild the engine.")
+            self.kv_scales = np.array(json.loads(meta), dtype=np.float32)
         self.allocate_kv_cache(num_blocks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)create the KV pool with `num_blocks` blocks; its previous contents are dropped."""
         m, b = self.info.model, self.info.build
         self.kv = KVCacheStorage(m.num_hidden_layers, m.num_key_value_heads, m.head_size, b.tokens_per_block,
-                                 num_blocks)
+                                 num_blocks, quant_algo=self.kv_quant_algo, scales=self.kv_scales)
 
     @property
     def max_blocks_per_seq(self) -> int:

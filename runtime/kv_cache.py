@@ -1,20 +1,65 @@
 """The paged KV pool's storage: one array of fixed-size blocks for every layer, K and V, with O(new tokens) writes.
 
 Which blocks a sequence owns is decided elsewhere (kv_cache_manager.py); this class only holds the numbers.
+
+A quantized pool (checkpoint `kv_cache_quant_algo` int8 or fp8) holds 1 byte per value: int8 values, or the bit
+patterns of float8 e4m3fn stored as uint8 (ONNX Runtime's CPU Gather takes no float8 tensors). `write` quantizes
+the step's new K/V with the per-layer (K scale, V scale); the engine dequantizes only the rows it gathers.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+# kv_cache_quant_algo -> dtype of the pool the engine reads
+KV_CACHE_DTYPES: dict[str | None, np.dtype] = {None: np.dtype(np.float32), "int8": np.dtype(np.int8),
+                                               "fp8": np.dtype(np.uint8)}
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_kv(x: np.ndarray, scale: np.ndarray | float, algo: str) -> np.ndarray:
+    """Stored value of x: int8 round(x / scale) (half to even) clipped to [-127, 127], or the uint8 bit pattern of
+    float8 e4m3fn(x / scale), saturated to +-448. `scale` broadcasts against x."""
+    y = np.asarray(x, dtype=np.float32) / np.asarray(scale, dtype=np.float32)
+    if algo == "int8":
+        return np.clip(np.rint(y), -127, 127).astype(np.int8)
+    if algo == "fp8":
+        import ml_dtypes
+
+        return np.clip(y, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    raise ValueError(f"unknown KV cache quantization {algo!r}; int8 and fp8 are supported")
+
+
+def fp8_e4m3_values() -> np.ndarray:
+    """float32 value of each of the 256 float8 e4m3fn bit patterns (NaN patterns -> 0: they are never stored)."""
+    import ml_dtypes
+
+    values = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return np.nan_to_num(values, nan=0.0)
+
+
+def dequantize_kv(q: np.ndarray, scale: np.ndarray | float, algo: str) -> np.ndarray:
+    """The float32 value a stored K/V element stands for (the engine's in-graph dequantization, in numpy)."""
+    values = q.astype(np.float32) if algo == "int8" else fp8_e4m3_values()[q]
+    return values * np.asarray(scale, dtype=np.float32)
+
 
 class KVCacheStorage:
     """pool[layer, 0 | 1 (K | V), kv_head, block, offset in block, :] (see builder/network.py: kv_cache_shape)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, tokens_per_block: int, num_blocks: int,
-                 dtype: np.dtype = np.float32) -> None:
+                 dtype: np.dtype = np.float32, quant_algo: str | None = None,
+                 scales: np.ndarray | None = None) -> None:
+        """`quant_algo` int8 | fp8 stores 1-byte values with `scales` [num_layers, 2] (K, V scale per layer)."""
         self.shape = (num_layers, 2, num_kv_heads, num_blocks, tokens_per_block, head_size)
-        self.dtype = np.dtype(dtype)
+        self.quant_algo = quant_algo
+        self.dtype = KV_CACHE_DTYPES[quant_algo] if quant_algo else np.dtype(dtype)
+        self.scales = None
+        if quant_algo:
+            if scales is None or np.shape(scales) != (num_layers, 2):
+                raise ValueError(f"a {quant_algo} KV cache needs scales of shape ({num_layers}, 2), got "
+                                 f"{None if scales is None else np.shape(scales)}")
+            self.scales = np.asarray(scales, dtype=np.float32).reshape(num_layers, 2, 1, 1, 1)
         # NOTE: np.zeros maps untouched pages lazily, so resident memory follows the blocks actually written.
         self.pool = np.zeros(self.shape, dtype=self.dtype)
 
@@ -42,7 +87,16 @@ class KVCacheStorage:
         return table[positions // self.tokens_per_block] * self.tokens_per_block + positions % self.tokens_per_block
 
     def write(self, new_kv: np.ndarray, slot_mapping: np.ndarray) -> None:
-        """Store a step's new K/V, new_kv [layers, 2, T, kv_heads, head], at their slots: O(T), no pool copy."""
+        """Store a step's new K/V, new_kv [layers, 2, T, kv_heads, head], at their slots: O(T), no pool copy.
+        A quantized pool stores quantize_kv(new_kv, layer scale)."""
         layers, _, heads, blocks, block_size, size = self.shape
+        if self.quant_algo:
+            new_kv = quantize_kv(new_kv, self.scales, self.quant_algo)
         flat = self.pool.reshape(layers, 2, heads, blocks * block_size, size)  # a view, not a copy
         flat[:, :, :, slot_mapping] = new_kv.transpose(0, 1, 3, 2, 4)
+
+    def dequantized(self) -> np.ndarray:
+        """The pool as float32 values (for tests and debugging; O(pool))."""
+        if not self.quant_algo:
+            return self.pool.astype(np.float32)
+        return dequantize_kv(self.pool, self.scales[:, :, :, :, :, None], self.quant_algo)

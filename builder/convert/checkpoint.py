@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from trtbuild.builder.convert.names import linear_prefixes
 from trtbuild.configs import ModelConfig
 from trtbuild.errors import CheckpointError
 
@@ -22,6 +23,7 @@ def rank_file(ckpt_dir: Path, rank: int) -> Path:
 
 def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bool, last_stage: bool) -> list[str]:
     """Every tensor name a rank holding `layers` must have (the contract `trtbuild build` relies on)."""
+    layers = list(layers)
     names = ["transformer.vocab_embedding.weight"] if first_stage else []
     for i in layers:
         p = f"transformer.layers.{i}."
@@ -34,6 +36,11 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
         names += [p + f"mlp.{x}.weight" for x in ("gate", "fc", "proj")]
     if last_stage:
         names += ["transformer.ln_f.weight", "lm_head.weight"]
+    q = config.quantization
+    for prefix in linear_prefixes(layers, last_stage):
+        names += q.scale_names(prefix)
+    if q.kv_cache_quant_algo is not None:
+        names += [f"transformer.layers.{i}.attention.kv_cache_scaling_factor" for i in layers]
     return names
 
 

@@ -12,11 +12,15 @@ layers it holds):
   transformer.layers.{i}.mlp.proj.weight                     [hidden, inter]          split by input columns
   transformer.ln_f.weight                                    [hidden]                 replicated
   lm_head.weight                                             [vocab, hidden]          vocab-parallel
+
+Quantized checkpoints (docs/quantization.md) add, per quantized linear prefix P, `P.weights_scaling_factor`,
+`P.activation_scaling_factor`, `P.prequant_scaling_factor`, and per layer `attention.kv_cache_scaling_factor`.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 _LAYER_MAP = {
     "input_layernorm.weight": "input_layernorm.weight",
@@ -39,8 +43,16 @@ _GLOBAL_MAP = {
     "model.norm.weight": "transformer.ln_f.weight",
     "lm_head.weight": "lm_head.weight",
 }
+_CKPT_TO_HF_LAYER = {v: k for k, v in _LAYER_MAP.items()}
+_CKPT_TO_HF_GLOBAL = {v: k for k, v in _GLOBAL_MAP.items()}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _CKPT_LAYER = re.compile(r"^transformer\.layers\.(\d+)\.(.+)$")
+
+# Linears of one layer, as checkpoint prefixes relative to `transformer.layers.{i}.` (q, k, v, gate, fc are
+# column-parallel: split by output rows; dense and proj are row-parallel: split by input columns).
+LAYER_LINEARS = ("attention.q", "attention.k", "attention.v", "attention.dense", "mlp.gate", "mlp.fc", "mlp.proj")
+_SCALE_SUFFIXES = ("weights_scaling_factor", "activation_scaling_factor", "prequant_scaling_factor",
+                   "kv_cache_scaling_factor")
 
 # How each checkpoint tensor is split over tensor-parallel ranks: axis to split, or None to replicate.
 _SPLIT_AXIS = {
@@ -69,11 +81,43 @@ def hf_to_checkpoint_name(hf_name: str) -> str | None:
     return None
 
 
+def checkpoint_to_hf_name(name: str) -> str | None:
+    """The HF name of a checkpoint tensor (the inverse of `hf_to_checkpoint_name`), None for scale tensors."""
+    if name in _CKPT_TO_HF_GLOBAL:
+        return _CKPT_TO_HF_GLOBAL[name]
+    m = _CKPT_LAYER.match(name)
+    if m and m.group(2) in _CKPT_TO_HF_LAYER:
+        return f"model.layers.{m.group(1)}.{_CKPT_TO_HF_LAYER[m.group(2)]}"
+    return None
+
+
+def linear_prefixes(layers: Iterable[int], last_stage: bool) -> list[str]:
+    """Checkpoint prefixes of the linears a quantizer may quantize (`P.weight` is [out, in]), in checkpoint order."""
+    out = [f"transformer.layers.{i}.{s}" for i in layers for s in LAYER_LINEARS]
+    return out + (["lm_head"] if last_stage else [])
+
+
 def layer_of(name: str) -> int | None:
     m = _CKPT_LAYER.match(name)
     return int(m.group(1)) if m else None
 
 
-def tp_split_axis(name: str) -> int | None:
+def tp_split_axis(name: str, ndim: int | None = None) -> int | None:
+    """Axis along which tensor `name` is split over TP ranks, None if replicated.
+
+    Quantization scales (`ndim`: the tensor's rank) follow their weight: `weights_scaling_factor` is split on the
+    weight's axis when it has that axis (int4 [out, in/group] always, int8 [out] only for column-parallel linears,
+    the fp8 scalar never); `prequant_scaling_factor` [in] is split only for row-parallel linears (dense, proj);
+    `activation_scaling_factor` and `kv_cache_scaling_factor` are replicated.
+    """
     m = _CKPT_LAYER.match(name)
-    return _SPLIT_AXIS.get(m.group(2) if m else name)
+    key = m.group(2) if m else name
+    prefix, _, suffix = key.rpartition(".")
+    if suffix not in _SCALE_SUFFIXES:
+        return _SPLIT_AXIS.get(key)
+    weight_axis = _SPLIT_AXIS.get(f"{prefix}.weight")
+    if suffix == "weights_scaling_factor" and weight_axis is not None and (ndim is None or ndim > weight_axis):
+        return weight_axis
+    if suffix == "prequant_scaling_factor" and weight_axis == 1:
+        return 0
+    return None

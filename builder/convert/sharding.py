@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from trtbuild.builder.convert.names import layer_of, tp_split_axis
+from trtbuild.builder.convert.names import layer_of, linear_prefixes, tp_split_axis
 from trtbuild.configs import Mapping, ModelConfig
 from trtbuild.errors import CheckpointError
 
-_VOCAB_PARALLEL = ("transformer.vocab_embedding.weight", "lm_head.weight")
+_VOCAB_PARALLEL = ("transformer.vocab_embedding.", "lm_head.")  # prefixes: a quantized lm_head's scales too
 
 
 def check_mapping(config: ModelConfig, mapping: Mapping) -> None:
@@ -25,6 +25,24 @@ def check_mapping(config: ModelConfig, mapping: Mapping) -> None:
             raise CheckpointError(f"--tp-size {tp} does not divide {what}={n}; choose a TP size that divides it.")
     if pp > config.num_hidden_layers:
         raise CheckpointError(f"--pp-size {pp} exceeds the {config.num_hidden_layers} layers of the model.")
+    _check_int4_split(config, tp)
+
+
+def _check_int4_split(config: ModelConfig, tp: int) -> None:
+    """int4 weights are packed and grouped along `in`: row-parallel linears need whole groups on every rank."""
+    q = config.quantization
+    if q.quant_algo != "int4_awq" or tp == 1:
+        return
+    group = q.group_size or 128
+    for suffix, in_features in (("attention.dense", config.q_size), ("mlp.proj", config.intermediate_size)):
+        quantized = [p for p in linear_prefixes(range(config.num_hidden_layers), False)
+                     if p.endswith(suffix) and not q.is_excluded(p)]
+        if quantized and (in_features // tp) % group:
+            raise CheckpointError(
+                f"--tp-size {tp} splits the {in_features} input features of {suffix} into {in_features // tp} per "
+                f"rank, not a multiple of the int4 group size {group}; choose a smaller --tp-size or "
+                "--awq-block-size, or exclude these linears."
+            )
 
 
 def _held_by(name: str, config: ModelConfig, mapping: Mapping, rank: int) -> bool:
@@ -47,11 +65,11 @@ def shard_for_rank(tensors: dict[str, torch.Tensor], config: ModelConfig, mappin
     for name, t in tensors.items():
         if not _held_by(name, config, mapping, rank):
             continue
-        axis = tp_split_axis(name)
+        axis = tp_split_axis(name, t.ndim)
         if axis is None or tp == 1:
             out[name] = t.contiguous()
             continue
-        if name in _VOCAB_PARALLEL and t.shape[0] % tp:
+        if axis == 0 and name.startswith(_VOCAB_PARALLEL) and t.shape[0] % tp:
             pad = tp - t.shape[0] % tp
             t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
         out[name] = t.chunk(tp, dim=axis)[tp_rank].contiguous()
@@ -66,10 +84,10 @@ def merge_shards(shards: list[dict[str, torch.Tensor]], config: ModelConfig, map
     for pp_rank in range(mapping.pp_size):
         ranks = [pp_rank * mapping.tp_size + r for r in range(mapping.tp_size)]
         for name in shards[ranks[0]]:
-            axis = tp_split_axis(name)
             pieces = [shards[r][name] for r in ranks]
+            axis = tp_split_axis(name, pieces[0].ndim)
             t = pieces[0] if axis is None or mapping.tp_size == 1 else torch.cat(pieces, dim=axis)
-            if name in _VOCAB_PARALLEL:
+            if axis == 0 and name.startswith(_VOCAB_PARALLEL):
                 t = t[: config.vocab_size]
             out[name] = t
     return out

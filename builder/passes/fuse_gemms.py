@@ -2,6 +2,10 @@
 
 Q/K/V projections become one GEMM whose output is split for the attention op; gate and up projections likewise.
 Per-projection bias Adds are merged into one Add on the wide output.
+
+Only MatMuls with constant full-precision weights merge here. Quantized linears (weights behind a
+DequantizeLinear, builder/quantized.py) are left alone: the target's quantized lowering merges them exactly
+(builder/passes/lower_quant_cpu.py concatenates packed weights of siblings that share one quantized input).
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def _feeds(view: GraphView, tensor: str, op_type: str, depth: int = 8) -> bool:
             for user in view.consumers.get(t, []):
                 if user.op_type == op_type:
                     return True
-                if user.op_type not in ("MatMul", "Gemm"):
+                if user.op_type not in ("MatMul", "Gemm", "MatMulNBits", "MatMulInteger"):
                     nxt.extend(o for o in user.output if o)
         frontier = nxt
     return False

@@ -1,0 +1,162 @@
+"""Quantized checkpoints -> the standard Q/DQ form of each linear in the unfused network, and what a target can run.
+
+The unfused network carries each format the way TensorRT's ONNX parser takes it (docs/quantization.md):
+  fp8       Q/DQ(x, activation scale, float8e4m3fn) -> MatMul <- DequantizeLinear(float8e4m3fn weight, scale)
+  int4_awq  Mul(x, prequant) -> MatMul <- DequantizeLinear(int4 weight [in, out], scales [in/g, out], axis 0,
+            block_size g)  (signed int4 with the implicit zero point 0, as TensorRT requires)
+  int8_sq   Mul(x, prequant) -> Q/DQ(int8, activation scale) -> MatMul <- DequantizeLinear(int8 weight [in, out],
+            per-output-channel scales, axis 1)
+Target lowerings (builder/passes/lower_quant_cpu.py for CPU) rewrite these patterns to low-precision kernels.
+A linear is quantized when its checkpoint has `<prefix>.weights_scaling_factor`; `exclude_modules` (lm_head, ...)
+have none and stay full-precision MatMuls.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from onnx import TensorProto
+
+from trtbuild.builder.graph import GraphBuilder
+from trtbuild.configs import BuildConfig, ModelConfig
+from trtbuild.errors import TrtbuildError
+
+QUANT_ALGOS = ("fp8", "int4_awq", "int8_sq")
+KV_CACHE_QUANT_ALGOS = ("int8", "fp8")
+INT4_GROUP_SIZES = (16, 32, 64, 128, 256)  # MatMulNBits block sizes: powers of two from 16
+WEIGHT_DTYPES = {"fp8": torch.float8_e4m3fn, "int4_awq": torch.uint8, "int8_sq": torch.int8}
+KV_SCALE = "attention.kv_cache_scaling_factor"
+# onnx element type of the kv_cache input for each kv_cache_quant_algo (fp8 travels as its uint8 bit patterns)
+KV_CACHE_ELEM_TYPES = {None: TensorProto.FLOAT, "int8": TensorProto.INT8, "fp8": TensorProto.UINT8}
+
+
+def check_quantization(config: ModelConfig, build: BuildConfig) -> None:
+    """Refuse a checkpoint whose quantization the target cannot run, naming what can."""
+    q = config.quantization
+    if q.quant_algo not in (None, *QUANT_ALGOS):
+        raise TrtbuildError(f"quantization {q.quant_algo!r} cannot be built for target {build.target}; supported "
+                            f"quant_algo: {', '.join(QUANT_ALGOS)} (or none).")
+    if q.kv_cache_quant_algo not in (None, *KV_CACHE_QUANT_ALGOS):
+        raise TrtbuildError(f"KV cache quantization {q.kv_cache_quant_algo!r} cannot be built for target "
+                            f"{build.target}; supported kv_cache_quant_algo: {', '.join(KV_CACHE_QUANT_ALGOS)}.")
+    if q.has_zero_point:
+        raise TrtbuildError("quantization with zero points (has_zero_point=true) is not supported; re-quantize with "
+                            "symmetric scales (`trtbuild quantize` writes those).")
+    if q.quant_algo == "int4_awq":
+        g = q.group_size or 128
+        if g not in INT4_GROUP_SIZES:
+            raise TrtbuildError(f"int4_awq group_size {g} cannot run on the {build.target} target (MatMulNBits "
+                                f"takes block sizes {', '.join(map(str, INT4_GROUP_SIZES))}); re-quantize with "
+                                "--awq-block-size 128.")
+        bad = [n for n, k in (("hidden_size", config.hidden_size), ("intermediate_size", config.intermediate_size),
+                              ("num_attention_heads * head_size", config.q_size)) if k % g]
+        if bad:
+            raise TrtbuildError(f"int4_awq group_size {g} does not divide the model's {', '.join(bad)}; re-quantize "
+                                "with a group size that does.")
+
+
+def kv_cache_scales(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> np.ndarray | None:
+    """[layers, 2] float32 (K scale, V scale) of a quantized KV cache, or None when it is full precision."""
+    if not config.quantization.kv_cache_quant_algo:
+        return None
+    names = [f"transformer.layers.{i}.{KV_SCALE}" for i in range(config.num_hidden_layers)]
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise TrtbuildError(f"the checkpoint sets kv_cache_quant_algo={config.quantization.kv_cache_quant_algo} but "
+                            f"lacks {missing[0]}; re-run `trtbuild quantize`.")
+    scales = np.stack([tensors[n].to(torch.float32).reshape(2).numpy() for n in names])
+    if not np.all(np.isfinite(scales) & (scales > 0)):
+        raise TrtbuildError("the checkpoint's kv_cache_scaling_factor values must be positive and finite.")
+    return scales
+
+
+def unpack_int4(packed: np.ndarray) -> np.ndarray:
+    """uint8 [out, in/2] (q + 8, even input index in the low nibble) -> int8 [out, in] in [-8, 7]."""
+    low, high = (packed & 0x0F).astype(np.int8) - 8, (packed >> 4).astype(np.int8) - 8
+    return np.stack([low, high], axis=-1).reshape(packed.shape[0], -1)
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """int [out, in] in [-8, 7] -> uint8 [out, in/2]: q + 8, two per byte, even input index in the low nibble."""
+    nibbles = (np.asarray(q) + 8).astype(np.uint8)
+    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
+
+
+def _fp8(t: torch.Tensor) -> np.ndarray:
+    import ml_dtypes
+
+    return t.contiguous().view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+
+
+class QuantizedLinears:
+    """Emits quantized linears into a GraphBuilder; activation Q/DQ and pre-scaling are shared by linears that read
+    the same tensor with identical scales (Q/K/V, gate/up), so later passes see one quantized input per group."""
+
+    def __init__(self, g: GraphBuilder, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+        self.g, self.algo, self.tensors = g, config.quantization.quant_algo, tensors
+        self.group_size = config.quantization.group_size or 128
+        self._shared: dict[tuple, str] = {}
+
+    def is_quantized(self, prefix: str) -> bool:
+        if not self.algo or prefix + ".weights_scaling_factor" not in self.tensors:
+            return False
+        want, got = WEIGHT_DTYPES[self.algo], self.tensors[prefix + ".weight"].dtype
+        if got != want:
+            raise TrtbuildError(f"{prefix}.weight is {got} but quant_algo {self.algo} stores {want}; the checkpoint "
+                                "is inconsistent, re-run `trtbuild quantize`.")
+        return True
+
+    def _f32(self, name: str) -> np.ndarray:
+        return self.tensors[name].to(torch.float32).numpy()
+
+    def _once(self, key: tuple, make) -> str:
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
+
+    def _prescale(self, x: str, prefix: str) -> str:
+        name = prefix + ".prequant_scaling_factor"
+        if name not in self.tensors:
+            return x
+        s = self._f32(name).reshape(-1)
+        return self._once(("prescale", x, s.tobytes()), lambda: self.g.op(
+            "Mul", [x, self.g.weight(name, s)], name=prefix + "_prescale"))
+
+    def _act_qdq(self, x: str, prefix: str, zero: np.ndarray) -> str:
+        """DequantizeLinear(QuantizeLinear(x, s, zero), s, zero): the activation fake-quant with the static scale."""
+        scale = self._f32(prefix + ".activation_scaling_factor").reshape(())
+
+        def make() -> str:
+            s, z = self.g.weight(prefix + ".activation_scaling_factor", scale), self.g.const(zero, "zero_point")
+            xq = self.g.op("QuantizeLinear", [x, s, z], name=prefix + "_act_quant")
+            return self.g.op("DequantizeLinear", [xq, s, z], name=prefix + "_act_dequant")
+
+        return self._once(("act_qdq", x, zero.dtype.str, scale.tobytes()), make)
+
+    def matmul(self, x: str, prefix: str, outputs: list[str] | None = None) -> str:
+        """x @ dequant(W)^T for the quantized linear `prefix` in this checkpoint's format."""
+        import ml_dtypes
+
+        g, w = self.g, self.tensors[prefix + ".weight"]
+        wscale = self._f32(prefix + ".weights_scaling_factor")
+        if self.algo == "fp8":
+            x = self._act_qdq(x, prefix, np.array(0, dtype=ml_dtypes.float8_e4m3fn))
+            weight = g.weight(prefix + ".weight", _fp8(w).T)  # [in, out], one byte per weight
+            dq = g.op("DequantizeLinear", [weight, g.weight(prefix + ".weights_scaling_factor", wscale.reshape(()))],
+                      name=prefix + "_weight_dequant")
+        elif self.algo == "int4_awq":
+            x = self._prescale(x, prefix)
+            q = unpack_int4(w.numpy())  # [out, in]
+            want = (q.shape[0], q.shape[1] // self.group_size)
+            if wscale.shape != want:
+                raise TrtbuildError(f"{prefix}.weights_scaling_factor has shape {list(wscale.shape)}; int4_awq with "
+                                    f"group_size {self.group_size} needs {list(want)}.")
+            weight = g.weight(prefix + ".weight", q.T.astype(ml_dtypes.int4))  # [in, out], packed 2 per byte
+            dq = g.op("DequantizeLinear", [weight, g.weight(prefix + ".weights_scaling_factor", wscale.T)],
+                      name=prefix + "_weight_dequant", axis=0, block_size=self.group_size)
+        else:  # int8_sq
+            x = self._act_qdq(self._prescale(x, prefix), prefix, np.array(0, dtype=np.int8))
+            weight = g.weight(prefix + ".weight", w.numpy().T)  # int8 [in, out]
+            dq = g.op("DequantizeLinear", [weight, g.weight(prefix + ".weights_scaling_factor", wscale.reshape(-1))],
+                      name=prefix + "_weight_dequant", axis=1)
+        return g.op("MatMul", [x, dq], name=prefix, outputs=outputs)

@@ -1,0 +1,5 @@
+"""`trtbuild quantize`: calibrate with nvidia-modelopt and write quantized checkpoints (docs/quantization.md).
+
+Importing this package is cheap; modelopt is imported only by `calibrate.py` when a quantization runs.
+`formats.py` (the tensor formats in plain torch) and `reference.py` are the references engines test against.
+"""

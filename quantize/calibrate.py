@@ -1,0 +1,118 @@
+"""Calibration with nvidia-modelopt: the mtq config of a format, the calibration loop, and the grouping step that
+makes linears sharing an input share their input scales (so that an engine may fuse them into one GEMM)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from trtbuild.builder.convert.names import hf_to_checkpoint_name
+from trtbuild.errors import TrtbuildError
+
+log = logging.getLogger(__name__)
+
+MTQ_CONFIGS = {"fp8": "FP8_DEFAULT_CFG", "int4_awq": "INT4_AWQ_CFG", "int8_sq": "INT8_SMOOTHQUANT_CFG"}
+_KV_QUANTIZERS = "*[kv]_bmm_quantizer"
+# Linears of one layer that read the same tensor (HF names relative to `model.layers.{i}.`).
+_SHARED_INPUT_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def import_mtq() -> Any:
+    """modelopt.torch.quantization, without the warnings it prints about untested transformers versions."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import modelopt.torch.quantization as mtq
+    return mtq
+
+
+def linear_modules(model: torch.nn.Module) -> dict[str, str]:
+    """{checkpoint prefix: HF module name} of every linear the checkpoint format can quantize."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) or hasattr(module, "weight_quantizer"):
+            prefix = hf_to_checkpoint_name(f"{name}.weight")
+            if prefix is not None and prefix.endswith(".weight"):
+                out[prefix.removesuffix(".weight")] = name
+    return out
+
+
+def mtq_config(qformat: str, kv_cache_dtype: str | None, block_size: int, excluded_modules: Sequence[str],
+               quantize_lm_head: bool) -> dict[str, Any]:
+    """modelopt's config for `qformat`, with the AWQ block size, the KV-cache quantizers and the exclusions."""
+    mtq = import_mtq()
+    config = copy.deepcopy(getattr(mtq, MTQ_CONFIGS[qformat]))
+    entries: list[dict[str, Any]] = config["quant_cfg"]
+    if quantize_lm_head:
+        entries[:] = [e for e in entries if e.get("quantizer_name") != "*lm_head*"]
+    if qformat == "int4_awq":
+        for e in entries:
+            if e.get("quantizer_name") == "*weight_quantizer":
+                e["cfg"]["block_sizes"][-1] = block_size
+    if kv_cache_dtype is not None:
+        kv = {"num_bits": (4, 3), "axis": None} if kv_cache_dtype == "fp8" else {
+            "num_bits": 8, "axis": None, "narrow_range": True}
+        entries.append({"quantizer_name": _KV_QUANTIZERS, "cfg": kv})
+    for name in excluded_modules:
+        entries.append({"quantizer_name": f"{name}.*", "enable": False})
+    return config
+
+
+def calibrate(model: torch.nn.Module, config: dict[str, Any], samples: torch.Tensor, batch_size: int,
+              call_lm_head: bool) -> torch.nn.Module:
+    """Run modelopt's calibration over `samples` [n, seq] in batches, with a progress bar per pass."""
+    mtq = import_mtq()
+    batches = list(samples.split(batch_size))
+
+    def forward_loop(m: torch.nn.Module) -> None:
+        # Without a quantized lm_head the logits are not needed: skip the vocab projection.
+        run = m if call_lm_head else m.get_submodule("model")
+        with torch.no_grad():
+            for batch in tqdm(batches, desc="calibrating", unit="batch", leave=False):
+                run(input_ids=batch, use_cache=False)
+
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()) as chatter:
+        warnings.simplefilter("ignore")
+        model = mtq.quantize(model, config, forward_loop)
+    for line in chatter.getvalue().splitlines():
+        log.info("modelopt: %s", line)
+    return model
+
+
+def unify_shared_inputs(model: torch.nn.Module, quantized: set[str]) -> None:
+    """Make q/k/v (and gate/up) of each layer share prequant and activation scales, and fp8 weight scales.
+
+    This is modelopt's own export step (`preprocess_linear_fusion`: average the pre-quant scales, fold the change
+    into the weights and re-calibrate them, take the max of the amaxes); the simulated model is updated in place,
+    so it stays exactly what the checkpoint holds.
+    """
+    from modelopt.torch.export.quant_utils import preprocess_linear_fusion
+
+    for layer, block in enumerate(model.get_submodule("model.layers")):
+        for group in _SHARED_INPUT_GROUPS:
+            names = [f"model.layers.{layer}.{g}" for g in group]
+            modules = [block.get_submodule(g) for g, n in zip(group, names, strict=True) if n in quantized]
+            if len(modules) > 1:
+                with torch.no_grad():
+                    preprocess_linear_fusion(modules)
+
+
+def check_calibrated(model: torch.nn.Module, quantized: dict[str, str], kv_cache: bool) -> None:
+    """Every quantized linear (and KV quantizer) must have seen calibration data."""
+    for prefix, name in quantized.items():
+        module = model.get_submodule(name)
+        if getattr(module.weight_quantizer, "amax", None) is None:
+            raise TrtbuildError(f"modelopt did not calibrate {name} ({prefix}); is the model supported?")
+    if kv_cache:
+        for layer, block in enumerate(model.get_submodule("model.layers")):
+            for q in ("k_bmm_quantizer", "v_bmm_quantizer"):
+                if getattr(getattr(block.self_attn, q, None), "amax", None) is None:
+                    raise TrtbuildError(f"modelopt did not calibrate the KV cache of layer {layer}; this attention "
+                                        "implementation is not supported for KV-cache quantization.")

@@ -1,0 +1,145 @@
+"""What `trtbuild quantize` reads: an HF folder, a GGUF file or a trtbuild checkpoint, as HF-named tensors, and the
+fp32 transformers model built from them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trtbuild.errors import CheckpointError
+
+
+@dataclass
+class Source:
+    kind: str  # "hf" | "gguf" | "checkpoint"
+    path: Path
+    hf_config: dict[str, Any]
+    hf_tensors: dict[str, torch.Tensor]
+
+    def write_tokenizer(self, out_dir: Path) -> None:
+        """Put the source's tokenizer files into `out_dir` (GGUF: exported from the file's metadata)."""
+        from trtbuild.builder.convert.checkpoint import copy_tokenizer_files
+
+        if self.kind == "gguf":
+            from trtbuild.builder.convert.gguf_reader import export_gguf_tokenizer
+
+            export_gguf_tokenizer(self.path, out_dir)
+        else:
+            copy_tokenizer_files(self.path, out_dir)
+
+
+def read_source(model: Path) -> Source:
+    """Read `model`: a .gguf file, a trtbuild checkpoint folder (config.json with format_version) or an HF folder."""
+    model = Path(model)
+    if not model.exists():
+        raise CheckpointError(f"--model {model} does not exist.")
+    if model.is_file():
+        if model.suffix.lower() != ".gguf":
+            raise CheckpointError(f"--model {model} is a file but not a .gguf; pass a GGUF file, an HF model folder "
+                                  "or a trtbuild checkpoint folder.")
+        from trtbuild.builder.convert.gguf_reader import read_gguf
+
+        cfg, arrays = read_gguf(model)
+        return Source("gguf", model, cfg, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()})
+    if _is_trtbuild_checkpoint(model):
+        return _read_checkpoint(model)
+    from trtbuild.builder.convert.hf_reader import read_hf
+
+    cfg, tensors = read_hf(model)
+    return Source("hf", model, cfg, tensors)
+
+
+def _is_trtbuild_checkpoint(folder: Path) -> bool:
+    try:
+        return "format_version" in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _read_checkpoint(folder: Path) -> Source:
+    from trtbuild.builder.convert.checkpoint import load_checkpoint
+    from trtbuild.builder.convert.names import checkpoint_to_hf_name
+    from trtbuild.builder.convert.sharding import merge_shards
+
+    config, first = load_checkpoint(folder, 0)
+    q = config.quantization
+    if q.quant_algo or q.kv_cache_quant_algo:
+        raise CheckpointError(f"{folder} is already quantized ({q.quant_algo or q.kv_cache_quant_algo}); quantize "
+                              "the original model or its unquantized `trtbuild convert` checkpoint.")
+    shards = [first] + [load_checkpoint(folder, r)[1] for r in range(1, config.mapping.world_size)]
+    tensors = merge_shards(shards, config, config.mapping)
+    hf_tensors = {hf: t for name, t in tensors.items() if (hf := checkpoint_to_hf_name(name)) is not None}
+    return Source("checkpoint", folder, hf_config_from_model_config(config), hf_tensors)
+
+
+def hf_config_from_model_config(c: Any) -> dict[str, Any]:
+    """A Hugging Face config dict that `model_config_from_hf` maps back to the same model (mapping aside)."""
+    cfg: dict[str, Any] = {
+        "architectures": [c.architecture],
+        "model_type": c.family,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_size,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.norm_epsilon,
+        "rope_theta": c.rotary_base,
+        "hidden_act": c.hidden_act,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": list(c.eos_token_ids) if len(c.eos_token_ids) > 1 else next(iter(c.eos_token_ids), None),
+        "torch_dtype": c.dtype,
+        "sliding_window": c.sliding_window,
+        "use_sliding_window": c.sliding_window is not None,
+    }
+    if c.family == "llama":
+        cfg["attention_bias"] = c.qkv_bias
+    if c.rotary_scaling:
+        cfg["rope_scaling"] = dict(c.rotary_scaling)
+    return cfg
+
+
+def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
+    """The fp32 transformers model of `source`, in eval mode (transformers' own GGUF loading needs accelerate).
+
+    `untie` gives lm_head its own copy of tied embeddings: calibrating a quantized lm_head (AWQ, SmoothQuant)
+    rescales its weight in place, which must not change the embedding.
+    """
+    import transformers
+
+    if source.kind == "hf":
+        hf_cfg = transformers.AutoConfig.from_pretrained(str(source.path), local_files_only=True)
+    else:
+        kwargs = {k: v for k, v in source.hf_config.items() if k not in ("model_type", "torch_dtype")}
+        hf_cfg = transformers.AutoConfig.for_model(source.hf_config["model_type"], **kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    embedding, head = "model.embed_tokens.weight", "lm_head.weight"
+    state = dict(source.hf_tensors)
+    tied = model.lm_head.weight is model.get_input_embeddings().weight
+    if tied:
+        if head not in state and embedding in state:
+            state[head] = state[embedding]
+        if embedding not in state and head in state:
+            state[embedding] = state[head]
+        if untie:
+            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        else:
+            state.pop(head, None)
+    own = model.state_dict()
+    missing = sorted(m for m in set(own) - set(state) if not m.endswith("inv_freq") and not (tied and m == head))
+    if missing:
+        raise CheckpointError(f"{source.path} lacks {len(missing)} tensors the model needs (first: {missing[0]}).")
+    try:
+        with torch.no_grad():
+            model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+    except RuntimeError as e:
+        raise CheckpointError(f"{source.path}: the weights do not fit the model's config ({e}).") from None
+    return model.eval()

@@ -1,0 +1,236 @@
+"""Quantized checkpoints (fp8, int4_awq, int8_sq weights; int8 / fp8 KV cache) build into engines that run the
+format's math with low-bit kernels.
+
+Reference: quant_helpers.Reference, float64 numpy of each format's math (docs/quantization.md) stepping like the
+engine. Tolerance: max |engine - reference| / max |reference| <= 1e-4 per step, while quantizing moves the logits
+by 1e-3 .. 2e-1 (asserted >= 30x the tolerance), so an engine that skipped or mis-scaled any quantization fails.
+The bound holds while no activation lands within fp32 noise of a rounding tie; on these tiny models none does
+(a 45M-parameter model with 1e6 quantized activations per step sees a few such ties, which then cascade).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, numpy_helper
+from quant_helpers import Reference, calibrate, quantize_checkpoint
+
+from trtbuild.builder.build import build_engine
+from trtbuild.builder.convert.checkpoint import load_checkpoint
+from trtbuild.builder.convert.convert import convert
+from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
+from trtbuild.builder.network import build_network
+from trtbuild.configs import BuildConfig
+from trtbuild.configs.model_config import QuantConfig
+from trtbuild.errors import TrtbuildError
+from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+from trtbuild.runtime.engine_core import RuntimeConfig
+from trtbuild.runtime.llm import LLM
+from trtbuild.runtime.sampling import SamplingParams
+
+RTOL = 1e-4
+OPTIONS = dict(max_seq_len=128, tokens_per_block=8, max_batch_size=4, max_num_tokens=64)
+LAYERS, VOCAB = 2, 320
+# case -> (family, quant_algo, kv_cache_quant_algo, extra quantize options)
+CASES = {
+    "llama-fp8": ("llama", "fp8", None, {}),
+    "llama-int4_awq-kv_int8": ("llama", "int4_awq", "int8", {"exclude": ("lm_head", "transformer.layers.1.mlp.*")}),
+    "llama-int8_sq-kv_fp8": ("llama", "int8_sq", "fp8", {"exclude": ()}),  # lm_head quantized too
+    "llama-kv_fp8": ("llama", None, "fp8", {}),
+    "qwen2-fp8-kv_fp8": ("qwen2", "fp8", "fp8", {}),
+    "qwen2-int4_awq": ("qwen2", "int4_awq", None, {"shared_prequant": False}),
+    "qwen2-int8_sq-kv_int8": ("qwen2", "int8_sq", "int8", {}),
+}
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, VOCAB, size=n).tolist()
+
+
+def chunk(seq: int, token_ids: list[int], start: int, num_logits: int = 1) -> SequenceChunk:
+    return SequenceChunk(seq, token_ids, start, num_logits, list(range(seq, 48, 3)))  # interleaved block tables
+
+
+A, B, C = ids(13, 1), ids(16, 2), ids(6, 3)
+STEPS = [  # prefill + first chunk; decode + continuing chunk + fresh prompt; decodes across block boundaries
+    [chunk(0, A[:11], 0, num_logits=11), chunk(1, B[:9], 0, num_logits=0)],
+    [chunk(0, A[11:12], 11), chunk(1, B[9:15], 9, num_logits=6), chunk(2, C[:5], 0, 5)],
+    [chunk(0, A[12:], 12), chunk(1, B[15:], 15), chunk(2, C[5:], 5)],
+]
+
+
+@pytest.fixture(scope="module")
+def base(random_hf_model, tmp_path_factory):
+    """family -> (full-precision checkpoint dir, calibration amax), once per module."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            hf = random_hf_model(family)
+            out = tmp_path_factory.mktemp(f"q_{family}") / "ckpt"
+            convert(hf, out)
+            cache[family] = out, calibrate(hf, ids(48, 7) + A + B + C)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def case(base, tmp_path_factory):
+    """case id -> (config, tensors, engine dir, full-precision tensors)."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            family, algo, kv, extra = CASES[name]
+            ckpt, amax = base(family)
+            work = tmp_path_factory.mktemp(name)
+            qckpt = quantize_checkpoint(ckpt, work / "ckpt", algo, kv, amax, **extra)
+            config, tensors = load_checkpoint(qckpt)
+            cache[name] = config, tensors, build_engine(qckpt, work / "engine", **OPTIONS), load_checkpoint(ckpt)[1]
+        return cache[name]
+
+    return get
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    assert got.shape == want.shape
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_engine_matches_format_reference(name, case):
+    config, tensors, engine_dir, full = case(name)
+    engine = CpuEngine(engine_dir, num_threads=1, num_blocks=48)
+    reference = Reference(config, tensors)
+    unquantized = Reference(dataclasses.replace(config, quantization=QuantConfig()), full)
+    effect = 0.0
+    for step in STEPS:
+        got, want, plain = engine.step(step), reference.step(step), unquantized.step(step)
+        assert rel_err(got, want) <= RTOL
+        effect = max(effect, rel_err(plain, want))
+    assert effect >= 30 * RTOL  # the quantization is real (KV: from the second step on), and the engine follows it
+    if config.quantization.kv_cache_quant_algo:  # the pool holds what the reference stored (up to rounding ties)
+        pool = engine.kv.dequantized().reshape(LAYERS, 2, config.num_key_value_heads, -1, config.head_size)
+        slots = engine.kv.slots(STEPS[0][0].block_ids, 0, len(A))
+        for layer, which in np.ndindex(LAYERS, 2):
+            stored = reference.past[0][layer][which]
+            same = np.abs(pool[layer, which][:, slots].transpose(1, 0, 2) - stored) <= 1e-5 * np.abs(stored).max()
+            assert same.mean() >= 0.99
+
+
+def _ops(model: onnx.ModelProto) -> collections.Counter:
+    return collections.Counter(n.op_type for n in model.graph.node)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_lowered_graph_runs_low_bit_kernels(name, case):
+    config, _, engine_dir, _ = case(name)
+    model = onnx.load(str(engine_dir / CPU_ENGINE_FILE))
+    ops, algo = _ops(model), config.quantization.quant_algo
+    exclude = CASES[name][3].get("exclude", ("lm_head",))
+    excluded = {f"transformer.layers.1.mlp.{x}" for x in ("gate_up", "proj")} if len(exclude) > 1 else set()
+    merged = CASES[name][3].get("shared_prequant", True)  # siblings with one pre-scaled input share a kernel
+    linears = (4 if merged else 7) * LAYERS - len(excluded) + ("lm_head" not in exclude)
+    assert ops["MatMulNBits"] == (linears if algo == "int4_awq" else 0)
+    assert ops["MatMulInteger"] == (linears if algo == "int8_sq" else 0)
+    float_matrices = {t.name for t in model.graph.initializer
+                      if t.data_type == TensorProto.FLOAT and len(t.dims) == 2 and min(t.dims) > 1}
+    expected = {"rope_cos", "rope_sin", "transformer.vocab_embedding.weight"} | (
+        {"lm_head.weight"} if "lm_head" in exclude else set())
+    if algo is None:  # KV-only quantization: the fused full-precision GEMMs stay
+        assert ops["MatMul"] == 4 * LAYERS + 1 + 2 * LAYERS
+        return
+    assert float_matrices == expected | {e + ".weight" for e in excluded}  # no fp32 copy of a quantized weight
+    for e in excluded:
+        assert next(n for n in model.graph.node if n.name == e).op_type == "MatMul"
+    by_type = collections.Counter(t.data_type for t in model.graph.initializer if len(t.dims) == 2)
+    if algo == "fp8":  # no CPU fp8 GEMM: 1-byte weights, dequantized as the MatMul runs
+        assert by_type[TensorProto.FLOAT8E4M3FN] == 7 * LAYERS + ("lm_head" not in exclude)
+        assert ops["DequantizeLinear"] >= 7 * LAYERS and ops["QuantizeLinear"] >= 4 * LAYERS
+    if algo == "int4_awq":
+        nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+        assert {a.name: a.i for a in nbits[0].attribute if a.type == onnx.AttributeProto.INT}["bits"] == 4
+        assert by_type[TensorProto.UINT8] == 0 and ops["DequantizeLinear"] == 0  # B is [N, K/g, g/2]: 3-D
+    if algo == "int8_sq":
+        assert by_type[TensorProto.INT8] == linears and ops["DequantizeLinear"] == 0
+
+
+@pytest.mark.parametrize("algo", ["fp8", "int4_awq", "int8_sq"])
+def test_unfused_network_is_standard_qdq(algo, base, tmp_path):
+    ckpt, amax = base("qwen2")
+    config, tensors = load_checkpoint(quantize_checkpoint(ckpt, tmp_path / "ckpt", algo, "int8", amax))
+    model = build_network(config, tensors, BuildConfig(**OPTIONS))
+    onnx.checker.check_model(model, full_check=True)
+    weight_dq = [n for n in model.graph.node if n.name.endswith("_weight_dequant")]
+    assert len(weight_dq) == 7 * LAYERS
+    inits = {t.name: t for t in model.graph.initializer}
+    want = {"fp8": TensorProto.FLOAT8E4M3FN, "int4_awq": TensorProto.INT4, "int8_sq": TensorProto.INT8}[algo]
+    assert {inits[n.input[0]].data_type for n in weight_dq} == {want}
+    attrs = {a.name: a.i for a in weight_dq[0].attribute}
+    assert attrs == {"fp8": {}, "int4_awq": {"axis": 0, "block_size": 32}, "int8_sq": {"axis": 1}}[algo]
+    act_quant = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
+    assert len(act_quant) == (0 if algo == "int4_awq" else 4 * LAYERS)  # shared by Q/K/V and by gate/up
+    assert len([n for n in model.graph.node if n.name.endswith("_prescale")]) == (0 if algo == "fp8" else 4 * LAYERS)
+    paged = [n for n in model.graph.node if n.op_type == "PagedAttention"]
+    assert {a.name for a in paged[0].attribute} >= {"kv_cache_quant_algo", "kv_cache_scale"}
+    assert model.graph.input[-1].type.tensor_type.elem_type == TensorProto.INT8
+
+
+@pytest.mark.parametrize("name", ["llama-int4_awq-kv_int8", "llama-int8_sq-kv_fp8", "llama-fp8"])
+def test_kv_pool_and_generation(name, case):
+    config, tensors, engine_dir, _ = case(name)
+    llm = LLM(engine_dir, RuntimeConfig(num_threads=1, kv_cache_blocks=64))
+    kv = llm.core.engine.kv
+    kv_algo = config.quantization.kv_cache_quant_algo
+    fp32_bytes = LAYERS * 2 * config.num_key_value_heads * config.head_size * 4
+    assert kv.pool.dtype == {None: np.float32, "int8": np.int8, "fp8": np.uint8}[kv_algo]
+    assert kv.bytes_per_token == (fp32_bytes if kv_algo is None else fp32_bytes // 4)
+    prompts = [A, C]
+    out = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    for p, completion in zip(prompts, out, strict=True):  # greedy tokens = the reference's argmax, step by step
+        reference, tokens = Reference(config, tensors), list(p)
+        logits = reference.chunk(0, tokens, 0, 1)
+        for _ in range(8):
+            tokens.append(int(logits[-1].argmax()))
+            logits = reference.chunk(0, tokens[-1:], len(tokens) - 1, 1)
+        assert completion.token_ids == tokens[len(p):]
+
+
+def test_int4_engine_is_a_quarter_of_fp16(random_hf_model, tmp_path):
+    """Hidden 256, group 128: packed int4 + fp32 scales = (0.5 + 4/128) / 2 = 0.27 of the fp16 bytes."""
+    from helpers import make_random_hf_model
+
+    hf = make_random_hf_model("llama", tmp_path / "hf", overrides=dict(hidden_size=256, intermediate_size=512,
+                                                                       num_hidden_layers=1))
+    convert(hf, tmp_path / "ckpt")
+    q = quantize_checkpoint(tmp_path / "ckpt", tmp_path / "q", "int4_awq", None, calibrate(hf, ids(16, 0)),
+                            group_size=128)
+    model = onnx.load(str(build_engine(q, tmp_path / "engine", **OPTIONS) / CPU_ENGINE_FILE))
+    params = 256 * 256 * 2 + 256 * 128 * 2 + 3 * 256 * 512
+    stored = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer if t.name.startswith("transformer.l"))
+    assert 0.25 <= stored / (2 * params) <= 0.28
+
+
+@pytest.mark.parametrize("quant, message", [
+    ({"quant_algo": "w4a8_awq"}, "w4a8_awq"),
+    ({"quant_algo": "int4_awq", "group_size": 8, "pre_quant_scale": True}, "group_size 8"),
+    ({"quant_algo": "int4_awq", "group_size": 48, "pre_quant_scale": True}, "group_size 48"),
+    ({"kv_cache_quant_algo": "int4"}, "int4"),
+])
+def test_build_refuses_unsupported_quantization(quant, message, base, tmp_path):
+    import json
+    import shutil
+
+    ckpt, _ = base("llama")
+    shutil.copytree(ckpt, tmp_path / "ckpt")
+    doc = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    doc["quantization"].update(quant)
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(TrtbuildError, match=message):
+        build_engine(tmp_path / "ckpt", tmp_path / "engine", **OPTIONS)
+    assert not (tmp_path / "engine").exists()
