@@ -1,0 +1,276 @@
+"""The systems `trtbuild bench` measures: the engine in-process (EngineCore behind an AsyncEngine), a running
+`trtbuild serve`, and the Hugging Face transformers `generate()` baseline (torch / transformers imported only for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import queue
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from trtbuild.errors import TrtbuildError
+from trtbuild.runtime.bench import BenchRequest, RequestResult
+
+SAMPLE_S = 0.02  # how often a server's KV usage is sampled during a run
+
+
+class _Step(NamedTuple):
+    tokens: int  # computed this step
+    sampled: int  # requests that got a token
+    seconds: float
+    kv_usage: float
+
+
+class EngineTarget:
+    """EngineCore behind an AsyncEngine (its own loop thread), as `trtbuild serve` runs it, without gRPC."""
+
+    def __init__(self, engine_dir: Path, threads: int) -> None:
+        from trtbuild.runtime.async_engine import AsyncEngine
+        from trtbuild.runtime.engine_core import EngineCore, RuntimeConfig
+
+        self.name = f"engine {engine_dir}"
+        self.core = core = EngineCore(Path(engine_dir), RuntimeConfig(num_threads=threads))
+        self.vocab_size = core.vocab_size
+        self.special_ids = frozenset(core.eos_token_ids) | (core.tokenizer.special_ids if core.tokenizer else set())
+        self.steps: list[_Step] = []
+        step = core.step
+
+        def recorded_step() -> list:  # measurement hook: keep every step's stats (the core keeps only the last)
+            before = core.last_stats
+            outputs = step()
+            if (stats := core.last_stats) is not before and stats is not None:
+                self.steps.append(_Step(stats.num_scheduled_tokens, len(outputs), stats.seconds, stats.kv_cache_usage))
+            return outputs
+
+        core.step = recorded_step  # type: ignore[method-assign]
+        self.engine = AsyncEngine(core, max_queue_size=1 << 20)
+
+    def prepare(self, requests: list[BenchRequest]) -> list[BenchRequest]:
+        from trtbuild.runtime.sampling import SamplingParams
+
+        prepared = []
+        for r in requests:
+            try:
+                ids = self.core.make_request(r.prompt, SamplingParams(max_tokens=r.output_tokens)).prompt_ids
+            except ValueError as e:
+                raise TrtbuildError(f"{r.where}: {e}") from None
+            _check_length(r, len(ids), self.core.scheduler.config.max_seq_len)
+            prepared.append(BenchRequest(ids, r.output_tokens, r.where))
+        return prepared
+
+    def send(self, request: BenchRequest, timeout: float) -> RequestResult:
+        from trtbuild.runtime.sampling import SamplingParams
+
+        start = time.perf_counter()
+        try:
+            stream = self.engine.submit(request.prompt, SamplingParams(max_tokens=request.output_tokens,
+                                                                       ignore_eos=True))
+        except (ValueError, RuntimeError) as e:
+            return RequestResult(False, error=str(e))
+        result = RequestResult(True, prompt_tokens=stream.num_prompt_tokens)
+        try:
+            while not stream.finished:
+                out = stream.get(timeout=max(0.0, start + timeout - time.perf_counter()))
+                _add_tokens(result, len(out.new_token_ids), start)
+                if out.finished and out.metrics is not None:
+                    result.preemptions, result.cached_tokens = (out.metrics.num_preemptions,
+                                                                out.metrics.num_prefix_cached_tokens)
+                if out.finished and out.finish_reason == "abort":
+                    return RequestResult(False, error="aborted by the engine")
+        except queue.Empty:
+            stream.cancel()
+            return RequestResult(False, error=f"timed out after {timeout:g} s")
+        except (ValueError, RuntimeError) as e:  # refused by the engine loop, or the loop died
+            return RequestResult(False, error=str(e))
+        return result
+
+    def begin(self) -> None:  # between runs the loop is idle: drop cached prefixes so runs do not help each other
+        self.core.kv.pool.reset_cache()
+        self.steps = []
+
+    def end(self) -> tuple[list[float], dict[str, Any] | None]:
+        # A decode-only step computes one token per sequence and samples from each; any prefill computes more.
+        prefill = [s for s in self.steps if s.tokens > s.sampled]
+        decode = [s for s in self.steps if s.tokens <= s.sampled]
+        breakdown = {"steps": len(self.steps), "prefill_steps": len(prefill), "decode_steps": len(decode),
+                     "prefill_step_s": sum(s.seconds for s in prefill),
+                     "decode_step_s": sum(s.seconds for s in decode),
+                     "mean_decode_batch": sum(s.tokens for s in decode) / max(1, len(decode))}
+        return [s.kv_usage for s in self.steps], breakdown
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        del self.engine, self.core  # the ORT session's threads must be gone before a baseline runs
+        gc.collect()  # core.step refers back to core
+
+
+class ServerTarget:
+    """A running `trtbuild serve`, through runtime/client.py streaming calls; KV usage is sampled with GetStats."""
+
+    def __init__(self, address: str, ready_timeout: float = 30.0) -> None:
+        import grpc
+
+        from trtbuild.runtime.client import FINISH_REASONS, GenerationClient
+
+        self.name, self._grpc_error, self._reasons = f"server {address}", grpc.RpcError, FINISH_REASONS
+        self.client = GenerationClient(address, timeout=ready_timeout)
+        try:
+            self.client.wait_ready(ready_timeout)
+            self.info = self.client.model_info()
+        except (TimeoutError, grpc.RpcError) as e:
+            self.client.close()
+            detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
+            raise TrtbuildError(f"cannot reach a trtbuild server at {address} ({detail}); start `trtbuild serve`"
+                                ) from None
+        self.vocab_size = self.info.vocab_size
+        self.special_ids = frozenset(self.info.eos_token_ids)  # the server does not list other special tokens
+        self._samples: list[float] = []
+        self._done = threading.Event()
+        self._sampler: threading.Thread | None = None
+
+    def prepare(self, requests: list[BenchRequest]) -> list[BenchRequest]:
+        for r in requests:
+            if isinstance(r.prompt, str) and not self.info.has_tokenizer:
+                raise TrtbuildError(f"{r.where}: the server's engine has no tokenizer; give input_ids")
+            if isinstance(r.prompt, list):
+                _check_length(r, len(r.prompt), self.info.max_seq_len)
+        return requests
+
+    def send(self, request: BenchRequest, timeout: float) -> RequestResult:
+        start = time.perf_counter()
+        result = RequestResult(True)
+        try:
+            for r in self.client.generate_stream(request.prompt, timeout=timeout, max_tokens=request.output_tokens,
+                                                 ignore_eos=True):
+                _add_tokens(result, len(r.token_ids), start)
+                if r.finished and self._reasons.get(r.finish_reason) == "abort":
+                    return RequestResult(False, error="aborted by the server")
+                if r.finished:
+                    u = r.usage
+                    result.prompt_tokens, result.preemptions, result.cached_tokens = (
+                        u.prompt_tokens, u.num_preemptions, u.cached_prefix_tokens)
+        except self._grpc_error as e:
+            return RequestResult(False, error=f"{e.code().name}: {e.details()}")  # type: ignore[attr-defined]
+        return result
+
+    def begin(self) -> None:
+        self._samples, self._done = [], threading.Event()
+
+        def sample() -> None:
+            while True:
+                with contextlib.suppress(self._grpc_error):
+                    stats = self.client.stats()
+                    busy = stats.last_step.kv_cache_usage if stats.num_unfinished else 0.0  # step of this run
+                    self._samples.append(max(stats.kv_cache_usage, busy))
+                if self._done.wait(SAMPLE_S):
+                    return
+
+        self._sampler = threading.Thread(target=sample, name="bench-kv-sampler", daemon=True)
+        self._sampler.start()
+
+    def end(self) -> tuple[list[float], dict[str, Any] | None]:
+        self._done.set()
+        if self._sampler is not None:
+            self._sampler.join()
+        return self._samples, None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _check_length(r: BenchRequest, prompt_tokens: int, max_seq_len: int) -> None:
+    if prompt_tokens + r.output_tokens > max_seq_len:
+        raise TrtbuildError(f"{r.where}: {prompt_tokens} prompt + {r.output_tokens} output tokens exceed the "
+                            f"engine's max_seq_len {max_seq_len}; shorten the request or rebuild with --max-seq-len")
+
+
+def _add_tokens(result: RequestResult, n: int, start: float) -> None:
+    now = time.perf_counter() - start
+    if n and result.output_tokens == 0:
+        result.ttft = now
+    result.output_tokens += n
+    result.latency = now
+
+
+# ---- HF transformers generate() -------------------------------------------------------------------------------------
+def load_hf_model(path: Path) -> Any:
+    """A float32 transformers causal LM from an HF folder, or from a llama GGUF via trtbuild's GGUF reader
+    (transformers' own GGUF loading needs `accelerate`)."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    if path.is_dir():
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise TrtbuildError(f"--compare-hf {path}: transformers cannot load it ({e})") from None
+        return model.eval()
+    from trtbuild.builder.convert.gguf_reader import read_gguf
+
+    hf_config, state = read_gguf(path)
+    config = transformers.LlamaConfig(**hf_config)
+    model = transformers.LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise TrtbuildError(f"--compare-hf {path}: tensors do not match LlamaForCausalLM (missing "
+                            f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    model.tie_weights()
+    return model.eval()
+
+
+def _tokenizer(path: Path) -> Any:
+    from trtbuild.runtime.tokenizer import Tokenizer
+
+    if path.is_dir():
+        return Tokenizer(path)
+    from trtbuild.builder.convert.gguf_reader import export_gguf_tokenizer
+
+    out = Path(tempfile.mkdtemp(prefix="trtbuild-bench-tok-"))
+    export_gguf_tokenizer(path, out)
+    return Tokenizer(out)
+
+
+def hf_generate(path: Path, prompts: list[str | list[int]], output_len: int, threads: int) -> dict[str, Any]:
+    """All prompts as one left-padded batch, greedy, exactly `output_len` new tokens each (min = max new tokens),
+    on `threads` torch threads. Times the generate() call only (after a short warm-up), not the model load."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        model = load_hf_model(path)
+        tok = _tokenizer(path) if any(isinstance(p, str) for p in prompts) else None
+        ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        cfg = model.config
+        eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
+        pad = next(t for t in (cfg.pad_token_id, eos, 0) if t is not None)
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in ids])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids])
+        common = dict(do_sample=False, pad_token_id=pad)
+        with torch.inference_mode():
+            model.generate(input_ids[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=2, min_new_tokens=2,
+                           **common)
+            start = time.perf_counter()
+            out = model.generate(input_ids, attention_mask=mask, max_new_tokens=output_len,
+                                 min_new_tokens=output_len, **common)
+            duration = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(previous)
+    new = out[:, width:]
+    if new.shape[1] != output_len:
+        raise TrtbuildError(f"HF generate() made {new.shape[1]} tokens per prompt instead of {output_len}")
+    n = len(ids) * output_len
+    return {"model": str(path), "threads": threads, "batch_size": len(ids), "output_tokens": n,
+            "duration_s": duration, "output_throughput": n / duration, "token_ids": new.tolist()}
