@@ -15,6 +15,32 @@ _existing = click.Path(exists=True, path_type=Path)
 _out = click.Path(path_type=Path)
 
 
+def _options(*decorators):
+    """Apply several click options as one decorator (shared by the commands that take them)."""
+
+    def apply(f):
+        for decorator in reversed(decorators):
+            f = decorator(f)
+        return f
+
+    return apply
+
+
+_sampling_options = _options(
+    click.option("--max-tokens", type=click.IntRange(min=1), default=64, help="Tokens to generate at most."),
+    click.option("--temperature", type=click.FloatRange(min=0), default=0.0, help="0 is greedy."),
+    click.option("--top-k", type=click.IntRange(min=0), default=0, help="Keep the k most likely tokens (0: all)."),
+    click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, help="Nucleus mass."),
+    click.option("--seed", type=int, default=None, help="Seed for sampling."),
+)
+_kv_cache_options = _options(
+    click.option("--kv-cache-memory", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="KV cache budget: bytes (> 1) or a fraction of available memory (<= 1)."),
+    click.option("--kv-cache-blocks", type=click.IntRange(min=1), default=None,
+                 help="Exact number of KV blocks (overrides --kv-cache-memory)."),
+)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(__version__, prog_name="trtbuild")
 @click.option("-v", "--verbose", is_flag=True, help="Log what each step does.")
@@ -23,8 +49,10 @@ def main(verbose: bool) -> None:
 
     \b
     Flow:  trtbuild convert  (HF folder or GGUF -> checkpoint)
+           trtbuild quantize (-> calibrated FP8 / INT4-AWQ / INT8-SQ checkpoint)
            trtbuild build    (checkpoint -> engine directory)
            trtbuild run      (engine -> generated text)
+           trtbuild serve    (engine -> gRPC service; also triton-repo)
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(message)s")
 
@@ -68,11 +96,7 @@ def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_
 @main.command()
 @click.option("--engine", required=True, type=_existing, help="Engine directory written by `trtbuild build`.")
 @click.option("--prompt", required=True, help="Text to continue.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=64, help="Tokens to generate at most.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, help="0 is greedy.")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, help="Keep the k most likely tokens (0: all).")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, help="Nucleus mass.")
-@click.option("--seed", type=int, default=None, help="Seed for sampling.")
+@_sampling_options
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
 def run(engine: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
         seed: int | None, threads: int | None) -> None:
@@ -100,10 +124,7 @@ def run(engine: Path, prompt: str, max_tokens: int, temperature: float, top_k: i
 @click.option("--engine", required=True, type=_existing, help="Engine directory written by `trtbuild build`.")
 @click.option("--host", default="127.0.0.1", help="Address to bind; loopback by default (0.0.0.0: all interfaces).")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8001, help="0 picks a free port (printed).")
-@click.option("--kv-cache-memory", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="KV cache budget: bytes (> 1) or a fraction of available memory (<= 1).")
-@click.option("--kv-cache-blocks", type=click.IntRange(min=1), default=None,
-              help="Exact number of KV blocks (overrides --kv-cache-memory).")
+@_kv_cache_options
 @click.option("--policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]), default="max_utilization",
               help="guaranteed_no_evict reserves a request's whole lifetime; max_utilization preempts when full.")
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes.")
@@ -134,11 +155,7 @@ def serve(engine: Path, host: str, port: int, kv_cache_memory: float | None, kv_
 @main.command()
 @click.option("--address", default="127.0.0.1:8001", help="host:port of `trtbuild serve`.")
 @click.option("--prompt", required=True, help="Text to continue.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=64, help="Tokens to generate at most.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, help="0 is greedy.")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, help="Keep the k most likely tokens (0: all).")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, help="Nucleus mass.")
-@click.option("--seed", type=int, default=None, help="Seed for sampling.")
+@_sampling_options
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--no-stream", is_flag=True, help="Wait for the whole text instead of streaming it.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, help="Seconds for the call.")
@@ -210,10 +227,7 @@ def bench(engine: Path | None, address: str | None, dataset: Path | None, num_re
 @click.option("--model-name", default="trtbuild", help="Name of the model in the repository (and in client calls).")
 @click.option("--decoupled/--no-decoupled", default=True,
               help="Decoupled: token streaming (gRPC stream, HTTP generate_stream); else one response per request.")
-@click.option("--kv-cache-memory", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="KV cache budget: bytes (> 1) or a fraction of available memory (<= 1).")
-@click.option("--kv-cache-blocks", type=click.IntRange(min=1), default=None,
-              help="Exact number of KV blocks (overrides --kv-cache-memory).")
+@_kv_cache_options
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=None, help="[default: the engine's]")
 @click.option("--max-num-tokens", type=click.IntRange(min=1), default=None, help="[default: the engine's]")
 @click.option("--policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]), default="max_utilization",
