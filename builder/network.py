@@ -66,6 +66,16 @@ class _NetworkWriter:
                           name=prefix + "_bias", outputs=outputs)
         return y
 
+    def lm_head(self, h: str) -> None:
+        """logits = h @ lm_head^T. A tied, unquantized head reads the embedding table itself (Gemm with transB), so
+        the engine holds the [vocab, hidden] matrix once instead of twice."""
+        embedding, head = self.tensors["transformer.vocab_embedding.weight"], self.tensors["lm_head.weight"]
+        tied = self.c.tie_word_embeddings and not self.quant.is_quantized("lm_head") and torch.equal(embedding, head)
+        if tied:
+            self.g.op("Gemm", [h, "transformer.vocab_embedding.weight"], transB=1, name="lm_head", outputs=["logits"])
+        else:
+            self.linear(h, "lm_head", outputs=["logits"])
+
     def rms_norm(self, x: str, weight_name: str) -> str:
         w = self.g.weight(weight_name, self.tensor(weight_name))
         return self.g.op("RMSNormalization", [x, w], axis=-1, epsilon=self.c.norm_epsilon,
@@ -130,7 +140,7 @@ class _NetworkWriter:
         g.scope = ""
         selected = g.op("Gather", [x, logits_indices], axis=0, name="select_logit_tokens")
         h = self.rms_norm(selected, "transformer.ln_f.weight")
-        self.linear(h, "lm_head", outputs=["logits"])
+        self.lm_head(h)
         g.op("Concat", new_kv, axis=0, name="new_kv", outputs=["new_kv"])
         g.output("logits", f32, ["num_logits", c.vocab_size])
         g.output("new_kv", f32, [c.num_hidden_layers, 2, "num_tokens", c.num_key_value_heads, c.head_size])
