@@ -8,7 +8,13 @@ from pathlib import Path
 import onnx
 from tqdm import tqdm
 
-from trtbuild.builder.convert.checkpoint import CONFIG_FILE, copy_tokenizer_files, load_checkpoint, prepare_output_dir
+from trtbuild.builder.convert.checkpoint import (
+    CONFIG_FILE,
+    copy_tokenizer_files,
+    load_checkpoint,
+    prepare_output_dir,
+    remove_partial_output,
+)
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, cpu_fingerprint, write_engine_config
 from trtbuild.builder.network import ENGINE_INPUTS, ENGINE_OUTPUTS, build_network
 from trtbuild.builder.quantized import check_quantization
@@ -102,9 +108,7 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         write_engine_config(output, config, build, cpu_fingerprint(), io_spec(model), applied)
         steps.update()
     except BaseException:
-        for f in output.iterdir():
-            f.unlink()
-        output.rmdir()
+        remove_partial_output(output)
         raise
     finally:
         steps.close()

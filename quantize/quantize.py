@@ -14,7 +14,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from trtbuild.builder.convert.checkpoint import CONFIG_FILE, expected_tensors, prepare_output_dir, save_rank
+from trtbuild.builder.convert.checkpoint import (
+    CONFIG_FILE,
+    expected_tensors,
+    prepare_output_dir,
+    remove_partial_output,
+    save_rank,
+)
 from trtbuild.builder.convert.convert import to_checkpoint_tensors
 from trtbuild.builder.convert.names import linear_prefixes
 from trtbuild.builder.convert.sharding import check_mapping, shard_for_rank
@@ -101,9 +107,7 @@ def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None
     try:
         return _quantize(model, output, qconfig, texts, calib_size, calib_max_seq_len, dtype, tp_size, pp_size)
     except BaseException:
-        for f in output.iterdir():
-            f.unlink()
-        output.rmdir()
+        remove_partial_output(output)
         raise
 
 

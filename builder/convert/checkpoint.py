@@ -51,6 +51,11 @@ def prepare_output_dir(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
 
+def remove_partial_output(out_dir: Path) -> None:
+    """Remove what a failed convert / quantize / build wrote into its (freshly created) output folder."""
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+
 def copy_tokenizer_files(src_dir: Path, out_dir: Path) -> list[str]:
     copied = []
     for name in TOKENIZER_FILES:

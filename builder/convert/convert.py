@@ -13,6 +13,7 @@ from trtbuild.builder.convert.checkpoint import (
     copy_tokenizer_files,
     expected_tensors,
     prepare_output_dir,
+    remove_partial_output,
     save_rank,
 )
 from trtbuild.builder.convert.names import hf_to_checkpoint_name
@@ -111,12 +112,6 @@ def convert(model: Path, output: Path, dtype: str = "auto", tp_size: int = 1, pp
             copy_tokenizer_files(model, output)
         config.save(output / CONFIG_FILE)  # written last: a folder with config.json is a complete checkpoint
     except BaseException:
-        _remove_partial(output)
+        remove_partial_output(output)
         raise
     return config
-
-
-def _remove_partial(output: Path) -> None:
-    for f in output.iterdir():
-        f.unlink()
-    output.rmdir()
