@@ -103,9 +103,10 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         steps.set_postfix_str("saving"), steps.update()
         onnx.save_model(model, str(output / CPU_ENGINE_FILE))
         copy_tokenizer_files(checkpoint, output)
-        assert [i["name"] for i in io_spec(model)["inputs"]] == list(ENGINE_INPUTS)
-        assert [o["name"] for o in io_spec(model)["outputs"]] == list(ENGINE_OUTPUTS)
-        write_engine_config(output, config, build, cpu_fingerprint(), io_spec(model), applied)
+        io = io_spec(model)
+        assert [i["name"] for i in io["inputs"]] == list(ENGINE_INPUTS)
+        assert [o["name"] for o in io["outputs"]] == list(ENGINE_OUTPUTS)
+        write_engine_config(output, config, build, cpu_fingerprint(), io, applied)
         steps.update()
     except BaseException:
         remove_partial_output(output)

@@ -149,7 +149,7 @@ class EngineCore:
         sampled = self.sampler.sample(logits, states)
         got_token = self.scheduler.update(scheduled, sampled.token_ids.tolist())
         outputs = []
-        for request, logprobs in zip(got_token, [lp for lp in sampled.logprobs], strict=True):
+        for request, logprobs in zip(got_token, sampled.logprobs, strict=True):
             outputs.append(self._output(self.tracked[request.request_id], logprobs))
         self.last_stats = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), scheduled.num_tokens,
                                     len(scheduled.preempted), self.kv.pool.usage, time.perf_counter() - start)

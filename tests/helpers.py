@@ -56,3 +56,12 @@ def make_random_hf_model(family: str, out_dir: Path, seed: int = 0, overrides: d
 def require_shared_models() -> None:
     if not STORIES260K.is_dir():
         pytest.fail(f"shared models not found at {MODELS}; set TRTBUILD_SHARED to the folder holding models/")
+
+
+def alone(llm, prompt: str, **sampling: object) -> tuple[list[int], str, str]:
+    """(token ids, text, finish reason) of one request run by itself on an in-process `LLM`: the reference that
+    batched and served runs must reproduce exactly."""
+    from trtbuild.runtime.sampling import SamplingParams
+
+    out = llm.generate([prompt], SamplingParams(**sampling))[0]
+    return out.token_ids, out.text, out.finish_reason

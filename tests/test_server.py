@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from helpers import STORIES260K, require_shared_models
+from helpers import STORIES260K, alone, require_shared_models
 
 from trtbuild.runtime.async_engine import EngineDeadError
 from trtbuild.runtime.client import GenerationClient, make_request
@@ -95,11 +95,6 @@ def main(servers) -> GenerationClient:
 @pytest.fixture(scope="module")
 def llm(engine) -> LLM:
     return LLM(engine, RuntimeConfig(num_threads=1))
-
-
-def alone(llm: LLM, prompt: str, **sampling: object) -> tuple[list[int], str, str]:
-    out = llm.generate([prompt], SamplingParams(**sampling))[0]
-    return out.token_ids, out.text, out.finish_reason
 
 
 def collect(responses) -> tuple[list[int], str, pb.GenerateResponse]:

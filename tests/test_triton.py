@@ -23,12 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import STORIES260K, require_shared_models
+from helpers import STORIES260K, alone, require_shared_models
 
 from trtbuild.cli import main as cli
 from trtbuild.runtime.engine_core import RuntimeConfig
 from trtbuild.runtime.llm import LLM
-from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.triton_server import launcher
 from trtbuild.triton_server.repository import runtime_options
 from trtbuild.triton_server.tensors import INPUTS, parse_request
@@ -177,11 +176,6 @@ def server(engine, tmp_path_factory, request) -> TritonServer:
 @pytest.fixture(scope="module")
 def llm(engine) -> LLM:
     return LLM(engine, RuntimeConfig(num_threads=1))
-
-
-def alone(llm: LLM, prompt: str, **sampling: object) -> tuple[list[int], str, str]:
-    out = llm.generate([prompt], SamplingParams(**sampling))[0]
-    return out.token_ids, out.text, out.finish_reason
 
 
 def grpc_inputs(**fields: object) -> list:
