@@ -31,14 +31,15 @@ class _Lowering:
     def __init__(self, g: GraphBuilder) -> None:
         self.g = g
         self.meta: dict[tuple, dict[str, str]] = {}
+        self.positions_2d: dict[str, str] = {}  # position_ids -> [1, T], shared by every layer's RoPE
 
     def c(self, value, hint: str = "c") -> str:
         return self.g.const(np.asarray(value), hint)
 
-    def metadata(self, node: onnx.NodeProto, block_size: int) -> dict[str, str]:
+    def metadata(self, node: onnx.NodeProto, block_size: int, group: int) -> dict[str, str]:
         """Batch-layout indices shared by all layers (keyed by the metadata inputs they come from)."""
         key = (node.input[pa.KV_CACHE], node.input[pa.BLOCK_TABLES], node.input[pa.PAST_LENGTHS],
-               node.input[pa.QUERY_START_LOC], block_size)
+               node.input[pa.QUERY_START_LOC], block_size, group)
         if key in self.meta:
             return self.meta[key]
         g, op, c = self.g, self.g.op, self.c
@@ -61,12 +62,14 @@ class _Lowering:
         slots = op("Add", [op("Mul", [op("Gather", [tables, op("Div", [j, c(block_size)])], axis=1), c(block_size)]),
                            row(op("Mod", [j, c(block_size)]))])
         slots = op("Where", [past_valid, slots, c(0)])
-        past_mask = op("Unsqueeze", [op("Where", [past_valid, zero, neg_inf]), c([0, 1, 3])])  # [1, 1, B, 1, Lp]
+        past_mask = op("Unsqueeze", [op("Where", [past_valid, zero, neg_inf]), c([0, 2])])  # [1, B, 1, Lp]
         # new tokens: query i sees new token i2 iff i2 <= i and i2 < q_len[b] (padding rows still see token 0)
         i_row, i_col = op("Unsqueeze", [i, c([0, 1])]), op("Unsqueeze", [i, c([0, 2])])  # [1, 1, Sq], [1, Sq, 1]
         new_visible = op("And", [op("LessOrEqual", [i_row, i_col]),
                                  op("Less", [i_row, op("Unsqueeze", [q_lens, c([1, 2])])])])
-        new_mask = op("Unsqueeze", [op("Where", [new_visible, zero, neg_inf]), c([0, 1])])  # [1, 1, B, Sq, Sq]
+        # query rows are (group member g, token i) pairs, g-major: the [Sq, Sq] mask repeats for each g
+        new_mask = op("Tile", [op("Unsqueeze", [op("Where", [new_visible, zero, neg_inf]), c([0])]),
+                               c([1, 1, group, 1])])  # [1, B, G * Sq, Sq]
         # unpack: packed token t of sequence s(t) sits at row s(t) * Sq + (t - starts[s(t)]) of [B * Sq]
         num_tokens = op("Squeeze", [op("Slice", [qsl, c([-1]), c([np.iinfo(np.int64).max])])])  # T = qsl[B]
         t = op("Range", [c(0), num_tokens, c(1)])
@@ -87,13 +90,13 @@ class _Lowering:
         self.meta[key] = m
         return m
 
-    def rope(self, x: str, positions: str, cos: str, sin: str, half: int) -> str:
+    def rope(self, x: str, positions: str, cos: str, sin: str, heads: int) -> str:
+        """x [T, heads * D] rotated by ONNX RotaryEmbedding (rotate-half) over [1, T, heads * D]: one kernel."""
         op, c = self.g.op, self.c
-        cos_t = op("Unsqueeze", [op("Gather", [cos, positions]), c([1])])  # [T, 1, D/2]
-        sin_t = op("Unsqueeze", [op("Gather", [sin, positions]), c([1])])
-        x1, x2 = op("Split", [x, c([half, half])], num_outputs=2, axis=-1)
-        return op("Concat", [op("Sub", [op("Mul", [x1, cos_t]), op("Mul", [x2, sin_t])]),
-                             op("Add", [op("Mul", [x2, cos_t]), op("Mul", [x1, sin_t])])], axis=-1)
+        if positions not in self.positions_2d:
+            self.positions_2d[positions] = op("Unsqueeze", [positions, c([0])], name=f"{positions}_2d")
+        x3 = op("Unsqueeze", [x, c([0])])
+        return op("RotaryEmbedding", [x3, cos, sin, self.positions_2d[positions]], num_heads=heads)
 
     @staticmethod
     def kv_quant(node: onnx.NodeProto, which: int) -> tuple[str | None, np.float32]:
@@ -136,37 +139,32 @@ class _Lowering:
         layer, heads, kv_heads = _attr(node, "layer_idx"), _attr(node, "num_heads"), _attr(node, "num_kv_heads")
         d, block_size, scale = _attr(node, "head_size"), _attr(node, "tokens_per_block"), _attr(node, "scale")
         group = heads // kv_heads
-        m = self.metadata(node, block_size)
+        m = self.metadata(node, block_size, group)
         g.scope = node.name + "/"
-        q = op("Reshape", [node.input[pa.Q], c([0, heads, d])])
-        k = op("Reshape", [node.input[pa.K], c([0, kv_heads, d])])
-        v = op("Reshape", [node.input[pa.V], c([0, kv_heads, d])], outputs=[node.output[2]])
+        q, k, v = (node.input[i] for i in (pa.Q, pa.K, pa.V))
         if _attr(node, "rotary"):
             pos, cos, sin = (node.input[i] for i in (pa.POSITION_IDS, pa.ROPE_COS, pa.ROPE_SIN))
-            q = self.rope(q, pos, cos, sin, d // 2)
-            k = self.rope(k, pos, cos, sin, d // 2)
-        op("Identity", [k], outputs=[node.output[1]])
-        k = node.output[1]
+            q, k = self.rope(q, pos, cos, sin, heads), self.rope(k, pos, cos, sin, kv_heads)
+        k = op("Reshape", [k, c([-1, kv_heads, d])], outputs=[node.output[1]])  # [T, KVH, D]
+        v = op("Reshape", [v, c([-1, kv_heads, d])], outputs=[node.output[2]])
+        # Queries unpacked per sequence, the G query heads of a KV head as rows of one matrix: [KVH, B, G * Sq, D].
+        # NOTE: one GEMM per (KV head, sequence) with G rows, instead of G single-row GEMMs reading the same keys.
+        q = op("Gather", [op("Reshape", [q, c([-1, kv_heads, group, d])]), m["q_index"]], axis=0)  # [B,Sq,KVH,G,D]
+        q = op("Reshape", [op("Transpose", [q], perm=[2, 0, 3, 1, 4]), c([0, 0, -1, d])])
         pool = op("Reshape", [node.input[pa.KV_CACHE], c([-1, d])])  # aliases the pool, no copy
-        # Keys and values in two parts, both [KVH, 1, B, tokens, D]: past tokens gathered from the pool (O(context),
+        # Keys and values in two parts, both [KVH, B, tokens, D]: past tokens gathered from the pool (O(context),
         # never the whole pool) and this step's own tokens unpacked per sequence; one softmax spans both.
         past_kv = [self.dequantize_kv(op("Gather", [pool, op("Add", [m["head_slots"], op(
             "Mul", [m["slots_per_plane"], c([2 * layer + w])])])]), node, w) for w in (0, 1)]
-        new_kv = [op("Gather", [op("Transpose", [self.fake_quantize_kv(x, node, w)], perm=[1, 0, 2]), m["q_index"]],
-                     axis=1) for w, x in enumerate((k, v))]
-        keys, values = ([op("Unsqueeze", [x, c([1])]) for x in pair] for pair in zip(past_kv, new_kv, strict=True))
-        q_h = op("Gather", [op("Transpose", [q], perm=[1, 0, 2]), m["q_index"]], axis=1)  # [H, B, Sq, D]
-        q_g = op("Reshape", [q_h, op("Concat", [c([kv_heads, group]), op("Slice", [op("Shape", [q_h]), c([1]),
-                                                                               c([4])])], axis=0)])
-        scores = [op("Add", [op("FusedMatMul", [q_g, key], domain=MS_DOMAIN, transB=1, alpha=float(scale)), mask])
-                  for key, mask in zip(keys, (m["past_mask"], m["new_mask"]), strict=True)]  # [KVH, G, B, Sq, *]
+        new_kv = [op("Transpose", [op("Gather", [self.fake_quantize_kv(x, node, w), m["q_index"]], axis=0)],
+                     perm=[2, 0, 1, 3]) for w, x in enumerate((k, v))]
+        scores = [op("Add", [op("FusedMatMul", [q, key], domain=MS_DOMAIN, transB=1, alpha=float(scale)), mask])
+                  for key, mask in zip((past_kv[0], new_kv[0]), (m["past_mask"], m["new_mask"]), strict=True)]
         probs = op("Split", [op("Softmax", [op("Concat", scores, axis=-1)], axis=-1), m["key_split"]],
-                   num_outputs=2, axis=-1)
-        out = op("Add", [op("MatMul", [p, val]) for p, val in zip(probs, values, strict=True)])
-        out = op("Reshape", [out, c([heads, -1, d])])  # [H, B * Sq, D]
-        out = op("Gather", [out, m["out_index"]], axis=1)  # [H, T, D]
-        out = op("Reshape", [op("Transpose", [out], perm=[1, 0, 2]), c([0, heads * d])])
-        op("Identity", [out], outputs=[node.output[0]])
+                   num_outputs=2, axis=-1)  # [KVH, B, G * Sq, Lp | Sq]
+        out = op("Add", [op("MatMul", [p, val]) for p, val in zip(probs, (past_kv[1], new_kv[1]), strict=True)])
+        out = op("Transpose", [op("Reshape", [out, c([0, 0, group, -1, d])])], perm=[1, 3, 0, 2, 4])  # [B,Sq,KVH,G,D]
+        op("Gather", [op("Reshape", [out, c([-1, heads * d])]), m["out_index"]], axis=0, outputs=[node.output[0]])
 
 
 def lower_paged_attention(model: onnx.ModelProto) -> int:

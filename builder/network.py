@@ -134,14 +134,15 @@ class _NetworkWriter:
             gate, up = self.linear(h, p + "mlp.gate"), self.linear(h, p + "mlp.fc")
             act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up], name=p + "swiglu")
             x = g.op("Add", [x, self.linear(act, p + "mlp.proj")], name=p + "mlp_residual")
-            kv_pair = g.op("Concat", [g.op("Unsqueeze", [t, g.const(np.array([0]), "axis0")]) for t in (k_new, v_new)],
-                           axis=0)
-            new_kv.append(g.op("Unsqueeze", [kv_pair, g.const(np.array([0]), "axis0")]))
+            new_kv += [k_new, v_new]
         g.scope = ""
         selected = g.op("Gather", [x, logits_indices], axis=0, name="select_logit_tokens")
         h = self.rms_norm(selected, "transformer.ln_f.weight")
         self.lm_head(h)
-        g.op("Concat", new_kv, axis=0, name="new_kv", outputs=["new_kv"])
+        # [K0; V0; K1; ...] stacked on the token axis is [L * 2 * T, KVH, D]: one copy, then a free reshape
+        stacked = g.op("Concat", new_kv, axis=0, name="new_kv_stacked")
+        g.op("Reshape", [stacked, g.const(np.array([c.num_hidden_layers, 2, -1, c.num_key_value_heads, c.head_size]),
+                                          "new_kv_shape")], name="new_kv", outputs=["new_kv"])
         g.output("logits", f32, ["num_logits", c.vocab_size])
         g.output("new_kv", f32, [c.num_hidden_layers, 2, "num_tokens", c.num_key_value_heads, c.head_size])
         model = g.model("trtbuild_decoder", {pa.DOMAIN: pa.OPSET_VERSION})
