@@ -31,7 +31,7 @@ class _Lowering:
     def __init__(self, g: GraphBuilder) -> None:
         self.g = g
         self.meta: dict[tuple, dict[str, str]] = {}
-        self.positions_2d: dict[str, str] = {}  # position_ids -> [1, T], shared by every layer's RoPE
+        self.positions_per_token: dict[str, str] = {}  # position_ids -> [T, 1], shared by every layer's RoPE
 
     def c(self, value, hint: str = "c") -> str:
         return self.g.const(np.asarray(value), hint)
@@ -90,13 +90,15 @@ class _Lowering:
         self.meta[key] = m
         return m
 
-    def rope(self, x: str, positions: str, cos: str, sin: str, heads: int) -> str:
-        """x [T, heads * D] rotated by ONNX RotaryEmbedding (rotate-half) over [1, T, heads * D]: one kernel."""
+    def rope(self, x: str, positions: str, cos: str, sin: str, heads: int, d: int) -> str:
+        """x [T, heads * D] rotated by ONNX RotaryEmbedding (rotate-half), one kernel -> [T, heads, 1, D].
+        NOTE: each token is its own batch row [T, heads, 1, D] with position [T, 1]: as one sequence [1, T, ...],
+        ONNX Runtime refuses steps with more packed tokens than the cos/sin table has rows."""
         op, c = self.g.op, self.c
-        if positions not in self.positions_2d:
-            self.positions_2d[positions] = op("Unsqueeze", [positions, c([0])], name=f"{positions}_2d")
-        x3 = op("Unsqueeze", [x, c([0])])
-        return op("RotaryEmbedding", [x3, cos, sin, self.positions_2d[positions]], num_heads=heads)
+        if positions not in self.positions_per_token:
+            self.positions_per_token[positions] = op("Unsqueeze", [positions, c([1])], name=f"{positions}_per_token")
+        x4 = op("Reshape", [x, c([-1, heads, 1, d])])
+        return op("RotaryEmbedding", [x4, cos, sin, self.positions_per_token[positions]])
 
     @staticmethod
     def kv_quant(node: onnx.NodeProto, which: int) -> tuple[str | None, np.float32]:
@@ -144,7 +146,7 @@ class _Lowering:
         q, k, v = (node.input[i] for i in (pa.Q, pa.K, pa.V))
         if _attr(node, "rotary"):
             pos, cos, sin = (node.input[i] for i in (pa.POSITION_IDS, pa.ROPE_COS, pa.ROPE_SIN))
-            q, k = self.rope(q, pos, cos, sin, heads), self.rope(k, pos, cos, sin, kv_heads)
+            q, k = self.rope(q, pos, cos, sin, heads, d), self.rope(k, pos, cos, sin, kv_heads, d)
         k = op("Reshape", [k, c([-1, kv_heads, d])], outputs=[node.output[1]])  # [T, KVH, D]
         v = op("Reshape", [v, c([-1, kv_heads, d])], outputs=[node.output[2]])
         # Queries unpacked per sequence, the G query heads of a KV head as rows of one matrix: [KVH, B, G * Sq, D].

@@ -59,15 +59,15 @@ def batch(seed: int = 0) -> dict[str, np.ndarray]:
     }
 
 
-def paged_attention_model(layers: list[int], rotary: bool) -> onnx.ModelProto:
+def paged_attention_model(layers: list[int], rotary: bool, max_pos: int = MAX_POS) -> onnx.ModelProto:
     """PagedAttention node(s) alone, every input a graph input; layer l reads q{l}, k{l}, v{l}."""
     g = GraphBuilder()
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     shared = [g.input("kv_cache", f32, [LAYERS, 2, KV_HEADS, "num_blocks", BLOCK, HEAD]),
               g.input("block_tables", i64, ["batch", WIDTH]), g.input("past_lengths", i64, ["batch"]),
               g.input("query_start_loc", i64, ["batch_plus_1"])]
-    rope = [g.input("position_ids", i64, ["T"]), g.input("rope_cos", f32, [MAX_POS, HEAD // 2]),
-            g.input("rope_sin", f32, [MAX_POS, HEAD // 2])] if rotary else []
+    rope = [g.input("position_ids", i64, ["T"]), g.input("rope_cos", f32, [max_pos, HEAD // 2]),
+            g.input("rope_sin", f32, [max_pos, HEAD // 2])] if rotary else []
     for layer in layers:
         widths = {"q": HEADS * HEAD, "k": KV_HEADS * HEAD, "v": KV_HEADS * HEAD}
         qkv = [g.input(f"{n}{layer}", f32, ["T", w]) for n, w in widths.items()]
@@ -81,8 +81,8 @@ def paged_attention_model(layers: list[int], rotary: bool) -> onnx.ModelProto:
     return g.model("paged_attention", {pa.DOMAIN: pa.OPSET_VERSION})
 
 
-def lowered(layers: list[int], rotary: bool) -> onnx.ModelProto:
-    model = paged_attention_model(layers, rotary)
+def lowered(layers: list[int], rotary: bool, max_pos: int = MAX_POS) -> onnx.ModelProto:
+    model = paged_attention_model(layers, rotary, max_pos)
     onnx.checker.check_model(model, full_check=True)
     assert lower_paged_attention(model) == len(layers)
     onnx.checker.check_model(model, full_check=True)
@@ -124,6 +124,15 @@ def test_lowering_matches_reference(rotary):
     # rope really rotates (position 0 is the identity, later positions are not)
     k_new = got["k_new1"].reshape(len(data["k"]), -1)
     assert np.allclose(k_new, data["k"]) != rotary
+
+
+def test_a_step_may_pack_more_tokens_than_the_rope_table_has_rows():
+    """The table has max_seq_len rows; a step packs up to max_num_tokens tokens of many sequences, often more."""
+    data = batch()
+    rows = int(data["position_ids"].max()) + 1
+    assert rows < len(data["q"])
+    data["rope_cos"], data["rope_sin"] = data["rope_cos"][:rows], data["rope_sin"][:rows]
+    assert_matches_reference(run(lowered([0], True, rows), data, [0], True), data, 0, True)
 
 
 @pytest.mark.parametrize("rotary", [False, True], ids=["no_rope", "rope"])
