@@ -33,6 +33,20 @@ _sampling_options = _options(
     click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, help="Nucleus mass."),
     click.option("--seed", type=int, default=None, help="Seed for sampling."),
 )
+_speculative_options = _options(
+    click.option("--speculative-tokens", type=click.IntRange(min=0), default=0,
+                 help="Draft tokens per decode step from prompt lookup (n-gram) speculative decoding; 0 is off."),
+    click.option("--prompt-lookup-max", type=click.IntRange(min=1), default=4,
+                 help="Longest n-gram prompt lookup matches (with --speculative-tokens)."),
+)
+
+
+def _speculative_config(speculative_tokens: int, prompt_lookup_max: int):  # -> SpeculativeConfig | None
+    from trtbuild.runtime.speculative import SpeculativeConfig
+
+    return SpeculativeConfig(speculative_tokens, prompt_lookup_max=prompt_lookup_max) if speculative_tokens else None
+
+
 _kv_cache_options = _options(
     click.option("--kv-cache-memory", type=click.FloatRange(min=0, min_open=True), default=None,
                  help="KV cache budget: bytes (> 1) or a fraction of available memory (<= 1)."),
@@ -97,9 +111,10 @@ def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_
 @click.option("--engine", required=True, type=_existing, help="Engine directory written by `trtbuild build`.")
 @click.option("--prompt", required=True, help="Text to continue.")
 @_sampling_options
+@_speculative_options
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
 def run(engine: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
-        seed: int | None, threads: int | None) -> None:
+        seed: int | None, speculative_tokens: int, prompt_lookup_max: int, threads: int | None) -> None:
     """Generate text from a prompt, streaming it to the terminal."""
     from trtbuild.errors import TrtbuildError
     from trtbuild.runtime.engine_core import RuntimeConfig
@@ -108,7 +123,8 @@ def run(engine: Path, prompt: str, max_tokens: int, temperature: float, top_k: i
 
     try:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
-        llm = LLM(engine, RuntimeConfig(num_threads=threads, max_batch_size=1))
+        llm = LLM(engine, RuntimeConfig(num_threads=threads, max_batch_size=1,
+                                        speculative=_speculative_config(speculative_tokens, prompt_lookup_max)))
         outputs = llm.stream([prompt], params)
         first = next(outputs)  # the request passed validation: echo the prompt, then stream
         click.echo(prompt, nl=False)
@@ -134,10 +150,12 @@ def run(engine: Path, prompt: str, max_tokens: int, temperature: float, top_k: i
               help="Prefill tokens of one request per step [default: the whole token budget].")
 @click.option("--max-queue-size", type=click.IntRange(min=1), default=256,
               help="Unfinished requests held at most; more are refused with RESOURCE_EXHAUSTED.")
+@_speculative_options
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
 def serve(engine: Path, host: str, port: int, kv_cache_memory: float | None, kv_cache_blocks: int | None,
           policy: str, no_prefix_caching: bool, max_batch_size: int | None, max_num_tokens: int | None,
-          max_prefill_chunk: int | None, max_queue_size: int, threads: int | None) -> None:
+          max_prefill_chunk: int | None, max_queue_size: int, speculative_tokens: int, prompt_lookup_max: int,
+          threads: int | None) -> None:
     """Serve an engine over gRPC (trtbuild.v1.Generation, health, reflection) until SIGTERM / Ctrl-C."""
     from trtbuild.errors import TrtbuildError
     from trtbuild.runtime.engine_core import RuntimeConfig
@@ -145,7 +163,8 @@ def serve(engine: Path, host: str, port: int, kv_cache_memory: float | None, kv_
 
     config = RuntimeConfig(kv_cache_memory=kv_cache_memory, kv_cache_blocks=kv_cache_blocks, policy=policy,
                            enable_prefix_caching=not no_prefix_caching, max_batch_size=max_batch_size,
-                           max_num_tokens=max_num_tokens, max_prefill_chunk=max_prefill_chunk, num_threads=threads)
+                           max_num_tokens=max_num_tokens, max_prefill_chunk=max_prefill_chunk, num_threads=threads,
+                           speculative=_speculative_config(speculative_tokens, prompt_lookup_max))
     try:
         run_server(engine, host=host, port=port, config=config, max_queue_size=max_queue_size)
     except ValueError as e:
@@ -205,18 +224,20 @@ def client(address: str, prompt: str, max_tokens: int, temperature: float, top_k
 @click.option("--compare-sequential", is_flag=True, help="Also run the requests one at a time; print the speedup.")
 @click.option("--compare-hf", type=_existing, default=None,
               help="HF model folder or llama .gguf: also time transformers generate() on the same prompts batched.")
+@_speculative_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench(engine: Path | None, address: str | None, dataset: Path | None, num_requests: int | None,
           input_len: int | None, output_len: int | None, seed: int, concurrency: int | None, request_rate: float,
           timeout: float, threads: int | None, compare_sequential: bool, compare_hf: Path | None,
-          as_json: bool) -> None:
+          speculative_tokens: int, prompt_lookup_max: int, as_json: bool) -> None:
     """Measure throughput and latency of an engine (in-process) or a server under load, with baselines as ratios."""
     from trtbuild.runtime.bench import BenchOptions, format_report, run_bench, to_json
 
     options = BenchOptions(engine=engine, address=address, dataset=dataset, num_requests=num_requests,
                            input_len=input_len, output_len=output_len, seed=seed, concurrency=concurrency,
                            request_rate=request_rate, timeout=timeout, threads=threads,
-                           compare_sequential=compare_sequential, compare_hf=compare_hf)
+                           compare_sequential=compare_sequential, compare_hf=compare_hf,
+                           speculative=_speculative_config(speculative_tokens, prompt_lookup_max))
     report = run_bench(options, log=lambda message: click.echo(message, err=True))
     click.echo(to_json(report) if as_json else format_report(report))
 

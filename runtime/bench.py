@@ -15,9 +15,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trtbuild.errors import TrtbuildError
+
+if TYPE_CHECKING:
+    from trtbuild.runtime.speculative import SpeculativeConfig
 
 WARMUP_TOKENS = 2
 
@@ -171,6 +174,7 @@ class BenchOptions:
     threads: int | None = None
     compare_sequential: bool = False
     compare_hf: Path | None = None
+    speculative: SpeculativeConfig | None = None  # in-process engine only
 
 
 def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
@@ -188,7 +192,10 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _: None) -
     dataset = load_dataset(opts.dataset, opts.num_requests) if opts.dataset is not None else None
     threads = opts.threads or default_threads()
     log(f"loading {opts.engine or opts.address} ...")
-    target: Target = EngineTarget(opts.engine, threads) if opts.engine is not None else ServerTarget(opts.address)
+    if opts.speculative is not None and opts.engine is None:
+        raise TrtbuildError("speculative decoding is a server option: start `trtbuild serve --speculative-tokens N`")
+    target: Target = (EngineTarget(opts.engine, threads, opts.speculative) if opts.engine is not None
+                      else ServerTarget(opts.address))
     report: dict[str, Any] = {"target": target.name, "threads": threads if opts.engine is not None else None,
                               "concurrency": opts.concurrency, "request_rate": opts.request_rate}
     try:
@@ -268,6 +275,9 @@ def format_report(r: dict[str, Any]) -> str:
         row("engine steps", f"with prefill {s['prefill_step_s']:.2f} s ({s['prefill_steps']} steps), decode-only "
                             f"{s['decode_step_s']:.2f} s ({s['decode_steps']} steps, mean batch "
                             f"{s['mean_decode_batch']:.1f}), outside steps {rest:.2f} s")
+        if s["draft_tokens"]:
+            row("speculative drafts", f"{s['accepted_draft_tokens']} of {s['draft_tokens']} accepted "
+                                      f"({s['accepted_draft_tokens'] / s['draft_tokens']:.1%})")
     if (seq := r["sequential"]) is not None:
         row("one-at-a-time", f"{seq['output_throughput']:.1f} output tok/s, {seq['duration_s']:.2f} s, "
                              f"TTFT p50 {seq['ttft_ms_p50']:.1f} ms, TPOT p50 {seq['tpot_ms_p50']:.1f} ms"

@@ -15,26 +15,30 @@ from typing import Any, NamedTuple
 
 from trtbuild.errors import TrtbuildError
 from trtbuild.runtime.bench import BenchRequest, RequestResult
+from trtbuild.runtime.speculative import SpeculativeConfig
 
 SAMPLE_S = 0.02  # how often a server's KV usage is sampled during a run
 
 
 class _Step(NamedTuple):
     tokens: int  # computed this step
-    sampled: int  # requests that got a token
+    sampled: int  # requests that got tokens
     seconds: float
     kv_usage: float
+    drafts: int  # speculative drafts among the tokens
+    accepted: int
 
 
 class EngineTarget:
     """EngineCore behind an AsyncEngine (its own loop thread), as `trtbuild serve` runs it, without gRPC."""
 
-    def __init__(self, engine_dir: Path, threads: int) -> None:
+    def __init__(self, engine_dir: Path, threads: int, speculative: SpeculativeConfig | None = None) -> None:
         from trtbuild.runtime.async_engine import AsyncEngine
         from trtbuild.runtime.engine_core import EngineCore, RuntimeConfig
 
-        self.name = f"engine {engine_dir}"
-        self.core = core = EngineCore(Path(engine_dir), RuntimeConfig(num_threads=threads))
+        self.name = f"engine {engine_dir}" + (f" (ngram drafts {speculative.num_speculative_tokens})"
+                                              if speculative else "")
+        self.core = core = EngineCore(Path(engine_dir), RuntimeConfig(num_threads=threads, speculative=speculative))
         self.vocab_size = core.vocab_size
         self.special_ids = frozenset(core.eos_token_ids) | (core.tokenizer.special_ids if core.tokenizer else set())
         self.steps: list[_Step] = []
@@ -44,7 +48,8 @@ class EngineTarget:
             before = core.last_stats
             outputs = step()
             if (stats := core.last_stats) is not before and stats is not None:
-                self.steps.append(_Step(stats.num_scheduled_tokens, len(outputs), stats.seconds, stats.kv_cache_usage))
+                self.steps.append(_Step(stats.num_scheduled_tokens, len(outputs), stats.seconds, stats.kv_cache_usage,
+                                        stats.num_draft_tokens, stats.num_accepted_draft_tokens))
             return outputs
 
         core.step = recorded_step  # type: ignore[method-assign]
@@ -94,13 +99,15 @@ class EngineTarget:
         self.steps = []
 
     def end(self) -> tuple[list[float], dict[str, Any] | None]:
-        # A decode-only step computes one token per sequence and samples from each; any prefill computes more.
-        prefill = [s for s in self.steps if s.tokens > s.sampled]
-        decode = [s for s in self.steps if s.tokens <= s.sampled]
+        # A decode-only step computes one token (plus drafts) per sequence and samples from each; a prefill more.
+        prefill = [s for s in self.steps if s.tokens - s.drafts > s.sampled]
+        decode = [s for s in self.steps if s.tokens - s.drafts <= s.sampled]
         breakdown = {"steps": len(self.steps), "prefill_steps": len(prefill), "decode_steps": len(decode),
                      "prefill_step_s": sum(s.seconds for s in prefill),
                      "decode_step_s": sum(s.seconds for s in decode),
-                     "mean_decode_batch": sum(s.tokens for s in decode) / max(1, len(decode))}
+                     "mean_decode_batch": sum(s.tokens - s.drafts for s in decode) / max(1, len(decode)),
+                     "draft_tokens": sum(s.drafts for s in self.steps),
+                     "accepted_draft_tokens": sum(s.accepted for s in self.steps)}
         return [s.kv_usage for s in self.steps], breakdown
 
     def close(self) -> None:

@@ -11,13 +11,16 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from trtbuild.runtime.detokenizer import IncrementalDetokenizer
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
 from trtbuild.runtime.memory import kv_cache_blocks
 from trtbuild.runtime.request import FinishReason, Request, RequestMetrics
 from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
-from trtbuild.runtime.scheduler import Scheduler, SchedulerConfig
+from trtbuild.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from trtbuild.runtime.speculative import SpeculativeConfig, make_proposer, verify
 from trtbuild.runtime.tokenizer import Tokenizer, load_generation_eos
 
 log = logging.getLogger(__name__)
@@ -35,6 +38,7 @@ class RuntimeConfig:
     max_num_tokens: int | None = None
     max_prefill_chunk: int | None = None
     num_threads: int | None = None
+    speculative: SpeculativeConfig | None = None  # draft tokens verified per decode step; None: off
 
 
 @dataclass
@@ -60,6 +64,8 @@ class StepStats:
     num_preempted: int
     kv_cache_usage: float
     seconds: float
+    num_draft_tokens: int = 0  # speculative drafts among the scheduled tokens
+    num_accepted_draft_tokens: int = 0
 
 
 @dataclass
@@ -94,6 +100,7 @@ class EngineCore:
         self.eos_token_ids = tuple(dict.fromkeys(model.eos_token_ids + load_generation_eos(engine_dir)))
         self.vocab_size = model.vocab_size
         self.sampler = Sampler()
+        self.proposer = make_proposer(config.speculative) if config.speculative else None
         self.tracked: dict[str, _Tracked] = {}
         self.last_stats: StepStats | None = None
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, build.tokens_per_block,
@@ -137,41 +144,79 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     # ---- one step ----------------------------------------------------------------------------------------------
+    def _propose_drafts(self) -> None:
+        """Drafts for each decoding request, as many as its remaining output allows (the step adds one more)."""
+        k, max_seq_len = self.config.speculative.num_speculative_tokens, self.scheduler.config.max_seq_len
+        for request in self.scheduler.running:
+            if request.num_computed_tokens == len(request.token_ids) - 1:
+                room = min(request.sampling.max_tokens - request.num_output_tokens,
+                           max_seq_len - len(request.token_ids)) - 1
+                request.spec_token_ids = self.proposer.propose(request.token_ids, min(k, room))
+
+    def _sample(self, scheduled: SchedulerOutput, logits: np.ndarray) -> tuple[list[list[int]], dict[str, list]]:
+        """New tokens of each chunk with logits (in order), and their logprobs by request id: one batched draw for
+        the chunks without drafts, verification (speculative.verify) for the others."""
+        with_logits = [c for c in scheduled.chunks if c.num_logits]
+        rows = np.cumsum([0] + [c.num_logits for c in with_logits])
+        tokens: list[list[int]] = [[] for _ in with_logits]
+        logprobs: dict[str, list] = {}
+        plain = [i for i, c in enumerate(with_logits) if not c.num_drafts]
+        if plain:
+            states = [self.tracked[with_logits[i].request.request_id].sampling for i in plain]
+            sampled = self.sampler.sample(logits[rows[plain]], states)
+            for i, token, lp in zip(plain, sampled.token_ids.tolist(), sampled.logprobs, strict=True):
+                tokens[i], logprobs[with_logits[i].request.request_id] = [token], [lp]
+        for i, c in enumerate(with_logits):
+            if c.num_drafts:
+                rid = c.request.request_id
+                verified = verify(logits[rows[i] : rows[i + 1]], c.request.spec_token_ids, self.tracked[rid].sampling)
+                tokens[i], logprobs[rid] = verified.token_ids, verified.logprobs
+        return tokens, logprobs
+
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        if self.proposer is not None:
+            self._propose_drafts()
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             return []
-        chunks = [SequenceChunk(c.request.request_id, c.request.token_ids[c.start : c.start + c.num_tokens],
+        chunks = [SequenceChunk(c.request.request_id,
+                                (c.request.token_ids + c.request.spec_token_ids)[c.start : c.start + c.num_tokens],
                                 c.start, c.num_logits, c.block_ids) for c in scheduled.chunks]
         logits = self.engine.step(chunks)
-        states = [self.tracked[c.request.request_id].sampling for c in scheduled.chunks if c.num_logits]
-        sampled = self.sampler.sample(logits, states)
-        got_token = self.scheduler.update(scheduled, sampled.token_ids.tolist())
-        outputs = []
-        for request, logprobs in zip(got_token, sampled.logprobs, strict=True):
-            outputs.append(self._output(self.tracked[request.request_id], logprobs))
+        tokens, logprobs = self._sample(scheduled, logits)
+        outputs = [self._output(self.tracked[request.request_id], new_tokens, logprobs[request.request_id])
+                   for request, new_tokens in self.scheduler.update(scheduled, tokens)]
+        drafted = [(c.num_drafts, len(t) - 1) for c, t in zip(
+            [c for c in scheduled.chunks if c.num_logits], tokens, strict=True) if c.num_drafts]
         self.last_stats = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), scheduled.num_tokens,
-                                    len(scheduled.preempted), self.kv.pool.usage, time.perf_counter() - start)
+                                    len(scheduled.preempted), self.kv.pool.usage, time.perf_counter() - start,
+                                    sum(d for d, _ in drafted), sum(a for _, a in drafted))
         return outputs
 
-    def _output(self, tracked: _Tracked, logprobs: TokenLogprobs | None) -> RequestOutput:
+    def _output(self, tracked: _Tracked, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> RequestOutput:
+        """The delta for the tokens a step appended to the request (several when drafts were accepted)."""
         request = tracked.request
-        token = request.token_ids[-1]
         text = ""
-        stopped_by_token = request.finish_reason == FinishReason.STOP and (
-            token in request.sampling.stop_token_ids or token in request.eos_token_ids)
-        if tracked.detokenizer is not None and not stopped_by_token:
-            text = tracked.detokenizer.add(token)
+        for n, token in enumerate(tokens, start=1):
+            stopped_by_token = n == len(tokens) and request.finish_reason == FinishReason.STOP and (
+                token in request.sampling.stop_token_ids or token in request.eos_token_ids)
+            if tracked.detokenizer is None or stopped_by_token:
+                continue
+            text += tracked.detokenizer.add(token)
             if tracked.detokenizer.finished_by_stop is not None:
                 # NOTE: the text is cut at the stop string, so the reason is "stop" even when this very token also
                 # reached max_tokens (update() already finished the request with "length"), as vLLM reports it.
+                # Tokens after it (accepted drafts) are not part of the output.
+                del request.token_ids[len(request.token_ids) - (len(tokens) - n):]
+                tokens = tokens[:n]
                 self.scheduler.finish(request, FinishReason.STOP)
                 request.finish_reason = FinishReason.STOP
-        new_logprobs = [logprobs] if logprobs is not None else []
+                break
+        new_logprobs = [lp for lp in logprobs[: len(tokens)] if lp is not None]
         if request.finished:
-            return self._final_output(tracked, [token], text, new_logprobs)
-        return RequestOutput(request.request_id, [token], text, False, None, new_logprobs,
+            return self._final_output(tracked, tokens, text, new_logprobs)
+        return RequestOutput(request.request_id, tokens, text, False, None, new_logprobs,
                              request.num_prompt_tokens, request.num_output_tokens)
 
     def _final_output(self, tracked: _Tracked, tokens: list[int], text: str, logprobs: list) -> RequestOutput:

@@ -29,6 +29,8 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prefix_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative drafts verified by the engine
+    num_accepted_draft_tokens: int = 0
 
     @property
     def queue_time(self) -> float | None:
@@ -42,8 +44,8 @@ class RequestMetrics:
 @dataclass
 class Request:
     """Token ids are prompt + output. The scheduler advances `num_computed_tokens` (tokens whose K/V are cached)
-    towards `len(token_ids)` (tokens known); the gap is what the next steps compute: a prefill chunk, one decode
-    token, or (later) draft tokens."""
+    towards `len(token_ids) + len(spec_token_ids)` (tokens known); the gap is what the next steps compute: a
+    prefill chunk, one decode token, or a decode token followed by speculative drafts (not yet part of the output)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -54,6 +56,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of token_ids
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     def __post_init__(self) -> None:

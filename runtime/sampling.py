@@ -281,7 +281,7 @@ def _sorted_prefix(ids: np.ndarray, probs: np.ndarray, top_p: float) -> tuple[np
     return ids[:keep], probs[:keep] / probs[:keep].sum(), bool(cumulative[-1] >= top_p)
 
 
-def _draw(ids: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> int:
+def draw(ids: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> int:
     cdf = np.cumsum(probs)
     index = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))  # exactly one draw per step
     return int(ids[min(index, ids.size - 1)])
@@ -314,7 +314,7 @@ class Sampler:
         if greedy.any():
             tokens[greedy] = np.argmax(processed[greedy], axis=1)  # first maximum: ties go to the lowest id
         for i in np.flatnonzero(~greedy):
-            tokens[i] = _draw(*sampling_distribution(processed[i], states[i].params), states[i].rng)
+            tokens[i] = draw(*sampling_distribution(processed[i], states[i].params), states[i].rng)
         logprobs = [None if s.params.logprobs is None else token_logprobs(logits[i], int(tokens[i]), s.params.logprobs)
                     for i, s in enumerate(states)]
         return SampleOutput(tokens, logprobs)

@@ -1,8 +1,8 @@
 """Token-budget inflight batching: each step mixes decode tokens and prefill chunks of many requests.
 
 Requests are scheduled in tokens: every step computes, for each scheduled request, some of the tokens between
-`num_computed_tokens` and `len(token_ids)`. A decode is one such token, a prefill chunk many; draft tokens of
-speculative decoding will be more known tokens, with no new phase.
+`num_computed_tokens` and `len(token_ids) + len(spec_token_ids)`. A decode is one such token, a prefill chunk many;
+speculative drafts are more known tokens after a decode token, with no new phase.
 
 Policies (as TensorRT-LLM's capacity scheduler):
 - guaranteed_no_evict: admit a request only when blocks for its whole lifetime (prompt + max_tokens) can be
@@ -41,8 +41,9 @@ class ScheduledChunk:
     request: Request
     start: int  # tokens of this request already computed
     num_tokens: int
-    num_logits: int  # 1 when the chunk reaches the request's newest token, else 0
+    num_logits: int  # 1 + num_drafts when the chunk reaches the request's newest known token, else 0
     block_ids: tuple[int, ...]
+    num_drafts: int = 0  # the chunk's last num_drafts tokens are speculative drafts
 
 
 @dataclass(frozen=True)
@@ -89,13 +90,17 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------------------------
     def _chunk_size(self, request: Request, budget: int) -> int:
         todo = len(request.token_ids) - request.num_computed_tokens
-        limit = self.config.max_prefill_chunk or budget
-        return min(todo, budget, todo if todo == 1 else limit)
+        if todo == 1:  # decoding: the newest token plus whatever drafts the budget allows
+            del request.spec_token_ids[max(budget - 1, 0):]
+            return min(1 + len(request.spec_token_ids), budget)
+        request.spec_token_ids.clear()
+        return min(todo, budget, self.config.max_prefill_chunk or budget)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids.clear()
         request.status = RequestStatus.WAITING
         request.metrics.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -110,6 +115,10 @@ class Scheduler:
             if num_new <= 0:
                 continue
             while not self.kv.allocate(request, request.num_computed_tokens + num_new):
+                if request.spec_token_ids:  # drafts are optional: drop them before preempting anyone
+                    request.spec_token_ids.clear()
+                    num_new = 1
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -136,31 +145,46 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
         for request, num_new in scheduled:
-            start = request.num_computed_tokens
-            chunks.append(ScheduledChunk(request, start, num_new, int(start + num_new == len(request.token_ids)),
-                                         tuple(self.kv.block_table(request))))
+            start, drafts = request.num_computed_tokens, len(request.spec_token_ids)
+            reaches_end = start + num_new == len(request.token_ids) + drafts
+            chunks.append(ScheduledChunk(request, start, num_new, (1 + drafts) * reaches_end,
+                                         tuple(self.kv.block_table(request)), drafts))
+        scheduled_ids = {r.request_id for r, _ in scheduled}
+        for request in self.running:
+            if request.request_id not in scheduled_ids:
+                request.spec_token_ids.clear()  # not scheduled this step: its drafts are stale
         return SchedulerOutput(chunks, preempted)
 
     # ---- after the engine ran ----------------------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: list[int]) -> list[Request]:
-        """Advance computed counts and append sampled tokens (one per chunk with logits, in order); returns the
-        requests that received a token."""
-        got_token, sampled_iter = [], iter(sampled)
+    def update(self, output: SchedulerOutput, sampled: list[list[int]]) -> list[tuple[Request, list[int]]]:
+        """Advance computed counts and append each chunk's new tokens (one list per chunk with logits, in order:
+        its accepted drafts, then one sampled token), up to the first that stops the request; returns the requests
+        that received tokens, with those tokens."""
+        got_tokens, sampled_iter = [], iter(sampled)
         for chunk in output.chunks:
             request = chunk.request
-            request.num_computed_tokens += chunk.num_tokens
+            tokens = next(sampled_iter) if chunk.num_logits else []
+            accepted = max(len(tokens) - 1, 0)  # drafts the engine verified and the sampler kept
+            request.spec_token_ids.clear()
+            request.num_computed_tokens += chunk.num_tokens - chunk.num_drafts + accepted
+            request.metrics.num_draft_tokens += chunk.num_drafts
+            request.metrics.num_accepted_draft_tokens += accepted
+            appended, reason = [], None
+            for token in tokens:
+                request.token_ids.append(token)
+                appended.append(token)
+                if (reason := self._stop_reason(request, token)) is not None:
+                    break
+            # NOTE: a stop among the accepted drafts leaves computed K/V past the last kept token; it is dropped.
+            request.num_computed_tokens = min(request.num_computed_tokens, len(request.token_ids))
             self.kv.cache_full_blocks(request)
-            if not chunk.num_logits:
-                continue
-            token = next(sampled_iter)
-            request.token_ids.append(token)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = time.monotonic()
-            got_token.append(request)
-            reason = self._stop_reason(request, token)
+            if appended:
+                if request.metrics.first_token_time is None:
+                    request.metrics.first_token_time = time.monotonic()
+                got_tokens.append((request, appended))
             if reason is not None:
                 self.finish(request, reason)
-        return got_token
+        return got_tokens
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.sampling

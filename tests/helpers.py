@@ -1,4 +1,5 @@
-"""Test helpers: paths to the real tiny models and tiny random HF models per family (importable as `helpers`)."""
+"""Test helpers: paths to the real tiny models, tiny random HF models per family, and an EngineCore driver
+(importable as `helpers`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 from pathlib import Path
 
 import pytest
+
+from trtbuild.runtime.engine_core import EngineCore, RequestOutput, StepStats
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,3 +68,33 @@ def alone(llm, prompt: str, **sampling: object) -> tuple[list[int], str, str]:
 
     out = llm.generate([prompt], SamplingParams(**sampling))[0]
     return out.token_ids, out.text, out.finish_reason
+
+
+def drive(core: EngineCore, prompts, params) -> tuple[list[list[int]], list[RequestOutput], list[StepStats]]:
+    """Add every prompt, step until done; returns each request's tokens, its final output, and every step's stats."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    requests = [core.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    for r in requests:
+        core.add_request(r)
+    index = {r.request_id: i for i, r in enumerate(requests)}
+    tokens: list[list[int]] = [[] for _ in prompts]
+    finals: list[RequestOutput | None] = [None] * len(prompts)
+    stats = []
+    for _ in range(10_000):
+        if not core.has_unfinished():
+            break
+        core.last_stats = None
+        for out in core.step():
+            i = index[out.request_id]
+            assert finals[i] is None, "output after the final one"
+            tokens[i] += out.new_token_ids
+            if out.finished:
+                finals[i] = out
+        assert core.last_stats is not None, "a step with unfinished requests scheduled nothing"
+        stats.append(core.last_stats)
+    assert not core.has_unfinished() and all(finals)
+    return tokens, finals, stats
+
+
+def assert_pool_full(core: EngineCore) -> None:
+    assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.kv.blocks and not core.tracked

@@ -8,10 +8,10 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import STORIES260K, require_shared_models
+from helpers import STORIES260K, assert_pool_full, drive, require_shared_models
 
 from trtbuild.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from trtbuild.runtime.engine_core import EngineCore, RequestOutput, RuntimeConfig, StepStats
+from trtbuild.runtime.engine_core import EngineCore, RequestOutput, RuntimeConfig
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 
@@ -44,36 +44,6 @@ def alone(llama) -> list[list[int]]:
     """Each prompt's greedy tokens, run by itself."""
     llm = LLM(llama, config(enable_prefix_caching=False))
     return [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
-
-
-def drive(core: EngineCore, prompts, params) -> tuple[list[list[int]], list[RequestOutput], list[StepStats]]:
-    """Add every prompt, step until done; returns each request's tokens, its final output, and every step's stats."""
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    requests = [core.make_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    for r in requests:
-        core.add_request(r)
-    index = {r.request_id: i for i, r in enumerate(requests)}
-    tokens: list[list[int]] = [[] for _ in prompts]
-    finals: list[RequestOutput | None] = [None] * len(prompts)
-    stats = []
-    for _ in range(10_000):
-        if not core.has_unfinished():
-            break
-        core.last_stats = None
-        for out in core.step():
-            i = index[out.request_id]
-            assert finals[i] is None, "output after the final one"
-            tokens[i] += out.new_token_ids
-            if out.finished:
-                finals[i] = out
-        assert core.last_stats is not None, "a step with unfinished requests scheduled nothing"
-        stats.append(core.last_stats)
-    assert not core.has_unfinished() and all(finals)
-    return tokens, finals, stats
-
-
-def assert_pool_full(core: EngineCore) -> None:
-    assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.kv.blocks and not core.tracked
 
 
 # ---- batching never changes tokens ------------------------------------------------------------------------------

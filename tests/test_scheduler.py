@@ -77,7 +77,7 @@ def make_scheduler(num_blocks=16, policy="max_utilization", max_num_tokens=16, m
 
 def run_step(s: Scheduler, token: int = 5):
     out = s.schedule()
-    s.update(out, [token] * sum(c.num_logits for c in out.chunks))
+    s.update(out, [[token] for c in out.chunks if c.num_logits])
     return out
 
 

@@ -1,0 +1,133 @@
+"""Speculative decoding: propose draft tokens cheaply, verify them all in one engine step, keep what the target
+model agrees with.
+
+A decoding request with drafts d_1..d_k computes [last token, d_1, .., d_k] in one chunk and gets k + 1 logits rows.
+Row i is the target model's distribution p_i for the token after d_i (row 0: after the last token). Verification
+walks the rows in order (gpt-fast / Leviathan et al. 2023, with a deterministic draft q = one-hot(d_i)):
+- greedy: accept d_i while it is the argmax of p_{i-1};
+- sampling: accept d_i with probability p_{i-1}(d_i); on rejection draw from p_{i-1} without d_i (the residual
+  max(p - q, 0), normalized), and stop.
+If every draft is accepted, one more token is drawn from the last row, so a step yields 1 .. k + 1 tokens and each
+token is distributed exactly as in plain decoding. Penalties and masks see the accepted drafts (the rows are
+processed one at a time, each after the previous token was appended).
+
+Proposers: `NgramProposer` (prompt lookup: copy what followed the latest earlier occurrence of the context's last
+n tokens). A draft model would be another `Proposer`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from trtbuild.runtime.sampling import (
+    SamplingState,
+    TokenLogprobs,
+    draw,
+    process_logits,
+    sampling_distribution,
+    token_logprobs,
+)
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """How drafts are proposed. `num_speculative_tokens` drafts at most per request and step."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int = 4  # longest n-gram matched (tried first)
+    prompt_lookup_min: int = 1  # shortest n-gram matched
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt lookup n-gram sizes must satisfy 1 <= min <= max, got "
+                             f"min {self.prompt_lookup_min}, max {self.prompt_lookup_max}")
+
+
+class Proposer(abc.ABC):
+    """Invariant: `propose` returns at most `max_tokens` token ids and never changes `token_ids`."""
+
+    @abc.abstractmethod
+    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]: ...
+
+
+class NgramProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """The tokens that followed the latest earlier occurrence of the last n tokens, longest n first."""
+        if max_tokens <= 0:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            # windows[s] = tokens[s : s + n] for every start s whose window ends before the last token
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if starts.size:
+                follow = int(starts[-1]) + n
+                return tokens[follow : follow + max_tokens].tolist()
+        return []
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    return NgramProposer(config)
+
+
+@dataclass(frozen=True)
+class Verified:
+    token_ids: list[int]  # accepted drafts, then one corrected / bonus token
+    num_accepted: int  # drafts accepted
+    logprobs: list[TokenLogprobs | None]
+
+
+def verify(logits: np.ndarray, drafts: Sequence[int], state: SamplingState) -> Verified:
+    """Rows logits [len(drafts) + 1, V] of one request -> the tokens this step yields (see the module docstring).
+
+    Each row is processed (masks, penalties) with the tokens decided before it. Like `Sampler.sample`, this leaves
+    `state` as it found it: the scheduler records the tokens (and may stop early at a stop token).
+    """
+    if logits.shape[0] != len(drafts) + 1:
+        raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} logits rows, got {logits.shape[0]}")
+    params = state.params
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs | None] = []
+    try:
+        for i, row in enumerate(logits):
+            processed = process_logits(row[None, :], [state])[0]
+            draft = drafts[i] if i < len(drafts) else None
+            if params.greedy:
+                token = int(np.argmax(processed))  # first maximum, as the plain sampler
+            else:
+                token = _accept_or_resample(*sampling_distribution(processed, params), draft, state.rng)
+            tokens.append(token)
+            state.append(token)
+            logprobs.append(None if params.logprobs is None else token_logprobs(row, token, params.logprobs))
+            if token != draft:  # a correction, or the bonus token after all drafts: always the last token
+                break
+    finally:
+        del state.token_ids[len(state.token_ids) - len(tokens):]
+    return Verified(tokens, len(tokens) - 1, logprobs)
+
+
+def _accept_or_resample(ids: np.ndarray, probs: np.ndarray, draft: int | None, rng: np.random.Generator) -> int:
+    """Accept `draft` with probability p(draft); otherwise draw from p with the draft removed (renormalized).
+    Without a draft (the bonus row), one plain draw from p."""
+    if draft is not None:
+        hit = ids == draft
+        p_draft = float(probs[hit].sum())
+        if p_draft > 0 and rng.random() < p_draft:
+            return draft
+        if p_draft > 0:  # p_draft < 1 here: a rejection needs rng.random() >= p_draft
+            ids, probs = ids[~hit], probs[~hit] / (1.0 - p_draft)
+    return draw(ids, probs, rng)
