@@ -187,11 +187,10 @@ class EngineCore:
         tokens, logprobs = self._sample(scheduled, logits)
         outputs = [self._output(self.tracked[request.request_id], new_tokens, logprobs[request.request_id])
                    for request, new_tokens in self.scheduler.update(scheduled, tokens)]
-        drafted = [(c.num_drafts, len(t) - 1) for c, t in zip(
-            [c for c in scheduled.chunks if c.num_logits], tokens, strict=True) if c.num_drafts]
         self.last_stats = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), scheduled.num_tokens,
                                     len(scheduled.preempted), self.kv.pool.usage, time.perf_counter() - start,
-                                    sum(d for d, _ in drafted), sum(a for _, a in drafted))
+                                    num_draft_tokens=sum(c.num_drafts for c in scheduled.chunks),
+                                    num_accepted_draft_tokens=sum(len(t) - 1 for t in tokens))  # 1 token + accepted
         return outputs
 
     def _output(self, tracked: _Tracked, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> RequestOutput:

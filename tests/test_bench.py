@@ -185,3 +185,21 @@ def test_bad_input_is_a_click_error(engine, tmp_path):
                       r"synthetic request 0: 250 prompt \+ 10 output tokens exceed the engine's max_seq_len 256")
     assert_user_error(bench("--engine", engine, *synthetic, "--timeout", 1e-6), r"warm-up request failed: timed out")
     assert_user_error(bench("--engine", engine, *synthetic, "--concurrency", 0), r"Invalid value for '--concurrency'")
+
+
+def test_speculative_decoding_reports_accepted_drafts(engine, tmp_path):
+    """A prompt the story model continues by repeating itself: prompt lookup drafts get accepted, and the decode
+    steps carry one sampled token per sequence plus drafts (not counted as prefill)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "Tom had a big red ball. Tom had a big red ball. Tom", "output_tokens": 60}))
+    result = bench("--engine", engine, "--dataset", data, "--threads", 1, "--speculative-tokens", 4, "--json")
+    r = ok_json(result)
+    steps = r["engine_steps"]
+    assert r["target"].endswith("(ngram drafts 4)") and r["total_output_tokens"] == 60
+    assert 0 < steps["accepted_draft_tokens"] <= steps["draft_tokens"]
+    assert steps["prefill_steps"] == 1 and steps["mean_decode_batch"] == 1
+    assert steps["steps"] == 60 - steps["accepted_draft_tokens"]  # every accepted draft saves one step
+    text = bench("--engine", engine, "--dataset", data, "--threads", 1, "--speculative-tokens", 4).stdout
+    assert re.search(r"^speculative drafts: +\d+ of \d+ accepted \(\d+\.\d%\)$", text, re.M), text
+    refused = bench("--address", "127.0.0.1:1", "--dataset", data, "--speculative-tokens", 2)
+    assert refused.exit_code != 0 and "trtbuild serve --speculative-tokens" in refused.output
