@@ -344,6 +344,15 @@ def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: i
 @click.option("--calib-max-seq-len", type=click.IntRange(min=1), default=512, help="Tokens per calibration sample.")
 @click.option("--awq-block-size", type=click.IntRange(min=1), default=128,
               help="int4_awq: input features per weight scale (a power of two that divides them).")
+@click.option("--smoothquant-alpha", type=float, default=None,
+              help="int8_sq: SmoothQuant migration strength in [0, 1] (1 moves all activation outliers into the "
+                   "weights) [default: 0.8, or 0.5 with --per-token-activations].")
+@click.option("--per-token-activations", is_flag=True, default=False,
+              help="int8_sq: quantize activations per token with a dynamic scale (more accurate, slower) instead of "
+                   "one static calibrated scale per linear.")
+@click.option("--fuse-shared-scales", is_flag=True, default=False,
+              help="Make q/k/v and gate/up of each layer share their input (and fp8 weight) scales, as TensorRT-LLM "
+                   "needs to fuse them; less accurate. Default: every linear keeps its own scales.")
 @click.option("--exclude", multiple=True, default=("lm_head",),
               help="Keep linears whose checkpoint name matches this fnmatch pattern unquantized (repeatable; "
                    "replaces the default), e.g. 'transformer.layers.0.*'.")
@@ -352,17 +361,24 @@ def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: i
 @click.option("--tp-size", type=click.IntRange(min=1), default=1, help="Tensor-parallel ranks.")
 @click.option("--pp-size", type=click.IntRange(min=1), default=1, help="Pipeline-parallel ranks.")
 def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None, calib_dataset: Path | None,
-             calib_size: int, calib_max_seq_len: int, awq_block_size: int, exclude: tuple[str, ...], dtype: str,
+             calib_size: int, calib_max_seq_len: int, awq_block_size: int, smoothquant_alpha: float | None,
+             per_token_activations: bool, fuse_shared_scales: bool, exclude: tuple[str, ...], dtype: str,
              tp_size: int, pp_size: int) -> None:
     """Calibrate a model with nvidia-modelopt and write a quantized checkpoint (docs/quantization.md)."""
     from trtbuild.quantize.quantize import quantize as run_quantize
 
     r = run_quantize(model, output, qformat, kv_cache_dtype=kv_cache_dtype, calib_dataset=calib_dataset,
                      calib_size=calib_size, calib_max_seq_len=calib_max_seq_len, awq_block_size=awq_block_size,
-                     exclude=exclude, dtype=dtype, tp_size=tp_size, pp_size=pp_size)
+                     exclude=exclude, dtype=dtype, tp_size=tp_size, pp_size=pp_size,
+                     shared_input_scales=fuse_shared_scales, smoothquant_alpha=smoothquant_alpha,
+                     per_token_activations=per_token_activations)
     q = r.config.quantization
     group = f" (group {q.group_size})" if q.group_size else ""
-    click.echo(f"wrote {output}: {q.quant_algo}{group}, KV cache {q.kv_cache_quant_algo or r.config.dtype}, "
+    alpha = f" (alpha {q.smoothquant_alpha}{', per-token activations' if q.per_token_activations else ''})" \
+        if q.smoothquant_alpha is not None else ""
+    shared = "shared" if q.shared_input_scales else "per-linear"
+    click.echo(f"wrote {output}: {q.quant_algo}{group}{alpha}, {shared} input scales, KV cache "
+               f"{q.kv_cache_quant_algo or r.config.dtype}, "
                f"{len(r.quantized)} linears quantized, {len(r.excluded)} kept in {r.config.dtype}, calibrated on "
                f"{r.calib_shape[0]} x {r.calib_shape[1]} tokens in {r.seconds['calibrate']:.1f} s, "
                f"{r.config.mapping.world_size} rank(s)")

@@ -5,7 +5,8 @@ The unfused network carries each format the way TensorRT's ONNX parser takes it 
   int4_awq  Mul(x, prequant) -> MatMul <- DequantizeLinear(int4 weight [in, out], scales [in/g, out], axis 0,
             block_size g)  (signed int4 with the implicit zero point 0, as TensorRT requires)
   int8_sq   Mul(x, prequant) -> Q/DQ(int8, activation scale) -> MatMul <- DequantizeLinear(int8 weight [in, out],
-            per-output-channel scales, axis 1)
+            per-output-channel scales, axis 1); with per_token_activations the Q/DQ is blocked over the whole last
+            axis with the scale computed per token: ReduceMax(Abs(x), -1) / 127 (standard ONNX, opset 21+)
 Target lowerings (builder/passes/lower_quant_cpu.py for CPU) rewrite these patterns to low-precision kernels.
 A linear is quantized when its checkpoint has `<prefix>.weights_scaling_factor`; `exclude_modules` (lm_head, ...)
 have none and stay full-precision MatMuls.
@@ -42,6 +43,9 @@ def check_quantization(config: ModelConfig, build: BuildConfig) -> None:
     if q.has_zero_point:
         raise TrtbuildError("quantization with zero points (has_zero_point=true) is not supported; re-quantize with "
                             "symmetric scales (`trtbuild quantize` writes those).")
+    if q.per_token_activations and config.mapping.tp_size > 1:
+        raise TrtbuildError("per-token activation scales need tp_size 1 (a row-parallel rank does not hold all the "
+                            "input features a token's scale is taken over); re-quantize with --tp-size 1.")
     if q.quant_algo == "int4_awq":
         g = q.group_size or 128
         if g not in INT4_GROUP_SIZES:
@@ -53,6 +57,29 @@ def check_quantization(config: ModelConfig, build: BuildConfig) -> None:
         if bad:
             raise TrtbuildError(f"int4_awq group_size {g} does not divide the model's {', '.join(bad)}; re-quantize "
                                 "with a group size that does.")
+
+
+# Linears of a layer that read one tensor, and the scales `shared_input_scales: true` promises are equal among them.
+SIBLINGS = (("attention.q", "attention.k", "attention.v"), ("mlp.gate", "mlp.fc"))
+SHARED_SCALES = {"fp8": ("activation_scaling_factor", "weights_scaling_factor"),
+                 "int4_awq": ("prequant_scaling_factor",),
+                 "int8_sq": ("prequant_scaling_factor", "activation_scaling_factor")}
+
+
+def check_shared_scales(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """With `shared_input_scales: true`, q/k/v and gate/up of every layer must carry identical input scales (and fp8
+    weight scales): engines that trust the flag run them as one GEMM. Refuses a checkpoint that breaks the promise."""
+    q = config.quantization
+    if not q.shared_input_scales or q.quant_algo not in SHARED_SCALES:
+        return
+    for i in range(config.num_hidden_layers):
+        for group in SIBLINGS:
+            for scale in SHARED_SCALES[q.quant_algo]:
+                names = [f"transformer.layers.{i}.{s}.{scale}" for s in group]
+                present = [tensors[n] for n in names if n in tensors]
+                if any(not torch.equal(present[0], t) for t in present[1:]):
+                    raise TrtbuildError(f"the checkpoint sets shared_input_scales=true but {', '.join(names)} differ; "
+                                        "it is inconsistent, re-run `trtbuild quantize`.")
 
 
 def kv_cache_scales(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> np.ndarray | None:
@@ -90,12 +117,16 @@ def _fp8(t: torch.Tensor) -> np.ndarray:
 
 class QuantizedLinears:
     """Emits quantized linears into a GraphBuilder; activation Q/DQ and pre-scaling are shared by linears that read
-    the same tensor with identical scales (Q/K/V, gate/up), so later passes see one quantized input per group."""
+    the same tensor with bit-identical scales (Q/K/V, gate/up of a `shared_input_scales` checkpoint, or fp8 q/k/v
+    whose activation amax is naturally equal), so later passes see one quantized input per group. Linears with
+    their own scales get their own Mul / Q/DQ, and the target lowering then keeps them as separate kernels."""
 
     def __init__(self, g: GraphBuilder, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
         self.g, self.algo, self.tensors = g, config.quantization.quant_algo, tensors
         self.group_size = config.quantization.group_size or 128
+        self.per_token = config.quantization.per_token_activations
         self._shared: dict[tuple, str] = {}
+        check_shared_scales(config, tensors)
 
     def is_quantized(self, prefix: str) -> bool:
         if not self.algo or prefix + ".weights_scaling_factor" not in self.tensors:
@@ -133,6 +164,24 @@ class QuantizedLinears:
 
         return self._once(("act_qdq", x, zero.dtype.str, scale.tobytes()), make)
 
+    def _act_per_token(self, x: str, prefix: str, features: int) -> str:
+        """Blocked Q/DQ(int8) of x with one dynamic scale per token: max(max |x|, floor) / 127 over the last axis."""
+        from trtbuild.quantize.formats import INT8_MAX, PER_TOKEN_MIN_AMAX
+
+        def make() -> str:
+            g = self.g
+            amax = g.op("ReduceMax", [g.op("Abs", [x], name=prefix + "_act_token_abs"),
+                                      g.const(np.array([-1], dtype=np.int64), "axes")], keepdims=1,
+                        name=prefix + "_act_token_amax")
+            amax = g.op("Max", [amax, g.const(np.float32(PER_TOKEN_MIN_AMAX), "min_amax")],
+                        name=prefix + "_act_token_floor")
+            s = g.op("Div", [amax, g.const(np.float32(INT8_MAX), "int8_max")], name=prefix + "_act_token_scale")
+            xq = g.op("QuantizeLinear", [x, s], name=prefix + "_act_quant", axis=-1, block_size=features,
+                      output_dtype=TensorProto.INT8)
+            return g.op("DequantizeLinear", [xq, s], name=prefix + "_act_dequant", axis=-1, block_size=features)
+
+        return self._once(("act_per_token", x), make)
+
     def matmul(self, x: str, prefix: str, outputs: list[str] | None = None) -> str:
         """x @ dequant(W)^T for the quantized linear `prefix` in this checkpoint's format."""
         import ml_dtypes
@@ -154,8 +203,10 @@ class QuantizedLinears:
             weight = g.weight(prefix + ".weight", q.T.astype(ml_dtypes.int4))  # [in, out], packed 2 per byte
             dq = g.op("DequantizeLinear", [weight, g.weight(prefix + ".weights_scaling_factor", wscale.T)],
                       name=prefix + "_weight_dequant", axis=0, block_size=self.group_size)
-        else:  # int8_sq
-            x = self._act_qdq(self._prescale(x, prefix), prefix, np.array(0, dtype=np.int8))
+        else:  # int8_sq: static per-tensor or dynamic per-token activation scales
+            x = self._prescale(x, prefix)
+            x = (self._act_per_token(x, prefix, w.shape[1]) if self.per_token
+                 else self._act_qdq(x, prefix, np.array(0, dtype=np.int8)))
             weight = g.weight(prefix + ".weight", w.numpy().T)  # int8 [in, out]
             dq = g.op("DequantizeLinear", [weight, g.weight(prefix + ".weights_scaling_factor", wscale.reshape(-1))],
                       name=prefix + "_weight_dequant", axis=1)

@@ -74,6 +74,13 @@ class QuantConfig:
     has_zero_point: bool = False
     pre_quant_scale: bool = False  # linears carry prequant_scaling_factor (int4_awq, int8_sq)
     exclude_modules: tuple[str, ...] = ()  # fnmatch patterns over linear prefixes kept unquantized
+    # q/k/v and gate/up of each layer carry identical prequant / activation (and fp8 weight) scales, so an engine
+    # may fuse them into one GEMM (TensorRT-LLM style); false: every linear keeps its own calibrated scales
+    shared_input_scales: bool = False
+    smoothquant_alpha: float | None = None  # int8_sq: SmoothQuant migration strength in [0, 1] (null: unrecorded)
+    # int8_sq: activations quantized per token with a dynamic scale (max |x| of the token / 127, computed at run
+    # time; no activation_scaling_factor) instead of one static calibrated scale per linear
+    per_token_activations: bool = False
 
     def __post_init__(self) -> None:
         def bad(what: str) -> CheckpointError:
@@ -95,6 +102,20 @@ class QuantConfig:
             raise bad(f"pre_quant_scale={self.pre_quant_scale} does not match quant_algo {self.quant_algo!r}")
         if not all(isinstance(p, str) for p in self.exclude_modules):
             raise bad("exclude_modules must be a list of strings")
+        if not isinstance(self.shared_input_scales, bool):
+            raise bad(f"shared_input_scales {self.shared_input_scales!r} is not true or false")
+        if self.shared_input_scales and self.quant_algo is None:
+            raise bad("shared_input_scales=true needs a quant_algo")
+        if not isinstance(self.per_token_activations, bool):
+            raise bad(f"per_token_activations {self.per_token_activations!r} is not true or false")
+        if self.per_token_activations and self.quant_algo != "int8_sq":
+            raise bad(f"per_token_activations is only meaningful for int8_sq, not {self.quant_algo!r}")
+        alpha = self.smoothquant_alpha
+        if alpha is not None and self.quant_algo != "int8_sq":
+            raise bad(f"smoothquant_alpha is only meaningful for int8_sq, not {self.quant_algo!r}")
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)
+                                  or not 0.0 <= alpha <= 1.0):
+            raise bad(f"smoothquant_alpha {alpha!r} is not a number in [0, 1]")
 
     @property
     def weight_group_size(self) -> int:
@@ -109,7 +130,10 @@ class QuantConfig:
         """Scale tensors the linear `prefix` carries (none when excluded or unquantized)."""
         if self.is_excluded(prefix):
             return ()
-        return tuple(f"{prefix}.{s}" for s in QUANT_SCALES[self.quant_algo or ""])
+        names = QUANT_SCALES[self.quant_algo or ""]
+        if self.per_token_activations:
+            names = tuple(n for n in names if n != "activation_scaling_factor")
+        return tuple(f"{prefix}.{s}" for s in names)
 
 
 @dataclass(frozen=True)

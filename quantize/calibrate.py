@@ -1,5 +1,5 @@
-"""Calibration with nvidia-modelopt: the mtq config of a format, the calibration loop, and the grouping step that
-makes linears sharing an input share their input scales (so that an engine may fuse them into one GEMM)."""
+"""Calibration with nvidia-modelopt: the mtq config of a format, the calibration loop, and the optional grouping step
+that makes linears sharing an input share their input scales (so that an engine may fuse them into one GEMM)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import copy
 import io
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -45,10 +45,13 @@ def linear_modules(model: torch.nn.Module) -> dict[str, str]:
 
 
 def mtq_config(qformat: str, kv_cache_dtype: str | None, block_size: int, excluded_modules: Sequence[str],
-               quantize_lm_head: bool) -> dict[str, Any]:
-    """modelopt's config for `qformat`, with the AWQ block size, the KV-cache quantizers and the exclusions."""
+               quantize_lm_head: bool, smoothquant_alpha: float | None = None) -> dict[str, Any]:
+    """modelopt's config for `qformat`, with the AWQ block size, the SmoothQuant alpha, the KV-cache quantizers and
+    the exclusions."""
     mtq = import_mtq()
     config = copy.deepcopy(getattr(mtq, MTQ_CONFIGS[qformat]))
+    if qformat == "int8_sq" and smoothquant_alpha is not None:
+        config["algorithm"] = {"method": "smoothquant", "alpha": float(smoothquant_alpha)}
     entries: list[dict[str, Any]] = config["quant_cfg"]
     if quantize_lm_head:
         entries[:] = [e for e in entries if e.get("quantizer_name") != "*lm_head*"]
@@ -87,7 +90,8 @@ def calibrate(model: torch.nn.Module, config: dict[str, Any], samples: torch.Ten
 
 
 def unify_shared_inputs(model: torch.nn.Module, quantized: set[str]) -> None:
-    """Make q/k/v (and gate/up) of each layer share prequant and activation scales, and fp8 weight scales.
+    """Make q/k/v (and gate/up) of each layer share prequant and activation scales, and fp8 weight scales
+    (`trtbuild quantize --fuse-shared-scales`; without it every linear keeps its own calibrated scales).
 
     This is modelopt's own export step (`preprocess_linear_fusion`: average the pre-quant scales, fold the change
     into the weights and re-calibrate them, take the max of the amaxes); the simulated model is updated in place,
@@ -102,6 +106,19 @@ def unify_shared_inputs(model: torch.nn.Module, quantized: set[str]) -> None:
             if len(modules) > 1:
                 with torch.no_grad():
                     preprocess_linear_fusion(modules)
+
+
+PER_TOKEN_INT8 = {"num_bits": 8, "axis": None, "type": "dynamic", "block_sizes": {-1: None}}
+
+
+def per_token_inputs(model: torch.nn.Module, names: Iterable[str]) -> None:
+    """Switch the input quantizers of the linears `names` to modelopt's dynamic per-token int8 quantization (amax of
+    each token at run time; the SmoothQuant pre-quant scale stays). The smoothing itself was calibrated with static
+    scales; only how the smoothed activation is rounded changes."""
+    for name in names:
+        quantizer = model.get_submodule(name).input_quantizer
+        quantizer.set_from_attribute_config(dict(PER_TOKEN_INT8))
+        quantizer.reset_amax()
 
 
 def check_calibrated(model: torch.nn.Module, quantized: dict[str, str], kv_cache: bool) -> None:

@@ -49,8 +49,10 @@ def _quantize_weight(algo: str, w: torch.Tensor, amax: torch.Tensor, group: int)
     return pack_int4(q.reshape(out_features, in_features)), scale.reshape(out_features, in_features // group)
 
 
-def export_linear(algo: str, prefix: str, module: torch.nn.Module, group: int) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of one quantized linear (weight, scales), verified against modelopt's simulation."""
+def export_linear(algo: str, prefix: str, module: torch.nn.Module, group: int, per_token: bool = False
+                  ) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one quantized linear (weight, scales), verified against modelopt's simulation.
+    With `per_token` (int8_sq) the activation scale is dynamic: there is no activation_scaling_factor."""
     w = module.weight.detach().float()
     weight, w_scale = _quantize_weight(algo, w, _amax(module.weight_quantizer), group)
     out = {f"{prefix}.weight": weight, f"{prefix}.weights_scaling_factor": w_scale.contiguous()}
@@ -59,7 +61,7 @@ def export_linear(algo: str, prefix: str, module: torch.nn.Module, group: int) -
         pre = getattr(inq, "pre_quant_scale", None)
         pre = torch.ones(w.shape[1]) if pre is None else pre.detach().float().reshape(w.shape[1])
         out[f"{prefix}.prequant_scaling_factor"] = pre.contiguous()
-    if algo in ("fp8", "int8_sq"):
+    if algo == "fp8" or (algo == "int8_sq" and not per_token):
         out[f"{prefix}.activation_scaling_factor"] = _per_tensor_scale(
             _amax(inq), FP8_MAX if algo == "fp8" else INT8_MAX)
     with torch.no_grad():
@@ -84,11 +86,11 @@ def export_kv_scales(model: torch.nn.Module, kind: str) -> dict[str, torch.Tenso
 
 
 def export_quantized(model: torch.nn.Module, algo: str, quantized: dict[str, str], group: int,
-                     kv_cache_dtype: str | None) -> dict[str, torch.Tensor]:
+                     kv_cache_dtype: str | None, per_token: bool = False) -> dict[str, torch.Tensor]:
     """All quantized tensors of the checkpoint: every quantized linear's weight and scales, and the KV scales."""
     out: dict[str, torch.Tensor] = {}
     for prefix, name in quantized.items():
-        out.update(export_linear(algo, prefix, model.get_submodule(name), group))
+        out.update(export_linear(algo, prefix, model.get_submodule(name), group, per_token))
     if kv_cache_dtype is not None:
         out.update(export_kv_scales(model, kv_cache_dtype))
     return out

@@ -9,6 +9,7 @@ import torch
 FP8_MAX = 448.0  # largest float8_e4m3fn value
 INT8_MAX = 127.0
 INT4_MAX = 7.0
+PER_TOKEN_MIN_AMAX = 1e-30  # per-token int8: floor of a token's amax, so that an all-zero token has a scale
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -60,6 +61,12 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, kind: str, narrow: bool = F
     else:
         raise ValueError(f"unknown activation quantization {kind!r}")
     return (q * s).to(x.dtype)
+
+
+def per_token_scale(x: torch.Tensor) -> torch.Tensor:
+    """The dynamic int8 scale of each token (last axis): max |x| / 127 in float32, [..., 1]; an all-zero token gets
+    a tiny positive scale (it quantizes to zeros)."""
+    return x.float().abs().amax(dim=-1, keepdim=True).clamp_min(PER_TOKEN_MIN_AMAX) / INT8_MAX
 
 
 def activation_kind(algo: str) -> str | None:

@@ -30,6 +30,10 @@ from trtbuild.errors import TrtbuildError
 
 log = logging.getLogger(__name__)
 CALIB_TOKENS_PER_BATCH = 4096
+# SmoothQuant migration strength for int8_sq when --smoothquant-alpha is not given, by per-token activations or not:
+# the most accurate of those measured on SmolLM2-135M (docs/quantization-results.md). Static per-tensor activation
+# scales need the outliers moved into the weights; per-token scales absorb them and keep the weights easy.
+DEFAULT_SMOOTHQUANT_ALPHA = {False: 0.8, True: 0.5}
 
 
 @dataclass
@@ -42,7 +46,9 @@ class QuantizeResult:
     seconds: dict[str, float]
 
 
-def quant_config(qformat: str, kv_cache_dtype: str | None, awq_block_size: int, exclude: Sequence[str]) -> QuantConfig:
+def quant_config(qformat: str, kv_cache_dtype: str | None, awq_block_size: int, exclude: Sequence[str],
+                 shared_input_scales: bool = False, smoothquant_alpha: float | None = None,
+                 per_token_activations: bool = False) -> QuantConfig:
     if qformat not in QUANT_ALGOS:
         raise TrtbuildError(f"--qformat {qformat!r} is not one of {', '.join(QUANT_ALGOS)}.")
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_QUANT_ALGOS:
@@ -50,9 +56,22 @@ def quant_config(qformat: str, kv_cache_dtype: str | None, awq_block_size: int, 
     if qformat == "int4_awq" and (not 16 <= awq_block_size <= 256 or awq_block_size & (awq_block_size - 1)):
         raise TrtbuildError(f"--awq-block-size {awq_block_size} must be a power of two from 16 to 256 (what ONNX "
                             "Runtime's MatMulNBits runs), e.g. 64 or 128.")
+    if per_token_activations and qformat != "int8_sq":
+        raise TrtbuildError(f"--per-token-activations applies to --qformat int8_sq only, not {qformat}.")
+    if smoothquant_alpha is not None:
+        if qformat != "int8_sq":
+            raise TrtbuildError(f"--smoothquant-alpha applies to --qformat int8_sq only, not {qformat}.")
+        if not 0.0 <= smoothquant_alpha <= 1.0:  # also refuses nan
+            raise TrtbuildError(f"--smoothquant-alpha {smoothquant_alpha} must be in [0, 1] (0: no migration to "
+                                "the weights, 1: all of it).")
+    elif qformat == "int8_sq":
+        smoothquant_alpha = DEFAULT_SMOOTHQUANT_ALPHA[bool(per_token_activations)]
     return QuantConfig(quant_algo=qformat, kv_cache_quant_algo=kv_cache_dtype,
                        group_size=awq_block_size if qformat == "int4_awq" else None,
-                       pre_quant_scale=qformat in ("int4_awq", "int8_sq"), exclude_modules=tuple(exclude))
+                       pre_quant_scale=qformat in ("int4_awq", "int8_sq"), exclude_modules=tuple(exclude),
+                       shared_input_scales=bool(shared_input_scales),
+                       smoothquant_alpha=None if smoothquant_alpha is None else float(smoothquant_alpha),
+                       per_token_activations=bool(per_token_activations))
 
 
 def split_linears(config: ModelConfig) -> tuple[list[str], list[str]]:
@@ -92,12 +111,19 @@ def check_group_size(config: ModelConfig, quantized: Sequence[str]) -> None:
 def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None = None,
              calib_dataset: Path | None = None, calib_size: int = 512, calib_max_seq_len: int = 512,
              awq_block_size: int = 128, exclude: Sequence[str] = ("lm_head",), dtype: str = "auto", tp_size: int = 1,
-             pp_size: int = 1) -> QuantizeResult:
-    """Quantize `model` into a checkpoint at `output` (config.json written last; nothing is left on failure)."""
+             pp_size: int = 1, shared_input_scales: bool = False, smoothquant_alpha: float | None = None,
+             per_token_activations: bool = False) -> QuantizeResult:
+    """Quantize `model` into a checkpoint at `output` (config.json written last; nothing is left on failure).
+
+    `shared_input_scales`: q/k/v and gate/up of each layer share their input (and fp8 weight) scales, so engines may
+    fuse them (costs accuracy); otherwise each linear keeps its own. `smoothquant_alpha` (int8_sq only, in [0, 1]):
+    SmoothQuant's migration strength, DEFAULT_SMOOTHQUANT_ALPHA when None. `per_token_activations` (int8_sq only):
+    quantize activations per token with a dynamic scale instead of a static calibrated one."""
     from trtbuild.quantize.calib import read_calibration_texts
 
     model, output = Path(model), Path(output)
-    qconfig = quant_config(qformat, kv_cache_dtype, awq_block_size, exclude)
+    qconfig = quant_config(qformat, kv_cache_dtype, awq_block_size, exclude, shared_input_scales, smoothquant_alpha,
+                           per_token_activations)
     if calib_size < 1 or calib_max_seq_len < 1:
         raise TrtbuildError("--calib-size and --calib-max-seq-len must be at least 1.")
     texts = read_calibration_texts(calib_dataset)  # a bad dataset fails before anything slow
@@ -114,7 +140,14 @@ def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None
 def _quantize(model_path: Path, output: Path, qconfig: QuantConfig, texts: list[str], calib_size: int,
               calib_max_seq_len: int, dtype: str, tp_size: int, pp_size: int) -> QuantizeResult:
     from trtbuild.quantize.calib import calibration_samples
-    from trtbuild.quantize.calibrate import calibrate, check_calibrated, linear_modules, mtq_config, unify_shared_inputs
+    from trtbuild.quantize.calibrate import (
+        calibrate,
+        check_calibrated,
+        linear_modules,
+        mtq_config,
+        per_token_inputs,
+        unify_shared_inputs,
+    )
     from trtbuild.quantize.export import export_quantized
     from trtbuild.quantize.source import build_torch_model, read_source
 
@@ -128,6 +161,9 @@ def _quantize(model_path: Path, output: Path, qconfig: QuantConfig, texts: list[
         raise TrtbuildError(f"--exclude {' '.join(qconfig.exclude_modules)} matches every linear: nothing to quantize.")
     check_group_size(config, quantized)
     check_mapping(config, config.mapping)
+    if qconfig.per_token_activations and tp_size > 1:
+        raise TrtbuildError("--per-token-activations needs --tp-size 1: a token's scale is the max over all input "
+                            "features, which a row-parallel rank does not hold.")
     # The unquantized tensors, exactly what `trtbuild convert` writes; quantized linears are replaced below.
     tensors = to_checkpoint_tensors(source.hf_tensors, dataclasses.replace(config, quantization=QuantConfig()))
     # Calibrate the model the checkpoint describes: weights rounded to its dtype (computed in fp32).
@@ -144,16 +180,20 @@ def _quantize(model_path: Path, output: Path, qconfig: QuantConfig, texts: list[
     modules = linear_modules(torch_model)
     hf_quantized = {p: modules[p] for p in quantized}
     mcfg = mtq_config(qconfig.quant_algo or "", qconfig.kv_cache_quant_algo, qconfig.weight_group_size,
-                      [modules[p] for p in excluded], quantize_lm_head="lm_head" in hf_quantized)
+                      [modules[p] for p in excluded], quantize_lm_head="lm_head" in hf_quantized,
+                      smoothquant_alpha=qconfig.smoothquant_alpha)
     batch = max(1, CALIB_TOKENS_PER_BATCH // samples.shape[1])
     torch_model = calibrate(torch_model, mcfg, samples, batch, call_lm_head="lm_head" in hf_quantized)
     check_calibrated(torch_model, hf_quantized, qconfig.kv_cache_quant_algo is not None)
-    unify_shared_inputs(torch_model, set(hf_quantized.values()))
+    if qconfig.shared_input_scales:
+        unify_shared_inputs(torch_model, set(hf_quantized.values()))
+    if qconfig.per_token_activations:
+        per_token_inputs(torch_model, hf_quantized.values())
     seconds["calibrate"] = time.perf_counter() - start
 
     start = time.perf_counter()
     tensors.update(export_quantized(torch_model, qconfig.quant_algo or "", hf_quantized, qconfig.weight_group_size,
-                                    qconfig.kv_cache_quant_algo))
+                                    qconfig.kv_cache_quant_algo, qconfig.per_token_activations))
     needed = expected_tensors(config, range(config.num_hidden_layers), first_stage=True, last_stage=True)
     if set(tensors) != set(needed):
         raise TrtbuildError(f"internal error: exported tensors differ from the format ({set(tensors) ^ set(needed)})")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from trtbuild.configs import Mapping, ModelConfig, QuantConfig
-from trtbuild.quantize.formats import activation_kind, dequantize_weight, fake_quant
+from trtbuild.quantize.formats import activation_kind, dequantize_weight, fake_quant, per_token_scale
 
 _ATTENTION = "trtbuild_kv_fake_quant"
 
@@ -96,11 +96,13 @@ def reference_model(ckpt_dir: Path, activations: bool = True, kv_cache: bool = T
     source = Source("checkpoint", Path(ckpt_dir), hf_config_from_model_config(config), hf_tensors)
     model = build_torch_model(source, untie=True)  # a quantized lm_head differs from the embedding
     kind = activation_kind(config.quantization.quant_algo or "")
+    per_token = config.quantization.per_token_activations and activations
     for prefix, name in linear_modules(model).items():
         pre = tensors.get(f"{prefix}.prequant_scaling_factor")
         act = tensors.get(f"{prefix}.activation_scaling_factor") if activations else None
-        if pre is not None or act is not None:
-            model.get_submodule(name).register_forward_pre_hook(_input_hook(pre, act, kind))
+        dynamic = per_token and not config.quantization.is_excluded(prefix)
+        if pre is not None or act is not None or dynamic:
+            model.get_submodule(name).register_forward_pre_hook(_input_hook(pre, act, kind, dynamic))
     kv = config.quantization.kv_cache_quant_algo
     if kv is not None and kv_cache:
         scales = [tensors[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"]
@@ -126,12 +128,15 @@ def weights_only(simulated: torch.nn.Module) -> Iterator[torch.nn.Module]:
             q.enable()
 
 
-def _input_hook(pre: torch.Tensor | None, act: torch.Tensor | None, kind: str | None) -> Any:
+def _input_hook(pre: torch.Tensor | None, act: torch.Tensor | None, kind: str | None, per_token: bool = False
+                ) -> Any:
     def hook(module: torch.nn.Module, args: tuple) -> tuple:
         x = args[0]
         if pre is not None:
             x = x * pre.to(x.dtype)
-        if act is not None and kind is not None:
+        if per_token:
+            x = fake_quant(x, per_token_scale(x), "int8")
+        elif act is not None and kind is not None:
             x = fake_quant(x, act, kind)
         return (x, *args[1:])
 

@@ -58,7 +58,7 @@ def calibrate(hf_dir: Path, ids: list[int]) -> dict[str, float]:
 
 def quantize_checkpoint(src: Path, dst: Path, algo: str | None, kv_algo: str | None, amax: dict[str, float],
                         group_size: int = 32, exclude: tuple[str, ...] = ("lm_head",), shared_prequant: bool = True,
-                        seed: int = 0) -> Path:
+                        seed: int = 0, per_token: bool = False) -> Path:
     """Quantize checkpoint `src` into `dst` in the format of docs/quantization.md (absmax scales)."""
     config, tensors = load_checkpoint(src)
     rng = np.random.default_rng(seed)
@@ -92,8 +92,9 @@ def quantize_checkpoint(src: Path, dst: Path, algo: str | None, kv_algo: str | N
                 scale = np.abs(wp).max(axis=1) / 127
                 t["weight"] = torch.from_numpy(np.clip(np.rint(wp / scale[:, None]), -127, 127).astype(np.int8))
                 t["weights_scaling_factor"] = torch.from_numpy(scale.astype(np.float32))
-                xs_amax = amax[p] * s.max()
-                t["activation_scaling_factor"] = torch.tensor(xs_amax / 127, dtype=torch.float32)
+                if not per_token:  # per token: the scale is computed from each token at run time
+                    xs_amax = amax[p] * s.max()
+                    t["activation_scaling_factor"] = torch.tensor(xs_amax / 127, dtype=torch.float32)
                 t["prequant_scaling_factor"] = torch.from_numpy(s.astype(np.float32))
             out.update({f"{p}.{k}": v for k, v in t.items()})
         if kv_algo and i < layers:
@@ -101,9 +102,12 @@ def quantize_checkpoint(src: Path, dst: Path, algo: str | None, kv_algo: str | N
             v_amax = amax[f"transformer.layers.{i}.attention.v.out"]
             out[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"] = torch.tensor(
                 [k_amax / BOUND[kv_algo], v_amax / BOUND[kv_algo]], dtype=torch.float32)
+    # the flag states the truth: fp8 weight scales are per linear here, so only prequant formats can share
     quant = QuantConfig(quant_algo=algo, kv_cache_quant_algo=kv_algo,
                         group_size=group_size if algo == "int4_awq" else None,
-                        pre_quant_scale=algo in ("int4_awq", "int8_sq"), exclude_modules=exclude if algo else ())
+                        pre_quant_scale=algo in ("int4_awq", "int8_sq"), exclude_modules=exclude if algo else (),
+                        shared_input_scales=shared_prequant and algo in ("int4_awq", "int8_sq") and not per_token,
+                        per_token_activations=per_token)
     dst.mkdir(parents=True)
     save_rank(dst, 0, out)
     copy_tokenizer_files(src, dst)
@@ -145,8 +149,12 @@ class Reference:
                 q = np.stack([(b & 15) - 8, (b >> 4) - 8], axis=-1).reshape(b.shape[0], -1)
                 y = x @ (q * np.repeat(wscale, self.q.group_size, axis=1)).T
             else:
-                ascale = self.f(p + ".activation_scaling_factor")
-                xq = fake_quant(x, ascale, "int8") / np.float32(ascale)
+                if self.q.per_token_activations:  # max |x| of each token / 127, in float32 as the engine
+                    amax = np.maximum(np.abs(x.astype(np.float32)).max(-1, keepdims=True), np.float32(1e-30))
+                    ascale = (amax / np.float32(127)).astype(np.float32)
+                else:
+                    ascale = self.f(p + ".activation_scaling_factor")
+                xq = fake_quant(x, ascale, "int8") / ascale.astype(np.float32)
                 y = (xq @ w.double().numpy().T) * (np.float64(np.float32(ascale)) * wscale)
         return y + self.f(p + ".bias") if p + ".bias" in self.t else y
 

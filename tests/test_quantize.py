@@ -148,10 +148,94 @@ def test_checkpoint_is_modelopts_calibration(qformat, kv, runs):
             amax = torch.stack([attn.k_bmm_quantizer.amax.reshape(()), attn.v_bmm_quantizer.amax.reshape(())])
             scale = tensors[f"transformer.layers.{layer}.attention.kv_cache_scaling_factor"]
             torch.testing.assert_close(scale, amax / (FP8_MAX if kv == "fp8" else INT8_MAX), rtol=1e-6, atol=0)
-    # q, k, v (and gate, fc) read the same input: they share its scales, so an engine may fuse them
-    for name in ("prequant_scaling_factor", "activation_scaling_factor"):
-        group = [tensors.get(f"transformer.layers.0.attention.{x}.{name}") for x in "qkv"]
-        assert all(g is None for g in group) or all(torch.equal(g, group[0]) for g in group)
+
+
+SIBLINGS = {"qkv": [f"attention.{x}" for x in "qkv"], "gate_up": ["mlp.gate", "mlp.fc"]}
+
+
+def sibling_scales(tensors: dict[str, torch.Tensor], scale: str, layer: int = 0) -> list[list[torch.Tensor]]:
+    return [[tensors[f"transformer.layers.{layer}.{s}.{scale}"] for s in group] for group in SIBLINGS.values()]
+
+
+def all_equal(ts: list[torch.Tensor]) -> bool:
+    return all(torch.equal(t, ts[0]) for t in ts[1:])
+
+
+@pytest.mark.parametrize("qformat", ["fp8", "int4_awq", "int8_sq"])
+def test_per_linear_scales_by_default_shared_on_request(qformat, runs):
+    """By default each linear keeps its own calibrated scales (AWQ / SmoothQuant pre-quant scales, fp8 weight amax);
+    `shared_input_scales=True` (`--fuse-shared-scales`) makes q/k/v and gate/up share them, and config.json says
+    which. Both are exactly modelopt's model (test_checkpoint_is_modelopts_calibration covers the default)."""
+    own_scale = {"fp8": "weights_scaling_factor", "int4_awq": "prequant_scaling_factor",
+                 "int8_sq": "prequant_scaling_factor"}[qformat]
+    shared_scales = {"fp8": ("weights_scaling_factor", "activation_scaling_factor"),
+                     "int4_awq": ("prequant_scaling_factor",),
+                     "int8_sq": ("prequant_scaling_factor", "activation_scaling_factor")}[qformat]
+    # alpha 0.5: with alpha 1 SmoothQuant's pre-quant scale depends on the input alone
+    options = {"smoothquant_alpha": 0.5} if qformat == "int8_sq" else {}
+    for shared in (False, True):
+        _, ckpt = runs(qformat, None, shared_input_scales=shared, **options)
+        config, tensors = load_checkpoint(ckpt)
+        assert config.quantization.shared_input_scales is shared
+        assert json.loads((ckpt / "config.json").read_text())["quantization"]["shared_input_scales"] is shared
+        for layer in range(TINY["layers"]):
+            groups = sibling_scales(tensors, own_scale, layer)
+            if shared:
+                for scale in shared_scales:
+                    assert all(all_equal(g) for g in sibling_scales(tensors, scale, layer)), (scale, layer)
+            else:
+                assert not any(all_equal(g) for g in groups), layer  # every sibling has its own
+    if qformat == "fp8":  # q/k/v read one tensor: their activation amax is the same without any sharing step
+        _, tensors = load_checkpoint(runs(qformat, None)[1])
+        assert all(all_equal(g) for g in sibling_scales(tensors, "activation_scaling_factor"))
+
+
+def test_smoothquant_alpha_reaches_modelopt_and_config(runs):
+    """alpha = 1 divides every input channel by its calibrated amax (so x * prequant has amax 1: activation scale
+    1/127 for every linear); alpha = 0.5 migrates half; config.json records the value, also the default one."""
+    from trtbuild.quantize.quantize import DEFAULT_SMOOTHQUANT_ALPHA
+
+    result, ckpt = runs("int8_sq", None, smoothquant_alpha=1.0)
+    config, tensors = load_checkpoint(ckpt)
+    assert config.quantization.smoothquant_alpha == 1.0
+    for prefix in result.quantized:
+        torch.testing.assert_close(tensors[f"{prefix}.activation_scaling_factor"], torch.tensor(1 / 127),
+                                   rtol=1e-5, atol=0)
+    # alpha = 1: the pre-quant scale depends on the input only, so siblings agree without a sharing step
+    assert all(all_equal(g) for g in sibling_scales(tensors, "prequant_scaling_factor"))
+    half_config, half = load_checkpoint(runs("int8_sq", None, smoothquant_alpha=0.5)[1])
+    assert half_config.quantization.smoothquant_alpha == 0.5
+    assert not torch.equal(half["transformer.layers.0.mlp.proj.prequant_scaling_factor"],
+                           tensors["transformer.layers.0.mlp.proj.prequant_scaling_factor"])
+    assert load_checkpoint(runs("fp8", None)[1])[0].quantization.smoothquant_alpha is None
+    default = load_checkpoint(runs("int8_sq", "int8")[1])[0].quantization
+    assert default.smoothquant_alpha == DEFAULT_SMOOTHQUANT_ALPHA[False] == 0.8
+
+
+@pytest.mark.parametrize("model", ["tiny", "stories260K"])
+def test_per_token_activations(model, runs, tiny):
+    """int8_sq --per-token-activations: modelopt's dynamic per-token int8 input quantizers, no activation scale in
+    the checkpoint, alpha 0.5 by default, and the checkpoint's reference model computes modelopt's simulation
+    (tolerances of test_reference_logits_match_modelopt_simulation)."""
+    path = tiny if model == "tiny" else STORIES260K
+    result, ckpt = runs("int8_sq", "int8", model=path, per_token_activations=True)
+    config, tensors = load_checkpoint(ckpt)
+    q = config.quantization
+    assert (q.per_token_activations, q.smoothquant_alpha, q.shared_input_scales) == (True, 0.5, False)
+    assert not any(n.endswith("activation_scaling_factor") for n in tensors)
+    assert set(tensors) == set(expected_tensors(config, range(config.num_hidden_layers), True, True))
+    quantizer = result.model.get_submodule("model.layers.0.mlp.down_proj").input_quantizer
+    assert quantizer.block_sizes == {-1: None} and quantizer.pre_quant_scale is not None and quantizer.amax is None
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    weights, full_max, full_mean = compare_logits(result, ckpt, path, ids)
+    assert weights <= 1e-4 and full_max <= 0.3 and full_mean <= 0.15, (weights, full_max, full_mean)
+    static = runs("int8_sq", "int8", model=path, smoothquant_alpha=0.5)[0]
+    with torch.no_grad():  # the same smoothing; per-token rounding is closer to fp32 than the static scale
+        from trtbuild.quantize.source import build_torch_model, read_source
+
+        fp32 = build_torch_model(read_source(path))(ids).logits
+        err = [(m(ids).logits - fp32).abs().mean().item() for m in (result.model, static.model)]
+    assert err[0] < err[1], err
 
 
 def compare_logits(result, ckpt: Path, source: Path, ids: torch.Tensor) -> tuple[float, float, float]:
@@ -316,8 +400,8 @@ def test_cli_quantize_with_calibration_files(tiny, tmp_path):
         result = invoke("quantize", "--model", tiny, "--output", out, "--qformat", "fp8", "--calib-dataset", calib,
                         "--calib-size", 4, "--calib-max-seq-len", 32)
         assert result.exit_code == 0, (result.output, result.exception)
-        assert result.stdout.startswith(f"wrote {out}: fp8, KV cache float32, 14 linears quantized, 1 kept in "
-                                        "float32, calibrated on 4 x 32 tokens")
+        assert result.stdout.startswith(f"wrote {out}: fp8, per-linear input scales, KV cache float32, 14 linears "
+                                        "quantized, 1 kept in float32, calibrated on 4 x 32 tokens")
         assert load_checkpoint(out)[0].quantization.quant_algo == "fp8"
 
 
@@ -341,6 +425,15 @@ def test_cli_errors(tiny, runs, tmp_path):
                       'line 1 has no string field "text"')
     assert_user_error(invoke(*q, "--output", out, "--qformat", "fp8", "--calib-dataset", tmp_path / "missing.txt"),
                       "does not exist")
+    for alpha in ("1.5", "-0.1", "nan"):
+        assert_user_error(invoke(*q, "--output", out, "--qformat", "int8_sq", "--smoothquant-alpha", alpha),
+                          "must be in [0, 1]")
+    assert_user_error(invoke(*q, "--output", out, "--qformat", "fp8", "--smoothquant-alpha", 0.5),
+                      "--smoothquant-alpha applies to --qformat int8_sq only")
+    assert_user_error(invoke(*q, "--output", out, "--qformat", "int4_awq", "--awq-block-size", 32,
+                             "--per-token-activations"), "--per-token-activations applies to --qformat int8_sq only")
+    assert_user_error(invoke(*q, "--output", out, "--qformat", "int8_sq", "--per-token-activations", "--tp-size", 2),
+                      "--per-token-activations needs --tp-size 1")
     assert not out.exists()  # a failed run leaves nothing behind
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("mine")
@@ -393,6 +486,17 @@ def test_quant_config_validation():
     for bad in (dict(quant_algo="int3"), dict(quant_algo="fp8", kv_cache_quant_algo="int4"),
                 dict(quant_algo="int4_awq", pre_quant_scale=True, group_size=0),
                 dict(quant_algo="fp8", group_size=128), dict(quant_algo="int8_sq", pre_quant_scale=False),
-                dict(quant_algo="fp8", has_zero_point=True)):
+                dict(quant_algo="fp8", has_zero_point=True), dict(shared_input_scales=True),
+                dict(quant_algo="fp8", shared_input_scales="yes"), dict(quant_algo="fp8", smoothquant_alpha=0.5),
+                dict(quant_algo="int8_sq", pre_quant_scale=True, smoothquant_alpha=1.5),
+                dict(quant_algo="int8_sq", pre_quant_scale=True, smoothquant_alpha=True),
+                dict(quant_algo="fp8", per_token_activations=True)):
         with pytest.raises(CheckpointError, match="checkpoint quantization config"):
             QuantConfig(**bad)
+    # config.json written before these fields existed still loads (per-linear scales, alpha unrecorded)
+    doc = {"quant_algo": "int8_sq", "pre_quant_scale": True, "exclude_modules": ["lm_head"]}
+    q = QuantConfig(**doc)
+    assert q.shared_input_scales is False and q.smoothquant_alpha is None and q.per_token_activations is False
+    q = QuantConfig("int8_sq", pre_quant_scale=True, per_token_activations=True)
+    assert q.scale_names("lm_head") == ("lm_head.weights_scaling_factor", "lm_head.prequant_scaling_factor")
+    assert QuantConfig("int8_sq", pre_quant_scale=True, smoothquant_alpha=0).smoothquant_alpha == 0

@@ -2,7 +2,8 @@
 
 Model: tinystories-656K (trained; 2 layers, hidden 128, ffn 384, 8/4 heads, vocab 2048, tied embeddings; int4 group 64
 divides every linear), calibrated by the CLI on 8 x 64 tokens of the default corpus. Per format (fp8, int4_awq,
-int8_sq, int4_awq + int8 KV, fp8 + fp8 KV) the engine runs one batched prefill of three prompts and four greedy
+int8_sq, int4_awq + int8 KV, fp8 + fp8 KV, int8_sq with per-token activations, all with per-linear scales, the
+default; int4_awq with `--fuse-shared-scales`) the engine runs one batched prefill of three prompts and four greedy
 decode steps; its logits at every position are compared with
 
 - `reference_model(ckpt)`, the format's arithmetic from the checkpoint alone (torch), and
@@ -24,7 +25,7 @@ layer 1's mlp.proj input moved the fp8 + fp8 KV logits by 3.5e-4 of their range;
 int8_sq + int8 KV ones by 1.4% from that position on (modelopt's x * (127 / amax) has the same ambiguity). The tight
 check therefore stops at the first position where the reference quantizes a value within 2e-6 relative of a boundary
 (10x the largest distance seen to flip) and requires a third of all positions to be checked tightly (measured:
-25 to 42 of 42 per format; engine vs reference there <= 7e-7).
+25 to 42 of 42 per format; engine vs reference there <= 7e-7), except for the tie-prone cases named in TIE_PRONE.
 """
 
 from __future__ import annotations
@@ -54,13 +55,18 @@ MODEL = TINYSTORIES656K
 GROUP = 64
 CALIB = {"calib_size": 8, "calib_max_seq_len": 64}
 BUILD = ("--max-seq-len", 128, "--tokens-per-block", 8, "--max-batch-size", 4, "--max-num-tokens", 64)
-CASES = {  # name -> (--qformat, --kv-cache-dtype)
-    "fp8": ("fp8", None),
-    "int4_awq": ("int4_awq", None),
-    "int8_sq": ("int8_sq", None),
-    "int4_awq-kv_int8": ("int4_awq", "int8"),
-    "fp8-kv_fp8": ("fp8", "fp8"),
+CASES = {  # name -> (--qformat, --kv-cache-dtype, flags)
+    "fp8": ("fp8", None, ()),
+    "int4_awq": ("int4_awq", None, ()),
+    "int8_sq": ("int8_sq", None, ()),
+    "int4_awq-kv_int8": ("int4_awq", "int8", ()),
+    "fp8-kv_fp8": ("fp8", "fp8", ()),
+    "int4_awq-shared": ("int4_awq", None, ("--fuse-shared-scales",)),
+    "int8_sq-shared": ("int8_sq", None, ("--fuse-shared-scales", "--smoothquant-alpha", "0.5")),
+    "int8_sq-per_token": ("int8_sq", None, ("--per-token-activations",)),
+    "int8_sq-alpha1": ("int8_sq", None, ("--smoothquant-alpha", "1.0")),
 }
+FLAGS = {"--fuse-shared-scales": "shared_input_scales", "--per-token-activations": "per_token_activations"}
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The cat sat on the mat and",
            "Tom and his dog went to the park. They played with a big red ball all day"]
 DECODE_STEPS = 4
@@ -77,10 +83,13 @@ def invoke(*args):
 
 def quantize_args(name: str) -> tuple[list, dict]:
     """CLI arguments and the matching `quantize()` keyword arguments of a case."""
-    qformat, kv = CASES[name]
+    qformat, kv, flags = CASES[name]
     args = ["--qformat", qformat, "--calib-size", CALIB["calib_size"],
-            "--calib-max-seq-len", CALIB["calib_max_seq_len"]]
-    options = dict(CALIB)
+            "--calib-max-seq-len", CALIB["calib_max_seq_len"], *flags]
+    options: dict = dict(CALIB)
+    options.update({FLAGS[f]: True for f in flags if f in FLAGS})
+    if "--smoothquant-alpha" in flags:
+        options["smoothquant_alpha"] = float(flags[flags.index("--smoothquant-alpha") + 1])
     if qformat == "int4_awq":
         args += ["--awq-block-size", GROUP]
         options["awq_block_size"] = GROUP
@@ -187,10 +196,18 @@ def rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / np.abs(want).max())
 
 
+# Cases whose activation rounding meets near-ties early on this model: int8_sq at the default alpha 0.8 (3 of 42
+# positions before the first), per token (a token's largest values span the whole int8 range; a tie sits in the
+# BOS position all prompts share: 0 of 42), int8_sq-shared (alpha 0.5: 0 of 42). They are checked tightly up to
+# their first tie and loosely everywhere; tests/test_quantized_engine.py checks these engines against the format
+# to 1e-4 on models without ties. int8_sq-alpha1 (25-42 tight) keeps the tight coverage of int8_sq here.
+TIE_PRONE = {"int8_sq", "int8_sq-per_token", "int8_sq-shared"}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_engine_matches_modelopt_and_reference(name, quantized, fp32_model, tie_recorder):
     ckpt, engine_dir = quantized(name)
-    qformat, kv = CASES[name]
+    qformat, kv, _ = CASES[name]
     seqs, got = engine_logits(engine_dir)
     simulated = reference.simulated_model(MODEL, qformat, **quantize_args(name)[1])
     ref_model = reference.reference_model(ckpt)
@@ -217,7 +234,8 @@ def test_engine_matches_modelopt_and_reference(name, quantized, fp32_model, tie_
     d, q = np.concatenate(diffs), np.concatenate(qerrs)
     assert d.max() <= LOOSE_MAX * q.max() and d.mean() <= LOOSE_MEAN * q.mean(), (name, d.max() / q.max(),
                                                                                  d.mean() / q.mean())
-    assert 3 * tight >= total, (name, tight, total)  # a good part of the positions is checked tightly
+    if name not in TIE_PRONE:  # a good part of the positions is checked tightly
+        assert 3 * tight >= total, (name, tight, total)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -228,6 +246,23 @@ def test_generate_text(name, quantized):
     assert len(out.token_ids) == 16 and out.finish_reason == "length"
     words = [w for w in out.text.split() if w.strip(".,!?\"'").isalpha()]
     assert len(words) >= 3, out.text
+
+
+@pytest.mark.parametrize(("name", "shared", "alpha", "per_layer"), [
+    ("int4_awq", False, None, 7), ("int4_awq-shared", True, None, 4),
+    ("int8_sq", False, 0.8, 7), ("int8_sq-per_token", False, 0.5, 7), ("int8_sq-shared", True, 0.5, 4),
+    ("int8_sq-alpha1", False, 1.0, 4),  # alpha 1: x is divided by its own amax, so q/k/v (gate/up) agree anyway
+])
+def test_kernels_fuse_only_identical_scales(name, shared, alpha, per_layer, quantized):
+    """Per-linear scales (the default) that differ: every linear is its own kernel; `--fuse-shared-scales`, or scales
+    that come out identical: q/k/v and gate/up of each layer run as one kernel each. config.json records the form
+    and the SmoothQuant alpha (the default: 0.8 static, 0.5 per token)."""
+    ckpt, engine_dir = quantized(name)
+    doc = json.loads((ckpt / "config.json").read_text())["quantization"]
+    assert (doc["shared_input_scales"], doc["smoothquant_alpha"]) == (shared, alpha)
+    model = onnx.load(str(engine_dir / CPU_ENGINE_FILE))
+    kernel = {"int4_awq": "MatMulNBits", "int8_sq": "MatMulInteger"}[CASES[name][0]]
+    assert sum(n.op_type == kernel for n in model.graph.node) == per_layer * LAYERS
 
 
 def int4_weight_bytes(engine_dir: Path) -> int:

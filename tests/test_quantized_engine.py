@@ -44,6 +44,9 @@ CASES = {
     "qwen2-fp8-kv_fp8": ("qwen2", "fp8", "fp8", {}),
     "qwen2-int4_awq": ("qwen2", "int4_awq", None, {"shared_prequant": False}),
     "qwen2-int8_sq-kv_int8": ("qwen2", "int8_sq", "int8", {}),
+    "llama-int8_sq-own_scales": ("llama", "int8_sq", None, {"shared_prequant": False}),
+    "llama-int8_sq-per_token": ("llama", "int8_sq", None, {"shared_prequant": False, "per_token": True}),
+    "qwen2-int8_sq-per_token-kv_int8": ("qwen2", "int8_sq", "int8", {"per_token": True}),
 }
 
 
@@ -234,3 +237,75 @@ def test_build_refuses_unsupported_quantization(quant, message, base, tmp_path):
     with pytest.raises(TrtbuildError, match=message):
         build_engine(tmp_path / "ckpt", tmp_path / "engine", **OPTIONS)
     assert not (tmp_path / "engine").exists()
+
+
+@pytest.mark.parametrize("algo", ["int4_awq", "int8_sq"])
+def test_siblings_fuse_only_with_identical_scales(algo, base, tmp_path):
+    """Q/K/V and gate/up become one kernel only when their pre-scales (and int8 activation scales) are identical;
+    with one differing scale the others still fuse and the odd one gets its own Mul / Q/DQ and kernel."""
+    from trtbuild.builder.passes.lower_quant_cpu import lower_quantized_linears
+
+    ckpt, amax = base("llama")
+    kernel = {"int4_awq": "MatMulNBits", "int8_sq": "MatMulInteger"}[algo]
+    config, tensors = load_checkpoint(quantize_checkpoint(ckpt, tmp_path / "ckpt", algo, None, amax))
+    assert config.quantization.shared_input_scales
+    odd = "transformer.layers.0.attention.v.prequant_scaling_factor"
+    counts = {}
+    for label, changed in (("shared", {}), ("one differs", {odd: tensors[odd] * 1.5})):
+        t = {**tensors, **changed}
+        c = dataclasses.replace(config, quantization=dataclasses.replace(config.quantization,
+                                                                         shared_input_scales=not changed))
+        model = build_network(c, t, BuildConfig(**OPTIONS))
+        prescales = len([n for n in model.graph.node if n.name.endswith("_prescale")])
+        lower_quantized_linears(model, 1)
+        counts[label] = prescales, _ops(model)[kernel]
+    assert counts == {"shared": (4 * LAYERS, 4 * LAYERS), "one differs": (4 * LAYERS + 1, 4 * LAYERS + 1)}
+
+
+def test_build_refuses_a_false_shared_scales_flag(base, tmp_path):
+    """`shared_input_scales: true` promises identical sibling scales (engines that trust it fuse the GEMMs)."""
+    import json
+
+    ckpt, amax = base("llama")
+    q = quantize_checkpoint(ckpt, tmp_path / "ckpt", "int4_awq", None, amax, shared_prequant=False)
+    doc = json.loads((q / "config.json").read_text())
+    assert doc["quantization"]["shared_input_scales"] is False
+    doc["quantization"]["shared_input_scales"] = True
+    (q / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(TrtbuildError, match="shared_input_scales=true but transformer.layers.0.attention.q.prequant"):
+        build_engine(q, tmp_path / "engine", **OPTIONS)
+    assert not (tmp_path / "engine").exists()
+
+
+def test_per_token_unfused_network_is_standard_onnx(base, tmp_path):
+    """int8_sq with per-token activations: blocked Q/DQ (one block = the whole last axis) with the scale computed
+    from x, one per sibling group; the full ONNX checker passes. The CPU lowering leaves no Q/DQ behind."""
+    from trtbuild.builder.passes.lower_quant_cpu import lower_quantized_linears
+
+    ckpt, amax = base("qwen2")
+    config, tensors = load_checkpoint(quantize_checkpoint(ckpt, tmp_path / "ckpt", "int8_sq", None, amax,
+                                                          per_token=True))
+    assert config.quantization.per_token_activations
+    assert not any(n.endswith("activation_scaling_factor") for n in tensors)
+    model = build_network(config, tensors, BuildConfig(**OPTIONS))
+    onnx.checker.check_model(model, full_check=True)
+    act_quant = [n for n in model.graph.node if n.op_type == "QuantizeLinear"]
+    assert len(act_quant) == 4 * LAYERS  # shared by Q/K/V and by gate/up (their pre-scales are equal here)
+    hidden = config.hidden_size
+    assert {a.name: a.i for a in act_quant[0].attribute} == {"axis": -1, "block_size": hidden,
+                                                             "output_dtype": TensorProto.INT8}
+    assert lower_quantized_linears(model, 1) == 7 * LAYERS
+    ops = _ops(model)
+    assert ops["QuantizeLinear"] == ops["DequantizeLinear"] == 0 and ops["MatMulInteger"] == 4 * LAYERS
+
+
+def test_build_refuses_per_token_with_tensor_parallelism(base):
+    from trtbuild.builder.quantized import check_quantization
+    from trtbuild.configs.model_config import Mapping
+
+    config, _ = load_checkpoint(base("llama")[0])
+    quant = QuantConfig("int8_sq", pre_quant_scale=True, per_token_activations=True)
+    check_quantization(dataclasses.replace(config, quantization=quant), BuildConfig(**OPTIONS))
+    with pytest.raises(TrtbuildError, match="per-token activation scales need tp_size 1"):
+        check_quantization(dataclasses.replace(config, quantization=quant, mapping=Mapping(tp_size=2)),
+                           BuildConfig(**OPTIONS))

@@ -5,13 +5,19 @@ that compute in low precision, reading 1-byte or half-byte weights from the engi
         -> com.microsoft MatMulNBits(x, B uint8 [N, K/g, g/2], scales [N * K/g]), bits 4, default zero point 8
   int8  MatMul(DQ(Q(x, s_x)), DQ(int8 W [K, N], s_w [N], axis 1))
         -> MatMulInteger(Q(x, s_x, zero point 128) uint8, W int8, a_zero_point 128) -> int32 -> Cast -> Mul(s_x * s_w)
+        per token (s_x [T, 1] computed from x, blocked Q/DQ over the last axis): uint8 = Cast(Round(x / s_x) + 128)
+        -> MatMulInteger(a_zero_point 128) -> Cast -> Mul(s_x) -> Mul(s_w)
         (uint8 activations with zero point 128 are the int8 values + 128 exactly, and MLAS' u8s8 GEMM is ~100x
         faster than its s8s8 path on x86)
   fp8   left as it is: DequantizeLinear(float8 W) -> MatMul (no CPU kernel multiplies fp8; ONNX Runtime keeps the
         float8 initializer and dequantizes it when the MatMul runs) with Q/DQ(fp8) on the activation.
 
 Sibling linears that read the same (pre-scaled, quantized) activation, Q/K/V and gate/up, become one kernel over
-their concatenated weights followed by a Split: every output column is computed exactly as before.
+their concatenated weights followed by a Split: every output column is computed exactly as before. Siblings are
+grouped by the very tensor their kernel would read: int4 by the MatMul's input (the output of the pre-scale Mul),
+int8 by the QuantizeLinear's input and scale. builder/quantized.py shares that Mul / Q/DQ only between linears with
+bit-identical scales, so linears with their own prequant / activation scales (the default `trtbuild quantize`
+checkpoint, `shared_input_scales: false`) stay separate kernels.
 """
 
 from __future__ import annotations
@@ -69,10 +75,19 @@ def _int8_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> t
         return None
     quant = view.producer.get(act_dq.input[0])
     x_scale = view.constant(act_dq.input[1])
-    if quant is None or quant.op_type != "QuantizeLinear" or x_scale is None or x_scale.size != 1:
+    if quant is None or quant.op_type != "QuantizeLinear":
         return None
     w, w_scale = view.constant(dq.input[0]), view.constant(dq.input[1])
     if w.ndim != 2 or not (w_scale.size == 1 or (w_scale.ndim == 1 and _attrs(dq).get("axis", 1) in (1, -1))):
+        return None
+    if x_scale is None:  # a dynamic scale: per token when one block spans the whole last axis of x
+        per_token = all(_attrs(n).get("axis") == -1 and _attrs(n).get("block_size") == w.shape[0]
+                        for n in (quant, act_dq))
+        if not per_token or quant.input[1] != act_dq.input[1]:
+            return None
+        return ("int8_per_token", quant.input[0], quant.input[1]), w, np.broadcast_to(
+            w_scale, (w.shape[1],)).astype(np.float32)
+    if x_scale.size != 1:
         return None
     scale = (np.float32(x_scale.reshape(())) * np.broadcast_to(w_scale, (w.shape[1],))).astype(np.float32)
     return ("int8", quant.input[0], quant.input[1]), w, scale
@@ -104,6 +119,26 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int = DEFAUL
             new_nodes.append(helper.make_node(
                 "MatMulNBits", [x, base + ".weight_nbits", base + ".scales_nbits"], [wide], name=base,
                 domain=MS_DOMAIN, K=k, N=sum(widths), bits=4, block_size=g, accuracy_level=accuracy_level))
+        elif key[0] == "int8_per_token":  # u8 = round(x / s) + 128 (|x / s| <= 127); y = (u8 - 128) @ W * s * s_w
+            _, x, x_scale = key
+            view.add_initializer(base + ".weight_int8", np.concatenate([m[1] for m in members], axis=1))
+            view.add_initializer(base + ".weight_scale", np.concatenate([m[2] for m in members]))
+            view.add_initializer(base + ".act_zero_point", np.array(128, dtype=np.uint8))
+            view.add_initializer(base + ".act_offset", np.array(128, dtype=np.float32))
+            zp = base + ".act_zero_point"
+            new_nodes += [
+                helper.make_node("Div", [x, x_scale], [base + "_act_div"], name=base + "_act_div"),
+                helper.make_node("Round", [base + "_act_div"], [base + "_act_round"], name=base + "_act_round"),
+                helper.make_node("Add", [base + "_act_round", base + ".act_offset"], [base + "_act_shift"],
+                                 name=base + "_act_shift"),
+                helper.make_node("Cast", [base + "_act_shift"], [base + "_act_u8"], name=base + "_act_quant",
+                                 to=TensorProto.UINT8),
+                helper.make_node("MatMulInteger", [base + "_act_u8", base + ".weight_int8", zp], [base + "_i32"],
+                                 name=base),
+                helper.make_node("Cast", [base + "_i32"], [base + "_f32"], name=base + "_cast", to=TensorProto.FLOAT),
+                helper.make_node("Mul", [base + "_f32", x_scale], [base + "_act_scaled"], name=base + "_token_scale"),
+                helper.make_node("Mul", [base + "_act_scaled", base + ".weight_scale"], [wide], name=base + "_scale"),
+            ]
         else:
             _, x, x_scale = key
             view.add_initializer(base + ".weight_int8", np.concatenate([m[1] for m in members], axis=1))
