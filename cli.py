@@ -97,13 +97,16 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int) -
 @click.option("--max-num-tokens", type=click.IntRange(min=1), default=2048, help="Tokens packed into one step.")
 @click.option("--tokens-per-block", type=click.IntRange(min=1), default=16, help="Paged KV cache block size.")
 @click.option("--no-fuse", is_flag=True, help="Skip the fusion passes (for debugging).")
+@click.option("--int4-accuracy-level", type=click.Choice(["1", "4"]), default="4", show_default=True,
+              help="int4 checkpoints on CPU: 4 computes in int8 (faster), 1 in fp32 (matches the format exactly).")
 def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_seq_len: int | None,
-          max_num_tokens: int, tokens_per_block: int, no_fuse: bool) -> None:
+          max_num_tokens: int, tokens_per_block: int, no_fuse: bool, int4_accuracy_level: str) -> None:
     """Compile a checkpoint into an engine directory for one target."""
     from trtbuild.builder.build import build_engine
 
     build_engine(checkpoint, output, target=target, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                 max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block, fuse=not no_fuse)
+                 max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block, fuse=not no_fuse,
+                 int4_accuracy_level=int(int4_accuracy_level))
     click.echo(f"wrote engine {output}")
 
 

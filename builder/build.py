@@ -66,7 +66,8 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> tuple[onnx.M
     if build.fuse:
         counts = run_passes(model, build.target)
         applied = [f"{name}:{n}" for name, n in counts.items()]
-    quantized = lower_quantized_linears(model)  # always: the engine must run low-bit kernels, not dequantized copies
+    # always: the engine must run low-bit kernels, not dequantized copies
+    quantized = lower_quantized_linears(model, build.int4_accuracy_level)
     if quantized:
         applied.append(f"lower_quantized_linears:{quantized}")
     lower_paged_attention(model)

@@ -9,6 +9,9 @@ from typing import Any
 from trtbuild.errors import TrtbuildError
 
 TARGETS = ("cpu", "tensorrt")
+# ONNX Runtime MatMulNBits accuracy levels the CPU engine offers for int4 weights: 1 = fp32 compute (bit-faithful
+# to the checkpoint format), 4 = int8 compute (activations quantized per block, VNNI kernels; faster).
+INT4_ACCURACY_LEVELS = (1, 4)
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,7 @@ class BuildConfig:
     max_num_tokens: int = 2048  # tokens packed into one engine call (prefill chunks + decode tokens)
     tokens_per_block: int = 16  # paged-KV block size
     fuse: bool = True  # run the fusion passes (off only to test them)
+    int4_accuracy_level: int = 4  # INT4_ACCURACY_LEVELS; only matters for int4 checkpoints on the CPU target
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -26,6 +30,9 @@ class BuildConfig:
         for name in ("max_batch_size", "max_seq_len", "max_num_tokens", "tokens_per_block"):
             if getattr(self, name) < 1:
                 raise TrtbuildError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
+        if self.int4_accuracy_level not in INT4_ACCURACY_LEVELS:
+            raise TrtbuildError(f"--int4-accuracy-level must be one of {INT4_ACCURACY_LEVELS}, "
+                                f"got {self.int4_accuracy_level}.")
 
     @property
     def max_blocks_per_seq(self) -> int:

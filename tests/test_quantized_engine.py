@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 
 import numpy as np
 import onnx
@@ -33,7 +34,8 @@ from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 
 RTOL = 1e-4
-OPTIONS = dict(max_seq_len=128, tokens_per_block=8, max_batch_size=4, max_num_tokens=64)
+# int4 in fp32 compute: these tests check the engine against the format to RTOL (level 4 is tested on its own)
+OPTIONS = dict(max_seq_len=128, tokens_per_block=8, max_batch_size=4, max_num_tokens=64, int4_accuracy_level=1)
 LAYERS, VOCAB = 2, 320
 # case -> (family, quant_algo, kv_cache_quant_algo, extra quantize options)
 CASES = {
@@ -275,6 +277,30 @@ def test_build_refuses_a_false_shared_scales_flag(base, tmp_path):
     with pytest.raises(TrtbuildError, match="shared_input_scales=true but transformer.layers.0.attention.q.prequant"):
         build_engine(q, tmp_path / "engine", **OPTIONS)
     assert not (tmp_path / "engine").exists()
+
+
+def test_int4_int8_compute_is_the_default_and_stays_close(case, tmp_path):
+    """The default build (int4_accuracy_level 4) runs MatMulNBits with int8 activations: within a few percent of the
+    format (fp32 compute) and recorded in the engine's config."""
+    config, tensors, exact_dir, _ = case("qwen2-int4_awq")
+    options = {k: v for k, v in OPTIONS.items() if k != "int4_accuracy_level"}
+    fast_dir = build_engine(exact_dir.parent / "ckpt", tmp_path / "engine", **options)
+    model = onnx.load(str(fast_dir / CPU_ENGINE_FILE), load_external_data=False)
+    levels = {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+              if a.name == "accuracy_level"}
+    assert levels == {4}
+    assert json.loads((fast_dir / "config.json").read_text())["build_config"]["int4_accuracy_level"] == 4
+    fast, exact = CpuEngine(fast_dir, num_threads=1, num_blocks=48), CpuEngine(exact_dir, num_threads=1, num_blocks=48)
+    reference = Reference(config, tensors)
+    for step in STEPS:
+        want, got_exact, got_fast = reference.step(step), exact.step(step), fast.step(step)
+        assert rel_err(got_exact, want) <= RTOL
+        assert 0 < rel_err(got_fast, want) <= 5e-2
+
+
+def test_build_refuses_an_unknown_int4_accuracy_level(base, tmp_path):
+    with pytest.raises(TrtbuildError, match="int4-accuracy-level must be one of"):
+        build_engine(base("llama")[0], tmp_path / "engine", **{**OPTIONS, "int4_accuracy_level": 2})
 
 
 def test_per_token_unfused_network_is_standard_onnx(base, tmp_path):

@@ -30,10 +30,6 @@ from onnx import TensorProto, helper
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphView, topological_sort
 
-# MatMulNBits accuracy_level: 1 computes in fp32 (the engine matches the simulated model to ~1e-6); 4 quantizes
-# activations to int8 per block (faster on CPUs with VNNI, ~7e-3 relative error).
-DEFAULT_ACCURACY_LEVEL = 1
-
 
 def _attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -93,8 +89,10 @@ def _int8_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> t
     return ("int8", quant.input[0], quant.input[1]), w, scale
 
 
-def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> int:
-    """Rewrite every int4 / int8 quantized linear to its ONNX Runtime kernel; returns how many linears changed."""
+def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
+    """Rewrite every int4 / int8 quantized linear to its ONNX Runtime kernel; returns how many linears changed.
+    `accuracy_level` is MatMulNBits' (BuildConfig.int4_accuracy_level): 1 computes in fp32 and matches the format to
+    ~1e-6; 4 quantizes activations to int8 per block (VNNI kernels, ~7e-3 relative error)."""
     view = GraphView(model)
     groups: dict[tuple, list[tuple]] = defaultdict(list)
     for node in model.graph.node:
