@@ -349,7 +349,7 @@ def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: i
               help="int4_awq: input features per weight scale (a power of two that divides them).")
 @click.option("--smoothquant-alpha", type=float, default=None,
               help="int8_sq: SmoothQuant migration strength in [0, 1] (1 moves all activation outliers into the "
-                   "weights) [default: 0.8, or 0.5 with --per-token-activations].")
+                   "weights) [default: 0.7, or 0.5 with --per-token-activations].")
 @click.option("--per-token-activations", is_flag=True, default=False,
               help="int8_sq: quantize activations per token with a dynamic scale (more accurate, slower) instead of "
                    "one static calibrated scale per linear.")

@@ -33,7 +33,7 @@ CALIB_TOKENS_PER_BATCH = 4096
 # SmoothQuant migration strength for int8_sq when --smoothquant-alpha is not given, by per-token activations or not:
 # the most accurate of those measured on SmolLM2-135M (docs/quantization-results.md). Static per-tensor activation
 # scales need the outliers moved into the weights; per-token scales absorb them and keep the weights easy.
-DEFAULT_SMOOTHQUANT_ALPHA = {False: 0.8, True: 0.5}
+DEFAULT_SMOOTHQUANT_ALPHA = {False: 0.7, True: 0.5}
 
 
 @dataclass

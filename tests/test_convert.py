@@ -231,7 +231,9 @@ def test_config_json_schema_and_round_trip(family, converted):
                   norm_epsilon=1e-6, max_position_embeddings=256, hidden_act="silu",
                   mapping={"world_size": 1, "tp_size": 1, "pp_size": 1},
                   quantization={"quant_algo": None, "kv_cache_quant_algo": None, "group_size": None,
-                                "has_zero_point": False, "pre_quant_scale": False, "exclude_modules": []})
+                                "has_zero_point": False, "pre_quant_scale": False, "exclude_modules": [],
+                                "shared_input_scales": False, "smoothquant_alpha": None,
+                                "per_token_activations": False})
     for key, value in {**common, **FAMILY_FIELDS[family]}.items():
         assert doc[key] == value, key
     config = ModelConfig.load(ckpt / "config.json")

@@ -209,7 +209,7 @@ def test_smoothquant_alpha_reaches_modelopt_and_config(runs):
                            tensors["transformer.layers.0.mlp.proj.prequant_scaling_factor"])
     assert load_checkpoint(runs("fp8", None)[1])[0].quantization.smoothquant_alpha is None
     default = load_checkpoint(runs("int8_sq", "int8")[1])[0].quantization
-    assert default.smoothquant_alpha == DEFAULT_SMOOTHQUANT_ALPHA[False] == 0.8
+    assert default.smoothquant_alpha == DEFAULT_SMOOTHQUANT_ALPHA[False] == 0.7
 
 
 @pytest.mark.parametrize("model", ["tiny", "stories260K"])
