@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import make_random_hf_model
+from helpers import STORIES260K, make_random_hf_model, require_shared_models
+
+RUNTIME_ENGINE_OPTIONS = dict(max_batch_size=8, max_num_tokens=128)  # max_seq_len 256, 8 tokens per block
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +42,16 @@ def engine_from_hf(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def llama_engine(random_hf_model, engine_from_hf) -> Path:
+    """The random Llama as an engine for runtime tests (EngineCore, speculative decoding)."""
+    return engine_from_hf(random_hf_model("llama"), **RUNTIME_ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def stories_engine(engine_from_hf) -> Path:
+    """stories260K (real, trained) as an engine for runtime tests."""
+    require_shared_models()
+    return engine_from_hf(STORIES260K, **RUNTIME_ENGINE_OPTIONS)

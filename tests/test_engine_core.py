@@ -8,14 +8,13 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import STORIES260K, assert_pool_full, drive, require_shared_models
+from helpers import assert_pool_full, drive
 
 from trtbuild.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput, RuntimeConfig
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 
-ENGINE_OPTIONS = dict(max_batch_size=8, max_num_tokens=128)  # max_seq_len 256, 8 tokens per block (conftest)
 VOCAB = 320  # helpers.RANDOM_CONFIGS["llama"]
 LENGTHS = (1, 3, 7, 8, 9, 17, 30, 45)  # around block boundaries, up to several blocks
 PROMPTS = [np.random.default_rng(100 + n).integers(3, VOCAB, size=n).tolist() for n in LENGTHS]
@@ -24,25 +23,14 @@ STORY = ", there was a little girl named Lily. She loved to play outside in the 
 TIMEOUT = 60  # seconds any stream may wait for its next output: a hang fails instead of blocking the suite
 
 
-@pytest.fixture(scope="module")
-def llama(random_hf_model, engine_from_hf):
-    return engine_from_hf(random_hf_model("llama"), **ENGINE_OPTIONS)
-
-
-@pytest.fixture(scope="module")
-def stories(engine_from_hf):
-    require_shared_models()
-    return engine_from_hf(STORIES260K, **ENGINE_OPTIONS)
-
-
 def config(**options) -> RuntimeConfig:
     return RuntimeConfig(num_threads=1, **options)
 
 
 @pytest.fixture(scope="module")
-def alone(llama) -> list[list[int]]:
+def alone(llama_engine) -> list[list[int]]:
     """Each prompt's greedy tokens, run by itself."""
-    llm = LLM(llama, config(enable_prefix_caching=False))
+    llm = LLM(llama_engine, config(enable_prefix_caching=False))
     return [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
 
 
@@ -54,8 +42,8 @@ def alone(llama) -> list[list[int]]:
     ({"max_prefill_chunk": 3}, 128, 15 + 23, 8),  # the 45-token prompt needs 15 prefill steps
     ({"max_num_tokens": 5}, 5, (sum(LENGTHS) + 8 * 23) // 5, 5),  # 5 tokens a step, decodes included
 ], ids=["whole", "chunk3", "budget5"])
-def test_batched_greedy_equals_alone(llama, alone, options, budget, min_steps, min_running):
-    core = EngineCore(llama, config(**options))
+def test_batched_greedy_equals_alone(llama_engine, alone, options, budget, min_steps, min_running):
+    core = EngineCore(llama_engine, config(**options))
     tokens, finals, stats = drive(core, PROMPTS, GREEDY)
     assert tokens == alone
     assert [f.finish_reason for f in finals] == ["length"] * len(PROMPTS)
@@ -67,23 +55,23 @@ def test_batched_greedy_equals_alone(llama, alone, options, budget, min_steps, m
     assert_pool_full(core)
 
 
-def test_llm_generate_batched_equals_alone(llama, alone):
-    llm = LLM(llama, config())
+def test_llm_generate_batched_equals_alone(llama_engine, alone):
+    llm = LLM(llama_engine, config())
     completions = llm.generate(PROMPTS, GREEDY)
     assert [c.token_ids for c in completions] == alone
     assert {c.finish_reason for c in completions} == {"length"} and all(c.text == "" for c in completions)
     assert_pool_full(llm.core)
 
 
-def test_seeded_sampling_is_the_same_alone_and_batched(llama, alone):
+def test_seeded_sampling_is_the_same_alone_and_batched(llama_engine, alone):
     sampled = [SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=16, ignore_eos=True)
                for i in range(4)]
-    llm = LLM(llama, config())
+    llm = LLM(llama_engine, config())
     by_itself = [llm.generate([PROMPTS[i]], sampled[i])[0].token_ids for i in range(4)]
     # batched with each other and with greedy requests, in another order
     mixed = [PROMPTS[7], PROMPTS[3], PROMPTS[0], PROMPTS[5], PROMPTS[2], PROMPTS[1], PROMPTS[6]]
     params = [GREEDY, sampled[3], sampled[0], GREEDY, sampled[2], sampled[1], GREEDY]
-    got = [c.token_ids for c in LLM(llama, config(max_prefill_chunk=4)).generate(mixed, params)]
+    got = [c.token_ids for c in LLM(llama_engine, config(max_prefill_chunk=4)).generate(mixed, params)]
     assert [got[2], got[5], got[4], got[1]] == by_itself
     assert [got[0], got[3], got[6]] == [alone[7], alone[5], alone[6]]
     assert by_itself[0] != alone[0][:16]  # really sampled, not greedy
@@ -96,9 +84,9 @@ def test_seeded_sampling_is_the_same_alone_and_batched(llama, alone):
 
 
 @pytest.mark.parametrize("caching", [True, False], ids=["prefix_caching", "no_caching"])
-def test_tiny_pool_preempts_and_still_returns_exact_tokens(llama, alone, caching):
+def test_tiny_pool_preempts_and_still_returns_exact_tokens(llama_engine, alone, caching):
     # 12 blocks of 8 tokens: the longest request alone needs 9 (45 + 24 tokens), all 8 together 43
-    core = EngineCore(llama, config(kv_cache_blocks=12, policy="max_utilization", enable_prefix_caching=caching))
+    core = EngineCore(llama_engine, config(kv_cache_blocks=12, policy="max_utilization", enable_prefix_caching=caching))
     tokens, finals, stats = drive(core, PROMPTS, GREEDY)
     assert tokens == alone
     assert [f.finish_reason for f in finals] == ["length"] * len(PROMPTS)
@@ -107,8 +95,8 @@ def test_tiny_pool_preempts_and_still_returns_exact_tokens(llama, alone, caching
     assert_pool_full(core)
 
 
-def test_tiny_pool_guaranteed_no_evict_never_preempts(llama, alone):
-    core = EngineCore(llama, config(kv_cache_blocks=12, policy="guaranteed_no_evict"))
+def test_tiny_pool_guaranteed_no_evict_never_preempts(llama_engine, alone):
+    core = EngineCore(llama_engine, config(kv_cache_blocks=12, policy="guaranteed_no_evict"))
     tokens, finals, stats = drive(core, PROMPTS, GREEDY)
     assert tokens == alone
     assert all(f.metrics.num_preemptions == 0 for f in finals) and not any(s.num_preempted for s in stats)
@@ -119,13 +107,13 @@ def test_tiny_pool_guaranteed_no_evict_never_preempts(llama, alone):
 # ---- prefix caching --------------------------------------------------------------------------------------------
 
 
-def test_prefix_caching_reuses_blocks_and_keeps_tokens(llama):
+def test_prefix_caching_reuses_blocks_and_keeps_tokens(llama_engine):
     rng = np.random.default_rng(5)
     shared = rng.integers(3, VOCAB, size=43).tolist()  # 5 full blocks + 3 tokens
     first, second, aligned = shared + [11, 12, 13], shared + [21, 22], shared + [31] * 5  # aligned: 6 full blocks
-    expected = [c.token_ids for c in LLM(llama, config(enable_prefix_caching=False)).generate(
+    expected = [c.token_ids for c in LLM(llama_engine, config(enable_prefix_caching=False)).generate(
         [first, second, aligned], GREEDY)]
-    core = EngineCore(llama, config())
+    core = EngineCore(llama_engine, config())
     tokens, finals, _ = drive(core, [first], GREEDY)
     assert tokens == [expected[0]] and finals[0].metrics.num_prefix_cached_tokens == 0
     tokens, finals, _ = drive(core, [second], GREEDY)
@@ -140,7 +128,7 @@ def test_prefix_caching_reuses_blocks_and_keeps_tokens(llama):
     tokens, finals, _ = drive(core, [aligned], GREEDY)
     assert finals[0].metrics.num_prefix_cached_tokens == 40 and tokens == [expected[2]]
     assert_pool_full(core)
-    off = EngineCore(llama, config(enable_prefix_caching=False))
+    off = EngineCore(llama_engine, config(enable_prefix_caching=False))
     drive(off, [first], GREEDY)
     assert drive(off, [second], GREEDY)[1][0].metrics.num_prefix_cached_tokens == 0
 
@@ -148,8 +136,8 @@ def test_prefix_caching_reuses_blocks_and_keeps_tokens(llama):
 # ---- abort -----------------------------------------------------------------------------------------------------
 
 
-def test_abort_mid_generation_returns_blocks(llama):
-    core = EngineCore(llama, config(max_batch_size=1))
+def test_abort_mid_generation_returns_blocks(llama_engine):
+    core = EngineCore(llama_engine, config(max_batch_size=1))
     running = core.make_request(PROMPTS[7], SamplingParams(max_tokens=100, ignore_eos=True))
     waiting = core.make_request(PROMPTS[6], GREEDY)
     core.add_request(running)
@@ -169,8 +157,8 @@ def test_abort_mid_generation_returns_blocks(llama):
     assert_pool_full(core)
 
 
-def test_llm_stream_closed_early_aborts_its_requests(llama):
-    llm = LLM(llama, config())
+def test_llm_stream_closed_early_aborts_its_requests(llama_engine):
+    llm = LLM(llama_engine, config())
     stream = llm.stream(PROMPTS[:3], SamplingParams(max_tokens=50, ignore_eos=True))
     next(stream)
     stream.close()
@@ -181,8 +169,8 @@ def test_llm_stream_closed_early_aborts_its_requests(llama):
 # ---- stop conditions (stories260K, greedy) ---------------------------------------------------------------------
 
 
-def test_greedy_story_and_stop_string(stories):
-    llm = LLM(stories, config())
+def test_greedy_story_and_stop_string(stories_engine):
+    llm = LLM(stories_engine, config())
     full = llm.generate(["Once upon a time"], SamplingParams(max_tokens=40))[0]
     assert full.text.startswith(STORY) and full.finish_reason == "length"
     stopped = llm.generate(["Once upon a time"], SamplingParams(max_tokens=40, stop=("Lily",)))[0]
@@ -198,8 +186,8 @@ def test_greedy_story_and_stop_string(stories):
     assert_pool_full(llm.core)
 
 
-def test_stop_token_ids_and_max_tokens(stories):
-    llm = LLM(stories, config())
+def test_stop_token_ids_and_max_tokens(stories_engine):
+    llm = LLM(stories_engine, config())
     full = llm.generate(["Once upon a time"], SamplingParams(max_tokens=40))[0]
     stop_id = full.token_ids[6]
     first = full.token_ids.index(stop_id)
@@ -217,9 +205,9 @@ def test_stop_token_ids_and_max_tokens(stories):
     assert stop_id not in later.token_ids[: first + 1] and later.token_ids[:first] == full.token_ids[:first]
 
 
-def test_min_tokens_masks_eos(llama):
+def test_min_tokens_masks_eos(llama_engine):
     """A greedy request that ends with EOS; with min_tokens beyond that point EOS is never picked before it."""
-    llm = LLM(llama, config())
+    llm = LLM(llama_engine, config())
     candidates = [np.random.default_rng(seed).integers(3, VOCAB, size=6).tolist() for seed in range(64)]
     runs = llm.generate(candidates, SamplingParams(max_tokens=40))
     eos = llm.core.eos_token_ids
@@ -239,8 +227,8 @@ def test_min_tokens_masks_eos(llama):
 # ---- validation ------------------------------------------------------------------------------------------------
 
 
-def test_make_request_validation_names_the_field(llama, stories):
-    core = EngineCore(llama, config())
+def test_make_request_validation_names_the_field(llama_engine, stories_engine):
+    core = EngineCore(llama_engine, config())
     ok = SamplingParams()
     cases = [
         ([], ok, "prompt is empty"),
@@ -261,36 +249,36 @@ def test_make_request_validation_names_the_field(llama, stories):
             SamplingParams(**{field: value})
     with pytest.raises(ValueError, match="min_tokens must be <= max_tokens"):
         SamplingParams(max_tokens=3, min_tokens=4)
-    small = EngineCore(llama, config(kv_cache_blocks=4))  # 32 tokens of KV
+    small = EngineCore(llama_engine, config(kv_cache_blocks=4))  # 32 tokens of KV
     with pytest.raises(ValueError, match="needs 5 KV blocks but the whole cache holds 4"):
         small.make_request([5] * 20, SamplingParams(max_tokens=20))
     small.make_request([5] * 20, SamplingParams(max_tokens=12))
     # LLM validates every prompt before queuing any
-    llm = LLM(llama, config())
+    llm = LLM(llama_engine, config())
     with pytest.raises(ValueError, match="prompt_token_ids"):
         llm.generate([[5, 6], [5, VOCAB]], ok)
     with pytest.raises(ValueError, match="params: got 1 for 2 prompts"):
         llm.generate([[5, 6], [7]], [ok])
     assert not llm.core.has_unfinished() and not llm.core.tracked
     assert not core.has_unfinished() and not core.tracked  # validation left no trace
-    text_core = EngineCore(stories, config())
+    text_core = EngineCore(stories_engine, config())
     request = text_core.make_request("Once upon a time", SamplingParams(bad_words=["Lily"]))
     assert request.prompt_ids[0] == 1 and len(request.prompt_ids) > 1  # BOS + text
 
 
-def test_runtime_config_beyond_the_engine_is_refused(llama):
+def test_runtime_config_beyond_the_engine_is_refused(llama_engine):
     with pytest.raises(ValueError, match="max_batch_size 9 exceeds the engine's build limit 8"):
-        EngineCore(llama, config(max_batch_size=9))
+        EngineCore(llama_engine, config(max_batch_size=9))
     with pytest.raises(ValueError, match="max_num_tokens 129 exceeds the engine's build limit 128"):
-        EngineCore(llama, config(max_num_tokens=129))
+        EngineCore(llama_engine, config(max_num_tokens=129))
     with pytest.raises(ValueError, match="policy must be one of"):
-        EngineCore(llama, config(policy="fifo"))
+        EngineCore(llama_engine, config(policy="fifo"))
     with pytest.raises(ValueError, match="kv_cache_blocks must be at least 1"):
-        EngineCore(llama, config(kv_cache_blocks=0))
+        EngineCore(llama_engine, config(kv_cache_blocks=0))
 
 
-def test_request_ids_are_unique(llama):
-    core = EngineCore(llama, config())
+def test_request_ids_are_unique(llama_engine):
+    core = EngineCore(llama_engine, config())
     core.add_request(core.make_request([5, 6], GREEDY, request_id="x"))
     with pytest.raises(ValueError, match="request_id 'x' is already in use"):
         core.add_request(core.make_request([7], GREEDY, request_id="x"))
@@ -301,8 +289,8 @@ def test_request_ids_are_unique(llama):
 # ---- metrics ---------------------------------------------------------------------------------------------------
 
 
-def test_finished_request_metrics_are_ordered(llama):
-    core = EngineCore(llama, config(max_batch_size=2))
+def test_finished_request_metrics_are_ordered(llama_engine):
+    core = EngineCore(llama_engine, config(max_batch_size=2))
     _, finals, _ = drive(core, PROMPTS[:4], GREEDY)
     for i, f in enumerate(finals):
         m = f.metrics
@@ -341,8 +329,8 @@ def gate_steps(core: EngineCore, after: int = 0) -> tuple[threading.Event, threa
     return gate, waiting
 
 
-def test_async_concurrent_submits_get_their_alone_tokens(llama, alone):
-    engine = AsyncEngine(EngineCore(llama, config()))
+def test_async_concurrent_submits_get_their_alone_tokens(llama_engine, alone):
+    engine = AsyncEngine(EngineCore(llama_engine, config()))
     results: list[list[int] | None] = [None] * len(PROMPTS)
     barrier = threading.Barrier(len(PROMPTS))
 
@@ -363,8 +351,8 @@ def test_async_concurrent_submits_get_their_alone_tokens(llama, alone):
         engine.shutdown()
 
 
-def test_async_cancel_mid_stream(llama):
-    core = EngineCore(llama, config())
+def test_async_cancel_mid_stream(llama_engine):
+    core = EngineCore(llama_engine, config())
     gate, _ = gate_steps(core, after=3)
     engine = AsyncEngine(core)
     try:
@@ -383,8 +371,8 @@ def test_async_cancel_mid_stream(llama):
         engine.shutdown()
 
 
-def test_async_queue_full(llama, alone):
-    core = EngineCore(llama, config())
+def test_async_queue_full(llama_engine, alone):
+    core = EngineCore(llama_engine, config())
     gate, _ = gate_steps(core)  # hold the loop so that nothing finishes while we submit
     engine = AsyncEngine(core, max_queue_size=2)
     try:
@@ -405,8 +393,8 @@ def test_async_queue_full(llama, alone):
         engine.shutdown()
 
 
-def test_async_shutdown_ends_every_pending_stream(llama):
-    core = EngineCore(llama, config())
+def test_async_shutdown_ends_every_pending_stream(llama_engine):
+    core = EngineCore(llama_engine, config())
     gate, waiting = gate_steps(core)
     engine = AsyncEngine(core)
     long = SamplingParams(max_tokens=200, ignore_eos=True)
@@ -432,8 +420,8 @@ def test_async_shutdown_ends_every_pending_stream(llama):
     assert_pool_full(core)
 
 
-def test_async_engine_error_reaches_every_stream(llama):
-    core = EngineCore(llama, config())
+def test_async_engine_error_reaches_every_stream(llama_engine):
+    core = EngineCore(llama_engine, config())
 
     def broken_step():
         raise RuntimeError("boom")

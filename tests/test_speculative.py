@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import STORIES260K, assert_pool_full, drive, require_shared_models
+from helpers import assert_pool_full, drive
 
 from trtbuild.runtime.engine_core import EngineCore, RuntimeConfig
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
@@ -15,7 +15,6 @@ from trtbuild.runtime.scheduler import Scheduler, SchedulerConfig
 from trtbuild.runtime.speculative import NgramProposer, SpeculativeConfig, verify
 
 VOCAB = 8
-ENGINE_OPTIONS = dict(max_batch_size=8, max_num_tokens=128)
 
 
 def ngram(max_n: int = 4, min_n: int = 1) -> NgramProposer:
@@ -120,17 +119,6 @@ def test_drafts_shrink_to_the_token_budget_and_stop_at_a_stop_token():
     assert r.finished and r.output_ids == [5, 6, 9] and not s.kv.blocks
 
 
-@pytest.fixture(scope="module")
-def llama(random_hf_model, engine_from_hf):
-    return engine_from_hf(random_hf_model("llama"), **ENGINE_OPTIONS)
-
-
-@pytest.fixture(scope="module")
-def stories(engine_from_hf):
-    require_shared_models()
-    return engine_from_hf(STORIES260K, **ENGINE_OPTIONS)
-
-
 def run(engine, prompts, params, k: int | None, **options):
     spec = SpeculativeConfig(k) if k else None
     core = EngineCore(engine, RuntimeConfig(num_threads=1, speculative=spec, **options))
@@ -140,12 +128,12 @@ def run(engine, prompts, params, k: int | None, **options):
 
 
 @pytest.mark.parametrize("k, max_steps", [(1, 0.8), (4, 0.6)])
-def test_greedy_tokens_equal_plain_decoding_in_fewer_steps(stories, k, max_steps):
+def test_greedy_tokens_equal_plain_decoding_in_fewer_steps(stories_engine, k, max_steps):
     """The tiny story model repeats itself after these prompts, so prompt lookup drafts are often right."""
     prompts = ["Tom had a big red ball. Tom had a big red ball. Tom", 'Mom said, "Yes, yes, yes', "Lily and Ben"]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (80, 50, 1)]
-    plain, _, plain_stats = run(stories, prompts, params, None)
-    spec, finals, spec_stats = run(stories, prompts, params, k)
+    plain, _, plain_stats = run(stories_engine, prompts, params, None)
+    spec, finals, spec_stats = run(stories_engine, prompts, params, k)
     assert spec == plain and [len(t) for t in spec] == [80, 50, 1]
     drafted = sum(f.metrics.num_draft_tokens for f in finals)
     accepted = sum(f.metrics.num_accepted_draft_tokens for f in finals)
@@ -153,22 +141,22 @@ def test_greedy_tokens_equal_plain_decoding_in_fewer_steps(stories, k, max_steps
     assert len(plain_stats) == 80 and len(spec_stats) <= max_steps * len(plain_stats)
 
 
-def test_spec_decoding_under_preemption_and_stop_strings(llama, stories):
+def test_spec_decoding_under_preemption_and_stop_strings(llama_engine, stories_engine):
     prompts = [np.random.default_rng(n).integers(3, 320, size=n).tolist() for n in (5, 17, 30)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    plain, _, _ = run(llama, prompts, params, None)
-    spec, _, _ = run(llama, prompts, params, 3, kv_cache_blocks=10)  # preempts: 3 x ~6 blocks in 10
+    plain, _, _ = run(llama_engine, prompts, params, None)
+    spec, _, _ = run(llama_engine, prompts, params, 3, kv_cache_blocks=10)  # preempts: 3 x ~6 blocks in 10
     assert spec == plain
     stop = SamplingParams(max_tokens=60, stop=["Lily"], ignore_eos=True)
-    (plain_tokens,), (plain_final,), _ = run(stories, ["Once upon a time, Lily"], stop, None)
-    (spec_tokens,), (spec_final,), _ = run(stories, ["Once upon a time, Lily"], stop, 4)
+    (plain_tokens,), (plain_final,), _ = run(stories_engine, ["Once upon a time, Lily"], stop, None)
+    (spec_tokens,), (spec_final,), _ = run(stories_engine, ["Once upon a time, Lily"], stop, 4)
     assert spec_tokens == plain_tokens and spec_final.finish_reason == plain_final.finish_reason == "stop"
     assert spec_final.num_output_tokens == len(spec_tokens)
 
 
-def test_seeded_sampling_with_drafts_is_reproducible_alone_and_batched(stories):
+def test_seeded_sampling_with_drafts_is_reproducible_alone_and_batched(stories_engine):
     params = SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
-    (alone,), _, _ = run(stories, ["Once upon a time"], params, 3)
-    batched, _, _ = run(stories, ["Lily and Ben", "Once upon a time"],
+    (alone,), _, _ = run(stories_engine, ["Once upon a time"], params, 3)
+    batched, _, _ = run(stories_engine, ["Lily and Ben", "Once upon a time"],
                         [SamplingParams(max_tokens=30, temperature=1.0, seed=1), params], 3)
     assert batched[1] == alone and len(alone) == 40
