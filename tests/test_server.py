@@ -78,7 +78,7 @@ def servers(engine, tmp_path_factory, request) -> dict[str, Server]:
     """All servers start at once (they load in parallel); each is killed at the end of the module."""
     logs = tmp_path_factory.mktemp("server_logs")
     args = {"main": (), "tiny_kv": ("--kv-cache-blocks", "16", "--policy", "max_utilization"),
-            "small_queue": ("--max-queue-size", "2")}
+            "small_queue": ("--max-queue-size", "2"), "speculative": ("--speculative-tokens", "3")}
     started: dict[str, Server] = {}
     request.addfinalizer(lambda: [s.stop() for s in started.values()])
     for name, extra in args.items():
@@ -150,6 +150,23 @@ def test_32_concurrent_streams_equal_each_request_alone(main, llm):
         assert last.usage.HasField("ttft_s") and last.usage.HasField("queue_time_s")
     assert max(running) >= 8, f"the requests did not run batched: {running}"
     wait_for(main, pool_is_full)
+
+
+def test_speculative_server_streams_multi_token_deltas_equal_to_alone(servers, llm):
+    """Drafts accepted in a step reach the client as one delta of several tokens; the tokens, text, logprobs and
+    usage are those of the same greedy request run alone without drafts."""
+    prompts = ["Tom had a big red ball. Tom had a big red ball. Tom", *PROMPTS[:7]]
+    expected = [alone(llm, p, max_tokens=40) for p in prompts]
+    client = servers["speculative"].client()
+    results = run_concurrently(client, prompts, max_tokens=40, logprobs=1)
+    for prompt, (tokens, text, _), (got, got_text, last) in zip(prompts, expected, results, strict=True):
+        assert (got, got_text) == (tokens, text), prompt
+        assert last.usage.output_tokens == len(tokens)
+    deltas = list(client.generate_stream(prompts[0], max_tokens=40, logprobs=1, timeout=TIMEOUT))
+    assert max(len(d.token_ids) for d in deltas) > 1  # this prompt repeats itself: drafts were accepted
+    assert all(len(d.logprobs) == len(d.token_ids) for d in deltas)
+    assert [lp.token_id for d in deltas for lp in d.logprobs] == expected[0][0]
+    wait_for(client, pool_is_full)
 
 
 def test_tiny_kv_pool_preempts_and_still_returns_every_request(servers, llm):
