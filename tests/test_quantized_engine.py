@@ -305,7 +305,8 @@ def test_build_refuses_an_unknown_int4_accuracy_level(base, tmp_path):
 
 def test_per_token_unfused_network_is_standard_onnx(base, tmp_path):
     """int8_sq with per-token activations: blocked Q/DQ (one block = the whole last axis) with the scale computed
-    from x, one per sibling group; the full ONNX checker passes. The CPU lowering leaves no Q/DQ behind."""
+    from x, one per sibling group; the full ONNX checker passes. The CPU lowering leaves no DequantizeLinear: one
+    blocked QuantizeLinear to uint8 (zero point 128) per group feeds an integer GEMM."""
     from trtbuild.builder.passes.lower_quant_cpu import lower_quantized_linears
 
     ckpt, amax = base("qwen2")
@@ -322,7 +323,10 @@ def test_per_token_unfused_network_is_standard_onnx(base, tmp_path):
                                                              "output_dtype": TensorProto.INT8}
     assert lower_quantized_linears(model, 1) == 7 * LAYERS
     ops = _ops(model)
-    assert ops["QuantizeLinear"] == ops["DequantizeLinear"] == 0 and ops["MatMulInteger"] == 4 * LAYERS
+    assert ops["DequantizeLinear"] == 0 and ops["QuantizeLinear"] == ops["MatMulInteger"] == 4 * LAYERS
+    for quant in (n for n in model.graph.node if n.op_type == "QuantizeLinear"):
+        width = config.intermediate_size if ".mlp.proj" in quant.name else hidden  # the GEMM's input features
+        assert len(quant.input) == 3 and {a.name: a.i for a in quant.attribute} == {"axis": -1, "block_size": width}
 
 
 def test_build_refuses_per_token_with_tensor_parallelism(base):
