@@ -258,10 +258,12 @@ def bench(engine: Path | None, address: str | None, dataset: Path | None, num_re
               help="Batch scheduler policy (config parameter batch_scheduler_policy).")
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes.")
 @click.option("--max-queue-size", type=click.IntRange(min=1), default=256, help="Unfinished requests held at most.")
+@_speculative_options
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
 def triton_repo(engine: Path, output: Path, model_name: str, decoupled: bool, kv_cache_memory: float | None,
                 kv_cache_blocks: int | None, max_batch_size: int | None, max_num_tokens: int | None, policy: str,
-                no_prefix_caching: bool, max_queue_size: int, threads: int | None) -> None:
+                no_prefix_caching: bool, max_queue_size: int, speculative_tokens: int, prompt_lookup_max: int,
+                threads: int | None) -> None:
     """Write a Triton model repository whose Python-backend model hosts the trtbuild runtime."""
     from trtbuild.errors import TrtbuildError
     from trtbuild.triton_server.repository import ModelOptions, write_model_repository
@@ -270,7 +272,8 @@ def triton_repo(engine: Path, output: Path, model_name: str, decoupled: bool, kv
         options = ModelOptions(kv_cache_memory=kv_cache_memory, kv_cache_blocks=kv_cache_blocks,
                                max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
                                batch_scheduler_policy=policy, enable_kv_cache_reuse=not no_prefix_caching,
-                               max_queue_size=max_queue_size, num_threads=threads)
+                               max_queue_size=max_queue_size, num_threads=threads,
+                               num_speculative_tokens=speculative_tokens, prompt_lookup_max=prompt_lookup_max)
         model = write_model_repository(engine, output, model_name, decoupled, options)
     except ValueError as e:
         raise TrtbuildError(str(e)) from None

@@ -37,15 +37,20 @@ class ModelOptions:
     enable_kv_cache_reuse: bool = True  # prefix caching
     max_queue_size: int = 256  # unfinished requests held at most; more are refused
     num_threads: int | None = None  # ONNX Runtime intra-op threads [default: the number of cores]
+    num_speculative_tokens: int = 0  # prompt-lookup draft tokens per decode step (0: off)
+    prompt_lookup_max: int = 4  # longest n-gram prompt lookup matches
 
     def __post_init__(self) -> None:
         if self.batch_scheduler_policy not in POLICIES:
             raise ValueError(f"batch_scheduler_policy must be one of {', '.join(POLICIES)}, "
                              f"got {self.batch_scheduler_policy!r}")
-        for name in ("kv_cache_blocks", "max_batch_size", "max_num_tokens", "max_queue_size", "num_threads"):
+        for name in ("kv_cache_blocks", "max_batch_size", "max_num_tokens", "max_queue_size", "num_threads",
+                     "prompt_lookup_max"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be at least 0, got {self.num_speculative_tokens}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
 
@@ -102,6 +107,7 @@ def runtime_options(parameters: dict[str, Any]) -> tuple[Path, RuntimeConfig, in
     """(engine dir, RuntimeConfig, max queue size) from config.pbtxt `parameters` ("" means the default): what
     model.py reads at initialize."""
     from trtbuild.runtime.engine_core import RuntimeConfig
+    from trtbuild.runtime.speculative import SpeculativeConfig
 
     p = {k: (v.get("string_value", "") if isinstance(v, dict) else str(v)).strip() for k, v in parameters.items()}
     if not p.get("engine_dir"):
@@ -119,5 +125,7 @@ def runtime_options(parameters: dict[str, Any]) -> tuple[Path, RuntimeConfig, in
     config = RuntimeConfig(kv_cache_memory=num("kv_cache_memory", float), kv_cache_blocks=num("kv_cache_blocks", int),
                            policy=p.get("batch_scheduler_policy") or "max_utilization",
                            enable_prefix_caching=reuse != "false", max_batch_size=num("max_batch_size", int),
-                           max_num_tokens=num("max_num_tokens", int), num_threads=num("num_threads", int))
+                           max_num_tokens=num("max_num_tokens", int), num_threads=num("num_threads", int),
+                           speculative=SpeculativeConfig(k, prompt_lookup_max=num("prompt_lookup_max", int) or 4)
+                           if (k := num("num_speculative_tokens", int)) else None)
     return Path(p["engine_dir"]), config, num("max_queue_size", int) or 256
