@@ -11,11 +11,13 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from trtbuild.errors import TrtbuildError
 from trtbuild.runtime.bench import BenchRequest, RequestResult
-from trtbuild.runtime.speculative import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from trtbuild.runtime.speculative import SpeculativeConfig
 
 SAMPLE_S = 0.02  # how often a server's KV usage is sampled during a run
 

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.sampling import SamplingParams, TokenHistory
 
 
 class RequestStatus(enum.Enum):
@@ -42,7 +42,7 @@ class RequestMetrics:
 
 
 @dataclass
-class Request:
+class Request(TokenHistory):
     """Token ids are prompt + output. The scheduler advances `num_computed_tokens` (tokens whose K/V are cached)
     towards `len(token_ids) + len(spec_token_ids)` (tokens known); the gap is what the next steps compute: a
     prefill chunk, one decode token, or a decode token followed by speculative drafts (not yet part of the output)."""
@@ -66,14 +66,6 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def finished(self) -> bool:

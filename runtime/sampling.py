@@ -115,7 +115,22 @@ class BadWordsEncoder(Protocol):
     def encode_bad_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]: ...
 
 
-class SamplingState:
+class TokenHistory:
+    """Prompt + output token ids in one list: `token_ids`, whose first `num_prompt_tokens` are the prompt."""
+
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class SamplingState(TokenHistory):
     """One request's mutable sampling state: its generator, its tokens (for penalties and bad words), banned words.
 
     `token_ids` holds prompt + output. Pass the request's own list (e.g. `Request.token_ids`) to share it, so that
@@ -148,14 +163,6 @@ class SamplingState:
     @property
     def prompt_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
     def append(self, token_id: int) -> None:
         self.token_ids.append(int(token_id))

@@ -149,10 +149,6 @@ class Scheduler:
             reaches_end = start + num_new == len(request.token_ids) + drafts
             chunks.append(ScheduledChunk(request, start, num_new, (1 + drafts) * reaches_end,
                                          tuple(self.kv.block_table(request)), drafts))
-        scheduled_ids = {r.request_id for r, _ in scheduled}
-        for request in self.running:
-            if request.request_id not in scheduled_ids:
-                request.spec_token_ids.clear()  # not scheduled this step: its drafts are stale
         return SchedulerOutput(chunks, preempted)
 
     # ---- after the engine ran ----------------------------------------------------------------------------------
