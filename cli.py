@@ -98,7 +98,8 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int) -
 @click.option("--tokens-per-block", type=click.IntRange(min=1), default=16, help="Paged KV cache block size.")
 @click.option("--no-fuse", is_flag=True, help="Skip the fusion passes (for debugging).")
 @click.option("--int4-accuracy-level", type=click.Choice(["1", "4"]), default="4", show_default=True,
-              help="int4 checkpoints on CPU: 4 computes in int8 (faster), 1 in fp32 (matches the format exactly).")
+              help="int4 and int8 weight-only linears on CPU (MatMulNBits): 4 computes in int8 (faster), 1 in fp32 "
+                   "(matches the format exactly).")
 def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_seq_len: int | None,
           max_num_tokens: int, tokens_per_block: int, no_fuse: bool, int4_accuracy_level: str) -> None:
     """Compile a checkpoint into an engine directory for one target."""
@@ -225,13 +226,17 @@ def client(address: str, prompt: str, max_tokens: int, temperature: float, top_k
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Engine (ONNX Runtime) and HF (torch) threads [default: all cores].")
 @click.option("--compare-sequential", is_flag=True, help="Also run the requests one at a time; print the speedup.")
+@click.option("--compare-engine", type=_existing, default=None,
+              help="Another engine of the same model (e.g. the fp32 build of a quantized one): run the same requests "
+                   "on it; print the speedup, engine file and KV bytes-per-token ratios.")
 @click.option("--compare-hf", type=_existing, default=None,
               help="HF model folder or llama .gguf: also time transformers generate() on the same prompts batched.")
 @_speculative_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench(engine: Path | None, address: str | None, dataset: Path | None, num_requests: int | None,
           input_len: int | None, output_len: int | None, seed: int, concurrency: int | None, request_rate: float,
-          timeout: float, threads: int | None, compare_sequential: bool, compare_hf: Path | None,
+          timeout: float, threads: int | None, compare_sequential: bool, compare_engine: Path | None,
+          compare_hf: Path | None,
           speculative_tokens: int, prompt_lookup_max: int, as_json: bool) -> None:
     """Measure throughput and latency of an engine (in-process) or a server under load, with baselines as ratios."""
     from trtbuild.runtime.bench import BenchOptions, format_report, run_bench, to_json
@@ -239,7 +244,8 @@ def bench(engine: Path | None, address: str | None, dataset: Path | None, num_re
     options = BenchOptions(engine=engine, address=address, dataset=dataset, num_requests=num_requests,
                            input_len=input_len, output_len=output_len, seed=seed, concurrency=concurrency,
                            request_rate=request_rate, timeout=timeout, threads=threads,
-                           compare_sequential=compare_sequential, compare_hf=compare_hf,
+                           compare_sequential=compare_sequential, compare_engine=compare_engine,
+                           compare_hf=compare_hf,
                            speculative=_speculative_config(speculative_tokens, prompt_lookup_max))
     report = run_bench(options, log=lambda message: click.echo(message, err=True))
     click.echo(to_json(report) if as_json else format_report(report))
@@ -362,14 +368,17 @@ def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: i
 @click.option("--exclude", multiple=True, default=("lm_head",),
               help="Keep linears whose checkpoint name matches this fnmatch pattern unquantized (repeatable; "
                    "replaces the default), e.g. 'transformer.layers.0.*'.")
+@click.option("--lm-head-qformat", type=click.Choice(["int8_wo"]), default=None,
+              help="Give lm_head (excluded from --qformat) its own format: int8_wo is int8 weights with a scale per "
+                   "output channel and full-precision activations (W8A16). Default: lm_head stays in --dtype.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
               help="Dtype of the unquantized tensors; auto keeps the model's.")
 @click.option("--tp-size", type=click.IntRange(min=1), default=1, help="Tensor-parallel ranks.")
 @click.option("--pp-size", type=click.IntRange(min=1), default=1, help="Pipeline-parallel ranks.")
 def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None, calib_dataset: Path | None,
              calib_size: int, calib_max_seq_len: int, awq_block_size: int, smoothquant_alpha: float | None,
-             per_token_activations: bool, fuse_shared_scales: bool, exclude: tuple[str, ...], dtype: str,
-             tp_size: int, pp_size: int) -> None:
+             per_token_activations: bool, fuse_shared_scales: bool, exclude: tuple[str, ...],
+             lm_head_qformat: str | None, dtype: str, tp_size: int, pp_size: int) -> None:
     """Calibrate a model with nvidia-modelopt and write a quantized checkpoint (docs/quantization.md)."""
     from trtbuild.quantize.quantize import quantize as run_quantize
 
@@ -377,15 +386,17 @@ def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None
                      calib_size=calib_size, calib_max_seq_len=calib_max_seq_len, awq_block_size=awq_block_size,
                      exclude=exclude, dtype=dtype, tp_size=tp_size, pp_size=pp_size,
                      shared_input_scales=fuse_shared_scales, smoothquant_alpha=smoothquant_alpha,
-                     per_token_activations=per_token_activations)
+                     per_token_activations=per_token_activations, lm_head_qformat=lm_head_qformat)
     q = r.config.quantization
     group = f" (group {q.group_size})" if q.group_size else ""
     alpha = f" (alpha {q.smoothquant_alpha}{', per-token activations' if q.per_token_activations else ''})" \
         if q.smoothquant_alpha is not None else ""
     shared = "shared" if q.shared_input_scales else "per-linear"
+    head = f", lm_head {q.lm_head_quant_algo}" if q.lm_head_quant_algo else ""
+    kept = sum(q.algo_of(p) is None for p in r.excluded)
     click.echo(f"wrote {output}: {q.quant_algo}{group}{alpha}, {shared} input scales, KV cache "
                f"{q.kv_cache_quant_algo or r.config.dtype}, "
-               f"{len(r.quantized)} linears quantized, {len(r.excluded)} kept in {r.config.dtype}, calibrated on "
+               f"{len(r.quantized)} linears quantized, {kept} kept in {r.config.dtype}{head}, calibrated on "
                f"{r.calib_shape[0]} x {r.calib_shape[1]} tokens in {r.seconds['calibrate']:.1f} s, "
                f"{r.config.mapping.world_size} rank(s)")
 

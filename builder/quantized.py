@@ -7,9 +7,11 @@ The unfused network carries each format the way TensorRT's ONNX parser takes it 
   int8_sq   Mul(x, prequant) -> Q/DQ(int8, activation scale) -> MatMul <- DequantizeLinear(int8 weight [in, out],
             per-output-channel scales, axis 1); with per_token_activations the Q/DQ is blocked over the whole last
             axis with the scale computed per token: ReduceMax(Abs(x), -1) / 127 (standard ONNX, opset 21+)
+  int8_wo   x -> MatMul <- DequantizeLinear(int8 weight [in, out], per-output-channel scales, axis 1)
+            (weight-only; `lm_head_quant_algo`)
 Target lowerings (builder/passes/lower_quant_cpu.py for CPU) rewrite these patterns to low-precision kernels.
-A linear is quantized when its checkpoint has `<prefix>.weights_scaling_factor`; `exclude_modules` (lm_head, ...)
-have none and stay full-precision MatMuls.
+A linear is quantized when its checkpoint has `<prefix>.weights_scaling_factor`, in the format
+`QuantConfig.algo_of(prefix)` names; `exclude_modules` (lm_head, ...) have none and stay full-precision MatMuls.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from onnx import TensorProto
 
 from trtbuild.builder.graph import GraphBuilder
 from trtbuild.configs import BuildConfig, ModelConfig
+from trtbuild.configs.model_config import LM_HEAD_QUANT_ALGOS
 from trtbuild.errors import TrtbuildError
 
 QUANT_ALGOS = ("fp8", "int4_awq", "int8_sq")
 KV_CACHE_QUANT_ALGOS = ("int8", "fp8")
 INT4_GROUP_SIZES = (16, 32, 64, 128, 256)  # MatMulNBits block sizes: powers of two from 16
-WEIGHT_DTYPES = {"fp8": torch.float8_e4m3fn, "int4_awq": torch.uint8, "int8_sq": torch.int8}
+WEIGHT_DTYPES = {"fp8": torch.float8_e4m3fn, "int4_awq": torch.uint8, "int8_sq": torch.int8, "int8_wo": torch.int8}
 KV_SCALE = "attention.kv_cache_scaling_factor"
 # onnx element type of the kv_cache input for each kv_cache_quant_algo (fp8 travels as its uint8 bit patterns)
 KV_CACHE_ELEM_TYPES = {None: TensorProto.FLOAT, "int8": TensorProto.INT8, "fp8": TensorProto.UINT8}
@@ -40,6 +43,9 @@ def check_quantization(config: ModelConfig, build: BuildConfig) -> None:
     if q.kv_cache_quant_algo not in (None, *KV_CACHE_QUANT_ALGOS):
         raise TrtbuildError(f"KV cache quantization {q.kv_cache_quant_algo!r} cannot be built for target "
                             f"{build.target}; supported kv_cache_quant_algo: {', '.join(KV_CACHE_QUANT_ALGOS)}.")
+    if q.lm_head_quant_algo not in (None, *LM_HEAD_QUANT_ALGOS):
+        raise TrtbuildError(f"lm_head quantization {q.lm_head_quant_algo!r} cannot be built for target {build.target}; "
+                            f"supported lm_head_quant_algo: {', '.join(LM_HEAD_QUANT_ALGOS)}.")
     if q.has_zero_point:
         raise TrtbuildError("quantization with zero points (has_zero_point=true) is not supported; re-quantize with "
                             "symmetric scales (`trtbuild quantize` writes those).")
@@ -122,18 +128,19 @@ class QuantizedLinears:
     their own scales get their own Mul / Q/DQ, and the target lowering then keeps them as separate kernels."""
 
     def __init__(self, g: GraphBuilder, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
-        self.g, self.algo, self.tensors = g, config.quantization.quant_algo, tensors
+        self.g, self.quant, self.tensors = g, config.quantization, tensors
         self.group_size = config.quantization.group_size or 128
         self.per_token = config.quantization.per_token_activations
         self._shared: dict[tuple, str] = {}
         check_shared_scales(config, tensors)
 
     def is_quantized(self, prefix: str) -> bool:
-        if not self.algo or prefix + ".weights_scaling_factor" not in self.tensors:
+        algo = self.quant.algo_of(prefix)
+        if not algo or prefix + ".weights_scaling_factor" not in self.tensors:
             return False
-        want, got = WEIGHT_DTYPES[self.algo], self.tensors[prefix + ".weight"].dtype
+        want, got = WEIGHT_DTYPES[algo], self.tensors[prefix + ".weight"].dtype
         if got != want:
-            raise TrtbuildError(f"{prefix}.weight is {got} but quant_algo {self.algo} stores {want}; the checkpoint "
+            raise TrtbuildError(f"{prefix}.weight is {got} but its format {algo} stores {want}; the checkpoint "
                                 "is inconsistent, re-run `trtbuild quantize`.")
         return True
 
@@ -186,14 +193,14 @@ class QuantizedLinears:
         """x @ dequant(W)^T for the quantized linear `prefix` in this checkpoint's format."""
         import ml_dtypes
 
-        g, w = self.g, self.tensors[prefix + ".weight"]
+        g, w, algo = self.g, self.tensors[prefix + ".weight"], self.quant.algo_of(prefix)
         wscale = self._f32(prefix + ".weights_scaling_factor")
-        if self.algo == "fp8":
+        if algo == "fp8":
             x = self._act_qdq(x, prefix, np.array(0, dtype=ml_dtypes.float8_e4m3fn))
             weight = g.weight(prefix + ".weight", _fp8(w).T)  # [in, out], one byte per weight
             dq = g.op("DequantizeLinear", [weight, g.weight(prefix + ".weights_scaling_factor", wscale.reshape(()))],
                       name=prefix + "_weight_dequant")
-        elif self.algo == "int4_awq":
+        elif algo == "int4_awq":
             x = self._prescale(x, prefix)
             q = unpack_int4(w.numpy())  # [out, in]
             want = (q.shape[0], q.shape[1] // self.group_size)
@@ -203,10 +210,11 @@ class QuantizedLinears:
             weight = g.weight(prefix + ".weight", q.T.astype(ml_dtypes.int4))  # [in, out], packed 2 per byte
             dq = g.op("DequantizeLinear", [weight, g.weight(prefix + ".weights_scaling_factor", wscale.T)],
                       name=prefix + "_weight_dequant", axis=0, block_size=self.group_size)
-        else:  # int8_sq: static per-tensor or dynamic per-token activation scales
-            x = self._prescale(x, prefix)
-            x = (self._act_per_token(x, prefix, w.shape[1]) if self.per_token
-                 else self._act_qdq(x, prefix, np.array(0, dtype=np.int8)))
+        else:  # int8_sq: static per-tensor or dynamic per-token activation scales; int8_wo: weight-only
+            if algo == "int8_sq":
+                x = self._prescale(x, prefix)
+                x = (self._act_per_token(x, prefix, w.shape[1]) if self.per_token
+                     else self._act_qdq(x, prefix, np.array(0, dtype=np.int8)))
             weight = g.weight(prefix + ".weight", w.numpy().T)  # int8 [in, out]
             dq = g.op("DequantizeLinear", [weight, g.weight(prefix + ".weights_scaling_factor", wscale.reshape(-1))],
                       name=prefix + "_weight_dequant", axis=1)

@@ -22,7 +22,8 @@ class BuildConfig:
     max_num_tokens: int = 2048  # tokens packed into one engine call (prefill chunks + decode tokens)
     tokens_per_block: int = 16  # paged-KV block size
     fuse: bool = True  # run the fusion passes (off only to test them)
-    int4_accuracy_level: int = 4  # INT4_ACCURACY_LEVELS; only matters for int4 checkpoints on the CPU target
+    # INT4_ACCURACY_LEVELS: MatMulNBits' compute on the CPU target, for int4 and int8 weight-only (int8_wo) linears
+    int4_accuracy_level: int = 4
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:

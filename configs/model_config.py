@@ -56,11 +56,15 @@ class Mapping:
 
 QUANT_ALGOS = ("fp8", "int4_awq", "int8_sq")
 KV_CACHE_QUANT_ALGOS = ("fp8", "int8")
+# Formats lm_head may take on its own (`lm_head_quant_algo`), whatever the other linears use: int8_wo is int8 weights
+# with one scale per output channel and full-precision activations (TensorRT-LLM's W8A16).
+LM_HEAD_QUANT_ALGOS = ("int8_wo",)
 # Scale tensors each quantized linear `P` carries besides `P.weight` (format: docs/quantization.md).
 QUANT_SCALES: dict[str, tuple[str, ...]] = {
     "fp8": ("weights_scaling_factor", "activation_scaling_factor"),
     "int4_awq": ("weights_scaling_factor", "prequant_scaling_factor"),
     "int8_sq": ("weights_scaling_factor", "activation_scaling_factor", "prequant_scaling_factor"),
+    "int8_wo": ("weights_scaling_factor",),
 }
 
 
@@ -81,6 +85,8 @@ class QuantConfig:
     # int8_sq: activations quantized per token with a dynamic scale (max |x| of the token / 127, computed at run
     # time; no activation_scaling_factor) instead of one static calibrated scale per linear
     per_token_activations: bool = False
+    # lm_head in its own format (LM_HEAD_QUANT_ALGOS) while `exclude_modules` keeps it out of quant_algo
+    lm_head_quant_algo: str | None = None
 
     def __post_init__(self) -> None:
         def bad(what: str) -> CheckpointError:
@@ -116,6 +122,12 @@ class QuantConfig:
         if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)
                                   or not 0.0 <= alpha <= 1.0):
             raise bad(f"smoothquant_alpha {alpha!r} is not a number in [0, 1]")
+        if self.lm_head_quant_algo not in (None, *LM_HEAD_QUANT_ALGOS):
+            raise bad(f"lm_head_quant_algo {self.lm_head_quant_algo!r} is not one of {', '.join(LM_HEAD_QUANT_ALGOS)} "
+                      "or null")
+        if self.lm_head_quant_algo is not None and not self.is_excluded("lm_head"):
+            raise bad(f"lm_head_quant_algo={self.lm_head_quant_algo} but exclude_modules does not exclude lm_head from "
+                      f"quant_algo {self.quant_algo}")
 
     @property
     def weight_group_size(self) -> int:
@@ -126,12 +138,19 @@ class QuantConfig:
         """Whether the linear with checkpoint prefix `prefix` (e.g. `lm_head`) stays unquantized."""
         return self.quant_algo is None or any(fnmatch.fnmatchcase(prefix, p) for p in self.exclude_modules)
 
+    def algo_of(self, prefix: str) -> str | None:
+        """The format of the linear `prefix`: quant_algo, lm_head_quant_algo for lm_head, or None (full precision)."""
+        if prefix == "lm_head" and self.lm_head_quant_algo is not None:
+            return self.lm_head_quant_algo
+        return None if self.is_excluded(prefix) else self.quant_algo
+
     def scale_names(self, prefix: str) -> tuple[str, ...]:
         """Scale tensors the linear `prefix` carries (none when excluded or unquantized)."""
-        if self.is_excluded(prefix):
+        algo = self.algo_of(prefix)
+        if algo is None:
             return ()
-        names = QUANT_SCALES[self.quant_algo or ""]
-        if self.per_token_activations:
+        names = QUANT_SCALES[algo]
+        if self.per_token_activations and algo == self.quant_algo:
             names = tuple(n for n in names if n != "activation_scaling_factor")
         return tuple(f"{prefix}.{s}" for s in names)
 

@@ -74,6 +74,17 @@ def export_linear(algo: str, prefix: str, module: torch.nn.Module, group: int, p
     return out
 
 
+def export_weight_only_int8(prefix: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """int8_wo (`--lm-head-qformat`): int8 weights, one scale per output channel = max |row| / 127 (max calibration
+    needs no data), rounded as modelopt rounds int8 weights. The module's weight becomes the dequantized one in place,
+    so the simulated model stays exactly what the checkpoint holds."""
+    w = module.weight.detach().float()
+    weight, scale = _quantize_weight("int8_sq", w, w.abs().amax(dim=1), group=0)
+    with torch.no_grad():
+        module.weight.copy_(dequantize_weight("int8_wo", weight, scale).to(module.weight.dtype))
+    return {f"{prefix}.weight": weight, f"{prefix}.weights_scaling_factor": scale.contiguous()}
+
+
 def export_kv_scales(model: torch.nn.Module, kind: str) -> dict[str, torch.Tensor]:
     """transformer.layers.{i}.attention.kv_cache_scaling_factor = [k scale, v scale] (amax / 448 or / 127)."""
     out = {}

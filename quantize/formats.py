@@ -35,7 +35,7 @@ def dequantize_weight(algo: str, weight: torch.Tensor, scale: torch.Tensor, grou
     """The fp32 [out, in] weight a quantized linear multiplies by (before any prequant scale of its input)."""
     if algo == "fp8":
         return weight.float() * scale.float()
-    if algo == "int8_sq":
+    if algo in ("int8_sq", "int8_wo"):
         return weight.float() * scale.float()[:, None]
     if algo == "int4_awq":
         q = unpack_int4(weight).float()
@@ -70,7 +70,7 @@ def per_token_scale(x: torch.Tensor) -> torch.Tensor:
 
 
 def activation_kind(algo: str) -> str | None:
-    """How a linear's input is quantized: fp8 (fp8), int8 (int8_sq), None (int4_awq is weight-only)."""
+    """How a linear's input is quantized: fp8 (fp8), int8 (int8_sq), None (int4_awq and int8_wo are weight-only)."""
     return {"fp8": "fp8", "int8_sq": "int8"}.get(algo)
 
 

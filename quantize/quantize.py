@@ -25,7 +25,12 @@ from trtbuild.builder.convert.convert import to_checkpoint_tensors
 from trtbuild.builder.convert.names import linear_prefixes
 from trtbuild.builder.convert.sharding import check_mapping, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig, QuantConfig
-from trtbuild.configs.model_config import KV_CACHE_QUANT_ALGOS, QUANT_ALGOS, model_config_from_hf
+from trtbuild.configs.model_config import (
+    KV_CACHE_QUANT_ALGOS,
+    LM_HEAD_QUANT_ALGOS,
+    QUANT_ALGOS,
+    model_config_from_hf,
+)
 from trtbuild.errors import TrtbuildError
 
 log = logging.getLogger(__name__)
@@ -48,7 +53,7 @@ class QuantizeResult:
 
 def quant_config(qformat: str, kv_cache_dtype: str | None, awq_block_size: int, exclude: Sequence[str],
                  shared_input_scales: bool = False, smoothquant_alpha: float | None = None,
-                 per_token_activations: bool = False) -> QuantConfig:
+                 per_token_activations: bool = False, lm_head_qformat: str | None = None) -> QuantConfig:
     if qformat not in QUANT_ALGOS:
         raise TrtbuildError(f"--qformat {qformat!r} is not one of {', '.join(QUANT_ALGOS)}.")
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_QUANT_ALGOS:
@@ -56,6 +61,14 @@ def quant_config(qformat: str, kv_cache_dtype: str | None, awq_block_size: int, 
     if qformat == "int4_awq" and (not 16 <= awq_block_size <= 256 or awq_block_size & (awq_block_size - 1)):
         raise TrtbuildError(f"--awq-block-size {awq_block_size} must be a power of two from 16 to 256 (what ONNX "
                             "Runtime's MatMulNBits runs), e.g. 64 or 128.")
+    if lm_head_qformat is not None:
+        if lm_head_qformat not in LM_HEAD_QUANT_ALGOS:
+            raise TrtbuildError(f"--lm-head-qformat {lm_head_qformat!r} is not one of "
+                                f"{', '.join(LM_HEAD_QUANT_ALGOS)}.")
+        if not any(fnmatch.fnmatchcase("lm_head", p) for p in exclude):
+            raise TrtbuildError(f"--lm-head-qformat {lm_head_qformat} gives lm_head its own format, but --exclude "
+                                f"{' '.join(exclude) or '(none)'} leaves lm_head to --qformat {qformat}; add "
+                                "--exclude lm_head.")
     if per_token_activations and qformat != "int8_sq":
         raise TrtbuildError(f"--per-token-activations applies to --qformat int8_sq only, not {qformat}.")
     if smoothquant_alpha is not None:
@@ -71,7 +84,7 @@ def quant_config(qformat: str, kv_cache_dtype: str | None, awq_block_size: int, 
                        pre_quant_scale=qformat in ("int4_awq", "int8_sq"), exclude_modules=tuple(exclude),
                        shared_input_scales=bool(shared_input_scales),
                        smoothquant_alpha=None if smoothquant_alpha is None else float(smoothquant_alpha),
-                       per_token_activations=bool(per_token_activations))
+                       per_token_activations=bool(per_token_activations), lm_head_quant_algo=lm_head_qformat)
 
 
 def split_linears(config: ModelConfig) -> tuple[list[str], list[str]]:
@@ -112,18 +125,19 @@ def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None
              calib_dataset: Path | None = None, calib_size: int = 512, calib_max_seq_len: int = 512,
              awq_block_size: int = 128, exclude: Sequence[str] = ("lm_head",), dtype: str = "auto", tp_size: int = 1,
              pp_size: int = 1, shared_input_scales: bool = False, smoothquant_alpha: float | None = None,
-             per_token_activations: bool = False) -> QuantizeResult:
+             per_token_activations: bool = False, lm_head_qformat: str | None = None) -> QuantizeResult:
     """Quantize `model` into a checkpoint at `output` (config.json written last; nothing is left on failure).
 
     `shared_input_scales`: q/k/v and gate/up of each layer share their input (and fp8 weight) scales, so engines may
     fuse them (costs accuracy); otherwise each linear keeps its own. `smoothquant_alpha` (int8_sq only, in [0, 1]):
     SmoothQuant's migration strength, DEFAULT_SMOOTHQUANT_ALPHA when None. `per_token_activations` (int8_sq only):
-    quantize activations per token with a dynamic scale instead of a static calibrated one."""
+    quantize activations per token with a dynamic scale instead of a static calibrated one. `lm_head_qformat`
+    (int8_wo): lm_head, excluded from `qformat`, gets int8 weights with per-output-channel scales."""
     from trtbuild.quantize.calib import read_calibration_texts
 
     model, output = Path(model), Path(output)
     qconfig = quant_config(qformat, kv_cache_dtype, awq_block_size, exclude, shared_input_scales, smoothquant_alpha,
-                           per_token_activations)
+                           per_token_activations, lm_head_qformat)
     if calib_size < 1 or calib_max_seq_len < 1:
         raise TrtbuildError("--calib-size and --calib-max-seq-len must be at least 1.")
     texts = read_calibration_texts(calib_dataset)  # a bad dataset fails before anything slow
@@ -148,7 +162,7 @@ def _quantize(model_path: Path, output: Path, qconfig: QuantConfig, texts: list[
         per_token_inputs,
         unify_shared_inputs,
     )
-    from trtbuild.quantize.export import export_quantized
+    from trtbuild.quantize.export import export_quantized, export_weight_only_int8
     from trtbuild.quantize.source import build_torch_model, read_source
 
     seconds: dict[str, float] = {}
@@ -172,7 +186,8 @@ def _quantize(model_path: Path, output: Path, qconfig: QuantConfig, texts: list[
     source.write_tokenizer(output)
     samples = calibration_samples(texts, output if source.kind == "gguf" else source.path, config.vocab_size,
                                   calib_size, calib_max_seq_len)
-    torch_model = build_torch_model(source, untie="lm_head" in quantized)
+    own_head = qconfig.lm_head_quant_algo is not None
+    torch_model = build_torch_model(source, untie="lm_head" in quantized or own_head)
     del source
     seconds["load"] = time.perf_counter() - start
 
@@ -194,6 +209,8 @@ def _quantize(model_path: Path, output: Path, qconfig: QuantConfig, texts: list[
     start = time.perf_counter()
     tensors.update(export_quantized(torch_model, qconfig.quant_algo or "", hf_quantized, qconfig.weight_group_size,
                                     qconfig.kv_cache_quant_algo, qconfig.per_token_activations))
+    if own_head:
+        tensors.update(export_weight_only_int8("lm_head", torch_model.get_submodule(modules["lm_head"])))
     needed = expected_tensors(config, range(config.num_hidden_layers), first_stage=True, last_stage=True)
     if set(tensors) != set(needed):
         raise TrtbuildError(f"internal error: exported tensors differ from the format ({set(tensors) ^ set(needed)})")

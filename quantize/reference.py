@@ -56,7 +56,8 @@ def dequantize_checkpoint(ckpt_dir: Path, fold_prequant: bool = False) -> dict[s
             continue
         prefix = name.removesuffix(".weight")
         if name.endswith(".weight") and f"{prefix}.weights_scaling_factor" in tensors:
-            t = dequantize_weight(q.quant_algo or "", t, tensors[f"{prefix}.weights_scaling_factor"], q.group_size)
+            t = dequantize_weight(q.algo_of(prefix) or "", t, tensors[f"{prefix}.weights_scaling_factor"],
+                                  q.group_size)
             if fold_prequant and f"{prefix}.prequant_scaling_factor" in tensors:
                 t = t * tensors[f"{prefix}.prequant_scaling_factor"].float()[None, :]
         elif fold_prequant and name.endswith(".prequant_scaling_factor"):

@@ -68,8 +68,8 @@ def _read_checkpoint(folder: Path) -> Source:
 
     config, first = load_checkpoint(folder, 0)
     q = config.quantization
-    if q.quant_algo or q.kv_cache_quant_algo:
-        raise CheckpointError(f"{folder} is already quantized ({q.quant_algo or q.kv_cache_quant_algo}); quantize "
+    if quantized := q.quant_algo or q.kv_cache_quant_algo or q.lm_head_quant_algo:
+        raise CheckpointError(f"{folder} is already quantized ({quantized}); quantize "
                               "the original model or its unquantized `trtbuild convert` checkpoint.")
     shards = [first] + [load_checkpoint(folder, r)[1] for r in range(1, config.mapping.world_size)]
     tensors = merge_shards(shards, config, config.mapping)

@@ -2,7 +2,8 @@
 
 Every request asks for exactly its output length (ignore_eos, max_tokens = output_tokens), so token counts are exact.
 Load is a concurrency cap and/or Poisson arrivals; every request has a deadline, so a run always ends by itself.
-Baselines (one-at-a-time, HF generate) run in the same process on the same requests, and are reported as ratios.
+Baselines (one-at-a-time, another engine such as the fp32 build of a quantized one, HF generate) run in the same
+process on the same requests, one system at a time, and are reported as ratios.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Target(Protocol):
     name: str
     vocab_size: int
     special_ids: frozenset[int]
+    sizes: dict[str, int]  # engine_file_bytes, kv_bytes_per_token (in-process engines only)
 
     def prepare(self, requests: list[BenchRequest]) -> list[BenchRequest]: ...  # tokenize, check limits
     def send(self, request: BenchRequest, timeout: float) -> RequestResult: ...  # thread-safe, never raises
@@ -174,6 +176,7 @@ class BenchOptions:
     threads: int | None = None
     compare_sequential: bool = False
     compare_hf: Path | None = None
+    compare_engine: Path | None = None
     speculative: SpeculativeConfig | None = None  # in-process engine only
 
 
@@ -194,6 +197,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _: None) -
     log(f"loading {opts.engine or opts.address} ...")
     if opts.speculative is not None and opts.engine is None:
         raise TrtbuildError("speculative decoding is a server option: start `trtbuild serve --speculative-tokens N`")
+    if opts.compare_engine is not None and opts.engine is None:
+        raise TrtbuildError("--compare-engine compares two in-process engines: give --engine DIR too")
     target: Target = (EngineTarget(opts.engine, threads, opts.speculative) if opts.engine is not None
                       else ServerTarget(opts.address))
     report: dict[str, Any] = {"target": target.name, "threads": threads if opts.engine is not None else None,
@@ -203,14 +208,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _: None) -
             dataset = synthetic_requests(opts.num_requests, opts.input_len, opts.output_len, target.vocab_size,
                                          sorted(target.special_ids), opts.seed)
         requests = target.prepare(dataset)
-        token = min(set(range(target.vocab_size)) - target.special_ids)  # a prompt no request starts with
-        warmup = target.send(BenchRequest([token] * 8, WARMUP_TOKENS, "warm-up"), opts.timeout)
-        if not warmup.ok:
-            raise TrtbuildError(f"the warm-up request failed: {warmup.error}")
         log(f"running {len(requests)} requests ...")
-        report.update(run_load(target, requests, opts.concurrency, opts.request_rate, opts.timeout, opts.seed))
-        if report["completed"] == 0:
-            raise TrtbuildError(f"every request failed; the first: {report['first_error']}")
+        report.update(_measure(target, requests, opts), **target.sizes)
         report["sequential"] = report["speedup_vs_sequential"] = None
         if opts.compare_sequential:
             log("running the same requests one at a time ...")
@@ -219,6 +218,18 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _: None) -
             report["speedup_vs_sequential"] = report["output_throughput"] / seq["output_throughput"]
     finally:
         target.close()
+    report["engine"] = report["speedup_vs_engine"] = None
+    if opts.compare_engine is not None:
+        log(f"running the same requests on {opts.compare_engine} ...")
+        other = EngineTarget(opts.compare_engine, threads, opts.speculative)
+        try:
+            if other.vocab_size != target.vocab_size:
+                raise TrtbuildError(f"--compare-engine {opts.compare_engine} has a vocabulary of {other.vocab_size} "
+                                    f"tokens, not {target.vocab_size}: compare engines of the same model.")
+            report["engine"] = {"target": other.name, **_measure(other, other.prepare(requests), opts), **other.sizes}
+        finally:
+            other.close()
+        report["speedup_vs_engine"] = report["output_throughput"] / report["engine"]["output_throughput"]
     report["hf"] = report["speedup_vs_hf"] = None
     if opts.compare_hf is not None:
         from trtbuild.runtime.bench_baselines import hf_generate
@@ -229,6 +240,18 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _: None) -
         report["hf"] = {k: v for k, v in hf.items() if k != "token_ids"}
         report["speedup_vs_hf"] = report["output_throughput"] / hf["output_throughput"]
     return report
+
+
+def _measure(target: Target, requests: list[BenchRequest], opts: BenchOptions) -> dict[str, Any]:
+    """A warm-up request, then every request under the options' load; refuses a run where all of them failed."""
+    token = min(set(range(target.vocab_size)) - target.special_ids)  # a prompt no request starts with
+    warmup = target.send(BenchRequest([token] * 8, WARMUP_TOKENS, "warm-up"), opts.timeout)
+    if not warmup.ok:
+        raise TrtbuildError(f"the warm-up request to {target.name} failed: {warmup.error}")
+    result = run_load(target, requests, opts.concurrency, opts.request_rate, opts.timeout, opts.seed)
+    if result["completed"] == 0:
+        raise TrtbuildError(f"every request to {target.name} failed; the first: {result['first_error']}")
+    return result
 
 
 # ---- output ---------------------------------------------------------------------------------------------------------
@@ -268,6 +291,8 @@ def format_report(r: dict[str, Any]) -> str:
     row("TPOT (ms)", stats("tpot"))
     row("end-to-end latency (ms)", stats("e2e"))
     row("KV cache usage", f"max {r['kv_cache_usage_max']:.1%}  mean {r['kv_cache_usage_mean']:.1%}")
+    if "engine_file_bytes" in r:
+        row("engine file / KV per token", _sizes(r))
     row("preemptions", str(r["preemptions"]))
     row("cached prefix tokens", str(r["cached_prefix_tokens"]))
     if (s := r["engine_steps"]) is not None:
@@ -284,8 +309,19 @@ def format_report(r: dict[str, Any]) -> str:
                              + (f", {seq['cached_prefix_tokens']} cached prefix tokens"
                                 if seq["cached_prefix_tokens"] else ""))
         lines.append(f"speedup vs one-at-a-time: {r['speedup_vs_sequential']:.2f}x")
+    if (other := r["engine"]) is not None:
+        row("compared engine", f"{other['target']}: {other['output_throughput']:.1f} output tok/s, TPOT p50 "
+                               f"{other['tpot_ms_p50']:.1f} ms, {_sizes(other)}")
+        lines.append(f"vs compared engine: {r['speedup_vs_engine']:.2f}x output tok/s, "
+                     f"{other['tpot_ms_p50'] / r['tpot_ms_p50']:.2f}x TPOT p50 speed, "
+                     f"{r['engine_file_bytes'] / other['engine_file_bytes']:.2f}x engine file, "
+                     f"{r['kv_bytes_per_token'] / other['kv_bytes_per_token']:.2f}x KV bytes per token")
     if (hf := r["hf"]) is not None:
         row("HF generate (batched)", f"{hf['output_throughput']:.1f} output tok/s, {hf['duration_s']:.2f} s, "
                                      f"batch {hf['batch_size']}, {hf['threads']} torch threads")
         lines.append(f"speedup vs HF generate (batched): {r['speedup_vs_hf']:.2f}x")
     return "\n".join(lines)
+
+
+def _sizes(r: dict[str, Any]) -> str:
+    return f"{r['engine_file_bytes'] / 1e6:.1f} MB / {r['kv_bytes_per_token']} bytes"

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
 from trtbuild.errors import TrtbuildError
 from trtbuild.runtime.bench import BenchRequest, RequestResult
 
@@ -43,6 +44,8 @@ class EngineTarget:
         self.core = core = EngineCore(Path(engine_dir), RuntimeConfig(num_threads=threads, speculative=speculative))
         self.vocab_size = core.vocab_size
         self.special_ids = frozenset(core.eos_token_ids) | (core.tokenizer.special_ids if core.tokenizer else set())
+        self.sizes = {"engine_file_bytes": (Path(engine_dir) / CPU_ENGINE_FILE).stat().st_size,
+                      "kv_bytes_per_token": core.engine.kv.bytes_per_token}
         self.steps: list[_Step] = []
         step = core.step
 
@@ -138,6 +141,7 @@ class ServerTarget:
                                 ) from None
         self.vocab_size = self.info.vocab_size
         self.special_ids = frozenset(self.info.eos_token_ids)  # the server does not list other special tokens
+        self.sizes: dict[str, int] = {}
         self._samples: list[float] = []
         self._done = threading.Event()
         self._sampler: threading.Thread | None = None

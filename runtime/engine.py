@@ -49,6 +49,10 @@ class CpuEngine:
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.log_severity_level = 3
+        # NOTE: ONNX Runtime fuses a weight DequantizeLinear -> MatMul that our lowering left (e.g. no block size fits)
+        # into MatMulNBits itself, computing at accuracy level 4 unless told: keep the level the engine was built with.
+        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",
+                                         str(self.info.build.int4_accuracy_level))
         try:
             self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types for corrupt or unsupported models

@@ -58,8 +58,9 @@ def calibrate(hf_dir: Path, ids: list[int]) -> dict[str, float]:
 
 def quantize_checkpoint(src: Path, dst: Path, algo: str | None, kv_algo: str | None, amax: dict[str, float],
                         group_size: int = 32, exclude: tuple[str, ...] = ("lm_head",), shared_prequant: bool = True,
-                        seed: int = 0, per_token: bool = False) -> Path:
-    """Quantize checkpoint `src` into `dst` in the format of docs/quantization.md (absmax scales)."""
+                        seed: int = 0, per_token: bool = False, lm_head_int8: bool = False) -> Path:
+    """Quantize checkpoint `src` into `dst` in the format of docs/quantization.md (absmax scales); `lm_head_int8`:
+    lm_head (excluded from `algo`) gets int8 weight-only (int8_wo) per-channel scales."""
     config, tensors = load_checkpoint(src)
     rng = np.random.default_rng(seed)
     out = dict(tensors)
@@ -102,12 +103,17 @@ def quantize_checkpoint(src: Path, dst: Path, algo: str | None, kv_algo: str | N
             v_amax = amax[f"transformer.layers.{i}.attention.v.out"]
             out[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"] = torch.tensor(
                 [k_amax / BOUND[kv_algo], v_amax / BOUND[kv_algo]], dtype=torch.float32)
+    if lm_head_int8:
+        w = tensors["lm_head.weight"].double().numpy()
+        scale = np.abs(w).max(axis=1) / 127
+        out["lm_head.weight"] = torch.from_numpy(np.rint(w / scale[:, None]).astype(np.int8))
+        out["lm_head.weights_scaling_factor"] = torch.from_numpy(scale.astype(np.float32))
     # the flag states the truth: fp8 weight scales are per linear here, so only prequant formats can share
     quant = QuantConfig(quant_algo=algo, kv_cache_quant_algo=kv_algo,
                         group_size=group_size if algo == "int4_awq" else None,
                         pre_quant_scale=algo in ("int4_awq", "int8_sq"), exclude_modules=exclude if algo else (),
                         shared_input_scales=shared_prequant and algo in ("int4_awq", "int8_sq") and not per_token,
-                        per_token_activations=per_token)
+                        per_token_activations=per_token, lm_head_quant_algo="int8_wo" if lm_head_int8 else None)
     dst.mkdir(parents=True)
     save_rank(dst, 0, out)
     copy_tokenizer_files(src, dst)
@@ -141,10 +147,13 @@ class Reference:
             w, wscale = self.t[p + ".weight"], self.f(p + ".weights_scaling_factor")
             if p + ".prequant_scaling_factor" in self.t:
                 x = x * self.f(p + ".prequant_scaling_factor")
-            if self.q.quant_algo == "fp8":
+            algo = self.q.algo_of(p)
+            if algo == "int8_wo":
+                y = x @ (w.double().numpy() * wscale[:, None]).T
+            elif algo == "fp8":
                 x = fake_quant(x, self.f(p + ".activation_scaling_factor"), "fp8")
                 y = x @ (w.double().numpy() * wscale).T
-            elif self.q.quant_algo == "int4_awq":
+            elif algo == "int4_awq":
                 b = w.numpy().astype(np.int64)
                 q = np.stack([(b & 15) - 8, (b >> 4) - 8], axis=-1).reshape(b.shape[0], -1)
                 y = x @ (q * np.repeat(wscale, self.q.group_size, axis=1)).T

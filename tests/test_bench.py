@@ -1,6 +1,6 @@
 """`trtbuild bench` on stories260K: exact token counts and sane statistics in-process and against a real `trtbuild
-serve` subprocess, JSONL datasets, the same-run baselines (one-at-a-time, HF generate) as ratio lines, and bad input
-answered by an `Error:` line. Nothing here is timed: the ratios are printed, never asserted."""
+serve` subprocess, JSONL datasets, the same-run baselines (one-at-a-time, another engine, HF generate) as ratio lines,
+and bad input answered by an `Error:` line. Nothing here is timed: the ratios are printed, never asserted."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ KEYS = {"target", "threads", "concurrency", "request_rate", "num_requests", "com
         "duration_s", "total_input_tokens", "total_output_tokens", "expected_output_tokens", "request_throughput",
         "output_throughput", "total_token_throughput", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_mean",
         "tpot_ms_p50", "tpot_ms_p99", "e2e_ms_mean", "e2e_ms_p50", "e2e_ms_p99", "kv_cache_usage_max",
-        "kv_cache_usage_mean", "preemptions", "cached_prefix_tokens", "engine_steps", "sequential",
-        "speedup_vs_sequential", "hf", "speedup_vs_hf"}
+        "kv_cache_usage_mean", "preemptions", "cached_prefix_tokens", "engine_steps", "engine_file_bytes",
+        "kv_bytes_per_token", "sequential", "speedup_vs_sequential", "engine", "speedup_vs_engine", "hf",
+        "speedup_vs_hf"}
 RATIO = r"^speedup vs {}: \d+\.\d\dx$"
 
 
@@ -128,6 +129,37 @@ def test_compare_hf_prints_a_ratio_and_does_the_same_work(engine):
         assert hf["token_ids"] == expected and hf["output_tokens"] == 16 and hf["batch_size"] == 2, model
 
 
+def test_compare_engine_runs_the_same_requests_and_prints_size_ratios(engine, tmp_path, llama_engine):
+    """The same engine with an int8 KV cache as the compared one: same work, a quarter of the KV bytes per token."""
+    from quant_helpers import calibrate, quantize_checkpoint
+
+    from trtbuild.builder.build import build_engine
+    from trtbuild.builder.convert.convert import convert
+
+    convert(STORIES260K, tmp_path / "ckpt")
+    amax = calibrate(STORIES260K, list(range(3, 200)))
+    kv8 = build_engine(quantize_checkpoint(tmp_path / "ckpt", tmp_path / "kv8", None, "int8", amax),
+                       tmp_path / "engine", max_seq_len=256, tokens_per_block=8, max_batch_size=32,
+                       max_num_tokens=512)
+    r = run_bench(BenchOptions(engine=kv8, num_requests=4, input_len=10, output_len=6, threads=1,
+                               compare_engine=engine))
+    other = r["engine"]
+    assert other["target"] == f"engine {engine}"
+    assert_sane(other, 4, 10, 6)
+    assert r["kv_bytes_per_token"] * 4 == other["kv_bytes_per_token"] == 5 * 2 * 4 * 8 * 4  # layers, K+V, heads, dim
+    assert r["engine_file_bytes"] == (kv8 / "rank0.onnx").stat().st_size
+    assert r["speedup_vs_engine"] == pytest.approx(r["output_throughput"] / other["output_throughput"])
+    text = bench("--engine", kv8, "--num-requests", 2, "--input-len", 8, "--output-len", 4, "--threads", 1,
+                 "--compare-engine", engine).stdout
+    assert re.search(r"^vs compared engine: \d+\.\d\dx output tok/s, \d+\.\d\dx TPOT p50 speed, \d\.\d\dx engine "
+                     r"file, 0\.25x KV bytes per token$", text, re.M), text
+    assert re.search(r"^engine file / KV per token: +\d+\.\d MB / 320 bytes$", text, re.M), text
+    assert_user_error(bench("--engine", kv8, "--num-requests", 2, "--input-len", 4, "--output-len", 2,
+                            "--compare-engine", llama_engine), r"vocabulary of \d+ tokens, not 512")
+    assert_user_error(bench("--address", "127.0.0.1:1", "--num-requests", 2, "--input-len", 4, "--output-len", 2,
+                            "--compare-engine", engine), r"give --engine DIR too")
+
+
 def test_bench_against_a_real_server_gives_the_same_token_count(engine, tmp_path, request):
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "trtbuild.cli", "serve", "--engine", str(engine), "--port", "0",
@@ -183,7 +215,8 @@ def test_bad_input_is_a_click_error(engine, tmp_path):
     assert_user_error(bench("--engine", engine, "--dataset", bad, "--output-len", 2), r"do not combine")
     assert_user_error(bench("--engine", engine, "--num-requests", 1, "--input-len", 250, "--output-len", 10),
                       r"synthetic request 0: 250 prompt \+ 10 output tokens exceed the engine's max_seq_len 256")
-    assert_user_error(bench("--engine", engine, *synthetic, "--timeout", 1e-6), r"warm-up request failed: timed out")
+    assert_user_error(bench("--engine", engine, *synthetic, "--timeout", 1e-6),
+                      r"warm-up request to engine .* failed: timed out")
     assert_user_error(bench("--engine", engine, *synthetic, "--concurrency", 0), r"Invalid value for '--concurrency'")
 
 

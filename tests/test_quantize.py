@@ -295,6 +295,30 @@ def test_excluded_modules_stay_unquantized(runs, tiny, unquantized, caplog):
     assert tensors["transformer.layers.1.mlp.fc.weight"].dtype == torch.int8
 
 
+@pytest.mark.parametrize("qformat", ["int4_awq", "int8_sq"])
+def test_lm_head_int8_weight_only(qformat, runs, tiny, unquantized):
+    """`--lm-head-qformat int8_wo`: lm_head (excluded from qformat) holds int8 weights with max |row| / 127 scales,
+    modelopt's simulated model computes the same weight, and the checkpoint's reference model matches it."""
+    result, ckpt = runs(qformat, "int8", lm_head_qformat="int8_wo")
+    config, tensors = load_checkpoint(ckpt)
+    q = config.quantization
+    assert (q.quant_algo, q.lm_head_quant_algo, q.algo_of("lm_head")) == (qformat, "int8_wo", "int8_wo")
+    assert "lm_head" in result.excluded and sorted(n for n in tensors if n.startswith("lm_head.")) == [
+        "lm_head.weight", "lm_head.weights_scaling_factor"]
+    w, scale = tensors["lm_head.weight"], tensors["lm_head.weights_scaling_factor"]
+    fp32 = unquantized["lm_head.weight"].float()
+    assert w.dtype == torch.int8 and w.shape == fp32.shape and scale.shape == (fp32.shape[0],)
+    assert torch.equal(scale, fp32.abs().amax(dim=1) / 127)
+    assert w.abs().amax(dim=1).eq(127).all()  # every row uses the whole grid
+    dequantized = w.float() * scale[:, None]
+    assert ((dequantized - fp32).abs() <= scale[:, None] / 2 * (1 + 1e-6)).all()  # round to nearest
+    assert torch.equal(result.model.lm_head.weight.detach(), dequantized)
+    assert torch.equal(tensors["transformer.vocab_embedding.weight"], unquantized["transformer.vocab_embedding.weight"])
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    weights, full_max, full_mean = compare_logits(result, ckpt, tiny, ids)
+    assert weights <= 1e-4 and full_max <= 0.3 and full_mean <= 0.15
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
@@ -434,6 +458,12 @@ def test_cli_errors(tiny, runs, tmp_path):
                              "--per-token-activations"), "--per-token-activations applies to --qformat int8_sq only")
     assert_user_error(invoke(*q, "--output", out, "--qformat", "int8_sq", "--per-token-activations", "--tp-size", 2),
                       "--per-token-activations needs --tp-size 1")
+    assert_user_error(invoke(*q, "--output", out, "--qformat", "fp8", "--lm-head-qformat", "int8_wo", "--exclude",
+                             "transformer.layers.0.*"),
+                      "--lm-head-qformat int8_wo gives lm_head its own format, but --exclude transformer.layers.0.* "
+                      "leaves lm_head to --qformat fp8; add --exclude lm_head.")
+    assert_user_error(invoke(*q, "--output", out, "--qformat", "fp8", "--lm-head-qformat", "int4"),
+                      "'int4' is not 'int8_wo'")
     assert not out.exists()  # a failed run leaves nothing behind
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("mine")
@@ -490,7 +520,8 @@ def test_quant_config_validation():
                 dict(quant_algo="fp8", shared_input_scales="yes"), dict(quant_algo="fp8", smoothquant_alpha=0.5),
                 dict(quant_algo="int8_sq", pre_quant_scale=True, smoothquant_alpha=1.5),
                 dict(quant_algo="int8_sq", pre_quant_scale=True, smoothquant_alpha=True),
-                dict(quant_algo="fp8", per_token_activations=True)):
+                dict(quant_algo="fp8", per_token_activations=True), dict(lm_head_quant_algo="int4_awq"),
+                dict(quant_algo="fp8", lm_head_quant_algo="int8_wo")):  # lm_head left to fp8 too
         with pytest.raises(CheckpointError, match="checkpoint quantization config"):
             QuantConfig(**bad)
     # config.json written before these fields existed still loads (per-linear scales, alpha unrecorded)
@@ -500,3 +531,8 @@ def test_quant_config_validation():
     q = QuantConfig("int8_sq", pre_quant_scale=True, per_token_activations=True)
     assert q.scale_names("lm_head") == ("lm_head.weights_scaling_factor", "lm_head.prequant_scaling_factor")
     assert QuantConfig("int8_sq", pre_quant_scale=True, smoothquant_alpha=0).smoothquant_alpha == 0
+    q = QuantConfig("int8_sq", pre_quant_scale=True, per_token_activations=True, exclude_modules=("lm_head",),
+                    lm_head_quant_algo="int8_wo")
+    assert q.algo_of("lm_head") == "int8_wo" and q.algo_of("transformer.layers.0.mlp.fc") == "int8_sq"
+    assert q.scale_names("lm_head") == ("lm_head.weights_scaling_factor",)
+    assert QuantConfig(lm_head_quant_algo="int8_wo").scale_names("lm_head") == ("lm_head.weights_scaling_factor",)

@@ -49,6 +49,8 @@ CASES = {
     "llama-int8_sq-own_scales": ("llama", "int8_sq", None, {"shared_prequant": False}),
     "llama-int8_sq-per_token": ("llama", "int8_sq", None, {"shared_prequant": False, "per_token": True}),
     "qwen2-int8_sq-per_token-kv_int8": ("qwen2", "int8_sq", "int8", {"per_token": True}),
+    "llama-int4_awq-lm_head_int8": ("llama", "int4_awq", None, {"lm_head_int8": True}),
+    "qwen2-int8_sq-lm_head_int8": ("qwen2", "int8_sq", None, {"lm_head_int8": True}),
 }
 
 
@@ -141,12 +143,16 @@ def test_lowered_graph_runs_low_bit_kernels(name, case):
     excluded = {f"transformer.layers.1.mlp.{x}" for x in ("gate_up", "proj")} if len(exclude) > 1 else set()
     merged = CASES[name][3].get("shared_prequant", True)  # siblings with one pre-scaled input share a kernel
     linears = (4 if merged else 7) * LAYERS - len(excluded) + ("lm_head" not in exclude)
-    assert ops["MatMulNBits"] == (linears if algo == "int4_awq" else 0)
+    head_int8 = config.quantization.lm_head_quant_algo == "int8_wo"  # an 8-bit MatMulNBits, whatever algo is
+    nbits = {n.name: {a.name: a.i for a in n.attribute if a.type == onnx.AttributeProto.INT}
+             for n in model.graph.node if n.op_type == "MatMulNBits"}
+    assert len(nbits) == (linears if algo == "int4_awq" else 0) + head_int8
+    assert {n: a["bits"] for n, a in nbits.items() if a["bits"] == 8} == ({"lm_head": 8} if head_int8 else {})
     assert ops["MatMulInteger"] == (linears if algo == "int8_sq" else 0)
     float_matrices = {t.name for t in model.graph.initializer
                       if t.data_type == TensorProto.FLOAT and len(t.dims) == 2 and min(t.dims) > 1}
     expected = {"rope_cos", "rope_sin", "transformer.vocab_embedding.weight"} | (
-        {"lm_head.weight"} if "lm_head" in exclude else set())
+        {"lm_head.weight"} if "lm_head" in exclude and not head_int8 else set())
     if algo is None:  # KV-only quantization: the fused full-precision GEMMs stay
         assert ops["MatMul"] == 4 * LAYERS + 1 + 2 * LAYERS
         return
@@ -158,8 +164,7 @@ def test_lowered_graph_runs_low_bit_kernels(name, case):
         assert by_type[TensorProto.FLOAT8E4M3FN] == 7 * LAYERS + ("lm_head" not in exclude)
         assert ops["DequantizeLinear"] >= 7 * LAYERS and ops["QuantizeLinear"] >= 4 * LAYERS
     if algo == "int4_awq":
-        nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-        assert {a.name: a.i for a in nbits[0].attribute if a.type == onnx.AttributeProto.INT}["bits"] == 4
+        assert {a["bits"] for n, a in nbits.items() if n != "lm_head"} == {4}
         assert by_type[TensorProto.UINT8] == 0 and ops["DequantizeLinear"] == 0  # B is [N, K/g, g/2]: 3-D
     if algo == "int8_sq":
         assert by_type[TensorProto.INT8] == linears and ops["DequantizeLinear"] == 0
@@ -339,3 +344,36 @@ def test_build_refuses_per_token_with_tensor_parallelism(base):
     with pytest.raises(TrtbuildError, match="per-token activation scales need tp_size 1"):
         check_quantization(dataclasses.replace(config, quantization=quant, mapping=Mapping(tp_size=2)),
                            BuildConfig(**OPTIONS))
+
+
+@pytest.mark.parametrize("k", [64, 24])
+def test_int8_weight_only_lowering(k):
+    """int8_wo: MatMul(x, DequantizeLinear(int8 W [K, N], per-channel scales)) becomes an 8-bit MatMulNBits (the
+    scales repeated per block) when a power-of-two block from 16 to 256 divides K; otherwise the standard DQ -> MatMul
+    stays. Both compute x @ (W * s) in ONNX Runtime."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    from trtbuild.builder.passes.lower_quant_cpu import lower_quantized_linears
+
+    rng = np.random.default_rng(k)
+    n = 40
+    w = rng.integers(-127, 128, size=(k, n)).astype(np.int8)
+    s = rng.uniform(1e-3, 1e-2, size=n).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("DequantizeLinear", ["W", "s"], ["Wf"], name="head_weight_dequant", axis=1),
+         helper.make_node("MatMul", ["x", "Wf"], ["y"], name="head")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", n])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(s, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    assert lower_quantized_linears(model, 1) == (1 if k % 16 == 0 else 0)
+    ops = _ops(model)
+    assert (ops["MatMulNBits"], ops["DequantizeLinear"]) == ((1, 0) if k % 16 == 0 else (0, 1))
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    options = ort.SessionOptions()  # as CpuEngine runs an engine built with int4_accuracy_level 1 (see there)
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+    y = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+    want = x.astype(np.float64) @ (w * s.astype(np.float64))
+    assert rel_err(y, want) <= 1e-5

@@ -3,6 +3,9 @@ that compute in low precision, reading 1-byte or half-byte weights from the engi
 
   int4  MatMul(x, DQ(int4 W [K, N], scales [K/g, N], axis 0, block_size g))
         -> com.microsoft MatMulNBits(x, B uint8 [N, K/g, g/2], scales [N * K/g]), bits 4, default zero point 8
+  int8 weight-only  MatMul(x, DQ(int8 W [K, N], s_w [N], axis 1)), x not quantized
+        -> MatMulNBits(x, B uint8 [N, K/g, g] = W + 128, scales s_w repeated per block), bits 8, default zero point
+        128, with g the largest power of two <= 256 dividing K (per-channel scales are per-block ones, repeated)
   int8  MatMul(DQ(Q(x, s_x)), DQ(int8 W [K, N], s_w [N], axis 1))
         -> MatMulInteger(Q(x, s_x, zero point 128) uint8, W int8, a_zero_point 128) -> int32 -> Cast -> Mul(s_x * s_w)
         per token (s_x [T, 1] computed from x, blocked Q/DQ over the last axis): uint8 = Cast(Round(x / s_x) + 128)
@@ -62,12 +65,27 @@ def _int4_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> t
     k, n = q.shape
     nibbles = (q.T + 8).astype(np.uint8)  # [N, K]
     packed = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).reshape(n, k // g, g // 2)
-    return ("nbits", matmul.input[0], k, g), packed, scales.T.astype(np.float32)  # scales [N, K/g]
+    return ("nbits", matmul.input[0], k, g, 4), packed, scales.T.astype(np.float32)  # scales [N, K/g]
+
+
+def _int8_weight_only_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> tuple | None:
+    w, w_scale = view.constant(dq.input[0]), view.constant(dq.input[1])
+    if w.ndim != 2 or not (w_scale.size == 1 or (w_scale.ndim == 1 and _attrs(dq).get("axis", 1) in (1, -1))):
+        return None
+    k, n = w.shape
+    g = next((b for b in (256, 128, 64, 32, 16) if k % b == 0), None)
+    if g is None:
+        return None  # NOTE: stays DequantizeLinear -> MatMul, which ONNX Runtime runs (dequantizing every call)
+    packed = (w.T.astype(np.int16) + 128).astype(np.uint8).reshape(n, k // g, g)
+    scales = np.repeat(np.broadcast_to(w_scale, (n,)).astype(np.float32)[:, None], k // g, axis=1)
+    return ("nbits", matmul.input[0], k, g, 8), packed, scales
 
 
 def _int8_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> tuple | None:
     act_dq = view.producer.get(matmul.input[0])
-    if act_dq is None or act_dq.op_type != "DequantizeLinear" or not _is_zero_or_absent(view, act_dq, 2):
+    if act_dq is None or act_dq.op_type != "DequantizeLinear":
+        return _int8_weight_only_site(view, matmul, dq)
+    if not _is_zero_or_absent(view, act_dq, 2):
         return None
     quant = view.producer.get(act_dq.input[0])
     x_scale = view.constant(act_dq.input[1])
@@ -111,12 +129,12 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
         wide = outs[0] if len(members) == 1 else base + "_out"
         widths = [m[1].shape[0 if key[0] == "nbits" else 1] for m in members]
         if key[0] == "nbits":
-            _, x, k, g = key
+            _, x, k, g, bits = key
             view.add_initializer(base + ".weight_nbits", np.concatenate([m[1] for m in members]))
             view.add_initializer(base + ".scales_nbits", np.concatenate([m[2] for m in members]).reshape(-1))
             new_nodes.append(helper.make_node(
                 "MatMulNBits", [x, base + ".weight_nbits", base + ".scales_nbits"], [wide], name=base,
-                domain=MS_DOMAIN, K=k, N=sum(widths), bits=4, block_size=g, accuracy_level=accuracy_level))
+                domain=MS_DOMAIN, K=k, N=sum(widths), bits=bits, block_size=g, accuracy_level=accuracy_level))
         elif key[0] == "int8_per_token":  # u8 = round(x / s) + 128 (|x / s| <= 127); y = (u8 - 128) @ W * s * s_w
             # NOTE: uint8 activations with zero point 128, because ONNX Runtime's int8 x int8 MatMulInteger is ~16x
             # slower than uint8 x int8 on x86. The blocked QuantizeLinear takes a zero point shaped like its scale.
