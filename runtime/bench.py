@@ -101,7 +101,7 @@ class Target(Protocol):
     name: str
     vocab_size: int
     special_ids: frozenset[int]
-    sizes: dict[str, int]  # engine_file_bytes, kv_bytes_per_token (in-process engines only)
+    sizes: dict[str, int | None]  # engine_file_bytes, kv_bytes_per_token (None for a server)
 
     def prepare(self, requests: list[BenchRequest]) -> list[BenchRequest]: ...  # tokenize, check limits
     def send(self, request: BenchRequest, timeout: float) -> RequestResult: ...  # thread-safe, never raises
@@ -291,7 +291,7 @@ def format_report(r: dict[str, Any]) -> str:
     row("TPOT (ms)", stats("tpot"))
     row("end-to-end latency (ms)", stats("e2e"))
     row("KV cache usage", f"max {r['kv_cache_usage_max']:.1%}  mean {r['kv_cache_usage_mean']:.1%}")
-    if "engine_file_bytes" in r:
+    if r["engine_file_bytes"] is not None:
         row("engine file / KV per token", _sizes(r))
     row("preemptions", str(r["preemptions"]))
     row("cached prefix tokens", str(r["cached_prefix_tokens"]))

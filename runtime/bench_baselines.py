@@ -141,7 +141,7 @@ class ServerTarget:
                                 ) from None
         self.vocab_size = self.info.vocab_size
         self.special_ids = frozenset(self.info.eos_token_ids)  # the server does not list other special tokens
-        self.sizes: dict[str, int] = {}
+        self.sizes: dict[str, int | None] = {"engine_file_bytes": None, "kv_bytes_per_token": None}  # not told
         self._samples: list[float] = []
         self._done = threading.Event()
         self._sampler: threading.Thread | None = None

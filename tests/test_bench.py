@@ -183,6 +183,7 @@ def test_bench_against_a_real_server_gives_the_same_token_count(engine, tmp_path
     assert_sane(remote, 6, 16, 10)
     assert remote["total_output_tokens"] == local["total_output_tokens"] == 60
     assert remote["target"] == f"server {address[0]}" and remote["engine_steps"] is None and remote["threads"] is None
+    assert set(remote) == KEYS and remote["engine_file_bytes"] is remote["kv_bytes_per_token"] is None
 
 
 def assert_user_error(result: Result, pattern: str) -> None:
