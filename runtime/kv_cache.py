@@ -9,12 +9,36 @@ the step's new K/V with the per-layer (K scale, V scale); the engine dequantizes
 
 from __future__ import annotations
 
+import ctypes
+import sys
+
 import numpy as np
 
 # kv_cache_quant_algo -> dtype of the pool the engine reads
 KV_CACHE_DTYPES: dict[str | None, np.dtype] = {None: np.dtype(np.float32), "int8": np.dtype(np.int8),
                                                "fp8": np.dtype(np.uint8)}
 FP8_E4M3_MAX = 448.0
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+
+
+def advise_huge_pages(array: np.ndarray) -> bool:
+    """Ask Linux to back `array` with transparent huge pages (madvise MADV_HUGEPAGE); True when the kernel took it.
+
+    NOTE: the pool stays lazily mapped, so each new block's first write faults its pages in. With 4 KiB pages a block
+    spans one page per (layer, K|V, head), so a 2048-token prefill took ~0.6 s of page faults on the 2-core VM; with
+    2 MiB pages it takes ~0.05 s. Resident memory still grows only with what is written (in 2 MiB steps). Elsewhere,
+    or where transparent huge pages are off, this does nothing and the pool works the same."""
+    if not sys.platform.startswith("linux") or array.nbytes < 2 * HUGE_PAGE:
+        return False
+    start = -(-array.ctypes.data // HUGE_PAGE) * HUGE_PAGE  # the huge-page-aligned part of the buffer
+    end = (array.ctypes.data + array.nbytes) // HUGE_PAGE * HUGE_PAGE
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise(start, end - start, _MADV_HUGEPAGE) == 0
 
 
 def quantize_kv(x: np.ndarray, scale: np.ndarray | float, algo: str) -> np.ndarray:
@@ -62,6 +86,7 @@ class KVCacheStorage:
             self.scales = np.asarray(scales, dtype=np.float32).reshape(num_layers, 2, 1, 1, 1)
         # NOTE: np.zeros maps untouched pages lazily, so resident memory follows the blocks actually written.
         self.pool = np.zeros(self.shape, dtype=self.dtype)
+        self.huge_pages = advise_huge_pages(self.pool)
 
     @property
     def num_blocks(self) -> int:

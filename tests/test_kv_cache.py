@@ -84,6 +84,41 @@ def test_write_touches_exactly_the_given_slots():
     assert changed_slots(storage.pool, before) == sorted(slots.tolist())
 
 
+def _transparent_huge_pages() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]  # "always [madvise] never" -> madvise
+    except (OSError, IndexError):
+        return "unavailable"
+
+
+def test_pool_is_backed_by_huge_pages_where_the_kernel_offers_them():
+    """A pool's first writes fault in 2 MiB pages, not 4 KiB ones (each block spans one 4 KiB page per layer, K|V and
+    head), and only what is written becomes resident. Small pools are left alone."""
+    if _transparent_huge_pages() not in ("always", "madvise"):
+        pytest.skip(f"transparent huge pages are {_transparent_huge_pages()} on this machine")
+    assert not make_storage(8).huge_pages  # far below one huge page
+    storage = KVCacheStorage(LAYERS, KV_HEADS, 64, 16, 8192)  # 16 MiB per (layer, K|V, head) plane, 128 MiB in all
+    assert storage.huge_pages
+    storage.write(np.ones((LAYERS, 2, 16, KV_HEADS, 64), np.float32), np.arange(16) + 16 * 4000)  # one block
+
+    start, end = storage.pool.ctypes.data, storage.pool.ctypes.data + storage.pool.nbytes
+    huge_kb, rss_kb, inside = 0, 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and hi > start
+            elif inside and head == "AnonHugePages:":
+                huge_kb += int(line.split()[1])
+            elif inside and head == "Rss:":
+                rss_kb += int(line.split()[1])
+    planes = LAYERS * 2 * KV_HEADS
+    assert huge_kb >= planes * 2048  # the written block's 2 MiB page in every plane
+    assert rss_kb <= planes * 2 * 2048 + 4096  # and not the rest of the 128 MiB
+
+
 # --- ownership (KVCacheManager over BlockPool) ----------------------------------------------------------------------
 
 
