@@ -115,6 +115,8 @@ def test_pool_is_backed_by_huge_pages_where_the_kernel_offers_them():
             elif inside and head == "Rss:":
                 rss_kb += int(line.split()[1])
     planes = LAYERS * 2 * KV_HEADS
+    if huge_kb == 0:  # madvise was taken (asserted above), but the kernel may find no free 2 MiB page to give
+        pytest.skip("the kernel backed the advised pool with 4 KiB pages (no free huge page, or defrag off)")
     assert huge_kb >= planes * 2048  # the written block's 2 MiB page in every plane
     assert rss_kb <= planes * 2 * 2048 + 4096  # and not the rest of the 128 MiB
 
