@@ -387,18 +387,7 @@ def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None
                      exclude=exclude, dtype=dtype, tp_size=tp_size, pp_size=pp_size,
                      shared_input_scales=fuse_shared_scales, smoothquant_alpha=smoothquant_alpha,
                      per_token_activations=per_token_activations, lm_head_qformat=lm_head_qformat)
-    q = r.config.quantization
-    group = f" (group {q.group_size})" if q.group_size else ""
-    alpha = f" (alpha {q.smoothquant_alpha}{', per-token activations' if q.per_token_activations else ''})" \
-        if q.smoothquant_alpha is not None else ""
-    shared = "shared" if q.shared_input_scales else "per-linear"
-    head = f", lm_head {q.lm_head_quant_algo}" if q.lm_head_quant_algo else ""
-    kept = sum(q.algo_of(p) is None for p in r.excluded)
-    click.echo(f"wrote {output}: {q.quant_algo}{group}{alpha}, {shared} input scales, KV cache "
-               f"{q.kv_cache_quant_algo or r.config.dtype}, "
-               f"{len(r.quantized)} linears quantized, {kept} kept in {r.config.dtype}{head}, calibrated on "
-               f"{r.calib_shape[0]} x {r.calib_shape[1]} tokens in {r.seconds['calibrate']:.1f} s, "
-               f"{r.config.mapping.world_size} rank(s)")
+    click.echo(f"wrote {output}: {r.summary()}")
 
 if __name__ == "__main__":
     main()

@@ -50,6 +50,19 @@ class QuantizeResult:
     calib_shape: tuple[int, int]  # (samples, tokens per sample)
     seconds: dict[str, float]
 
+    def summary(self) -> str:
+        """One line: the formats, the scales, what was quantized and the calibration."""
+        q, dtype = self.config.quantization, self.config.dtype
+        group = f" (group {q.group_size})" if q.group_size else ""
+        alpha = (f" (alpha {q.smoothquant_alpha}{', per-token activations' if q.per_token_activations else ''})"
+                 if q.smoothquant_alpha is not None else "")
+        head = f", lm_head {q.lm_head_quant_algo}" if q.lm_head_quant_algo else ""
+        kept = sum(q.algo_of(p) is None for p in self.excluded)
+        return (f"{q.quant_algo}{group}{alpha}, {'shared' if q.shared_input_scales else 'per-linear'} input scales, "
+                f"KV cache {q.kv_cache_quant_algo or dtype}, {len(self.quantized)} linears quantized, {kept} kept in "
+                f"{dtype}{head}, calibrated on {self.calib_shape[0]} x {self.calib_shape[1]} tokens in "
+                f"{self.seconds['calibrate']:.1f} s, {self.config.mapping.world_size} rank(s)")
+
 
 def quant_config(qformat: str, kv_cache_dtype: str | None, awq_block_size: int, exclude: Sequence[str],
                  shared_input_scales: bool = False, smoothquant_alpha: float | None = None,
