@@ -1,10 +1,10 @@
 """End to end on a real model: `trtbuild quantize` -> `trtbuild build` -> the engine, against modelopt's simulation.
 
-Model: tinystories-656K (trained; 2 layers, hidden 128, ffn 384, 8/4 heads, vocab 2048, tied embeddings; int4 group 64
-divides every linear), calibrated by the CLI on 8 x 64 tokens of the default corpus. Per format (fp8, int4_awq,
+Model: tinystories-656K (trained; 2 layers, hidden 128, ffn 384, 8/4 heads, vocab 2048, tied embeddings; int4 group
+64 divides every linear), calibrated by the CLI on 8 x 64 tokens of the default corpus. Per format (fp8, int4_awq,
 int8_sq, int4_awq + int8 KV, fp8 + fp8 KV, int8_sq with per-token activations, all with per-linear scales, the
-default; int4_awq with `--fuse-shared-scales`) the engine runs one batched prefill of three prompts and four greedy
-decode steps; its logits at every position are compared with
+default; int4_awq with `--fuse-shared-scales`; int4_awq with an int8 weight-only `lm_head`) the engine runs one
+batched prefill of three prompts and four greedy decode steps; its logits at every position are compared with
 
 - `reference_model(ckpt)`, the format's arithmetic from the checkpoint alone (torch), and
 - modelopt's simulated-quantization model (`simulated_model`, calibrated with the CLI run's options; calibration is
@@ -66,6 +66,7 @@ CASES = {  # name -> (--qformat, --kv-cache-dtype, flags)
     "int8_sq-shared": ("int8_sq", None, ("--fuse-shared-scales", "--smoothquant-alpha", "0.5")),
     "int8_sq-per_token": ("int8_sq", None, ("--per-token-activations",)),
     "int8_sq-alpha1": ("int8_sq", None, ("--smoothquant-alpha", "1.0")),
+    "int4_awq-lm_head_int8": ("int4_awq", None, ("--lm-head-qformat", "int8_wo")),
 }
 FLAGS = {"--fuse-shared-scales": "shared_input_scales", "--per-token-activations": "per_token_activations"}
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The cat sat on the mat and",
@@ -91,6 +92,8 @@ def quantize_args(name: str) -> tuple[list, dict]:
     options.update({FLAGS[f]: True for f in flags if f in FLAGS})
     if "--smoothquant-alpha" in flags:
         options["smoothquant_alpha"] = float(flags[flags.index("--smoothquant-alpha") + 1])
+    if "--lm-head-qformat" in flags:
+        options["lm_head_qformat"] = flags[flags.index("--lm-head-qformat") + 1]
     if qformat == "int4_awq":
         args += ["--awq-block-size", GROUP]
         options["awq_block_size"] = GROUP
@@ -221,7 +224,7 @@ def test_engine_matches_modelopt_and_reference(name, quantized, fp32_model, tie_
             ref, sim, fp32 = (m(x).logits[0].numpy() for m in (ref_model, simulated, fp32_model))
         assert eng.shape == ref.shape
         if qformat == "int4_awq" and kv is None:
-            assert not tie_recorder  # weight-only: nothing is rounded at run time
+            assert not tie_recorder  # weight-only (int4 linears, int8 lm_head): nothing is rounded at run time
         near = torch.stack(tie_recorder).amin(0)[0] if tie_recorder else torch.ones(len(ids))
         first_tie = int(torch.nonzero(near < NEAR_TIE)[0, 0]) if bool((near < NEAR_TIE).any()) else len(ids)
         if first_tie:
@@ -283,6 +286,9 @@ def test_engine_file_sizes_and_kv_bytes(quantized, fp32_engine):
     for name in ("fp8", "int8_sq"):
         assert fp32 - size[name] >= 0.9 * LINEAR_PARAMS * 3, name
     assert size["int4_awq"] < size["int8_sq"] and size["int4_awq"] < size["fp8"]
+    vocab, hidden = 2048, 128  # the int8 lm_head: 1 byte per weight, + a float32 row scale per block of 128
+    head8 = (quantized("int4_awq-lm_head_int8")[1] / CPU_ENGINE_FILE).stat().st_size
+    assert abs(head8 - size["int4_awq"] - vocab * hidden * (1 + 4 / 128)) <= 0.01 * vocab * hidden
 
     budget = 1 << 20
     fp32_kv = LLM(fp32_engine, RuntimeConfig(num_threads=1, kv_cache_memory=budget)).core.engine.kv
