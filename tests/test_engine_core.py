@@ -107,6 +107,19 @@ def test_tiny_pool_guaranteed_no_evict_never_preempts(llama_engine, alone):
 # ---- prefix caching --------------------------------------------------------------------------------------------
 
 
+def test_start_up_warm_up_writes_only_block_0_and_changes_no_tokens(llama_engine):
+    """The start-up step (the engine's largest batch: max_batch_size prompts sharing max_num_tokens) runs before any
+    request owns a block and writes only block 0; a pool of 6 blocks hands block 0 out again, and every request
+    gets the tokens an engine without the warm-up gives it."""
+    cold = EngineCore(llama_engine, config(warm_up=False, kv_cache_blocks=6))
+    warm = EngineCore(llama_engine, config(kv_cache_blocks=6, max_num_tokens=64, max_batch_size=4))
+    assert not cold.engine.kv.pool.any()
+    written = np.flatnonzero(warm.engine.kv.pool.any(axis=(0, 1, 2, 4, 5)))  # blocks holding any nonzero value
+    assert written.tolist() == [0] and warm.kv.pool.num_free == 6
+    for i in (1, 3, 5):  # each gets block 0 (the free queue hands out the least recently freed first)
+        assert drive(warm, [PROMPTS[i]], GREEDY)[0] == drive(cold, [PROMPTS[i]], GREEDY)[0]
+
+
 def test_prefix_caching_reuses_blocks_and_keeps_tokens(llama_engine):
     rng = np.random.default_rng(5)
     shared = rng.integers(3, VOCAB, size=43).tolist()  # 5 full blocks + 3 tokens
