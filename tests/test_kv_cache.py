@@ -346,3 +346,35 @@ def test_logits_only_for_requested_tokens(engine_dir):
     engine = CpuEngine(engine_dir, num_threads=1, num_blocks=8)
     with pytest.raises(ValueError, match="num_logits"):
         engine.step([SequenceChunk(0, a[:3], 0, 4, [0])])
+
+
+def test_a_step_mixing_decodes_with_a_long_chunk_runs_as_two_calls_with_the_same_results(engine_dir, monkeypatch):
+    """Two decode tokens beside a 200-token prefill chunk would be padded to 200 query rows each; the engine runs
+    them as a second call instead. Logits (in chunk order) and the pool come out as from one call."""
+    import trtbuild.runtime.engine as engine_module
+
+    engine = CpuEngine(engine_dir, num_threads=1, num_blocks=64)
+    rng = np.random.default_rng(5)
+    engine.kv.pool[...] = rng.standard_normal(engine.kv.pool.shape) * 0.1  # the decodes' past: 20 tokens each
+    block = engine.info.build.tokens_per_block
+    chunks = [SequenceChunk("d0", tokens(1, 7), 20, 1, list(range(0, 4))),
+              SequenceChunk("p", tokens(200, 8), 0, 3, list(range(8, 8 + -(-200 // block)))),
+              SequenceChunk("d1", tokens(1, 9), 20, 1, list(range(4, 8)))]
+    assert engine_module.attention_groups(chunks) == [[1], [0, 2]]
+    short_prefill = SequenceChunk("q", tokens(30, 1), 0, 1, list(range(20, 24)))  # 2 x 30 x 50 pairs: not worth it
+    assert engine_module.attention_groups([chunks[0], short_prefill, chunks[2]]) == [[0, 1, 2]]
+    start = engine.kv.pool.copy()
+    calls = []
+    run = engine.session.run
+    monkeypatch.setattr(engine.session, "run", lambda *a, **k: calls.append(1) or run(*a, **k))
+    split = engine.step(chunks)
+    split_pool = engine.kv.pool.copy()
+    assert len(calls) == 2 and split.shape == (5, VOCAB)
+
+    engine.kv.pool[...] = start
+    monkeypatch.setattr(engine_module, "PADDING_SPLIT_PAIRS", 1 << 40)  # one call
+    whole = engine.step(chunks)
+    assert len(calls) == 3
+    np.testing.assert_allclose(split, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
+    np.testing.assert_allclose(split_pool, engine.kv.pool, rtol=0, atol=1e-5)
+    assert not np.array_equal(split_pool, start)
