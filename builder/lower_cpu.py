@@ -57,9 +57,14 @@ class _Lowering:
         # this step's tokens, unpacked to [B, Sq]: q_index[b, i] = starts[b] + i (0 on padding rows)
         q_valid = op("Less", [row(i), col(q_lens)])
         q_index = op("Where", [q_valid, op("Add", [col(starts), row(i)]), c(0)])
-        # past tokens, read from the pool: slot of position j of sequence b (0 past the sequence's end)
+        # past tokens, read from the pool [NB, L, 2, KVH, BS, D] seen as rows of D values: the row of position j
+        # of sequence b in plane (layer 0, K, head 0) is block * (L * 2 * KVH * BS) + j % BS (0 past the end)
+        cache_shape = op("Shape", [cache])
+        dim = lambda i: op("Slice", [cache_shape, c([i]), c([i + 1])])  # noqa: E731  [1]
+        rows_per_plane = op("Mul", [dim(3), dim(4)])  # KVH * BS: one (layer, K|V) of a block
+        rows_per_block = op("Mul", [op("Mul", [dim(1), c([2])]), rows_per_plane])
         past_valid = op("Less", [row(j), col(past)])  # [B, Lp]
-        slots = op("Add", [op("Mul", [op("Gather", [tables, op("Div", [j, c(block_size)])], axis=1), c(block_size)]),
+        slots = op("Add", [op("Mul", [op("Gather", [tables, op("Div", [j, c(block_size)])], axis=1), rows_per_block]),
                            row(op("Mod", [j, c(block_size)]))])
         slots = op("Where", [past_valid, slots, c(0)])
         past_mask = op("Unsqueeze", [op("Where", [past_valid, zero, neg_inf]), c([0, 2])])  # [1, B, 1, Lp]
@@ -77,16 +82,11 @@ class _Lowering:
                                                                         row(op("Slice", [qsl, c([1]), c([2**62])]))])],
                                                 to=onnx.TensorProto.INT64), c([1])], keepdims=0)
         out_index = op("Add", [op("Mul", [seq_of_t, max_q]), op("Sub", [t, op("Gather", [starts, seq_of_t])])])
-        # pool rows of past token j of sequence b for kv head h, within one (layer, K|V) plane: [KVH, B, Lp]
-        cache_shape = op("Shape", [cache])  # [L, 2, KVH, NB, BS, D]
-        kv_heads = op("Slice", [cache_shape, c([2]), c([3])])
-        slots_per_head = op("Mul", [op("Slice", [cache_shape, c([3]), c([4])]),
-                                    op("Slice", [cache_shape, c([4]), c([5])])])
-        head_base = op("Mul", [op("Range", [c(0), op("Squeeze", [kv_heads]), c(1)]), slots_per_head])
+        # pool rows of past token j of sequence b for kv head h, in layer 0's K: [KVH, B, Lp]
+        head_base = op("Mul", [op("Range", [c(0), op("Squeeze", [dim(3)]), c(1)]), dim(4)])  # h * BS
         head_slots = op("Add", [op("Unsqueeze", [head_base, c([1, 2])]), op("Unsqueeze", [slots, c([0])])])
         m = dict(q_index=q_index, head_slots=head_slots, past_mask=past_mask, new_mask=new_mask, out_index=out_index,
-                 slots_per_plane=op("Mul", [kv_heads, slots_per_head]),
-                 key_split=op("Concat", [max_past, max_q], axis=0))
+                 slots_per_plane=rows_per_plane, key_split=op("Concat", [max_past, max_q], axis=0))
         self.meta[key] = m
         return m
 

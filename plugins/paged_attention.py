@@ -44,13 +44,14 @@ def reference_paged_attention(
     v = v.reshape(num_tokens, num_kv_heads, head_size).astype(np.float64)
     if position_ids is not None:
         q, k = apply_rope(q, position_ids, rope_cos, rope_sin), apply_rope(k, position_ids, rope_cos, rope_sin)
-    block_size = kv_cache.shape[4]  # kv_cache: [layers, 2, kv_heads, blocks, tokens_per_block, head_size]
+    block_size = kv_cache.shape[4]  # kv_cache: [blocks, layers, 2, kv_heads, tokens_per_block, head_size]
     group = num_heads // num_kv_heads
     out = np.zeros_like(q)
     for b in range(len(past_lengths)):
         start, end, past = query_start_loc[b], query_start_loc[b + 1], past_lengths[b]
         slots = [block_tables[b, j // block_size] * block_size + j % block_size for j in range(past)]
-        flat = kv_cache[layer_idx].reshape(2, num_kv_heads, -1, head_size).transpose(0, 2, 1, 3)  # [2, slot, h, d]
+        # kv_cache[:, layer] [block, K|V, head, offset, d] -> [K|V, slot = block * block_size + offset, head, d]
+        flat = kv_cache[:, layer_idx].transpose(1, 0, 3, 2, 4).reshape(2, -1, num_kv_heads, head_size)
         keys = np.concatenate([flat[0][slots], k[start:end]]) if past else k[start:end]
         values = np.concatenate([flat[1][slots], v[start:end]]) if past else v[start:end]
         for t in range(end - start):

@@ -461,7 +461,7 @@ INCOMPATIBLE = {
     "tensorrt_target": (lambda d: d["target"].update(name="tensorrt"),
                         r"built for target 'tensorrt'.*rebuild it: `trtbuild build .*--target cpu`"),
     "future_format": (lambda d: d.update(engine_format_version=999),
-                      r"engine format 999\); this trtbuild .* reads format 1\. Rebuild it"),
+                      r"engine format 999\); this trtbuild .* reads format 2\. Rebuild it"),
     "missing_cpu_feature": (_add_missing_feature, r"built for a CPU with \w+, which this CPU lacks; rebuild it"),
     "other_machine": (lambda d: d["target"].update(machine="s390x"), r"built on a s390x CPU.*rebuild it"),
     "newer_onnxruntime": (lambda d: d["target"].update(onnxruntime_version="999.0.0"),

@@ -31,16 +31,16 @@ def ceil_blocks(tokens: int, block: int = BLOCK) -> int:
     return -(-tokens // block)
 
 
-# The pool layout, [layers, K|V, kv_heads, blocks, tokens_per_block, head_size] (builder/network.kv_cache_shape),
+# The pool layout, [blocks, layers, K|V, kv_heads, tokens_per_block, head_size] (builder/network.kv_cache_shape),
 # is known only to these two helpers.
 def slot_kv(pool: np.ndarray, block: int, offset: int) -> np.ndarray:
     """A view of one token slot's K and V in every layer: [layers, 2, kv_heads, head_size], as new_kv[:, :, t]."""
-    return pool[:, :, :, block, offset]
+    return pool[block, :, :, :, offset]
 
 
 def changed_slots(pool: np.ndarray, before: np.ndarray) -> list[int]:
     """Flat slot ids (block * tokens_per_block + offset) whose K or V differ, in any layer or head."""
-    return np.flatnonzero((pool != before).any(axis=(0, 1, 2, 5)).reshape(-1)).tolist()
+    return np.flatnonzero((pool != before).any(axis=(1, 2, 3, 5)).reshape(-1)).tolist()
 
 
 # --- storage ------------------------------------------------------------------------------------------------------
@@ -48,7 +48,7 @@ def changed_slots(pool: np.ndarray, before: np.ndarray) -> list[int]:
 
 def test_storage_shape_and_sizes():
     storage = make_storage(8)
-    assert storage.pool.shape == (LAYERS, 2, KV_HEADS, 8, BLOCK, HEAD) and storage.pool.dtype == np.float32
+    assert storage.pool.shape == (8, LAYERS, 2, KV_HEADS, BLOCK, HEAD) and storage.pool.dtype == np.float32
     assert (storage.num_blocks, storage.tokens_per_block) == (8, BLOCK)
     assert storage.bytes_per_token == LAYERS * 2 * KV_HEADS * HEAD * 4 == slot_kv(storage.pool, 0, 0).nbytes
     assert storage.bytes_per_block == BLOCK * storage.bytes_per_token
@@ -93,14 +93,16 @@ def _transparent_huge_pages() -> str:
 
 
 def test_pool_is_backed_by_huge_pages_where_the_kernel_offers_them():
-    """A pool's first writes fault in 2 MiB pages, not 4 KiB ones (each block spans one 4 KiB page per layer, K|V and
-    head), and only what is written becomes resident. Small pools are left alone."""
+    """A pool's first writes fault in 2 MiB pages, not 4 KiB ones, and only what is written becomes resident: the
+    pool is block-major, so 16 consecutive blocks (32 KiB each here) lie in one or two huge pages. Small pools are
+    left alone."""
     if _transparent_huge_pages() not in ("always", "madvise"):
         pytest.skip(f"transparent huge pages are {_transparent_huge_pages()} on this machine")
     assert not make_storage(8).huge_pages  # far below one huge page
-    storage = KVCacheStorage(LAYERS, KV_HEADS, 64, 16, 8192)  # 16 MiB per (layer, K|V, head) plane, 128 MiB in all
+    storage = KVCacheStorage(LAYERS, KV_HEADS, 64, 16, 4096)  # 32 KiB blocks, 128 MiB in all
     assert storage.huge_pages
-    storage.write(np.ones((LAYERS, 2, 16, KV_HEADS, 64), np.float32), np.arange(16) + 16 * 4000)  # one block
+    tokens = 16 * 16  # blocks 2000..2015
+    storage.write(np.ones((LAYERS, 2, tokens, KV_HEADS, 64), np.float32), np.arange(tokens) + 16 * 2000)
 
     start, end = storage.pool.ctypes.data, storage.pool.ctypes.data + storage.pool.nbytes
     huge_kb, rss_kb, inside = 0, 0, False
@@ -114,11 +116,10 @@ def test_pool_is_backed_by_huge_pages_where_the_kernel_offers_them():
                 huge_kb += int(line.split()[1])
             elif inside and head == "Rss:":
                 rss_kb += int(line.split()[1])
-    planes = LAYERS * 2 * KV_HEADS
     if huge_kb == 0:  # madvise was taken (asserted above), but the kernel may find no free 2 MiB page to give
         pytest.skip("the kernel backed the advised pool with 4 KiB pages (no free huge page, or defrag off)")
-    assert huge_kb >= planes * 2048  # the written block's 2 MiB page in every plane
-    assert rss_kb <= planes * 2 * 2048 + 4096  # and not the rest of the 128 MiB
+    assert huge_kb >= 2048  # the 512 KiB written sit in huge pages
+    assert rss_kb <= 2 * 2048 + 4096  # and not the rest of the 128 MiB
 
 
 # --- ownership (KVCacheManager over BlockPool) ----------------------------------------------------------------------

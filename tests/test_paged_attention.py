@@ -48,7 +48,7 @@ def batch(seed: int = 0) -> dict[str, np.ndarray]:
         "q": rng.standard_normal((num_tokens, HEADS * HEAD)).astype(np.float32),
         "k": rng.standard_normal((num_tokens, KV_HEADS * HEAD)).astype(np.float32),
         "v": rng.standard_normal((num_tokens, KV_HEADS * HEAD)).astype(np.float32),
-        "kv_cache": rng.standard_normal((LAYERS, 2, KV_HEADS, NUM_BLOCKS, BLOCK, HEAD)).astype(np.float32),
+        "kv_cache": rng.standard_normal((NUM_BLOCKS, LAYERS, 2, KV_HEADS, BLOCK, HEAD)).astype(np.float32),
         "block_tables": tables,
         "past_lengths": np.array([p for p, _ in SEQS], dtype=np.int64),
         "query_start_loc": np.concatenate([[0], np.cumsum([n for _, n in SEQS])]).astype(np.int64),
@@ -63,7 +63,7 @@ def paged_attention_model(layers: list[int], rotary: bool, max_pos: int = MAX_PO
     """PagedAttention node(s) alone, every input a graph input; layer l reads q{l}, k{l}, v{l}."""
     g = GraphBuilder()
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    shared = [g.input("kv_cache", f32, [LAYERS, 2, KV_HEADS, "num_blocks", BLOCK, HEAD]),
+    shared = [g.input("kv_cache", f32, ["num_blocks", LAYERS, 2, KV_HEADS, BLOCK, HEAD]),
               g.input("block_tables", i64, ["batch", WIDTH]), g.input("past_lengths", i64, ["batch"]),
               g.input("query_start_loc", i64, ["batch_plus_1"])]
     rope = [g.input("position_ids", i64, ["T"]), g.input("rope_cos", f32, [max_pos, HEAD // 2]),
@@ -161,8 +161,8 @@ def test_unowned_pool_slots_are_never_read(garbage, rotary):
     model = lowered([1], rotary)
     clean = run(model, data, [1], rotary)
     dirty_pool = np.full_like(data["kv_cache"], garbage)
-    keep = data["owned_past"][None, None, :, :, None]  # [K|V, kv_head, block, offset, head]
-    dirty_pool[1] = np.where(keep, data["kv_cache"][1], garbage)
+    keep = data["owned_past"][:, None, None, :, None]  # [block, K|V, kv_head, offset, head]
+    dirty_pool[:, 1] = np.where(keep, data["kv_cache"][:, 1], garbage)
     assert np.count_nonzero(data["owned_past"]) == sum(p for p, _ in SEQS)
     dirty_tables = data["block_tables"].copy()
     for b, (p, _) in enumerate(SEQS):
@@ -182,7 +182,7 @@ def test_past_tokens_come_from_the_pool():
     before = run(model, data, [1], False)["attn_out1"]
     pool = data["kv_cache"].copy()
     b, j = 2, 3  # sequence 2 (continuing chunk), past token 3
-    pool[1, 0, :, data["block_tables"][b, j // BLOCK], j % BLOCK] += 5.0
+    pool[data["block_tables"][b, j // BLOCK], 1, 0, :, j % BLOCK] += 5.0
     after = run(model, dict(data, kv_cache=pool), [1], False)["attn_out1"]
     start, end = data["query_start_loc"][b], data["query_start_loc"][b + 1]
     changed = np.flatnonzero(np.abs(after - before).max(axis=1) > 1e-6)

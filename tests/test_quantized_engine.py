@@ -122,7 +122,8 @@ def test_engine_matches_format_reference(name, case):
         effect = max(effect, rel_err(plain, want))
     assert effect >= 30 * RTOL  # the quantization is real (KV: from the second step on), and the engine follows it
     if config.quantization.kv_cache_quant_algo:  # the pool holds what the reference stored (up to rounding ties)
-        pool = engine.kv.dequantized().reshape(LAYERS, 2, config.num_key_value_heads, -1, config.head_size)
+        pool = engine.kv.dequantized().transpose(1, 2, 3, 0, 4, 5).reshape(
+            LAYERS, 2, config.num_key_value_heads, -1, config.head_size)  # [layer, K|V, head, slot, head_size]
         slots = engine.kv.slots(STEPS[0][0].block_ids, 0, len(A))
         for layer, which in np.ndindex(LAYERS, 2):
             stored = reference.past[0][layer][which]
