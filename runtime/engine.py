@@ -44,7 +44,7 @@ def attention_groups(chunks: list[SequenceChunk]) -> list[list[int]]:
     keys = longest + max(c.start for c in chunks)
     if not short or len(short) == len(chunks) or len(short) * longest * keys < PADDING_SPLIT_PAIRS:
         return [list(range(len(chunks)))]
-    return [[i for i in range(len(chunks)) if i not in set(short)], short]
+    return [[i for i, c in enumerate(chunks) if 4 * len(c.token_ids) > longest], short]
 
 
 def default_threads() -> int:
