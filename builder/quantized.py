@@ -129,8 +129,6 @@ class QuantizedLinears:
 
     def __init__(self, g: GraphBuilder, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
         self.g, self.quant, self.tensors = g, config.quantization, tensors
-        self.group_size = config.quantization.group_size or 128
-        self.per_token = config.quantization.per_token_activations
         self._shared: dict[tuple, str] = {}
         check_shared_scales(config, tensors)
 
@@ -203,17 +201,17 @@ class QuantizedLinears:
         elif algo == "int4_awq":
             x = self._prescale(x, prefix)
             q = unpack_int4(w.numpy())  # [out, in]
-            want = (q.shape[0], q.shape[1] // self.group_size)
+            want = (q.shape[0], q.shape[1] // self.quant.weight_group_size)
             if wscale.shape != want:
                 raise TrtbuildError(f"{prefix}.weights_scaling_factor has shape {list(wscale.shape)}; int4_awq with "
-                                    f"group_size {self.group_size} needs {list(want)}.")
+                                    f"group_size {self.quant.weight_group_size} needs {list(want)}.")
             weight = g.weight(prefix + ".weight", q.T.astype(ml_dtypes.int4))  # [in, out], packed 2 per byte
             dq = g.op("DequantizeLinear", [weight, g.weight(prefix + ".weights_scaling_factor", wscale.T)],
-                      name=prefix + "_weight_dequant", axis=0, block_size=self.group_size)
+                      name=prefix + "_weight_dequant", axis=0, block_size=self.quant.weight_group_size)
         else:  # int8_sq: static per-tensor or dynamic per-token activation scales; int8_wo: weight-only
             if algo == "int8_sq":
                 x = self._prescale(x, prefix)
-                x = (self._act_per_token(x, prefix, w.shape[1]) if self.per_token
+                x = (self._act_per_token(x, prefix, w.shape[1]) if self.quant.per_token_activations
                      else self._act_qdq(x, prefix, np.array(0, dtype=np.int8)))
             weight = g.weight(prefix + ".weight", w.numpy().T)  # int8 [in, out]
             dq = g.op("DequantizeLinear", [weight, g.weight(prefix + ".weights_scaling_factor", wscale.reshape(-1))],

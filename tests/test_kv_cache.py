@@ -96,8 +96,8 @@ def test_pool_is_backed_by_huge_pages_where_the_kernel_offers_them():
     """A pool's first writes fault in 2 MiB pages, not 4 KiB ones, and only what is written becomes resident: the
     pool is block-major, so 16 consecutive blocks (32 KiB each here) lie in one or two huge pages. Small pools are
     left alone."""
-    if _transparent_huge_pages() not in ("always", "madvise"):
-        pytest.skip(f"transparent huge pages are {_transparent_huge_pages()} on this machine")
+    if (mode := _transparent_huge_pages()) not in ("always", "madvise"):
+        pytest.skip(f"transparent huge pages are {mode} on this machine")
     assert not make_storage(8).huge_pages  # far below one huge page
     storage = KVCacheStorage(LAYERS, KV_HEADS, 64, 16, 4096)  # 32 KiB blocks, 128 MiB in all
     assert storage.huge_pages

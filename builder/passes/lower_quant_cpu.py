@@ -68,43 +68,38 @@ def _int4_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> t
     return ("nbits", matmul.input[0], k, g, 4), packed, scales.T.astype(np.float32)  # scales [N, K/g]
 
 
-def _int8_weight_only_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> tuple | None:
-    w, w_scale = view.constant(dq.input[0]), view.constant(dq.input[1])
-    if w.ndim != 2 or not (w_scale.size == 1 or (w_scale.ndim == 1 and _attrs(dq).get("axis", 1) in (1, -1))):
-        return None
+def _int8_weight_only_site(matmul: onnx.NodeProto, w: np.ndarray, w_scale: np.ndarray) -> tuple | None:
     k, n = w.shape
     g = next((b for b in (256, 128, 64, 32, 16) if k % b == 0), None)
     if g is None:
         return None  # NOTE: stays DequantizeLinear -> MatMul, which ONNX Runtime runs (dequantizing every call)
     packed = (w.T.astype(np.int16) + 128).astype(np.uint8).reshape(n, k // g, g)
-    scales = np.repeat(np.broadcast_to(w_scale, (n,)).astype(np.float32)[:, None], k // g, axis=1)
-    return ("nbits", matmul.input[0], k, g, 8), packed, scales
+    return ("nbits", matmul.input[0], k, g, 8), packed, np.repeat(w_scale[:, None], k // g, axis=1)
 
 
 def _int8_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> tuple | None:
+    w, w_scale = view.constant(dq.input[0]), view.constant(dq.input[1])  # [K, N], per-tensor or per-column scale
+    if w.ndim != 2 or not (w_scale.size == 1 or (w_scale.ndim == 1 and _attrs(dq).get("axis", 1) in (1, -1))):
+        return None
+    w_scale = np.broadcast_to(w_scale, (w.shape[1],)).astype(np.float32)
     act_dq = view.producer.get(matmul.input[0])
     if act_dq is None or act_dq.op_type != "DequantizeLinear":
-        return _int8_weight_only_site(view, matmul, dq)
+        return _int8_weight_only_site(matmul, w, w_scale)
     if not _is_zero_or_absent(view, act_dq, 2):
         return None
     quant = view.producer.get(act_dq.input[0])
     x_scale = view.constant(act_dq.input[1])
     if quant is None or quant.op_type != "QuantizeLinear":
         return None
-    w, w_scale = view.constant(dq.input[0]), view.constant(dq.input[1])
-    if w.ndim != 2 or not (w_scale.size == 1 or (w_scale.ndim == 1 and _attrs(dq).get("axis", 1) in (1, -1))):
-        return None
     if x_scale is None:  # a dynamic scale: per token when one block spans the whole last axis of x
         per_token = all(_attrs(n).get("axis") == -1 and _attrs(n).get("block_size") == w.shape[0]
                         for n in (quant, act_dq))
         if not per_token or quant.input[1] != act_dq.input[1]:
             return None
-        return ("int8_per_token", quant.input[0], quant.input[1]), w, np.broadcast_to(
-            w_scale, (w.shape[1],)).astype(np.float32)
+        return ("int8_per_token", quant.input[0], quant.input[1]), w, w_scale
     if x_scale.size != 1:
         return None
-    scale = (np.float32(x_scale.reshape(())) * np.broadcast_to(w_scale, (w.shape[1],))).astype(np.float32)
-    return ("int8", quant.input[0], quant.input[1]), w, scale
+    return ("int8", quant.input[0], quant.input[1]), w, (np.float32(x_scale.reshape(())) * w_scale).astype(np.float32)
 
 
 def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
