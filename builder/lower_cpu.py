@@ -50,31 +50,36 @@ class _Lowering:
         max_q = op("ReduceMax", [q_lens, c([0])], keepdims=1)
         max_past = op("ReduceMax", [past, c([0])], keepdims=1)
         i = op("Range", [c(0), op("Squeeze", [max_q]), c(1)])  # [Sq]
-        j = op("Range", [c(0), op("Squeeze", [max_past]), c(1)])  # [Lp]
         col = lambda x: op("Unsqueeze", [x, c([1])])  # noqa: E731  [B] -> [B, 1]
         row = lambda x: op("Unsqueeze", [x, c([0])])  # noqa: E731  [n] -> [1, n]
         neg_inf, zero = c(np.float32(-np.inf)), c(np.float32(0.0))
         # this step's tokens, unpacked to [B, Sq]: q_index[b, i] = starts[b] + i (0 on padding rows)
         q_valid = op("Less", [row(i), col(q_lens)])
         q_index = op("Where", [q_valid, op("Add", [col(starts), row(i)]), c(0)])
-        # past tokens, read from the pool [NB, L, 2, KVH, BS, D] seen as rows of D values: the row of position j
-        # of sequence b in plane (layer 0, K, head 0) is block * (L * 2 * KVH * BS) + j % BS (0 past the end)
+        # past tokens, read from the pool [NB, L, 2, KVH, BS, D] as whole block rows of BS * D values: the row of
+        # (block, layer 0, K, head h) is block * (L * 2 * KVH) + h. NOTE: one copy per block, not one per token,
+        # so the gathers move the same bytes in 16x fewer pieces (~20% of a batch-16 decode step was these gathers).
         cache_shape = op("Shape", [cache])
         dim = lambda i: op("Slice", [cache_shape, c([i]), c([i + 1])])  # noqa: E731  [1]
-        rows_per_plane = op("Mul", [dim(3), dim(4)])  # KVH * BS: one (layer, K|V) of a block
-        rows_per_block = op("Mul", [op("Mul", [dim(1), c([2])]), rows_per_plane])
-        past_valid = op("Less", [row(j), col(past)])  # [B, Lp]
-        slots = op("Add", [op("Mul", [op("Gather", [tables, op("Div", [j, c(block_size)])], axis=1), rows_per_block]),
-                           row(op("Mod", [j, c(block_size)]))])
-        slots = op("Where", [past_valid, slots, c(0)])
-        past_mask = op("Unsqueeze", [op("Where", [past_valid, zero, neg_inf]), c([0, 2])])  # [1, B, 1, Lp]
+        rows_per_block = op("Mul", [op("Mul", [dim(1), c([2])]), dim(3)])  # L * 2 * KVH
+        num_past_blocks = op("Div", [op("Add", [max_past, c([block_size - 1])]), c([block_size])])  # [1]
+        # a table's entries past a sequence's own past blocks may hold anything: read block 0 there (masked)
+        block_starts = op("Mul", [op("Range", [c(0), op("Squeeze", [num_past_blocks]), c(1)]), c(block_size)])
+        past_tables = op("Where", [op("Less", [row(block_starts), col(past)]),
+                                   op("Slice", [tables, c([0]), num_past_blocks, c([1])]), c(0)])  # [B, nb]
+        kv_heads = op("Range", [c(0), op("Squeeze", [dim(3)]), c(1)])  # [KVH]
+        head_blocks = op("Add", [op("Unsqueeze", [op("Mul", [past_tables, rows_per_block]), c([1])]),
+                                 op("Unsqueeze", [kv_heads, c([0, 2])])])  # [B, KVH, nb]: rows of layer 0's K
+        j = op("Range", [c(0), op("Squeeze", [op("Mul", [num_past_blocks, c([block_size])])]), c(1)])  # [nb * BS]
+        past_valid = op("Less", [row(j), col(past)])  # [B, nb * BS]: positions past the end are masked
+        past_mask = op("Unsqueeze", [op("Where", [past_valid, zero, neg_inf]), c([1, 2])])  # [B, 1, 1, nb * BS]
         # new tokens: query i sees new token i2 iff i2 <= i and i2 < q_len[b] (padding rows still see token 0)
         i_row, i_col = op("Unsqueeze", [i, c([0, 1])]), op("Unsqueeze", [i, c([0, 2])])  # [1, 1, Sq], [1, Sq, 1]
         new_visible = op("And", [op("LessOrEqual", [i_row, i_col]),
-                                 op("Less", [i_row, op("Unsqueeze", [q_lens, c([1, 2])])])])
+                                 op("Less", [i_row, op("Unsqueeze", [q_lens, c([1, 2])])])])  # [B, Sq, Sq]
         # query rows are (group member g, token i) pairs, g-major: the [Sq, Sq] mask repeats for each g
-        new_mask = op("Tile", [op("Unsqueeze", [op("Where", [new_visible, zero, neg_inf]), c([0])]),
-                               c([1, 1, group, 1])])  # [1, B, G * Sq, Sq]
+        new_mask = op("Tile", [op("Unsqueeze", [op("Where", [new_visible, zero, neg_inf]), c([1])]),
+                               c([1, 1, group, 1])])  # [B, 1, G * Sq, Sq]
         # unpack: packed token t of sequence s(t) sits at row s(t) * Sq + (t - starts[s(t)]) of [B * Sq]
         num_tokens = op("Squeeze", [op("Slice", [qsl, c([-1]), c([np.iinfo(np.int64).max])])])  # T = qsl[B]
         t = op("Range", [c(0), num_tokens, c(1)])
@@ -82,11 +87,9 @@ class _Lowering:
                                                                         row(op("Slice", [qsl, c([1]), c([2**62])]))])],
                                                 to=onnx.TensorProto.INT64), c([1])], keepdims=0)
         out_index = op("Add", [op("Mul", [seq_of_t, max_q]), op("Sub", [t, op("Gather", [starts, seq_of_t])])])
-        # pool rows of past token j of sequence b for kv head h, in layer 0's K: [KVH, B, Lp]
-        head_base = op("Mul", [op("Range", [c(0), op("Squeeze", [dim(3)]), c(1)]), dim(4)])  # h * BS
-        head_slots = op("Add", [op("Unsqueeze", [head_base, c([1, 2])]), op("Unsqueeze", [slots, c([0])])])
-        m = dict(q_index=q_index, head_slots=head_slots, past_mask=past_mask, new_mask=new_mask, out_index=out_index,
-                 slots_per_plane=rows_per_plane, key_split=op("Concat", [max_past, max_q], axis=0))
+        m = dict(q_index=q_index, head_blocks=head_blocks, past_mask=past_mask, new_mask=new_mask,
+                 out_index=out_index, key_split=op("Concat", [op("Mul", [num_past_blocks, c([block_size])]), max_q],
+                                                   axis=0))
         self.meta[key] = m
         return m
 
@@ -149,23 +152,23 @@ class _Lowering:
             q, k = self.rope(q, pos, cos, sin, heads, d), self.rope(k, pos, cos, sin, kv_heads, d)
         k = op("Reshape", [k, c([-1, kv_heads, d])], outputs=[node.output[1]])  # [T, KVH, D]
         v = op("Reshape", [v, c([-1, kv_heads, d])], outputs=[node.output[2]])
-        # Queries unpacked per sequence, the G query heads of a KV head as rows of one matrix: [KVH, B, G * Sq, D].
-        # NOTE: one GEMM per (KV head, sequence) with G rows, instead of G single-row GEMMs reading the same keys.
+        # Queries unpacked per sequence, the G query heads of a KV head as rows of one matrix: [B, KVH, G * Sq, D].
+        # NOTE: one GEMM per (sequence, KV head) with G rows, instead of G single-row GEMMs reading the same keys.
         q = op("Gather", [op("Reshape", [q, c([-1, kv_heads, group, d])]), m["q_index"]], axis=0)  # [B,Sq,KVH,G,D]
-        q = op("Reshape", [op("Transpose", [q], perm=[2, 0, 3, 1, 4]), c([0, 0, -1, d])])
-        pool = op("Reshape", [node.input[pa.KV_CACHE], c([-1, d])])  # aliases the pool, no copy
-        # Keys and values in two parts, both [KVH, B, tokens, D]: past tokens gathered from the pool (O(context),
-        # never the whole pool) and this step's own tokens unpacked per sequence; one softmax spans both.
-        past_kv = [self.dequantize_kv(op("Gather", [pool, op("Add", [m["head_slots"], op(
-            "Mul", [m["slots_per_plane"], c([2 * layer + w])])])]), node, w) for w in (0, 1)]
+        q = op("Reshape", [op("Transpose", [q], perm=[0, 2, 3, 1, 4]), c([0, 0, -1, d])])
+        pool = op("Reshape", [node.input[pa.KV_CACHE], c([-1, block_size * d])])  # block rows; aliases the pool
+        # Keys and values in two parts, both [B, KVH, tokens, D]: past tokens gathered from the pool as whole blocks
+        # (O(context), never the whole pool) and this step's own tokens unpacked per sequence; one softmax spans both.
+        past_kv = [self.dequantize_kv(op("Reshape", [op("Gather", [pool, op(
+            "Add", [m["head_blocks"], c((2 * layer + w) * kv_heads)])]), c([0, 0, -1, d])]), node, w) for w in (0, 1)]
         new_kv = [op("Transpose", [op("Gather", [self.fake_quantize_kv(x, node, w), m["q_index"]], axis=0)],
-                     perm=[2, 0, 1, 3]) for w, x in enumerate((k, v))]
+                     perm=[0, 2, 1, 3]) for w, x in enumerate((k, v))]
         scores = [op("Add", [op("FusedMatMul", [q, key], domain=MS_DOMAIN, transB=1, alpha=float(scale)), mask])
                   for key, mask in zip((past_kv[0], new_kv[0]), (m["past_mask"], m["new_mask"]), strict=True)]
         probs = op("Split", [op("Softmax", [op("Concat", scores, axis=-1)], axis=-1), m["key_split"]],
-                   num_outputs=2, axis=-1)  # [KVH, B, G * Sq, Lp | Sq]
+                   num_outputs=2, axis=-1)  # [B, KVH, G * Sq, past | Sq]
         out = op("Add", [op("MatMul", [p, val]) for p, val in zip(probs, (past_kv[1], new_kv[1]), strict=True)])
-        out = op("Transpose", [op("Reshape", [out, c([0, 0, group, -1, d])])], perm=[1, 3, 0, 2, 4])  # [B,Sq,KVH,G,D]
+        out = op("Transpose", [op("Reshape", [out, c([0, 0, group, -1, d])])], perm=[0, 3, 1, 2, 4])  # [B,Sq,KVH,G,D]
         op("Gather", [op("Reshape", [out, c([-1, heads * d])]), m["out_index"]], axis=0, outputs=[node.output[0]])
 
 

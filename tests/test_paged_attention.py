@@ -202,7 +202,7 @@ def assert_pool_read_only_by_gathers(model: onnx.ModelProto, num_layers: int) ->
             continue
         assert reshape.input[0] == "kv_cache"
         target = initializers[reshape.input[1]].tolist()
-        assert len(target) == 2 and target[0] == -1  # [rows, head]: a view of the pool, no data movement
+        assert len(target) == 2 and target[0] == -1  # [rows, block x head]: a view of the pool, no copy
         users = consumers[reshape.output[0]]
         assert users and all(n.op_type == "Gather" and i == 0 for n, i in users), [n.op_type for n, _ in users]
     for shape, _ in consumers["kv_cache"]:
@@ -217,7 +217,7 @@ def test_lowered_op_reads_the_pool_only_through_gathers():
     assert_pool_read_only_by_gathers(model, num_layers=2)
     flat = [n for n in model.graph.node if n.op_type == "Reshape" and n.input[0] == "kv_cache"]
     shape = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == flat[0].input[1]))
-    assert shape.tolist() == [-1, HEAD]
+    assert shape.tolist() == [-1, BLOCK * HEAD]  # whole blocks of one (layer, K|V, head)
 
 
 def test_engine_reads_the_pool_only_through_gathers(random_hf_model, engine_from_hf):

@@ -293,7 +293,8 @@ def test_all_passes_in_order(family, network):
     for p in PASSES["cpu"]:
         counts[p.__name__] = p(model)
         check(model)  # every intermediate model is valid ONNX
-    assert counts == {"fuse_qkv": LAYERS, "fuse_gate_up": LAYERS, "fuse_rope_into_attention": LAYERS,
+    assert counts == {"fold_prescale": 0, "fuse_qkv": LAYERS, "fuse_gate_up": LAYERS,
+                      "fuse_rope_into_attention": LAYERS,
                       "fuse_add_rmsnorm": 2 * LAYERS - 1}
     got = ops(model)
     # qkv, dense, gate_up, proj per layer, and lm_head (a Gemm over the embedding table when tied)
@@ -418,7 +419,7 @@ def test_fused_engine_matches_unfused_engine(family, random_hf_model, engine_fro
     unfused_dir, _ = unfused(family)
     fused_info, unfused_info = CpuEngine(fused_dir).info, CpuEngine(unfused_dir).info
     assert unfused_info.passes == ()
-    assert fused_info.passes == (f"fuse_qkv:{LAYERS}", f"fuse_gate_up:{LAYERS}",
+    assert fused_info.passes == ("fold_prescale:0", f"fuse_qkv:{LAYERS}", f"fuse_gate_up:{LAYERS}",
                                  f"fuse_rope_into_attention:{LAYERS}", f"fuse_add_rmsnorm:{2 * LAYERS - 1}")
     assert_same_outputs(drive(fused_dir, None), drive(unfused_dir, None))
     pools = []

@@ -270,6 +270,34 @@ def test_siblings_fuse_only_with_identical_scales(algo, base, tmp_path):
     assert counts == {"shared": (4 * LAYERS, 4 * LAYERS), "one differs": (4 * LAYERS + 1, 4 * LAYERS + 1)}
 
 
+@pytest.mark.parametrize("algo,per_token", [("int4_awq", False), ("int8_sq", False), ("int8_sq", True)])
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "own_scales"])
+def test_prescale_folds_into_norms_and_up_projection(algo, per_token, shared, base, tmp_path):
+    """fold_prescale removes the q/k/v and gate/up pre-scale Muls into the RMSNorm weights when the siblings share
+    them, and the down projection's into the up projection's output scales always; the o projection's stays (its
+    input comes from attention). The engines of CASES, built with every pass, match the format to RTOL."""
+    from trtbuild.builder.passes.fold_prescale import fold_prescale
+
+    ckpt, amax = base("llama")
+    q = quantize_checkpoint(ckpt, tmp_path / "ckpt", algo, None, amax, shared_prequant=shared, per_token=per_token)
+    config, tensors = load_checkpoint(q)
+    model = build_network(config, tensors, BuildConfig(**OPTIONS))
+    prescales = lambda: sorted(n.name.split(".", 3)[-1] for n in model.graph.node  # noqa: E731
+                               if n.op_type == "Mul" and n.name.endswith("_prescale"))
+    per_layer = ["attention.dense_prescale"] + ([] if shared else [
+        "attention.k_prescale", "attention.q_prescale", "attention.v_prescale", "mlp.fc_prescale",
+        "mlp.gate_prescale"])
+    before = prescales()
+    assert fold_prescale(model) == len(before) - LAYERS * len(per_layer)
+    assert prescales() == sorted(per_layer * LAYERS)
+    onnx.checker.check_model(model)
+    up_scale = numpy_helper.to_array(next(t for t in model.graph.initializer
+                                          if t.name == "transformer.layers.0.mlp.fc.weights_scaling_factor"))
+    want = tensors["transformer.layers.0.mlp.fc.weights_scaling_factor"].float().numpy()
+    s = tensors["transformer.layers.0.mlp.proj.prequant_scaling_factor"].float().numpy().reshape(-1)
+    np.testing.assert_allclose(up_scale, want.T * s if algo == "int4_awq" else want.reshape(-1) * s, rtol=1e-6)
+
+
 def test_build_refuses_a_false_shared_scales_flag(base, tmp_path):
     """`shared_input_scales: true` promises identical sibling scales (engines that trust it fuse the GEMMs)."""
     import json

@@ -1,6 +1,7 @@
 """Graph passes over the ONNX network. Each pass rewrites the model in place and returns how many sites it changed.
 
-Order matters: sibling GEMMs are merged first (QKV, gate/up), then RoPE moves into the attention op, then residual
+Order matters: pre-quant scales are folded into the norms / up projections first (while those are plain RMSNorm
+and MatMul nodes), then sibling GEMMs are merged (QKV, gate/up), RoPE moves into the attention op, and residual
 Add + RMSNorm are fused (a CPU-target pass: the fused op is ONNX Runtime's).
 """
 
@@ -10,6 +11,7 @@ from collections.abc import Callable
 
 import onnx
 
+from trtbuild.builder.passes.fold_prescale import fold_prescale
 from trtbuild.builder.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from trtbuild.builder.passes.fuse_gemms import fuse_gate_up, fuse_qkv
 from trtbuild.builder.passes.fuse_rope import fuse_rope_into_attention
@@ -17,8 +19,8 @@ from trtbuild.builder.passes.fuse_rope import fuse_rope_into_attention
 Pass = Callable[[onnx.ModelProto], int]
 
 PASSES: dict[str, tuple[Pass, ...]] = {
-    "cpu": (fuse_qkv, fuse_gate_up, fuse_rope_into_attention, fuse_add_rmsnorm),
-    "tensorrt": (fuse_qkv, fuse_gate_up, fuse_rope_into_attention),
+    "cpu": (fold_prescale, fuse_qkv, fuse_gate_up, fuse_rope_into_attention, fuse_add_rmsnorm),
+    "tensorrt": (fold_prescale, fuse_qkv, fuse_gate_up, fuse_rope_into_attention),
 }
 
 
