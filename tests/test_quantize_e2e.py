@@ -265,7 +265,7 @@ def test_kernels_fuse_only_identical_scales(name, shared, alpha, per_layer, quan
     doc = json.loads((ckpt / "config.json").read_text())["quantization"]
     assert (doc["shared_input_scales"], doc["smoothquant_alpha"]) == (shared, alpha)
     model = onnx.load(str(engine_dir / CPU_ENGINE_FILE))
-    kernel = {"int4_awq": "MatMulNBits", "int8_sq": "MatMulInteger"}[CASES[name][0]]
+    kernel = {"int4_awq": "MatMulNBits", "int8_sq": "MatMulIntegerToFloat"}[CASES[name][0]]
     assert sum(n.op_type == kernel for n in model.graph.node) == per_layer * LAYERS
 
 

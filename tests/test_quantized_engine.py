@@ -149,7 +149,7 @@ def test_lowered_graph_runs_low_bit_kernels(name, case):
              for n in model.graph.node if n.op_type == "MatMulNBits"}
     assert len(nbits) == (linears if algo == "int4_awq" else 0) + head_int8
     assert {n: a["bits"] for n, a in nbits.items() if a["bits"] == 8} == ({"lm_head": 8} if head_int8 else {})
-    assert ops["MatMulInteger"] == (linears if algo == "int8_sq" else 0)
+    assert ops["MatMulIntegerToFloat"] == (linears if algo == "int8_sq" else 0)
     float_matrices = {t.name for t in model.graph.initializer
                       if t.data_type == TensorProto.FLOAT and len(t.dims) == 2 and min(t.dims) > 1}
     expected = {"rope_cos", "rope_sin", "transformer.vocab_embedding.weight"} | (
@@ -254,7 +254,7 @@ def test_siblings_fuse_only_with_identical_scales(algo, base, tmp_path):
     from trtbuild.builder.passes.lower_quant_cpu import lower_quantized_linears
 
     ckpt, amax = base("llama")
-    kernel = {"int4_awq": "MatMulNBits", "int8_sq": "MatMulInteger"}[algo]
+    kernel = {"int4_awq": "MatMulNBits", "int8_sq": "MatMulIntegerToFloat"}[algo]
     config, tensors = load_checkpoint(quantize_checkpoint(ckpt, tmp_path / "ckpt", algo, None, amax))
     assert config.quantization.shared_input_scales
     odd = "transformer.layers.0.attention.v.prequant_scaling_factor"
@@ -357,7 +357,7 @@ def test_per_token_unfused_network_is_standard_onnx(base, tmp_path):
                                                              "output_dtype": TensorProto.INT8}
     assert lower_quantized_linears(model, 1) == 7 * LAYERS
     ops = _ops(model)
-    assert ops["DequantizeLinear"] == 0 and ops["QuantizeLinear"] == ops["MatMulInteger"] == 4 * LAYERS
+    assert ops["DequantizeLinear"] == 0 and ops["QuantizeLinear"] == ops["MatMulIntegerToFloat"] == 4 * LAYERS
     for quant in (n for n in model.graph.node if n.op_type == "QuantizeLinear"):
         width = config.intermediate_size if ".mlp.proj" in quant.name else hidden  # the GEMM's input features
         assert len(quant.input) == 3 and {a.name: a.i for a in quant.attribute} == {"axis": -1, "block_size": width}

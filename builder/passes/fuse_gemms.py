@@ -85,7 +85,7 @@ def _feeds(view: GraphView, tensor: str, op_type: str, depth: int = 8) -> bool:
             for user in view.consumers.get(t, []):
                 if user.op_type == op_type:
                     return True
-                if user.op_type not in ("MatMul", "Gemm", "MatMulNBits", "MatMulInteger"):
+                if user.op_type not in ("MatMul", "Gemm", "MatMulNBits", "MatMulInteger", "MatMulIntegerToFloat"):
                     nxt.extend(o for o in user.output if o)
         frontier = nxt
     return False
