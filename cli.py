@@ -231,13 +231,16 @@ def client(address: str, prompt: str, max_tokens: int, temperature: float, top_k
                    "on it; print the speedup, engine file and KV bytes-per-token ratios.")
 @click.option("--compare-hf", type=_existing, default=None,
               help="HF model folder or llama .gguf: also time transformers generate() on the same prompts batched.")
+@click.option("--rounds", type=click.IntRange(min=1), default=1,
+              help="Run the engine and its comparisons this many times, alternating; the speedups printed are the "
+                   "medians of the rounds' ratios (steadier on a machine whose speed drifts).")
 @_speculative_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench(engine: Path | None, address: str | None, dataset: Path | None, num_requests: int | None,
           input_len: int | None, output_len: int | None, seed: int, concurrency: int | None, request_rate: float,
           timeout: float, threads: int | None, compare_sequential: bool, compare_engine: Path | None,
-          compare_hf: Path | None,
-          speculative_tokens: int, prompt_lookup_max: int, as_json: bool) -> None:
+          compare_hf: Path | None, rounds: int, speculative_tokens: int, prompt_lookup_max: int,
+          as_json: bool) -> None:
     """Measure throughput and latency of an engine (in-process) or a server under load, with baselines as ratios."""
     from trtbuild.runtime.bench import BenchOptions, format_report, run_bench, to_json
 
@@ -245,7 +248,7 @@ def bench(engine: Path | None, address: str | None, dataset: Path | None, num_re
                            input_len=input_len, output_len=output_len, seed=seed, concurrency=concurrency,
                            request_rate=request_rate, timeout=timeout, threads=threads,
                            compare_sequential=compare_sequential, compare_engine=compare_engine,
-                           compare_hf=compare_hf,
+                           compare_hf=compare_hf, rounds=rounds,
                            speculative=_speculative_config(speculative_tokens, prompt_lookup_max))
     report = run_bench(options, log=lambda message: click.echo(message, err=True))
     click.echo(to_json(report) if as_json else format_report(report))

@@ -129,6 +129,29 @@ def test_compare_hf_prints_a_ratio_and_does_the_same_work(engine):
         assert hf["token_ids"] == expected and hf["output_tokens"] == 16 and hf["batch_size"] == 2, model
 
 
+def test_rounds_alternate_the_runs_and_report_median_ratios(engine):
+    """--rounds 3: the engine and its baseline run three times, alternating; each round keeps its own ratio and the
+    headline speedup is their median, printed with the rounds."""
+    r = run_bench(BenchOptions(engine=engine, num_requests=3, input_len=8, output_len=5, threads=1, concurrency=3,
+                               compare_sequential=True, rounds=3))
+    assert_sane(r, 3, 8, 5)
+    rounds = r["rounds"]
+    assert len(rounds) == 3 and rounds[0]["output_throughput"] == r["output_throughput"]
+    for x in rounds:
+        assert x["speedup_vs_engine"] is None and x["speedup_vs_hf"] is None and x["speedup_vs_sequential"] > 0
+    ratios = sorted(x["speedup_vs_sequential"] for x in rounds)
+    assert r["speedup_vs_sequential"] == ratios[1]
+    result = bench("--engine", engine, "--num-requests", 2, "--input-len", 4, "--output-len", 3, "--threads", 1,
+                   "--compare-sequential", "--rounds", 2)
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert re.search(r"^  speedup vs sequential: \d+\.\d\d \d+\.\d\d \(median \d+\.\d\dx\)$", result.stdout, re.M)
+    assert result.stderr.count("running the same requests one at a time") == 2
+    assert "rounds" not in ok_json(bench("--engine", engine, "--num-requests", 1, "--input-len", 4, "--output-len",
+                                         2, "--threads", 1, "--json"))
+    assert_user_error(bench("--engine", engine, "--num-requests", 1, "--input-len", 4, "--output-len", 2,
+                            "--rounds", 0), r"Invalid value for '--rounds'")
+
+
 def test_compare_engine_runs_the_same_requests_and_prints_size_ratios(engine, tmp_path, llama_engine):
     """The same engine with an int8 KV cache as the compared one: same work, a quarter of the KV bytes per token."""
     from quant_helpers import calibrate, quantize_checkpoint
