@@ -109,35 +109,32 @@ class _Lowering:
         algo = algo.decode() if isinstance(algo, bytes) else algo
         return algo, np.float32(_attr(node, "kv_cache_scale")[which] if algo else 1.0)
 
-    def dequantize_kv(self, gathered: str, node: onnx.NodeProto, which: int) -> str:
-        """Float32 K (which=0) or V (1) of the rows gathered from a quantized pool; only those rows are touched.
-        int8: Cast * scale. fp8 (uint8 bit patterns): Gather from a 256-entry table of e4m3 value * scale (exact)."""
-        algo, scale = self.kv_quant(node, which)
+    def dequantize_kv(self, gathered: str, node: onnx.NodeProto) -> str:
+        """Float32 values of the rows gathered from a quantized pool, in units of the layer's K or V scale (the
+        caller applies it, see `lower`); only those rows are touched. int8: Cast. fp8 (uint8 bit patterns): Gather
+        from the 256-entry table of e4m3 values (exact)."""
+        algo, _ = self.kv_quant(node, 0)
         if algo is None:
             return gathered
         op, c = self.g.op, self.c
         if algo == "int8":
-            return op("Mul", [op("Cast", [gathered], to=onnx.TensorProto.FLOAT), c(scale, "kv_scale")])
-        table = c((fp8_e4m3_values() * scale).astype(np.float32), "kv_fp8_table")
-        return op("Gather", [table, op("Cast", [gathered], to=onnx.TensorProto.INT32)])
+            return op("Cast", [gathered], to=onnx.TensorProto.FLOAT)
+        return op("Gather", [c(fp8_e4m3_values(), "kv_fp8_table"), op("Cast", [gathered], to=onnx.TensorProto.INT32)])
 
     def fake_quantize_kv(self, x: str, node: onnx.NodeProto, which: int) -> str:
-        """This step's own K or V as the pool will hold it (quantized, then dequantized), so that every key and value
-        attended is a stored one whatever the chunking, as in the modelopt-simulated model. Plain float ops (Div,
-        Round half to even, Clip / Cast to e4m3 saturating): ONNX Runtime's QDQ rewrites stay out of attention."""
+        """This step's own K or V as the pool will hold it, in units of its scale like `dequantize_kv`, so that every
+        key and value attended is a stored one whatever the chunking, as in the modelopt-simulated model. Plain float
+        ops (Div, Round half to even, Clip / Cast to e4m3 saturating): ONNX Runtime's QDQ rewrites stay out."""
         algo, scale = self.kv_quant(node, which)
         if algo is None:
             return x
         op, c = self.g.op, self.c
-        s = c(scale, "kv_scale")
-        y = op("Div", [x, s])
+        y = op("Div", [x, c(scale, "kv_scale")])
         if algo == "int8":
-            y = op("Clip", [op("Round", [y]), c(np.float32(-127), "kv_min"), c(np.float32(127), "kv_max")])
-        else:
-            fp8 = op("Cast", [op("Clip", [y, c(np.float32(-448), "kv_min"), c(np.float32(448), "kv_max")])],
-                     to=onnx.TensorProto.FLOAT8E4M3FN)
-            y = op("Cast", [fp8], to=onnx.TensorProto.FLOAT)
-        return op("Mul", [y, s])
+            return op("Clip", [op("Round", [y]), c(np.float32(-127), "kv_min"), c(np.float32(127), "kv_max")])
+        fp8 = op("Cast", [op("Clip", [y, c(np.float32(-448), "kv_min"), c(np.float32(448), "kv_max")])],
+                 to=onnx.TensorProto.FLOAT8E4M3FN)
+        return op("Cast", [fp8], to=onnx.TensorProto.FLOAT)
 
     def lower(self, node: onnx.NodeProto) -> None:
         g, op, c = self.g, self.g.op, self.c
@@ -159,15 +156,20 @@ class _Lowering:
         pool = op("Reshape", [node.input[pa.KV_CACHE], c([-1, block_size * d])])  # block rows; aliases the pool
         # Keys and values in two parts, both [B, KVH, tokens, D]: past tokens gathered from the pool as whole blocks
         # (O(context), never the whole pool) and this step's own tokens unpacked per sequence; one softmax spans both.
+        # NOTE: a quantized pool's K and V stay in units of their per-layer scales: the K scale joins the score
+        # scale and the V scale multiplies the output, instead of two passes over every gathered row.
         past_kv = [self.dequantize_kv(op("Reshape", [op("Gather", [pool, op(
-            "Add", [m["head_blocks"], c((2 * layer + w) * kv_heads)])]), c([0, 0, -1, d])]), node, w) for w in (0, 1)]
+            "Add", [m["head_blocks"], c((2 * layer + w) * kv_heads)])]), c([0, 0, -1, d])]), node) for w in (0, 1)]
         new_kv = [op("Transpose", [op("Gather", [self.fake_quantize_kv(x, node, w), m["q_index"]], axis=0)],
                      perm=[0, 2, 1, 3]) for w, x in enumerate((k, v))]
-        scores = [op("Add", [op("FusedMatMul", [q, key], domain=MS_DOMAIN, transB=1, alpha=float(scale)), mask])
+        alpha = float(np.float32(scale) * self.kv_quant(node, 0)[1])
+        scores = [op("Add", [op("FusedMatMul", [q, key], domain=MS_DOMAIN, transB=1, alpha=alpha), mask])
                   for key, mask in zip((past_kv[0], new_kv[0]), (m["past_mask"], m["new_mask"]), strict=True)]
         probs = op("Split", [op("Softmax", [op("Concat", scores, axis=-1)], axis=-1), m["key_split"]],
                    num_outputs=2, axis=-1)  # [B, KVH, G * Sq, past | Sq]
         out = op("Add", [op("MatMul", [p, val]) for p, val in zip(probs, (past_kv[1], new_kv[1]), strict=True)])
+        if self.kv_quant(node, 1)[0] is not None:
+            out = op("Mul", [out, c(self.kv_quant(node, 1)[1], "kv_scale")])
         out = op("Transpose", [op("Reshape", [out, c([0, 0, group, -1, d])])], perm=[0, 3, 1, 2, 4])  # [B,Sq,KVH,G,D]
         op("Gather", [op("Reshape", [out, c([-1, heads * d])]), m["out_index"]], axis=0, outputs=[node.output[0]])
 
