@@ -39,7 +39,7 @@ class RuntimeConfig:
     max_prefill_chunk: int | None = None
     num_threads: int | None = None
     speculative: SpeculativeConfig | None = None  # draft tokens verified per decode step; None: off
-    warm_up: bool = True  # one dummy step of the largest batch at start (CpuEngine.warm_up)
+    warm_up: bool = True  # at start: one dummy step of the largest batch (CpuEngine.warm_up), KV pool faulted in
 
 
 @dataclass
@@ -108,8 +108,10 @@ class EngineCore:
                  num_blocks * build.tokens_per_block, num_blocks * self.engine.kv.bytes_per_block / 2**20)
         if config.warm_up:
             start, limits = time.perf_counter(), self.scheduler.config
+            self.engine.kv.reserve()
             self.engine.warm_up(limits.max_batch_size, limits.max_num_tokens)
-            log.info("warmed up: one %d-token step in %.2f s", limits.max_num_tokens, time.perf_counter() - start)
+            log.info("warmed up: KV pool resident and one %d-token step in %.2f s", limits.max_num_tokens,
+                     time.perf_counter() - start)
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:

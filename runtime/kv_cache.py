@@ -88,6 +88,31 @@ class KVCacheStorage:
         self.pool = np.zeros(self.shape, dtype=self.dtype)
         self.huge_pages = advise_huge_pages(self.pool)
 
+    def reserve(self) -> None:
+        """Fault every page of the pool in now (one write per 4 KiB page; the values stay zero), so that no step
+        waits later for memory on a block's first write. NOTE: as GPU engines allocate their whole KV pool at start.
+        On a VM a never-touched page is backed by the host on first write: ~1.7 s per GiB here, which otherwise
+        stalled a 128-token batch-16 run 8 times for ~28 ms each (16 new blocks at once)."""
+        self.pool.reshape(-1).view(np.uint8)[::4096] = 0
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the pool backed by memory now (from /proc/self/smaps; 0 where Linux does not say)."""
+        start, end = self.pool.ctypes.data, self.pool.ctypes.data + self.pool.nbytes
+        rss_kb, inside = 0, False
+        try:
+            with open("/proc/self/smaps") as f:
+                for line in f:
+                    head = line.split()[0]
+                    if "-" in head and not head.endswith(":"):
+                        lo, hi = (int(x, 16) for x in head.split("-"))
+                        inside = lo < end and hi > start
+                    elif inside and head == "Rss:":
+                        rss_kb += int(line.split()[1])
+        except OSError:
+            return 0
+        return rss_kb * 1024
+
     @property
     def num_blocks(self) -> int:
         return self.shape[0]

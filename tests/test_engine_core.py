@@ -107,6 +107,17 @@ def test_tiny_pool_guaranteed_no_evict_never_preempts(llama_engine, alone):
 # ---- prefix caching --------------------------------------------------------------------------------------------
 
 
+def test_start_up_makes_the_kv_pool_resident(llama_engine):
+    """With the warm-up, the whole pool is faulted in at start (no step waits for memory later); without it, the
+    pool stays lazily mapped."""
+    cold = EngineCore(llama_engine, config(warm_up=False, kv_cache_blocks=2048))
+    warm = EngineCore(llama_engine, config(kv_cache_blocks=2048, max_num_tokens=64, max_batch_size=4))
+    if warm.engine.kv.resident_bytes == 0:
+        pytest.skip("this system does not report resident memory per mapping (/proc/self/smaps)")
+    assert warm.engine.kv.resident_bytes >= warm.engine.kv.pool.nbytes - 4096
+    assert cold.engine.kv.resident_bytes < cold.engine.kv.pool.nbytes // 4
+
+
 def test_start_up_warm_up_writes_only_block_0_and_changes_no_tokens(llama_engine):
     """The start-up step (the engine's largest batch: max_batch_size prompts sharing max_num_tokens) runs before any
     request owns a block and writes only block 0; a pool of 6 blocks hands block 0 out again, and every request

@@ -4,6 +4,8 @@ full pool changes nothing). Exact block ids, prefix reuse and LRU eviction are i
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from helpers import RANDOM_CONFIGS
@@ -105,7 +107,7 @@ def test_pool_is_backed_by_huge_pages_where_the_kernel_offers_them():
     storage.write(np.ones((LAYERS, 2, tokens, KV_HEADS, 64), np.float32), np.arange(tokens) + 16 * 2000)
 
     start, end = storage.pool.ctypes.data, storage.pool.ctypes.data + storage.pool.nbytes
-    huge_kb, rss_kb, inside = 0, 0, False
+    huge_kb, inside = 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
@@ -114,12 +116,23 @@ def test_pool_is_backed_by_huge_pages_where_the_kernel_offers_them():
                 inside = lo < end and hi > start
             elif inside and head == "AnonHugePages:":
                 huge_kb += int(line.split()[1])
-            elif inside and head == "Rss:":
-                rss_kb += int(line.split()[1])
+    rss_kb = storage.resident_bytes // 1024
     if huge_kb == 0:  # madvise was taken (asserted above), but the kernel may find no free 2 MiB page to give
         pytest.skip("the kernel backed the advised pool with 4 KiB pages (no free huge page, or defrag off)")
     assert huge_kb >= 2048  # the 512 KiB written sit in huge pages
     assert rss_kb <= 2 * 2048 + 4096  # and not the rest of the 128 MiB
+
+
+def test_reserve_makes_the_whole_pool_resident_and_keeps_it_zero():
+    """reserve() faults every page in (as a GPU engine allocates its whole pool at start): the pool's resident bytes
+    go from what was written to all of it, and every value is still zero."""
+    storage = KVCacheStorage(LAYERS, KV_HEADS, 64, 16, 1024)  # 32 MiB
+    if not Path("/proc/self/smaps").is_file():
+        pytest.skip("no /proc/self/smaps on this system")
+    assert storage.resident_bytes < storage.pool.nbytes // 4
+    storage.reserve()
+    assert storage.resident_bytes >= storage.pool.nbytes - 4096
+    assert not storage.pool.any()
 
 
 # --- ownership (KVCacheManager over BlockPool) ----------------------------------------------------------------------
