@@ -10,6 +10,7 @@ the step's new K/V with the per-layer (K scale, V scale); the engine dequantizes
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 
 import numpy as np
@@ -97,21 +98,19 @@ class KVCacheStorage:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of the pool backed by memory now (from /proc/self/smaps; 0 where Linux does not say)."""
-        start, end = self.pool.ctypes.data, self.pool.ctypes.data + self.pool.nbytes
-        rss_kb, inside = 0, False
+        """Bytes of the pool backed by memory now (Linux mincore of the pool's own pages; 0 where unavailable)."""
+        page = mmap.PAGESIZE
+        start = self.pool.ctypes.data // page * page
+        length = self.pool.ctypes.data + self.pool.nbytes - start
+        pages = np.zeros(-(-length // page), dtype=np.uint8)
         try:
-            with open("/proc/self/smaps") as f:
-                for line in f:
-                    head = line.split()[0]
-                    if "-" in head and not head.endswith(":"):
-                        lo, hi = (int(x, 16) for x in head.split("-"))
-                        inside = lo < end and hi > start
-                    elif inside and head == "Rss:":
-                        rss_kb += int(line.split()[1])
-        except OSError:
+            mincore = ctypes.CDLL(None, use_errno=True).mincore
+        except (OSError, AttributeError):
             return 0
-        return rss_kb * 1024
+        mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        if mincore(start, length, pages.ctypes.data) != 0:
+            return 0
+        return int(np.count_nonzero(pages & 1)) * page
 
     @property
     def num_blocks(self) -> int:

@@ -109,9 +109,11 @@ def test_tiny_pool_guaranteed_no_evict_never_preempts(llama_engine, alone):
 
 def test_start_up_makes_the_kv_pool_resident(llama_engine):
     """With the warm-up, the whole pool is faulted in at start (no step waits for memory later); without it, the
-    pool stays lazily mapped."""
-    cold = EngineCore(llama_engine, config(warm_up=False, kv_cache_blocks=2048))
-    warm = EngineCore(llama_engine, config(kv_cache_blocks=2048, max_num_tokens=64, max_batch_size=4))
+    pool stays lazily mapped. NOTE: 64 MiB pools, above glibc's largest mmap threshold (32 MiB): a smaller zeroed
+    array may come from reused, already resident heap memory."""
+    cold = EngineCore(llama_engine, config(warm_up=False, kv_cache_blocks=16384))
+    warm = EngineCore(llama_engine, config(kv_cache_blocks=16384, max_num_tokens=64, max_batch_size=4))
+    assert warm.engine.kv.pool.nbytes >= 64 << 20
     if warm.engine.kv.resident_bytes == 0:
         pytest.skip("this system does not report resident memory per mapping (/proc/self/smaps)")
     assert warm.engine.kv.resident_bytes >= warm.engine.kv.pool.nbytes - 4096
