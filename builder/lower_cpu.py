@@ -162,14 +162,15 @@ class _Lowering:
             "Add", [m["head_blocks"], c((2 * layer + w) * kv_heads)])]), c([0, 0, -1, d])]), node) for w in (0, 1)]
         new_kv = [op("Transpose", [op("Gather", [self.fake_quantize_kv(x, node, w), m["q_index"]], axis=0)],
                      perm=[0, 2, 1, 3]) for w, x in enumerate((k, v))]
-        alpha = float(np.float32(scale) * self.kv_quant(node, 0)[1])
+        (_, k_scale), (v_algo, v_scale) = self.kv_quant(node, 0), self.kv_quant(node, 1)
+        alpha = float(np.float32(scale) * k_scale)
         scores = [op("Add", [op("FusedMatMul", [q, key], domain=MS_DOMAIN, transB=1, alpha=alpha), mask])
                   for key, mask in zip((past_kv[0], new_kv[0]), (m["past_mask"], m["new_mask"]), strict=True)]
         probs = op("Split", [op("Softmax", [op("Concat", scores, axis=-1)], axis=-1), m["key_split"]],
                    num_outputs=2, axis=-1)  # [B, KVH, G * Sq, past | Sq]
         out = op("Add", [op("MatMul", [p, val]) for p, val in zip(probs, (past_kv[1], new_kv[1]), strict=True)])
-        if self.kv_quant(node, 1)[0] is not None:
-            out = op("Mul", [out, c(self.kv_quant(node, 1)[1], "kv_scale")])
+        if v_algo is not None:
+            out = op("Mul", [out, c(v_scale, "kv_scale")])
         out = op("Transpose", [op("Reshape", [out, c([0, 0, group, -1, d])])], perm=[0, 3, 1, 2, 4])  # [B,Sq,KVH,G,D]
         op("Gather", [op("Reshape", [out, c([-1, heads * d])]), m["out_index"]], axis=0, outputs=[node.output[0]])
 
