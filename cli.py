@@ -100,14 +100,17 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int) -
 @click.option("--int4-accuracy-level", type=click.Choice(["1", "4"]), default="4", show_default=True,
               help="int4 and int8 weight-only linears on CPU (MatMulNBits): 4 computes in int8 (faster), 1 in fp32 "
                    "(matches the format exactly).")
+@click.option("--kv-cache-dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
+              help="Paged KV pool of an unquantized KV cache: float16 halves its memory (compute stays float32).")
 def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_seq_len: int | None,
-          max_num_tokens: int, tokens_per_block: int, no_fuse: bool, int4_accuracy_level: str) -> None:
+          max_num_tokens: int, tokens_per_block: int, no_fuse: bool, int4_accuracy_level: str,
+          kv_cache_dtype: str) -> None:
     """Compile a checkpoint into an engine directory for one target."""
     from trtbuild.builder.build import build_engine
 
     build_engine(checkpoint, output, target=target, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                  max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block, fuse=not no_fuse,
-                 int4_accuracy_level=int(int4_accuracy_level))
+                 int4_accuracy_level=int(int4_accuracy_level), kv_cache_dtype=kv_cache_dtype)
     click.echo(f"wrote engine {output}")
 
 

@@ -28,8 +28,9 @@ def _attr(node: onnx.NodeProto, name: str, default=_MISSING):
 
 
 class _Lowering:
-    def __init__(self, g: GraphBuilder) -> None:
+    def __init__(self, g: GraphBuilder, elem_types: dict[str, int]) -> None:
         self.g = g
+        self.elem_types = elem_types  # graph input -> onnx element type (a float16 KV pool is read as float32)
         self.meta: dict[tuple, dict[str, str]] = {}
         self.positions_per_token: dict[str, str] = {}  # position_ids -> [T, 1], shared by every layer's RoPE
 
@@ -109,14 +110,17 @@ class _Lowering:
         algo = algo.decode() if isinstance(algo, bytes) else algo
         return algo, np.float32(_attr(node, "kv_cache_scale")[which] if algo else 1.0)
 
+    def half_pool(self, node: onnx.NodeProto) -> bool:
+        return self.elem_types.get(node.input[pa.KV_CACHE]) == onnx.TensorProto.FLOAT16
+
     def dequantize_kv(self, gathered: str, node: onnx.NodeProto) -> str:
         """Float32 values of the rows gathered from a quantized pool, in units of the layer's K or V scale (the
         caller applies it, see `lower`); only those rows are touched. int8: Cast. fp8 (uint8 bit patterns): Gather
-        from the 256-entry table of e4m3 values (exact)."""
+        from the 256-entry table of e4m3 values (exact). A float16 pool: Cast."""
         algo, _ = self.kv_quant(node, 0)
-        if algo is None:
-            return gathered
         op, c = self.g.op, self.c
+        if algo is None:
+            return gathered if not self.half_pool(node) else op("Cast", [gathered], to=onnx.TensorProto.FLOAT)
         if algo == "int8":
             return op("Cast", [gathered], to=onnx.TensorProto.FLOAT)
         return op("Gather", [c(fp8_e4m3_values(), "kv_fp8_table"), op("Cast", [gathered], to=onnx.TensorProto.INT32)])
@@ -124,11 +128,14 @@ class _Lowering:
     def fake_quantize_kv(self, x: str, node: onnx.NodeProto, which: int) -> str:
         """This step's own K or V as the pool will hold it, in units of its scale like `dequantize_kv`, so that every
         key and value attended is a stored one whatever the chunking, as in the modelopt-simulated model. Plain float
-        ops (Div, Round half to even, Clip / Cast to e4m3 saturating): ONNX Runtime's QDQ rewrites stay out."""
+        ops (Div, Round half to even, Clip / Cast to e4m3 saturating): ONNX Runtime's QDQ rewrites stay out. A
+        float16 pool: rounded to float16 and back (to nearest even, as numpy rounds when the runtime writes)."""
         algo, scale = self.kv_quant(node, which)
-        if algo is None:
-            return x
         op, c = self.g.op, self.c
+        if algo is None:
+            if not self.half_pool(node):
+                return x
+            return op("Cast", [op("Cast", [x], to=onnx.TensorProto.FLOAT16)], to=onnx.TensorProto.FLOAT)
         y = op("Div", [x, c(scale, "kv_scale")])
         if algo == "int8":
             return op("Clip", [op("Round", [y]), c(np.float32(-127), "kv_min"), c(np.float32(127), "kv_max")])
@@ -180,7 +187,7 @@ def lower_paged_attention(model: onnx.ModelProto) -> int:
     view = GraphView(model)
     targets = [n for n in model.graph.node if n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE]
     g = GraphBuilder()
-    lowering = _Lowering(g)
+    lowering = _Lowering(g, {i.name: i.type.tensor_type.elem_type for i in model.graph.input})
     for node in targets:
         lowering.lower(node)
         model.graph.node.remove(node)

@@ -13,7 +13,8 @@ Quantized checkpoints: linears take the standard Q/DQ form of their format (buil
 cache makes `kv_cache` int8 (or uint8 holding float8 e4m3fn bits); each PagedAttention node then carries the
 attributes `kv_cache_quant_algo` and `kv_cache_scale` [K scale, V scale], and the model's metadata_props carry
 the per-layer scales (`trtbuild.kv_cache_scales`, JSON [[k, v], ...]) for the runtime, which quantizes new_kv when
-it writes the pool. new_kv itself stays float32.
+it writes the pool. new_kv itself stays float32. An unquantized pool built with `kv_cache_dtype: float16` makes
+`kv_cache` float16 (the runtime rounds new_kv to it when it writes, and attention reads it back as float32).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ class _NetworkWriter:
         block_tables = g.input("block_tables", i64, ["batch", self.build.max_blocks_per_seq])
         logits_indices = g.input("logits_indices", i64, ["num_logits"])
         kv_algo = c.quantization.kv_cache_quant_algo
-        kv_cache = g.input("kv_cache", KV_CACHE_ELEM_TYPES[kv_algo], kv_cache_shape(c, self.build, "num_blocks"))
+        kv_cache = g.input("kv_cache", KV_CACHE_ELEM_TYPES[kv_algo or self.build.kv_cache_dtype],
+                           kv_cache_shape(c, self.build, "num_blocks"))
 
         cos_np, sin_np = rope_tables(c, self.build.max_seq_len)
         cos, sin = g.weight("rope_cos", cos_np), g.weight("rope_sin", sin_np)

@@ -31,7 +31,9 @@ INT4_GROUP_SIZES = (16, 32, 64, 128, 256)  # MatMulNBits block sizes: powers of 
 WEIGHT_DTYPES = {"fp8": torch.float8_e4m3fn, "int4_awq": torch.uint8, "int8_sq": torch.int8, "int8_wo": torch.int8}
 KV_SCALE = "attention.kv_cache_scaling_factor"
 # onnx element type of the kv_cache input for each kv_cache_quant_algo (fp8 travels as its uint8 bit patterns)
-KV_CACHE_ELEM_TYPES = {None: TensorProto.FLOAT, "int8": TensorProto.INT8, "fp8": TensorProto.UINT8}
+# (and of an unquantized pool for each BuildConfig.kv_cache_dtype)
+KV_CACHE_ELEM_TYPES = {None: TensorProto.FLOAT, "int8": TensorProto.INT8, "fp8": TensorProto.UINT8,
+                       "float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
 
 def check_quantization(config: ModelConfig, build: BuildConfig) -> None:
@@ -43,6 +45,10 @@ def check_quantization(config: ModelConfig, build: BuildConfig) -> None:
     if q.kv_cache_quant_algo not in (None, *KV_CACHE_QUANT_ALGOS):
         raise TrtbuildError(f"KV cache quantization {q.kv_cache_quant_algo!r} cannot be built for target "
                             f"{build.target}; supported kv_cache_quant_algo: {', '.join(KV_CACHE_QUANT_ALGOS)}.")
+    if q.kv_cache_quant_algo and build.kv_cache_dtype != "float32":
+        raise TrtbuildError(f"the checkpoint's KV cache is quantized ({q.kv_cache_quant_algo}); --kv-cache-dtype "
+                            f"{build.kv_cache_dtype} applies to unquantized KV caches only: drop it, or quantize "
+                            "without --kv-cache-dtype.")
     if q.lm_head_quant_algo not in (None, *LM_HEAD_QUANT_ALGOS):
         raise TrtbuildError(f"lm_head quantization {q.lm_head_quant_algo!r} cannot be built for target {build.target}; "
                             f"supported lm_head_quant_algo: {', '.join(LM_HEAD_QUANT_ALGOS)}.")

@@ -12,6 +12,8 @@ TARGETS = ("cpu", "tensorrt")
 # ONNX Runtime MatMulNBits accuracy levels the CPU engine offers for int4 weights: 1 = fp32 compute (bit-faithful
 # to the checkpoint format), 4 = int8 compute (activations quantized per block, VNNI kernels; faster).
 INT4_ACCURACY_LEVELS = (1, 4)
+# element type of an unquantized paged KV pool (a quantized one is the checkpoint's kv_cache_quant_algo)
+KV_CACHE_DTYPES = ("float32", "float16")
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,8 @@ class BuildConfig:
     fuse: bool = True  # run the fusion passes (off only to test them)
     # INT4_ACCURACY_LEVELS: MatMulNBits' compute on the CPU target, for int4 and int8 weight-only (int8_wo) linears
     int4_accuracy_level: int = 4
+    # KV_CACHE_DTYPES: float16 halves the pool's bytes (attention still computes in float32)
+    kv_cache_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -34,6 +38,9 @@ class BuildConfig:
         if self.int4_accuracy_level not in INT4_ACCURACY_LEVELS:
             raise TrtbuildError(f"--int4-accuracy-level must be one of {INT4_ACCURACY_LEVELS}, "
                                 f"got {self.int4_accuracy_level}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise TrtbuildError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                f"got {self.kv_cache_dtype!r}.")
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -89,7 +89,8 @@ class CpuEngine:
         """(Re)create the KV pool with `num_blocks` blocks; its previous contents are dropped."""
         m, b = self.info.model, self.info.build
         self.kv = KVCacheStorage(m.num_hidden_layers, m.num_key_value_heads, m.head_size, b.tokens_per_block,
-                                 num_blocks, quant_algo=self.kv_quant_algo, scales=self.kv_scales)
+                                 num_blocks, dtype=np.dtype(b.kv_cache_dtype), quant_algo=self.kv_quant_algo,
+                                 scales=self.kv_scales)
 
     @property
     def max_blocks_per_seq(self) -> int:

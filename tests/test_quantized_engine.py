@@ -406,3 +406,14 @@ def test_int8_weight_only_lowering(k):
         None, {"x": x})[0]
     want = x.astype(np.float64) @ (w * s.astype(np.float64))
     assert rel_err(y, want) <= 1e-5
+
+
+def test_build_refuses_a_float16_pool_for_a_quantized_kv_cache(case, tmp_path):
+    """--kv-cache-dtype float16 is for unquantized KV caches; with an int8 one the build says so before any work."""
+    _, _, engine_dir, _ = case("qwen2-int8_sq-kv_int8")
+    with pytest.raises(TrtbuildError, match=r"KV cache is quantized \(int8\); --kv-cache-dtype float16 applies to "
+                                            r"unquantized KV caches only"):
+        build_engine(engine_dir.parent / "ckpt", tmp_path / "engine", **OPTIONS, kv_cache_dtype="float16")
+    assert not (tmp_path / "engine").exists()
+    with pytest.raises(TrtbuildError, match=r"--kv-cache-dtype must be one of float32, float16, got 'bfloat16'"):
+        BuildConfig(kv_cache_dtype="bfloat16")
