@@ -4,8 +4,6 @@ full pool changes nothing). Exact block ids, prefix reuse and LRU eviction are i
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from helpers import RANDOM_CONFIGS
@@ -126,11 +124,12 @@ def test_pool_is_backed_by_huge_pages_where_the_kernel_offers_them():
 def test_reserve_makes_the_whole_pool_resident_and_keeps_it_zero():
     """reserve() faults every page in (as a GPU engine allocates its whole pool at start): the pool's resident bytes
     go from what was written to all of it, and every value is still zero."""
-    storage = KVCacheStorage(LAYERS, KV_HEADS, 64, 16, 1024)  # 32 MiB
-    if not Path("/proc/self/smaps").is_file():
-        pytest.skip("no /proc/self/smaps on this system")
-    assert storage.resident_bytes < storage.pool.nbytes // 4
+    storage = KVCacheStorage(LAYERS, KV_HEADS, 64, 16, 2048)  # 64 MiB: above glibc's largest mmap threshold
+    before = storage.resident_bytes
     storage.reserve()
+    if storage.resident_bytes == 0:
+        pytest.skip("this system does not say which pages are resident (mincore)")
+    assert before < storage.pool.nbytes // 4
     assert storage.resident_bytes >= storage.pool.nbytes - 4096
     assert not storage.pool.any()
 
