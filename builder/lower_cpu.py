@@ -71,7 +71,8 @@ class _Lowering:
         kv_heads = op("Range", [c(0), op("Squeeze", [dim(3)]), c(1)])  # [KVH]
         head_blocks = op("Add", [op("Unsqueeze", [op("Mul", [past_tables, rows_per_block]), c([1])]),
                                  op("Unsqueeze", [kv_heads, c([0, 2])])])  # [B, KVH, nb]: rows of layer 0's K
-        j = op("Range", [c(0), op("Squeeze", [op("Mul", [num_past_blocks, c([block_size])])]), c(1)])  # [nb * BS]
+        past_span = op("Mul", [num_past_blocks, c([block_size])])  # [1]: nb * BS key positions, the last masked
+        j = op("Range", [c(0), op("Squeeze", [past_span]), c(1)])  # [nb * BS]
         past_valid = op("Less", [row(j), col(past)])  # [B, nb * BS]: positions past the end are masked
         past_mask = op("Unsqueeze", [op("Where", [past_valid, zero, neg_inf]), c([1, 2])])  # [B, 1, 1, nb * BS]
         # new tokens: query i sees new token i2 iff i2 <= i and i2 < q_len[b] (padding rows still see token 0)
@@ -89,8 +90,7 @@ class _Lowering:
                                                 to=onnx.TensorProto.INT64), c([1])], keepdims=0)
         out_index = op("Add", [op("Mul", [seq_of_t, max_q]), op("Sub", [t, op("Gather", [starts, seq_of_t])])])
         m = dict(q_index=q_index, head_blocks=head_blocks, past_mask=past_mask, new_mask=new_mask,
-                 out_index=out_index, key_split=op("Concat", [op("Mul", [num_past_blocks, c([block_size])]), max_q],
-                                                   axis=0))
+                 out_index=out_index, key_split=op("Concat", [past_span, max_q], axis=0))
         self.meta[key] = m
         return m
 
