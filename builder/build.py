@@ -11,13 +11,14 @@ from tqdm import tqdm
 from trtbuild.builder.convert.checkpoint import (
     CONFIG_FILE,
     copy_tokenizer_files,
-    load_checkpoint,
+    open_checkpoint,
     prepare_output_dir,
     remove_partial_output,
 )
-from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, cpu_fingerprint, write_engine_config
+from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, CPU_WEIGHTS_FILE, cpu_fingerprint, write_engine_config
 from trtbuild.builder.network import ENGINE_INPUTS, ENGINE_OUTPUTS, build_network
 from trtbuild.builder.quantized import check_quantization
+from trtbuild.builder.weight_file import StagingWeights, save_engine_files
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.errors import TrtbuildError
 
@@ -71,7 +72,6 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> tuple[onnx.M
     if quantized:
         applied.append(f"lower_quantized_linears:{quantized}")
     lower_paged_attention(model)
-    onnx.checker.check_model(model)
     return model, applied
 
 
@@ -95,19 +95,20 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
     prepare_output_dir(output)
     steps = tqdm(total=4, desc="building engine", unit="step", leave=False)
     try:
-        _, tensors = load_checkpoint(checkpoint, rank=0)
+        _, tensors = open_checkpoint(checkpoint, rank=0)
         steps.set_postfix_str("network"), steps.update()
-        model = build_network(config, tensors, build)
-        del tensors
+        staging = StagingWeights(output / (CPU_WEIGHTS_FILE + ".staging"))
+        model = build_network(config, tensors, build, staging)
         steps.set_postfix_str("passes + lowering"), steps.update()
         model, applied = lower_for_target(model, build)
         steps.set_postfix_str("saving"), steps.update()
-        onnx.save_model(model, str(output / CPU_ENGINE_FILE))
+        weight_bytes = save_engine_files(model, output / CPU_ENGINE_FILE, output / CPU_WEIGHTS_FILE)
+        onnx.checker.check_model(str(output / CPU_ENGINE_FILE))  # by path: it reads the graph file, not the weights
         copy_tokenizer_files(checkpoint, output)
         io = io_spec(model)
         assert [i["name"] for i in io["inputs"]] == list(ENGINE_INPUTS)
         assert [o["name"] for o in io["outputs"]] == list(ENGINE_OUTPUTS)
-        write_engine_config(output, config, build, cpu_fingerprint(), io, applied)
+        write_engine_config(output, config, build, cpu_fingerprint(), io, applied, {CPU_WEIGHTS_FILE: weight_bytes})
         steps.update()
     except BaseException:
         remove_partial_output(output)

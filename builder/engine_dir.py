@@ -1,4 +1,5 @@
-"""The self-describing engine directory: config.json (version, model, build, target fingerprint, I/O) + rank0 file.
+"""The self-describing engine directory: config.json (version, model, build, target fingerprint, I/O, weight files)
++ rank0.onnx (the graph) + rank0.weights (its initializers, as ONNX external data).
 
 Compatibility is checked from config.json alone, before any engine file is opened, so a wrong engine fails fast
 with a message that says what to rebuild and how.
@@ -18,6 +19,7 @@ from trtbuild.errors import EngineCompatibilityError
 
 ENGINE_CONFIG = "config.json"
 CPU_ENGINE_FILE = "rank0.onnx"
+CPU_WEIGHTS_FILE = "rank0.weights"
 _CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
               "asimd", "sve")
 
@@ -53,6 +55,12 @@ class EngineInfo:
     io: dict[str, Any]
     passes: tuple[str, ...]
     trtbuild_version: str
+    weight_files: dict[str, int]  # file name in the engine dir -> size in bytes
+
+    @property
+    def engine_bytes(self) -> int:
+        """What the engine occupies on disk: its graph file and its weight files."""
+        return (self.path / CPU_ENGINE_FILE).stat().st_size + sum(self.weight_files.values())
 
     def rebuild_hint(self, target: str = "cpu") -> str:
         return (f"rebuild it here: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> "
@@ -60,7 +68,7 @@ class EngineInfo:
 
 
 def write_engine_config(out_dir: Path, model: ModelConfig, build: BuildConfig, target: dict, io: dict,
-                        passes: list[str]) -> None:
+                        passes: list[str], weight_files: dict[str, int]) -> None:
     doc = {
         "trtbuild_version": __version__,
         "engine_format_version": ENGINE_FORMAT_VERSION,
@@ -69,6 +77,7 @@ def write_engine_config(out_dir: Path, model: ModelConfig, build: BuildConfig, t
         "build_config": build.to_dict(),
         "passes": passes,
         "io": io,
+        "weight_files": weight_files,
     }
     (out_dir / ENGINE_CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
 
@@ -109,8 +118,10 @@ def read_engine_config(engine_dir: Path, expect_target: str = "cpu") -> EngineIn
         _check_cpu_target(engine_dir, target)
     try:
         model, build = ModelConfig.from_dict(doc["model_config"]), BuildConfig.from_dict(doc["build_config"])
-    except (KeyError, TypeError, ValueError) as e:
+        weight_files = {str(k): int(v) for k, v in doc["weight_files"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise EngineCompatibilityError(f"{path} is incomplete or corrupt ({e!r}); rebuild the engine.") from None
+    _check_weight_files(engine_dir, weight_files)
     return EngineInfo(
         path=engine_dir,
         model=model,
@@ -119,7 +130,22 @@ def read_engine_config(engine_dir: Path, expect_target: str = "cpu") -> EngineIn
         io=doc.get("io", {}),
         passes=tuple(doc.get("passes", ())),
         trtbuild_version=built_by,
+        weight_files=weight_files,
     )
+
+
+def _check_weight_files(engine_dir: Path, weight_files: dict[str, int]) -> None:
+    """Every weight file config.json names is there with its recorded size: a missing or truncated copy fails here,
+    not halfway through loading."""
+    for name, size in weight_files.items():
+        f = engine_dir / name
+        if not f.is_file():
+            raise EngineCompatibilityError(f"{f} is missing ({size} bytes expected); copy the whole engine directory "
+                                           "or rebuild it with `trtbuild build`.")
+        if f.stat().st_size != size:
+            raise EngineCompatibilityError(f"{f} has {f.stat().st_size} bytes but the engine was built with {size}: "
+                                           "it is truncated or from another engine; copy the whole engine directory "
+                                           "again or rebuild it with `trtbuild build`.")
 
 
 def _check_cpu_target(engine_dir: Path, target: dict) -> None:

@@ -9,14 +9,18 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from trtbuild.builder.weight_file import StagingWeights, is_external
+
 OPSET = 23  # RMSNormalization and RotaryEmbedding are standard ONNX ops from opset 23
 MS_DOMAIN = "com.microsoft"
 
 
 class GraphBuilder:
-    """Appends nodes and initializers; every node gets a unique, readable name under the current scope."""
+    """Appends nodes and initializers; every node gets a unique, readable name under the current scope. With
+    `staging`, large initializers go to that file as they are added (builder/weight_file.py), not into memory."""
 
-    def __init__(self) -> None:
+    def __init__(self, staging: StagingWeights | None = None) -> None:
+        self.staging = staging
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -35,12 +39,11 @@ class GraphBuilder:
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
 
     def const(self, value: np.ndarray | float | int | list, hint: str = "const") -> str:
-        name = self.name(hint)
-        self.initializers.append(numpy_helper.from_array(np.asarray(value), name))
-        return name
+        return self.weight(self.name(hint), np.asarray(value))
 
     def weight(self, name: str, value: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        self.initializers.append(self.staging.tensor(name, value) if self.staging
+                                 else numpy_helper.from_array(np.ascontiguousarray(value), name))
         return name
 
     def op(self, op_type: str, inputs: list[str], num_outputs: int = 1, domain: str = "", name: str | None = None,
@@ -55,6 +58,8 @@ class GraphBuilder:
         opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(d, v) for d, v in (extra_opsets or {}).items()]
         model = helper.make_model(graph, opset_imports=opsets, producer_name="trtbuild")
         model.ir_version = 10
+        if self.staging is not None:
+            self.staging.attach(model)
         return model
 
 
@@ -75,17 +80,27 @@ class GraphView:
                     self.consumers[i].append(node)
         self.initializers = {t.name: t for t in self.graph.initializer}
         self.graph_outputs = {o.name for o in self.graph.output}
+        self.staging = StagingWeights.of(model)
 
     def constant(self, name: str) -> np.ndarray | None:
+        """The values of initializer `name` (read from the staging file when it lives there), or None."""
         t = self.initializers.get(name)
-        return None if t is None else numpy_helper.to_array(t)
+        if t is None:
+            return None
+        return self.staging.read(t) if is_external(t) else numpy_helper.to_array(t)
+
+    def shape_of(self, name: str) -> tuple[int, ...] | None:
+        """The shape of initializer `name` without reading its values, or None when it is not a constant."""
+        t = self.initializers.get(name)
+        return None if t is None else tuple(t.dims)
 
     def replace_initializer(self, name: str, value: np.ndarray) -> None:
         self.graph.initializer.remove(self.initializers.pop(name))
         self.add_initializer(name, value)
 
     def add_initializer(self, name: str, value: np.ndarray) -> None:
-        t = numpy_helper.from_array(np.ascontiguousarray(value), name)
+        t = (self.staging.tensor(name, value) if self.staging
+             else numpy_helper.from_array(np.ascontiguousarray(value), name))
         self.graph.initializer.append(t)
         self.initializers[name] = t
 

@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder, GraphView, topological_sort
+from trtbuild.builder.weight_file import StagingWeights
 from trtbuild.plugins import paged_attention as pa
 from trtbuild.runtime.kv_cache import fp8_e4m3_values
 
@@ -186,7 +187,7 @@ def lower_paged_attention(model: onnx.ModelProto) -> int:
     """Replace every PagedAttention node in place; returns how many were lowered."""
     view = GraphView(model)
     targets = [n for n in model.graph.node if n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE]
-    g = GraphBuilder()
+    g = GraphBuilder(StagingWeights.of(model))
     lowering = _Lowering(g, {i.name: i.type.tensor_type.elem_type for i in model.graph.input})
     for node in targets:
         lowering.lower(node)

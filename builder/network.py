@@ -20,6 +20,7 @@ it writes the pool. new_kv itself stays float32. An unquantized pool built with 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -29,6 +30,7 @@ from onnx import TensorProto
 from trtbuild.builder.graph import GraphBuilder
 from trtbuild.builder.quantized import KV_CACHE_ELEM_TYPES, QuantizedLinears, kv_cache_scales
 from trtbuild.builder.rope import rope_tables
+from trtbuild.builder.weight_file import StagingWeights
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.plugins import paged_attention as pa
 
@@ -48,15 +50,16 @@ def kv_cache_shape(config: ModelConfig, build: BuildConfig, num_blocks: int | st
 
 
 class _NetworkWriter:
-    def __init__(self, config: ModelConfig, tensors: dict[str, torch.Tensor], build: BuildConfig) -> None:
-        self.c, self.build, self.g = config, build, GraphBuilder()
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor], build: BuildConfig,
+                 staging: StagingWeights | None) -> None:
+        self.c, self.build, self.g = config, build, GraphBuilder(staging)
         self.tensors = tensors
         self.np_dtype = np.float32  # the CPU target computes in fp32 (ORT's CPU kernels are fastest there)
         self.quant = QuantizedLinears(self.g, config, tensors)
         self.kv_scales = kv_cache_scales(config, tensors)
 
     def tensor(self, name: str) -> np.ndarray:
-        return self.tensors[name].to(torch.float32).numpy().astype(self.np_dtype)
+        return self.tensors[name].to(torch.float32).numpy().astype(self.np_dtype, copy=False)
 
     def linear(self, x: str, prefix: str, bias: bool = False, outputs: list[str] | None = None) -> str:
         if self.quant.is_quantized(prefix):
@@ -151,10 +154,13 @@ class _NetworkWriter:
         g.output("new_kv", f32, [c.num_hidden_layers, 2, "num_tokens", c.num_key_value_heads, c.head_size])
         model = g.model("trtbuild_decoder", {pa.DOMAIN: pa.OPSET_VERSION})
         if self.kv_scales is not None:
-            onnx.helper.set_model_props(model, {KV_SCALES_METADATA: json.dumps(self.kv_scales.tolist())})
+            entry = model.metadata_props.add()
+            entry.key, entry.value = KV_SCALES_METADATA, json.dumps(self.kv_scales.tolist())
         return model
 
 
-def build_network(config: ModelConfig, tensors: dict[str, torch.Tensor], build: BuildConfig) -> onnx.ModelProto:
-    """The unfused network for one single-rank checkpoint."""
-    return _NetworkWriter(config, tensors, build).write()
+def build_network(config: ModelConfig, tensors: Mapping[str, torch.Tensor], build: BuildConfig,
+                  staging: StagingWeights | None = None) -> onnx.ModelProto:
+    """The unfused network for one single-rank checkpoint. `tensors` may read each tensor lazily; with `staging`,
+    the weights go to that file one at a time as the network is written (otherwise they stay in the model)."""
+    return _NetworkWriter(config, tensors, build, staging).write()

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
+from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.errors import TrtbuildError
 from trtbuild.runtime.bench import BenchRequest, RequestResult
 
@@ -44,7 +44,7 @@ class EngineTarget:
         self.core = core = EngineCore(Path(engine_dir), RuntimeConfig(num_threads=threads, speculative=speculative))
         self.vocab_size = core.vocab_size
         self.special_ids = frozenset(core.eos_token_ids) | (core.tokenizer.special_ids if core.tokenizer else set())
-        self.sizes = {"engine_file_bytes": (Path(engine_dir) / CPU_ENGINE_FILE).stat().st_size,
+        self.sizes = {"engine_file_bytes": read_engine_config(Path(engine_dir)).engine_bytes,
                       "kv_bytes_per_token": core.engine.kv.bytes_per_token}
         self.steps: list[_Step] = []
         step = core.step

@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner, Result
 from helpers import STORIES260K, require_shared_models
 
+from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.cli import main
 from trtbuild.runtime.bench import BenchOptions, run_bench
 from trtbuild.runtime.bench_baselines import hf_generate
@@ -170,7 +171,7 @@ def test_compare_engine_runs_the_same_requests_and_prints_size_ratios(engine, tm
     assert other["target"] == f"engine {engine}"
     assert_sane(other, 4, 10, 6)
     assert r["kv_bytes_per_token"] * 4 == other["kv_bytes_per_token"] == 5 * 2 * 4 * 8 * 4  # layers, K+V, heads, dim
-    assert r["engine_file_bytes"] == (kv8 / "rank0.onnx").stat().st_size
+    assert r["engine_file_bytes"] == read_engine_config(kv8).engine_bytes
     assert r["speedup_vs_engine"] == pytest.approx(r["output_throughput"] / other["output_throughput"])
     text = bench("--engine", kv8, "--num-requests", 2, "--input-len", 8, "--output-len", 4, "--threads", 1,
                  "--compare-engine", engine).stdout

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from helpers import REPO, STORIES260K, make_random_hf_model, require_shared_models
@@ -461,7 +462,9 @@ INCOMPATIBLE = {
     "tensorrt_target": (lambda d: d["target"].update(name="tensorrt"),
                         r"built for target 'tensorrt'.*rebuild it: `trtbuild build .*--target cpu`"),
     "future_format": (lambda d: d.update(engine_format_version=999),
-                      r"engine format 999\); this trtbuild .* reads format 2\. Rebuild it"),
+                      r"engine format 999\); this trtbuild .* reads format 3\. Rebuild it"),
+    "format_2_weights_inside": (lambda d: [d.update(engine_format_version=2), d.pop("weight_files")],
+                                r"engine format 2\); this trtbuild .* reads format 3\. Rebuild it from its checkpoint"),
     "missing_cpu_feature": (_add_missing_feature, r"built for a CPU with \w+, which this CPU lacks; rebuild it"),
     "other_machine": (lambda d: d["target"].update(machine="s390x"), r"built on a s390x CPU.*rebuild it"),
     "newer_onnxruntime": (lambda d: d["target"].update(onnxruntime_version="999.0.0"),
@@ -503,6 +506,44 @@ def test_missing_or_corrupt_engine_file(engine_copy):
     read_engine_config(engine_copy)  # config.json alone is fine
     with pytest.raises(EngineCompatibilityError, match=r"rank0\.onnx is missing; rebuild the engine"):
         CpuEngine(engine_copy, num_threads=1)
+
+
+def test_weights_outside_the_graph(engine_copy):
+    """Every initializer above the inline threshold is in rank0.weights, page-aligned; the graph file is small."""
+    from trtbuild.builder.weight_file import ALIGN, INLINE_MAX_BYTES
+
+    model = onnx.load(str(engine_copy / "rank0.onnx"), load_external_data=False)
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    inline = [t for t in model.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+    assert external and all(len(t.raw_data) < INLINE_MAX_BYTES for t in inline)
+    entries = [{e.key: e.value for e in t.external_data} for t in external]
+    assert {e["location"] for e in entries} == {"rank0.weights"}
+    assert all(int(e["offset"]) % ALIGN == 0 for e in entries)
+    weights = (engine_copy / "rank0.weights").stat().st_size
+    assert read_engine_config(engine_copy).weight_files == {"rank0.weights": weights}
+    assert max(int(e["offset"]) + int(e["length"]) for e in entries) == weights
+    assert (engine_copy / "rank0.onnx").stat().st_size < weights / 10
+    assert not list(engine_copy.glob("*.staging"))
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_missing_or_truncated_weight_file_fails_before_loading(engine_copy, damage, monkeypatch):
+    import onnxruntime
+
+    weights = engine_copy / "rank0.weights"
+    size = weights.stat().st_size
+    if damage == "missing":
+        weights.unlink()
+        pattern = rf"rank0\.weights is missing \({size} bytes expected\); copy the whole engine directory"
+    else:
+        with open(weights, "r+b") as f:
+            f.truncate(size - 4096)
+        pattern = rf"rank0\.weights has {size - 4096} bytes but the engine was built with {size}: it is truncated"
+    opened = []
+    monkeypatch.setattr(onnxruntime, "InferenceSession", lambda *a, **k: opened.append(a))
+    with pytest.raises(EngineCompatibilityError, match=pattern):
+        CpuEngine(engine_copy, num_threads=1)
+    assert opened == []
 
 
 def test_not_an_engine_directory(engine_copy, converted, tmp_path):

@@ -43,7 +43,7 @@ from helpers import TINYSTORIES656K, require_shared_models
 from onnx import numpy_helper
 
 import trtbuild.quantize.reference as reference
-from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
+from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, read_engine_config
 from trtbuild.cli import main
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 from trtbuild.runtime.engine_core import RuntimeConfig
@@ -279,15 +279,15 @@ def int4_weight_bytes(engine_dir: Path) -> int:
 def test_engine_file_sizes_and_kv_bytes(quantized, fp32_engine):
     """int4 (group 64) stores (0.5 + 4/64) / 2 = 0.28 of the fp16 bytes of the linear weights, fp8 one byte per
     weight; the engine file shrinks by what the format saves. A quantized KV cache is 1 byte per value: 1/4 of fp32."""
-    size = {n: (quantized(n)[1] / CPU_ENGINE_FILE).stat().st_size for n in ("int4_awq", "fp8", "int8_sq")}
-    fp32 = (fp32_engine / CPU_ENGINE_FILE).stat().st_size
+    size = {n: read_engine_config(quantized(n)[1]).engine_bytes for n in ("int4_awq", "fp8", "int8_sq")}
+    fp32 = read_engine_config(fp32_engine).engine_bytes
     assert int4_weight_bytes(quantized("int4_awq")[1]) <= 0.3 * 2 * LINEAR_PARAMS
     assert fp32 - size["int4_awq"] >= 0.9 * LINEAR_PARAMS * (4 - 0.5 - 4 / GROUP)
     for name in ("fp8", "int8_sq"):
         assert fp32 - size[name] >= 0.9 * LINEAR_PARAMS * 3, name
     assert size["int4_awq"] < size["int8_sq"] and size["int4_awq"] < size["fp8"]
     vocab, hidden = 2048, 128  # the int8 lm_head: 1 byte per weight, + a float32 row scale per block of 128
-    head8 = (quantized("int4_awq-lm_head_int8")[1] / CPU_ENGINE_FILE).stat().st_size
+    head8 = read_engine_config(quantized("int4_awq-lm_head_int8")[1]).engine_bytes
     assert abs(head8 - size["int4_awq"] - vocab * hidden * (1 + 4 / 128)) <= 0.01 * vocab * hidden
 
     budget = 1 << 20

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from trtbuild.builder.convert.names import linear_prefixes
+from trtbuild.builder.convert.safetensors_io import SafetensorsError, SafetensorsFile
 from trtbuild.configs import ModelConfig
 from trtbuild.errors import CheckpointError
 
@@ -71,11 +72,45 @@ def save_rank(ckpt_dir: Path, rank: int, tensors: dict[str, torch.Tensor]) -> No
     save_file(tensors, str(rank_file(ckpt_dir, rank)), metadata={"format": "pt"})
 
 
-def load_checkpoint(ckpt_dir: Path, rank: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Load one rank and check it holds every tensor the builder needs, with the right shapes' element counts."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
+    """The full-precision shape of checkpoint tensor `name` in a single-rank checkpoint (None: not a fixed one)."""
+    suffix = name.split(".", 3)[-1] if name.startswith("transformer.layers.") else name
+    return {
+        "transformer.vocab_embedding.weight": (c.vocab_size, c.hidden_size),
+        "lm_head.weight": (c.vocab_size, c.hidden_size),
+        "transformer.ln_f.weight": (c.hidden_size,),
+        "input_layernorm.weight": (c.hidden_size,),
+        "post_layernorm.weight": (c.hidden_size,),
+        "attention.q.weight": (c.q_size, c.hidden_size),
+        "attention.k.weight": (c.kv_size, c.hidden_size),
+        "attention.v.weight": (c.kv_size, c.hidden_size),
+        "attention.q.bias": (c.q_size,),
+        "attention.k.bias": (c.kv_size,),
+        "attention.v.bias": (c.kv_size,),
+        "attention.q_norm.weight": (c.head_size,),
+        "attention.k_norm.weight": (c.head_size,),
+        "attention.dense.weight": (c.hidden_size, c.q_size),
+        "mlp.gate.weight": (c.intermediate_size, c.hidden_size),
+        "mlp.fc.weight": (c.intermediate_size, c.hidden_size),
+        "mlp.proj.weight": (c.hidden_size, c.intermediate_size),
+    }.get(suffix)
 
+
+def check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """Refuse full-precision, unsharded tensors whose shapes do not match config.json (quantized weights are packed:
+    they are checked where they are read)."""
+    for name, shape in shapes.items():
+        want = expected_shape(name, config)
+        if want is None or name.removesuffix(".weight") + ".weights_scaling_factor" in shapes:
+            continue
+        if tuple(shape) != want:
+            raise CheckpointError(f"{where}: tensor {name} has shape {tuple(shape)} but config.json implies {want}; "
+                                  "the weights and config.json do not belong together.")
+
+
+def open_checkpoint(ckpt_dir: Path, rank: int = 0) -> tuple[ModelConfig, SafetensorsFile]:
+    """Open one rank without reading its tensors (each is read when looked up), after checking that it holds every
+    tensor the builder needs, with the shapes config.json implies."""
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"checkpoint folder {ckpt_dir} does not exist; create it with `trtbuild convert`.")
     config = ModelConfig.load(ckpt_dir / CONFIG_FILE)
@@ -83,8 +118,8 @@ def load_checkpoint(ckpt_dir: Path, rank: int = 0) -> tuple[ModelConfig, dict[st
     if not path.is_file():
         raise CheckpointError(f"{path} is missing; the checkpoint is incomplete, re-run `trtbuild convert`.")
     try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
+        tensors = SafetensorsFile(path)
+    except (SafetensorsError, OSError) as e:
         raise CheckpointError(f"{path} is corrupt ({e}); re-run `trtbuild convert`.") from None
     mapping = config.mapping
     needed = expected_tensors(
@@ -96,4 +131,15 @@ def load_checkpoint(ckpt_dir: Path, rank: int = 0) -> tuple[ModelConfig, dict[st
     missing = [n for n in needed if n not in tensors]
     if missing:
         raise CheckpointError(f"{path} lacks {len(missing)} tensors (first: {missing[0]}); re-run `trtbuild convert`.")
+    if mapping.world_size == 1:  # TP shards are split along their own axes
+        check_shapes(config, {n: tensors.shape(n) for n in needed}, str(path))
     return config, tensors
+
+
+def load_checkpoint(ckpt_dir: Path, rank: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """`open_checkpoint`, with every tensor read into memory."""
+    config, tensors = open_checkpoint(ckpt_dir, rank)
+    try:
+        return config, dict(tensors.items())
+    except (SafetensorsError, OSError) as e:
+        raise CheckpointError(f"{tensors.path} is corrupt ({e}); re-run `trtbuild convert`.") from None

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from trtbuild.builder.convert.checkpoint import (
     CONFIG_FILE,
+    check_shapes,
     copy_tokenizer_files,
     expected_tensors,
     prepare_output_dir,
@@ -23,29 +24,6 @@ from trtbuild.configs.model_config import model_config_from_hf
 from trtbuild.errors import CheckpointError
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _expected_shape(name: str, c: ModelConfig) -> tuple[int, ...]:
-    suffix = name.split(".", 3)[-1] if name.startswith("transformer.layers.") else name
-    return {
-        "transformer.vocab_embedding.weight": (c.vocab_size, c.hidden_size),
-        "lm_head.weight": (c.vocab_size, c.hidden_size),
-        "transformer.ln_f.weight": (c.hidden_size,),
-        "input_layernorm.weight": (c.hidden_size,),
-        "post_layernorm.weight": (c.hidden_size,),
-        "attention.q.weight": (c.q_size, c.hidden_size),
-        "attention.k.weight": (c.kv_size, c.hidden_size),
-        "attention.v.weight": (c.kv_size, c.hidden_size),
-        "attention.q.bias": (c.q_size,),
-        "attention.k.bias": (c.kv_size,),
-        "attention.v.bias": (c.kv_size,),
-        "attention.q_norm.weight": (c.head_size,),
-        "attention.k_norm.weight": (c.head_size,),
-        "attention.dense.weight": (c.hidden_size, c.q_size),
-        "mlp.gate.weight": (c.intermediate_size, c.hidden_size),
-        "mlp.fc.weight": (c.intermediate_size, c.hidden_size),
-        "mlp.proj.weight": (c.hidden_size, c.intermediate_size),
-    }[suffix]
 
 
 def to_checkpoint_tensors(hf_tensors: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -70,13 +48,7 @@ def to_checkpoint_tensors(hf_tensors: dict, config: ModelConfig) -> dict[str, to
             f"the model lacks {len(missing)} tensors the {config.architecture} layout needs (first: {missing[0]}); "
             "the weights are incomplete or belong to another architecture."
         )
-    for name in needed:
-        want = _expected_shape(name, config)
-        if tuple(out[name].shape) != want:
-            raise CheckpointError(
-                f"tensor {name} has shape {tuple(out[name].shape)} but config.json implies {want}; "
-                "the weights and config.json do not belong together."
-            )
+    check_shapes(config, {n: tuple(out[n].shape) for n in needed}, "the model")
     return {n: out[n] for n in needed}
 
 

@@ -44,7 +44,8 @@ def _only_user(view: GraphView, name: str) -> bool:
 
 
 def _set_constant(view: GraphView, name: str, value: np.ndarray) -> None:
-    view.replace_initializer(name, value.astype(view.constant(name).dtype))
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(view.initializers[name].data_type)
+    view.replace_initializer(name, value.astype(dtype, copy=False))
 
 
 def _fold_into_norm(view: GraphView, norm: onnx.NodeProto, s: np.ndarray) -> bool:
@@ -62,10 +63,10 @@ def _fold_into_up(view: GraphView, swiglu: onnx.NodeProto, s: np.ndarray) -> boo
         if matmul is None or matmul.op_type != "MatMul" or not _only_user(view, up):
             continue
         weight = matmul.input[1]
-        if view.constant(weight) is not None:  # full-precision [K, N]
-            w = view.constant(weight)
-            if w.ndim == 2 and w.shape[1] == s.size and _only_user(view, weight):
-                _set_constant(view, weight, w * s)
+        shape = view.shape_of(weight)
+        if shape is not None:  # full-precision [K, N]
+            if len(shape) == 2 and shape[1] == s.size and _only_user(view, weight):
+                _set_constant(view, weight, view.constant(weight) * s)
                 return True
             continue
         dq = view.producer.get(weight)

@@ -66,8 +66,8 @@ def _sibling_groups(model: onnx.ModelProto, size: int, accept) -> list[list[onnx
     view = GraphView(model)
     by_input: dict[str, list[onnx.NodeProto]] = defaultdict(list)
     for node in model.graph.node:
-        w = view.constant(node.input[1]) if node.op_type == "MatMul" else None
-        if w is not None and w.ndim == 2:
+        shape = view.shape_of(node.input[1]) if node.op_type == "MatMul" else None
+        if shape is not None and len(shape) == 2:
             by_input[node.input[0]].append(node)
     return [g for g in by_input.values() if len(g) == size and accept(view, g)]
 

@@ -1,0 +1,128 @@
+"""Engine weights outside the ONNX graph, as ONNX external data: the graph file stays small and has no size limit.
+
+While a network is built and rewritten, every initializer of at least INLINE_MAX_BYTES lives in a staging file
+beside the engine and the ModelProto holds only its name, type, shape and (file name, offset, length). The staging
+file's path is recorded in the model's metadata (STAGING_KEY), so every pass finds it through the model alone.
+Passes read such a constant when they need its values and append the tensors they make; the tensors they drop
+are left behind in the staging file. `save_engine_files` then copies the initializers the final graph uses into
+the engine's weight file, page-aligned so that ONNX Runtime can map them, and removes the staging file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, numpy_helper
+
+STAGING_KEY = "trtbuild.staging_weights"
+INLINE_MAX_BYTES = 1024  # smaller initializers (shapes, split sizes, norms of tiny models) stay in the graph file
+ALIGN = 4096  # page-aligned offsets: ONNX Runtime maps external data rather than copying it
+_COPY_CHUNK = 64 << 20
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // ALIGN) * ALIGN
+
+
+def _external(tensor: TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in tensor.external_data}
+
+
+def _point_at(tensor: TensorProto, location: str, offset: int, length: int) -> None:
+    del tensor.external_data[:]
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def is_external(tensor: TensorProto) -> bool:
+    return tensor.data_location == TensorProto.EXTERNAL
+
+
+class StagingWeights:
+    """Append-only staging file for the large initializers of a network under construction."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path).resolve()
+        self.path.touch()
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> StagingWeights | None:
+        """The staging file a model under construction writes to, or None for an all-in-memory model."""
+        path = next((p.value for p in model.metadata_props if p.key == STAGING_KEY), None)
+        return None if path is None else cls(Path(path))
+
+    def attach(self, model: onnx.ModelProto) -> None:
+        entry = model.metadata_props.add()
+        entry.key, entry.value = STAGING_KEY, str(self.path)
+
+    def tensor(self, name: str, value: np.ndarray) -> TensorProto:
+        """A TensorProto for `value`: in the graph when small, else appended here and referred to."""
+        t = numpy_helper.from_array(np.ascontiguousarray(value), name)
+        if len(t.raw_data) < INLINE_MAX_BYTES:
+            return t
+        with open(self.path, "ab") as f:
+            offset = _aligned(f.tell())
+            f.truncate(offset)
+            f.seek(offset)
+            f.write(t.raw_data)
+        length = len(t.raw_data)
+        t.ClearField("raw_data")
+        _point_at(t, self.path.name, offset, length)  # ONNX requires relative locations
+        return t
+
+    def read(self, tensor: TensorProto) -> np.ndarray:
+        return read_external(tensor, self.path.parent)
+
+
+def read_external(tensor: TensorProto, base_dir: Path) -> np.ndarray:
+    """The values of an initializer stored as external data, in a file in `base_dir`."""
+    info = _external(tensor)
+    path = Path(base_dir) / info["location"]
+    offset, length = int(info.get("offset", 0)), int(info["length"])
+    with open(path, "rb") as f:
+        f.seek(offset)
+        raw = f.read(length)
+    if len(raw) != length:
+        raise ValueError(f"{path}: initializer {tensor.name} is truncated")
+    inline = TensorProto()
+    inline.CopyFrom(tensor)
+    inline.data_location = TensorProto.DEFAULT
+    del inline.external_data[:]
+    inline.raw_data = raw
+    return numpy_helper.to_array(inline)
+
+
+def save_engine_files(model: onnx.ModelProto, graph_path: Path, weights_path: Path) -> int:
+    """Write the graph to `graph_path` and the external initializers it uses to `weights_path` (beside it);
+    remove the staging file. Returns the weight file's size in bytes."""
+    staging = StagingWeights.of(model)
+    graph_path, weights_path = Path(graph_path), Path(weights_path)
+    if staging is None and any(is_external(t) for t in model.graph.initializer):
+        raise ValueError("the model has external initializers but no staging file")
+    offset = 0
+    with open(weights_path, "wb") as out:
+        for t in model.graph.initializer:
+            if not is_external(t):
+                continue
+            info = _external(t)
+            offset = _aligned(offset)
+            out.truncate(offset)
+            out.seek(offset)
+            length = int(info["length"])
+            with open(staging.path.parent / info["location"], "rb") as src:
+                src.seek(int(info.get("offset", 0)))
+                for start in range(0, length, _COPY_CHUNK):
+                    out.write(src.read(min(_COPY_CHUNK, length - start)))
+            _point_at(t, weights_path.name, offset, length)
+            offset += length
+    for entry in [p for p in model.metadata_props if p.key == STAGING_KEY]:
+        model.metadata_props.remove(entry)
+    onnx.save_model(model, str(graph_path))
+    if staging is not None:
+        os.unlink(staging.path)
+    return weights_path.stat().st_size
