@@ -78,13 +78,31 @@ def main(verbose: bool) -> None:
               help="Weight dtype of the checkpoint; auto keeps the model's.")
 @click.option("--tp-size", type=click.IntRange(min=1), default=1, help="Tensor-parallel ranks.")
 @click.option("--pp-size", type=click.IntRange(min=1), default=1, help="Pipeline-parallel ranks.")
-def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int) -> None:
+@click.option("--weight-only", type=click.Choice(["int8", "int4"]), default=None,
+              help="Quantize the float linear weights (round to nearest, no calibration): int8 or int4 weights with "
+                   "full-precision activations, as TensorRT-LLM's --use_weight_only.")
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default=None,
+              help="Input features per weight scale with --weight-only [default: per output channel for int8; for "
+                   "int4 the largest of 128/64/32 that divides every linear].")
+@click.option("--dequantize", is_flag=True,
+              help="GGUF: store the file's quantized tensors as float instead of keeping their quantization.")
+def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, weight_only: str | None,
+            group_size: str | None, dequantize: bool) -> None:
     """Convert a Llama / Qwen2 / Qwen3 / Mistral model into a trtbuild checkpoint."""
+    from trtbuild.builder.convert.convert import WEIGHT_ONLY_BITS, WeightOnly
     from trtbuild.builder.convert.convert import convert as run_convert
 
-    config = run_convert(model, output, dtype=dtype, tp_size=tp_size, pp_size=pp_size)
+    if group_size is not None and weight_only is None:
+        raise click.UsageError("--group-size applies to --weight-only; add --weight-only int8 or int4.")
+    wo = None if weight_only is None else WeightOnly(WEIGHT_ONLY_BITS[weight_only], group_size and int(group_size))
+    config = run_convert(model, output, dtype=dtype, tp_size=tp_size, pp_size=pp_size, weight_only=wo,
+                         dequantize=dequantize)
+    q = config.quantization
+    quant = "" if q.quant_algo is None else (
+        f", {q.quant_algo} (group size {q.group_size or 'per channel or mixed'}, {len(q.exclude_modules)} linears "
+        "left in float)")
     click.echo(f"wrote {output}: {config.architecture}, {config.num_hidden_layers} layers, dtype {config.dtype}, "
-               f"{config.mapping.world_size} rank(s)")
+               f"{config.mapping.world_size} rank(s){quant}")
 
 
 @main.command()

@@ -27,7 +27,7 @@ import onnx
 import torch
 from onnx import TensorProto
 
-from trtbuild.builder.graph import GraphBuilder
+from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
 from trtbuild.builder.quantized import KV_CACHE_ELEM_TYPES, QuantizedLinears, kv_cache_scales
 from trtbuild.builder.rope import rope_tables
 from trtbuild.builder.weight_file import StagingWeights
@@ -55,7 +55,7 @@ class _NetworkWriter:
         self.c, self.build, self.g = config, build, GraphBuilder(staging)
         self.tensors = tensors
         self.np_dtype = np.float32  # the CPU target computes in fp32 (ORT's CPU kernels are fastest there)
-        self.quant = QuantizedLinears(self.g, config, tensors)
+        self.quant = QuantizedLinears(self.g, config, tensors, build.int4_accuracy_level)
         self.kv_scales = kv_cache_scales(config, tensors)
 
     def tensor(self, name: str) -> np.ndarray:
@@ -152,7 +152,10 @@ class _NetworkWriter:
                                           "new_kv_shape")], name="new_kv", outputs=["new_kv"])
         g.output("logits", f32, ["num_logits", c.vocab_size])
         g.output("new_kv", f32, [c.num_hidden_layers, 2, "num_tokens", c.num_key_value_heads, c.head_size])
-        model = g.model("trtbuild_decoder", {pa.DOMAIN: pa.OPSET_VERSION})
+        opsets = {pa.DOMAIN: pa.OPSET_VERSION}
+        if any(n.domain == MS_DOMAIN for n in g.nodes):  # weight_only linears (MatMulNBits)
+            opsets[MS_DOMAIN] = 1
+        model = g.model("trtbuild_decoder", opsets)
         if self.kv_scales is not None:
             entry = model.metadata_props.add()
             entry.key, entry.value = KV_SCALES_METADATA, json.dumps(self.kv_scales.tolist())

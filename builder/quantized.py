@@ -9,6 +9,7 @@ The unfused network carries each format the way TensorRT's ONNX parser takes it 
             axis with the scale computed per token: ReduceMax(Abs(x), -1) / 127 (standard ONNX, opset 21+)
   int8_wo   x -> MatMul <- DequantizeLinear(int8 weight [in, out], per-output-channel scales, axis 1)
             (weight-only; `lm_head_quant_algo`)
+  weight_only  MatMulNBits(x, codes, scales[, float zero points]) (builder/weight_only_linear.py)
 Target lowerings (builder/passes/lower_quant_cpu.py for CPU) rewrite these patterns to low-precision kernels.
 A linear is quantized when its checkpoint has `<prefix>.weights_scaling_factor`, in the format
 `QuantConfig.algo_of(prefix)` names; `exclude_modules` (lm_head, ...) have none and stay full-precision MatMuls.
@@ -16,19 +17,24 @@ A linear is quantized when its checkpoint has `<prefix>.weights_scaling_factor`,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 from onnx import TensorProto
 
+from trtbuild.builder.convert.checkpoint import expected_shape
 from trtbuild.builder.graph import GraphBuilder
+from trtbuild.builder.weight_only_linear import emit_nbits_matmul
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.configs.model_config import LM_HEAD_QUANT_ALGOS
 from trtbuild.errors import TrtbuildError
 
-QUANT_ALGOS = ("fp8", "int4_awq", "int8_sq")
+QUANT_ALGOS = ("fp8", "int4_awq", "int8_sq", "weight_only")
 KV_CACHE_QUANT_ALGOS = ("int8", "fp8")
 INT4_GROUP_SIZES = (16, 32, 64, 128, 256)  # MatMulNBits block sizes: powers of two from 16
-WEIGHT_DTYPES = {"fp8": torch.float8_e4m3fn, "int4_awq": torch.uint8, "int8_sq": torch.int8, "int8_wo": torch.int8}
+WEIGHT_DTYPES = {"fp8": torch.float8_e4m3fn, "int4_awq": torch.uint8, "int8_sq": torch.int8, "int8_wo": torch.int8,
+                 "weight_only": torch.uint8}
 KV_SCALE = "attention.kv_cache_scaling_factor"
 # onnx element type of the kv_cache input for each kv_cache_quant_algo (fp8 travels as its uint8 bit patterns)
 # (and of an unquantized pool for each BuildConfig.kv_cache_dtype)
@@ -52,7 +58,7 @@ def check_quantization(config: ModelConfig, build: BuildConfig) -> None:
     if q.lm_head_quant_algo not in (None, *LM_HEAD_QUANT_ALGOS):
         raise TrtbuildError(f"lm_head quantization {q.lm_head_quant_algo!r} cannot be built for target {build.target}; "
                             f"supported lm_head_quant_algo: {', '.join(LM_HEAD_QUANT_ALGOS)}.")
-    if q.has_zero_point:
+    if q.has_zero_point and q.quant_algo != "weight_only":
         raise TrtbuildError("quantization with zero points (has_zero_point=true) is not supported; re-quantize with "
                             "symmetric scales (`trtbuild quantize` writes those).")
     if q.per_token_activations and config.mapping.tp_size > 1:
@@ -133,8 +139,10 @@ class QuantizedLinears:
     whose activation amax is naturally equal), so later passes see one quantized input per group. Linears with
     their own scales get their own Mul / Q/DQ, and the target lowering then keeps them as separate kernels."""
 
-    def __init__(self, g: GraphBuilder, config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
-        self.g, self.quant, self.tensors = g, config.quantization, tensors
+    def __init__(self, g: GraphBuilder, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
+                 accuracy_level: int) -> None:
+        self.g, self.config, self.quant, self.tensors = g, config, config.quantization, tensors
+        self.accuracy_level = accuracy_level
         self._shared: dict[tuple, str] = {}
         check_shared_scales(config, tensors)
 
@@ -197,7 +205,11 @@ class QuantizedLinears:
         """x @ dequant(W)^T for the quantized linear `prefix` in this checkpoint's format."""
         import ml_dtypes
 
-        g, w, algo = self.g, self.tensors[prefix + ".weight"], self.quant.algo_of(prefix)
+        algo = self.quant.algo_of(prefix)
+        if algo == "weight_only":
+            in_features = expected_shape(prefix + ".weight", self.config)[1]
+            return emit_nbits_matmul(self.g, x, prefix, self.tensors, in_features, self.accuracy_level, outputs)
+        g, w = self.g, self.tensors[prefix + ".weight"]
         wscale = self._f32(prefix + ".weights_scaling_factor")
         if algo == "fp8":
             x = self._act_qdq(x, prefix, np.array(0, dtype=ml_dtypes.float8_e4m3fn))

@@ -54,7 +54,10 @@ class Mapping:
         return {"world_size": self.world_size, "tp_size": self.tp_size, "pp_size": self.pp_size}
 
 
-QUANT_ALGOS = ("fp8", "int4_awq", "int8_sq")
+# weight_only: int8 or int4 weights with blockwise scales (and optional float zero points) and full-precision
+# activations, in ONNX Runtime MatMulNBits' layout; each linear's bits, group size and zero points are told by its own
+# tensors (`trtbuild convert --weight-only`, or a GGUF file's quantized tensors kept as they are)
+QUANT_ALGOS = ("fp8", "int4_awq", "int8_sq", "weight_only")
 KV_CACHE_QUANT_ALGOS = ("fp8", "int8")
 # Formats lm_head may take on its own (`lm_head_quant_algo`), whatever the other linears use: int8_wo is int8 weights
 # with one scale per output channel and full-precision activations (TensorRT-LLM's W8A16).
@@ -65,6 +68,7 @@ QUANT_SCALES: dict[str, tuple[str, ...]] = {
     "int4_awq": ("weights_scaling_factor", "prequant_scaling_factor"),
     "int8_sq": ("weights_scaling_factor", "activation_scaling_factor", "prequant_scaling_factor"),
     "int8_wo": ("weights_scaling_factor",),
+    "weight_only": ("weights_scaling_factor",),  # + weights_zero_point where the linear has one
 }
 
 
@@ -72,10 +76,12 @@ QUANT_SCALES: dict[str, tuple[str, ...]] = {
 class QuantConfig:
     """Quantization of weights and KV cache; all None means full precision (docs/quantization.md)."""
 
-    quant_algo: str | None = None  # fp8 | int4_awq | int8_sq
+    quant_algo: str | None = None  # QUANT_ALGOS
     kv_cache_quant_algo: str | None = None  # fp8 | int8
-    group_size: int | None = None  # int4_awq: input features per weight scale (128 unless set)
-    has_zero_point: bool = False
+    # int4_awq: input features per weight scale (128 unless set); weight_only: the one group size of every linear
+    # (null: per output channel, or differing between linears)
+    group_size: int | None = None
+    has_zero_point: bool = False  # weight_only: some linears carry weights_zero_point
     pre_quant_scale: bool = False  # linears carry prequant_scaling_factor (int4_awq, int8_sq)
     exclude_modules: tuple[str, ...] = ()  # fnmatch patterns over linear prefixes kept unquantized
     # q/k/v and gate/up of each layer carry identical prequant / activation (and fp8 weight) scales, so an engine
@@ -97,13 +103,13 @@ class QuantConfig:
         if self.kv_cache_quant_algo not in (None, *KV_CACHE_QUANT_ALGOS):
             raise bad(f"kv_cache_quant_algo {self.kv_cache_quant_algo!r} is not one of "
                       f"{', '.join(KV_CACHE_QUANT_ALGOS)} or null")
-        if self.has_zero_point:
-            raise bad("has_zero_point=true (asymmetric weights) is not supported")
+        if self.has_zero_point and self.quant_algo != "weight_only":
+            raise bad("has_zero_point=true (asymmetric weights) is only supported with quant_algo weight_only")
         if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
                                             or self.group_size < 1):
             raise bad(f"group_size {self.group_size!r} is not a positive integer")
-        if self.group_size is not None and self.quant_algo != "int4_awq":
-            raise bad(f"group_size is only meaningful for int4_awq, not {self.quant_algo!r}")
+        if self.group_size is not None and self.quant_algo not in ("int4_awq", "weight_only"):
+            raise bad(f"group_size is only meaningful for int4_awq and weight_only, not {self.quant_algo!r}")
         if bool(self.pre_quant_scale) != (self.quant_algo in ("int4_awq", "int8_sq")):
             raise bad(f"pre_quant_scale={self.pre_quant_scale} does not match quant_algo {self.quant_algo!r}")
         if not all(isinstance(p, str) for p in self.exclude_modules):

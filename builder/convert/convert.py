@@ -1,7 +1,12 @@
-"""`trtbuild convert`: HF folder or GGUF file -> unified checkpoint, sharded for tensor/pipeline parallelism."""
+"""`trtbuild convert`: HF folder or GGUF file -> unified checkpoint, sharded for tensor/pipeline parallelism.
+
+Tensors stream through one at a time (read, rename, cast or quantize, shard, write), so memory holds about one
+tensor, whatever the model's size. Names and shapes are checked from the source's headers before any tensor is read.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -12,70 +17,165 @@ from trtbuild.builder.convert.checkpoint import (
     CONFIG_FILE,
     check_shapes,
     copy_tokenizer_files,
+    expected_shape,
     expected_tensors,
     prepare_output_dir,
+    rank_file,
     remove_partial_output,
-    save_rank,
 )
-from trtbuild.builder.convert.names import hf_to_checkpoint_name
+from trtbuild.builder.convert.hf_reader import SourceTensor
+from trtbuild.builder.convert.names import hf_to_checkpoint_name, linear_prefixes
+from trtbuild.builder.convert.safetensors_io import SafetensorsWriter
 from trtbuild.builder.convert.sharding import check_mapping, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig
-from trtbuild.configs.model_config import model_config_from_hf
+from trtbuild.configs.model_config import QuantConfig, model_config_from_hf
 from trtbuild.errors import CheckpointError
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+WEIGHT_ONLY_BITS = {"int8": 8, "int4": 4}
+GROUP_SIZES = (128, 64, 32)  # --group-size choices for weight-only int4, largest first
 
 
-def to_checkpoint_tensors(hf_tensors: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename HF tensors, cast them to the checkpoint dtype, untie lm_head, and check every name and shape."""
-    dtype = _TORCH_DTYPES[config.dtype]
-    out: dict[str, torch.Tensor] = {}
-    for hf_name, t in hf_tensors.items():
-        name = hf_to_checkpoint_name(hf_name)
-        if name is None:
-            continue
-        t = torch.from_numpy(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t
-        out[name] = t.to(dtype).contiguous()
+@dataclasses.dataclass(frozen=True)
+class WeightOnly:
+    """`--weight-only`: round-to-nearest quantization of float linear weights (group_size None: per channel)."""
+
+    bits: int
+    group_size: int | None
+
+
+def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:
+    """Checkpoint name -> source tensor for every tensor the checkpoint needs; checks names and shapes first."""
+    plan = {}
+    for hf_name, src in source.items():
+        if (name := hf_to_checkpoint_name(hf_name)) is not None:
+            plan[name] = src
     # Tied models store one of the two (which one depends on who saved them); the checkpoint holds both.
     embedding, lm_head = "transformer.vocab_embedding.weight", "lm_head.weight"
-    if config.tie_word_embeddings and (embedding in out) != (lm_head in out):
-        present = embedding if embedding in out else lm_head
-        out[lm_head if present == embedding else embedding] = out[present].clone()
-    needed = expected_tensors(config, range(config.num_hidden_layers), first_stage=True, last_stage=True)
-    missing = [n for n in needed if n not in out]
+    if config.tie_word_embeddings and (embedding in plan) != (lm_head in plan):
+        plan[lm_head if embedding in plan else embedding] = plan[embedding if embedding in plan else lm_head]
+    base = dataclasses.replace(config, quantization=QuantConfig())
+    needed = expected_tensors(base, range(config.num_hidden_layers), first_stage=True, last_stage=True)
+    missing = [n for n in needed if n not in plan]
     if missing:
         raise CheckpointError(
             f"the model lacks {len(missing)} tensors the {config.architecture} layout needs (first: {missing[0]}); "
             "the weights are incomplete or belong to another architecture."
         )
-    check_shapes(config, {n: tuple(out[n].shape) for n in needed}, "the model")
-    return {n: out[n] for n in needed}
+    check_shapes(base, {n: plan[n].shape for n in needed}, "the model")
+    return {n: plan[n] for n in needed}
 
 
-def convert(model: Path, output: Path, dtype: str = "auto", tp_size: int = 1, pp_size: int = 1) -> ModelConfig:
-    """Convert `model` (HF folder or .gguf file) into a checkpoint at `output`; returns the written config."""
-    model, output = Path(model), Path(output)
+def default_group_size(config: ModelConfig) -> int:
+    """The largest of GROUP_SIZES that divides the input features of every linear."""
+    features = (config.hidden_size, config.q_size, config.intermediate_size)
+    for g in GROUP_SIZES:
+        if all(k % g == 0 for k in features):
+            return g
+    raise CheckpointError(f"no group size of {', '.join(map(str, GROUP_SIZES))} divides the input features "
+                          f"{features} of this model's linears; use --weight-only int8 (per channel).")
+
+
+def with_weight_only(config: ModelConfig, plan: dict[str, SourceTensor], weight_only: WeightOnly | None
+                     ) -> ModelConfig:
+    """The config's quantization: every linear whose source is quantized (a GGUF tensor kept as it is) or that
+    `weight_only` quantizes is a weight_only linear; the rest are listed in exclude_modules."""
+    prefixes = linear_prefixes(range(config.num_hidden_layers), last_stage=True)
+    forms = {p: plan[p + ".weight"].nbits or (weight_only and (weight_only.bits, weight_only.group_size, False))
+             for p in prefixes}
+    quantized = {p: f for p, f in forms.items() if f}
+    if not quantized:
+        return config
+    if config.mapping.tp_size > 1:
+        raise CheckpointError("weight-only quantized checkpoints are written for one tensor-parallel rank (the CPU "
+                              "target runs one); drop --tp-size, or use --dequantize for a GGUF file.")
+    groups = {f[1] for f in quantized.values()}
+    quant = QuantConfig(quant_algo="weight_only", group_size=groups.pop() if len(groups) == 1 else None,
+                        has_zero_point=any(f[2] for f in quantized.values()),
+                        exclude_modules=tuple(p for p in prefixes if p not in quantized))
+    return dataclasses.replace(config, quantization=quant)
+
+
+def checkpoint_tensors(name: str, src: SourceTensor, config: ModelConfig, weight_only: WeightOnly | None
+                       ) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors made from one source tensor: cast to the checkpoint dtype, or a weight_only linear's
+    codes, scales and zero points."""
+    value = src.load()
+    prefix = name.removesuffix(".weight")
+    if config.quantization.algo_of(prefix) == "weight_only" and name.endswith(".weight"):
+        from trtbuild.quantize.weight_only import NBitsWeight, quantize_rtn
+
+        if not isinstance(value, NBitsWeight):
+            w = value.to(torch.float32).numpy() if isinstance(value, torch.Tensor) else np.asarray(value, np.float32)
+            value = quantize_rtn(w, weight_only.bits, weight_only.group_size)
+        out = {name: torch.from_numpy(value.codes),
+               prefix + ".weights_scaling_factor": torch.from_numpy(value.scales)}
+        if value.zero_points is not None:
+            out[prefix + ".weights_zero_point"] = torch.from_numpy(value.zero_points)
+        return out
+    if not isinstance(value, torch.Tensor | np.ndarray):  # a quantized GGUF tensor kept in float (the embedding)
+        value = value.dequantize()
+    t = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
+    return {name: t.to(_TORCH_DTYPES[config.dtype]).contiguous()}
+
+
+def to_checkpoint_tensors(hf_tensors: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """In-memory form of the conversion: HF-named tensors -> checkpoint tensors (names and shapes checked)."""
+    source = {n: SourceTensor(tuple(t.shape), lambda t=t: t) for n, t in hf_tensors.items()}
+    out: dict[str, torch.Tensor] = {}
+    for name, src in checkpoint_plan(source, config).items():
+        out.update(checkpoint_tensors(name, src, config, None))
+    seen: set[int] = set()
+    for name, t in out.items():  # a tied model's two tensors come from one source tensor: store two copies
+        if t.data_ptr() in seen:
+            out[name] = t.clone()
+        seen.add(out[name].data_ptr())
+    return out
+
+
+def _open_source(model: Path, dequantize: bool) -> tuple[dict, dict[str, SourceTensor], bool]:
     if not model.exists():
         raise CheckpointError(f"--model {model} does not exist.")
     is_gguf = model.is_file() and model.suffix.lower() == ".gguf"
     if model.is_file() and not is_gguf:
         raise CheckpointError(f"--model {model} is a file but not a .gguf; pass a GGUF file or an HF model folder.")
+    if is_gguf:
+        from trtbuild.builder.convert.gguf_reader import open_gguf
+
+        return (*open_gguf(model, keep_quantization=not dequantize), True)
+    from trtbuild.builder.convert.hf_reader import open_hf
+
+    return (*open_hf(model), False)
+
+
+def convert(model: Path, output: Path, dtype: str = "auto", tp_size: int = 1, pp_size: int = 1,
+            weight_only: WeightOnly | None = None, dequantize: bool = False) -> ModelConfig:
+    """Convert `model` (HF folder or .gguf file) into a checkpoint at `output`; returns the written config.
+
+    A GGUF file's quantized tensors are kept as they are (weight_only linears) unless `dequantize`; `weight_only`
+    quantizes the float linear weights (round to nearest)."""
+    model, output = Path(model), Path(output)
+    if weight_only is not None and weight_only.bits == 8 and weight_only.group_size is not None \
+            and weight_only.group_size % 16:
+        raise CheckpointError(f"--group-size {weight_only.group_size} is not a multiple of 16.")
+    hf_config, source, is_gguf = _open_source(model, dequantize)
     prepare_output_dir(output)  # fail before the slow part, never overwrite anything
     try:
-        if is_gguf:
-            from trtbuild.builder.convert.gguf_reader import read_gguf
-
-            hf_config, hf_tensors = read_gguf(model)
-        else:
-            from trtbuild.builder.convert.hf_reader import read_hf
-
-            hf_config, hf_tensors = read_hf(model)
         config = model_config_from_hf(hf_config, dtype).with_mapping(Mapping(tp_size=tp_size, pp_size=pp_size))
         check_mapping(config, config.mapping)
-        tensors = to_checkpoint_tensors(hf_tensors, config)
-        del hf_tensors
-        for rank in tqdm(range(config.mapping.world_size), desc="writing shards", unit="rank", leave=False):
-            save_rank(output, rank, shard_for_rank(tensors, config, config.mapping, rank))
+        plan = checkpoint_plan(source, config)
+        if weight_only is not None and weight_only.bits == 4 and weight_only.group_size is None:
+            weight_only = dataclasses.replace(weight_only, group_size=default_group_size(config))
+        config = with_weight_only(config, plan, weight_only)
+        _check_groups(config, weight_only)
+        writers = [SafetensorsWriter(rank_file(output, r)) for r in range(config.mapping.world_size)]
+        for name, src in tqdm(plan.items(), desc="converting", unit="tensor", leave=False):
+            for out_name, tensor in checkpoint_tensors(name, src, config, weight_only).items():
+                for rank, writer in enumerate(writers):
+                    for n, t in shard_for_rank({out_name: tensor}, config, config.mapping, rank).items():
+                        writer.write(n, t)
+        for writer in writers:
+            writer.close()
         if is_gguf:
             from trtbuild.builder.convert.gguf_reader import export_gguf_tokenizer
 
@@ -87,3 +187,14 @@ def convert(model: Path, output: Path, dtype: str = "auto", tp_size: int = 1, pp
         remove_partial_output(output)
         raise
     return config
+
+
+def _check_groups(config: ModelConfig, weight_only: WeightOnly | None) -> None:
+    """--group-size must divide the input features of every linear it quantizes."""
+    if weight_only is None or weight_only.group_size is None:
+        return
+    for prefix in linear_prefixes(range(config.num_hidden_layers), last_stage=True):
+        k = expected_shape(prefix + ".weight", config)[1]
+        if config.quantization.algo_of(prefix) == "weight_only" and k % weight_only.group_size:
+            raise CheckpointError(f"--group-size {weight_only.group_size} does not divide the {k} input features of "
+                                  f"{prefix}; choose one of {', '.join(map(str, GROUP_SIZES))} that does.")

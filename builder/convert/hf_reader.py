@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trtbuild.builder.convert.safetensors_io import SafetensorsError, SafetensorsFile
 from trtbuild.errors import CheckpointError
 
 
-def read_hf(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Return (hf_config_dict, hf_state_dict) of a safetensors checkpoint folder."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+@dataclass(frozen=True)
+class SourceTensor:
+    """One tensor of a source model (HF name, HF shape), read from disk only when `load()` is called. `nbits` is
+    (bits, group size, has zero point) when load() returns a quantized NBitsWeight (a GGUF tensor kept as it is)."""
 
+    shape: tuple[int, ...]
+    load: Callable[[], Any]
+    nbits: tuple[int, int, bool] | None = None
+
+
+def open_hf(model_dir: Path) -> tuple[dict[str, Any], dict[str, SourceTensor]]:
+    """(hf_config_dict, HF name -> SourceTensor) of a safetensors checkpoint folder; no tensor is read yet."""
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{model_dir} has no config.json; point --model at a Hugging Face model folder.")
@@ -27,10 +37,25 @@ def read_hf(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if not files:
         hint = " (PyTorch .bin checkpoints are not read: save it with safe_serialization=True)"
         raise CheckpointError(f"{model_dir} has no *.safetensors weights{hint}.")
-    tensors: dict[str, torch.Tensor] = {}
+    sources: dict[str, SourceTensor] = {}
     for f in files:
         try:
-            tensors.update(load_file(str(f)))
-        except (SafetensorError, OSError, ValueError) as e:
+            st = SafetensorsFile(f)
+        except (SafetensorsError, OSError) as e:
             raise CheckpointError(f"{f} is corrupt or truncated ({e}); download it again.") from None
-    return hf_config, tensors
+        for name in st:
+            sources[name] = SourceTensor(st.shape(name), lambda st=st, name=name: _read(st, name))
+    return hf_config, sources
+
+
+def _read(st: SafetensorsFile, name: str) -> torch.Tensor:
+    try:
+        return st[name]
+    except (SafetensorsError, OSError) as e:
+        raise CheckpointError(f"{st.path} is corrupt or truncated ({e}); download it again.") from None
+
+
+def read_hf(model_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Return (hf_config_dict, hf_state_dict) of a safetensors checkpoint folder, every tensor read."""
+    hf_config, sources = open_hf(model_dir)
+    return hf_config, {name: s.load() for name, s in sources.items()}

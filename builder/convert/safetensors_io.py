@@ -9,6 +9,7 @@ converter's and the builder's memory.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -21,7 +22,7 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
-_ALIGN = 64  # tensor data offsets are kept 64-byte aligned (the header is padded with spaces)
+_ALIGN = 8  # the header is padded with spaces to a multiple of 8 bytes, as the reference writer does
 
 
 class SafetensorsError(ValueError):
@@ -88,45 +89,44 @@ class SafetensorsFile(Mapping[str, torch.Tensor]):
 
 
 class SafetensorsWriter:
-    """Writes a .safetensors file tensor by tensor: the names, dtypes and shapes are declared up front (the header
-    comes first in the file), then each tensor is written once, in any order, and may be freed right after."""
+    """Writes a .safetensors file one tensor at a time, so a tensor may be freed right after it is written.
 
-    def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> None:
+    The header (names, dtypes, shapes, offsets) comes first in the format but is known only at the end: the data
+    goes to `<path>.data` as it arrives, and `close()` writes the header and moves the data behind it with
+    copy_file_range (a copy inside the kernel: no user-space buffer holds it).
+    """
+
+    def __init__(self, path: Path, metadata: dict[str, str] | None = None) -> None:
         self.path = Path(path)
-        header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
-        self._slots: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
-        offset = 0
-        for name, (dtype, shape) in specs.items():
-            nbytes = dtype.itemsize
-            for d in shape:
-                nbytes *= d
-            header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            self._slots[name] = (dtype, tuple(shape), offset, nbytes)
-            offset += -(-nbytes // _ALIGN) * _ALIGN
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-(len(raw) + 8) % _ALIGN)
-        self._data_start = 8 + len(raw)
-        self._written: set[str] = set()
-        self._file = open(self.path, "wb")  # noqa: SIM115 (closed by close())
-        self._file.write(struct.pack("<Q", len(raw)) + raw)
-        self._file.truncate(self._data_start + offset)
+        self._data_path = self.path.with_name(self.path.name + ".data")
+        self._header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+        self._data = open(self._data_path, "wb")  # noqa: SIM115 (closed by close())
+        self._offset = 0
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        dtype, shape, offset, nbytes = self._slots[name]
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise ValueError(f"{name}: declared {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}")
+        if name in self._header:
+            raise ValueError(f"{self.path}: tensor {name} written twice")
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        self._file.seek(self._data_start + offset)
-        self._file.write(memoryview(data))
-        self._written.add(name)
+        start = self._offset  # NOTE: safetensors requires tensors back to back, without padding
+        self._data.write(memoryview(data))
+        self._header[name] = {"dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape),
+                              "data_offsets": [start, start + data.nbytes]}
+        self._offset = start + data.nbytes
 
     def close(self) -> None:
-        self._file.close()
-        missing = set(self._slots) - self._written
-        if missing:
-            raise ValueError(f"{self.path}: {len(missing)} declared tensors were never written "
-                             f"(first: {sorted(missing)[0]})")
+        self._data.close()
+        raw = json.dumps(self._header, separators=(",", ":")).encode()
+        raw += b" " * (-(len(raw) + 8) % _ALIGN)
+        with open(self.path, "wb") as out, open(self._data_path, "rb") as data:
+            out.write(struct.pack("<Q", len(raw)) + raw)
+            out.flush()
+            remaining = self._offset
+            while remaining > 0:
+                copied = os.copy_file_range(data.fileno(), out.fileno(), remaining)
+                if copied == 0:
+                    raise OSError(f"{self._data_path} ended {remaining} bytes early")
+                remaining -= copied
+        self._data_path.unlink()
 
     def __enter__(self) -> SafetensorsWriter:
         return self
@@ -135,4 +135,5 @@ class SafetensorsWriter:
         if exc[0] is None:
             self.close()
         else:
-            self._file.close()
+            self._data.close()
+            self._data_path.unlink(missing_ok=True)

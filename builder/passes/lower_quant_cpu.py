@@ -65,7 +65,7 @@ def _int4_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> t
     k, n = q.shape
     nibbles = (q.T + 8).astype(np.uint8)  # [N, K]
     packed = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).reshape(n, k // g, g // 2)
-    return ("nbits", matmul.input[0], k, g, 4), packed, scales.T.astype(np.float32)  # scales [N, K/g]
+    return ("nbits", matmul.input[0], k, g, 4, False), packed, scales.T.astype(np.float32), None  # scales [N, K/g]
 
 
 def _int8_weight_only_site(matmul: onnx.NodeProto, w: np.ndarray, w_scale: np.ndarray) -> tuple | None:
@@ -74,7 +74,7 @@ def _int8_weight_only_site(matmul: onnx.NodeProto, w: np.ndarray, w_scale: np.nd
     if g is None:
         return None  # NOTE: stays DequantizeLinear -> MatMul, which ONNX Runtime runs (dequantizing every call)
     packed = (w.T.astype(np.int16) + 128).astype(np.uint8).reshape(n, k // g, g)
-    return ("nbits", matmul.input[0], k, g, 8), packed, np.repeat(w_scale[:, None], k // g, axis=1)
+    return ("nbits", matmul.input[0], k, g, 8, False), packed, np.repeat(w_scale[:, None], k // g, axis=1), None
 
 
 def _int8_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> tuple | None:
@@ -96,10 +96,21 @@ def _int8_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> t
                         for n in (quant, act_dq))
         if not per_token or quant.input[1] != act_dq.input[1]:
             return None
-        return ("int8_per_token", quant.input[0], quant.input[1]), w, w_scale
+        return ("int8_per_token", quant.input[0], quant.input[1]), w, w_scale, None
     if x_scale.size != 1:
         return None
-    return ("int8", quant.input[0], quant.input[1]), w, w_scale
+    return ("int8", quant.input[0], quant.input[1]), w, w_scale, None
+
+
+def _nbits_site(view: GraphView, node: onnx.NodeProto) -> tuple | None:
+    """A MatMulNBits the network wrote itself (weight_only linears), to merge with its siblings."""
+    if any(view.shape_of(i) is None for i in node.input[1:]) or len(node.input) > 4:
+        return None
+    a = _attrs(node)
+    n, k, block = a["N"], a["K"], a["block_size"]
+    zp = view.constant(node.input[3]).reshape(n, -1) if len(node.input) == 4 else None
+    key = ("nbits", node.input[0], k, block, a["bits"], zp is not None)
+    return key, view.constant(node.input[1]), view.constant(node.input[2]).reshape(n, -1), zp
 
 
 def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
@@ -108,14 +119,23 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
     ~1e-6; 4 quantizes activations to int8 per block (VNNI kernels, ~7e-3 relative error)."""
     view = GraphView(model)
     groups: dict[tuple, list[tuple]] = defaultdict(list)
+    written: dict[tuple, list[onnx.NodeProto]] = defaultdict(list)  # MatMulNBits already in the network, by key
     for node in model.graph.node:
+        if node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN:
+            a = _attrs(node)
+            written[(node.input[0], a["K"], a["block_size"], a["bits"], len(node.input))].append(node)
         if node.op_type != "MatMul" or (found := _weight_dq(view, node)) is None:
             continue
         dq, elem = found
         site = (_int4_site(view, node, dq) if elem == TensorProto.INT4
                 else _int8_site(view, node, dq) if elem == TensorProto.INT8 else None)
         if site is not None:
-            groups[site[0]].append((node, site[1], site[2]))
+            groups[site[0]].append((node, *site[1:]))
+    for siblings in written.values():  # NOTE: a lone one stays as it is; rewriting it would copy its weights again
+        if len(siblings) > 1:
+            for node in siblings:
+                if (site := _nbits_site(view, node)) is not None:
+                    groups[site[0]].append((node, *site[1:]))
     new_nodes = []
     for key, members in groups.items():
         names = [m[0].name for m in members]
@@ -124,12 +144,16 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
         wide = outs[0] if len(members) == 1 else base + "_out"
         widths = [m[1].shape[0 if key[0] == "nbits" else 1] for m in members]
         if key[0] == "nbits":
-            _, x, k, g, bits = key
-            view.add_initializer(base + ".weight_nbits", np.concatenate([m[1] for m in members]))
-            view.add_initializer(base + ".scales_nbits", np.concatenate([m[2] for m in members]).reshape(-1))
+            _, x, k, g, bits, has_zero_point = key
+            inputs = [x, base + ".weight_nbits", base + ".scales_nbits"]
+            view.add_initializer(inputs[1], np.concatenate([m[1] for m in members]))
+            view.add_initializer(inputs[2], np.concatenate([m[2] for m in members]).reshape(-1))
+            if has_zero_point:
+                inputs.append(base + ".zero_points_nbits")
+                view.add_initializer(inputs[3], np.concatenate([m[3] for m in members]).reshape(-1))
             new_nodes.append(helper.make_node(
-                "MatMulNBits", [x, base + ".weight_nbits", base + ".scales_nbits"], [wide], name=base,
-                domain=MS_DOMAIN, K=k, N=sum(widths), bits=bits, block_size=g, accuracy_level=accuracy_level))
+                "MatMulNBits", inputs, [wide], name=base, domain=MS_DOMAIN, K=k, N=sum(widths), bits=bits,
+                block_size=g, accuracy_level=accuracy_level))
         else:  # int8: u8 = round(x / s) + 128 (|x / s| <= 127); y = (u8 - 128) @ W * s * s_w
             # NOTE: uint8 activations with zero point 128, because ONNX Runtime's int8 x int8 MatMulInteger is ~16x
             # slower than uint8 x int8 on x86. MatMulIntegerToFloat scales in the GEMM's epilogue (1.2-1.35x faster

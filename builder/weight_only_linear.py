@@ -1,0 +1,82 @@
+"""Weight-only linears (`quant_algo: weight_only`): int8 / int4 codes with blockwise scales and optional float zero
+points, run as ONNX Runtime's MatMulNBits, whose layout the checkpoint already stores (docs/quantization.md):
+
+  P.weight              uint8 [out, in * bits / 8]  codes; 4-bit: input 2j in the low nibble, 2j+1 in the high one
+  P.weights_scaling_factor  float32 [out, in / g]   one scale per group of g input features
+  P.weights_zero_point      float32 [out, in / g]   optional (4-bit only); absent: 2^(bits-1)
+  W[o, i] = (code[o, i] - zero_point[o, i // g]) * scale[o, i // g]
+
+NOTE: the network emits MatMulNBits directly rather than a standard DequantizeLinear -> MatMul: ONNX's
+DequantizeLinear takes only integer zero points, and the float zero points of GGUF's Q4_1 / Q4_K blocks are what
+keeps those files exact. Bits and group size are read from each linear's tensors, so one checkpoint may mix them
+(a GGUF Q4_K_M file has 4-bit groups of 32 and 8-bit groups of 16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
+from trtbuild.errors import TrtbuildError
+
+MAX_BLOCK = 256  # MatMulNBits block sizes: powers of two from 16; a larger group is cut into blocks of this or less
+MIN_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class NBitsLayout:
+    """How one weight-only linear's tensors map onto MatMulNBits."""
+
+    bits: int
+    group_size: int  # input features per stored scale
+    block_size: int  # MatMulNBits block: group_size, or a power of two dividing it (scales repeated)
+
+
+def nbits_layout(prefix: str, in_features: int, weight_shape: tuple[int, ...], scale_shape: tuple[int, ...],
+                 has_zero_point: bool) -> NBitsLayout:
+    """Bits and group size of a weight-only linear from its tensors' shapes; refuses what MatMulNBits cannot run."""
+    out = weight_shape[0]
+    if len(weight_shape) != 2 or weight_shape[1] * 8 not in (4 * in_features, 8 * in_features):
+        raise TrtbuildError(f"{prefix}.weight has shape {list(weight_shape)}; a weight_only linear with {in_features} "
+                            f"input features stores [{out}, {in_features // 2}] (int4) or [{out}, {in_features}] "
+                            "(int8) codes. The checkpoint is inconsistent: re-run `trtbuild convert`.")
+    bits = weight_shape[1] * 8 // in_features
+    groups = scale_shape[1] if len(scale_shape) == 2 and scale_shape[0] == out else 0
+    if not groups or in_features % groups:
+        raise TrtbuildError(f"{prefix}.weights_scaling_factor has shape {list(scale_shape)}, which is not "
+                            f"[{out}, {in_features} / group size]; re-run `trtbuild convert`.")
+    group = in_features // groups
+    block = min(group & -group, MAX_BLOCK)  # the largest power of two dividing the group
+    if block < MIN_BLOCK:
+        raise TrtbuildError(f"{prefix} has groups of {group} input features; the CPU target runs groups that are "
+                            f"multiples of {MIN_BLOCK}. Re-run `trtbuild convert` with --group-size 32, 64 or 128.")
+    if has_zero_point and bits == 8:
+        raise TrtbuildError(f"{prefix} has 8-bit weights with float zero points, which ONNX Runtime's CPU "
+                            "MatMulNBits does not run; re-run `trtbuild convert` (it stores such tensors as float).")
+    return NBitsLayout(bits, group, block)
+
+
+def emit_nbits_matmul(g: GraphBuilder, x: str, prefix: str, tensors, in_features: int, accuracy_level: int,
+                      outputs: list[str] | None = None) -> str:
+    """y = x @ W^T for the weight-only linear `prefix` as one MatMulNBits node."""
+    codes = tensors[prefix + ".weight"]
+    if codes.dtype != torch.uint8:
+        raise TrtbuildError(f"{prefix}.weight is {codes.dtype}; weight_only linears store uint8 codes. The checkpoint "
+                            "is inconsistent: re-run `trtbuild convert`.")
+    scales = tensors[prefix + ".weights_scaling_factor"].to(torch.float32).numpy()
+    zp_name = prefix + ".weights_zero_point"
+    zero_points = tensors[zp_name].to(torch.float32).numpy() if zp_name in tensors else None
+    layout = nbits_layout(prefix, in_features, tuple(codes.shape), scales.shape, zero_points is not None)
+    repeat = layout.group_size // layout.block_size
+    out = codes.shape[0]
+    blocks = in_features // layout.block_size
+    inputs = [x, g.weight(prefix + ".weight_nbits",
+                          codes.numpy().reshape(out, blocks, layout.block_size * layout.bits // 8)),
+              g.weight(prefix + ".scales_nbits", np.repeat(scales, repeat, axis=1).reshape(-1))]
+    if zero_points is not None:
+        inputs.append(g.weight(prefix + ".zero_points_nbits", np.repeat(zero_points, repeat, axis=1).reshape(-1)))
+    return g.op("MatMulNBits", inputs, domain=MS_DOMAIN, name=prefix, outputs=outputs, K=in_features, N=out,
+                bits=layout.bits, block_size=layout.block_size, accuracy_level=accuracy_level)
