@@ -62,17 +62,18 @@ class StagingWeights:
 
     def tensor(self, name: str, value: np.ndarray) -> TensorProto:
         """A TensorProto for `value`: in the graph when small, else appended here and referred to."""
-        t = numpy_helper.from_array(np.ascontiguousarray(value), name)
-        if len(t.raw_data) < INLINE_MAX_BYTES:
-            return t
+        full = numpy_helper.from_array(np.ascontiguousarray(value), name)  # ONNX's raw bytes (int4 packed, ...)
+        if len(full.raw_data) < INLINE_MAX_BYTES:
+            return full
         with open(self.path, "ab") as f:
             offset = _aligned(f.tell())
             f.truncate(offset)
             f.seek(offset)
-            f.write(t.raw_data)
-        length = len(t.raw_data)
-        t.ClearField("raw_data")
-        _point_at(t, self.path.name, offset, length)  # ONNX requires relative locations
+            f.write(full.raw_data)
+        # NOTE: a fresh message, not `full` with raw_data cleared: protobuf keeps a cleared field's bytes in the
+        # message's arena until the message is freed, so every weight would stay in memory until the build ends.
+        t = TensorProto(name=name, data_type=full.data_type, dims=full.dims)
+        _point_at(t, self.path.name, offset, len(full.raw_data))  # ONNX requires relative locations
         return t
 
     def read(self, tensor: TensorProto) -> np.ndarray:

@@ -1,0 +1,65 @@
+"""Round-to-nearest encoders for GGUF's Q4_K and Q6_K blocks, which the `gguf` package can read but not write.
+
+They make valid files for tests and benchmarks (not llama.cpp's error-minimising search): `gguf.quants.dequantize`
+of their output is the reference any reader must reproduce. Input: float32 [rows, cols], cols a multiple of 256.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+QK_K = 256
+
+
+def _f16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(little-endian float16 bytes [..., 2], the float32 value they hold)."""
+    h = np.asarray(x, dtype=np.float16)
+    return h[..., None].view(np.uint8).reshape(*h.shape, 2), h.astype(np.float32)
+
+
+def _blocks(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] % QK_K:
+        raise ValueError(f"K-quants need [rows, cols] with cols a multiple of {QK_K}, got {x.shape}")
+    return x.reshape(-1, QK_K)
+
+
+def encode_q4_k(x: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 [rows, cols / 256 * 144]: x ~ d * sc_j * q - dmin * m_j per 32-value block."""
+    rows = np.asarray(x).shape[0]
+    b = _blocks(x).reshape(-1, 8, 32)
+    lo, hi = np.minimum(b.min(-1), 0.0), np.maximum(b.max(-1), 0.0)
+    scale, minimum = (hi - lo) / 15.0, -lo
+    d_raw, d = _f16(scale.max(-1) / 63.0)
+    dmin_raw, dmin = _f16(minimum.max(-1) / 63.0)
+    sc = np.clip(np.rint(np.divide(scale, d[:, None], out=np.zeros_like(scale), where=d[:, None] > 0)), 0, 63)
+    m = np.clip(np.rint(np.divide(minimum, dmin[:, None], out=np.zeros_like(minimum), where=dmin[:, None] > 0)),
+                0, 63)
+    eff_scale, eff_min = (d[:, None] * sc)[..., None], (dmin[:, None] * m)[..., None]
+    q = np.divide(b + eff_min, eff_scale, out=np.zeros_like(b), where=eff_scale > 0)
+    q = np.clip(np.rint(q), 0, 15).astype(np.uint8)  # [n, 8, 32]
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)], axis=1)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk c: low nibbles block 2c, high block 2c + 1
+    return np.concatenate([d_raw, dmin_raw, scales, qs], axis=1).reshape(rows, -1)
+
+
+def encode_q6_k(x: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 [rows, cols / 256 * 210]: x ~ d * sc_j * (q - 32) per 16-value block."""
+    rows = np.asarray(x).shape[0]
+    b = _blocks(x)
+    n = b.shape[0]
+    sub = b.reshape(n, 16, 16)
+    scale = np.abs(sub).max(-1) / 31.0
+    d_raw, d = _f16(scale.max(-1) / 127.0)
+    sc = np.clip(np.rint(np.divide(scale, d[:, None], out=np.zeros_like(scale), where=d[:, None] > 0)), -128, 127)
+    eff = (d[:, None] * sc)[..., None]
+    q = np.clip(np.rint(np.divide(sub, eff, out=np.zeros_like(sub), where=eff > 0)), -32, 31)
+    u = (q + 32).astype(np.uint8).reshape(n, 2, 4, 32)  # [block, half, group in half, value]
+    low, high = u & 0x0F, u >> 4
+    # ql byte h*64 + s*32 + l holds value l of group h*4 + s in its low nibble and of group h*4 + 2 + s in its high
+    # one; qh byte h*32 + l holds the top 2 bits of value l of groups h*4 + k at bits 2k
+    ql = (low[:, :, 0:2] | (low[:, :, 2:4] << 4)).reshape(n, 128)
+    qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, 64)
+    return np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), d_raw], axis=1).reshape(rows, -1)
