@@ -58,9 +58,13 @@ class EngineInfo:
     weight_files: dict[str, int]  # file name in the engine dir -> size in bytes
 
     @property
+    def weight_bytes(self) -> int:
+        return sum(self.weight_files.values())
+
+    @property
     def engine_bytes(self) -> int:
         """What the engine occupies on disk: its graph file and its weight files."""
-        return (self.path / CPU_ENGINE_FILE).stat().st_size + sum(self.weight_files.values())
+        return (self.path / CPU_ENGINE_FILE).stat().st_size + self.weight_bytes
 
     def rebuild_hint(self, target: str = "cpu") -> str:
         return (f"rebuild it here: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> "

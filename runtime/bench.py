@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -102,7 +103,7 @@ class Target(Protocol):
     name: str
     vocab_size: int
     special_ids: frozenset[int]
-    sizes: dict[str, int | None]  # engine_file_bytes, kv_bytes_per_token (None for a server)
+    sizes: dict[str, float | None]  # engine_file_bytes, kv_bytes_per_token, load_s (None for a server)
 
     def prepare(self, requests: list[BenchRequest]) -> list[BenchRequest]: ...  # tokenize, check limits
     def send(self, request: BenchRequest, timeout: float) -> RequestResult: ...  # thread-safe, never raises
@@ -212,6 +213,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _: None) -
             log(f"round {i + 1} of {opts.rounds}")
         reports.append(_one_round(opts, dataset, threads, log))
     report = reports[0]
+    # NOTE: the process's peak, over every engine and baseline it loaded: run one engine alone to read its own
+    report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if opts.rounds > 1:
         report["rounds"] = [{k: r[k] for k in ("output_throughput", *SPEEDUPS)} for r in reports]
         for key in SPEEDUPS:
@@ -320,6 +323,9 @@ def format_report(r: dict[str, Any]) -> str:
     row("KV cache usage", f"max {r['kv_cache_usage_max']:.1%}  mean {r['kv_cache_usage_mean']:.1%}")
     if r["engine_file_bytes"] is not None:
         row("engine file / KV per token", _sizes(r))
+        row("engine load", f"{r['load_s']:.2f} s")
+    if r.get("peak_rss_bytes") is not None:
+        row("peak RSS (this process)", f"{r['peak_rss_bytes'] / 2**30:.2f} GiB")
     row("preemptions", str(r["preemptions"]))
     row("cached prefix tokens", str(r["cached_prefix_tokens"]))
     if (s := r["engine_steps"]) is not None:

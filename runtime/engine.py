@@ -12,6 +12,9 @@ import numpy as np
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, EngineInfo, read_engine_config
 from trtbuild.errors import EngineCompatibilityError
 from trtbuild.runtime.kv_cache import KVCacheStorage
+from trtbuild.runtime.memory import require_memory
+
+LOAD_OVERHEAD_BYTES = 256 << 20  # ONNX Runtime's session, arenas and this process, beside the weights
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,11 @@ class CpuEngine:
         path = self.info.path / CPU_ENGINE_FILE
         if not path.is_file():
             raise EngineCompatibilityError(f"{path} is missing; rebuild the engine with `trtbuild build`.")
+        # NOTE: ONNX Runtime maps the weight file and repacks each GEMM's weights into buffers of its own (about the
+        # file's size); the mapped pages are released after that, so the weights count once, plus working memory.
+        require_memory(self.info.weight_bytes + LOAD_OVERHEAD_BYTES, f"engine {self.info.path}",
+                       "free memory, or build a smaller engine (`trtbuild convert --weight-only int8|int4`, or a "
+                       "quantized GGUF file converted as it is).")
         import onnxruntime as ort
 
         options = ort.SessionOptions()

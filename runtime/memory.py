@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trtbuild.configs import BuildConfig
+from trtbuild.errors import TrtbuildError
 
 DEFAULT_FRACTION = 0.1  # of available memory, when no budget is given
 
@@ -15,6 +16,14 @@ def available_memory_bytes() -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass --kv-cache-memory in bytes")
+
+
+def require_memory(needed: int, what: str, fix: str) -> None:
+    """Refuse up front, with the numbers, what would not fit in memory (rather than be killed halfway)."""
+    available = available_memory_bytes()
+    if needed > available:
+        raise TrtbuildError(f"{what} needs about {needed / 2**30:.2f} GiB of memory but {available / 2**30:.2f} GiB "
+                            f"is available (MemAvailable); {fix}")
 
 
 def kv_cache_blocks(bytes_per_block: int, build: BuildConfig, memory: float | None = None,
@@ -31,6 +40,8 @@ def kv_cache_blocks(bytes_per_block: int, build: BuildConfig, memory: float | No
     if memory is not None:
         if memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive (bytes, or a fraction of free memory), got {memory}")
+        if memory > 1:
+            require_memory(int(memory), f"a KV cache of {int(memory)} bytes", "give a smaller --kv-cache-memory.")
         budget = memory if memory > 1 else memory * available_memory_bytes()
         n = int(budget // bytes_per_block)
         if n < 1:

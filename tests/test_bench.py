@@ -31,7 +31,7 @@ KEYS = {"target", "threads", "concurrency", "request_rate", "num_requests", "com
         "tpot_ms_p50", "tpot_ms_p99", "e2e_ms_mean", "e2e_ms_p50", "e2e_ms_p99", "kv_cache_usage_max",
         "kv_cache_usage_mean", "preemptions", "cached_prefix_tokens", "engine_steps", "engine_file_bytes",
         "kv_bytes_per_token", "sequential", "speedup_vs_sequential", "engine", "speedup_vs_engine", "hf",
-        "speedup_vs_hf"}
+        "speedup_vs_hf", "load_s", "peak_rss_bytes"}
 RATIO = r"^speedup vs {}: \d+\.\d\dx$"
 
 
@@ -208,6 +208,7 @@ def test_bench_against_a_real_server_gives_the_same_token_count(engine, tmp_path
     assert remote["total_output_tokens"] == local["total_output_tokens"] == 60
     assert remote["target"] == f"server {address[0]}" and remote["engine_steps"] is None and remote["threads"] is None
     assert set(remote) == KEYS and remote["engine_file_bytes"] is remote["kv_bytes_per_token"] is None
+    assert remote["load_s"] is None and local["load_s"] > 0 and local["peak_rss_bytes"] > 0
 
 
 def assert_user_error(result: Result, pattern: str) -> None:

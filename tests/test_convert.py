@@ -546,6 +546,33 @@ def test_missing_or_truncated_weight_file_fails_before_loading(engine_copy, dama
     assert opened == []
 
 
+def test_engine_that_does_not_fit_in_memory_is_refused_with_the_numbers(engine_copy, monkeypatch):
+    import onnxruntime
+
+    from trtbuild.runtime import memory
+
+    weights = (engine_copy / "rank0.weights").stat().st_size
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: weights)  # less than weights + working memory
+    opened = []
+    monkeypatch.setattr(onnxruntime, "InferenceSession", lambda *a, **k: opened.append(a))
+    needed = (weights + (256 << 20)) / 2**30
+    with pytest.raises(TrtbuildError, match=rf"engine .* needs about {needed:.2f} GiB of memory but "
+                                            rf"{weights / 2**30:.2f} GiB is available \(MemAvailable\); free memory"):
+        CpuEngine(engine_copy, num_threads=1)
+    assert opened == []
+
+
+def test_kv_cache_budget_beyond_available_memory_is_refused(monkeypatch):
+    from trtbuild.configs import BuildConfig
+    from trtbuild.runtime import memory
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 30)
+    with pytest.raises(TrtbuildError, match=r"a KV cache of 4294967296 bytes needs about 4\.00 GiB of memory but "
+                                            r"1\.00 GiB is available.*smaller --kv-cache-memory"):
+        memory.kv_cache_blocks(1024, BuildConfig(), memory=float(4 << 30))
+    assert memory.kv_cache_blocks(1024, BuildConfig(), memory=float(1 << 20)) == 1024
+
+
 def test_not_an_engine_directory(engine_copy, converted, tmp_path):
     for path in (tmp_path / "nowhere", tmp_path):
         with pytest.raises(EngineCompatibilityError, match=r"is not an engine directory \(no config\.json\); build "

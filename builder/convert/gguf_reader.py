@@ -6,6 +6,7 @@ projections that llama.cpp's converter permuted for its RoPE layout are permuted
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from trtbuild.builder.convert.hf_reader import SourceTensor
 from trtbuild.errors import CheckpointError
 
 _LAYER_NAMES = {
@@ -183,11 +185,37 @@ def _dequantize(path: Path, t: Any) -> np.ndarray:
     return arr
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Return (hf_config_dict, hf_state_dict) for a llama-architecture GGUF, tensors dequantized to float32.
+def _load(path: Path, t: Any, shape: tuple[int, ...], n_head: int | None, quantized: bool) -> Any:
+    """One tensor as float32 (or, when `quantized`, as the NBitsWeight of its blocks), q/k rows un-permuted."""
+    if quantized:
+        from trtbuild.builder.convert.gguf_quants import gguf_to_nbits
+
+        w = gguf_to_nbits(np.asarray(t.data), t.tensor_type, shape)
+        if n_head is None:
+            return w
+        return dataclasses.replace(w, codes=_unpermute(w.codes, n_head), scales=_unpermute(w.scales, n_head),
+                                   zero_points=None if w.zero_points is None else _unpermute(w.zero_points, n_head))
+    arr = _dequantize(path, t)
+    return arr if n_head is None else _unpermute(arr, n_head)
+
+
+def _nbits_form(t: Any, shape: tuple[int, ...]) -> tuple[int, int, bool] | None:
+    """(bits, group size, has zero point) when the tensor's GGML type has an exact low-bit engine form."""
+    from trtbuild.builder.convert.gguf_quants import EXACT_NBITS, has_zero_point
+
+    if len(shape) != 2 or t.tensor_type not in EXACT_NBITS:
+        return None
+    bits, group = EXACT_NBITS[t.tensor_type]
+    return bits, group, has_zero_point(t.tensor_type)
+
+
+def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any], dict[str, SourceTensor]]:
+    """(hf_config_dict, HF name -> SourceTensor) of a llama-architecture GGUF; tensors are decoded when loaded.
 
     Names follow transformers' LlamaForCausalLM (model.layers.{i}.self_attn.q_proj.weight, ...); Linear weights are
-    [out, in]; lm_head.weight is absent when the embeddings are tied. Raises CheckpointError on any bad input.
+    [out, in]; lm_head.weight is absent when the embeddings are tied. With `keep_quantization`, 2-D tensors whose
+    GGML type has an exact low-bit form (gguf_quants.EXACT_NBITS) load as NBitsWeight, the rest as float32.
+    Raises CheckpointError on any bad input.
     """
     path = Path(path)
     reader = _open(path)
@@ -211,7 +239,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             f"{path} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}; it is "
             "incomplete or not a llama model. Re-export it."
         )
-    state: dict[str, np.ndarray] = {}
+    sources: dict[str, SourceTensor] = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
@@ -224,13 +252,20 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             raise CheckpointError(
                 f"{path}: unexpected tensor {t.name!r} for a llama model; this GGUF variant is not supported."
             )
-        arr = _dequantize(path, t)
+        n_head = None
         if m and m.group(2).startswith(("attn_q.", "attn_k.")):
             n_head = cfg["num_attention_heads"] if m.group(2).startswith("attn_q.") else cfg["num_key_value_heads"]
-            arr = _unpermute(arr, n_head)
-        state[hf] = arr
-    del reader
-    return cfg, state
+        shape = shapes[t.name]
+        nbits = _nbits_form(t, shape) if keep_quantization else None
+        sources[hf] = SourceTensor(shape, lambda t=t, s=shape, h=n_head, q=nbits is not None: _load(path, t, s, h, q),
+                                   nbits)
+    return cfg, sources
+
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(hf_config_dict, hf_state_dict) of a llama-architecture GGUF, every tensor dequantized to float32."""
+    cfg, sources = open_gguf(path, keep_quantization=False)
+    return cfg, {name: s.load() for name, s in sources.items()}
 
 
 def _ensure_post_processor(tokenizer_json: Path, bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> None:
