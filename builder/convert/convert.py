@@ -24,7 +24,7 @@ from trtbuild.builder.convert.checkpoint import (
     remove_partial_output,
 )
 from trtbuild.builder.convert.hf_reader import SourceTensor
-from trtbuild.builder.convert.names import hf_to_checkpoint_name, linear_prefixes
+from trtbuild.builder.convert.names import hf_to_checkpoint_name, is_linear, linear_prefixes
 from trtbuild.builder.convert.safetensors_io import SafetensorsWriter
 from trtbuild.builder.convert.sharding import check_mapping, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig
@@ -102,7 +102,7 @@ def checkpoint_tensors(name: str, src: SourceTensor, config: ModelConfig, weight
     codes, scales and zero points."""
     value = src.load()
     prefix = name.removesuffix(".weight")
-    if config.quantization.algo_of(prefix) == "weight_only" and name.endswith(".weight"):
+    if name.endswith(".weight") and is_linear(prefix) and config.quantization.algo_of(prefix) == "weight_only":
         from trtbuild.quantize.weight_only import NBitsWeight, quantize_rtn
 
         if not isinstance(value, NBitsWeight):

@@ -97,6 +97,12 @@ def linear_prefixes(layers: Iterable[int], last_stage: bool) -> list[str]:
     return out + (["lm_head"] if last_stage else [])
 
 
+def is_linear(prefix: str) -> bool:
+    """Whether checkpoint prefix `prefix` (a tensor name without `.weight`) is a linear layer."""
+    m = _CKPT_LAYER.match(prefix)
+    return prefix == "lm_head" or (m is not None and m.group(2) in LAYER_LINEARS)
+
+
 def layer_of(name: str) -> int | None:
     m = _CKPT_LAYER.match(name)
     return int(m.group(1)) if m else None

@@ -1,0 +1,141 @@
+"""Weight-only quantization (`trtbuild convert --weight-only int8|int4`): the round-to-nearest format, the engine's
+MatMulNBits kernels, and engines that compute exactly what the dequantized weights would."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from click.testing import CliRunner
+
+from trtbuild.builder.build import build_engine
+from trtbuild.builder.convert.checkpoint import CONFIG_FILE, load_checkpoint, save_rank
+from trtbuild.builder.convert.convert import WeightOnly, convert
+from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
+from trtbuild.cli import main
+from trtbuild.configs.model_config import QuantConfig
+from trtbuild.errors import CheckpointError
+from trtbuild.quantize.weight_only import NBitsWeight, pack_codes, quantize_rtn, unpack_codes
+from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+
+OPTIONS = dict(max_seq_len=64, tokens_per_block=8, max_batch_size=4, max_num_tokens=64, int4_accuracy_level=1)
+PROMPTS = [[3, 17, 250, 9, 41, 77, 5], [8, 8, 120]]
+
+
+# ---- the format -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [None, 16, 32])
+def test_rtn_error_is_within_half_a_step(bits, group):
+    w = np.random.default_rng(bits).standard_normal((24, 64)).astype(np.float32)
+    w[3] = 0  # an all-zero row keeps scale 1 and decodes to zeros
+    q = quantize_rtn(w, bits, group)
+    g = 64 if group is None else group
+    assert (q.bits, q.group_size, q.codes.shape, q.scales.shape) == (bits, g, (24, 64 * bits // 8), (24, 64 // g))
+    assert q.zero_points is None and q.codes.dtype == np.uint8 and q.in_features == 64
+    step = np.repeat(q.scales, g, axis=1)
+    assert np.all(np.abs(q.dequantize() - w) <= step / 2 * (1 + 1e-6))
+    assert np.array_equal(q.dequantize()[3], np.zeros(64)) and np.all(q.scales[3] == 1)
+    exact = q.dequantize()  # values on the grid survive a second quantization unchanged
+    np.testing.assert_allclose(quantize_rtn(exact, bits, group).dequantize(), exact, rtol=1e-6, atol=0)
+
+
+def test_codes_pack_as_matmulnbits_reads_them():
+    codes = np.array([[1, 2, 15, 0]], dtype=np.uint8)
+    assert pack_codes(codes, 4).tolist() == [[0x21, 0x0F]]
+    assert np.array_equal(unpack_codes(pack_codes(codes, 4), 4), codes)
+    w = NBitsWeight(4, 2, pack_codes(codes, 4), np.array([[2.0, 0.5]], np.float32), np.array([[1.0, 0.5]], np.float32))
+    assert w.dequantize().tolist() == [[0.0, 2.0, 7.25, -0.25]]
+
+
+@pytest.mark.parametrize(("args", "error"), [((8, 16, 3), "group size 3 does not divide"), ((3, 16, None), "4 or 8"),
+                                              ((4, 15, None), "odd")])
+def test_rtn_refuses_bad_input(args, error):
+    bits, k, group = args
+    with pytest.raises(ValueError, match=error):
+        quantize_rtn(np.ones((2, k), np.float32), bits, group)
+
+
+# ---- engines ----------------------------------------------------------------------------------------------------
+def dequantized_checkpoint(src, dst):
+    """The weight_only checkpoint at `src` with every linear dequantized back to float: the engine's reference."""
+    config, tensors = load_checkpoint(src)
+    out = {}
+    for name, t in tensors.items():
+        prefix = name.removesuffix(".weight")
+        if name.endswith(".weight") and prefix + ".weights_scaling_factor" in tensors:
+            zp = tensors.get(prefix + ".weights_zero_point")
+            scales = tensors[prefix + ".weights_scaling_factor"].numpy()
+            bits = _bits(config, prefix, t)
+            k = t.shape[1] * 8 // bits
+            w = NBitsWeight(bits, k // scales.shape[1], t.numpy(), scales, None if zp is None else zp.numpy())
+            out[name] = torch.from_numpy(w.dequantize())
+        elif not name.endswith((".weights_scaling_factor", ".weights_zero_point")):
+            out[name] = t.to(torch.float32)
+    dst.mkdir()
+    save_rank(dst, 0, out)
+    dataclasses.replace(config, dtype="float32", quantization=QuantConfig()).save(dst / CONFIG_FILE)
+    return dst
+
+
+def _bits(config, prefix: str, codes: torch.Tensor) -> int:
+    from trtbuild.builder.convert.checkpoint import expected_shape
+
+    return codes.shape[1] * 8 // expected_shape(prefix + ".weight", config)[1]
+
+
+def run(engine_dir, prompts=PROMPTS) -> np.ndarray:
+    """Logits of every prompt token, prefilled in one step, then two decode steps."""
+    e = CpuEngine(engine_dir, num_threads=1, num_blocks=8)
+    blocks = [[2 * i, 2 * i + 1] for i in range(len(prompts))]
+    out = [e.step([SequenceChunk(i, p, 0, len(p), blocks[i]) for i, p in enumerate(prompts)])]
+    for step, token in enumerate((11, 200)):
+        out.append(e.step([SequenceChunk(i, [token], len(p) + step, 1, blocks[i]) for i, p in enumerate(prompts)]))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize(("bits", "group"), [(8, None), (8, 32), (4, None), (4, 16)])
+def test_engine_equals_its_dequantized_weights(family, bits, group, random_hf_model, tmp_path):
+    """The MatMulNBits engine (accuracy level 1: fp32 compute) computes what fp32 MatMuls over the dequantized
+    weights compute, to fp32 rounding; q/k/v and gate/up run as one kernel each."""
+    ckpt = tmp_path / "wo"
+    config = convert(random_hf_model(family), ckpt, weight_only=WeightOnly(bits, group))
+    want_group = group or (32 if bits == 4 else None)  # int4's default: the largest of 128/64/32 dividing 64 and 96
+    assert config.quantization == QuantConfig(quant_algo="weight_only", group_size=want_group)
+    engine = build_engine(ckpt, tmp_path / "engine", **OPTIONS)
+    reference = build_engine(dequantized_checkpoint(ckpt, tmp_path / "deq"), tmp_path / "ref", **OPTIONS)
+    got, want = run(engine), run(reference)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    model = onnx.load(str(engine / CPU_ENGINE_FILE), load_external_data=False)
+    kernels = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    layers = config.num_hidden_layers
+    assert len(kernels) == 4 * layers + 1  # qkv, dense, gate_up, proj per layer, and lm_head
+    assert {onnx.helper.get_attribute_value(a) for n in kernels for a in n.attribute if a.name == "bits"} == {bits}
+    assert collections.Counter(n.op_type for n in model.graph.node)["MatMul"] <= 2 * layers  # attention only
+    dims = {t.name: list(t.dims) for t in model.graph.initializer}
+    c = config
+    linear_params = layers * (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+                              + 3 * c.hidden_size * c.intermediate_size) + c.vocab_size * c.hidden_size
+    assert sum(np.prod(dims[n.input[1]]) for n in kernels) == linear_params * bits // 8  # bytes of codes
+
+
+def test_group_size_must_divide_every_linear(random_hf_model, tmp_path):
+    with pytest.raises(CheckpointError, match=r"--group-size 64 does not divide the 96 input features of "
+                                              r"transformer\.layers\.0\.mlp\.proj"):
+        convert(random_hf_model("llama"), tmp_path / "c", weight_only=WeightOnly(4, 64))
+    assert not (tmp_path / "c").exists()
+
+
+def test_cli(random_hf_model, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["convert", "--model", str(random_hf_model("llama")), "--output",
+                                  str(tmp_path / "c"), "--weight-only", "int4"])
+    assert result.exit_code == 0, result.output
+    assert "weight_only (group size 32, 0 linears left in float)" in result.output
+    result = runner.invoke(main, ["convert", "--model", str(random_hf_model("llama")), "--output",
+                                  str(tmp_path / "d"), "--group-size", "32"])
+    assert result.exit_code == 2 and "--group-size applies to --weight-only" in result.output
