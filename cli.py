@@ -378,8 +378,9 @@ def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: i
               help='.txt file, .jsonl (field "text") or folder of .txt [default: Python standard-library docstrings].')
 @click.option("--calib-size", type=click.IntRange(min=1), default=512, help="Calibration samples.")
 @click.option("--calib-max-seq-len", type=click.IntRange(min=1), default=512, help="Tokens per calibration sample.")
-@click.option("--awq-block-size", type=click.IntRange(min=1), default=128,
-              help="int4_awq: input features per weight scale (a power of two that divides them).")
+@click.option("--awq-block-size", type=click.IntRange(min=1), default=None,
+              help="int4_awq: input features per weight scale (a power of two that divides them) [default: the "
+                   "largest of 128/64/32 that divides every quantized linear, printed].")
 @click.option("--smoothquant-alpha", type=float, default=None,
               help="int8_sq: SmoothQuant migration strength in [0, 1] (1 moves all activation outliers into the "
                    "weights) [default: 0.7, or 0.5 with --per-token-activations].")
@@ -400,7 +401,7 @@ def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: i
 @click.option("--tp-size", type=click.IntRange(min=1), default=1, help="Tensor-parallel ranks.")
 @click.option("--pp-size", type=click.IntRange(min=1), default=1, help="Pipeline-parallel ranks.")
 def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None, calib_dataset: Path | None,
-             calib_size: int, calib_max_seq_len: int, awq_block_size: int, smoothquant_alpha: float | None,
+             calib_size: int, calib_max_seq_len: int, awq_block_size: int | None, smoothquant_alpha: float | None,
              per_token_activations: bool, fuse_shared_scales: bool, exclude: tuple[str, ...],
              lm_head_qformat: str | None, dtype: str, tp_size: int, pp_size: int) -> None:
     """Calibrate a model with nvidia-modelopt and write a quantized checkpoint (docs/quantization.md)."""

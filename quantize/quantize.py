@@ -64,14 +64,15 @@ class QuantizeResult:
                 f"{self.seconds['calibrate']:.1f} s, {self.config.mapping.world_size} rank(s)")
 
 
-def quant_config(qformat: str, kv_cache_dtype: str | None, awq_block_size: int, exclude: Sequence[str],
+def quant_config(qformat: str, kv_cache_dtype: str | None, awq_block_size: int | None, exclude: Sequence[str],
                  shared_input_scales: bool = False, smoothquant_alpha: float | None = None,
                  per_token_activations: bool = False, lm_head_qformat: str | None = None) -> QuantConfig:
     if qformat not in QUANT_ALGOS:
         raise TrtbuildError(f"--qformat {qformat!r} is not one of {', '.join(QUANT_ALGOS)}.")
     if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_QUANT_ALGOS:
         raise TrtbuildError(f"--kv-cache-dtype {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_QUANT_ALGOS)}.")
-    if qformat == "int4_awq" and (not 16 <= awq_block_size <= 256 or awq_block_size & (awq_block_size - 1)):
+    if qformat == "int4_awq" and awq_block_size is not None and (
+            not 16 <= awq_block_size <= 256 or awq_block_size & (awq_block_size - 1)):
         raise TrtbuildError(f"--awq-block-size {awq_block_size} must be a power of two from 16 to 256 (what ONNX "
                             "Runtime's MatMulNBits runs), e.g. 64 or 128.")
     if lm_head_qformat is not None:
@@ -117,6 +118,20 @@ def in_features_of(config: ModelConfig, prefix: str) -> int:
     return config.intermediate_size if prefix.endswith("mlp.proj") else config.hidden_size
 
 
+def _with_default_group_size(config: ModelConfig, quantized: Sequence[str]) -> ModelConfig:
+    """int4_awq without --awq-block-size: the largest of 128/64/32 that divides every quantized linear."""
+    from trtbuild.quantize.weight_only import default_group_size
+
+    features = {in_features_of(config, p) for p in quantized}
+    group = default_group_size(features)
+    if group is None:
+        raise TrtbuildError(f"no AWQ block size of 128, 64 or 32 divides the input features {sorted(features)} of "
+                            "the quantized linears; pass --awq-block-size 16, or exclude those linears.")
+    log.warning("int4_awq block size %d: the largest of 128/64/32 dividing the input features of every quantized "
+                "linear (%s); --awq-block-size sets another", group, ", ".join(map(str, sorted(features))))
+    return dataclasses.replace(config, quantization=dataclasses.replace(config.quantization, group_size=group))
+
+
 def check_group_size(config: ModelConfig, quantized: Sequence[str]) -> None:
     """int4: the group size must divide the input features of every quantized linear."""
     group = config.quantization.group_size
@@ -136,9 +151,10 @@ def check_group_size(config: ModelConfig, quantized: Sequence[str]) -> None:
 
 def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None = None,
              calib_dataset: Path | None = None, calib_size: int = 512, calib_max_seq_len: int = 512,
-             awq_block_size: int = 128, exclude: Sequence[str] = ("lm_head",), dtype: str = "auto", tp_size: int = 1,
-             pp_size: int = 1, shared_input_scales: bool = False, smoothquant_alpha: float | None = None,
-             per_token_activations: bool = False, lm_head_qformat: str | None = None) -> QuantizeResult:
+             awq_block_size: int | None = None, exclude: Sequence[str] = ("lm_head",), dtype: str = "auto",
+             tp_size: int = 1, pp_size: int = 1, shared_input_scales: bool = False,
+             smoothquant_alpha: float | None = None, per_token_activations: bool = False,
+             lm_head_qformat: str | None = None) -> QuantizeResult:
     """Quantize `model` into a checkpoint at `output` (config.json written last; nothing is left on failure).
 
     `shared_input_scales`: q/k/v and gate/up of each layer share their input (and fp8 weight) scales, so engines may
@@ -186,6 +202,9 @@ def _quantize(model_path: Path, output: Path, qconfig: QuantConfig, texts: list[
     quantized, excluded = split_linears(config)
     if not quantized:
         raise TrtbuildError(f"--exclude {' '.join(qconfig.exclude_modules)} matches every linear: nothing to quantize.")
+    if qconfig.quant_algo == "int4_awq" and qconfig.group_size is None:
+        config = _with_default_group_size(config, quantized)
+        qconfig = config.quantization
     check_group_size(config, quantized)
     check_mapping(config, config.mapping)
     if qconfig.per_token_activations and tp_size > 1:

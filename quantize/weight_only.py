@@ -9,10 +9,12 @@ low nibble and 2j+1 in the high one.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
+GROUP_SIZES = (128, 64, 32)  # default group sizes of int4 weights, largest first
 _ROWS_PER_CHUNK = 1024  # bounds the float32 temporaries of quantize_rtn to a few of these rows at a time
 
 
@@ -59,6 +61,12 @@ def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     if bits == 8:
         return packed
     return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+
+
+def default_group_size(in_features: Iterable[int]) -> int | None:
+    """The largest of GROUP_SIZES that divides every given input-feature count, or None if none does."""
+    sizes = list(in_features)
+    return next((g for g in GROUP_SIZES if all(k % g == 0 for k in sizes)), None)
 
 
 def quantize_rtn(w: np.ndarray, bits: int, group_size: int | None) -> NBitsWeight:

@@ -536,3 +536,13 @@ def test_quant_config_validation():
     assert q.algo_of("lm_head") == "int8_wo" and q.algo_of("transformer.layers.0.mlp.fc") == "int8_sq"
     assert q.scale_names("lm_head") == ("lm_head.weights_scaling_factor",)
     assert QuantConfig(lm_head_quant_algo="int8_wo").scale_names("lm_head") == ("lm_head.weights_scaling_factor",)
+
+
+def test_awq_block_size_defaults_to_the_largest_that_divides_every_linear(runs, caplog):
+    """The tiny model's linears read 64 (hidden) and 96 (ffn) features: 128 and 64 do not divide 96, 32 does."""
+    with caplog.at_level("WARNING"):
+        result, ckpt = runs("int4_awq", awq_block_size=None)
+    assert result.config.quantization.group_size == 32
+    assert load_checkpoint(ckpt)[0].quantization.group_size == 32
+    assert "int4_awq block size 32: the largest of 128/64/32 dividing the input features of every quantized linear " \
+           "(64, 96)" in caplog.text

@@ -33,7 +33,6 @@ from trtbuild.errors import CheckpointError
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WEIGHT_ONLY_BITS = {"int8": 8, "int4": 4}
-GROUP_SIZES = (128, 64, 32)  # --group-size choices for weight-only int4, largest first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +66,15 @@ def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dic
 
 
 def default_group_size(config: ModelConfig) -> int:
-    """The largest of GROUP_SIZES that divides the input features of every linear."""
+    """The largest of 128/64/32 that divides the input features of every linear."""
+    from trtbuild.quantize.weight_only import GROUP_SIZES
+    from trtbuild.quantize.weight_only import default_group_size as largest
+
     features = (config.hidden_size, config.q_size, config.intermediate_size)
-    for g in GROUP_SIZES:
-        if all(k % g == 0 for k in features):
-            return g
-    raise CheckpointError(f"no group size of {', '.join(map(str, GROUP_SIZES))} divides the input features "
-                          f"{features} of this model's linears; use --weight-only int8 (per channel).")
+    if (g := largest(features)) is None:
+        raise CheckpointError(f"no group size of {', '.join(map(str, GROUP_SIZES))} divides the input features "
+                              f"{features} of this model's linears; use --weight-only int8 (per channel).")
+    return g
 
 
 def with_weight_only(config: ModelConfig, plan: dict[str, SourceTensor], weight_only: WeightOnly | None
@@ -197,4 +198,4 @@ def _check_groups(config: ModelConfig, weight_only: WeightOnly | None) -> None:
         k = expected_shape(prefix + ".weight", config)[1]
         if config.quantization.algo_of(prefix) == "weight_only" and k % weight_only.group_size:
             raise CheckpointError(f"--group-size {weight_only.group_size} does not divide the {k} input features of "
-                                  f"{prefix}; choose one of {', '.join(map(str, GROUP_SIZES))} that does.")
+                                  f"{prefix}; choose one of 32, 64 or 128 that does.")
