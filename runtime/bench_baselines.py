@@ -243,7 +243,7 @@ def _tokenizer(path: Path) -> Any:
 
     if path.is_dir():
         return Tokenizer(path)
-    from trtbuild.builder.convert.gguf_reader import export_gguf_tokenizer
+    from trtbuild.builder.convert.gguf_tokenizer import export_gguf_tokenizer
 
     out = Path(tempfile.mkdtemp(prefix="trtbuild-bench-tok-"))
     export_gguf_tokenizer(path, out)

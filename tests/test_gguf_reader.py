@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from trtbuild.builder.convert.gguf_reader import _ensure_post_processor, export_gguf_tokenizer, read_gguf
+from trtbuild.builder.convert.gguf_reader import read_gguf
+from trtbuild.builder.convert.gguf_tokenizer import _ensure_post_processor, export_gguf_tokenizer
 from trtbuild.errors import CheckpointError
 
 SHARED = Path(os.environ.get("TRTBUILD_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")

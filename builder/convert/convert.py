@@ -105,7 +105,7 @@ def convert(model: Path, output: Path, dtype: str = "auto", tp_size: int = 1, pp
         for rank in tqdm(range(config.mapping.world_size), desc="writing shards", unit="rank", leave=False):
             save_rank(output, rank, shard_for_rank(tensors, config, config.mapping, rank))
         if is_gguf:
-            from trtbuild.builder.convert.gguf_reader import export_gguf_tokenizer
+            from trtbuild.builder.convert.gguf_tokenizer import export_gguf_tokenizer
 
             export_gguf_tokenizer(model, output)
         else:
