@@ -26,7 +26,7 @@ class Source:
         from trtbuild.builder.convert.checkpoint import copy_tokenizer_files
 
         if self.kind == "gguf":
-            from trtbuild.builder.convert.gguf_reader import export_gguf_tokenizer
+            from trtbuild.builder.convert.gguf_tokenizer import export_gguf_tokenizer
 
             export_gguf_tokenizer(self.path, out_dir)
         else:

@@ -230,12 +230,13 @@ def load_hf_model(path: Path) -> Any:
     from trtbuild.builder.convert.gguf_reader import read_gguf
 
     hf_config, state = read_gguf(path)
-    config = transformers.LlamaConfig(**hf_config)
-    model = transformers.LlamaForCausalLM(config)
+    kwargs = {k: v for k, v in hf_config.items() if k not in ("model_type", "torch_dtype")}
+    config = transformers.AutoConfig.for_model(hf_config["model_type"], **kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config)
     missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
-        raise TrtbuildError(f"--compare-hf {path}: tensors do not match LlamaForCausalLM (missing "
+        raise TrtbuildError(f"--compare-hf {path}: tensors do not match {hf_config['architectures'][0]} (missing "
                             f"{sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
     model.tie_weights()
     return model.eval()
@@ -246,7 +247,7 @@ def _tokenizer(path: Path) -> Any:
 
     if path.is_dir():
         return Tokenizer(path)
-    from trtbuild.builder.convert.gguf_reader import export_gguf_tokenizer
+    from trtbuild.builder.convert.gguf_tokenizer import export_gguf_tokenizer
 
     out = Path(tempfile.mkdtemp(prefix="trtbuild-bench-tok-"))
     export_gguf_tokenizer(path, out)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from trtbuild.builder.convert.gguf_reader import _ensure_post_processor, export_gguf_tokenizer, read_gguf
+from trtbuild.builder.convert.gguf_reader import read_gguf
+from trtbuild.builder.convert.gguf_tokenizer import _ensure_post_processor, export_gguf_tokenizer
 from trtbuild.errors import CheckpointError
 
 SHARED = Path(os.environ.get("TRTBUILD_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
@@ -242,10 +243,60 @@ def test_rope_scaling(tmp_path: Path) -> None:
         read_gguf(tmp_path / "bad.gguf")
 
 
-def test_non_llama_architecture(tmp_path: Path) -> None:
+def test_unsupported_architecture(tmp_path: Path) -> None:
     _write_llama(tmp_path / "m.gguf", arch="gpt2")
-    with pytest.raises(CheckpointError, match="only llama-architecture"):
+    with pytest.raises(CheckpointError, match="'gpt2'; trtbuild reads GGUF architectures llama, mistral, qwen2, qwen3"):
         read_gguf(tmp_path / "m.gguf")
+
+
+KV = HIDDEN // HEADS * KV_HEADS
+_BIASES = {f"blk.0.attn_{p}.bias": RNG.standard_normal(n).astype(np.float32)
+           for p, n in (("q", HIDDEN), ("k", KV), ("v", KV))}
+_QK_NORMS = {f"blk.0.attn_{p}_norm.weight": RNG.standard_normal(HIDDEN // HEADS).astype(np.float32) for p in "qk"}
+
+
+@pytest.mark.parametrize(
+    ("arch", "meta", "extra", "family", "window"),
+    [
+        ("llama", {}, {}, "llama", None),
+        ("llama", {"general.name": "Mistral 7B Instruct v0.3"}, {}, "mistral", None),
+        ("llama", {"llama.attention.sliding_window": 4096}, {}, "mistral", 4096),
+        ("qwen2", {}, _BIASES, "qwen2", None),
+        ("qwen3", {}, _QK_NORMS, "qwen3", None),
+    ],
+    ids=["llama", "mistral_by_name", "mistral_by_window", "qwen2", "qwen3"],
+)
+def test_architectures(tmp_path: Path, arch: str, meta: dict, extra: dict, family: str, window: int | None) -> None:
+    """Each architecture maps to its HF family; q/k rows are un-permuted only where llama.cpp permuted them."""
+    from trtbuild.configs.model_config import model_config_from_hf
+
+    written = _write_llama(tmp_path / "m.gguf", extra, arch=arch, meta=meta)
+    cfg, sd = read_gguf(tmp_path / "m.gguf")
+    config = model_config_from_hf(cfg)
+    assert (config.family, config.sliding_window) == (family, window)
+    assert (config.qkv_bias, config.qk_norm) == (arch == "qwen2", arch == "qwen3")
+    q = sd["model.layers.0.self_attn.q_proj.weight"]
+    np.testing.assert_array_equal(_permute(q, HEADS) if family in ("llama", "mistral") else q,
+                                  written["blk.0.attn_q.weight"])
+    hf_names = {**{f"blk.0.attn_{p}.bias": f"model.layers.0.self_attn.{p}_proj.bias" for p in "qkv"},
+                **{f"blk.0.attn_{p}_norm.weight": f"model.layers.0.self_attn.{p}_norm.weight" for p in "qk"}}
+    for name, value in extra.items():
+        np.testing.assert_array_equal(sd[hf_names[name]], value)
+
+
+def test_architecture_tensor_sets(tmp_path: Path) -> None:
+    _write_llama(tmp_path / "q2.gguf", arch="qwen2")
+    with pytest.raises(CheckpointError, match=r"lacks tensors \['blk.0.attn_q.bias'.*not a qwen2 model"):
+        read_gguf(tmp_path / "q2.gguf")
+    _write_llama(tmp_path / "q3.gguf", arch="qwen3")
+    with pytest.raises(CheckpointError, match=r"lacks tensors \['blk.0.attn_q_norm.weight'"):
+        read_gguf(tmp_path / "q3.gguf")
+    _write_llama(tmp_path / "l.gguf", _QK_NORMS)
+    with pytest.raises(CheckpointError, match="unexpected tensor 'blk.0.attn_q_norm.weight' for a llama model"):
+        read_gguf(tmp_path / "l.gguf")
+    _write_llama(tmp_path / "p.gguf", meta={"llama.rope.dimension_count": HIDDEN // HEADS // 2})
+    with pytest.raises(CheckpointError, match="partial rotary"):
+        read_gguf(tmp_path / "p.gguf")
 
 
 @pytest.mark.parametrize("kind", ["missing", "empty", "not_gguf", "truncated_header", "truncated_data", "directory"])

@@ -178,7 +178,7 @@ def convert(model: Path, output: Path, dtype: str = "auto", tp_size: int = 1, pp
         for writer in writers:
             writer.close()
         if is_gguf:
-            from trtbuild.builder.convert.gguf_reader import export_gguf_tokenizer
+            from trtbuild.builder.convert.gguf_tokenizer import export_gguf_tokenizer
 
             export_gguf_tokenizer(model, output)
         else:

@@ -1,20 +1,23 @@
-"""Read a llama-architecture GGUF file into Hugging Face form: an HF config dict and an HF-named float32 state dict.
+"""Read a GGUF file (llama, mistral, qwen2, qwen3) into Hugging Face form: an HF config dict and an HF-named
+float32 state dict.
 
-The rest of the converter only deals with HF names. Tensors are dequantized with ``gguf.quants.dequantize``; the q/k
-projections that llama.cpp's converter permuted for its RoPE layout are permuted back.
+The rest of the converter only deals with HF names. This module opens the file, reads its metadata and maps tensors to
+HF names; `gguf_config.py` turns the metadata into the HF config and `gguf_tokenizer.py` rebuilds the tokenizer.
+Tensors are read lazily: quantized blocks with an exact low-bit engine form become NBitsWeight
+(`gguf_quants.py`), the rest are dequantized with ``gguf.quants.dequantize``; the q/k projections that llama.cpp's
+converter permuted for its RoPE layout (llama, mistral) are permuted back.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from trtbuild.builder.convert.gguf_config import COMMON_LAYER_TENSORS, hf_config, resolve_architecture
 from trtbuild.builder.convert.hf_reader import SourceTensor
 from trtbuild.errors import CheckpointError
 
@@ -27,6 +30,7 @@ _LAYER_NAMES = {
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_output.bias": "self_attn.o_proj.bias",
     **{f"attn_{p}.{w}": f"self_attn.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")},
+    **{f"attn_{p}_norm.weight": f"self_attn.{p}_norm.weight" for p in "qk"},
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -34,8 +38,6 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
-_REQUIRED_LAYER = [f"{n}.weight" for n in ("attn_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "attn_output")]
-_REQUIRED_LAYER += [f"attn_{p}.weight" for p in "qkv"]
 
 
 def _open(path: Path) -> Any:
@@ -70,92 +72,6 @@ def _fields(reader: Any) -> dict[str, Any]:
         ]
         out[key] = vals if field.types[0] == GGUFValueType.ARRAY else (vals[0] if vals else None)
     return out
-
-
-def _f32(x: float) -> float:
-    """Shortest decimal that round-trips a float32 metadata value (1e-05, not 9.999999747378752e-06)."""
-    return float(str(np.float32(x)))
-
-
-def _llama3_factors(theta: float, dim: int, factor: float, low: float, high: float, old_ctx: int) -> np.ndarray:
-    """The per-frequency divisors llama.cpp stores in rope_freqs.weight for rope_type llama3."""
-    freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    wavelen = 2 * math.pi / freqs
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    out = 1.0 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, out))
-
-
-def _rope_scaling(meta: dict[str, Any], rope_freqs: np.ndarray | None, cfg: dict[str, Any]) -> dict[str, Any] | None:
-    kind = str(meta.get("llama.rope.scaling.type", "none")).lower()
-    factor = meta.get("llama.rope.scaling.factor", meta.get("llama.rope.scale_linear"))
-    orig = meta.get("llama.rope.scaling.original_context_length")
-    if rope_freqs is not None:  # llama 3.1+ : llama.cpp stores the llama3 frequency factors as a tensor
-        rf = rope_freqs.astype(np.float64).ravel()
-        scaling = {
-            "rope_type": "llama3",
-            "factor": _f32(rf.max()),
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": int(orig or 8192),
-        }
-        args = (scaling["factor"], 1.0, 4.0, scaling["original_max_position_embeddings"])
-        if len(rf) * 2 == cfg["head_dim"] and np.allclose(
-            _llama3_factors(cfg["rope_theta"], cfg["head_dim"], *args), rf, rtol=1e-4, atol=1e-4
-        ):
-            return scaling
-        raise CheckpointError(
-            "This GGUF has a rope_freqs.weight tensor that does not match llama3 RoPE scaling "
-            "(low/high freq factor 1/4); such per-frequency RoPE factors are not supported."
-        )
-    if kind == "none" and factor and factor != 1.0:  # old files: llama.rope.scale_linear only
-        kind = "linear"
-    if kind in ("none", ""):
-        return None
-    if kind not in ("linear", "yarn") or not factor:
-        raise CheckpointError(f"GGUF RoPE scaling type {kind!r} is not supported (only linear, yarn and llama3).")
-    scaling = {"rope_type": kind, "factor": _f32(factor)}
-    if orig:
-        scaling["original_max_position_embeddings"] = int(orig)
-    return scaling
-
-
-def _config(meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None) -> dict[str, Any]:
-    def need(key: str) -> Any:
-        if f"llama.{key}" not in meta:
-            raise CheckpointError(f"GGUF metadata lacks llama.{key}; the file is incomplete. Re-export it.")
-        return meta[f"llama.{key}"]
-
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    kv_heads = meta.get("llama.attention.head_count_kv", heads)
-    head_dim = meta.get("llama.attention.key_length", meta.get("llama.rope.dimension_count", hidden // heads))
-    vocab = shapes["token_embd.weight"][0] if "token_embd.weight" in shapes else None
-    vocab = vocab or meta.get("llama.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
-    cfg: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(kv_heads[0] if isinstance(kv_heads, list) else kv_heads),
-        "head_dim": int(head_dim),
-        "vocab_size": int(vocab),
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
-        "rms_norm_eps": _f32(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": _f32(meta.get("llama.rope.freq_base", 10000.0)),
-        "hidden_act": "silu",
-        "tie_word_embeddings": "output.weight" not in shapes,
-        "attention_bias": "blk.0.attn_q.bias" in shapes,
-        "mlp_bias": False,
-        "torch_dtype": "float32",
-    }
-    for ours, theirs in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
-        if f"tokenizer.ggml.{theirs}_token_id" in meta:
-            cfg[f"{ours}_token_id"] = int(meta[f"tokenizer.ggml.{theirs}_token_id"])
-    if (scaling := _rope_scaling(meta, rope_freqs, cfg)) is not None:
-        cfg["rope_scaling"] = scaling
-    return cfg
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -210,34 +126,31 @@ def _nbits_form(t: Any, shape: tuple[int, ...]) -> tuple[int, int, bool] | None:
 
 
 def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any], dict[str, SourceTensor]]:
-    """(hf_config_dict, HF name -> SourceTensor) of a llama-architecture GGUF; tensors are decoded when loaded.
-
-    Names follow transformers' LlamaForCausalLM (model.layers.{i}.self_attn.q_proj.weight, ...); Linear weights are
-    [out, in]; lm_head.weight is absent when the embeddings are tied. With `keep_quantization`, 2-D tensors whose
+    """(hf_config_dict, HF name -> SourceTensor) of a llama/mistral/qwen2/qwen3 GGUF; a tensor is decoded when
+    loaded. Names follow transformers' *ForCausalLM (model.layers.{i}.self_attn.q_proj.weight, ...); Linear weights
+    are [out, in]; lm_head.weight is absent when the embeddings are tied. With `keep_quantization`, 2-D tensors whose
     GGML type has an exact low-bit form (gguf_quants.EXACT_NBITS) load as NBitsWeight, the rest as float32.
     Raises CheckpointError on any bad input.
     """
     path = Path(path)
     reader = _open(path)
     meta = _fields(reader)
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise CheckpointError(
-            f"{path} has GGUF architecture {arch!r}; only llama-architecture GGUF files are supported "
-            "(Llama, Mistral-style, SmolLM, TinyLlama ...). Convert the HF checkpoint instead."
-        )
+    prefix, arch = resolve_architecture(meta, path)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     rope_freqs = None
     if "rope_freqs.weight" in shapes:
         rope_freqs = _dequantize(path, next(t for t in reader.tensors if t.name == "rope_freqs.weight"))
-    cfg = _config(meta, shapes, rope_freqs)
+    cfg = hf_config(meta, prefix, arch, shapes, rope_freqs)
     n_layers = cfg["num_hidden_layers"]
+    required = (*COMMON_LAYER_TENSORS, *arch.layer_tensors)
+    allowed = {*required, *arch.optional_layer_tensors}
+    permuted = ("attn_q.", "attn_k.") if arch.permute_qk else ()
     missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in shapes]
-    missing += [n for i in range(n_layers) for s in _REQUIRED_LAYER if (n := f"blk.{i}.{s}") not in shapes]
+    missing += [n for i in range(n_layers) for s in required if (n := f"blk.{i}.{s}") not in shapes]
     if missing:
         raise CheckpointError(
             f"{path} lacks tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}; it is "
-            "incomplete or not a llama model. Re-export it."
+            f"incomplete or not a {arch.model_type} model. Re-export it."
         )
     sources: dict[str, SourceTensor] = {}
     for t in reader.tensors:
@@ -246,14 +159,15 @@ def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any
         m = _BLOCK_RE.fullmatch(t.name)
         if t.name in _GLOBAL_NAMES:
             hf = _GLOBAL_NAMES[t.name]
-        elif m and m.group(2) in _LAYER_NAMES and int(m.group(1)) < n_layers:
+        elif m and m.group(2) in allowed and int(m.group(1)) < n_layers:
             hf = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
         else:
             raise CheckpointError(
-                f"{path}: unexpected tensor {t.name!r} for a llama model; this GGUF variant is not supported."
+                f"{path}: unexpected tensor {t.name!r} for a {arch.model_type} model; this GGUF variant is not "
+                "supported."
             )
         n_head = None
-        if m and m.group(2).startswith(("attn_q.", "attn_k.")):
+        if m and m.group(2).startswith(permuted):
             n_head = cfg["num_attention_heads"] if m.group(2).startswith("attn_q.") else cfg["num_key_value_heads"]
         shape = shapes[t.name]
         nbits = _nbits_form(t, shape) if keep_quantization else None
@@ -263,64 +177,6 @@ def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(hf_config_dict, hf_state_dict) of a llama-architecture GGUF, every tensor dequantized to float32."""
+    """(hf_config_dict, hf_state_dict) of a GGUF, every tensor dequantized to float32 (see `open_gguf`)."""
     cfg, sources = open_gguf(path, keep_quantization=False)
     return cfg, {name: s.load() for name, s in sources.items()}
-
-
-def _ensure_post_processor(tokenizer_json: Path, bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> None:
-    """Make the plain `tokenizers` library add BOS/EOS the way the GGUF asks (add_bos_token / add_eos_token)."""
-    from tokenizers import Tokenizer, processors
-
-    tok = Tokenizer.from_file(str(tokenizer_json))
-    ids = tok.encode("a").ids
-    if (bos is None or (ids and ids[0] == bos[1])) and (eos is None or (ids and ids[-1] == eos[1])):
-        return
-    single = " ".join([*([f"{bos[0]}:0"] if bos else []), "$A:0", *([f"{eos[0]}:0"] if eos else [])])
-    pair = single + " " + single.replace("$A:0", "$B:1").replace(":0", ":1")
-    specials = [s for s in (bos, eos) if s is not None]
-    template = processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(dict.fromkeys(specials)))
-    tok.post_processor = template if tok.post_processor is None else processors.Sequence([tok.post_processor, template])
-    tok.save(str(tokenizer_json))
-
-
-def export_gguf_tokenizer(path: Path, out_dir: Path) -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json for the GGUF's embedded tokenizer."""
-    path, out_dir = Path(path), Path(out_dir)
-    meta = _fields(_open(path))
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if not tokens:
-        raise CheckpointError(f"{path} has no embedded tokenizer (tokenizer.ggml.tokens); pass a tokenizer directory.")
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        tok.save_pretrained(str(out_dir))
-    except Exception as exc:  # transformers raises many types for unsupported tokenizer models
-        raise CheckpointError(
-            f"Could not convert the tokenizer embedded in {path} ({type(exc).__name__}: {exc}). "
-            f"Its tokenizer.ggml.model is {meta.get('tokenizer.ggml.model')!r}; pass an HF tokenizer directory instead."
-        ) from None
-    if not (out_dir / "tokenizer.json").is_file():
-        raise CheckpointError(f"transformers did not produce tokenizer.json for {path}; pass an HF tokenizer instead.")
-
-    def special(kind: str) -> tuple[str, int] | None:
-        idx = meta.get(f"tokenizer.ggml.{kind}_token_id")
-        return (tokens[idx], int(idx)) if idx is not None and 0 <= idx < len(tokens) else None
-
-    bos = special("bos") if meta.get("tokenizer.ggml.add_bos_token", False) else None
-    eos = special("eos") if meta.get("tokenizer.ggml.add_eos_token", False) else None
-    _ensure_post_processor(out_dir / "tokenizer.json", bos, eos)
-    cfg_path = out_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    for key in ("is_local", "local_files_only"):  # artefacts of how we loaded it, not properties of the tokenizer
-        cfg.pop(key, None)
-    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-    smap = out_dir / "special_tokens_map.json"
-    if not smap.is_file():
-        names = {
-            f"{k}_token": special(g)
-            for k, g in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))
-        }
-        smap.write_text(json.dumps({k: v[0] for k, v in names.items() if v is not None}, indent=2) + "\n")

@@ -1,0 +1,188 @@
+"""GGUF metadata -> Hugging Face config dict, for every GGUF architecture trtbuild reads.
+
+llama.cpp prefixes each hyper-parameter with the architecture name (`qwen2.embedding_length`, `llama.rope.freq_base`),
+so one reader serves all of them; `GGUF_ARCHITECTURES` holds what differs. The dict returned is what
+`configs/model_config.py: model_config_from_hf` accepts for the family.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trtbuild.errors import CheckpointError
+
+# Per-layer GGUF tensors (the part after `blk.N.`) every supported architecture has.
+COMMON_LAYER_TENSORS = (
+    *(f"{n}.weight" for n in ("attn_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "attn_output")),
+    *(f"attn_{p}.weight" for p in "qkv"),
+)
+_QKV_BIAS = tuple(f"attn_{p}.bias" for p in "qkv")
+_QK_NORM = ("attn_q_norm.weight", "attn_k_norm.weight")
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    """What one GGUF architecture maps back to on the Hugging Face side."""
+
+    hf_architecture: str  # config.json `architectures[0]`
+    model_type: str
+    # llama.cpp's converter permuted the q/k rows (LlamaModel.permute) for its interleaved RoPE; Qwen2/Qwen3 run
+    # NeoX-style RoPE in llama.cpp, so their rows are stored as in HF.
+    permute_qk: bool
+    layer_tensors: tuple[str, ...] = ()  # required per-layer tensors beyond COMMON_LAYER_TENSORS
+    optional_layer_tensors: tuple[str, ...] = ()
+
+
+GGUF_ARCHITECTURES: dict[str, GgufArch] = {
+    "llama": GgufArch("LlamaForCausalLM", "llama", True, optional_layer_tensors=(*_QKV_BIAS, "attn_output.bias")),
+    # llama.cpp writes MistralForCausalLM as general.architecture "llama" (see resolve_architecture); "mistral" is
+    # also accepted as a literal architecture name.
+    "mistral": GgufArch("MistralForCausalLM", "mistral", True),
+    "qwen2": GgufArch("Qwen2ForCausalLM", "qwen2", False, layer_tensors=_QKV_BIAS),
+    "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3", False, layer_tensors=_QK_NORM),
+}
+
+
+def _is_mistral(meta: dict[str, Any], prefix: str) -> bool:
+    """A llama-architecture GGUF converted from MistralForCausalLM.
+
+    llama.cpp keeps no HF architecture, so this goes by the model's name (as transformers' GGUF loader does) or a
+    sliding window, which only the Mistral family of these honours.
+    """
+    names = " ".join(str(meta.get(k) or "") for k in ("general.name", "general.basename")).lower()
+    return "mistral" in names or bool(meta.get(f"{prefix}.attention.sliding_window"))
+
+
+def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArch]:
+    """(metadata key prefix, architecture entry) of a GGUF file; CheckpointError for an unsupported one."""
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(
+            f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
+            f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, TinyLlama, Qwen2/2.5, Qwen3 ...). "
+            "Convert the HF checkpoint instead."
+        )
+    if arch == "llama" and _is_mistral(meta, arch):
+        return arch, GGUF_ARCHITECTURES["mistral"]
+    return arch, GGUF_ARCHITECTURES[arch]
+
+
+def _f32(x: float) -> float:
+    """Shortest decimal that round-trips a float32 metadata value (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(x)))
+
+
+def _llama3_factors(theta: float, dim: int, factor: float, low: float, high: float, old_ctx: int) -> np.ndarray:
+    """The per-frequency divisors llama.cpp stores in rope_freqs.weight for rope_type llama3."""
+    freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    out = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, out))
+
+
+def _rope_scaling(
+    meta: dict[str, Any], prefix: str, rope_freqs: np.ndarray | None, cfg: dict[str, Any]
+) -> dict[str, Any] | None:
+    kind = str(meta.get(f"{prefix}.rope.scaling.type", "none")).lower()
+    factor = meta.get(f"{prefix}.rope.scaling.factor", meta.get(f"{prefix}.rope.scale_linear"))
+    orig = meta.get(f"{prefix}.rope.scaling.original_context_length")
+    if rope_freqs is not None:  # llama 3.1+ : llama.cpp stores the llama3 frequency factors as a tensor
+        rf = rope_freqs.astype(np.float64).ravel()
+        scaling = {
+            "rope_type": "llama3",
+            "factor": _f32(rf.max()),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": int(orig or 8192),
+        }
+        args = (scaling["factor"], 1.0, 4.0, scaling["original_max_position_embeddings"])
+        if len(rf) * 2 == cfg["head_dim"] and np.allclose(
+            _llama3_factors(cfg["rope_theta"], cfg["head_dim"], *args), rf, rtol=1e-4, atol=1e-4
+        ):
+            return scaling
+        raise CheckpointError(
+            "This GGUF has a rope_freqs.weight tensor that does not match llama3 RoPE scaling "
+            "(low/high freq factor 1/4); such per-frequency RoPE factors are not supported."
+        )
+    if kind == "none" and factor and factor != 1.0:  # old files: {arch}.rope.scale_linear only
+        kind = "linear"
+    if kind in ("none", ""):
+        return None
+    if kind not in ("linear", "yarn") or not factor:
+        raise CheckpointError(f"GGUF RoPE scaling type {kind!r} is not supported (only linear, yarn and llama3).")
+    scaling = {"rope_type": kind, "factor": _f32(factor)}
+    if orig:
+        scaling["original_max_position_embeddings"] = int(orig)
+    return scaling
+
+
+def _eos_ids(meta: dict[str, Any]) -> int | list[int] | None:
+    """EOS, plus the end-of-turn / end-of-message tokens llama.cpp also stops at."""
+    ids = [meta[k] for k in (f"tokenizer.ggml.{t}_token_id" for t in ("eos", "eot", "eom")) if k in meta]
+    ids = list(dict.fromkeys(int(i) for i in ids))
+    return None if not ids else ids[0] if len(ids) == 1 else ids
+
+
+def hf_config(
+    meta: dict[str, Any],
+    prefix: str,
+    arch: GgufArch,
+    shapes: dict[str, tuple[int, ...]],
+    rope_freqs: np.ndarray | None,
+) -> dict[str, Any]:
+    """The Hugging Face config.json dict of a GGUF whose metadata keys start with `prefix`."""
+
+    def need(key: str) -> Any:
+        if f"{prefix}.{key}" not in meta:
+            raise CheckpointError(f"GGUF metadata lacks {prefix}.{key}; the file is incomplete. Re-export it.")
+        return meta[f"{prefix}.{key}"]
+
+    def first(value: Any) -> int:  # llama.cpp may store per-layer lists (all equal for these architectures)
+        return int(value[0] if isinstance(value, list) else value)
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    rope_dim = meta.get(f"{prefix}.rope.dimension_count")
+    q_rows = shapes["blk.0.attn_q.weight"][0] // heads if "blk.0.attn_q.weight" in shapes else None
+    head_dim = int(meta.get(f"{prefix}.attention.key_length") or q_rows or rope_dim or hidden // heads)
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise CheckpointError(
+            f"GGUF rotates {rope_dim} of {head_dim} head dimensions ({prefix}.rope.dimension_count); "
+            "partial rotary embeddings are not supported."
+        )
+    vocab = shapes["token_embd.weight"][0] if "token_embd.weight" in shapes else None
+    vocab = vocab or meta.get(f"{prefix}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    window = meta.get(f"{prefix}.attention.sliding_window")
+    cfg: dict[str, Any] = {
+        "architectures": [arch.hf_architecture],
+        "model_type": arch.model_type,
+        "hidden_size": hidden,
+        "intermediate_size": first(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": first(meta.get(f"{prefix}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "vocab_size": int(vocab),
+        "max_position_embeddings": int(meta.get(f"{prefix}.context_length", 2048)),
+        "rms_norm_eps": _f32(meta.get(f"{prefix}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _f32(meta.get(f"{prefix}.rope.freq_base", 10000.0)),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "mlp_bias": False,
+        "sliding_window": int(window) if window else None,  # only the mistral family uses it
+        "torch_dtype": "float32",
+    }
+    for ours, theirs in (("bos", "bos"), ("pad", "padding")):
+        if f"tokenizer.ggml.{theirs}_token_id" in meta:
+            cfg[f"{ours}_token_id"] = int(meta[f"tokenizer.ggml.{theirs}_token_id"])
+    if (eos := _eos_ids(meta)) is not None:
+        cfg["eos_token_id"] = eos
+    if (scaling := _rope_scaling(meta, prefix, rope_freqs, cfg)) is not None:
+        cfg["rope_scaling"] = scaling
+    return cfg

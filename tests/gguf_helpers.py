@@ -1,0 +1,184 @@
+"""Test helpers (importable as `gguf_helpers`): HF model folders with tokenizers and chat templates, and a GGUF writer
+that does what llama.cpp's convert_hf_to_gguf.py does for Llama, Mistral, Qwen2 and Qwen3 (with --outtype f32)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+from helpers import STORIES260K, make_random_hf_model
+
+# The Split regex of Qwen2's tokenizer.json
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LLAMA_TEMPLATE = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+# Texts the rebuilt tokenizer must encode like the original: ASCII, non-ASCII, decomposed (NFC), digits, whitespace,
+# contractions and special / added tokens.
+PROBE_TEXTS = (
+    "hello world, the quick brown fox",
+    "héllo 世界 🙂",
+    "he\u0301llo",
+    "1234567 digits 3.14159",
+    "  two  spaces\n\nnew\tlines ",
+    "I'VE been told he's there",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "<think>ok</think>",
+    "<s>Once upon a time</s>",
+)
+# HF family -> (GGUF architecture llama.cpp writes, vocabulary kind, general.name)
+FAMILIES = {
+    "llama": ("llama", "spm", "Llama Tiny"),
+    "mistral": ("llama", "spm", "Mistral Tiny"),
+    "qwen2": ("qwen2", "bpe", "Qwen2.5 Tiny"),
+    "qwen3": ("qwen3", "bpe", "Qwen3 Tiny"),
+}
+
+
+def qwen_tokenizer() -> object:
+    """A tiny Qwen2-style byte-level BPE (`tokenizers.Tokenizer`): NFC, Qwen2's split regex, trained merges, the
+    special tokens <|endoftext|> <|im_start|> <|im_end|> and the plain added token <think>."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    corpus = ["hello world, the quick brown fox jumps over the lazy dog 12345", "héllo 世界 🙂 naïve café",
+              "I've been told he's there, they'll see"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIALS])
+    tok.add_tokens([AddedToken("<think>", special=False, normalized=False)])
+    return tok
+
+
+def make_hf_folder(family: str, out_dir: Path) -> Path:
+    """A random `family` model with a tokenizer and a chat template: stories260K's SentencePiece tokenizer for
+    llama/mistral (vocab 512), the Qwen-style BPE of `qwen_tokenizer` for qwen2/qwen3 (vocab 320, so that unused
+    slots pad the GGUF's token list as in real Qwen files)."""
+    if FAMILIES[family][1] == "spm":
+        make_random_hf_model(family, out_dir, overrides={"vocab_size": 512})
+        for name in ("tokenizer.model", "tokenizer.json"):
+            shutil.copy(STORIES260K / name, out_dir / name)
+        cfg = json.loads((STORIES260K / "tokenizer_config.json").read_text()) | {"chat_template": LLAMA_TEMPLATE}
+    else:
+        tok = qwen_tokenizer()
+        ids = {t: tok.token_to_id(t) for t in QWEN_SPECIALS}
+        make_random_hf_model(family, out_dir, overrides={"bos_token_id": ids["<|endoftext|>"],
+                                                         "eos_token_id": ids["<|im_end|>"]})
+        tok.save(str(out_dir / "tokenizer.json"))
+        cfg = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+               "pad_token": "<|endoftext|>", "add_bos_token": False, "clean_up_tokenization_spaces": False,
+               "chat_template": QWEN_TEMPLATE}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+    return out_dir
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp LlamaModel.permute: HF rotate_half rows -> GGML's interleaved RoPE rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _add_spm_vocab(w: gguf.GGUFWriter, hf_dir: Path, n_vocab: int) -> None:
+    """TextModel._set_vocab_sentencepiece."""
+    from sentencepiece import SentencePieceProcessor
+
+    sp = SentencePieceProcessor(model_file=str(hf_dir / "tokenizer.model"))
+    tokens = [f"[PAD{i}]".encode() for i in range(n_vocab)]
+    scores, types = [-10000.0] * n_vocab, [gguf.TokenType.UNUSED] * n_vocab
+    for i in range(min(sp.vocab_size(), n_vocab)):
+        tokens[i], scores[i] = sp.IdToPiece(i).encode(), sp.GetScore(i)
+        types[i] = (gguf.TokenType.UNKNOWN if sp.IsUnknown(i) else gguf.TokenType.CONTROL if sp.IsControl(i)
+                    else gguf.TokenType.UNUSED if sp.IsUnused(i) else gguf.TokenType.BYTE if sp.IsByte(i)
+                    else gguf.TokenType.NORMAL)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    gguf.SpecialVocab(hf_dir, n_vocab=n_vocab).add_to_gguf(w)
+
+
+def _add_bpe_vocab(w: gguf.GGUFWriter, hf_dir: Path, n_vocab: int) -> None:
+    """TextModel._set_vocab_gpt2 / get_vocab_base (the pre-tokenizer hash of a real Qwen tokenizer gives "qwen2")."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    reverse = {i: t for t, i in tok.get_vocab(with_added_tokens=True).items()}
+    added = tok.get_added_tokens_decoder()
+    tokens, types = [], []
+    for i in range(n_vocab):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        tokens.append(reverse[i])
+        looks_special = reverse[i].startswith("<|") and reverse[i].endswith("|>")
+        types.append(gguf.TokenType.NORMAL if i not in added else gguf.TokenType.CONTROL
+                     if added[i].special or looks_special else gguf.TokenType.USER_DEFINED)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    gguf.SpecialVocab(hf_dir, load_merges=True).add_to_gguf(w)
+
+
+def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str) -> Path:
+    """Write the HF folder `hf_dir` of `family` as llama.cpp's converter does (f32 tensors)."""
+    from safetensors.numpy import load_file
+
+    arch, vocab_kind, name = FAMILIES[family]
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    heads, kv_heads, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)  # llama.cpp derives it from the model folder's name
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if "head_dim" in cfg:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch == "llama":  # LlamaModel.set_gguf_parameters
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(head_dim)
+    (_add_spm_vocab if vocab_kind == "spm" else _add_bpe_vocab)(w, hf_dir, cfg["vocab_size"])
+    model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(model_arch, layers)
+    for hf_name, data in load_file(str(hf_dir / "model.safetensors")).items():
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):  # LlamaModel.undo_permute
+            data = _permute(data, heads)
+        elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            data = _permute(data, kv_heads)
+        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), data.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
