@@ -19,44 +19,11 @@ from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
 from trtbuild.cli import main
 from trtbuild.configs.model_config import QuantConfig
 from trtbuild.errors import CheckpointError
-from trtbuild.quantize.weight_only import NBitsWeight, pack_codes, quantize_rtn, unpack_codes
+from trtbuild.quantize.weight_only import NBitsWeight
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 
 OPTIONS = dict(max_seq_len=64, tokens_per_block=8, max_batch_size=4, max_num_tokens=64, int4_accuracy_level=1)
 PROMPTS = [[3, 17, 250, 9, 41, 77, 5], [8, 8, 120]]
-
-
-# ---- the format -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("group", [None, 16, 32])
-def test_rtn_error_is_within_half_a_step(bits, group):
-    w = np.random.default_rng(bits).standard_normal((24, 64)).astype(np.float32)
-    w[3] = 0  # an all-zero row keeps scale 1 and decodes to zeros
-    q = quantize_rtn(w, bits, group)
-    g = 64 if group is None else group
-    assert (q.bits, q.group_size, q.codes.shape, q.scales.shape) == (bits, g, (24, 64 * bits // 8), (24, 64 // g))
-    assert q.zero_points is None and q.codes.dtype == np.uint8 and q.in_features == 64
-    step = np.repeat(q.scales, g, axis=1)
-    assert np.all(np.abs(q.dequantize() - w) <= step / 2 * (1 + 1e-6))
-    assert np.array_equal(q.dequantize()[3], np.zeros(64)) and np.all(q.scales[3] == 1)
-    exact = q.dequantize()  # values on the grid survive a second quantization unchanged
-    np.testing.assert_allclose(quantize_rtn(exact, bits, group).dequantize(), exact, rtol=1e-6, atol=0)
-
-
-def test_codes_pack_as_matmulnbits_reads_them():
-    codes = np.array([[1, 2, 15, 0]], dtype=np.uint8)
-    assert pack_codes(codes, 4).tolist() == [[0x21, 0x0F]]
-    assert np.array_equal(unpack_codes(pack_codes(codes, 4), 4), codes)
-    w = NBitsWeight(4, 2, pack_codes(codes, 4), np.array([[2.0, 0.5]], np.float32), np.array([[1.0, 0.5]], np.float32))
-    assert w.dequantize().tolist() == [[0.0, 2.0, 7.25, -0.25]]
-
-
-@pytest.mark.parametrize(("args", "error"), [((8, 16, 3), "group size 3 does not divide"), ((3, 16, None), "4 or 8"),
-                                              ((4, 15, None), "odd")])
-def test_rtn_refuses_bad_input(args, error):
-    bits, k, group = args
-    with pytest.raises(ValueError, match=error):
-        quantize_rtn(np.ones((2, k), np.float32), bits, group)
 
 
 # ---- engines ----------------------------------------------------------------------------------------------------

@@ -107,8 +107,7 @@ def checkpoint_tensors(name: str, src: SourceTensor, config: ModelConfig, weight
         from trtbuild.quantize.weight_only import NBitsWeight, quantize_rtn
 
         if not isinstance(value, NBitsWeight):
-            w = value.to(torch.float32).numpy() if isinstance(value, torch.Tensor) else np.asarray(value, np.float32)
-            value = quantize_rtn(w, weight_only.bits, weight_only.group_size)
+            value = quantize_rtn(value, weight_only.bits, weight_only.group_size)
         out = {name: torch.from_numpy(value.codes),
                prefix + ".weights_scaling_factor": torch.from_numpy(value.scales)}
         if value.zero_points is not None:

@@ -102,15 +102,27 @@ def _int8_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> t
     return ("int8", quant.input[0], quant.input[1]), w, w_scale, None
 
 
-def _nbits_site(view: GraphView, node: onnx.NodeProto) -> tuple | None:
-    """A MatMulNBits the network wrote itself (weight_only linears), to merge with its siblings."""
-    if any(view.shape_of(i) is None for i in node.input[1:]) or len(node.input) > 4:
+def _nbits_key(view: GraphView, node: onnx.NodeProto) -> tuple | None:
+    """The merge key of a MatMulNBits the network wrote itself (weight_only linears), read without its weights."""
+    if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN or len(node.input) > 4:
+        return None
+    if any(view.shape_of(i) is None for i in node.input[1:]):
         return None
     a = _attrs(node)
-    n, k, block = a["N"], a["K"], a["block_size"]
-    zp = view.constant(node.input[3]).reshape(n, -1) if len(node.input) == 4 else None
-    key = ("nbits", node.input[0], k, block, a["bits"], zp is not None)
-    return key, view.constant(node.input[1]), view.constant(node.input[2]).reshape(n, -1), zp
+    return "nbits", node.input[0], a["K"], a["block_size"], a["bits"], len(node.input) == 4
+
+
+def _site(view: GraphView, node: onnx.NodeProto) -> tuple | None:
+    """(merge key, weights [N, ...] or [K, N], scales, zero points or None) of a linear to lower, or None."""
+    if (key := _nbits_key(view, node)) is not None:
+        n = _attrs(node)["N"]
+        zp = view.constant(node.input[3]).reshape(n, -1) if key[-1] else None
+        return key, view.constant(node.input[1]), view.constant(node.input[2]).reshape(n, -1), zp
+    if node.op_type != "MatMul" or (found := _weight_dq(view, node)) is None:
+        return None
+    dq, elem = found
+    return (_int4_site(view, node, dq) if elem == TensorProto.INT4
+            else _int8_site(view, node, dq) if elem == TensorProto.INT8 else None)
 
 
 def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
@@ -118,26 +130,21 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
     `accuracy_level` is MatMulNBits' (BuildConfig.int4_accuracy_level): 1 computes in fp32 and matches the format to
     ~1e-6; 4 quantizes activations to int8 per block (VNNI kernels, ~7e-3 relative error)."""
     view = GraphView(model)
-    groups: dict[tuple, list[tuple]] = defaultdict(list)
-    written: dict[tuple, list[onnx.NodeProto]] = defaultdict(list)  # MatMulNBits already in the network, by key
+    # NOTE: sites are grouped by key first and their weights read again group by group, so that one group's
+    # weights are in memory at a time, not the whole model's.
+    groups: dict[tuple, list[onnx.NodeProto]] = defaultdict(list)
     for node in model.graph.node:
-        if node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN:
-            a = _attrs(node)
-            written[(node.input[0], a["K"], a["block_size"], a["bits"], len(node.input))].append(node)
-        if node.op_type != "MatMul" or (found := _weight_dq(view, node)) is None:
-            continue
-        dq, elem = found
-        site = (_int4_site(view, node, dq) if elem == TensorProto.INT4
-                else _int8_site(view, node, dq) if elem == TensorProto.INT8 else None)
-        if site is not None:
-            groups[site[0]].append((node, *site[1:]))
-    for siblings in written.values():  # NOTE: a lone one stays as it is; rewriting it would copy its weights again
-        if len(siblings) > 1:
-            for node in siblings:
-                if (site := _nbits_site(view, node)) is not None:
-                    groups[site[0]].append((node, *site[1:]))
+        key = _nbits_key(view, node)
+        if key is None and (site := _site(view, node)) is not None:
+            key = site[0]
+        if key is not None:
+            groups[key].append(node)
+    # a lone MatMulNBits the network wrote stays as it is: rewriting it would copy its weights again
+    groups = {k: nodes for k, nodes in groups.items() if k[0] != "nbits" or len(nodes) > 1
+              or nodes[0].op_type != "MatMulNBits"}
     new_nodes = []
-    for key, members in groups.items():
+    for key, nodes in groups.items():
+        members = [(node, *_site(view, node)[1:]) for node in nodes]
         names = [m[0].name for m in members]
         base = names[0] if len(names) == 1 else names[0] + "+" + "+".join(n.rsplit(".", 1)[-1] for n in names[1:])
         outs = [m[0].output[0] for m in members]

@@ -1,0 +1,152 @@
+"""GGUF quantized tensors -> the nbits weight-only format (quantize/weight_only.py), exactly: no requantization.
+
+`raw` is what gguf.GGUFReader gives in `ReaderTensor.data` for a quantized 2-D tensor: uint8 [out, in / block *
+type_size], each row a run of ggml blocks (layouts: gguf.quants / ggml-common.h). The block layouts are decoded here
+with numpy, row chunk by row chunk. What each type becomes (EXACT_NBITS):
+
+  Q8_0  d * q, q int8, blocks of 32                   8-bit, g 32, code q + 128
+  Q4_0  d * (q - 8)                                   4-bit, g 32, code q
+  Q5_0  d * (q - 16), q 5-bit                         8-bit, g 32, code q - 16 + 128
+  Q6_K  d * sc_j * (q - 32), 16 sub-blocks of 16      8-bit, g 16, code q - 32 + 128, scale d * sc_j
+  Q4_1  d * q + m                                     4-bit, g 32, code q, scale d, float zero point -m / d
+  Q4_K  d * sc_j * q - dmin * m_j, 8 sub-blocks of 32 4-bit, g 32, code q, scale d * sc_j, zp dmin * m_j / scale
+The first four are bit-exact (the scale is the float32 product ggml's dequantization computes, times an integer).
+Types with a minimum go through a float zero point, so they equal ggml's `d * q + m` to float32 rounding; a block
+whose scale is 0 (every value = the minimum) is stored exactly as scale = minimum, zero point -1, codes 0.
+Q5_1 / Q5_K (minimum and 5-bit codes) would need 8-bit codes with float zero points, which ONNX Runtime's CPU
+MatMulNBits refuses: they, float types and every other type give None (the caller keeps them as float).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from trtbuild.quantize.weight_only import NBitsWeight, pack_codes, row_chunks
+
+Q = GGMLQuantizationType
+
+# qtype -> (bits, group_size) of the exact nbits form.
+EXACT_NBITS: dict[GGMLQuantizationType, tuple[int, int]] = {
+    Q.Q8_0: (8, 32),
+    Q.Q4_0: (4, 32),
+    Q.Q4_1: (4, 32),
+    Q.Q5_0: (8, 32),
+    Q.Q4_K: (4, 32),
+    Q.Q6_K: (8, 16),
+}
+_HAS_ZERO_POINT = {Q.Q4_1, Q.Q4_K}
+
+
+def has_zero_point(qtype: GGMLQuantizationType) -> bool:
+    """Whether the exact nbits form of `qtype` carries float zero points (the types with a minimum)."""
+    return qtype in _HAS_ZERO_POINT
+
+# A decoder takes blocks uint8 [n, type_size] and gives codes uint8 [n, block elements] (unpacked, in element order),
+# scales float32 [n, groups per block] and zero points (same shape) or None.
+Decoded = tuple[np.ndarray, np.ndarray, np.ndarray | None]
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """uint8 [n, 2] (a little-endian float16 per block) -> float32 [n, 1]."""
+    return np.ascontiguousarray(b).view("<f2").astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """uint8 [..., k] -> [..., 2k]: the k low nibbles, then the k high nibbles (ggml's order within a run)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _with_minimum(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> Decoded:
+    """x = scale * code + minimum per group (codes [n, groups, g]) as (code - zp) * scale with zp = -minimum / scale.
+    Groups with scale 0 hold `minimum` everywhere: scale = minimum, zp = -1, codes 0 gives it exactly."""
+    zero = scale == 0
+    zp = np.where(zero, np.float32(-1), -minimum / np.where(zero, np.float32(1), scale))
+    codes[zero] = 0
+    return codes.reshape(codes.shape[0], -1), np.where(zero, minimum, scale), zp
+
+
+def _q8_0(b: np.ndarray) -> Decoded:  # d f16 | qs int8[32]
+    return b[:, 2:] ^ np.uint8(0x80), _f16(b[:, :2]), None  # int8 q + 128 == its byte with the sign bit flipped
+
+
+def _q4_0(b: np.ndarray) -> Decoded:  # d f16 | qs[16]: element j low nibble of qs[j], j + 16 the high nibble
+    return _nibbles(b[:, 2:]), _f16(b[:, :2]), None
+
+
+def _q5_0(b: np.ndarray) -> Decoded:  # d f16 | qh uint32 (bit j = 5th bit of element j) | qs[16] as Q4_0
+    high = np.unpackbits(b[:, 2:6], axis=1, bitorder="little")
+    return (_nibbles(b[:, 6:]) | (high << 4)) + np.uint8(128 - 16), _f16(b[:, :2]), None
+
+
+def _q4_1(b: np.ndarray) -> Decoded:  # d f16 | m f16 | qs[16] as Q4_0
+    return _with_minimum(_nibbles(b[:, 4:])[:, None, :], _f16(b[:, :2]), _f16(b[:, 2:4]))
+
+
+def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and minimums -> two uint8 [n, 8]. Bytes 0-3 hold scales 0-3 in their
+    low 6 bits, 4-7 minimums 0-3; bytes 8-11 the low 4 bits of scales 4-7 (and minimums 4-7 in the high nibble),
+    whose top 2 bits are the top bits of bytes 0-3 (4-7 for the minimums)."""
+    sc, mn, low = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    scale = np.concatenate([sc & 0x3F, (low & 0x0F) | ((sc >> 2) & 0x30)], axis=1)
+    minimum = np.concatenate([mn & 0x3F, (low >> 4) | ((mn >> 2) & 0x30)], axis=1)
+    return scale, minimum
+
+
+def _q4_k(b: np.ndarray) -> Decoded:  # d f16 | dmin f16 | scales[12] | qs[128]
+    sc, m = _k_scale_min(b[:, 4:16])
+    scale = _f16(b[:, 0:2]) * sc.astype(np.float32)  # float32 products, as ggml computes them
+    minimum = -(_f16(b[:, 2:4]) * m.astype(np.float32))
+    # qs: 4 runs of 32 bytes; run r holds sub-block 2r in its low nibbles and 2r + 1 in its high nibbles.
+    codes = _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+    return _with_minimum(codes, scale, minimum)
+
+
+def _q6_k(b: np.ndarray) -> Decoded:  # ql[128] | qh[64] | scales int8[16] | d f16
+    n = b.shape[0]
+    # ql: 2 halves of 64 bytes, each giving 128 elements (64 low nibbles, then 64 high); qh: 2 halves of 32 bytes,
+    # each giving the top 2 bits of 128 elements in 4 runs of 32 (bits 0-1, 2-3, 4-5, 6-7).
+    low = _nibbles(b[:, :128].reshape(n, 2, 64))
+    high = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    q = low | ((high & 0x03) << 4).reshape(n, 2, 128)
+    scale = _f16(b[:, 208:210]) * b[:, 192:208].view(np.int8).astype(np.float32)
+    return q.reshape(n, 256) + np.uint8(128 - 32), scale, None
+
+
+_DECODERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Decoded]] = {
+    Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q6_K: _q6_k,
+}
+
+
+def gguf_to_nbits(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> NBitsWeight | None:
+    """The raw blocks of one GGUF weight matrix of `shape` [out, in] (reversed GGUF ne) in the nbits format, or None
+    when `qtype` has no exact form ONNX Runtime's CPU MatMulNBits runs (not in EXACT_NBITS)."""
+    decode = _DECODERS.get(qtype)
+    if decode is None:
+        return None
+    if len(shape) != 2:
+        raise ValueError(f"shape must be [out, in], got {tuple(shape)}")
+    out_features, in_features = (int(d) for d in shape)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if out_features <= 0 or in_features <= 0 or in_features % block:
+        raise ValueError(f"{qtype.name} needs in_features a positive multiple of {block}, got shape {tuple(shape)}")
+    raw = np.asarray(raw)
+    row_bytes = in_features // block * type_size
+    if raw.dtype != np.uint8 or raw.size != out_features * row_bytes:
+        raise ValueError(f"{qtype.name} {[out_features, in_features]} needs uint8 raw blocks of {out_features} x "
+                         f"{row_bytes} bytes, got {raw.dtype} {list(raw.shape)}")
+    raw = raw.reshape(out_features, row_bytes)
+    bits, group = EXACT_NBITS[qtype]
+    codes = np.empty((out_features, in_features * bits // 8), dtype=np.uint8)
+    scales = np.empty((out_features, in_features // group), dtype=np.float32)
+    zero_points = np.empty_like(scales) if qtype in _HAS_ZERO_POINT else None
+    for rows in row_chunks(out_features, in_features):
+        c, s, z = decode(raw[rows].reshape(-1, type_size))
+        c = c.reshape(-1, in_features)
+        codes[rows] = pack_codes(c, bits)
+        scales[rows] = s.reshape(c.shape[0], -1)
+        if zero_points is not None:
+            zero_points[rows] = z.reshape(c.shape[0], -1)
+    return NBitsWeight(bits, group, codes, scales, zero_points)
