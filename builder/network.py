@@ -79,6 +79,9 @@ class _NetworkWriter:
         tied = self.c.tie_word_embeddings and not self.quant.is_quantized("lm_head") and torch.equal(embedding, head)
         if tied:
             self.g.op("Gemm", [h, "transformer.vocab_embedding.weight"], transB=1, name="lm_head", outputs=["logits"])
+        elif not self.quant.is_quantized("lm_head"):  # NOTE: as stored, [vocab, hidden]: no transposed copy
+            w = self.g.weight("lm_head.weight", self.tensor("lm_head.weight"))
+            self.g.op("Gemm", [h, w], transB=1, name="lm_head", outputs=["logits"])
         else:
             self.linear(h, "lm_head", outputs=["logits"])
 

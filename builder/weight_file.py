@@ -21,6 +21,8 @@ STAGING_KEY = "trtbuild.staging_weights"
 INLINE_MAX_BYTES = 1024  # smaller initializers (shapes, split sizes, norms of tiny models) stay in the graph file
 ALIGN = 4096  # page-aligned offsets: ONNX Runtime maps external data rather than copying it
 _COPY_CHUNK = 64 << 20
+_PLAIN_DTYPES = {np.dtype(t) for t in (np.float32, np.float16, np.float64, np.int8, np.uint8, np.int16, np.int32,
+                                        np.int64, np.bool_)}
 
 
 def _aligned(offset: int) -> int:
@@ -62,18 +64,23 @@ class StagingWeights:
 
     def tensor(self, name: str, value: np.ndarray) -> TensorProto:
         """A TensorProto for `value`: in the graph when small, else appended here and referred to."""
-        full = numpy_helper.from_array(np.ascontiguousarray(value), name)  # ONNX's raw bytes (int4 packed, ...)
-        if len(full.raw_data) < INLINE_MAX_BYTES:
-            return full
+        value = np.ascontiguousarray(value)
+        if value.nbytes < INLINE_MAX_BYTES:
+            return numpy_helper.from_array(value, name)
+        if value.dtype in _PLAIN_DTYPES:  # ONNX's raw layout is numpy's: write the array itself, no copy
+            data_type, raw = onnx.helper.np_dtype_to_tensor_dtype(value.dtype), memoryview(value.reshape(-1))
+        else:  # packed or custom types (int4, float8, bfloat16): ONNX's own serialisation
+            full = numpy_helper.from_array(value, name)
+            data_type, raw = full.data_type, full.raw_data
         with open(self.path, "ab") as f:
             offset = _aligned(f.tell())
             f.truncate(offset)
             f.seek(offset)
-            f.write(full.raw_data)
-        # NOTE: a fresh message, not `full` with raw_data cleared: protobuf keeps a cleared field's bytes in the
+            f.write(raw)
+        # NOTE: a fresh message, never one whose raw_data was cleared: protobuf keeps a cleared field's bytes in the
         # message's arena until the message is freed, so every weight would stay in memory until the build ends.
-        t = TensorProto(name=name, data_type=full.data_type, dims=full.dims)
-        _point_at(t, self.path.name, offset, len(full.raw_data))  # ONNX requires relative locations
+        t = TensorProto(name=name, data_type=data_type, dims=value.shape)
+        _point_at(t, self.path.name, offset, raw.nbytes if isinstance(raw, memoryview) else len(raw))
         return t
 
     def read(self, tensor: TensorProto) -> np.ndarray:

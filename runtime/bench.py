@@ -323,7 +323,8 @@ def format_report(r: dict[str, Any]) -> str:
     row("KV cache usage", f"max {r['kv_cache_usage_max']:.1%}  mean {r['kv_cache_usage_mean']:.1%}")
     if r["engine_file_bytes"] is not None:
         row("engine file / KV per token", _sizes(r))
-        row("engine load", f"{r['load_s']:.2f} s")
+        row("engine start", f"session {r['load_s']:.2f} s, KV pool ({r['kv_pool_bytes'] / 2**30:.2f} GiB) + warm-up "
+                            f"step {r['warm_up_s']:.2f} s")
     if r.get("peak_rss_bytes") is not None:
         row("peak RSS (this process)", f"{r['peak_rss_bytes'] / 2**30:.2f} GiB")
     row("preemptions", str(r["preemptions"]))

@@ -41,13 +41,13 @@ class EngineTarget:
 
         self.name = f"engine {engine_dir}" + (f" (ngram drafts {speculative.num_speculative_tokens})"
                                               if speculative else "")
-        start = time.perf_counter()
         self.core = core = EngineCore(Path(engine_dir), RuntimeConfig(num_threads=threads, speculative=speculative))
-        load_s = time.perf_counter() - start
         self.vocab_size = core.vocab_size
         self.special_ids = frozenset(core.eos_token_ids) | (core.tokenizer.special_ids if core.tokenizer else set())
         self.sizes = {"engine_file_bytes": read_engine_config(Path(engine_dir)).engine_bytes,
-                      "kv_bytes_per_token": core.engine.kv.bytes_per_token, "load_s": load_s}
+                      "kv_bytes_per_token": core.engine.kv.bytes_per_token,
+                      "kv_pool_bytes": core.engine.kv.pool.nbytes, "load_s": core.start_seconds["session"],
+                      "warm_up_s": core.start_seconds["warm_up"]}
         self.steps: list[_Step] = []
         step = core.step
 
@@ -143,8 +143,8 @@ class ServerTarget:
                                 ) from None
         self.vocab_size = self.info.vocab_size
         self.special_ids = frozenset(self.info.eos_token_ids)  # the server does not list other special tokens
-        self.sizes: dict[str, float | None] = {"engine_file_bytes": None, "kv_bytes_per_token": None,
-                                               "load_s": None}  # not told
+        self.sizes: dict[str, float | None] = dict.fromkeys(  # not told
+            ("engine_file_bytes", "kv_bytes_per_token", "kv_pool_bytes", "load_s", "warm_up_s"))
         self._samples: list[float] = []
         self._done = threading.Event()
         self._sampler: threading.Thread | None = None

@@ -80,7 +80,10 @@ class EngineCore:
     def __init__(self, engine_dir: Path, config: RuntimeConfig | None = None) -> None:
         self.config = config = config or RuntimeConfig()
         engine_dir = Path(engine_dir)
+        start = time.perf_counter()
         self.engine = CpuEngine(engine_dir, num_threads=config.num_threads, num_blocks=1)  # checks compatibility
+        # seconds spent starting: the ONNX Runtime session, then the KV pool faulted in + the warm-up step
+        self.start_seconds = {"session": time.perf_counter() - start, "warm_up": 0.0}
         build, model = self.engine.info.build, self.engine.info.model
         for name in ("max_batch_size", "max_num_tokens"):
             asked, built = getattr(config, name), getattr(build, name)
@@ -110,8 +113,9 @@ class EngineCore:
             start, limits = time.perf_counter(), self.scheduler.config
             self.engine.kv.reserve()
             self.engine.warm_up(limits.max_batch_size, limits.max_num_tokens)
+            self.start_seconds["warm_up"] = time.perf_counter() - start
             log.info("warmed up: KV pool resident and one %d-token step in %.2f s", limits.max_num_tokens,
-                     time.perf_counter() - start)
+                     self.start_seconds["warm_up"])
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:

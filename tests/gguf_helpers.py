@@ -72,12 +72,12 @@ def qwen_tokenizer() -> object:
     return tok
 
 
-def make_hf_folder(family: str, out_dir: Path) -> Path:
+def make_hf_folder(family: str, out_dir: Path, overrides: dict | None = None) -> Path:
     """A random `family` model with a tokenizer and a chat template: stories260K's SentencePiece tokenizer for
     llama/mistral (vocab 512), the Qwen-style BPE of `qwen_tokenizer` for qwen2/qwen3 (vocab 320, so that unused
     slots pad the GGUF's token list as in real Qwen files)."""
     if FAMILIES[family][1] == "spm":
-        make_random_hf_model(family, out_dir, overrides={"vocab_size": 512})
+        make_random_hf_model(family, out_dir, overrides={"vocab_size": 512, **(overrides or {})})
         for name in ("tokenizer.model", "tokenizer.json"):
             shutil.copy(STORIES260K / name, out_dir / name)
         cfg = json.loads((STORIES260K / "tokenizer_config.json").read_text()) | {"chat_template": LLAMA_TEMPLATE}
@@ -85,7 +85,7 @@ def make_hf_folder(family: str, out_dir: Path) -> Path:
         tok = qwen_tokenizer()
         ids = {t: tok.token_to_id(t) for t in QWEN_SPECIALS}
         make_random_hf_model(family, out_dir, overrides={"bos_token_id": ids["<|endoftext|>"],
-                                                         "eos_token_id": ids["<|im_end|>"]})
+                                                         "eos_token_id": ids["<|im_end|>"], **(overrides or {})})
         tok.save(str(out_dir / "tokenizer.json"))
         cfg = {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
                "pad_token": "<|endoftext|>", "add_bos_token": False, "clean_up_tokenization_spaces": False,
@@ -143,8 +143,19 @@ def _add_bpe_vocab(w: gguf.GGUFWriter, hf_dir: Path, n_vocab: int) -> None:
     gguf.SpecialVocab(hf_dir, load_merges=True).add_to_gguf(w)
 
 
-def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str) -> Path:
-    """Write the HF folder `hf_dir` of `family` as llama.cpp's converter does (f32 tensors)."""
+def _encode(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """Raw GGUF blocks of `data` [rows, cols] in `qtype` (K-quants by tests/gguf_kquants.py, others by gguf)."""
+    from gguf_kquants import encode_q4_k, encode_q6_k
+
+    Q = gguf.GGMLQuantizationType
+    encoders = {Q.Q4_K: encode_q4_k, Q.Q6_K: encode_q6_k}
+    return encoders[qtype](data) if qtype in encoders else gguf.quants.quantize(data, qtype)
+
+
+def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
+                              qtypes: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+    """Write the HF folder `hf_dir` of `family` as llama.cpp's converter does (f32 tensors, or the GGML type
+    `qtypes` gives a GGUF tensor name)."""
     from safetensors.numpy import load_file
 
     arch, vocab_kind, name = FAMILIES[family]
@@ -176,7 +187,14 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str) -> Path:
             data = _permute(data, heads)
         elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             data = _permute(data, kv_heads)
-        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), data.astype(np.float32))
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        qtype = (qtypes or {}).get(gguf_name)
+        if qtype is None:
+            w.add_tensor(gguf_name, data.astype(np.float32))
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(gguf_name, data.astype(np.float16))
+        else:
+            w.add_tensor(gguf_name, _encode(data.astype(np.float32), qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -59,3 +59,52 @@ def test_llama_cpp_style_gguf_converts_like_its_hf_folder(tmp_path, family, monk
         messages, tokenize=False, add_generation_prompt=True) for d in ("from_hf", "from_gguf"))
     assert got_chat == ref_chat and "héllo 世界" in got_chat
     assert got.encode(got_chat, add_special_tokens=False) == ref.encode(ref_chat, add_special_tokens=False)
+
+
+# ---- quantized GGUF files kept as they are ----------------------------------------------------------------------
+Q = __import__("gguf").GGMLQuantizationType
+# every type with an exact engine form, the two that fall back to float (Q5_1, Q5_K has no encoder here) and F16,
+# spread over both layers so that q/k/v and gate/up siblings of different types meet
+QTYPES = {
+    "token_embd.weight": Q.Q6_K, "output.weight": Q.Q8_0,
+    "blk.0.attn_q.weight": Q.Q4_K, "blk.0.attn_k.weight": Q.Q4_0, "blk.0.attn_v.weight": Q.Q6_K,
+    "blk.0.attn_output.weight": Q.Q4_1, "blk.0.ffn_gate.weight": Q.Q5_0, "blk.0.ffn_up.weight": Q.Q5_1,
+    "blk.0.ffn_down.weight": Q.Q4_K,
+    "blk.1.attn_q.weight": Q.Q8_0, "blk.1.attn_k.weight": Q.Q4_K, "blk.1.attn_v.weight": Q.Q4_1,
+    "blk.1.attn_output.weight": Q.Q5_0, "blk.1.ffn_gate.weight": Q.Q4_K, "blk.1.ffn_up.weight": Q.Q4_K,
+    "blk.1.ffn_down.weight": Q.F16,
+}
+FLOAT_LINEARS = ("transformer.layers.0.mlp.fc", "transformer.layers.1.mlp.proj")  # Q5_1 and F16
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_quantized_gguf_engine_equals_its_dequantized_checkpoint(tmp_path, family, caplog):
+    """Built from the GGUF as it is, the engine (MatMulNBits at accuracy level 1) computes what the engine of the
+    --dequantize checkpoint computes, to fp32 rounding; every linear of an exact type stays low-bit."""
+    import numpy as np
+    import onnx
+    from test_weight_only import OPTIONS, run
+
+    from trtbuild.builder.build import build_engine
+    from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
+
+    hf = make_hf_folder(family, tmp_path / "hf", overrides={"hidden_size": 256, "intermediate_size": 512})
+    gguf_path = write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", family, QTYPES)
+    with caplog.at_level("INFO"):
+        config = convert(gguf_path, tmp_path / "as_is")
+    assert "GGUF Q5_1: 1 tensors have no exact low-bit form on the CPU target" in caplog.text
+    assert "GGUF Q4_K: 5 tensors kept exactly as 4-bit weights in groups of 32 with float zero points" in caplog.text
+    q = config.quantization
+    assert (q.quant_algo, q.group_size, q.has_zero_point, q.exclude_modules) == ("weight_only", None, True,
+                                                                                FLOAT_LINEARS)
+    convert(gguf_path, tmp_path / "float", dtype="float32", dequantize=True)
+    engine = build_engine(tmp_path / "as_is", tmp_path / "e_as_is", **OPTIONS)
+    reference = build_engine(tmp_path / "float", tmp_path / "e_float", **OPTIONS)
+    got, want = run(engine), run(reference)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    model = onnx.load(str(engine / CPU_ENGINE_FILE), load_external_data=False)
+    bits = sorted(next(a.i for a in n.attribute if a.name == "bits") for n in model.graph.node
+                  if n.op_type == "MatMulNBits")
+    # 12 low-bit linears + lm_head, 8 of them 4-bit; layer 1's k (Q4_K) and v (Q4_1) share one layout (4-bit, groups
+    # of 32, float zero points), as do its gate and up (Q4_K): each pair runs as one kernel
+    assert bits == [4] * 6 + [8] * 5

@@ -155,7 +155,7 @@ def test_lowered_graph_runs_low_bit_kernels(name, case):
     expected = {"rope_cos", "rope_sin", "transformer.vocab_embedding.weight"} | (
         {"lm_head.weight"} if "lm_head" in exclude and not head_int8 else set())
     if algo is None:  # KV-only quantization: the fused full-precision GEMMs stay
-        assert ops["MatMul"] == 4 * LAYERS + 1 + 2 * LAYERS
+        assert ops["MatMul"] == 4 * LAYERS + 2 * LAYERS and ops["Gemm"] == 1  # lm_head: Gemm over [vocab, hidden]
         return
     assert float_matrices == expected | {e + ".weight" for e in excluded}  # no fp32 copy of a quantized weight
     for e in excluded:

@@ -11,6 +11,7 @@ converter permuted for its RoPE layout (llama, mistral) are permuted back.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+log = logging.getLogger(__name__)
+EMBEDDING = "model.embed_tokens.weight"
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -153,6 +156,7 @@ def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any
             f"incomplete or not a {arch.model_type} model. Re-export it."
         )
     sources: dict[str, SourceTensor] = {}
+    forms: dict[str, list[str]] = {}  # GGML type name -> what its tensors become, for the per-type report
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
@@ -173,7 +177,30 @@ def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any
         nbits = _nbits_form(t, shape) if keep_quantization else None
         sources[hf] = SourceTensor(shape, lambda t=t, s=shape, h=n_head, q=nbits is not None: _load(path, t, s, h, q),
                                    nbits)
+        forms.setdefault(t.tensor_type.name, []).append(hf)
+    if keep_quantization:
+        _report_forms(forms, sources)
     return cfg, sources
+
+
+def _report_forms(forms: dict[str, list[str]], sources: dict[str, SourceTensor]) -> None:
+    """Say, per GGML type, whether its tensors keep their quantization exactly or become float."""
+    from trtbuild.builder.convert.gguf_quants import EXACT_NBITS
+
+    exact = {t.name for t in EXACT_NBITS}
+    for qtype, names in sorted(forms.items()):
+        if EMBEDDING in names and sources[EMBEDDING].nbits:
+            log.info("GGUF %s: the embedding table is dequantized to float32 for the engine's gather (a tied "
+                     "lm_head keeps its quantized form)", qtype)
+        quantized = [n for n in names if sources[n].nbits and n != EMBEDDING]
+        if quantized:
+            bits, group, zp = sources[quantized[0]].nbits
+            log.info("GGUF %s: %d tensors kept exactly as %d-bit weights in groups of %d%s", qtype, len(quantized),
+                     bits, group, " with float zero points" if zp else "")
+        elif qtype not in exact and qtype not in ("F32", "F16", "BF16"):
+            log.warning("GGUF %s: %d tensors have no exact low-bit form on the CPU target (MatMulNBits takes 4-bit "
+                        "codes with float zero points or 8-bit codes without); they are dequantized to float32, "
+                        "the nearest larger form", qtype, len(names))
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
