@@ -31,6 +31,7 @@ from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
 from trtbuild.builder.quantized import KV_CACHE_ELEM_TYPES, QuantizedLinears, kv_cache_scales
 from trtbuild.builder.rope import rope_tables
 from trtbuild.builder.weight_file import StagingWeights
+from trtbuild.builder.weight_only_linear import emit_nbits_gather
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.plugins import paged_attention as pa
 
@@ -76,7 +77,8 @@ class _NetworkWriter:
         """logits = h @ lm_head^T. A tied, unquantized head reads the embedding table itself (Gemm with transB), so
         the engine holds the [vocab, hidden] matrix once instead of twice."""
         embedding, head = self.tensors["transformer.vocab_embedding.weight"], self.tensors["lm_head.weight"]
-        tied = self.c.tie_word_embeddings and not self.quant.is_quantized("lm_head") and torch.equal(embedding, head)
+        tied = (self.c.tie_word_embeddings and not self.quant.is_quantized("lm_head")
+                and not self.c.quantization.embedding_weight_only and torch.equal(embedding, head))
         if tied:
             self.g.op("Gemm", [h, "transformer.vocab_embedding.weight"], transB=1, name="lm_head", outputs=["logits"])
         elif not self.quant.is_quantized("lm_head"):  # NOTE: as stored, [vocab, hidden]: no transposed copy
@@ -118,8 +120,12 @@ class _NetworkWriter:
         cos, sin = g.weight("rope_cos", cos_np), g.weight("rope_sin", sin_np)
         positions_2d = g.op("Unsqueeze", [positions, g.const(np.array([0]), "axis0")], name="positions_2d")
 
-        x = g.op("Gather", [g.weight("transformer.vocab_embedding.weight",
-                                     self.tensor("transformer.vocab_embedding.weight")), input_ids], name="embedding")
+        if c.quantization.embedding_weight_only:
+            x = emit_nbits_gather(g, input_ids, "transformer.vocab_embedding", self.tensors, c.hidden_size)
+        else:
+            x = g.op("Gather", [g.weight("transformer.vocab_embedding.weight",
+                                         self.tensor("transformer.vocab_embedding.weight")), input_ids],
+                     name="embedding")
         new_kv = []
         for i in range(c.num_hidden_layers):
             p = f"transformer.layers.{i}."

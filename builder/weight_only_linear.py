@@ -1,5 +1,6 @@
 """Weight-only linears (`quant_algo: weight_only`): int8 / int4 codes with blockwise scales and optional float zero
-points, run as ONNX Runtime's MatMulNBits, whose layout the checkpoint already stores (docs/quantization.md):
+points, run as ONNX Runtime's MatMulNBits, whose layout the checkpoint already stores (docs/checkpoint.md); the
+embedding table in the same form (`embedding_weight_only`) is gathered by GatherBlockQuantized (see emit_nbits_gather):
 
   P.weight              uint8 [out, in * bits / 8]  codes; 4-bit: input 2j in the low nibble, 2j+1 in the high one
   P.weights_scaling_factor  float32 [out, in / g]   one scale per group of g input features
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import torch
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
@@ -59,24 +61,56 @@ def nbits_layout(prefix: str, in_features: int, weight_shape: tuple[int, ...], s
     return NBitsLayout(bits, group, block)
 
 
-def emit_nbits_matmul(g: GraphBuilder, x: str, prefix: str, tensors, in_features: int, accuracy_level: int,
-                      outputs: list[str] | None = None) -> str:
-    """y = x @ W^T for the weight-only linear `prefix` as one MatMulNBits node."""
+def _nbits_inputs(prefix: str, tensors, in_features: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None,
+                                                                  NBitsLayout]:
     codes = tensors[prefix + ".weight"]
     if codes.dtype != torch.uint8:
-        raise TrtbuildError(f"{prefix}.weight is {codes.dtype}; weight_only linears store uint8 codes. The checkpoint "
+        raise TrtbuildError(f"{prefix}.weight is {codes.dtype}; weight_only tensors store uint8 codes. The checkpoint "
                             "is inconsistent: re-run `trtbuild convert`.")
     scales = tensors[prefix + ".weights_scaling_factor"].to(torch.float32).numpy()
     zp_name = prefix + ".weights_zero_point"
     zero_points = tensors[zp_name].to(torch.float32).numpy() if zp_name in tensors else None
     layout = nbits_layout(prefix, in_features, tuple(codes.shape), scales.shape, zero_points is not None)
     repeat = layout.group_size // layout.block_size
+    return (codes, np.repeat(scales, repeat, axis=1),
+            None if zero_points is None else np.repeat(zero_points, repeat, axis=1), layout)
+
+
+def emit_nbits_gather(g: GraphBuilder, ids: str, prefix: str, tensors, hidden: int) -> str:
+    """Rows `ids` of the weight_only embedding table `prefix`, dequantized: one GatherBlockQuantized node, or, for
+    4-bit codes with float zero points (which it does not take), a gather of the packed rows dequantized by
+    standard ops: only the step's rows are ever unpacked."""
+    codes, scales, zero_points, layout = _nbits_inputs(prefix, tensors, hidden)
+    data = g.weight(prefix + ".weight_nbits", codes.numpy())
+    if zero_points is None:
+        return g.op("GatherBlockQuantized", [data, ids, g.weight(prefix + ".scales_nbits", scales)],
+                    domain=MS_DOMAIN, name="embedding", bits=layout.bits, block_size=layout.block_size,
+                    gather_axis=0, quantize_axis=1)
+    groups = hidden // layout.block_size
+    rows = g.op("Gather", [data, ids], axis=0, name="embedding_codes")  # [T, H/2] uint8
+    nibbles = [g.op("Unsqueeze", [n, g.const(np.array([-1]), "axis_last")]) for n in (
+        g.op("BitwiseAnd", [rows, g.const(np.uint8(0x0F), "low_nibble")]),
+        g.op("BitShift", [rows, g.const(np.uint8(4), "nibble_bits")], direction="RIGHT"))]
+    q = g.op("Reshape", [g.op("Concat", nibbles, axis=-1),
+                         g.const(np.array([0, groups, layout.block_size]), "embedding_blocks")])
+    q = g.op("Cast", [q], to=onnx.TensorProto.FLOAT)
+    per_block = [g.op("Unsqueeze", [g.op("Gather", [g.weight(f"{prefix}.{what}_nbits", table), ids], axis=0),
+                                    g.const(np.array([-1]), "axis_last")])
+                 for what, table in (("scales", scales), ("zero_points", zero_points))]
+    x = g.op("Mul", [g.op("Sub", [q, per_block[1]]), per_block[0]])
+    return g.op("Reshape", [x, g.const(np.array([0, hidden]), "embedding_rows")], name="embedding")
+
+
+def emit_nbits_matmul(g: GraphBuilder, x: str, prefix: str, tensors, in_features: int, accuracy_level: int,
+                      outputs: list[str] | None = None) -> str:
+    """y = x @ W^T for the weight-only linear `prefix` as one MatMulNBits node."""
+    codes, scales, zero_points, layout = _nbits_inputs(prefix, tensors, in_features)
     out = codes.shape[0]
     blocks = in_features // layout.block_size
     inputs = [x, g.weight(prefix + ".weight_nbits",
                           codes.numpy().reshape(out, blocks, layout.block_size * layout.bits // 8)),
-              g.weight(prefix + ".scales_nbits", np.repeat(scales, repeat, axis=1).reshape(-1))]
+              g.weight(prefix + ".scales_nbits", scales.reshape(-1))]
     if zero_points is not None:
-        inputs.append(g.weight(prefix + ".zero_points_nbits", np.repeat(zero_points, repeat, axis=1).reshape(-1)))
+        inputs.append(g.weight(prefix + ".zero_points_nbits", zero_points.reshape(-1)))
     return g.op("MatMulNBits", inputs, domain=MS_DOMAIN, name=prefix, outputs=outputs, K=in_features, N=out,
                 bits=layout.bits, block_size=layout.block_size, accuracy_level=accuracy_level)

@@ -93,6 +93,9 @@ class QuantConfig:
     per_token_activations: bool = False
     # lm_head in its own format (LM_HEAD_QUANT_ALGOS) while `exclude_modules` keeps it out of quant_algo
     lm_head_quant_algo: str | None = None
+    # weight_only: the embedding table is stored in the weight_only form too (8-bit or symmetric 4-bit, no zero
+    # points) and gathered by ONNX Runtime's GatherBlockQuantized
+    embedding_weight_only: bool = False
 
     def __post_init__(self) -> None:
         def bad(what: str) -> CheckpointError:
@@ -128,6 +131,9 @@ class QuantConfig:
         if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)
                                   or not 0.0 <= alpha <= 1.0):
             raise bad(f"smoothquant_alpha {alpha!r} is not a number in [0, 1]")
+        if self.embedding_weight_only is not False and (self.embedding_weight_only is not True
+                                                         or self.quant_algo != "weight_only"):
+            raise bad(f"embedding_weight_only={self.embedding_weight_only!r} needs quant_algo weight_only")
         if self.lm_head_quant_algo not in (None, *LM_HEAD_QUANT_ALGOS):
             raise bad(f"lm_head_quant_algo {self.lm_head_quant_algo!r} is not one of {', '.join(LM_HEAD_QUANT_ALGOS)} "
                       "or null")

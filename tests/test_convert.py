@@ -234,7 +234,8 @@ def test_config_json_schema_and_round_trip(family, converted):
                   quantization={"quant_algo": None, "kv_cache_quant_algo": None, "group_size": None,
                                 "has_zero_point": False, "pre_quant_scale": False, "exclude_modules": [],
                                 "shared_input_scales": False, "smoothquant_alpha": None,
-                                "per_token_activations": False, "lm_head_quant_algo": None})
+                                "per_token_activations": False, "lm_head_quant_algo": None,
+                                "embedding_weight_only": False})
     for key, value in {**common, **FAMILY_FIELDS[family]}.items():
         assert doc[key] == value, key
     config = ModelConfig.load(ckpt / "config.json")

@@ -77,10 +77,12 @@ QTYPES = {
 FLOAT_LINEARS = ("transformer.layers.0.mlp.fc", "transformer.layers.1.mlp.proj")  # Q5_1 and F16
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_quantized_gguf_engine_equals_its_dequantized_checkpoint(tmp_path, family, caplog):
+@pytest.mark.parametrize(("family", "embedding"), [("llama", Q.Q6_K), ("qwen2", Q.Q4_K)])
+def test_quantized_gguf_engine_equals_its_dequantized_checkpoint(tmp_path, family, embedding, caplog):
     """Built from the GGUF as it is, the engine (MatMulNBits at accuracy level 1) computes what the engine of the
-    --dequantize checkpoint computes, to fp32 rounding; every linear of an exact type stays low-bit."""
+    --dequantize checkpoint computes, to fp32 rounding; every linear of an exact type stays low-bit, and so does the
+    embedding table (GatherBlockQuantized for Q6_K; a gather of packed rows dequantized by standard ops for Q4_K,
+    whose float zero points GatherBlockQuantized does not take)."""
     import numpy as np
     import onnx
     from test_weight_only import OPTIONS, run
@@ -89,20 +91,25 @@ def test_quantized_gguf_engine_equals_its_dequantized_checkpoint(tmp_path, famil
     from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
 
     hf = make_hf_folder(family, tmp_path / "hf", overrides={"hidden_size": 256, "intermediate_size": 512})
-    gguf_path = write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", family, QTYPES)
+    gguf_path = write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", family, {**QTYPES, "token_embd.weight": embedding})
     with caplog.at_level("INFO"):
         config = convert(gguf_path, tmp_path / "as_is")
     assert "GGUF Q5_1: 1 tensors have no exact low-bit form on the CPU target" in caplog.text
-    assert "GGUF Q4_K: 5 tensors kept exactly as 4-bit weights in groups of 32 with float zero points" in caplog.text
+    q4k, q6k = 5 + (embedding == Q.Q4_K), 1 + (embedding == Q.Q6_K)
+    assert f"GGUF Q4_K: {q4k} tensors kept exactly as 4-bit weights in groups of 32 with float zero points" \
+        in caplog.text
     q = config.quantization
     assert (q.quant_algo, q.group_size, q.has_zero_point, q.exclude_modules) == ("weight_only", None, True,
                                                                                 FLOAT_LINEARS)
+    assert q.embedding_weight_only
+    assert f"GGUF Q6_K: {q6k} tensors kept exactly as 8-bit weights in groups of 16" in caplog.text
     convert(gguf_path, tmp_path / "float", dtype="float32", dequantize=True)
     engine = build_engine(tmp_path / "as_is", tmp_path / "e_as_is", **OPTIONS)
     reference = build_engine(tmp_path / "float", tmp_path / "e_float", **OPTIONS)
     got, want = run(engine), run(reference)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
     model = onnx.load(str(engine / CPU_ENGINE_FILE), load_external_data=False)
+    assert sum(n.op_type == "GatherBlockQuantized" for n in model.graph.node) == (embedding == Q.Q6_K)
     bits = sorted(next(a.i for a in n.attribute if a.name == "bits") for n in model.graph.node
                   if n.op_type == "MatMulNBits")
     # 12 low-bit linears + lm_head, 8 of them 4-bit; layer 1's k (Q4_K) and v (Q4_1) share one layout (4-bit, groups

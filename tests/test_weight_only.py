@@ -68,11 +68,13 @@ def run(engine_dir, prompts=PROMPTS) -> np.ndarray:
 @pytest.mark.parametrize(("bits", "group"), [(8, None), (8, 32), (4, None), (4, 16)])
 def test_engine_equals_its_dequantized_weights(family, bits, group, random_hf_model, tmp_path):
     """The MatMulNBits engine (accuracy level 1: fp32 compute) computes what fp32 MatMuls over the dequantized
-    weights compute, to fp32 rounding; q/k/v and gate/up run as one kernel each."""
+    weights compute, to fp32 rounding; q/k/v and gate/up run as one kernel each; the embedding table is quantized
+    too and gathered by GatherBlockQuantized."""
     ckpt = tmp_path / "wo"
     config = convert(random_hf_model(family), ckpt, weight_only=WeightOnly(bits, group))
     want_group = group or (32 if bits == 4 else None)  # int4's default: the largest of 128/64/32 dividing 64 and 96
-    assert config.quantization == QuantConfig(quant_algo="weight_only", group_size=want_group)
+    assert config.quantization == QuantConfig(quant_algo="weight_only", group_size=want_group,
+                                              embedding_weight_only=True)
     engine = build_engine(ckpt, tmp_path / "engine", **OPTIONS)
     reference = build_engine(dequantized_checkpoint(ckpt, tmp_path / "deq"), tmp_path / "ref", **OPTIONS)
     got, want = run(engine), run(reference)
@@ -82,7 +84,11 @@ def test_engine_equals_its_dequantized_weights(family, bits, group, random_hf_mo
     layers = config.num_hidden_layers
     assert len(kernels) == 4 * layers + 1  # qkv, dense, gate_up, proj per layer, and lm_head
     assert {onnx.helper.get_attribute_value(a) for n in kernels for a in n.attribute if a.name == "bits"} == {bits}
-    assert collections.Counter(n.op_type for n in model.graph.node)["MatMul"] <= 2 * layers  # attention only
+    ops = collections.Counter(n.op_type for n in model.graph.node)
+    assert ops["MatMul"] <= 2 * layers  # attention only
+    assert ops["GatherBlockQuantized"] == 1  # the embedding, with no float copy of its table:
+    assert not [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT
+                and list(t.dims) == [config.vocab_size, config.hidden_size]]
     dims = {t.name: list(t.dims) for t in model.graph.initializer}
     c = config
     linear_params = layers * (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size

@@ -40,6 +40,8 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
     q = config.quantization
     for prefix in linear_prefixes(layers, last_stage):
         names += q.scale_names(prefix)
+    if q.embedding_weight_only and first_stage:
+        names.append("transformer.vocab_embedding.weights_scaling_factor")
     if q.kv_cache_quant_algo is not None:
         names += [f"transformer.layers.{i}.attention.kv_cache_scaling_factor" for i in layers]
     return names

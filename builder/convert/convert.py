@@ -33,6 +33,7 @@ from trtbuild.errors import CheckpointError
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WEIGHT_ONLY_BITS = {"int8": 8, "int4": 4}
+EMBEDDING = "transformer.vocab_embedding.weight"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,7 @@ def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dic
         if (name := hf_to_checkpoint_name(hf_name)) is not None:
             plan[name] = src
     # Tied models store one of the two (which one depends on who saved them); the checkpoint holds both.
-    embedding, lm_head = "transformer.vocab_embedding.weight", "lm_head.weight"
+    embedding, lm_head = EMBEDDING, "lm_head.weight"
     if config.tie_word_embeddings and (embedding in plan) != (lm_head in plan):
         plan[lm_head if embedding in plan else embedding] = plan[embedding if embedding in plan else lm_head]
     base = dataclasses.replace(config, quantization=QuantConfig())
@@ -91,9 +92,11 @@ def with_weight_only(config: ModelConfig, plan: dict[str, SourceTensor], weight_
         raise CheckpointError("weight-only quantized checkpoints are written for one tensor-parallel rank (the CPU "
                               "target runs one); drop --tp-size, or use --dequantize for a GGUF file.")
     groups = {f[1] for f in quantized.values()}
+    embedding = plan[EMBEDDING].nbits
     quant = QuantConfig(quant_algo="weight_only", group_size=groups.pop() if len(groups) == 1 else None,
-                        has_zero_point=any(f[2] for f in quantized.values()),
-                        exclude_modules=tuple(p for p in prefixes if p not in quantized))
+                        has_zero_point=any(f[2] for f in [*quantized.values(), embedding] if f),
+                        exclude_modules=tuple(p for p in prefixes if p not in quantized),
+                        embedding_weight_only=weight_only is not None or embedding is not None)
     return dataclasses.replace(config, quantization=quant)
 
 
@@ -102,8 +105,9 @@ def checkpoint_tensors(name: str, src: SourceTensor, config: ModelConfig, weight
     """The checkpoint tensors made from one source tensor: cast to the checkpoint dtype, or a weight_only linear's
     codes, scales and zero points."""
     value = src.load()
-    prefix = name.removesuffix(".weight")
-    if name.endswith(".weight") and is_linear(prefix) and config.quantization.algo_of(prefix) == "weight_only":
+    prefix, q = name.removesuffix(".weight"), config.quantization
+    if (name == EMBEDDING and q.embedding_weight_only) or (
+            name.endswith(".weight") and is_linear(prefix) and q.algo_of(prefix) == "weight_only"):
         from trtbuild.quantize.weight_only import NBitsWeight, quantize_rtn
 
         if not isinstance(value, NBitsWeight):
@@ -113,7 +117,7 @@ def checkpoint_tensors(name: str, src: SourceTensor, config: ModelConfig, weight
         if value.zero_points is not None:
             out[prefix + ".weights_zero_point"] = torch.from_numpy(value.zero_points)
         return out
-    if not isinstance(value, torch.Tensor | np.ndarray):  # a quantized GGUF tensor kept in float (the embedding)
+    if not isinstance(value, torch.Tensor | np.ndarray):  # a quantized GGUF tensor the engine reads in float
         value = value.dequantize()
     t = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
     return {name: t.to(_TORCH_DTYPES[config.dtype]).contiguous()}

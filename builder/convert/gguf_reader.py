@@ -39,7 +39,6 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 log = logging.getLogger(__name__)
-EMBEDDING = "model.embed_tokens.weight"
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 
@@ -189,10 +188,7 @@ def _report_forms(forms: dict[str, list[str]], sources: dict[str, SourceTensor])
 
     exact = {t.name for t in EXACT_NBITS}
     for qtype, names in sorted(forms.items()):
-        if EMBEDDING in names and sources[EMBEDDING].nbits:
-            log.info("GGUF %s: the embedding table is dequantized to float32 for the engine's gather (a tied "
-                     "lm_head keeps its quantized form)", qtype)
-        quantized = [n for n in names if sources[n].nbits and n != EMBEDDING]
+        quantized = [n for n in names if sources[n].nbits]
         if quantized:
             bits, group, zp = sources[quantized[0]].nbits
             log.info("GGUF %s: %d tensors kept exactly as %d-bit weights in groups of %d%s", qtype, len(quantized),
