@@ -10,48 +10,13 @@ from pathlib import Path
 import click
 
 from trtbuild import __version__
-
-_existing = click.Path(exists=True, path_type=Path)
-_out = click.Path(path_type=Path)
-
-
-def _options(*decorators):
-    """Apply several click options as one decorator (shared by the commands that take them)."""
-
-    def apply(f):
-        for decorator in reversed(decorators):
-            f = decorator(f)
-        return f
-
-    return apply
-
-
-_sampling_options = _options(
-    click.option("--max-tokens", type=click.IntRange(min=1), default=64, help="Tokens to generate at most."),
-    click.option("--temperature", type=click.FloatRange(min=0), default=0.0, help="0 is greedy."),
-    click.option("--top-k", type=click.IntRange(min=0), default=0, help="Keep the k most likely tokens (0: all)."),
-    click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, help="Nucleus mass."),
-    click.option("--seed", type=int, default=None, help="Seed for sampling."),
-)
-_speculative_options = _options(
-    click.option("--speculative-tokens", type=click.IntRange(min=0), default=0,
-                 help="Draft tokens per decode step from prompt lookup (n-gram) speculative decoding; 0 is off."),
-    click.option("--prompt-lookup-max", type=click.IntRange(min=1), default=4,
-                 help="Longest n-gram prompt lookup matches (with --speculative-tokens)."),
-)
-
-
-def _speculative_config(speculative_tokens: int, prompt_lookup_max: int):  # -> SpeculativeConfig | None
-    from trtbuild.runtime.speculative import SpeculativeConfig
-
-    return SpeculativeConfig(speculative_tokens, prompt_lookup_max=prompt_lookup_max) if speculative_tokens else None
-
-
-_kv_cache_options = _options(
-    click.option("--kv-cache-memory", type=click.FloatRange(min=0, min_open=True), default=None,
-                 help="KV cache budget: bytes (> 1) or a fraction of available memory (<= 1)."),
-    click.option("--kv-cache-blocks", type=click.IntRange(min=1), default=None,
-                 help="Exact number of KV blocks (overrides --kv-cache-memory)."),
+from trtbuild.cli_options import (
+    existing,
+    kv_cache_options,
+    out,
+    sampling_options,
+    speculative_config,
+    speculative_options,
 )
 
 
@@ -72,8 +37,8 @@ def main(verbose: bool) -> None:
 
 
 @main.command()
-@click.option("--model", required=True, type=_existing, help="Hugging Face model folder or a .gguf file.")
-@click.option("--output", required=True, type=_out, help="Checkpoint folder to create (must not exist or be empty).")
+@click.option("--model", required=True, type=existing, help="Hugging Face model folder or a .gguf file.")
+@click.option("--output", required=True, type=out, help="Checkpoint folder to create (must not exist or be empty).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
               help="Weight dtype of the checkpoint; auto keeps the model's.")
 @click.option("--tp-size", type=click.IntRange(min=1), default=1, help="Tensor-parallel ranks.")
@@ -106,8 +71,8 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
 
 
 @main.command()
-@click.option("--checkpoint", required=True, type=_existing, help="Folder written by `trtbuild convert`.")
-@click.option("--output", required=True, type=_out, help="Engine directory to create.")
+@click.option("--checkpoint", required=True, type=existing, help="Folder written by `trtbuild convert`.")
+@click.option("--output", required=True, type=out, help="Engine directory to create.")
 @click.option("--target", type=click.Choice(["cpu", "tensorrt"]), default="cpu", help="Where the engine runs.")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=16, help="Sequences per engine step.")
 @click.option("--max-seq-len", type=click.IntRange(min=1), default=None,
@@ -133,10 +98,10 @@ def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_
 
 
 @main.command()
-@click.option("--engine", required=True, type=_existing, help="Engine directory written by `trtbuild build`.")
+@click.option("--engine", required=True, type=existing, help="Engine directory written by `trtbuild build`.")
 @click.option("--prompt", required=True, help="Text to continue.")
-@_sampling_options
-@_speculative_options
+@sampling_options
+@speculative_options
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
 def run(engine: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
         seed: int | None, speculative_tokens: int, prompt_lookup_max: int, threads: int | None) -> None:
@@ -149,7 +114,7 @@ def run(engine: Path, prompt: str, max_tokens: int, temperature: float, top_k: i
     try:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
         llm = LLM(engine, RuntimeConfig(num_threads=threads, max_batch_size=1,
-                                        speculative=_speculative_config(speculative_tokens, prompt_lookup_max)))
+                                        speculative=speculative_config(speculative_tokens, prompt_lookup_max)))
         outputs = llm.stream([prompt], params)
         first = next(outputs)  # the request passed validation: echo the prompt, then stream
         click.echo(prompt, nl=False)
@@ -162,10 +127,10 @@ def run(engine: Path, prompt: str, max_tokens: int, temperature: float, top_k: i
 
 
 @main.command()
-@click.option("--engine", required=True, type=_existing, help="Engine directory written by `trtbuild build`.")
+@click.option("--engine", required=True, type=existing, help="Engine directory written by `trtbuild build`.")
 @click.option("--host", default="127.0.0.1", help="Address to bind; loopback by default (0.0.0.0: all interfaces).")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8001, help="0 picks a free port (printed).")
-@_kv_cache_options
+@kv_cache_options
 @click.option("--policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]), default="max_utilization",
               help="guaranteed_no_evict reserves a request's whole lifetime; max_utilization preempts when full.")
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes.")
@@ -175,7 +140,7 @@ def run(engine: Path, prompt: str, max_tokens: int, temperature: float, top_k: i
               help="Prefill tokens of one request per step [default: the whole token budget].")
 @click.option("--max-queue-size", type=click.IntRange(min=1), default=256,
               help="Unfinished requests held at most; more are refused with RESOURCE_EXHAUSTED.")
-@_speculative_options
+@speculative_options
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
 def serve(engine: Path, host: str, port: int, kv_cache_memory: float | None, kv_cache_blocks: int | None,
           policy: str, no_prefix_caching: bool, max_batch_size: int | None, max_num_tokens: int | None,
@@ -189,7 +154,7 @@ def serve(engine: Path, host: str, port: int, kv_cache_memory: float | None, kv_
     config = RuntimeConfig(kv_cache_memory=kv_cache_memory, kv_cache_blocks=kv_cache_blocks, policy=policy,
                            enable_prefix_caching=not no_prefix_caching, max_batch_size=max_batch_size,
                            max_num_tokens=max_num_tokens, max_prefill_chunk=max_prefill_chunk, num_threads=threads,
-                           speculative=_speculative_config(speculative_tokens, prompt_lookup_max))
+                           speculative=speculative_config(speculative_tokens, prompt_lookup_max))
     try:
         run_server(engine, host=host, port=port, config=config, max_queue_size=max_queue_size)
     except ValueError as e:
@@ -199,7 +164,7 @@ def serve(engine: Path, host: str, port: int, kv_cache_memory: float | None, kv_
 @main.command()
 @click.option("--address", default="127.0.0.1:8001", help="host:port of `trtbuild serve`.")
 @click.option("--prompt", required=True, help="Text to continue.")
-@_sampling_options
+@sampling_options
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--no-stream", is_flag=True, help="Wait for the whole text instead of streaming it.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, help="Seconds for the call.")
@@ -230,7 +195,7 @@ def client(address: str, prompt: str, max_tokens: int, temperature: float, top_k
 
 
 @main.command()
-@click.option("--engine", type=_existing, default=None, help="Engine directory: benchmark it in-process.")
+@click.option("--engine", type=existing, default=None, help="Engine directory: benchmark it in-process.")
 @click.option("--address", default=None, help="host:port of a running `trtbuild serve` to benchmark instead.")
 @click.option("--dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help='JSON lines {"prompt": "..." or "input_ids": [...], "output_tokens": N}.')
@@ -247,15 +212,15 @@ def client(address: str, prompt: str, max_tokens: int, temperature: float, top_k
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Engine (ONNX Runtime) and HF (torch) threads [default: all cores].")
 @click.option("--compare-sequential", is_flag=True, help="Also run the requests one at a time; print the speedup.")
-@click.option("--compare-engine", type=_existing, default=None,
+@click.option("--compare-engine", type=existing, default=None,
               help="Another engine of the same model (e.g. the fp32 build of a quantized one): run the same requests "
                    "on it; print the speedup, engine file and KV bytes-per-token ratios.")
-@click.option("--compare-hf", type=_existing, default=None,
+@click.option("--compare-hf", type=existing, default=None,
               help="HF model folder or llama .gguf: also time transformers generate() on the same prompts batched.")
 @click.option("--rounds", type=click.IntRange(min=1), default=1,
               help="Run the engine and its comparisons this many times, alternating; the speedups printed are the "
                    "medians of the rounds' ratios (steadier on a machine whose speed drifts).")
-@_speculative_options
+@speculative_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench(engine: Path | None, address: str | None, dataset: Path | None, num_requests: int | None,
           input_len: int | None, output_len: int | None, seed: int, concurrency: int | None, request_rate: float,
@@ -270,25 +235,25 @@ def bench(engine: Path | None, address: str | None, dataset: Path | None, num_re
                            request_rate=request_rate, timeout=timeout, threads=threads,
                            compare_sequential=compare_sequential, compare_engine=compare_engine,
                            compare_hf=compare_hf, rounds=rounds,
-                           speculative=_speculative_config(speculative_tokens, prompt_lookup_max))
+                           speculative=speculative_config(speculative_tokens, prompt_lookup_max))
     report = run_bench(options, log=lambda message: click.echo(message, err=True))
     click.echo(to_json(report) if as_json else format_report(report))
 
 
 @main.command("triton-repo")
-@click.option("--engine", required=True, type=_existing, help="Engine directory written by `trtbuild build`.")
-@click.option("--output", required=True, type=_out, help="Model repository folder (created; may hold other models).")
+@click.option("--engine", required=True, type=existing, help="Engine directory written by `trtbuild build`.")
+@click.option("--output", required=True, type=out, help="Model repository folder (created; may hold other models).")
 @click.option("--model-name", default="trtbuild", help="Name of the model in the repository (and in client calls).")
 @click.option("--decoupled/--no-decoupled", default=True,
               help="Decoupled: token streaming (gRPC stream, HTTP generate_stream); else one response per request.")
-@_kv_cache_options
+@kv_cache_options
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=None, help="[default: the engine's]")
 @click.option("--max-num-tokens", type=click.IntRange(min=1), default=None, help="[default: the engine's]")
 @click.option("--policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]), default="max_utilization",
               help="Batch scheduler policy (config parameter batch_scheduler_policy).")
 @click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes.")
 @click.option("--max-queue-size", type=click.IntRange(min=1), default=256, help="Unfinished requests held at most.")
-@_speculative_options
+@speculative_options
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
 def triton_repo(engine: Path, output: Path, model_name: str, decoupled: bool, kv_cache_memory: float | None,
                 kv_cache_blocks: int | None, max_batch_size: int | None, max_num_tokens: int | None, policy: str,
@@ -312,7 +277,7 @@ def triton_repo(engine: Path, output: Path, model_name: str, decoupled: bool, kv
 
 
 @main.command("triton-serve", context_settings={"ignore_unknown_options": True})
-@click.option("--repo", required=True, type=_existing, help="Model repository written by `trtbuild triton-repo`.")
+@click.option("--repo", required=True, type=existing, help="Model repository written by `trtbuild triton-repo`.")
 @click.option("--host", default="127.0.0.1", help="Address of all endpoints; loopback by default (0.0.0.0: all).")
 @click.option("--grpc-port", type=click.IntRange(min=1, max=65535), default=8001, help="KServe v2 gRPC port.")
 @click.option("--http-port", type=click.IntRange(min=1, max=65535), default=8000, help="KServe v2 HTTP port.")
@@ -338,14 +303,14 @@ def triton_serve(repo: Path, host: str, grpc_port: int, http_port: int, metrics_
 
 
 @main.command("eval")
-@click.option("--engine", required=True, type=_existing, help="Engine directory written by `trtbuild build`.")
+@click.option("--engine", required=True, type=existing, help="Engine directory written by `trtbuild build`.")
 @click.option("--dataset", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="UTF-8 text file, tokenized whole by the engine's tokenizer.")
 @click.option("--max-seq-len", type=click.IntRange(min=1), default=None,
               help="Tokens fed per sliding window [default: the engine's max_seq_len, at most 1024].")
 @click.option("--stride", type=click.IntRange(min=1), default=None,
               help="Tokens scored per window (each token once) [default: half the window].")
-@click.option("--reference-engine", type=_existing, default=None,
+@click.option("--reference-engine", type=existing, default=None,
               help="A second engine (e.g. unquantized): report its perplexity and the top-1 agreement.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
 def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: int | None,
@@ -367,14 +332,14 @@ def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: i
 
 
 @main.command()
-@click.option("--model", required=True, type=_existing,
+@click.option("--model", required=True, type=existing,
               help="Hugging Face model folder, a .gguf file, or an unquantized trtbuild checkpoint folder.")
-@click.option("--output", required=True, type=_out, help="Checkpoint folder to create (must not exist or be empty).")
+@click.option("--output", required=True, type=out, help="Checkpoint folder to create (must not exist or be empty).")
 @click.option("--qformat", required=True, type=click.Choice(["fp8", "int4_awq", "int8_sq"]),
               help="fp8: e4m3 weights and activations; int4_awq: 4-bit weights, AWQ; int8_sq: int8 SmoothQuant.")
 @click.option("--kv-cache-dtype", type=click.Choice(["fp8", "int8"]), default=None,
               help="Also quantize the KV cache (per-layer static scales).")
-@click.option("--calib-dataset", type=_existing, default=None,
+@click.option("--calib-dataset", type=existing, default=None,
               help='.txt file, .jsonl (field "text") or folder of .txt [default: Python standard-library docstrings].')
 @click.option("--calib-size", type=click.IntRange(min=1), default=512, help="Calibration samples.")
 @click.option("--calib-max-seq-len", type=click.IntRange(min=1), default=512, help="Tokens per calibration sample.")

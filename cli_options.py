@@ -1,0 +1,50 @@
+"""Command-line options shared by several `trtbuild` commands (cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+existing = click.Path(exists=True, path_type=Path)
+out = click.Path(path_type=Path)
+
+
+def options(*decorators):
+    """Apply several click options as one decorator (shared by the commands that take them)."""
+
+    def apply(f):
+        for decorator in reversed(decorators):
+            f = decorator(f)
+        return f
+
+    return apply
+
+
+sampling_options = options(
+    click.option("--max-tokens", type=click.IntRange(min=1), default=64, help="Tokens to generate at most."),
+    click.option("--temperature", type=click.FloatRange(min=0), default=0.0, help="0 is greedy."),
+    click.option("--top-k", type=click.IntRange(min=0), default=0, help="Keep the k most likely tokens (0: all)."),
+    click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=1.0, help="Nucleus mass."),
+    click.option("--seed", type=int, default=None, help="Seed for sampling."),
+)
+speculative_options = options(
+    click.option("--speculative-tokens", type=click.IntRange(min=0), default=0,
+                 help="Draft tokens per decode step from prompt lookup (n-gram) speculative decoding; 0 is off."),
+    click.option("--prompt-lookup-max", type=click.IntRange(min=1), default=4,
+                 help="Longest n-gram prompt lookup matches (with --speculative-tokens)."),
+)
+
+
+def speculative_config(speculative_tokens: int, prompt_lookup_max: int):  # -> SpeculativeConfig | None
+    from trtbuild.runtime.speculative import SpeculativeConfig
+
+    return SpeculativeConfig(speculative_tokens, prompt_lookup_max=prompt_lookup_max) if speculative_tokens else None
+
+
+kv_cache_options = options(
+    click.option("--kv-cache-memory", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="KV cache budget: bytes (> 1) or a fraction of available memory (<= 1)."),
+    click.option("--kv-cache-blocks", type=click.IntRange(min=1), default=None,
+                 help="Exact number of KV blocks (overrides --kv-cache-memory)."),
+)
