@@ -106,6 +106,14 @@ def main() -> None:
             results[name].setdefault("rounds", []).append(
                 {k: b[k] for k in ("output_throughput", "tpot_ms_p50", "load_s", "warm_up_s", "kv_pool_bytes",
                                    "peak_rss_bytes")})
+    for name in args.builds:  # the README's main job on each engine: text in, text out
+        slug = name.replace(" ", "_").replace("/", "_")
+        out = subprocess.run(["trtbuild", "run", "--engine", str(args.work / f"engine-{slug}"), "--prompt",
+                              "The capital of France is", "--max-tokens", "8", "--threads", str(args.threads)],
+                             capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"trtbuild run on {name} failed:\n{out.stderr[-2000:]}")
+        results[name]["generated"] = out.stdout.strip()
     if "fp32" in args.builds:
         results["fp32"]["max_abs_logit_diff_vs_transformers"] = logits_check(
             sources["hf"], args.work / "engine-fp32", args.threads)
@@ -123,6 +131,8 @@ def main() -> None:
               f"{med['peak_rss_bytes'] / gb:.2f} GB ({med['kv_pool_bytes'] / gb:.2f} GB) |")
     if "fp32" in results:
         print(f"fp32 max |logit - transformers| = {results['fp32']['max_abs_logit_diff_vs_transformers']:.2e}")
+    for name, r in results.items():
+        print(f"{name} generates (random weights): {r['generated']!r}")
 
 
 if __name__ == "__main__":
