@@ -112,6 +112,8 @@ def test_quantized_gguf_engine_equals_its_dequantized_checkpoint(tmp_path, famil
     assert sum(n.op_type == "GatherBlockQuantized" for n in model.graph.node) == (embedding == Q.Q6_K)
     bits = sorted(next(a.i for a in n.attribute if a.name == "bits") for n in model.graph.node
                   if n.op_type == "MatMulNBits")
-    # 12 low-bit linears + lm_head, 8 of them 4-bit; layer 1's k (Q4_K) and v (Q4_1) share one layout (4-bit, groups
-    # of 32, float zero points), as do its gate and up (Q4_K): each pair runs as one kernel
-    assert bits == [4] * 6 + [8] * 5
+    # 12 low-bit linears + lm_head, 8 of them 4-bit. Float zero points run as an exact fp32 correction beside the
+    # codes' kernel, so the 4-bit siblings share a layout: layer 0's q (Q4_K) and k (Q4_0), layer 1's k (Q4_K) and v
+    # (Q4_1) and its gate and up (Q4_K) each run as one kernel
+    assert bits == [4] * 5 + [8] * 5
+    assert sum(n.name.endswith("_zero_points") for n in model.graph.node) == 7  # the Q4_K and Q4_1 linears
