@@ -220,13 +220,15 @@ def _quantize(model_path: Path, output: Path, qconfig: QuantConfig, texts: list[
                             "features, which a row-parallel rank does not hold.")
     # The unquantized tensors, exactly what `trtbuild convert` writes; quantized linears are replaced below.
     tensors = to_checkpoint_tensors(source.hf_tensors, dataclasses.replace(config, quantization=QuantConfig()))
+    own_head = qconfig.lm_head_quant_algo is not None
+    for prefix in [*quantized, *(["lm_head"] if own_head else [])]:
+        tensors.pop(f"{prefix}.weight", None)  # replaced at export; the source copy is freed once loaded
     # Calibrate the model the checkpoint describes: weights rounded to its dtype (computed in fp32).
     ckpt_dtype = getattr(torch, config.dtype)
     source.hf_tensors = {n: t.to(ckpt_dtype) if t.is_floating_point() else t for n, t in source.hf_tensors.items()}
     source.write_tokenizer(output)
     samples = calibration_samples(texts, output if source.kind == "gguf" else source.path, config.vocab_size,
                                   calib_size, calib_max_seq_len)
-    own_head = qconfig.lm_head_quant_algo is not None
     torch_model = build_torch_model(source, untie="lm_head" in quantized or own_head)
     del source
     seconds["load"] = time.perf_counter() - start
