@@ -346,6 +346,10 @@ def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: i
 @click.option("--awq-block-size", type=click.IntRange(min=1), default=None,
               help="int4_awq: input features per weight scale (a power of two that divides them) [default: the "
                    "largest of 128/64/32 that divides every quantized linear, printed].")
+@click.option("--awq-grid", type=click.IntRange(min=2), default=None,
+              help="int4_awq: AWQ scale exponents (alphas) tried per linear, evenly over [0, 1]; fewer is faster "
+                   "and may pick a worse scale (docs/quantization.md, Calibration time) [default: 11, modelopt's "
+                   "awq_lite grid].")
 @click.option("--smoothquant-alpha", type=float, default=None,
               help="int8_sq: SmoothQuant migration strength in [0, 1] (1 moves all activation outliers into the "
                    "weights) [default: 0.7, or 0.5 with --per-token-activations].")
@@ -366,9 +370,9 @@ def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: i
 @click.option("--tp-size", type=click.IntRange(min=1), default=1, help="Tensor-parallel ranks.")
 @click.option("--pp-size", type=click.IntRange(min=1), default=1, help="Pipeline-parallel ranks.")
 def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None, calib_dataset: Path | None,
-             calib_size: int, calib_max_seq_len: int, awq_block_size: int | None, smoothquant_alpha: float | None,
-             per_token_activations: bool, fuse_shared_scales: bool, exclude: tuple[str, ...],
-             lm_head_qformat: str | None, dtype: str, tp_size: int, pp_size: int) -> None:
+             calib_size: int, calib_max_seq_len: int, awq_block_size: int | None, awq_grid: int | None,
+             smoothquant_alpha: float | None, per_token_activations: bool, fuse_shared_scales: bool,
+             exclude: tuple[str, ...], lm_head_qformat: str | None, dtype: str, tp_size: int, pp_size: int) -> None:
     """Calibrate a model with nvidia-modelopt and write a quantized checkpoint (docs/quantization.md)."""
     from trtbuild.quantize.quantize import quantize as run_quantize
 
@@ -376,7 +380,8 @@ def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None
                      calib_size=calib_size, calib_max_seq_len=calib_max_seq_len, awq_block_size=awq_block_size,
                      exclude=exclude, dtype=dtype, tp_size=tp_size, pp_size=pp_size,
                      shared_input_scales=fuse_shared_scales, smoothquant_alpha=smoothquant_alpha,
-                     per_token_activations=per_token_activations, lm_head_qformat=lm_head_qformat)
+                     per_token_activations=per_token_activations, lm_head_qformat=lm_head_qformat,
+                     awq_grid=awq_grid)
     click.echo(f"wrote {output}: {r.summary()}")
 
 if __name__ == "__main__":

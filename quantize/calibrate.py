@@ -7,6 +7,7 @@ import contextlib
 import copy
 import io
 import logging
+import time
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -16,6 +17,8 @@ from tqdm import tqdm
 
 from trtbuild.builder.convert.names import hf_to_checkpoint_name
 from trtbuild.errors import TrtbuildError
+from trtbuild.quantize.awq import DEFAULT_GRID_POINTS, AWQLayerCalibrator, alpha_grid
+from trtbuild.quantize.layerwise import CalibLayer, ForwardLoop, Progress, calibrate_layerwise, decoder_layers
 
 log = logging.getLogger(__name__)
 
@@ -68,24 +71,75 @@ def mtq_config(qformat: str, kv_cache_dtype: str | None, block_size: int, exclud
     return config
 
 
+def modelopt_calib_layer(algorithm: str | dict[str, Any] | None) -> CalibLayer:
+    """modelopt's calibration function for `algorithm` (a config's "algorithm" entry) as a `calib_layer`, called as
+    modelopt's own layerwise calibration calls it (`func(layer, forward_loop, **the algorithm's options)`)."""
+    from modelopt.torch.quantization.mode import BaseCalibrateModeDescriptor, CalibrateModeRegistry
+
+    algo = dict(algorithm) if isinstance(algorithm, dict) else {"method": algorithm}
+    descriptor = CalibrateModeRegistry[BaseCalibrateModeDescriptor._get_mode_name(algo["method"], check=True)]
+    kwargs = descriptor.config_class(**algo).model_dump()
+    method = kwargs.pop("method")
+    for key in ("layerwise", "moe_calib_experts_ratio"):
+        kwargs.pop(key, None)
+    if "awq" in method:
+        kwargs["algorithm"] = method
+    func = type(descriptor)._calib_func
+
+    def calib_layer(module: torch.nn.Module, forward_loop: ForwardLoop) -> None:
+        func(module, forward_loop=forward_loop, **kwargs)
+    return calib_layer
+
+
+def _activation_quantizers(model: torch.nn.Module) -> bool:
+    """Whether any quantizer other than the weights' is on (e.g. the KV cache's)."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+
+    return any(isinstance(m, TensorQuantizer) and m.is_enabled and not name.endswith("weight_quantizer")
+               for name, m in model.named_modules())
+
+
 def calibrate(model: torch.nn.Module, config: dict[str, Any], samples: torch.Tensor, batch_size: int,
-              call_lm_head: bool) -> torch.nn.Module:
-    """Run modelopt's calibration over `samples` [n, seq] in batches, with a progress bar per pass."""
+              call_lm_head: bool, awq_grid: int = DEFAULT_GRID_POINTS, progress: Progress | None = None
+              ) -> torch.nn.Module:
+    """Insert modelopt's quantizers per `config` and calibrate them over `samples` [n, seq] in batches, one decoder
+    layer at a time (`layerwise.py`); `progress(done, total)` after each layer (default: a progress bar).
+
+    int4 AWQ (`awq_lite`) runs our equivalent of modelopt's search (`awq.py`) with `awq_grid` alphas (modelopt's
+    alpha_step 0.1 is 11); other algorithms run modelopt's own calibration function on each layer."""
     mtq = import_mtq()
     batches = list(samples.split(batch_size))
+    algorithm = config.get("algorithm")
+    method = algorithm.get("method") if isinstance(algorithm, dict) else algorithm
+    num_layers = len(decoder_layers(model))
+    bar = None
+    if progress is None:
+        bar = tqdm(total=num_layers, desc=f"calibrating ({method})", unit="layer", leave=False)
 
-    def forward_loop(m: torch.nn.Module) -> None:
-        # Without a quantized lm_head the logits are not needed: skip the vocab projection.
-        run = m if call_lm_head else m.get_submodule("model")
-        with torch.no_grad():
-            for batch in tqdm(batches, desc="calibrating", unit="batch", leave=False):
-                run(input_ids=batch, use_cache=False)
+        def progress(done: int, total: int) -> None:
+            bar.update(done - bar.n)
 
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()) as chatter:
-        warnings.simplefilter("ignore")
-        model = mtq.quantize(model, config, forward_loop)
-    for line in chatter.getvalue().splitlines():
-        log.info("modelopt: %s", line)
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()) as chatter:
+            warnings.simplefilter("ignore")
+            model = mtq.quantize(model, {**config, "algorithm": None})  # quantizers only, nothing calibrated
+            awq = AWQLayerCalibrator(alpha_grid(awq_grid), _activation_quantizers(model)) if method == "awq_lite" \
+                else None
+            calib_layer = awq or modelopt_calib_layer(algorithm)
+            calibrate_layerwise(model, batches, calib_layer, calib_lm_head=call_lm_head, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    lines = chatter.getvalue().splitlines()  # per layer, so mostly the same few lines
+    for line in dict.fromkeys(lines):
+        count = lines.count(line)
+        log.info("modelopt: %s%s", line, f" ({count} times)" if count > 1 else "")
+    if awq is not None:
+        total = time.perf_counter() - start
+        log.info("AWQ over %d layers: %.1f s layer forwards and statistics, %.1f s scale search (%d alphas), "
+                 "%.1f s other", num_layers, awq.seconds["forward"], awq.seconds["search"], awq_grid,
+                 total - awq.seconds["forward"] - awq.seconds["search"])
     return model
 
 

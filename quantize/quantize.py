@@ -154,14 +154,15 @@ def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None
              awq_block_size: int | None = None, exclude: Sequence[str] = ("lm_head",), dtype: str = "auto",
              tp_size: int = 1, pp_size: int = 1, shared_input_scales: bool = False,
              smoothquant_alpha: float | None = None, per_token_activations: bool = False,
-             lm_head_qformat: str | None = None) -> QuantizeResult:
+             lm_head_qformat: str | None = None, awq_grid: int | None = None) -> QuantizeResult:
     """Quantize `model` into a checkpoint at `output` (config.json written last; nothing is left on failure).
 
     `shared_input_scales`: q/k/v and gate/up of each layer share their input (and fp8 weight) scales, so engines may
     fuse them (costs accuracy); otherwise each linear keeps its own. `smoothquant_alpha` (int8_sq only, in [0, 1]):
     SmoothQuant's migration strength, DEFAULT_SMOOTHQUANT_ALPHA when None. `per_token_activations` (int8_sq only):
     quantize activations per token with a dynamic scale instead of a static calibrated one. `lm_head_qformat`
-    (int8_wo): lm_head, excluded from `qformat`, gets int8 weights with per-output-channel scales."""
+    (int8_wo): lm_head, excluded from `qformat`, gets int8 weights with per-output-channel scales. `awq_grid`
+    (int4_awq only): alphas searched per linear, DEFAULT_GRID_POINTS (modelopt's awq_lite grid) when None."""
     from trtbuild.quantize.calib import read_calibration_texts
 
     model, output = Path(model), Path(output)
@@ -169,19 +170,26 @@ def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None
                            per_token_activations, lm_head_qformat)
     if calib_size < 1 or calib_max_seq_len < 1:
         raise TrtbuildError("--calib-size and --calib-max-seq-len must be at least 1.")
+    if awq_grid is not None and qformat != "int4_awq":
+        raise TrtbuildError(f"--awq-grid applies to --qformat int4_awq only, not {qformat}.")
+    if awq_grid is not None and awq_grid < 2:
+        raise TrtbuildError(f"--awq-grid {awq_grid} must be at least 2 (alpha 0 and 1).")
     texts = read_calibration_texts(calib_dataset)  # a bad dataset fails before anything slow
     if not model.exists():
         raise TrtbuildError(f"--model {model} does not exist.")
     prepare_output_dir(output)
     try:
-        return _quantize(model, output, qconfig, texts, calib_size, calib_max_seq_len, dtype, tp_size, pp_size)
+        return _quantize(model, output, qconfig, texts, calib_size, calib_max_seq_len, dtype, tp_size, pp_size,
+                         awq_grid)
     except BaseException:
         remove_partial_output(output)
         raise
 
 
 def _quantize(model_path: Path, output: Path, qconfig: QuantConfig, texts: list[str], calib_size: int,
-              calib_max_seq_len: int, dtype: str, tp_size: int, pp_size: int) -> QuantizeResult:
+              calib_max_seq_len: int, dtype: str, tp_size: int, pp_size: int, awq_grid: int | None
+              ) -> QuantizeResult:
+    from trtbuild.quantize.awq import DEFAULT_GRID_POINTS
     from trtbuild.quantize.calib import calibration_samples
     from trtbuild.quantize.calibrate import (
         calibrate,
@@ -212,13 +220,15 @@ def _quantize(model_path: Path, output: Path, qconfig: QuantConfig, texts: list[
                             "features, which a row-parallel rank does not hold.")
     # The unquantized tensors, exactly what `trtbuild convert` writes; quantized linears are replaced below.
     tensors = to_checkpoint_tensors(source.hf_tensors, dataclasses.replace(config, quantization=QuantConfig()))
+    own_head = qconfig.lm_head_quant_algo is not None
+    for prefix in [*quantized, *(["lm_head"] if own_head else [])]:
+        tensors.pop(f"{prefix}.weight", None)  # replaced at export; the source copy is freed once loaded
     # Calibrate the model the checkpoint describes: weights rounded to its dtype (computed in fp32).
     ckpt_dtype = getattr(torch, config.dtype)
     source.hf_tensors = {n: t.to(ckpt_dtype) if t.is_floating_point() else t for n, t in source.hf_tensors.items()}
     source.write_tokenizer(output)
     samples = calibration_samples(texts, output if source.kind == "gguf" else source.path, config.vocab_size,
                                   calib_size, calib_max_seq_len)
-    own_head = qconfig.lm_head_quant_algo is not None
     torch_model = build_torch_model(source, untie="lm_head" in quantized or own_head)
     del source
     seconds["load"] = time.perf_counter() - start
@@ -230,7 +240,8 @@ def _quantize(model_path: Path, output: Path, qconfig: QuantConfig, texts: list[
                       [modules[p] for p in excluded], quantize_lm_head="lm_head" in hf_quantized,
                       smoothquant_alpha=qconfig.smoothquant_alpha)
     batch = max(1, CALIB_TOKENS_PER_BATCH // samples.shape[1])
-    torch_model = calibrate(torch_model, mcfg, samples, batch, call_lm_head="lm_head" in hf_quantized)
+    torch_model = calibrate(torch_model, mcfg, samples, batch, call_lm_head="lm_head" in hf_quantized,
+                            awq_grid=awq_grid or DEFAULT_GRID_POINTS)
     check_calibrated(torch_model, hf_quantized, qconfig.kv_cache_quant_algo is not None)
     if qconfig.shared_input_scales:
         unify_shared_inputs(torch_model, set(hf_quantized.values()))
