@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from trtbuild.builder.weight_file import StagingWeights, is_external
+from trtbuild.builder.weight_file import StagingWeights, is_external, make_initializer
 
 OPSET = 23  # RMSNormalization and RotaryEmbedding are standard ONNX ops from opset 23
 MS_DOMAIN = "com.microsoft"
@@ -42,8 +42,7 @@ class GraphBuilder:
         return self.weight(self.name(hint), np.asarray(value))
 
     def weight(self, name: str, value: np.ndarray) -> str:
-        self.initializers.append(self.staging.tensor(name, value) if self.staging
-                                 else numpy_helper.from_array(np.ascontiguousarray(value), name))
+        self.initializers.append(make_initializer(self.staging, name, value))
         return name
 
     def op(self, op_type: str, inputs: list[str], num_outputs: int = 1, domain: str = "", name: str | None = None,
@@ -99,8 +98,7 @@ class GraphView:
         self.add_initializer(name, value)
 
     def add_initializer(self, name: str, value: np.ndarray) -> None:
-        t = (self.staging.tensor(name, value) if self.staging
-             else numpy_helper.from_array(np.ascontiguousarray(value), name))
+        t = make_initializer(self.staging, name, value)
         self.graph.initializer.append(t)
         self.initializers[name] = t
 

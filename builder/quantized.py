@@ -150,7 +150,10 @@ class QuantizedLinears:
         algo = self.quant.algo_of(prefix)
         if not algo or prefix + ".weights_scaling_factor" not in self.tensors:
             return False
-        want, got = WEIGHT_DTYPES[algo], self.tensors[prefix + ".weight"].dtype
+        name = prefix + ".weight"
+        # NOTE: a lazily read checkpoint (SafetensorsFile) tells the dtype from its header, without reading the weight
+        got = self.tensors.dtype(name) if hasattr(self.tensors, "dtype") else self.tensors[name].dtype
+        want = WEIGHT_DTYPES[algo]
         if got != want:
             raise TrtbuildError(f"{prefix}.weight is {got} but its format {algo} stores {want}; the checkpoint "
                                 "is inconsistent, re-run `trtbuild quantize`.")

@@ -87,6 +87,11 @@ class StagingWeights:
         return read_external(tensor, self.path.parent)
 
 
+def make_initializer(staging: StagingWeights | None, name: str, value: np.ndarray) -> TensorProto:
+    """The initializer `name`: in the staging file when there is one and it is large, else in the graph."""
+    return staging.tensor(name, value) if staging else numpy_helper.from_array(np.ascontiguousarray(value), name)
+
+
 def read_external(tensor: TensorProto, base_dir: Path) -> np.ndarray:
     """The values of an initializer stored as external data, in a file in `base_dir`."""
     info = _external(tensor)
