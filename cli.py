@@ -149,7 +149,7 @@ def serve(engine: Path, host: str, port: int, kv_cache_memory: float | None, kv_
     """Serve an engine over gRPC (trtbuild.v1.Generation, health, reflection) until SIGTERM / Ctrl-C."""
     from trtbuild.errors import TrtbuildError
     from trtbuild.runtime.engine_core import RuntimeConfig
-    from trtbuild.runtime.server import serve as run_server
+    from trtbuild.serving.grpc.server import serve as run_server
 
     config = RuntimeConfig(kv_cache_memory=kv_cache_memory, kv_cache_blocks=kv_cache_blocks, policy=policy,
                            enable_prefix_caching=not no_prefix_caching, max_batch_size=max_batch_size,
@@ -174,7 +174,7 @@ def client(address: str, prompt: str, max_tokens: int, temperature: float, top_k
     import grpc
 
     from trtbuild.errors import TrtbuildError
-    from trtbuild.runtime.client import GenerationClient
+    from trtbuild.serving.grpc.client import GenerationClient
 
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                     stop=list(stop))
@@ -228,7 +228,8 @@ def bench(engine: Path | None, address: str | None, dataset: Path | None, num_re
           compare_hf: Path | None, rounds: int, speculative_tokens: int, prompt_lookup_max: int,
           as_json: bool) -> None:
     """Measure throughput and latency of an engine (in-process) or a server under load, with baselines as ratios."""
-    from trtbuild.runtime.bench import BenchOptions, format_report, run_bench, to_json
+    from trtbuild.bench.report import format_report, to_json
+    from trtbuild.bench.run import BenchOptions, run_bench
 
     options = BenchOptions(engine=engine, address=address, dataset=dataset, num_requests=num_requests,
                            input_len=input_len, output_len=output_len, seed=seed, concurrency=concurrency,
@@ -261,7 +262,7 @@ def triton_repo(engine: Path, output: Path, model_name: str, decoupled: bool, kv
                 threads: int | None) -> None:
     """Write a Triton model repository whose Python-backend model hosts the trtbuild runtime."""
     from trtbuild.errors import TrtbuildError
-    from trtbuild.triton_server.repository import ModelOptions, write_model_repository
+    from trtbuild.serving.triton_backend.repository import ModelOptions, write_model_repository
 
     try:
         options = ModelOptions(kv_cache_memory=kv_cache_memory, kv_cache_blocks=kv_cache_blocks,
@@ -292,7 +293,7 @@ def triton_serve(repo: Path, host: str, grpc_port: int, http_port: int, metrics_
     Arguments after `--` go to tritonserver as they are (e.g. -- --log-verbose=1).
     """
     from trtbuild.errors import TrtbuildError
-    from trtbuild.triton_server.launcher import TritonNotInstalledError, serve
+    from trtbuild.serving.triton_backend.launcher import TritonNotInstalledError, serve
 
     try:
         code = serve(repo, host, grpc_port, http_port, metrics_port, tuple(tritonserver_args),
@@ -316,8 +317,8 @@ def triton_serve(repo: Path, host: str, grpc_port: int, http_port: int, metrics_
 def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: int | None,
                  reference_engine: Path | None, threads: int | None) -> None:
     """Perplexity of an engine on a text (sliding windows), optionally against a reference engine."""
+    from trtbuild.bench.perplexity import evaluate_text
     from trtbuild.errors import TrtbuildError
-    from trtbuild.runtime.eval import evaluate_text
 
     try:
         r = evaluate_text(engine, dataset.read_text(encoding="utf-8"), max_seq_len=max_seq_len, stride=stride,

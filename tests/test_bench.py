@@ -16,10 +16,10 @@ import pytest
 from click.testing import CliRunner, Result
 from helpers import STORIES260K, require_shared_models
 
+from trtbuild.bench.run import BenchOptions, run_bench
+from trtbuild.bench.targets import hf_generate
 from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.cli import main
-from trtbuild.runtime.bench import BenchOptions, run_bench
-from trtbuild.runtime.bench_baselines import hf_generate
 from trtbuild.runtime.engine_core import RuntimeConfig
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams

@@ -1,4 +1,4 @@
-"""`trtbuild eval` (runtime/eval.py): sliding-window perplexity equals exp(mean NLL) from Hugging Face logits on
+"""`trtbuild eval` (bench/perplexity.py): sliding-window perplexity equals exp(mean NLL) from Hugging Face logits on
 the same windows (stories260K, fp32, relative 1e-5), every token after the first is scored once, and a reference
 engine gives its perplexity and the top-1 agreement."""
 
@@ -13,10 +13,10 @@ from click.testing import CliRunner
 from helpers import STORIES260K, require_shared_models
 from quant_helpers import calibrate, quantize_checkpoint
 
+from trtbuild.bench.perplexity import evaluate, sliding_windows
 from trtbuild.builder.build import build_engine
 from trtbuild.builder.convert.convert import convert
 from trtbuild.cli import main
-from trtbuild.runtime.eval import evaluate, sliding_windows
 from trtbuild.runtime.tokenizer import Tokenizer
 
 TEXT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she "
@@ -56,7 +56,7 @@ def stories(tmp_path_factory):
 
 
 def hf_perplexity(hf, ids: list[int], length: int, stride: int) -> float:
-    """exp(mean NLL) from Hugging Face logits over the same windows, written independently of runtime/eval.py."""
+    """exp(mean NLL) from Hugging Face logits over the same windows, written independently of bench/perplexity.py."""
     nll = []
     first = 1
     while first < len(ids):

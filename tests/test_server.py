@@ -1,4 +1,4 @@
-"""`trtbuild serve` end to end: real server subprocesses on loopback (port 0), driven through runtime/client.py and
+"""`trtbuild serve` end to end: real server subprocesses on loopback (port 0), driven through serving/grpc/client.py and
 raw gRPC stubs, checked against in-process generation (`LLM`) of the same requests one at a time."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from helpers import STORIES260K, alone, require_shared_models
 
 from trtbuild.runtime.async_engine import EngineDeadError
-from trtbuild.runtime.client import GenerationClient, make_request
 from trtbuild.runtime.engine_core import RuntimeConfig
 from trtbuild.runtime.llm import LLM
-from trtbuild.runtime.proto import trtbuild_pb2 as pb
 from trtbuild.runtime.sampling import SamplingParams
-from trtbuild.runtime.server import GenerationServer
+from trtbuild.serving.grpc.client import GenerationClient, make_request
+from trtbuild.serving.grpc.proto import trtbuild_pb2 as pb
+from trtbuild.serving.grpc.server import GenerationServer
 
 NAMES = ["Lily", "Tom", "Sue", "Ben", "Max", "Amy", "Tim", "Mia"]
 PLACES = ["park", "sea", "shop", "forest"]

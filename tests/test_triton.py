@@ -29,9 +29,9 @@ from trtbuild.cli import main as cli
 from trtbuild.runtime.engine_core import RuntimeConfig
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.speculative import SpeculativeConfig
-from trtbuild.triton_server import launcher
-from trtbuild.triton_server.repository import runtime_options
-from trtbuild.triton_server.tensors import INPUTS, parse_request
+from trtbuild.serving.triton_backend import launcher
+from trtbuild.serving.triton_backend.repository import runtime_options
+from trtbuild.serving.triton_backend.tensors import INPUTS, parse_request
 
 TIMEOUT = 60.0
 PROMPTS = [f"{n} went to the {p}" for n in ("Lily", "Tom", "Sue", "Ben") for p in ("park", "sea", "shop", "forest")]
@@ -55,7 +55,7 @@ def test_triton_repo_writes_a_python_model_with_runtime_parameters(engine, tmp_p
     assert out.exit_code == 0, out.output
     config = (tmp_path / "trtbuild" / "config.pbtxt").read_text()
     model_py = (tmp_path / "trtbuild" / "1" / "model.py").read_text()
-    assert "from trtbuild.triton_server.model import TritonPythonModel" in model_py
+    assert "from trtbuild.serving.triton_backend.model import TritonPythonModel" in model_py
     for line in ('backend: "python"', "max_batch_size: 8", "decoupled: false", "dynamic_batching { }"):
         assert line in config, line
     assert all(f'name: "{t.name}"' in config for t in INPUTS)

@@ -24,8 +24,8 @@ from typing import Any
 
 from trtbuild.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput
-from trtbuild.triton_server.repository import runtime_options
-from trtbuild.triton_server.tensors import (
+from trtbuild.serving.triton_backend.repository import runtime_options
+from trtbuild.serving.triton_backend.tensors import (
     INPUT_NAMES,
     STREAMING_NEEDS_DECOUPLED,
     ParsedRequest,

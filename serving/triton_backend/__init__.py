@@ -4,5 +4,5 @@
 - `model.TritonPythonModel` is the model Triton runs (imported by the generated model.py);
 - `tensors` maps Triton tensors (TensorRT-LLM's names) to the runtime's SamplingParams;
 - `launcher` finds and starts the tritonserver that the nvidia-pytriton wheel bundles (`trtbuild triton-serve`).
-See triton_server/README.md for the tensors, parameters and metrics.
+See serving/triton_backend/README.md for the tensors, parameters and metrics.
 """

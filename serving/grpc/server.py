@@ -26,9 +26,9 @@ from trtbuild import __version__
 from trtbuild.errors import TrtbuildError
 from trtbuild.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput, RuntimeConfig
-from trtbuild.runtime.proto import trtbuild_pb2 as pb
-from trtbuild.runtime.proto import trtbuild_pb2_grpc as pb_grpc
 from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
+from trtbuild.serving.grpc.proto import trtbuild_pb2 as pb
+from trtbuild.serving.grpc.proto import trtbuild_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

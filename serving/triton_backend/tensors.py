@@ -2,7 +2,7 @@
 
 Pure numpy: `parse_request` takes {tensor name: array} as Triton hands it (a leading batch dimension of 1) and
 returns the prompt and SamplingParams; `response_arrays` builds the output arrays of one response. Invalid inputs
-raise ValueError naming the tensor. Every tensor is documented in triton_server/README.md.
+raise ValueError naming the tensor. Every tensor is documented in serving/triton_backend/README.md.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from trtbuild.bench.workload import BenchRequest, RequestResult
 from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.errors import TrtbuildError
-from trtbuild.runtime.bench import BenchRequest, RequestResult
 
 if TYPE_CHECKING:
     from trtbuild.runtime.speculative import SpeculativeConfig
@@ -124,12 +124,12 @@ class EngineTarget:
 
 
 class ServerTarget:
-    """A running `trtbuild serve`, through runtime/client.py streaming calls; KV usage is sampled with GetStats."""
+    """A running `trtbuild serve`, through serving/grpc/client.py streaming calls; KV usage is sampled with GetStats."""
 
     def __init__(self, address: str, ready_timeout: float = 30.0) -> None:
         import grpc
 
-        from trtbuild.runtime.client import FINISH_REASONS, GenerationClient
+        from trtbuild.serving.grpc.client import FINISH_REASONS, GenerationClient
 
         self.name, self._grpc_error, self._reasons = f"server {address}", grpc.RpcError, FINISH_REASONS
         self.client = GenerationClient(address, timeout=ready_timeout)

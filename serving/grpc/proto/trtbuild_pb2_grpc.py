@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from trtbuild.runtime.proto import trtbuild_pb2 as trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2
+from trtbuild.serving.grpc.proto import trtbuild_pb2 as trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in trtbuild/runtime/proto/trtbuild_pb2_grpc.py depends on'
+        + ' but the generated code in trtbuild/serving/grpc/proto/trtbuild_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,28 +36,28 @@ class GenerationStub:
         """
         self.GenerateStream = channel.unary_stream(
                 '/trtbuild.v1.Generation/GenerateStream',
-                request_serializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GenerateResponse.FromString,
+                request_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Generate = channel.unary_unary(
                 '/trtbuild.v1.Generation/Generate',
-                request_serializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GenerateResponse.FromString,
+                request_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/trtbuild.v1.Generation/Cancel',
-                request_serializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.CancelRequest.SerializeToString,
-                response_deserializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.CancelResponse.FromString,
+                request_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.CancelRequest.SerializeToString,
+                response_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.CancelResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/trtbuild.v1.Generation/GetModelInfo',
-                request_serializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.ModelInfo.FromString,
+                request_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.ModelInfo.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/trtbuild.v1.Generation/GetStats',
-                request_serializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GetStatsRequest.SerializeToString,
-                response_deserializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.Stats.FromString,
+                request_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GetStatsRequest.SerializeToString,
+                response_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.Stats.FromString,
                 _registered_method=True)
 
 
@@ -102,28 +102,28 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GenerateRequest.FromString,
-                    response_serializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateRequest.FromString,
+                    response_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateResponse.SerializeToString,
             ),
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GenerateRequest.FromString,
-                    response_serializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateRequest.FromString,
+                    response_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateResponse.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
-                    request_deserializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.CancelRequest.FromString,
-                    response_serializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.CancelResponse.SerializeToString,
+                    request_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.CancelRequest.FromString,
+                    response_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.CancelResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.ModelInfo.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
-                    request_deserializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GetStatsRequest.FromString,
-                    response_serializer=trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.Stats.SerializeToString,
+                    request_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GetStatsRequest.FromString,
+                    response_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.Stats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -151,8 +151,8 @@ class Generation:
             request,
             target,
             '/trtbuild.v1.Generation/GenerateStream',
-            trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GenerateRequest.SerializeToString,
-            trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GenerateResponse.FromString,
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateRequest.SerializeToString,
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -178,8 +178,8 @@ class Generation:
             request,
             target,
             '/trtbuild.v1.Generation/Generate',
-            trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GenerateRequest.SerializeToString,
-            trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GenerateResponse.FromString,
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateRequest.SerializeToString,
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -205,8 +205,8 @@ class Generation:
             request,
             target,
             '/trtbuild.v1.Generation/Cancel',
-            trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.CancelRequest.SerializeToString,
-            trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.CancelResponse.FromString,
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.CancelRequest.SerializeToString,
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.CancelResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -232,8 +232,8 @@ class Generation:
             request,
             target,
             '/trtbuild.v1.Generation/GetModelInfo',
-            trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GetModelInfoRequest.SerializeToString,
-            trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.ModelInfo.FromString,
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GetModelInfoRequest.SerializeToString,
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -259,8 +259,8 @@ class Generation:
             request,
             target,
             '/trtbuild.v1.Generation/GetStats',
-            trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.GetStatsRequest.SerializeToString,
-            trtbuild_dot_runtime_dot_proto_dot_trtbuild__pb2.Stats.FromString,
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GetStatsRequest.SerializeToString,
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.Stats.FromString,
             options,
             channel_credentials,
             insecure,

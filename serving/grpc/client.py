@@ -10,8 +10,8 @@ from types import TracebackType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from trtbuild.runtime.proto import trtbuild_pb2 as pb
-from trtbuild.runtime.proto import trtbuild_pb2_grpc as pb_grpc
+from trtbuild.serving.grpc.proto import trtbuild_pb2 as pb
+from trtbuild.serving.grpc.proto import trtbuild_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
