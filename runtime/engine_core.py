@@ -148,7 +148,7 @@ class EngineCore:
         tracked = self.tracked.get(request_id)
         if tracked is None:
             return None
-        self.scheduler.finish(tracked.request, FinishReason.ABORT)
+        self.scheduler.finish_requests([tracked.request], FinishReason.ABORT)
         return self._final_output(tracked, [], "", [])
 
     def has_unfinished(self) -> bool:
@@ -162,7 +162,7 @@ class EngineCore:
             if request.num_computed_tokens == len(request.token_ids) - 1:
                 room = min(request.sampling.max_tokens - request.num_output_tokens,
                            max_seq_len - len(request.token_ids)) - 1
-                request.spec_token_ids = self.proposer.propose(request.token_ids, min(k, room))
+                self.scheduler.set_draft_tokens(request, self.proposer.propose(request.token_ids, min(k, room)))
 
     def _sample(self, scheduled: SchedulerOutput, logits: np.ndarray) -> tuple[list[list[int]], dict[str, list]]:
         """New tokens of each chunk with logits (in order), and their logprobs by request id: one batched draw for
@@ -218,10 +218,9 @@ class EngineCore:
                 # NOTE: the text is cut at the stop string, so the reason is "stop" even when this very token also
                 # reached max_tokens (update() already finished the request with "length"), as vLLM reports it.
                 # Tokens after it (accepted drafts) are not part of the output.
-                del request.token_ids[len(request.token_ids) - (len(tokens) - n):]
+                self.scheduler.finish_requests([request], FinishReason.STOP,
+                                               truncate_to=request.num_output_tokens - (len(tokens) - n))
                 tokens = tokens[:n]
-                self.scheduler.finish(request, FinishReason.STOP)
-                request.finish_reason = FinishReason.STOP
                 break
         new_logprobs = [lp for lp in logprobs[: len(tokens)] if lp is not None]
         if request.finished:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
@@ -179,7 +180,7 @@ class Scheduler:
                     request.metrics.first_token_time = time.monotonic()
                 got_tokens.append((request, appended))
             if reason is not None:
-                self.finish(request, reason)
+                self.finish_requests([request], reason)
         return got_tokens
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
@@ -191,16 +192,30 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        """End a request (stop, length or abort) and return its blocks to the pool; idempotent."""
-        if request.finished:
-            return
-        if request in self.running:
-            self.running.remove(request)
-            self.kv.free(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-            self.kv.free(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        request.metrics.finished_time = time.monotonic()
+    def set_draft_tokens(self, request: Request, draft_token_ids: list[int]) -> None:
+        """Drafts a proposer made for a decoding request, verified by its next step (counted as known tokens)."""
+        request.spec_token_ids = list(draft_token_ids)
+
+    def finish_requests(self, requests: Iterable[Request], reason: FinishReason, truncate_to: int | None = None
+                        ) -> None:
+        """End requests (stop, length or abort) and return their blocks to the pool; idempotent.
+
+        `truncate_to` keeps the first n output tokens and drops the rest: a stop string ended the text inside this
+        step's tokens. That outranks how update() ended the request, so the reason is overwritten even when the
+        request already finished (e.g. by length on the same token)."""
+        for request in requests:
+            if truncate_to is not None:
+                del request.token_ids[request.num_prompt_tokens + truncate_to:]
+                request.num_computed_tokens = min(request.num_computed_tokens, len(request.token_ids))
+                request.finish_reason = reason
+            if request.finished:
+                continue
+            if request in self.running:
+                self.running.remove(request)
+                self.kv.free(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+                self.kv.free(request)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = reason
+            request.metrics.finished_time = time.monotonic()

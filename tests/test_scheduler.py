@@ -81,6 +81,30 @@ def run_step(s: Scheduler, token: int = 5):
     return out
 
 
+def test_stop_string_truncation_goes_through_the_scheduler():
+    """A stop string found in the text of a step's tokens: finish_requests keeps the output up to it, frees the
+    blocks, and reports stop even when update() had already ended the request by length on the same step."""
+    s = make_scheduler()
+    a = req("a", [1] * 6, max_tokens=3)
+    s.add_request(a)
+    run_step(s, token=5)  # prefill: output [5]
+    assert s.kv.block_table(a) == [0, 1]
+    run_step(s, token=6)
+    out = s.schedule()
+    s.update(out, [[7]])  # third output token: length
+    assert a.finish_reason == FinishReason.LENGTH and a.token_ids == [1] * 6 + [5, 6, 7]
+    s.finish_requests([a], FinishReason.STOP, truncate_to=2)  # the stop string ended inside token 6
+    assert a.token_ids == [1] * 6 + [5, 6] and a.finish_reason == FinishReason.STOP
+    assert a.num_computed_tokens <= len(a.token_ids) and s.kv.pool.num_free == 16 and not s.has_unfinished()
+
+    b = req("b", [1] * 6)
+    s.add_request(b)
+    run_step(s, token=5)
+    run_step(s, token=6)  # still running: truncation finishes it and returns its blocks
+    s.finish_requests([b], FinishReason.STOP, truncate_to=1)
+    assert b.token_ids == [1] * 6 + [5] and b.finished and s.kv.pool.num_free == 16
+
+
 def test_chunked_prefill_mixes_with_decode_within_the_token_budget():
     s = make_scheduler(max_num_tokens=8)
     a, b = req("a", [1] * 3), req("b", [3] * 13)
@@ -173,6 +197,6 @@ def test_stop_token_and_abort_free_blocks():
     b = req("b", [1] * 5)
     s.add_request(b)
     run_step(s)
-    s.finish(b, FinishReason.ABORT)
-    s.finish(b, FinishReason.ABORT)  # idempotent
+    s.finish_requests([b], FinishReason.ABORT)
+    s.finish_requests([b], FinishReason.ABORT)  # idempotent
     assert s.kv.pool.num_free == 16 and not s.has_unfinished()
