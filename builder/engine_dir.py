@@ -15,7 +15,7 @@ from typing import Any
 
 from trtbuild import ENGINE_FORMAT_VERSION, __version__
 from trtbuild.configs import BuildConfig, ModelConfig
-from trtbuild.errors import EngineCompatibilityError
+from trtbuild.errors import EngineCompatibilityError, TrtbuildError
 
 ENGINE_CONFIG = "config.json"
 CPU_ENGINE_FILE = "rank0.onnx"
@@ -90,17 +90,23 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(int(p) for p in v.split("+")[0].split(".")[:2] if p.isdigit())
 
 
+REBUILD = "rebuild it from its checkpoint: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir>`"
+
+
 def read_engine_config(engine_dir: Path, expect_target: str = "cpu") -> EngineInfo:
-    """Parse and check an engine directory for this machine; raises EngineCompatibilityError before any work."""
+    """Parse and check an engine directory for this machine; raises EngineCompatibilityError before any work.
+
+    Whatever is wrong with config.json (missing, not UTF-8 or JSON, another format version, a field of the wrong
+    type or an invalid value) is this one error, naming the file and the rebuild command."""
     engine_dir = Path(engine_dir)
     path = engine_dir / ENGINE_CONFIG
     if not path.is_file():
         raise EngineCompatibilityError(
             f"{engine_dir} is not an engine directory (no {ENGINE_CONFIG}); build one with `trtbuild build`.")
     try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise EngineCompatibilityError(f"{path} is corrupt ({e}); rebuild the engine with `trtbuild build`.") from None
+        doc = json.loads(path.read_bytes())  # NOTE: bytes: a non-UTF-8 file is a ValueError here, like bad JSON
+    except (OSError, ValueError) as e:
+        raise EngineCompatibilityError(f"{path} is corrupt ({e}); {REBUILD}.") from None
     if not isinstance(doc, dict) or "engine_format_version" not in doc:
         raise EngineCompatibilityError(
             f"{engine_dir} is not an engine directory ({ENGINE_CONFIG} has no engine_format_version); "
@@ -112,29 +118,40 @@ def read_engine_config(engine_dir: Path, expect_target: str = "cpu") -> EngineIn
             f"{engine_dir} was built by trtbuild {built_by} (engine format {version}); this trtbuild {__version__} "
             f"reads format {ENGINE_FORMAT_VERSION}. Rebuild it from its checkpoint with this version: "
             "`trtbuild build --checkpoint <checkpoint dir> --output <new engine dir>`.")
-    target = doc.get("target") or {}
-    if target.get("name") != expect_target:
+    try:
+        info = _engine_info(engine_dir, doc)
+    except EngineCompatibilityError:
+        raise
+    except (TrtbuildError, KeyError, TypeError, ValueError, AttributeError) as e:
+        problem = e.format_message() if isinstance(e, TrtbuildError) else f"{type(e).__name__}: {e}"
+        raise EngineCompatibilityError(f"{path} is incomplete or corrupt ({problem}); {REBUILD}.") from None
+    if info.target.get("name") != expect_target:
         raise EngineCompatibilityError(
-            f"{engine_dir} was built for target {target.get('name')!r}, but this runtime runs {expect_target!r} "
+            f"{engine_dir} was built for target {info.target.get('name')!r}, but this runtime runs {expect_target!r} "
             f"engines; rebuild it: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> "
             f"--target {expect_target}`.")
     if expect_target == "cpu":
-        _check_cpu_target(engine_dir, target)
-    try:
-        model, build = ModelConfig.from_dict(doc["model_config"]), BuildConfig.from_dict(doc["build_config"])
-        weight_files = {str(k): int(v) for k, v in doc["weight_files"].items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise EngineCompatibilityError(f"{path} is incomplete or corrupt ({e!r}); rebuild the engine.") from None
-    _check_weight_files(engine_dir, weight_files)
+        _check_cpu_target(engine_dir, info.target)
+    _check_weight_files(engine_dir, info.weight_files)
+    return info
+
+
+def _engine_info(engine_dir: Path, doc: dict[str, Any]) -> EngineInfo:
+    """config.json's fields, type-checked (raises KeyError, TypeError, ValueError or a config's own error)."""
+    target, io = doc["target"], doc.get("io", {})
+    if not isinstance(target, dict) or not isinstance(io, dict):
+        raise TypeError("target and io must be JSON objects")
+    if not all(isinstance(f, str) for f in target.get("cpu_features", [])):
+        raise TypeError("target.cpu_features must be a list of strings")
     return EngineInfo(
         path=engine_dir,
-        model=model,
-        build=build,
+        model=ModelConfig.from_dict(doc["model_config"]),
+        build=BuildConfig.from_dict(doc["build_config"]),
         target=target,
-        io=doc.get("io", {}),
-        passes=tuple(doc.get("passes", ())),
-        trtbuild_version=built_by,
-        weight_files=weight_files,
+        io=io,
+        passes=tuple(str(p) for p in doc.get("passes", ())),
+        trtbuild_version=str(doc.get("trtbuild_version", "unknown")),
+        weight_files={str(k): int(v) for k, v in doc["weight_files"].items()},
     )
 
 

@@ -17,7 +17,11 @@ class Tokenizer:
         path = Path(directory) / "tokenizer.json"
         if not path.is_file():
             raise TrtbuildError(f"{directory} has no tokenizer.json; pass token ids or rebuild with tokenizer files.")
-        self._tok = HFTokenizer.from_file(str(path))
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # NOTE: tokenizers raises a bare Exception for every parse error
+            raise TrtbuildError(f"{path} is not a valid tokenizer ({_first_line(e)}); copy the model's tokenizer.json "
+                                "into the engine directory again.") from None
         self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
         self.byte_fallback_ids = _byte_fallback_ids(json.loads(self._tok.to_str()), self._tok.get_vocab())
 
@@ -62,5 +66,19 @@ def load_generation_eos(directory: Path) -> tuple[int, ...]:
     path = Path(directory) / "generation_config.json"
     if not path.is_file():
         return ()
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    try:
+        doc = json.loads(path.read_bytes())
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        eos = doc.get("eos_token_id")
+        ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise ValueError(f"eos_token_id {eos!r} is not a token id or a list of them")
+    except (OSError, ValueError) as e:
+        raise TrtbuildError(f"{path} is not a valid generation config ({_first_line(e)}); copy the model's "
+                            "generation_config.json into the engine directory again, or delete it.") from None
+    return tuple(ids)
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -584,3 +584,25 @@ def test_not_an_engine_directory(engine_copy, converted, tmp_path):
     (engine_copy / "config.json").write_text("{not json")
     with pytest.raises(EngineCompatibilityError, match=r"config\.json is corrupt.*trtbuild build"):
         CpuEngine(engine_copy)
+
+
+UNREADABLE = {
+    "not_utf8": lambda engine: (engine / "config.json").write_bytes(b"\xff\xfe{"),
+    "target_not_object": lambda engine: edit_engine_config(engine, lambda d: d.update(target="cpu")),
+    "model_config_unknown_field": lambda engine: edit_engine_config(engine, lambda d: d["model_config"].update(c=1)),
+    "model_config_not_object": lambda engine: edit_engine_config(engine, lambda d: d.update(model_config=[1, 2])),
+    "build_config_invalid": lambda engine: edit_engine_config(engine, lambda d: d["build_config"].update(
+        max_batch_size=0)),
+    "build_config_missing": lambda engine: edit_engine_config(engine, lambda d: d.pop("build_config")),
+    "weight_files_not_object": lambda engine: edit_engine_config(engine, lambda d: d.update(weight_files=["w"])),
+    "weight_size_not_number": lambda engine: edit_engine_config(engine, lambda d: d["weight_files"].update(
+        {"rank0.weights": "x"})),
+}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE))
+def test_unreadable_engine_config_is_the_rebuild_error(case, engine_copy):
+    """Any config.json that cannot be read back is the engine-compatibility error with the rebuild command."""
+    UNREADABLE[case](engine_copy)
+    with pytest.raises(EngineCompatibilityError, match=r"config\.json .*trtbuild build --checkpoint"):
+        read_engine_config(engine_copy)

@@ -4,12 +4,14 @@ and shutdown."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
 import pytest
 from helpers import assert_pool_full, drive
 
+from trtbuild.errors import TrtbuildError
 from trtbuild.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput, RuntimeConfig
 from trtbuild.runtime.llm import LLM
@@ -461,3 +463,26 @@ def test_async_engine_error_reaches_every_stream(llama_engine):
     with pytest.raises(EngineDeadError, match="boom"):
         engine.submit(PROMPTS[1], GREEDY)
     assert_pool_full(core)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("tokenizer.json", b'{"version": "1.0", "model": ', r"tokenizer\.json is not a valid tokenizer \("),
+    ("generation_config.json", b"{not json", r"generation_config\.json is not a valid generation config \("),
+    ("generation_config.json", b'{"eos_token_id": "two"}', r"generation_config\.json is not a valid generation "
+                                                            r"config \(eos_token_id 'two' is not a token id"),
+])
+def test_corrupt_tokenizer_files_are_one_line_errors_naming_the_file(stories_engine, tmp_path, name, content, message):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from trtbuild.cli import main
+
+    engine = tmp_path / "engine"
+    shutil.copytree(stories_engine, engine)
+    (engine / name).write_bytes(content)
+    with pytest.raises(TrtbuildError, match=message):
+        EngineCore(engine, config(warm_up=False))
+    result = CliRunner().invoke(main, ["run", "--engine", str(engine), "--prompt", "Once", "--max-tokens", "2"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert re.search(message, result.output) and len(result.output.strip().splitlines()) == 1
