@@ -6,6 +6,7 @@ slice of the full tensor it must hold, so that a split and a merge that are wron
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -19,13 +20,19 @@ from helpers import REPO, STORIES260K, make_random_hf_model, require_shared_mode
 from safetensors.torch import load_file, save_file
 
 from trtbuild.builder.build import build_engine
-from trtbuild.builder.convert.checkpoint import TOKENIZER_FILES, expected_tensors, load_checkpoint
+from trtbuild.builder.convert.checkpoint import (
+    TOKENIZER_FILES,
+    expected_tensors,
+    load_checkpoint,
+    open_checkpoint,
+    stored_shape,
+)
 from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.convert.names import hf_to_checkpoint_name, layer_of
 from trtbuild.builder.convert.sharding import merge_shards
 from trtbuild.builder.engine_dir import _CPU_FLAGS, cpu_features, read_engine_config
 from trtbuild.configs import Mapping, ModelConfig
-from trtbuild.configs.model_config import SUPPORTED_ARCHITECTURES
+from trtbuild.configs.model_config import SUPPORTED_ARCHITECTURES, QuantConfig
 from trtbuild.errors import CheckpointError, EngineCompatibilityError, TrtbuildError
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 
@@ -606,3 +613,22 @@ def test_unreadable_engine_config_is_the_rebuild_error(case, engine_copy):
     UNREADABLE[case](engine_copy)
     with pytest.raises(EngineCompatibilityError, match=r"config\.json .*trtbuild build --checkpoint"):
         read_engine_config(engine_copy)
+
+
+def test_open_checkpoint_checks_the_shapes_of_tp_shards_and_packed_weights(converted, tmp_path):
+    """Each rank's tensors have its share of the shapes config.json implies; int4 weights are checked packed."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(converted("llama", tp=2), ckpt)
+    config = ModelConfig.load(ckpt / "config.json")
+    open_checkpoint(ckpt, rank=1)
+    dataclasses.replace(config, intermediate_size=2 * config.intermediate_size).save(ckpt / "config.json")
+    half = config.intermediate_size // 2
+    with pytest.raises(CheckpointError, match=rf"rank1\.safetensors: tensor .*mlp\.(gate|fc)\.weight has shape "
+                                              rf"\({half}, {config.hidden_size}\) but config\.json implies "
+                                              rf"\({2 * half}, {config.hidden_size}\)"):
+        open_checkpoint(ckpt, rank=1)
+    int4 = dataclasses.replace(config, quantization=QuantConfig(quant_algo="int4_awq", pre_quant_scale=True,
+                                                                exclude_modules=("lm_head",)))
+    assert stored_shape("transformer.layers.0.mlp.proj.weight", int4, quantized=True) == (
+        config.hidden_size, config.intermediate_size // 2 // 2)  # row-parallel: in split, two values a byte
+    assert stored_shape("lm_head.weight", int4) == (-(-config.vocab_size // 2), config.hidden_size)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from trtbuild.builder.convert.names import linear_prefixes
+from trtbuild.builder.convert.names import linear_prefixes, tp_split_axis
 from trtbuild.builder.convert.safetensors_io import SafetensorsError, SafetensorsFile
 from trtbuild.configs import ModelConfig
 from trtbuild.errors import CheckpointError
@@ -98,14 +98,33 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
     }.get(suffix)
 
 
+def stored_shape(name: str, config: ModelConfig, quantized: bool = False) -> tuple[int, ...] | None:
+    """The shape tensor `name` has in one rank of the checkpoint (None: not a fixed one, or told by other tensors).
+
+    `quantized`: the tensor is the weight of a linear that carries scales, in `QuantConfig.algo_of`'s format: fp8
+    and int8 keep [out, in], int4_awq packs two values per byte ([out, in/2]), and weight_only linears have their
+    own bits (checked where they are read)."""
+    want = expected_shape(name, config)
+    if want is None:
+        return None
+    if quantized:
+        algo = config.quantization.algo_of(name.removesuffix(".weight"))
+        if algo == "weight_only" or config.quantization.embedding_weight_only and "vocab_embedding" in name:
+            return None
+        if algo == "int4_awq":
+            want = (want[0], want[1] // 2)
+    axis, tp = tp_split_axis(name), config.mapping.tp_size
+    if axis is not None and tp > 1:  # NOTE: ceil: vocab-parallel tensors are padded to a multiple of tp_size rows
+        want = tuple(-(-n // tp) if i == axis else n for i, n in enumerate(want))
+    return want
+
+
 def check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
-    """Refuse full-precision, unsharded tensors whose shapes do not match config.json (quantized weights are packed:
-    they are checked where they are read)."""
+    """Refuse tensors whose shapes do not match config.json (and, for a TP rank, its share of it)."""
     for name, shape in shapes.items():
-        want = expected_shape(name, config)
-        if want is None or name.removesuffix(".weight") + ".weights_scaling_factor" in shapes:
-            continue
-        if tuple(shape) != want:
+        quantized = name.removesuffix(".weight") + ".weights_scaling_factor" in shapes
+        want = stored_shape(name, config, quantized)
+        if want is not None and tuple(shape) != want:
             raise CheckpointError(f"{where}: tensor {name} has shape {tuple(shape)} but config.json implies {want}; "
                                   "the weights and config.json do not belong together.")
 
@@ -133,8 +152,7 @@ def open_checkpoint(ckpt_dir: Path, rank: int = 0) -> tuple[ModelConfig, Safeten
     missing = [n for n in needed if n not in tensors]
     if missing:
         raise CheckpointError(f"{path} lacks {len(missing)} tensors (first: {missing[0]}); re-run `trtbuild convert`.")
-    if mapping.world_size == 1:  # TP shards are split along their own axes
-        check_shapes(config, {n: tensors.shape(n) for n in needed}, str(path))
+    check_shapes(config, {n: tensors.shape(n) for n in needed}, str(path))
     return config, tensors
 
 
