@@ -10,17 +10,19 @@ from pathlib import Path
 import click
 
 from trtbuild import __version__
+from trtbuild.cli_errors import TrtbuildCommandGroup
 from trtbuild.cli_options import (
     existing,
     kv_cache_options,
     out,
+    read_text_file,
     sampling_options,
     speculative_config,
     speculative_options,
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.group(cls=TrtbuildCommandGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(__version__, prog_name="trtbuild")
 @click.option("-v", "--verbose", is_flag=True, help="Log what each step does.")
 def main(verbose: bool) -> None:
@@ -106,23 +108,19 @@ def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_
 def run(engine: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
         seed: int | None, speculative_tokens: int, prompt_lookup_max: int, threads: int | None) -> None:
     """Generate text from a prompt, streaming it to the terminal."""
-    from trtbuild.errors import TrtbuildError
     from trtbuild.runtime.engine_core import RuntimeConfig
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
-    try:
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
-        llm = LLM(engine, RuntimeConfig(num_threads=threads, max_batch_size=1,
-                                        speculative=speculative_config(speculative_tokens, prompt_lookup_max)))
-        outputs = llm.stream([prompt], params)
-        first = next(outputs)  # the request passed validation: echo the prompt, then stream
-        click.echo(prompt, nl=False)
-        for _, output in itertools.chain([first], outputs):
-            click.echo(output.new_text, nl=False)
-            sys.stdout.flush()
-    except ValueError as e:
-        raise TrtbuildError(str(e)) from None
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
+    llm = LLM(engine, RuntimeConfig(num_threads=threads, max_batch_size=1,
+                                    speculative=speculative_config(speculative_tokens, prompt_lookup_max)))
+    outputs = llm.stream([prompt], params)
+    first = next(outputs)  # the request passed validation: echo the prompt, then stream
+    click.echo(prompt, nl=False)
+    for _, output in itertools.chain([first], outputs):
+        click.echo(output.new_text, nl=False)
+        sys.stdout.flush()
     click.echo()
 
 
@@ -147,7 +145,6 @@ def serve(engine: Path, host: str, port: int, kv_cache_memory: float | None, kv_
           max_prefill_chunk: int | None, max_queue_size: int, speculative_tokens: int, prompt_lookup_max: int,
           threads: int | None) -> None:
     """Serve an engine over gRPC (trtbuild.v1.Generation, health, reflection) until SIGTERM / Ctrl-C."""
-    from trtbuild.errors import TrtbuildError
     from trtbuild.runtime.engine_core import RuntimeConfig
     from trtbuild.serving.grpc.server import serve as run_server
 
@@ -155,10 +152,7 @@ def serve(engine: Path, host: str, port: int, kv_cache_memory: float | None, kv_
                            enable_prefix_caching=not no_prefix_caching, max_batch_size=max_batch_size,
                            max_num_tokens=max_num_tokens, max_prefill_chunk=max_prefill_chunk, num_threads=threads,
                            speculative=speculative_config(speculative_tokens, prompt_lookup_max))
-    try:
-        run_server(engine, host=host, port=port, config=config, max_queue_size=max_queue_size)
-    except ValueError as e:
-        raise TrtbuildError(str(e)) from None
+    run_server(engine, host=host, port=port, config=config, max_queue_size=max_queue_size)
 
 
 @main.command()
@@ -261,18 +255,14 @@ def triton_repo(engine: Path, output: Path, model_name: str, decoupled: bool, kv
                 no_prefix_caching: bool, max_queue_size: int, speculative_tokens: int, prompt_lookup_max: int,
                 threads: int | None) -> None:
     """Write a Triton model repository whose Python-backend model hosts the trtbuild runtime."""
-    from trtbuild.errors import TrtbuildError
     from trtbuild.serving.triton_backend.repository import ModelOptions, write_model_repository
 
-    try:
-        options = ModelOptions(kv_cache_memory=kv_cache_memory, kv_cache_blocks=kv_cache_blocks,
-                               max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-                               batch_scheduler_policy=policy, enable_kv_cache_reuse=not no_prefix_caching,
-                               max_queue_size=max_queue_size, num_threads=threads,
-                               num_speculative_tokens=speculative_tokens, prompt_lookup_max=prompt_lookup_max)
-        model = write_model_repository(engine, output, model_name, decoupled, options)
-    except ValueError as e:
-        raise TrtbuildError(str(e)) from None
+    options = ModelOptions(kv_cache_memory=kv_cache_memory, kv_cache_blocks=kv_cache_blocks,
+                           max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
+                           batch_scheduler_policy=policy, enable_kv_cache_reuse=not no_prefix_caching,
+                           max_queue_size=max_queue_size, num_threads=threads,
+                           num_speculative_tokens=speculative_tokens, prompt_lookup_max=prompt_lookup_max)
+    model = write_model_repository(engine, output, model_name, decoupled, options)
     click.echo(f"wrote Triton model {model} ({'decoupled' if decoupled else 'not decoupled'}); serve it with "
                f"`trtbuild triton-serve --repo {output}`")
 
@@ -292,15 +282,9 @@ def triton_serve(repo: Path, host: str, grpc_port: int, http_port: int, metrics_
 
     Arguments after `--` go to tritonserver as they are (e.g. -- --log-verbose=1).
     """
-    from trtbuild.errors import TrtbuildError
-    from trtbuild.serving.triton_backend.launcher import TritonNotInstalledError, serve
+    from trtbuild.serving.triton_backend.launcher import serve
 
-    try:
-        code = serve(repo, host, grpc_port, http_port, metrics_port, tuple(tritonserver_args),
-                     exit_timeout=exit_timeout)
-    except TritonNotInstalledError as e:
-        raise TrtbuildError(str(e)) from None
-    sys.exit(code)
+    sys.exit(serve(repo, host, grpc_port, http_port, metrics_port, tuple(tritonserver_args), exit_timeout=exit_timeout))
 
 
 @main.command("eval")
@@ -318,13 +302,9 @@ def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: i
                  reference_engine: Path | None, threads: int | None) -> None:
     """Perplexity of an engine on a text (sliding windows), optionally against a reference engine."""
     from trtbuild.bench.perplexity import evaluate_text
-    from trtbuild.errors import TrtbuildError
 
-    try:
-        r = evaluate_text(engine, dataset.read_text(encoding="utf-8"), max_seq_len=max_seq_len, stride=stride,
-                          reference_engine=reference_engine, num_threads=threads)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise TrtbuildError(str(e)) from None
+    r = evaluate_text(engine, read_text_file(dataset), max_seq_len=max_seq_len, stride=stride,
+                      reference_engine=reference_engine, num_threads=threads)
     click.echo(f"perplexity {r.perplexity:.4f} (mean NLL {r.nll:.4f} nats) over {r.num_tokens} tokens, "
                f"{r.num_windows} windows of {r.max_seq_len} tokens, stride {r.stride}")
     if r.reference_perplexity is not None:

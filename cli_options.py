@@ -6,8 +6,18 @@ from pathlib import Path
 
 import click
 
+from trtbuild.errors import TrtbuildError
+
 existing = click.Path(exists=True, path_type=Path)
 out = click.Path(path_type=Path)
+
+
+def read_text_file(path: Path) -> str:
+    """A UTF-8 text file given on the command line; other encodings are a user error naming the file."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise TrtbuildError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8.") from None
 
 
 def options(*decorators):

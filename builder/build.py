@@ -20,7 +20,7 @@ from trtbuild.builder.network import ENGINE_INPUTS, ENGINE_OUTPUTS, build_networ
 from trtbuild.builder.quantized import check_quantization
 from trtbuild.builder.weight_file import StagingWeights, save_engine_files
 from trtbuild.configs import BuildConfig, ModelConfig
-from trtbuild.errors import TrtbuildError
+from trtbuild.errors import ConfigError, TrtbuildError
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
     """Refuse, before any work, what the chosen target cannot build."""
     if build.target == "tensorrt":
-        raise TrtbuildError("the TensorRT target is not available in this build of trtbuild; use --target cpu.")
+        raise ConfigError("target", "tensorrt is not available in this build of trtbuild; use cpu.")
     if config.mapping.world_size > 1:
         raise TrtbuildError(
             f"the CPU target builds single-rank checkpoints, and this one has {config.mapping.world_size} ranks "
@@ -36,17 +36,16 @@ def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
             "--tp-size 1 --pp-size 1.")
     check_quantization(config, build)
     if build.max_seq_len > config.max_position_embeddings:
-        raise TrtbuildError(
-            f"--max-seq-len {build.max_seq_len} exceeds the model's max_position_embeddings "
-            f"({config.max_position_embeddings}); pass --max-seq-len {config.max_position_embeddings} or less.")
+        raise ConfigError("max_seq_len", f"{build.max_seq_len} exceeds the model's max_position_embeddings "
+                                         f"({config.max_position_embeddings}); pass {config.max_position_embeddings} "
+                                         "or less.")
     if config.sliding_window and build.max_seq_len > config.sliding_window:
-        raise TrtbuildError(
-            f"--max-seq-len {build.max_seq_len} exceeds the model's sliding window ({config.sliding_window}), which "
-            f"this engine does not implement; pass --max-seq-len {config.sliding_window} or less.")
+        raise ConfigError("max_seq_len", f"{build.max_seq_len} exceeds the model's sliding window "
+                                         f"({config.sliding_window}), which this engine does not implement; pass "
+                                         f"{config.sliding_window} or less.")
     if build.max_num_tokens < build.max_batch_size:
-        raise TrtbuildError(
-            f"--max-num-tokens {build.max_num_tokens} is below --max-batch-size {build.max_batch_size}: a decode "
-            "step of a full batch would not fit.")
+        raise ConfigError("max_num_tokens", f"{build.max_num_tokens} is below max_batch_size {build.max_batch_size}: "
+                                            "a decode step of a full batch would not fit.")
 
 
 def default_build_config(config: ModelConfig, **overrides) -> BuildConfig:

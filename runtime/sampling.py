@@ -17,6 +17,8 @@ from typing import Protocol
 
 import numpy as np
 
+from trtbuild.errors import ConfigError
+
 MAX_LOGPROBS = 20  # most top log probs one request may ask for per token (OpenAI's top_logprobs limit)
 TOP_P_HEAD = 1024  # top-p sorts only this many most likely tokens when they hold enough mass
 
@@ -102,9 +104,9 @@ class SamplingParams:
             rule, ok = _RULES[f.name]
             value = getattr(self, f.name)
             if not ok(value):
-                raise ValueError(f"{f.name} must be {rule}, got {value!r}")
+                raise ConfigError(f.name, f"must be {rule}, got {value!r}")
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+            raise ConfigError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from trtbuild.errors import ConfigError
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
 from trtbuild.runtime.request import FinishReason, Request, RequestStatus
 
@@ -34,7 +35,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+            raise ConfigError("policy", f"must be one of {', '.join(POLICIES)}, got {self.policy!r}")
 
 
 @dataclass(frozen=True)

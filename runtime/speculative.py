@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trtbuild.errors import ConfigError
 from trtbuild.runtime.sampling import (
     SamplingState,
     TokenLogprobs,
@@ -46,12 +47,12 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}")
+            raise ConfigError("method", f"must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+            raise ConfigError("num_speculative_tokens", f"must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("prompt lookup n-gram sizes must satisfy 1 <= min <= max, got "
-                             f"min {self.prompt_lookup_min}, max {self.prompt_lookup_max}")
+            raise ConfigError("prompt_lookup_min", f"must be at least 1 and at most prompt_lookup_max "
+                                                   f"({self.prompt_lookup_max}), got {self.prompt_lookup_min}")
 
 
 class Proposer(abc.ABC):

@@ -8,7 +8,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from helpers import STORIES260K, require_shared_models
 
 from trtbuild import __version__
 from trtbuild.cli import main
+from trtbuild.cli_errors import flag_of
 
 HEAVY_MODULES = ("torch", "onnx", "onnxruntime", "transformers", "safetensors", "gguf", "tokenizers", "numpy")
 STORY = "Once upon a time, there was a little girl named Lily."
@@ -59,22 +59,20 @@ def stories(tmp_path_factory) -> dict[str, Path]:
 
 
 # ---- start-up ---------------------------------------------------------------------------------------------------
-def test_help_is_fast_in_a_real_process():
-    start = time.perf_counter()
+def test_help_in_a_real_process():
     proc = subprocess.run([sys.executable, "-m", "trtbuild.cli", "--help"], capture_output=True, text=True,
                           timeout=30)
-    elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     assert "trtbuild convert" in proc.stdout and "build" in proc.stdout and "run" in proc.stdout
-    assert elapsed < 2.0, f"`trtbuild --help` took {elapsed:.2f} s"
 
 
 def test_cli_import_and_help_load_no_heavy_modules():
+    """What keeps `--help` fast, checked without timing it: no command's help imports torch, onnx and the like."""
     code = (
         "import contextlib, io, json, sys\n"
         "import trtbuild.cli\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    for args in (['--help'], ['convert', '--help'], ['build', '--help'], ['run', '--help']):\n"
+        "    for args in [['--help']] + [[c, '--help'] for c in trtbuild.cli.main.commands]:\n"
         "        trtbuild.cli.main(args, standalone_mode=False)\n"
         "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
     )
@@ -93,6 +91,14 @@ def test_version_and_help_texts():
         result = invoke(command, "--help")
         assert_ok(result)
         assert option in result.stdout
+
+
+def test_config_errors_are_shown_as_the_flag_that_set_the_field():
+    """Configs name fields; the CLI shows each as its flag, also where the flag's name differs from the field's."""
+    assert flag_of(main.commands["build"], "max_seq_len") == "--max-seq-len"
+    assert flag_of(main.commands["serve"], "num_threads") == "--threads"
+    assert flag_of(main.commands["serve"], "enable_prefix_caching") == "--no-prefix-caching"
+    assert flag_of(main.commands["run"], "min_tokens") == "min_tokens"  # no flag sets it: the field's own name
 
 
 # ---- end to end -------------------------------------------------------------------------------------------------
@@ -170,7 +176,7 @@ def test_build_bad_input(stories, tmp_path):
     assert_user_error(invoke("build", "--checkpoint", tmp_path / "nowhere", "--output", tmp_path / "e"),
                       r"Invalid value for '--checkpoint'.*does not exist")
     assert_user_error(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e", "--target",
-                             "tensorrt"), r"TensorRT target is not available.*--target cpu")
+                             "tensorrt"), r"--target tensorrt is not available.*use cpu")
     assert_user_error(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e", "--max-seq-len",
                              4096), r"--max-seq-len 4096 exceeds the model's max_position_embeddings \(512\)")
     assert not (tmp_path / "e").exists()

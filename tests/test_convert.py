@@ -33,7 +33,7 @@ from trtbuild.builder.convert.sharding import merge_shards
 from trtbuild.builder.engine_dir import _CPU_FLAGS, cpu_features, read_engine_config
 from trtbuild.configs import Mapping, ModelConfig
 from trtbuild.configs.model_config import SUPPORTED_ARCHITECTURES, QuantConfig
-from trtbuild.errors import CheckpointError, EngineCompatibilityError, TrtbuildError
+from trtbuild.errors import CheckpointError, ConfigError, EngineCompatibilityError, TrtbuildError
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 
 # qwen2: q/k/v biases; llama3_rope: llama3 RoPE + tied embeddings; odd_vocab: the same with vocab 321 (TP=2 pads
@@ -187,13 +187,13 @@ def test_tied_embeddings_are_stored_twice_on_their_stages(converted):
 
 
 @pytest.mark.parametrize(("tp", "pp", "pattern"), [
-    (3, 1, r"--tp-size 3 does not divide num_attention_heads=4"),
-    (4, 1, r"--tp-size 4 does not divide num_key_value_heads=2"),
-    (1, 3, r"--pp-size 3 exceeds the 2 layers"),
-    (0, 1, r"at least 1"),
+    (3, 1, r"tp_size 3 does not divide num_attention_heads=4"),
+    (4, 1, r"tp_size 4 does not divide num_key_value_heads=2"),
+    (1, 3, r"pp_size 3 exceeds the 2 layers"),
+    (0, 1, r"tp_size must be at least 1"),
 ])
 def test_impossible_split_is_refused_and_leaves_no_folder(tp, pp, pattern, hf_dir, tmp_path):
-    with pytest.raises(CheckpointError, match=pattern):
+    with pytest.raises(ConfigError, match=pattern):
         convert(hf_dir("qwen2"), tmp_path / "out", tp_size=tp, pp_size=pp)
     assert not (tmp_path / "out").exists()
 
@@ -349,9 +349,9 @@ def test_broken_model_gives_a_clear_error_and_no_output(case, hf_dir, tmp_path):
 
 
 def test_missing_model_path_and_non_gguf_file(hf_dir, tmp_path):
-    with pytest.raises(CheckpointError, match=r"--model .*nowhere does not exist"):
+    with pytest.raises(ConfigError, match=r"model .*nowhere does not exist"):
         convert(tmp_path / "nowhere", tmp_path / "out")
-    with pytest.raises(CheckpointError, match=r"is a file but not a \.gguf"):
+    with pytest.raises(ConfigError, match=r"is a file but not a \.gguf"):
         convert(hf_dir("llama") / "config.json", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -399,11 +399,11 @@ def test_build_refuses_multi_rank_checkpoint_on_cpu(tp, pp, converted, tmp_path)
 
 
 @pytest.mark.parametrize(("options", "pattern"), [
-    (dict(max_seq_len=257), r"--max-seq-len 257 exceeds the model's max_position_embeddings \(256\); pass "
-                            r"--max-seq-len 256 or less"),
-    (dict(target="tensorrt"), r"TensorRT target is not available.*--target cpu"),
+    (dict(max_seq_len=257), r"max_seq_len 257 exceeds the model's max_position_embeddings \(256\); pass 256 or "
+                            r"less"),
+    (dict(target="tensorrt"), r"target tensorrt is not available.*use cpu"),
     (dict(target="gpu"), r"unknown target 'gpu'; choose one of cpu, tensorrt"),
-    (dict(max_batch_size=32, max_num_tokens=16), r"--max-num-tokens 16 is below --max-batch-size 32"),
+    (dict(max_batch_size=32, max_num_tokens=16), r"max_num_tokens 16 is below max_batch_size 32"),
     (dict(tokens_per_block=0), r"--tokens-per-block must be at least 1"),
 ])
 def test_build_refuses_impossible_options(options, pattern, converted, tmp_path):

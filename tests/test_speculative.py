@@ -34,7 +34,8 @@ def test_ngram_proposes_what_followed_the_latest_match_longest_first():
 def test_config_errors_name_the_field():
     for kwargs, message in ((dict(num_speculative_tokens=0), "num_speculative_tokens"),
                             (dict(num_speculative_tokens=2, method="eagle"), "method"),
-                            (dict(num_speculative_tokens=2, prompt_lookup_min=3, prompt_lookup_max=2), "n-gram")):
+                            (dict(num_speculative_tokens=2, prompt_lookup_min=3, prompt_lookup_max=2),
+                             r"prompt_lookup_min must be at least 1 and at most prompt_lookup_max \(2\), got 3")):
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig(**kwargs)
 

@@ -18,7 +18,7 @@ from trtbuild.builder.convert.convert import WeightOnly, convert
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
 from trtbuild.cli import main
 from trtbuild.configs.model_config import QuantConfig
-from trtbuild.errors import CheckpointError
+from trtbuild.errors import ConfigError
 from trtbuild.quantize.weight_only import NBitsWeight
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 
@@ -97,7 +97,7 @@ def test_engine_equals_its_dequantized_weights(family, bits, group, random_hf_mo
 
 
 def test_group_size_must_divide_every_linear(random_hf_model, tmp_path):
-    with pytest.raises(CheckpointError, match=r"--group-size 64 does not divide the 96 input features of "
+    with pytest.raises(ConfigError, match=r"group_size 64 does not divide the 96 input features of "
                                               r"transformer\.layers\.0\.mlp\.proj"):
         convert(random_hf_model("llama"), tmp_path / "c", weight_only=WeightOnly(4, 64))
     assert not (tmp_path / "c").exists()

@@ -29,7 +29,7 @@ from trtbuild.builder.convert.safetensors_io import SafetensorsWriter
 from trtbuild.builder.convert.sharding import check_mapping, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig
 from trtbuild.configs.model_config import QuantConfig, model_config_from_hf
-from trtbuild.errors import CheckpointError
+from trtbuild.errors import CheckpointError, ConfigError
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WEIGHT_ONLY_BITS = {"int8": 8, "int4": 4}
@@ -139,10 +139,10 @@ def to_checkpoint_tensors(hf_tensors: dict, config: ModelConfig) -> dict[str, to
 
 def _open_source(model: Path, dequantize: bool) -> tuple[dict, dict[str, SourceTensor], bool]:
     if not model.exists():
-        raise CheckpointError(f"--model {model} does not exist.")
+        raise ConfigError("model", f"{model} does not exist.")
     is_gguf = model.is_file() and model.suffix.lower() == ".gguf"
     if model.is_file() and not is_gguf:
-        raise CheckpointError(f"--model {model} is a file but not a .gguf; pass a GGUF file or an HF model folder.")
+        raise ConfigError("model", f"{model} is a file but not a .gguf; pass a GGUF file or an HF model folder.")
     if is_gguf:
         from trtbuild.builder.convert.gguf_reader import open_gguf
 
@@ -161,7 +161,7 @@ def convert(model: Path, output: Path, dtype: str = "auto", tp_size: int = 1, pp
     model, output = Path(model), Path(output)
     if weight_only is not None and weight_only.bits == 8 and weight_only.group_size is not None \
             and weight_only.group_size % 16:
-        raise CheckpointError(f"--group-size {weight_only.group_size} is not a multiple of 16.")
+        raise ConfigError("group_size", f"{weight_only.group_size} is not a multiple of 16.")
     hf_config, source, is_gguf = _open_source(model, dequantize)
     prepare_output_dir(output)  # fail before the slow part, never overwrite anything
     try:
@@ -200,5 +200,5 @@ def _check_groups(config: ModelConfig, weight_only: WeightOnly | None) -> None:
     for prefix in linear_prefixes(range(config.num_hidden_layers), last_stage=True):
         k = expected_shape(prefix + ".weight", config)[1]
         if config.quantization.algo_of(prefix) == "weight_only" and k % weight_only.group_size:
-            raise CheckpointError(f"--group-size {weight_only.group_size} does not divide the {k} input features of "
-                                  f"{prefix}; choose one of 32, 64 or 128 that does.")
+            raise ConfigError("group_size", f"{weight_only.group_size} does not divide the {k} input features of "
+                                            f"{prefix}; choose one of 32, 64 or 128 that does.")

@@ -6,7 +6,7 @@ import torch
 
 from trtbuild.builder.convert.names import layer_of, linear_prefixes, tp_split_axis
 from trtbuild.configs import Mapping, ModelConfig
-from trtbuild.errors import CheckpointError
+from trtbuild.errors import CheckpointError, ConfigError
 
 _VOCAB_PARALLEL = ("transformer.vocab_embedding.", "lm_head.")  # prefixes: a quantized lm_head's scales too
 
@@ -15,16 +15,16 @@ def check_mapping(config: ModelConfig, mapping: Mapping) -> None:
     """Refuse a split the model cannot take, before any tensor is touched."""
     tp, pp = mapping.tp_size, mapping.pp_size
     if tp < 1 or pp < 1:
-        raise CheckpointError(f"--tp-size and --pp-size must be at least 1 (got {tp} and {pp}).")
+        raise ConfigError("tp_size" if tp < 1 else "pp_size", f"must be at least 1, got {min(tp, pp)}.")
     for what, n in (
         ("num_attention_heads", config.num_attention_heads),
         ("num_key_value_heads", config.num_key_value_heads),
         ("intermediate_size", config.intermediate_size),
     ):
         if n % tp:
-            raise CheckpointError(f"--tp-size {tp} does not divide {what}={n}; choose a TP size that divides it.")
+            raise ConfigError("tp_size", f"{tp} does not divide {what}={n}; choose a TP size that divides it.")
     if pp > config.num_hidden_layers:
-        raise CheckpointError(f"--pp-size {pp} exceeds the {config.num_hidden_layers} layers of the model.")
+        raise ConfigError("pp_size", f"{pp} exceeds the {config.num_hidden_layers} layers of the model.")
     _check_int4_split(config, tp)
 
 
@@ -38,11 +38,10 @@ def _check_int4_split(config: ModelConfig, tp: int) -> None:
         quantized = [p for p in linear_prefixes(range(config.num_hidden_layers), False)
                      if p.endswith(suffix) and not q.is_excluded(p)]
         if quantized and (in_features // tp) % group:
-            raise CheckpointError(
-                f"--tp-size {tp} splits the {in_features} input features of {suffix} into {in_features // tp} per "
-                f"rank, not a multiple of the int4 group size {group}; choose a smaller --tp-size or "
-                "--awq-block-size, or exclude these linears."
-            )
+            raise ConfigError(
+                "tp_size", f"{tp} splits the {in_features} input features of {suffix} into {in_features // tp} per "
+                f"rank, not a multiple of the int4 group size {group}; choose a smaller tp_size or group size, or "
+                "exclude these linears.")
 
 
 def _held_by(name: str, config: ModelConfig, mapping: Mapping, rank: int) -> bool:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import trtbuild
+from trtbuild.errors import TrtbuildError
 
 PYTRITON_PACKAGE = "pytriton"
 KILL_GRACE_S = 10.0  # after --exit-timeout-secs, before tritonserver is killed
@@ -43,7 +44,7 @@ INSTALL_HINT = ("pip install --no-deps nvidia-pytriton==0.7.0  (only its bundled
                 "pin is why --no-deps) and pip install 'trtbuild[triton]' for the clients")
 
 
-class TritonNotInstalledError(RuntimeError):
+class TritonNotInstalledError(TrtbuildError):
     """No bundled tritonserver was found; the message says what to install."""
 
 
