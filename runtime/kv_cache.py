@@ -26,10 +26,10 @@ _MADV_HUGEPAGE = 14  # linux/mman.h
 def advise_huge_pages(array: np.ndarray) -> bool:
     """Ask Linux to back `array` with transparent huge pages (madvise MADV_HUGEPAGE); True when the kernel took it.
 
-    NOTE: the pool stays lazily mapped, so each new block's first write faults its pages in: a SmolLM2 block is 46 KiB
-    (a dozen 4 KiB faults), and a 2048-token prefill writes 128 of them at once. With 2 MiB pages one fault covers
-    ~45 blocks. Resident memory still grows only with what is written (in 2 MiB steps). Elsewhere, or where
-    transparent huge pages are off, this does nothing and the pool works the same."""
+    NOTE: the pool stays lazily mapped, so each new block's first write faults its pages in: a SmolLM2 fp32 block of
+    16 tokens is 720 KiB (180 faults of 4 KiB), and a 2048-token prefill writes 128 of them at once. With 2 MiB pages
+    one fault covers almost 3 blocks. Resident memory still grows only with what is written (in 2 MiB steps).
+    Elsewhere, or where transparent huge pages are off, this does nothing and the pool works the same."""
     if not sys.platform.startswith("linux") or array.nbytes < 2 * HUGE_PAGE:
         return False
     start = -(-array.ctypes.data // HUGE_PAGE) * HUGE_PAGE  # the huge-page-aligned part of the buffer

@@ -1,7 +1,10 @@
 """Move RoPE into the attention op: `Squeeze(RotaryEmbedding(Unsqueeze(x)))` on q and k -> PagedAttention(rotary=1).
 
-The attention op then takes the un-rotated q/k, the 1-D position ids and the cos/sin tables, and rotates inside
-its kernel (ONNX Runtime: the CPU lowering; TensorRT: the plugin), saving two full passes over q and k.
+The attention op then takes the un-rotated q/k, the 1-D position ids and the cos/sin tables, so a target whose
+attention kernel rotates while it loads q and k (a TensorRT plugin, a GPU kernel) saves two passes over them.
+The CPU lowering saves nothing: ONNX Runtime has no such kernel, so `lower_cpu.py` emits the same RotaryEmbedding
+node per q and k again (one kernel each, the cost of the unfused graph); the pass keeps the graph in the form the
+other targets take.
 """
 
 from __future__ import annotations
