@@ -13,10 +13,11 @@ from trtbuild import __version__
 from trtbuild.cli_errors import TrtbuildCommandGroup
 from trtbuild.cli_options import (
     existing,
-    kv_cache_options,
     out,
     read_text_file,
+    runtime_config,
     sampling_options,
+    serving_options,
     speculative_config,
     speculative_options,
 )
@@ -108,7 +109,7 @@ def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_
 def run(engine: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
         seed: int | None, speculative_tokens: int, prompt_lookup_max: int, threads: int | None) -> None:
     """Generate text from a prompt, streaming it to the terminal."""
-    from trtbuild.runtime.engine_core import RuntimeConfig
+    from trtbuild.runtime.config import RuntimeConfig
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
@@ -128,31 +129,12 @@ def run(engine: Path, prompt: str, max_tokens: int, temperature: float, top_k: i
 @click.option("--engine", required=True, type=existing, help="Engine directory written by `trtbuild build`.")
 @click.option("--host", default="127.0.0.1", help="Address to bind; loopback by default (0.0.0.0: all interfaces).")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8001, help="0 picks a free port (printed).")
-@kv_cache_options
-@click.option("--policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]), default="max_utilization",
-              help="guaranteed_no_evict reserves a request's whole lifetime; max_utilization preempts when full.")
-@click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes.")
-@click.option("--max-batch-size", type=click.IntRange(min=1), default=None, help="[default: the engine's]")
-@click.option("--max-num-tokens", type=click.IntRange(min=1), default=None, help="[default: the engine's]")
-@click.option("--max-prefill-chunk", type=click.IntRange(min=1), default=None,
-              help="Prefill tokens of one request per step [default: the whole token budget].")
-@click.option("--max-queue-size", type=click.IntRange(min=1), default=256,
-              help="Unfinished requests held at most; more are refused with RESOURCE_EXHAUSTED.")
-@speculative_options
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
-def serve(engine: Path, host: str, port: int, kv_cache_memory: float | None, kv_cache_blocks: int | None,
-          policy: str, no_prefix_caching: bool, max_batch_size: int | None, max_num_tokens: int | None,
-          max_prefill_chunk: int | None, max_queue_size: int, speculative_tokens: int, prompt_lookup_max: int,
-          threads: int | None) -> None:
+@serving_options
+def serve(engine: Path, host: str, port: int, **serving) -> None:
     """Serve an engine over gRPC (trtbuild.v1.Generation, health, reflection) until SIGTERM / Ctrl-C."""
-    from trtbuild.runtime.engine_core import RuntimeConfig
     from trtbuild.serving.grpc.server import serve as run_server
 
-    config = RuntimeConfig(kv_cache_memory=kv_cache_memory, kv_cache_blocks=kv_cache_blocks, policy=policy,
-                           enable_prefix_caching=not no_prefix_caching, max_batch_size=max_batch_size,
-                           max_num_tokens=max_num_tokens, max_prefill_chunk=max_prefill_chunk, num_threads=threads,
-                           speculative=speculative_config(speculative_tokens, prompt_lookup_max))
-    run_server(engine, host=host, port=port, config=config, max_queue_size=max_queue_size)
+    run_server(engine, host=host, port=port, config=runtime_config(**serving))
 
 
 @main.command()
@@ -241,28 +223,12 @@ def bench(engine: Path | None, address: str | None, dataset: Path | None, num_re
 @click.option("--model-name", default="trtbuild", help="Name of the model in the repository (and in client calls).")
 @click.option("--decoupled/--no-decoupled", default=True,
               help="Decoupled: token streaming (gRPC stream, HTTP generate_stream); else one response per request.")
-@kv_cache_options
-@click.option("--max-batch-size", type=click.IntRange(min=1), default=None, help="[default: the engine's]")
-@click.option("--max-num-tokens", type=click.IntRange(min=1), default=None, help="[default: the engine's]")
-@click.option("--policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]), default="max_utilization",
-              help="Batch scheduler policy (config parameter batch_scheduler_policy).")
-@click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes.")
-@click.option("--max-queue-size", type=click.IntRange(min=1), default=256, help="Unfinished requests held at most.")
-@speculative_options
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
-def triton_repo(engine: Path, output: Path, model_name: str, decoupled: bool, kv_cache_memory: float | None,
-                kv_cache_blocks: int | None, max_batch_size: int | None, max_num_tokens: int | None, policy: str,
-                no_prefix_caching: bool, max_queue_size: int, speculative_tokens: int, prompt_lookup_max: int,
-                threads: int | None) -> None:
+@serving_options
+def triton_repo(engine: Path, output: Path, model_name: str, decoupled: bool, **serving) -> None:
     """Write a Triton model repository whose Python-backend model hosts the trtbuild runtime."""
-    from trtbuild.serving.triton_backend.repository import ModelOptions, write_model_repository
+    from trtbuild.serving.triton_backend.repository import write_model_repository
 
-    options = ModelOptions(kv_cache_memory=kv_cache_memory, kv_cache_blocks=kv_cache_blocks,
-                           max_batch_size=max_batch_size, max_num_tokens=max_num_tokens,
-                           batch_scheduler_policy=policy, enable_kv_cache_reuse=not no_prefix_caching,
-                           max_queue_size=max_queue_size, num_threads=threads,
-                           num_speculative_tokens=speculative_tokens, prompt_lookup_max=prompt_lookup_max)
-    model = write_model_repository(engine, output, model_name, decoupled, options)
+    model = write_model_repository(engine, output, model_name, decoupled, runtime_config(**serving))
     click.echo(f"wrote Triton model {model} ({'decoupled' if decoupled else 'not decoupled'}); serve it with "
                f"`trtbuild triton-serve --repo {output}`")
 

@@ -52,9 +52,34 @@ def speculative_config(speculative_tokens: int, prompt_lookup_max: int):  # -> S
     return SpeculativeConfig(speculative_tokens, prompt_lookup_max=prompt_lookup_max) if speculative_tokens else None
 
 
-kv_cache_options = options(
-    click.option("--kv-cache-memory", type=click.FloatRange(min=0, min_open=True), default=None,
+# The fields of RuntimeConfig (runtime/config.py) as flags, for the commands that serve an engine.
+serving_options = options(
+    click.option("--kv-cache-memory", type=float, default=None,
                  help="KV cache budget: bytes (> 1) or a fraction of available memory (<= 1)."),
-    click.option("--kv-cache-blocks", type=click.IntRange(min=1), default=None,
+    click.option("--kv-cache-blocks", type=int, default=None,
                  help="Exact number of KV blocks (overrides --kv-cache-memory)."),
+    click.option("--policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]), default="max_utilization",
+                 help="guaranteed_no_evict reserves a request's whole lifetime; max_utilization preempts when full."),
+    click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes."),
+    click.option("--max-batch-size", type=int, default=None, help="[default: the engine's]"),
+    click.option("--max-num-tokens", type=int, default=None, help="[default: the engine's]"),
+    click.option("--max-prefill-chunk", type=int, default=None,
+                 help="Prefill tokens of one request per step [default: the whole token budget]."),
+    click.option("--max-queue-size", type=int, default=256,
+                 help="Unfinished requests held at most; more are refused (retry later)."),
+    speculative_options,
+    click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads."),
 )
+
+
+def runtime_config(kv_cache_memory: float | None, kv_cache_blocks: int | None, policy: str, no_prefix_caching: bool,
+                   max_batch_size: int | None, max_num_tokens: int | None, max_prefill_chunk: int | None,
+                   max_queue_size: int, speculative_tokens: int, prompt_lookup_max: int,
+                   threads: int | None):  # -> RuntimeConfig, which checks every value (ConfigError names the field)
+    from trtbuild.runtime.config import RuntimeConfig
+
+    return RuntimeConfig(kv_cache_memory=kv_cache_memory, kv_cache_blocks=kv_cache_blocks, policy=policy,
+                         enable_prefix_caching=not no_prefix_caching, max_batch_size=max_batch_size,
+                         max_num_tokens=max_num_tokens, max_prefill_chunk=max_prefill_chunk,
+                         max_queue_size=max_queue_size, num_threads=threads,
+                         speculative=speculative_config(speculative_tokens, prompt_lookup_max))

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from trtbuild.builder.engine_dir import read_engine_config
+from trtbuild.errors import ConfigError
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 
 
@@ -90,13 +91,12 @@ def _score_engine(engine: CpuEngine, token_ids: Sequence[int], windows: list[Win
 
 
 def _open(engine_dir: Path, max_seq_len: int, num_threads: int | None) -> CpuEngine:
-    engine = CpuEngine(Path(engine_dir), num_threads=num_threads, num_blocks=1)
-    b = engine.info.build
+    info = read_engine_config(Path(engine_dir), expect_target="cpu")
+    b = info.build
     if max_seq_len > b.max_seq_len:
-        raise ValueError(f"max_seq_len {max_seq_len} exceeds the engine's build limit {b.max_seq_len} "
-                         f"({engine_dir}); pass --max-seq-len {b.max_seq_len} or less")
-    engine.allocate_kv_cache(-(-max_seq_len // b.tokens_per_block))
-    return engine
+        raise ConfigError("max_seq_len", f"{max_seq_len} exceeds the engine's build limit {b.max_seq_len} "
+                                         f"({engine_dir}); ask for {b.max_seq_len} or less")
+    return CpuEngine(info, num_threads=num_threads, num_blocks=-(-max_seq_len // b.tokens_per_block))
 
 
 def evaluate(engine_dir: Path, token_ids: Sequence[int], max_seq_len: int | None = None, stride: int | None = None,

@@ -37,7 +37,8 @@ class EngineTarget:
 
     def __init__(self, engine_dir: Path, threads: int, speculative: SpeculativeConfig | None = None) -> None:
         from trtbuild.runtime.async_engine import AsyncEngine
-        from trtbuild.runtime.engine_core import EngineCore, RuntimeConfig
+        from trtbuild.runtime.config import RuntimeConfig
+        from trtbuild.runtime.engine_core import EngineCore
 
         self.name = f"engine {engine_dir}" + (f" (ngram drafts {speculative.num_speculative_tokens})"
                                               if speculative else "")

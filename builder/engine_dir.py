@@ -8,10 +8,13 @@ with a message that says what to rebuild and how.
 from __future__ import annotations
 
 import json
+import math
 import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from trtbuild import ENGINE_FORMAT_VERSION, __version__
 from trtbuild.configs import BuildConfig, ModelConfig
@@ -56,6 +59,18 @@ class EngineInfo:
     passes: tuple[str, ...]
     trtbuild_version: str
     weight_files: dict[str, int]  # file name in the engine dir -> size in bytes
+
+    @property
+    def kv_cache_input(self) -> dict[str, Any]:
+        """The engine's `kv_cache` input: {"name", "dtype", "shape": [num_blocks, layers, 2, kv_heads,
+        tokens_per_block, head_size]} (checked when config.json is read)."""
+        return next(i for i in self.io["inputs"] if i["name"] == "kv_cache")
+
+    @property
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes of one paged-KV block, from the I/O spec: what sizes the pool before it is allocated."""
+        spec = self.kv_cache_input
+        return math.prod(spec["shape"][1:]) * np.dtype(spec["dtype"]).itemsize
 
     @property
     def weight_bytes(self) -> int:
@@ -143,6 +158,13 @@ def _engine_info(engine_dir: Path, doc: dict[str, Any]) -> EngineInfo:
         raise TypeError("target and io must be JSON objects")
     if not all(isinstance(f, str) for f in target.get("cpu_features", [])):
         raise TypeError("target.cpu_features must be a list of strings")
+    kv = [i for i in io.get("inputs", []) if isinstance(i, dict) and i.get("name") == "kv_cache"]
+    if len(kv) != 1 or not all(isinstance(d, int) and d > 0 for d in kv[0].get("shape", [0])[1:]):
+        raise ValueError("io.inputs has no kv_cache input [num_blocks, layers, 2, kv_heads, tokens_per_block, "
+                         "head_size] with fixed dimensions after the first")
+    if not isinstance(kv[0].get("dtype"), str):
+        raise TypeError("io.inputs kv_cache has no dtype")
+    np.dtype(kv[0]["dtype"])  # TypeError for a dtype numpy does not know
     return EngineInfo(
         path=engine_dir,
         model=ModelConfig.from_dict(doc["model_config"]),

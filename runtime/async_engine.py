@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -70,9 +71,10 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, max_queue_size: int = 256) -> None:
+    def __init__(self, core: EngineCore, max_queue_size: int | None = None) -> None:
+        """`max_queue_size`: unfinished requests held at most [None: the core's RuntimeConfig.max_queue_size]."""
         self.core = core
-        self.max_queue_size = max_queue_size
+        self.max_queue_size = max_queue_size or core.config.max_queue_size
         self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
@@ -80,6 +82,7 @@ class AsyncEngine:
         self._stopped = False  # set once the loop has ended: no more submits
         self.num_finished = 0  # requests that ended (any reason), and their preemptions: counters for stats
         self.num_preemptions = 0
+        self.finish_reasons: Counter[str] = Counter()  # ended requests by finish reason
         self._thread = threading.Thread(target=self._loop, name="trtbuild-engine-loop", daemon=True)
         self._thread.start()
 
@@ -136,6 +139,7 @@ class AsyncEngine:
             if output.finished:
                 self._streams.pop(output.request_id, None)
                 self.num_finished += 1
+                self.finish_reasons[output.finish_reason or "unknown"] += 1
                 if output.metrics is not None:
                     self.num_preemptions += output.metrics.num_preemptions
         if stream is not None:

@@ -57,8 +57,9 @@ def default_threads() -> int:
 class CpuEngine:
     """An ONNX Runtime session over an engine directory, plus the paged KV pool it reads and the runtime writes."""
 
-    def __init__(self, engine_dir: Path, num_threads: int | None = None, num_blocks: int = 64) -> None:
-        self.info: EngineInfo = read_engine_config(Path(engine_dir), expect_target="cpu")
+    def __init__(self, engine: Path | EngineInfo, num_threads: int | None = None, num_blocks: int = 64) -> None:
+        """`engine`: an engine directory, or what read_engine_config said of one (already checked)."""
+        self.info = engine if isinstance(engine, EngineInfo) else read_engine_config(Path(engine), expect_target="cpu")
         path = self.info.path / CPU_ENGINE_FILE
         if not path.is_file():
             raise EngineCompatibilityError(f"{path} is missing; rebuild the engine with `trtbuild build`.")
@@ -94,25 +95,30 @@ class CpuEngine:
         self.allocate_kv_cache(num_blocks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """(Re)create the KV pool with `num_blocks` blocks; its previous contents are dropped."""
-        m, b = self.info.model, self.info.build
-        self.kv = KVCacheStorage(m.num_hidden_layers, m.num_key_value_heads, m.head_size, b.tokens_per_block,
-                                 num_blocks, dtype=np.dtype(b.kv_cache_dtype), quant_algo=self.kv_quant_algo,
-                                 scales=self.kv_scales)
+        """(Re)create the KV pool with `num_blocks` blocks, as the engine's kv_cache input describes it; its
+        previous contents are dropped."""
+        spec = self.info.kv_cache_input
+        _, layers, _, kv_heads, tokens_per_block, head_size = spec["shape"]
+        kv = KVCacheStorage(layers, kv_heads, head_size, tokens_per_block, num_blocks, dtype=np.dtype(spec["dtype"]),
+                            quant_algo=self.kv_quant_algo, scales=self.kv_scales)
+        if kv.dtype != np.dtype(spec["dtype"]):
+            raise EngineCompatibilityError(f"{self.info.path}'s kv_cache input is {spec['dtype']} but its KV cache "
+                                           f"({self.kv_quant_algo}) is stored as {kv.dtype}; rebuild the engine.")
+        self.kv = kv
 
     @property
     def max_blocks_per_seq(self) -> int:
         return self.info.build.max_blocks_per_seq
 
     def warm_up(self, max_batch_size: int, max_num_tokens: int) -> None:
-        """One dummy step of the largest batch a scheduler may send: max_batch_size prompts sharing max_num_tokens
-        tokens. NOTE: as vLLM's start-up profile run, so that ONNX Runtime grows its buffers here and not in the first
-        requests' prefill (0.1-0.2 s of a 2048-token step on the 2-core machine). It writes only into block 0, before
-        any request owns a block; blocks are always written before they are read."""
+        """One dummy step of the largest batch a scheduler may send (limits already within the build's, by
+        RuntimeConfig.resolve): max_batch_size prompts sharing max_num_tokens tokens. NOTE: as vLLM's start-up
+        profile run, so that ONNX Runtime grows its buffers here and not in the first requests' prefill (0.1-0.2 s
+        of a 2048-token step on the 2-core machine). It writes only into block 0, before any request owns a block;
+        blocks are always written before they are read."""
         b = self.info.build
-        num_tokens = min(max_num_tokens, b.max_num_tokens)
-        num_seqs = max(1, min(max_batch_size, b.max_batch_size, num_tokens))
-        per_seq = min(num_tokens // num_seqs, b.max_seq_len)
+        num_seqs = max(1, min(max_batch_size, max_num_tokens))
+        per_seq = min(max_num_tokens // num_seqs, b.max_seq_len)
         blocks = [0] * -(-per_seq // b.tokens_per_block)
         self.step([SequenceChunk(i, [0] * per_seq, 0, 1, blocks) for i in range(num_seqs)])
 

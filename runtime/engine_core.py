@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trtbuild.builder.engine_dir import read_engine_config
+from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.detokenizer import IncrementalDetokenizer
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
@@ -20,26 +22,10 @@ from trtbuild.runtime.memory import kv_cache_blocks
 from trtbuild.runtime.request import FinishReason, Request, RequestMetrics
 from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
 from trtbuild.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from trtbuild.runtime.speculative import SpeculativeConfig, make_proposer, verify
+from trtbuild.runtime.speculative import make_proposer, verify
 from trtbuild.runtime.tokenizer import Tokenizer, load_generation_eos
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    """Serving options. Limits left None take the engine's build limits; larger ones are refused, not clipped."""
-
-    kv_cache_memory: float | None = None  # bytes (> 1) or a fraction of available memory (<= 1); None: see memory.py
-    kv_cache_blocks: int | None = None  # exact number of blocks (overrides kv_cache_memory)
-    policy: str = "max_utilization"
-    enable_prefix_caching: bool = True
-    max_batch_size: int | None = None
-    max_num_tokens: int | None = None
-    max_prefill_chunk: int | None = None
-    num_threads: int | None = None
-    speculative: SpeculativeConfig | None = None  # draft tokens verified per decode step; None: off
-    warm_up: bool = True  # at start: one dummy step of the largest batch (CpuEngine.warm_up), KV pool faulted in
 
 
 @dataclass
@@ -78,25 +64,19 @@ class _Tracked:
 
 class EngineCore:
     def __init__(self, engine_dir: Path, config: RuntimeConfig | None = None) -> None:
-        self.config = config = config or RuntimeConfig()
         engine_dir = Path(engine_dir)
         start = time.perf_counter()
-        self.engine = CpuEngine(engine_dir, num_threads=config.num_threads, num_blocks=1)  # checks compatibility
+        info = read_engine_config(engine_dir, expect_target="cpu")  # compatibility, before any work
+        build, model = info.build, info.model
+        self.config = config = (config or RuntimeConfig()).resolve(build)
+        num_blocks = kv_cache_blocks(info.kv_cache_bytes_per_block, build, config.kv_cache_memory,
+                                     config.kv_cache_blocks)
+        self.engine = CpuEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
         # seconds spent starting: the ONNX Runtime session, then the KV pool faulted in + the warm-up step
         self.start_seconds = {"session": time.perf_counter() - start, "warm_up": 0.0}
-        build, model = self.engine.info.build, self.engine.info.model
-        for name in ("max_batch_size", "max_num_tokens"):
-            asked, built = getattr(config, name), getattr(build, name)
-            if asked is not None and asked > built:
-                raise ValueError(f"{name} {asked} exceeds the engine's build limit {built}; rebuild the engine "
-                                 f"with --{name.replace('_', '-')} {asked}")
-        num_blocks = kv_cache_blocks(self.engine.kv.bytes_per_block, build, config.kv_cache_memory,
-                                     config.kv_cache_blocks)
-        self.engine.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, build.tokens_per_block, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(max_num_tokens=config.max_num_tokens or build.max_num_tokens,
-                            max_batch_size=config.max_batch_size or build.max_batch_size,
+            SchedulerConfig(max_num_tokens=config.max_num_tokens, max_batch_size=config.max_batch_size,
                             max_seq_len=build.max_seq_len, policy=config.policy,
                             max_prefill_chunk=config.max_prefill_chunk),
             self.kv)

@@ -6,7 +6,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from trtbuild.runtime.engine_core import EngineCore, RequestOutput, RuntimeConfig
+from trtbuild.runtime.config import RuntimeConfig
+from trtbuild.runtime.engine_core import EngineCore, RequestOutput
 from trtbuild.runtime.sampling import SamplingParams
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trtbuild.configs import BuildConfig
-from trtbuild.errors import TrtbuildError
+from trtbuild.errors import ConfigError, TrtbuildError
 
 DEFAULT_FRACTION = 0.1  # of available memory, when no budget is given
 
@@ -15,7 +15,8 @@ def available_memory_bytes() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; pass --kv-cache-memory in bytes")
+    raise TrtbuildError("cannot read MemAvailable from /proc/meminfo, so memory fractions and checks are unavailable "
+                        "on this system; give the KV cache size in bytes")
 
 
 def require_memory(needed: int, what: str, fix: str) -> None:
@@ -33,20 +34,17 @@ def kv_cache_blocks(bytes_per_block: int, build: BuildConfig, memory: float | No
     With no budget at all, the pool is the smaller of DEFAULT_FRACTION of available memory and what a full batch of
     full-length sequences needs, plus as much again for prefix reuse.
     """
-    if blocks is not None:
-        if blocks < 1:
-            raise ValueError(f"kv_cache_blocks must be at least 1, got {blocks}")
+    if blocks is not None:  # NOTE: RuntimeConfig checked blocks >= 1 and memory > 0
         return blocks
     if memory is not None:
-        if memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive (bytes, or a fraction of free memory), got {memory}")
-        if memory > 1:
-            require_memory(int(memory), f"a KV cache of {int(memory)} bytes", "give a smaller --kv-cache-memory.")
+        if memory > 1 and memory > (available := available_memory_bytes()):
+            raise ConfigError("kv_cache_memory", f"{int(memory)} bytes is more than the {available / 2**30:.2f} GiB "
+                                                 "of memory available (MemAvailable); give less, or a fraction")
         budget = memory if memory > 1 else memory * available_memory_bytes()
         n = int(budget // bytes_per_block)
         if n < 1:
-            raise ValueError(f"kv_cache_memory {memory:g} holds no KV block ({bytes_per_block} bytes each); "
-                             "give more memory")
+            raise ConfigError("kv_cache_memory", f"{memory:g} holds no KV block ({bytes_per_block} bytes each); "
+                                                 "give more memory")
         return n
     full_batch = 2 * build.max_batch_size * build.max_blocks_per_seq
     return max(1, min(int(DEFAULT_FRACTION * available_memory_bytes() // bytes_per_block), full_batch))

@@ -20,7 +20,7 @@ from trtbuild.bench.run import BenchOptions, run_bench
 from trtbuild.bench.targets import hf_generate
 from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.cli import main
-from trtbuild.runtime.engine_core import RuntimeConfig
+from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 

@@ -101,6 +101,21 @@ def test_config_errors_are_shown_as_the_flag_that_set_the_field():
     assert flag_of(main.commands["run"], "min_tokens") == "min_tokens"  # no flag sets it: the field's own name
 
 
+@pytest.mark.parametrize("command", ["serve", "triton-repo"])
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--max-queue-size", "0"], "--max-queue-size must be at least 1, got 0"),
+    (["--kv-cache-memory", "-1"], "--kv-cache-memory must be positive"),
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--max-batch-size", "0"], "--max-batch-size must be at least 1"),
+])
+def test_serving_flags_are_checked_by_runtime_config(command, flags, message, tmp_path):
+    """serve and triton-repo set the same RuntimeConfig fields; its checks come back as the flag that set them,
+    before any engine is read."""
+    result = invoke(command, "--engine", tmp_path, *(["--output", tmp_path / "repo"] if command == "triton-repo"
+                                                       else []), *flags)
+    assert_user_error(result, re.escape(message))
+
+
 # ---- end to end -------------------------------------------------------------------------------------------------
 def test_convert_build_run_stories260k_greedy(stories):
     result = invoke("run", "--engine", stories["engine"], "--prompt", "Once upon a time", "--max-tokens", 40)

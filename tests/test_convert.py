@@ -575,8 +575,8 @@ def test_kv_cache_budget_beyond_available_memory_is_refused(monkeypatch):
     from trtbuild.runtime import memory
 
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 30)
-    with pytest.raises(TrtbuildError, match=r"a KV cache of 4294967296 bytes needs about 4\.00 GiB of memory but "
-                                            r"1\.00 GiB is available.*smaller --kv-cache-memory"):
+    with pytest.raises(ConfigError, match=r"kv_cache_memory 4294967296 bytes is more than the 1\.00 GiB of memory "
+                                          r"available \(MemAvailable\); give less"):
         memory.kv_cache_blocks(1024, BuildConfig(), memory=float(4 << 30))
     assert memory.kv_cache_blocks(1024, BuildConfig(), memory=float(1 << 20)) == 1024
 
@@ -604,6 +604,11 @@ UNREADABLE = {
     "weight_files_not_object": lambda engine: edit_engine_config(engine, lambda d: d.update(weight_files=["w"])),
     "weight_size_not_number": lambda engine: edit_engine_config(engine, lambda d: d["weight_files"].update(
         {"rank0.weights": "x"})),
+    "io_without_kv_cache": lambda engine: edit_engine_config(engine, lambda d: d["io"].update(inputs=[])),
+    "kv_cache_dims_symbolic": lambda engine: edit_engine_config(engine, lambda d: d["io"]["inputs"][-1].update(
+        shape=["num_blocks"] * 6)),
+    "kv_cache_dtype_unknown": lambda engine: edit_engine_config(engine, lambda d: d["io"]["inputs"][-1].update(
+        dtype="float99")),
 }
 
 

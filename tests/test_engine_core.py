@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 from helpers import assert_pool_full, drive
 
-from trtbuild.errors import TrtbuildError
+from trtbuild.builder.engine_dir import read_engine_config
+from trtbuild.configs import BuildConfig
+from trtbuild.errors import ConfigError, TrtbuildError
 from trtbuild.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from trtbuild.runtime.engine_core import EngineCore, RequestOutput, RuntimeConfig
+from trtbuild.runtime.config import RuntimeConfig
+from trtbuild.runtime.engine_core import EngineCore, RequestOutput
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 
@@ -303,6 +306,27 @@ def test_runtime_config_beyond_the_engine_is_refused(llama_engine):
         EngineCore(llama_engine, config(policy="fifo"))
     with pytest.raises(ValueError, match="kv_cache_blocks must be at least 1"):
         EngineCore(llama_engine, config(kv_cache_blocks=0))
+
+
+def test_runtime_config_resolves_against_the_build_limits():
+    build = BuildConfig(max_batch_size=8, max_num_tokens=128)
+    assert RuntimeConfig().resolve(build) == RuntimeConfig(max_batch_size=8, max_num_tokens=128)
+    assert RuntimeConfig(max_batch_size=2).resolve(build).max_batch_size == 2
+    with pytest.raises(ConfigError, match="max_batch_size 9 exceeds the engine's build limit 8") as e:
+        RuntimeConfig(max_batch_size=9).resolve(build)
+    assert e.value.field == "max_batch_size" and "--" not in str(e.value)  # the CLI adds flag names
+
+
+def test_kv_pool_is_sized_from_the_engine_io_spec(llama_engine):
+    info = read_engine_config(llama_engine)
+    per_block = info.kv_cache_bytes_per_block
+    m, b = info.model, info.build
+    assert per_block == m.num_hidden_layers * 2 * m.num_key_value_heads * b.tokens_per_block * m.head_size * 4
+    core = EngineCore(llama_engine, config(kv_cache_memory=5.5 * per_block, kv_cache_blocks=None))
+    assert core.engine.kv.num_blocks == core.kv.pool.num_blocks == 5  # allocated once, at the size asked
+    assert core.engine.kv.bytes_per_block == per_block
+    with pytest.raises(ConfigError, match=f"holds no KV block \\({per_block} bytes each\\)"):
+        EngineCore(llama_engine, config(kv_cache_memory=per_block - 1.0, kv_cache_blocks=None))
 
 
 def test_request_ids_are_unique(llama_engine):

@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import STORIES260K, TINYSTORIES656K, require_shared_models
 
+from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
-from trtbuild.runtime.engine_core import RuntimeConfig
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 

@@ -45,8 +45,8 @@ from onnx import numpy_helper
 import trtbuild.quantize.reference as reference
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, read_engine_config
 from trtbuild.cli import main
+from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
-from trtbuild.runtime.engine_core import RuntimeConfig
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.runtime.tokenizer import Tokenizer

@@ -28,8 +28,8 @@ from trtbuild.builder.network import build_network
 from trtbuild.configs import BuildConfig
 from trtbuild.configs.model_config import QuantConfig
 from trtbuild.errors import TrtbuildError
+from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
-from trtbuild.runtime.engine_core import RuntimeConfig
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 

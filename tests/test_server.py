@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from helpers import STORIES260K, alone, require_shared_models
 
 from trtbuild.runtime.async_engine import EngineDeadError
-from trtbuild.runtime.engine_core import RuntimeConfig
+from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.serving.grpc.client import GenerationClient, make_request
@@ -209,8 +209,9 @@ def test_cancel_rpc_and_client_disconnect_return_the_kv_pool(main, servers):
 
 BAD_INPUTS = [
     ("empty prompt", dict(prompt=""), "prompt is empty"),
-    ("prompt and token ids", dict(prompt="Once", prompt_token_ids=[1, 2]), "not both"),
-    ("neither prompt nor token ids", dict(), "prompt: set prompt"),
+    ("prompt and token ids", dict(prompt="Once", prompt_token_ids=[1, 2]),
+     "send exactly one of prompt (text) and prompt_token_ids (token ids), got both"),
+    ("neither prompt nor token ids", dict(), "got neither"),
     ("top_p 0", dict(prompt="Once", sampling=pb.SamplingOptions(top_p=0)), "top_p must be in (0, 1]"),
     ("temperature -1", dict(prompt="Once", sampling=pb.SamplingOptions(temperature=-1)), "temperature must be"),
     ("max_tokens 0", dict(prompt="Once", sampling=pb.SamplingOptions(max_tokens=0)), "max_tokens must be"),

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from helpers import assert_pool_full, drive
 
-from trtbuild.runtime.engine_core import EngineCore, RuntimeConfig
+from trtbuild.runtime.config import RuntimeConfig
+from trtbuild.runtime.engine_core import EngineCore
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
 from trtbuild.runtime.request import Request
 from trtbuild.runtime.sampling import SamplingParams, SamplingState

@@ -26,7 +26,7 @@ from click.testing import CliRunner
 from helpers import STORIES260K, alone, require_shared_models
 
 from trtbuild.cli import main as cli
-from trtbuild.runtime.engine_core import RuntimeConfig
+from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.speculative import SpeculativeConfig
 from trtbuild.serving.triton_backend import launcher
@@ -60,15 +60,32 @@ def test_triton_repo_writes_a_python_model_with_runtime_parameters(engine, tmp_p
         assert line in config, line
     assert all(f'name: "{t.name}"' in config for t in INPUTS)
     params = re.findall(r'parameters: \{ key: "(\w+)", value: \{ string_value: "(.*)" \} \}', config)
-    engine_dir, runtime, queue_size = runtime_options({k: {"string_value": v} for k, v in params})  # as model.py
-    assert (engine_dir, runtime.kv_cache_blocks, runtime.policy, runtime.enable_prefix_caching, runtime.max_batch_size,
-            runtime.num_threads, runtime.kv_cache_memory, queue_size, runtime.speculative) == (
-        engine.resolve(), 64, "guaranteed_no_evict", False, 8, 1, None, 256, SpeculativeConfig(3))
+    engine_dir, runtime = runtime_options({k: {"string_value": v} for k, v in params})  # as model.py reads them
+    assert engine_dir == engine.resolve()
+    assert runtime == RuntimeConfig(kv_cache_blocks=64, policy="guaranteed_no_evict", enable_prefix_caching=False,
+                                    max_batch_size=8, num_threads=1, speculative=SpeculativeConfig(3))
+    assert [k for k, _ in params] == ["engine_dir", *RuntimeConfig().to_parameters()]  # one name per knob
     again = run(cli, ["triton-repo", "--engine", str(engine), "--output", str(tmp_path)])
     assert again.exit_code == 2 and "already exists" in again.output
     big = run(cli, ["triton-repo", "--engine", str(engine), "--output", str(tmp_path), "--model-name", "b",
                     "--max-batch-size", "64"])
     assert big.exit_code == 2 and "exceeds the engine's build limit 16" in big.output
+
+
+def test_runtime_config_round_trips_through_parameters():
+    full = RuntimeConfig(kv_cache_memory=0.25, kv_cache_blocks=7, policy="guaranteed_no_evict",
+                         enable_prefix_caching=False, max_batch_size=3, max_num_tokens=96, max_prefill_chunk=32,
+                         max_queue_size=9, num_threads=2, warm_up=False,
+                         speculative=SpeculativeConfig(4, prompt_lookup_max=3, prompt_lookup_min=2))
+    for config in (full, RuntimeConfig()):
+        assert RuntimeConfig.from_parameters(config.to_parameters()) == config
+    assert RuntimeConfig.from_parameters({"max_batch_size": "", "num_speculative_tokens": "0"}) == RuntimeConfig()
+    for params, message in (({"max_batch_size": "many"}, "max_batch_size must be a number"),
+                            ({"enable_prefix_caching": "yes"}, "enable_prefix_caching must be true or false"),
+                            ({"batch_scheduler_policy": "x"}, "batch_scheduler_policy is not a runtime option"),
+                            ({"max_queue_size": "0"}, "max_queue_size must be at least 1")):
+        with pytest.raises(ValueError, match=message):
+            runtime_options({k: {"string_value": v} for k, v in {"engine_dir": "/e", **params}.items()})
 
 
 def test_tensors_map_to_sampling_params():
@@ -332,7 +349,7 @@ def test_a_cancelled_stream_stops_and_frees_its_kv_blocks(server):
 BAD = [  # (inputs, message) over gRPC streaming and HTTP generate
     (dict(text_input="Once", top_p=0.0), "top_p must be in (0, 1]"),
     (dict(text_input=""), "text_input is empty"),
-    (dict(max_tokens=4), "send exactly one of text_input (BYTES) and input_ids (INT32), got neither"),
+    (dict(max_tokens=4), "send exactly one of text_input (text) and input_ids (token ids), got neither"),
     (dict(text_input="Once", input_ids=[1, 2]), "got both"),
     (dict(text_input="Once", max_tokens=0), "max_tokens must be an integer >= 1"),
     (dict(text_input="Once", temperature=-1.0), "temperature must be a number >= 0"),

@@ -8,11 +8,8 @@ the engine is loaded, then SERVING) and server reflection. Status codes are list
 from __future__ import annotations
 
 import logging
-import queue
 import signal
 import threading
-import time
-from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,18 +22,23 @@ from grpc_reflection.v1alpha import reflection
 from trtbuild import __version__
 from trtbuild.errors import TrtbuildError
 from trtbuild.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
-from trtbuild.runtime.engine_core import EngineCore, RequestOutput, RuntimeConfig
+from trtbuild.runtime.config import RuntimeConfig
+from trtbuild.runtime.engine_core import EngineCore, RequestOutput
 from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
+from trtbuild.serving import requests
 from trtbuild.serving.grpc.proto import trtbuild_pb2 as pb
 from trtbuild.serving.grpc.proto import trtbuild_pb2_grpc as pb_grpc
+from trtbuild.serving.requests import ErrorKind
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "trtbuild.v1.Generation"
 DEFAULT_PORT = 8001
 _POLL_S = 1.0  # how often a waiting handler re-checks that its client is still connected
-_DRAIN_S = 5.0  # how long a handler whose client left waits for its aborted request to end
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+_STATUS = {ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+           ErrorKind.QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+           ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL}
 _OPTIONAL_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "logprobs",
                     "include_stop_str_in_output")
@@ -45,25 +47,19 @@ _OPTIONAL_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalt
 # ---- proto <-> runtime ----------------------------------------------------------------------------------------------
 def sampling_params(options: pb.SamplingOptions) -> SamplingParams:
     """SamplingParams of a request's options; unset fields keep SamplingParams' defaults (ValueError names a field)."""
-    kwargs: dict[str, object] = {name: getattr(options, name) for name in _OPTIONAL_FIELDS if options.HasField(name)}
+    fields: dict[str, object] = {name: getattr(options, name) for name in _OPTIONAL_FIELDS if options.HasField(name)}
     for name in ("stop", "stop_token_ids", "bad_words"):
         if getattr(options, name):
-            kwargs[name] = list(getattr(options, name))
+            fields[name] = list(getattr(options, name))
     if options.bad_words_ids:
-        kwargs["bad_words_ids"] = [list(word.ids) for word in options.bad_words_ids]
-    return SamplingParams(**kwargs)
+        fields["bad_words_ids"] = [list(word.ids) for word in options.bad_words_ids]
+    return requests.sampling_params(fields)
 
 
 def request_prompt(request: pb.GenerateRequest) -> str | list[int]:
     """The prompt text or token ids; exactly one must be given (ValueError otherwise)."""
-    has_text, ids = request.HasField("prompt"), list(request.prompt_token_ids)
-    if has_text and ids:
-        raise ValueError("prompt: set either prompt (text) or prompt_token_ids, not both")
-    if not has_text and not ids:
-        raise ValueError("prompt: set prompt (text) or prompt_token_ids")
-    if has_text and not request.prompt:
-        raise ValueError("prompt is empty")
-    return request.prompt if has_text else ids
+    return requests.prompt_of(request.prompt if request.HasField("prompt") else None,
+                              list(request.prompt_token_ids) or None)
 
 
 def _logprobs(lp: TokenLogprobs) -> pb.TokenLogprobs:
@@ -102,7 +98,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.engine: AsyncEngine | None = None
         self.max_queue_size = max_queue_size
         self.health = health_servicer
-        self.finish_reasons: Counter[str] = Counter()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
 
@@ -111,11 +106,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still loading; retry when health is SERVING")
         return self.engine
 
-    def _dead(self, context: grpc.ServicerContext, error: Exception) -> NoReturn:
-        if self.health is not None:
+    def _abort(self, context: grpc.ServicerContext, error: Exception) -> NoReturn:
+        kind = requests.error_kind(error)
+        if kind is ErrorKind.UNAVAILABLE and self.health is not None:
             self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        message = f"{error}; retry later" if kind is ErrorKind.QUEUE_FULL else str(error)
+        context.abort(_STATUS[kind], message)
 
     def _outputs(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[RequestOutput]:
         """Submit the request and yield its outputs; the request is aborted if the RPC ends first."""
@@ -123,50 +120,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             stream = engine.submit(request_prompt(request), sampling_params(request.sampling),
                                    request.request_id or None)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QueueFullError as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry later")
-        except EngineDeadError as e:
-            self._dead(context, e)
+        except (ValueError, QueueFullError, EngineDeadError) as e:
+            self._abort(context, e)
         with self._lock:
             self._streams[stream.request_id] = stream
         try:
             # Runs when the RPC ends for any reason, e.g. the client cancelled or disconnected: free the KV blocks.
             if not context.add_callback(stream.cancel):
                 stream.cancel()
-            while not stream.finished:
-                try:
-                    output = stream.get(timeout=_POLL_S)
-                except queue.Empty:
-                    if not context.is_active():
-                        stream.cancel()
-                    continue
-                except ValueError as e:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                except EngineDeadError as e:
-                    self._dead(context, e)
-                self._count(output)
-                yield output
+            yield from requests.follow(stream, lambda: not context.is_active(), _POLL_S)
+        except (ValueError, EngineDeadError) as e:
+            self._abort(context, e)
         finally:
-            if not stream.finished:  # the call ended first (client gone): abort and wait for the request's end
-                self._drain(stream)
             with self._lock:
                 self._streams.pop(stream.request_id, None)
-
-    def _count(self, output: RequestOutput) -> None:
-        if output.finished:
-            with self._lock:
-                self.finish_reasons[output.finish_reason or "unknown"] += 1
-
-    def _drain(self, stream: RequestStream) -> None:
-        stream.cancel()
-        deadline = time.monotonic() + _DRAIN_S
-        while not stream.finished and (left := deadline - time.monotonic()) > 0:
-            try:
-                self._count(stream.get(timeout=left))
-            except (queue.Empty, ValueError, EngineDeadError):
-                return
 
     def GenerateStream(self, request: pb.GenerateRequest,
                        context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
@@ -174,13 +141,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             yield response(output)
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.GenerateResponse:
-        merged = pb.GenerateResponse()
+        whole = requests.Accumulated()
         for output in self._outputs(request, context):
-            part = response(output)
-            text = merged.text + part.text
-            merged.MergeFrom(part)  # appends token_ids and logprobs; takes finished, finish_reason, usage
-            merged.text = text
-        return merged
+            whole.add(output)
+        last = whole.last
+        return response(RequestOutput(last.request_id, whole.token_ids, whole.text, last.finished, last.finish_reason,
+                                      whole.logprobs, last.num_prompt_tokens, last.num_output_tokens, last.metrics))
 
     def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext) -> pb.CancelResponse:
         if not request.request_id:
@@ -214,8 +180,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                          num_unfinished=engine.num_unfinished, kv_cache_usage=pool.usage, kv_free_blocks=pool.num_free,
                          kv_total_blocks=pool.num_blocks, num_finished=engine.num_finished,
                          num_preemptions=engine.num_preemptions)
-        with self._lock:
-            stats.finish_reasons.update(self.finish_reasons)
+        stats.finish_reasons.update(engine.finish_reasons)
         last = core.last_stats
         if last is not None:
             stats.last_step.CopyFrom(pb.StepStats(
@@ -234,9 +199,9 @@ class GenerationServer:
     """A started gRPC server (health NOT_SERVING) bound to host:port (`port` 0 picks one: see `.port`).
     `load()` loads the engine and turns health to SERVING; `stop()` shuts down gracefully."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, max_queue_size: int = 256) -> None:
-        if max_queue_size < 1:
-            raise ValueError(f"max_queue_size must be at least 1, got {max_queue_size}")
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                 max_queue_size: int = RuntimeConfig.max_queue_size) -> None:
+        """`max_queue_size` (RuntimeConfig's, validated there) sizes the worker pool before an engine is loaded."""
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.servicer = GenerationServicer(max_queue_size, self.health)
         # NOTE: each streaming call holds a worker thread while its request is unfinished.
@@ -278,8 +243,10 @@ class GenerationServer:
 
 
 def serve(engine_dir: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT, config: RuntimeConfig | None = None,
-          max_queue_size: int = 256, grace: float = 5.0) -> None:
+          grace: float = 5.0) -> None:
     """Serve until SIGTERM or SIGINT (from the main thread). Binds loopback unless told otherwise."""
+    config = config or RuntimeConfig()
+    max_queue_size = config.max_queue_size
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

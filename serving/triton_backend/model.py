@@ -12,18 +12,16 @@ KV pool and request gauges are Triton custom metrics (trtbuild_kv_cache_block_me
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import queue
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from trtbuild.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
-from trtbuild.runtime.engine_core import EngineCore, RequestOutput
+from trtbuild.runtime.async_engine import AsyncEngine, RequestStream
+from trtbuild.runtime.engine_core import EngineCore
+from trtbuild.serving.requests import Accumulated, ErrorKind, error_kind, follow
 from trtbuild.serving.triton_backend.repository import runtime_options
 from trtbuild.serving.triton_backend.tensors import (
     INPUT_NAMES,
@@ -39,8 +37,7 @@ except ImportError:  # outside a Triton stub: the module still imports (docs, te
     pb_utils = None
 
 log = logging.getLogger(__name__)
-CANCEL_POLL_S = 0.01  # a worker asks Triton whether its request was cancelled at most this often (an IPC call)
-WAIT_S = 0.05  # how long a worker waits for an output before asking again
+POLL_S = 0.05  # a worker asks Triton whether its client cancelled at most this often (an IPC call)
 METRICS_S = 0.02  # how often the gauges are refreshed (a gauge is sent to Triton only when it changed)
 
 
@@ -49,23 +46,32 @@ def _error(message: str, code: str = "INVALID_ARG") -> Any:
     return pb_utils.InferenceResponse(error=cls(message, getattr(cls, code, cls.INTERNAL)))
 
 
-class _Collected:
-    """The outputs of one request so far: for a non-streaming response, or one delta of a stream."""
+_CODES = {ErrorKind.INVALID_ARGUMENT: "INVALID_ARG", ErrorKind.QUEUE_FULL: "UNAVAILABLE",
+          ErrorKind.UNAVAILABLE: "UNAVAILABLE", ErrorKind.INTERNAL: "INTERNAL"}
 
-    def __init__(self, prefix_text: str = "", prefix_ids: list[int] | None = None) -> None:
-        self.text, self.ids, self.logprobs, self.reason = prefix_text, list(prefix_ids or []), [], None
 
-    def add(self, output: RequestOutput) -> _Collected:
-        self.text += output.new_text
-        self.ids += output.new_token_ids
-        self.logprobs += [lp.logprob for lp in output.logprobs]
-        self.reason = output.finish_reason
-        return self
+def _answer_error(error: Exception) -> Any:
+    """The error response of a request that failed (requests.error_kind picks the Triton code)."""
+    kind = error_kind(error)
+    message = {ErrorKind.QUEUE_FULL: f"{error}; retry later", ErrorKind.INTERNAL: f"internal error: {error}"}
+    return _error(message.get(kind, str(error)), _CODES[kind])
 
-    def response(self, parsed: ParsedRequest, cum_log_prob: float | None = None) -> Any:
-        arrays = response_arrays(self.text, self.ids, self.logprobs if parsed.return_log_probs else None, self.reason,
-                                 cum_log_prob)
-        return pb_utils.InferenceResponse([pb_utils.Tensor(name, a) for name, a in arrays.items()])
+
+def _response(whole: Accumulated, parsed: ParsedRequest, cum_log_prob: float | None = None) -> Any:
+    logprobs = [lp.logprob for lp in whole.logprobs] if parsed.return_log_probs else None
+    arrays = response_arrays(whole.text, whole.token_ids, logprobs, whole.finish_reason, cum_log_prob)
+    return pb_utils.InferenceResponse([pb_utils.Tensor(name, a) for name, a in arrays.items()])
+
+
+class _ClientGone:
+    """Asks Triton whether the client cancelled (an IPC call), and remembers the answer once it is yes."""
+
+    def __init__(self, is_cancelled: Any) -> None:
+        self.is_cancelled, self.seen = is_cancelled, False
+
+    def __call__(self) -> bool:
+        self.seen = self.seen or bool(self.is_cancelled())
+        return self.seen
 
 
 class _Metrics:
@@ -112,10 +118,11 @@ class TritonPythonModel:
 
     def initialize(self, args: dict[str, str]) -> None:
         config = json.loads(args["model_config"])
-        engine_dir, runtime, max_queue_size = runtime_options(config.get("parameters", {}))
+        engine_dir, runtime = runtime_options(config.get("parameters", {}))
+        max_queue_size = runtime.max_queue_size
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.core = EngineCore(engine_dir, runtime)
-        self.engine = AsyncEngine(self.core, max_queue_size)
+        self.engine = AsyncEngine(self.core)
         self._workers = ThreadPoolExecutor(max_workers=max_queue_size, thread_name_prefix="trtbuild-triton")
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
@@ -152,31 +159,13 @@ class TritonPythonModel:
             self._streams[stream.request_id] = stream
         return parsed, ids, stream
 
-    def _collected(self, parsed: ParsedRequest, ids: list[int]) -> _Collected:
+    def _accumulated(self, parsed: ParsedRequest, ids: list[int]) -> Accumulated:
+        """Where a non-streaming answer starts: the prompt itself, unless exclude_input_in_output."""
         if parsed.stream or parsed.exclude_input_in_output:
-            return _Collected()
+            return Accumulated()
         text = parsed.prompt if parsed.prompt is not None else (self.core.tokenizer.decode(ids)
                                                                  if self.core.tokenizer else "")
-        return _Collected(text, ids)
-
-    def _outputs(self, stream: RequestStream, cancelled: Any) -> Any:
-        """Yield the stream's outputs; when `cancelled()` turns true, cancel the request and stop yielding."""
-        checked = time.monotonic()
-        while not stream.finished:
-            if time.monotonic() - checked >= CANCEL_POLL_S:
-                checked = time.monotonic()
-                if cancelled():
-                    stream.cancel()
-                    deadline = time.monotonic() + 10.0
-                    while not stream.finished and time.monotonic() < deadline:  # until the abort: blocks are free
-                        with contextlib.suppress(queue.Empty, ValueError, EngineDeadError):
-                            stream.get(timeout=0.5)
-                    raise _Cancelled
-            try:
-                output = stream.get(timeout=WAIT_S)
-            except queue.Empty:
-                continue
-            yield output
+        return Accumulated(text, list(ids))
 
     def _done(self, stream: RequestStream, cancelled: bool = False) -> None:
         with self._lock:
@@ -200,23 +189,26 @@ class TritonPythonModel:
             except Exception as e:  # the request may be cancelled or the server stopping
                 log.warning("trtbuild: cannot answer request %s: %s", stream.request_id, e)
 
+        gone = _ClientGone(sender.is_cancelled)
         try:
-            collected, cum = self._collected(parsed, ids), 0.0
-            for output in self._outputs(stream, sender.is_cancelled):
+            whole, cum = self._accumulated(parsed, ids), 0.0
+            for output in follow(stream, gone, POLL_S):
+                if gone.seen:  # cancelled: the client gets the CANCELLED error below, not the abort output
+                    continue
                 if parsed.stream:  # one response per step: the new tokens; cum_log_probs covers the whole sequence
                     cum += sum(lp.logprob for lp in output.logprobs)
-                    send(_Collected().add(output).response(parsed, cum), output.finished)
+                    send(_response(Accumulated().add(output), parsed, cum), output.finished)
                 else:
-                    collected.add(output)
-            if not parsed.stream:
-                send(collected.response(parsed), True)
-        except _Cancelled:
-            cancelled = True
-            send(_error("the request was cancelled", "CANCELLED"), True)
+                    whole.add(output)
+            if gone.seen and not sent_final:
+                cancelled = True
+                send(_error("the request was cancelled", "CANCELLED"), True)
+            elif not parsed.stream:
+                send(_response(whole, parsed), True)
         except Exception as e:  # every request gets an answer, whatever happened
             log.exception("trtbuild: request %s failed", stream.request_id)
             if not sent_final:
-                send(_error(str(e), "INVALID_ARG" if isinstance(e, ValueError) else "INTERNAL"), True)
+                send(_answer_error(e), True)
         finally:
             if not stream.finished:
                 stream.cancel()
@@ -226,24 +218,18 @@ class TritonPythonModel:
 
     def _wait(self, request: Any, parsed: ParsedRequest, ids: list[int], stream: RequestStream) -> Any:
         """Non-decoupled: the one response of a request."""
-        cancelled = False
+        gone = _ClientGone(request.is_cancelled)
         try:
-            collected = self._collected(parsed, ids)
-            for output in self._outputs(stream, request.is_cancelled):
-                collected.add(output)
-            return collected.response(parsed)
-        except _Cancelled:
-            cancelled = True
-            return _error("the request was cancelled", "CANCELLED")
-        except ValueError as e:
-            return _error(str(e))
-        except EngineDeadError as e:
-            return _error(str(e), "UNAVAILABLE")
+            whole = self._accumulated(parsed, ids)
+            for output in follow(stream, gone, POLL_S):
+                whole.add(output)
+            return _error("the request was cancelled", "CANCELLED") if gone.seen else _response(whole, parsed)
         except Exception as e:  # every request gets an answer, whatever happened
-            log.exception("trtbuild: request %s failed", stream.request_id)
-            return _error(f"internal error: {e}", "INTERNAL")
+            if error_kind(e) is ErrorKind.INTERNAL:
+                log.exception("trtbuild: request %s failed", stream.request_id)
+            return _answer_error(e)
         finally:
-            self._done(stream, cancelled)
+            self._done(stream, gone.seen)
 
     def execute(self, requests: list[Any]) -> list[Any] | None:
         answers: list[Any] = [None] * len(requests)
@@ -251,15 +237,10 @@ class TritonPythonModel:
         for i, request in enumerate(requests):
             try:
                 submitted.append((i, request, *self._submit(request)))
-            except ValueError as e:
-                answers[i] = _error(str(e))
-            except QueueFullError as e:
-                answers[i] = _error(f"{e}; retry later", "UNAVAILABLE")
-            except EngineDeadError as e:
-                answers[i] = _error(str(e), "UNAVAILABLE")
             except Exception as e:
-                log.exception("trtbuild: cannot submit a request")
-                answers[i] = _error(f"internal error: {e}", "INTERNAL")
+                if error_kind(e) is ErrorKind.INTERNAL:
+                    log.exception("trtbuild: cannot submit a request")
+                answers[i] = _answer_error(e)
         if self.decoupled:
             for i, request in enumerate(requests):
                 if answers[i] is not None:
@@ -281,7 +262,3 @@ class TritonPythonModel:
         self._workers.shutdown(wait=True, cancel_futures=False)
         self.metrics.stop()
         pb_utils.Logger.log_info("trtbuild: engine loop stopped")
-
-
-class _Cancelled(Exception):
-    """The client cancelled the request (raised by TritonPythonModel._outputs)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.serving import requests
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ _SCALARS = {"max_tokens": "max_tokens", "request_output_len": "max_tokens", "tem
             "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
             "random_seed": "seed", "min_tokens": "min_tokens", "ignore_eos": "ignore_eos"}
-_RENAME = {"seed": "random_seed", "stop": "stop_words", "stop_token_ids": "end_id"}
+_WIRE_NAMES = {"seed": "random_seed", "stop": "stop_words", "stop_token_ids": "end_id"}  # for error messages
 STREAMING_NEEDS_DECOUPLED = ("streaming is only supported if the model is deployed in decoupled mode (write the "
                              "repository with `trtbuild triton-repo --decoupled`), or send stream=false")
 
@@ -98,27 +99,20 @@ def parse_request(inputs: Mapping[str, np.ndarray], vocab_size: int | None = Non
     unknown = sorted(set(inputs) - set(INPUT_NAMES))
     if unknown:
         raise ValueError(f"unknown input tensors {unknown}; this model takes {', '.join(INPUT_NAMES)}")
-    has_text, has_ids = "text_input" in inputs, "input_ids" in inputs
-    if has_text == has_ids:
-        raise ValueError("send exactly one of text_input (BYTES) and input_ids (INT32), got "
-                         f"{'both' if has_text else 'neither'}")
     prompt = prompt_ids = None
-    if has_text:
+    if "text_input" in inputs:
         prompt = _scalar("text_input", inputs["text_input"])
-        if not prompt:
-            raise ValueError("text_input is empty")
-    else:
+    if "input_ids" in inputs:
         prompt_ids = [int(i) for i in _value("input_ids", inputs["input_ids"])]
         if "input_lengths" in inputs:
             n = _scalar("input_lengths", inputs["input_lengths"])
             if not 0 < n <= len(prompt_ids):
                 raise ValueError(f"input_lengths must be in [1, {len(prompt_ids)}] (the length of input_ids), got {n}")
             prompt_ids = prompt_ids[:n]
-        if not prompt_ids:
-            raise ValueError("input_ids is empty")
         bad = [i for i in prompt_ids if i < 0 or (vocab_size is not None and i >= vocab_size)]
         if bad:
             raise ValueError(f"input_ids: ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    requests.prompt_of(prompt, prompt_ids, text_name="text_input", ids_name="input_ids")
     if "max_tokens" in inputs and "request_output_len" in inputs:
         raise ValueError("send max_tokens or request_output_len (the same thing), not both")
     kwargs: dict[str, object] = {field_: _scalar(name, inputs[name]) for name, field_ in _SCALARS.items()
@@ -138,14 +132,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], vocab_size: int | None = Non
                                                                   "exclude_input_in_output") if name in inputs}
     if flags.get("return_log_probs"):
         kwargs["logprobs"] = 0  # the chosen token's log prob only
-    try:
-        params = SamplingParams(**kwargs)
-    except ValueError as e:
-        message = str(e)
-        for field_, tensor in _RENAME.items():
-            if message.startswith(f"{field_} "):
-                message = tensor + message[len(field_):]
-        raise ValueError(message) from None
+    params = requests.sampling_params(kwargs, _WIRE_NAMES)
     return ParsedRequest(prompt, prompt_ids, params, flags.get("stream", False) or flags.get("streaming", False),
                          flags.get("return_log_probs", False), flags.get("exclude_input_in_output", False))
 
