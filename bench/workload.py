@@ -91,7 +91,7 @@ def synthetic_requests(num: int, input_len: int, output_len: int, vocab_size: in
 
 # ---- running a load -------------------------------------------------------------------------------------------------
 class Target(Protocol):
-    """What a run sends requests to (implementations: bench_baselines.EngineTarget and ServerTarget)."""
+    """What a run sends requests to (implementations: targets.EngineTarget and ServerTarget)."""
 
     name: str
     vocab_size: int
