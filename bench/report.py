@@ -61,6 +61,10 @@ def format_report(r: dict[str, Any]) -> str:
         row("engine steps", f"with prefill {s['prefill_step_s']:.2f} s ({s['prefill_steps']} steps), decode-only "
                             f"{s['decode_step_s']:.2f} s ({s['decode_steps']} steps, mean batch "
                             f"{s['mean_decode_batch']:.1f}), outside steps {rest:.2f} s")
+        if s["decode_step_s"]:
+            host = 1 - s["decode_engine_s"] / s["decode_step_s"]
+            row("host share of decode steps", f"{host:.1%} outside the engine call (scheduling, sampling, KV writes, "
+                                              f"outputs; mean batch {s['mean_decode_batch']:.1f})")
         if s["draft_tokens"]:
             row("speculative drafts", f"{s['accepted_draft_tokens']} of {s['draft_tokens']} accepted "
                                       f"({s['accepted_draft_tokens'] / s['draft_tokens']:.1%})")

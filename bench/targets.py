@@ -30,6 +30,7 @@ class _Step(NamedTuple):
     kv_usage: float
     drafts: int  # speculative drafts among the tokens
     accepted: int
+    engine_seconds: float  # of `seconds`, in the engine call
 
 
 class EngineTarget:
@@ -57,7 +58,7 @@ class EngineTarget:
             outputs = step()
             if (stats := core.last_stats) is not before and stats is not None:
                 self.steps.append(_Step(stats.num_scheduled_tokens, len(outputs), stats.seconds, stats.kv_cache_usage,
-                                        stats.num_draft_tokens, stats.num_accepted_draft_tokens))
+                                        stats.num_draft_tokens, stats.num_accepted_draft_tokens, stats.engine_seconds))
             return outputs
 
         core.step = recorded_step  # type: ignore[method-assign]
@@ -113,6 +114,7 @@ class EngineTarget:
         breakdown = {"steps": len(self.steps), "prefill_steps": len(prefill), "decode_steps": len(decode),
                      "prefill_step_s": sum(s.seconds for s in prefill),
                      "decode_step_s": sum(s.seconds for s in decode),
+                     "decode_engine_s": sum(s.engine_seconds for s in decode),
                      "mean_decode_batch": sum(s.tokens - s.drafts for s in decode) / max(1, len(decode)),
                      "draft_tokens": sum(s.drafts for s in self.steps),
                      "accepted_draft_tokens": sum(s.accepted for s in self.steps)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,7 @@ class CpuEngine:
             self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types for corrupt or unsupported models
             raise EngineCompatibilityError(f"{path} could not be loaded ({e}); rebuild the engine.") from None
+        self.run_seconds = 0.0  # time spent in session.run over all steps (the rest of a step is host work)
         self.kv_quant_algo = self.info.model.quantization.kv_cache_quant_algo
         self.kv_scales = None
         if self.kv_quant_algo:  # per-layer (K, V) scales, stored in the engine file by builder/network.py
@@ -173,6 +175,8 @@ class CpuEngine:
             "logits_indices": np.array(logits_rows, dtype=np.int64),
             "kv_cache": self.kv.pool,
         }
+        start = time.perf_counter()
         logits, new_kv = self.session.run(None, feeds)
+        self.run_seconds += time.perf_counter() - start
         self.kv.write(new_kv, np.concatenate(slots))
         return logits

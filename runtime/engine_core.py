@@ -53,6 +53,7 @@ class StepStats:
     seconds: float
     num_draft_tokens: int = 0  # speculative drafts among the scheduled tokens
     num_accepted_draft_tokens: int = 0
+    engine_seconds: float = 0.0  # of `seconds`, inside the engine call (ONNX Runtime); the rest is host work
 
 
 @dataclass
@@ -174,6 +175,7 @@ class EngineCore:
         chunks = [SequenceChunk(c.request.request_id,
                                 (c.request.token_ids + c.request.spec_token_ids)[c.start : c.start + c.num_tokens],
                                 c.start, c.num_logits, c.block_ids) for c in scheduled.chunks]
+        run_before = self.engine.run_seconds
         logits = self.engine.step(chunks)
         tokens, logprobs = self._sample(scheduled, logits)
         outputs = [self._output(self.tracked[request.request_id], new_tokens, logprobs[request.request_id])
@@ -181,7 +183,8 @@ class EngineCore:
         self.last_stats = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), scheduled.num_tokens,
                                     len(scheduled.preempted), self.kv.pool.usage, time.perf_counter() - start,
                                     num_draft_tokens=sum(c.num_drafts for c in scheduled.chunks),
-                                    num_accepted_draft_tokens=sum(len(t) - 1 for t in tokens))  # 1 token + accepted
+                                    num_accepted_draft_tokens=sum(len(t) - 1 for t in tokens),  # 1 token + accepted
+                                    engine_seconds=self.engine.run_seconds - run_before)
         return outputs
 
     def _output(self, tracked: _Tracked, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> RequestOutput:

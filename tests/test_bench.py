@@ -73,6 +73,7 @@ def test_synthetic_in_process_counts_percentiles_and_json(engine):
     assert steps["decode_steps"] > 0 and steps["prefill_steps"] > 0
     assert steps["mean_decode_batch"] >= 2, f"the requests did not overlap: {steps}"  # at most 6 in flight
     assert steps["prefill_step_s"] + steps["decode_step_s"] <= r["duration_s"]
+    assert 0 < steps["decode_engine_s"] < steps["decode_step_s"]  # the engine call is part of each step, not all
     assert r["sequential"] is r["hf"] is r["speedup_vs_sequential"] is r["speedup_vs_hf"] is None
     out = ok_json(bench("--engine", engine, "--num-requests", 4, "--input-len", 8, "--output-len", 5, "--threads", 1,
                         "--seed", 3, "--json"))
@@ -96,7 +97,7 @@ def test_jsonl_dataset_with_text_prompts_and_poisson_arrivals(engine, tmp_path):
     assert f"input / output tokens:        {prompt_tokens} / 21 (output asked: 21)" in text
     assert "load:                         concurrency unlimited, request rate 200/s" in text
     for label in ("request throughput", "output token throughput", "TTFT (ms)", "TPOT (ms)", "KV cache usage",
-                  "preemptions", "engine steps"):
+                  "preemptions", "engine steps", "host share of decode steps"):
         assert re.search(rf"^{re.escape(label)}:", text, re.M), label
     assert "speedup" not in text
 
