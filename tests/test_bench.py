@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from helpers import STORIES260K, require_shared_models
+from helpers import REPO, STORIES260K, require_shared_models
 
 from trtbuild.bench.run import BenchOptions, run_bench
 from trtbuild.bench.targets import hf_generate
@@ -263,3 +263,17 @@ def test_speculative_decoding_reports_accepted_drafts(engine, tmp_path):
     assert re.search(r"^speculative drafts: +\d+ of \d+ accepted \(\d+\.\d%\)$", text, re.M), text
     refused = bench("--address", "127.0.0.1:1", "--dataset", data, "--speculative-tokens", 2)
     assert refused.exit_code != 0 and "trtbuild serve --speculative-tokens" in refused.output
+
+
+def test_peers_benchmark_smoke_reports_trtbuild_and_a_missing_peer(tmp_path):
+    """benchmarks/peers.py in its CI mode: trtbuild measured from the GGUF file, llama.cpp reported missing."""
+    require_shared_models()
+    gguf = STORIES260K / "stories260K-f32.gguf"
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers.py"), "--gguf", str(gguf), "--smoke",
+                          "--threads", "1", "--llama-bin", str(tmp_path / "nowhere"), "--work", str(tmp_path / "w"),
+                          "--json", str(tmp_path / "peers.json")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| decode_tok_s |" in out.stdout and "missing: llama.cpp (no llama-bench" in out.stdout
+    medians = json.loads((tmp_path / "peers.json").read_text())["medians"]
+    assert set(medians) == {"trtbuild"}
+    assert all(value > 0 for value in medians["trtbuild"].values()), medians

@@ -1,0 +1,270 @@
+"""trtbuild against its CPU peers on the same GGUF file, in one run: llama.cpp (`llama-bench`,
+`llama-batched-bench`) and ONNX Runtime GenAI (its model builder on the HF folder, when it is installed).
+
+    python benchmarks/peers.py --gguf model.gguf [--hf-dir hf/] [--llama-bin ~/.cache/trtbuild-peers/llama-build/bin]
+        [--threads 2] [--rounds 3] [--prompt 128] [--gen 128] [--parallel 16] [--work /tmp/peers] [--json out.json]
+
+Measured, like llama-bench: prefill of one `--prompt`-token prompt (tok/s; its time is the TTFT), batch-1 decode of
+`--gen` tokens (tok/s), and `--parallel` concurrent requests of `--prompt` + `--gen` tokens (output tok/s over the
+whole run, prefill included), plus each system's peak RSS. trtbuild runs the engine built from the GGUF as it is
+(its quantized tensors stay quantized). Every system runs in its own process, one after another; rounds alternate
+the systems (this VM's speed drifts) and the table gives medians and trtbuild / peer ratios. A peer that is not
+there is reported as missing. `--smoke` is a seconds-long run for CI (tiny lengths, one round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+METRICS = ("prefill_tok_s", "decode_tok_s", "parallel_output_tok_s", "ttft_ms", "peak_rss_mib")
+LOWER_IS_BETTER = {"ttft_ms", "peak_rss_mib"}
+
+
+class CommandFailed(RuntimeError):
+    pass
+
+
+def run_timed(cmd: list[str], env: dict | None = None) -> tuple[str, int]:
+    """(stdout, peak RSS in bytes) of a command run under /usr/bin/time; CommandFailed with its output if it fails."""
+    out = subprocess.run(["/usr/bin/time", "-f", "PEAK_RSS_KB %M", *cmd], capture_output=True, text=True,
+                         env={**os.environ, **(env or {})})
+    if out.returncode:
+        tail = (out.stdout + out.stderr).strip().splitlines()[-3:]
+        raise CommandFailed(f"{Path(cmd[0]).name} ... failed (exit {out.returncode}): {' / '.join(tail)}")
+    rss = [line for line in out.stderr.splitlines() if line.startswith("PEAK_RSS_KB ")]
+    return out.stdout, int(rss[-1].split()[1]) * 1024 if rss else 0
+
+
+# ---- trtbuild -------------------------------------------------------------------------------------------------------
+def build_trtbuild(gguf: Path, work: Path, args: argparse.Namespace) -> Path:
+    engine = work / "engine"
+    if (engine / "config.json").is_file():
+        return engine
+    ckpt = work / "ckpt"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    for cmd in (["convert", "--model", str(gguf), "--output", str(ckpt)],
+                ["build", "--checkpoint", str(ckpt), "--output", str(engine), "--max-batch-size", str(args.parallel),
+                 "--max-seq-len", str(max(256, args.prompt + args.gen)),
+                 "--max-num-tokens", str(max(args.prompt, 256))]):
+        run_timed(["trtbuild", *cmd])
+    shutil.rmtree(ckpt)
+    return engine
+
+
+def measure_trtbuild(engine: Path, args: argparse.Namespace) -> dict[str, float]:
+    """In this process (run by `--measure-trtbuild`): the same three measurements through EngineCore."""
+    from trtbuild.bench.run import BenchOptions, run_bench
+    from trtbuild.runtime.config import RuntimeConfig
+    from trtbuild.runtime.engine_core import EngineCore
+    from trtbuild.runtime.sampling import SamplingParams
+
+    core = EngineCore(engine, RuntimeConfig(num_threads=args.threads, max_batch_size=1, enable_prefix_caching=False))
+    vocab = core.vocab_size
+    prompt = [(7 * i + 3) % (vocab - 10) + 5 for i in range(args.prompt)]
+    core.add_request(core.make_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
+    start = time.perf_counter()
+    while core.has_unfinished():
+        core.step()
+    prefill_s = time.perf_counter() - start
+    # batch-1 decode: a 1-token prompt, then `gen` tokens; the first step (the prompt) is not counted
+    core.add_request(core.make_request(prompt[:1], SamplingParams(max_tokens=args.gen + 1, ignore_eos=True)))
+    core.step()
+    start = time.perf_counter()
+    while core.has_unfinished():
+        core.step()
+    decode_s = time.perf_counter() - start
+    del core
+    parallel = run_bench(BenchOptions(engine=engine, num_requests=args.parallel, input_len=args.prompt,
+                                      output_len=args.gen, concurrency=args.parallel, threads=args.threads))
+    return {"prefill_tok_s": args.prompt / prefill_s, "ttft_ms": prefill_s * 1e3,
+            "decode_tok_s": args.gen / decode_s, "parallel_output_tok_s": parallel["output_throughput"]}
+
+
+def trtbuild_round(engine: Path, args: argparse.Namespace) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--measure-trtbuild", str(engine), "--threads", str(args.threads),
+           "--prompt", str(args.prompt), "--gen", str(args.gen), "--parallel", str(args.parallel)]
+    out, rss = run_timed(cmd)
+    return {**json.loads(out.splitlines()[-1]), "peak_rss_mib": rss / 2**20}
+
+
+# ---- llama.cpp ------------------------------------------------------------------------------------------------------
+def llama_round(gguf: Path, bin_dir: Path, args: argparse.Namespace) -> dict[str, float]:
+    threads = ["-t", str(args.threads)]
+    out, rss = run_timed([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", str(args.prompt), "-n", str(args.gen),
+                          "-r", "1", "-o", "json", *threads])
+    tests = json.loads(out)
+    prefill = next(t["avg_ts"] for t in tests if t["n_prompt"] == args.prompt and t["n_gen"] == 0)
+    decode = next(t["avg_ts"] for t in tests if t["n_gen"] == args.gen and t["n_prompt"] == 0)
+    ctx = args.parallel * (args.prompt + args.gen) + 64
+    table, rss_b = run_timed([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", str(ctx), "-npp",
+                              str(args.prompt), "-ntg", str(args.gen), "-npl", str(args.parallel), *threads])
+    # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+    row = [r for r in table.splitlines() if re.match(r"^\|\s*\d", r)][-1].strip("|").split("|")
+    total_s = float(row[8])
+    return {"prefill_tok_s": prefill, "ttft_ms": args.prompt / prefill * 1e3, "decode_tok_s": decode,
+            "parallel_output_tok_s": args.parallel * args.gen / total_s, "peak_rss_mib": max(rss, rss_b) / 2**20}
+
+
+# ---- ONNX Runtime GenAI -------------------------------------------------------------------------------------------
+def build_ortgenai(hf_dir: Path, work: Path, args: argparse.Namespace) -> Path:
+    """Its model builder on the HF folder, at `--ortgenai-precision`, with this run's thread count."""
+    out = work / f"ortgenai-{args.ortgenai_precision}"
+    if not (out / "genai_config.json").is_file():
+        run_timed([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", hf_dir.name, "-i", str(hf_dir),
+                   "-o", str(out), "-p", args.ortgenai_precision, "-e", "cpu", "-c", str(work / "ortgenai-cache")])
+    config = json.loads((out / "genai_config.json").read_text())
+    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = args.threads
+    (out / "genai_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def measure_ortgenai(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
+    """In this process (run by `--measure-ortgenai`): the same three measurements through og.Generator."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    model = og.Model(str(model_dir))
+    vocab = json.loads((model_dir / "genai_config.json").read_text())["model"]["vocab_size"]
+    prompt = np.array([(7 * i + 3) % (vocab - 10) + 5 for i in range(args.prompt)], dtype=np.int32)
+
+    def generator(batch: int, length: int) -> og.Generator:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=length, min_length=length, batch_size=batch, do_sample=False)
+        return og.Generator(model, params)
+
+    g = generator(1, args.prompt + 1)
+    start = time.perf_counter()
+    g.append_tokens(prompt[None])
+    prefill_s = time.perf_counter() - start
+    del g
+    g = generator(1, args.gen + 1)
+    g.append_tokens(prompt[None, :1])
+    start = time.perf_counter()
+    while not g.is_done():
+        g.generate_next_token()
+    decode_s = time.perf_counter() - start
+    del g
+    g = generator(args.parallel, args.prompt + args.gen)
+    start = time.perf_counter()
+    g.append_tokens(np.repeat(prompt[None], args.parallel, axis=0))
+    while not g.is_done():
+        g.generate_next_token()
+    parallel_s = time.perf_counter() - start
+    return {"prefill_tok_s": args.prompt / prefill_s, "ttft_ms": prefill_s * 1e3, "decode_tok_s": args.gen / decode_s,
+            "parallel_output_tok_s": args.parallel * args.gen / parallel_s}
+
+
+def ortgenai_round(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--measure-ortgenai", str(model_dir), "--threads", str(args.threads),
+           "--prompt", str(args.prompt), "--gen", str(args.gen), "--parallel", str(args.parallel)]
+    out, rss = run_timed(cmd)
+    return {**json.loads(out.splitlines()[-1]), "peak_rss_mib": rss / 2**20}
+
+
+# ---- the run --------------------------------------------------------------------------------------------------------
+def summarize(rounds: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    return {system: {m: statistics.median(r[m] for r in runs) for m in METRICS} for system, runs in rounds.items()}
+
+
+def table(medians: dict[str, dict[str, float]], missing: dict[str, str], args: argparse.Namespace) -> str:
+    peers = [p for p in medians if p != "trtbuild"]
+    head = ["metric", "trtbuild", *peers, *(f"trtbuild vs {p}" for p in peers)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in METRICS:
+        cells = [m, *(f"{medians[s][m]:.1f}" for s in ("trtbuild", *peers))]
+        for p in peers:  # > 1 means trtbuild is better, whichever way the metric points
+            ratio = medians[p][m] / medians["trtbuild"][m] if m in LOWER_IS_BETTER else medians["trtbuild"][m] / \
+                medians[p][m]
+            cells.append(f"{ratio:.2f}x")
+        lines.append("| " + " | ".join(cells) + " |")
+    for peer, why in missing.items():
+        lines.append(f"missing: {peer} ({why})")
+    lines.append(f"({args.rounds} round(s), medians; {args.threads} threads; prompt {args.prompt}, generate "
+                 f"{args.gen}, {args.parallel} concurrent; ratios > 1: trtbuild better)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", type=Path)
+    p.add_argument("--hf-dir", type=Path, default=None, help="HF folder of the same model (ONNX Runtime GenAI).")
+    p.add_argument("--llama-bin", type=Path, default=Path.home() / ".cache/trtbuild-peers/llama-build/bin")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--gen", type=int, default=128)
+    p.add_argument("--parallel", type=int, default=16)
+    p.add_argument("--work", type=Path, default=None, help="Where the engine is built [a temporary folder].")
+    p.add_argument("--json", type=Path, default=None, help="Also write every round and the medians here.")
+    p.add_argument("--smoke", action="store_true", help="Seconds-long run for CI: tiny lengths, one round.")
+    p.add_argument("--ortgenai-precision", default="int4", choices=["int4", "fp16", "fp32"],
+                   help="ONNX Runtime GenAI's model builder precision (match the GGUF's).")
+    p.add_argument("--measure-trtbuild", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--measure-ortgenai", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.measure_trtbuild:
+        print(json.dumps(measure_trtbuild(args.measure_trtbuild, args)))
+        return
+    if args.measure_ortgenai:
+        print(json.dumps(measure_ortgenai(args.measure_ortgenai, args)))
+        return
+    if args.gguf is None or not args.gguf.is_file():
+        sys.exit(f"--gguf: give an existing GGUF file (got {args.gguf})")
+    if args.smoke:
+        args.rounds, args.prompt, args.gen, args.parallel = 1, 16, 8, 4
+    work = args.work or Path(tempfile.mkdtemp(prefix="trtbuild-peers-"))
+    try:
+        engine = build_trtbuild(args.gguf.resolve(), work, args)
+    except CommandFailed as e:
+        sys.exit(f"trtbuild could not build an engine from {args.gguf}: {e}")
+    systems = {"trtbuild": lambda: trtbuild_round(engine, args)}
+    missing: dict[str, str] = {}
+    if (args.llama_bin / "llama-bench").is_file() and (args.llama_bin / "llama-batched-bench").is_file():
+        systems["llama.cpp"] = lambda: llama_round(args.gguf, args.llama_bin, args)
+    else:
+        missing["llama.cpp"] = f"no llama-bench / llama-batched-bench in {args.llama_bin}; build them with " \
+                               "../shared/tools/build-llama-cpp.sh"
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        missing["onnxruntime-genai"] = "not installed (pip install onnxruntime-genai onnx_ir)"
+    elif args.hf_dir is None:
+        missing["onnxruntime-genai"] = "no --hf-dir: its model builder needs the HF folder"
+    else:
+        try:
+            ortgenai = build_ortgenai(args.hf_dir.resolve(), work, args)
+            systems["onnxruntime-genai"] = lambda: ortgenai_round(ortgenai, args)
+        except CommandFailed as e:
+            missing["onnxruntime-genai"] = str(e)
+    rounds: dict[str, list[dict[str, float]]] = {s: [] for s in systems}
+    for n in range(args.rounds):
+        for name, measure in list(systems.items()):
+            try:
+                rounds[name].append(measure())
+            except CommandFailed as e:
+                if name == "trtbuild":
+                    raise
+                missing[name] = str(e)  # a peer that cannot run this model is reported, not fatal
+                del systems[name], rounds[name]
+                continue
+            print(f"round {n + 1}/{args.rounds} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                                    rounds[name][-1].items()), file=sys.stderr)
+    medians = summarize(rounds)
+    print(table(medians, missing, args))
+    if args.json:
+        args.json.write_text(json.dumps({"rounds": rounds, "medians": medians, "missing": missing}, indent=2))
+    if args.work is None:
+        shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
