@@ -67,9 +67,10 @@ def make_hf(out: Path, shape: str, seed: int) -> None:
     del model
 
 
-def make_gguf(hf: Path, path: Path, tok) -> None:
+def make_gguf(hf: Path, path: Path, tok, f32: bool = False) -> None:
     """The HF folder as a qwen2 GGUF: Q6_K for output, attn_v and ffn_down, Q4_K elsewhere (as llama.cpp's
-    Q4_K_M gives its most sensitive tensors 6 bits), F32 norms and biases."""
+    Q4_K_M gives its most sensitive tensors 6 bits; Q8_0 where rows are not a multiple of 256), F32 norms and
+    biases. `f32`: every tensor F32 (for llama.cpp's own `llama-quantize` to make Q8_0, Q4_0, Q4_K_M from)."""
     import gguf
     from gguf_kquants import encode_q4_k, encode_q6_k
 
@@ -118,8 +119,12 @@ def make_gguf(hf: Path, path: Path, tok) -> None:
                 module, kind = rest.rsplit(".", 1)
                 gname = f"blk.{i}.{layer[module]}.{kind}"
             x = st[name].float().numpy()
-            if x.ndim == 1:
+            if x.ndim == 1 or f32:
                 w.add_tensor(gname, x)
+                continue
+            if x.shape[1] % 256:  # K-quants need rows of 256k values; llama.cpp's Q4_K_M falls back to Q8_0 too
+                w.add_tensor(gname, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
+                             raw_dtype=gguf.GGMLQuantizationType.Q8_0)
                 continue
             six = gname.split(".")[-2] in ("output", "attn_v", "ffn_down")
             qtype = gguf.GGMLQuantizationType.Q6_K if six else gguf.GGMLQuantizationType.Q4_K
@@ -135,6 +140,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gguf-type", choices=["q4_k_m", "f32"], default="q4_k_m",
+                    help="f32: for llama-quantize to make the other types from (benchmarks/peers.py)")
     args = ap.parse_args()
     hf = args.out / "hf"
     hf.mkdir(parents=True, exist_ok=True)
@@ -144,8 +151,9 @@ def main() -> None:
         make_hf(hf, args.shape, args.seed)
     print(f"HF folder {hf}: {time.perf_counter() - t:.0f} s")
     t = time.perf_counter()
-    make_gguf(hf, args.out / "model-Q4_K_M.gguf", tok)
-    print(f"GGUF {args.out / 'model-Q4_K_M.gguf'}: {time.perf_counter() - t:.0f} s")
+    gguf_path = args.out / f"model-{args.gguf_type.upper()}.gguf"
+    make_gguf(hf, gguf_path, tok, f32=args.gguf_type == "f32")
+    print(f"GGUF {gguf_path}: {time.perf_counter() - t:.0f} s")
 
 
 if __name__ == "__main__":
