@@ -47,7 +47,7 @@ def linear_modules(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def mtq_config(qformat: str, kv_cache_dtype: str | None, block_size: int, excluded_modules: Sequence[str],
+def mtq_config(qformat: str, kv_cache_qformat: str | None, block_size: int, excluded_modules: Sequence[str],
                quantize_lm_head: bool, smoothquant_alpha: float | None = None) -> dict[str, Any]:
     """modelopt's config for `qformat`, with the AWQ block size, the SmoothQuant alpha, the KV-cache quantizers and
     the exclusions."""
@@ -62,8 +62,8 @@ def mtq_config(qformat: str, kv_cache_dtype: str | None, block_size: int, exclud
         for e in entries:
             if e.get("quantizer_name") == "*weight_quantizer":
                 e["cfg"]["block_sizes"][-1] = block_size
-    if kv_cache_dtype is not None:
-        kv = {"num_bits": (4, 3), "axis": None} if kv_cache_dtype == "fp8" else {
+    if kv_cache_qformat is not None:
+        kv = {"num_bits": (4, 3), "axis": None} if kv_cache_qformat == "fp8" else {
             "num_bits": 8, "axis": None, "narrow_range": True}
         entries.append({"quantizer_name": _KV_QUANTIZERS, "cfg": kv})
     for name in excluded_modules:

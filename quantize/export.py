@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from trtbuild.errors import TrtbuildError
-from trtbuild.quantize.formats import FP8_MAX, INT4_MAX, INT8_MAX, dequantize_weight, kv_max, pack_int4
+from trtbuild.quantization import FP8_E4M3_MAX, INT4_MAX, INT8_MAX, pack_int4_torch
+from trtbuild.quantize.formats import dequantize_weight, kv_max
 
 _EPS = 1.0 / (1 << 24)  # modelopt treats smaller amaxes as zero
 
@@ -31,8 +32,9 @@ def _quantize_weight(algo: str, w: torch.Tensor, amax: torch.Tensor, group: int)
     out_features, in_features = w.shape
     if algo == "fp8":  # modelopt: cast(clamp(w * (448 / amax))) * (1 / (448 / amax))
         amax = amax.reshape(())
-        q_scale = FP8_MAX / torch.where(amax <= _EPS, torch.ones_like(amax), amax)
-        return (w * q_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), _per_tensor_scale(amax, FP8_MAX)
+        q_scale = FP8_E4M3_MAX / torch.where(amax <= _EPS, torch.ones_like(amax), amax)
+        q = (w * q_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        return q, _per_tensor_scale(amax, FP8_E4M3_MAX)
     if algo == "int8_sq":
         amax = amax.reshape(out_features, 1)
         bound = INT8_MAX
@@ -46,7 +48,7 @@ def _quantize_weight(algo: str, w: torch.Tensor, amax: torch.Tensor, group: int)
     scale = (amax / bound).float()
     if algo == "int8_sq":
         return q.to(torch.int8), scale.reshape(out_features)
-    return pack_int4(q.reshape(out_features, in_features)), scale.reshape(out_features, in_features // group)
+    return pack_int4_torch(q.reshape(out_features, in_features)), scale.reshape(out_features, in_features // group)
 
 
 def export_linear(algo: str, prefix: str, module: torch.nn.Module, group: int, per_token: bool = False
@@ -63,7 +65,7 @@ def export_linear(algo: str, prefix: str, module: torch.nn.Module, group: int, p
         out[f"{prefix}.prequant_scaling_factor"] = pre.contiguous()
     if algo == "fp8" or (algo == "int8_sq" and not per_token):
         out[f"{prefix}.activation_scaling_factor"] = _per_tensor_scale(
-            _amax(inq), FP8_MAX if algo == "fp8" else INT8_MAX)
+            _amax(inq), FP8_E4M3_MAX if algo == "fp8" else INT8_MAX)
     with torch.no_grad():
         simulated = module.weight_quantizer(module.weight).detach().float()
     ours = dequantize_weight(algo, weight, w_scale, group)
@@ -97,11 +99,11 @@ def export_kv_scales(model: torch.nn.Module, kind: str) -> dict[str, torch.Tenso
 
 
 def export_quantized(model: torch.nn.Module, algo: str, quantized: dict[str, str], group: int,
-                     kv_cache_dtype: str | None, per_token: bool = False) -> dict[str, torch.Tensor]:
+                     kv_cache_qformat: str | None, per_token: bool = False) -> dict[str, torch.Tensor]:
     """All quantized tensors of the checkpoint: every quantized linear's weight and scales, and the KV scales."""
     out: dict[str, torch.Tensor] = {}
     for prefix, name in quantized.items():
         out.update(export_linear(algo, prefix, model.get_submodule(name), group, per_token))
-    if kv_cache_dtype is not None:
-        out.update(export_kv_scales(model, kv_cache_dtype))
+    if kv_cache_qformat is not None:
+        out.update(export_kv_scales(model, kv_cache_qformat))
     return out

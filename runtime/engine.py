@@ -11,6 +11,7 @@ import numpy as np
 
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, EngineInfo, read_engine_config
 from trtbuild.errors import EngineCompatibilityError
+from trtbuild.quantization import kv_pool_dtype
 from trtbuild.runtime.kv_cache import KVCacheStorage
 from trtbuild.runtime.memory import require_memory
 
@@ -97,7 +98,7 @@ class CpuEngine:
         """(Re)create the KV pool with `num_blocks` blocks; its previous contents are dropped."""
         m, b = self.info.model, self.info.build
         self.kv = KVCacheStorage(m.num_hidden_layers, m.num_key_value_heads, m.head_size, b.tokens_per_block,
-                                 num_blocks, dtype=np.dtype(b.kv_cache_dtype), quant_algo=self.kv_quant_algo,
+                                 num_blocks, dtype=kv_pool_dtype(m, b), quant_algo=self.kv_quant_algo,
                                  scales=self.kv_scales)
 
     @property

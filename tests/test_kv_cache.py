@@ -394,14 +394,14 @@ def test_a_step_mixing_decodes_with_a_long_chunk_runs_as_two_calls_with_the_same
 
 
 def test_float16_pool_halves_the_bytes_and_rounds_each_stored_value_once(random_hf_model, engine_from_hf):
-    """`kv_cache_dtype: float16`: the pool holds float16 (half the bytes per token), every new K/V is rounded once to
+    """`kv_pool_dtype: float16`: the pool holds float16 (half the bytes per token), every new K/V is rounded once to
     float16 when stored, attention sees exactly the stored values (a prompt chunked 7 + 6 scores what one 13-token
     chunk does), and the logits stay within float16 rounding of the float32 engine's."""
     hf = random_hf_model("llama")
     full = CpuEngine(engine_dir := engine_from_hf(hf, **ENGINE_OPTIONS), num_threads=1, num_blocks=16)
-    half_dir = engine_from_hf(hf, kv_cache_dtype="float16", **ENGINE_OPTIONS)
+    half_dir = engine_from_hf(hf, kv_pool_dtype="float16", **ENGINE_OPTIONS)
     half, chunked = (CpuEngine(half_dir, num_threads=1, num_blocks=16) for _ in range(2))
-    assert engine_dir != half_dir and half.info.build.kv_cache_dtype == "float16"
+    assert engine_dir != half_dir and half.info.build.kv_pool_dtype == "float16"
     assert half.kv.pool.dtype == np.float16 and 2 * half.kv.bytes_per_token == full.kv.bytes_per_token
     prompt, table = tokens(13, 5), [3, 7]
     want = full.step([SequenceChunk(0, prompt, 0, 13, table)])

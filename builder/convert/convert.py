@@ -68,8 +68,8 @@ def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dic
 
 def default_group_size(config: ModelConfig) -> int:
     """The largest of 128/64/32 that divides the input features of every linear."""
-    from trtbuild.quantize.weight_only import GROUP_SIZES
-    from trtbuild.quantize.weight_only import default_group_size as largest
+    from trtbuild.builder.convert.weight_only import GROUP_SIZES
+    from trtbuild.builder.convert.weight_only import default_group_size as largest
 
     features = (config.hidden_size, config.q_size, config.intermediate_size)
     if (g := largest(features)) is None:
@@ -108,7 +108,7 @@ def checkpoint_tensors(name: str, src: SourceTensor, config: ModelConfig, weight
     prefix, q = name.removesuffix(".weight"), config.quantization
     if (name == EMBEDDING and q.embedding_weight_only) or (
             name.endswith(".weight") and is_linear(prefix) and q.algo_of(prefix) == "weight_only"):
-        from trtbuild.quantize.weight_only import NBitsWeight, quantize_rtn
+        from trtbuild.builder.convert.weight_only import NBitsWeight, quantize_rtn
 
         if not isinstance(value, NBitsWeight):
             value = quantize_rtn(value, weight_only.bits, weight_only.group_size)
