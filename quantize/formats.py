@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import torch
 
-from trtbuild.quantization import FP8_E4M3_MAX, INT8_MAX, PER_TOKEN_MIN_AMAX, QuantAlgo, unpack_int4_torch
+from trtbuild.quantization import (
+    FP8_E4M3_MAX,
+    INT8_MAX,
+    PER_TOKEN_MIN_AMAX,
+    KVCacheQuantAlgo,
+    QuantAlgo,
+    unpack_int4_torch,
+)
 
 
 def dequantize_weight(algo: str, weight: torch.Tensor, scale: torch.Tensor, group_size: int | None = None
@@ -51,9 +58,9 @@ def per_token_scale(x: torch.Tensor) -> torch.Tensor:
 
 def activation_kind(algo: str) -> str | None:
     """How a linear's input is quantized: fp8 (fp8), int8 (int8_sq), None (int4_awq and int8_wo are weight-only)."""
-    return {"fp8": "fp8", "int8_sq": "int8"}.get(algo)
+    return {QuantAlgo.FP8: "fp8", QuantAlgo.INT8_SQ: "int8"}.get(algo)
 
 
 def kv_max(kind: str) -> float:
     """The bound that `kv_cache_scaling_factor = amax / bound` uses for a KV cache dtype."""
-    return float(FP8_E4M3_MAX if kind == "fp8" else INT8_MAX)
+    return float(FP8_E4M3_MAX if kind == KVCacheQuantAlgo.FP8 else INT8_MAX)
