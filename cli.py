@@ -21,6 +21,7 @@ from trtbuild.cli_options import (
     speculative_config,
     speculative_options,
 )
+from trtbuild.quantization import CALIBRATED_QUANT_ALGOS, LM_HEAD_QUANT_ALGOS, KVCacheQuantAlgo, KVPoolDtype
 
 
 @click.group(cls=TrtbuildCommandGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -86,17 +87,18 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
 @click.option("--int4-accuracy-level", type=click.Choice(["1", "4"]), default="4", show_default=True,
               help="int4 and int8 weight-only linears on CPU (MatMulNBits): 4 computes in int8 (faster), 1 in fp32 "
                    "(matches the format exactly).")
-@click.option("--kv-cache-dtype", type=click.Choice(["float32", "float16"]), default="float32", show_default=True,
+@click.option("--kv-pool-dtype", type=click.Choice([d.value for d in KVPoolDtype]), default=KVPoolDtype.FLOAT32.value,
+              show_default=True,
               help="Paged KV pool of an unquantized KV cache: float16 halves its memory (compute stays float32).")
 def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_seq_len: int | None,
           max_num_tokens: int, tokens_per_block: int, no_fuse: bool, int4_accuracy_level: str,
-          kv_cache_dtype: str) -> None:
+          kv_pool_dtype: str) -> None:
     """Compile a checkpoint into an engine directory for one target."""
     from trtbuild.builder.build import build_engine
 
     build_engine(checkpoint, output, target=target, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                  max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block, fuse=not no_fuse,
-                 int4_accuracy_level=int(int4_accuracy_level), kv_cache_dtype=kv_cache_dtype)
+                 int4_accuracy_level=int(int4_accuracy_level), kv_pool_dtype=kv_pool_dtype)
     click.echo(f"wrote engine {output}")
 
 
@@ -282,9 +284,9 @@ def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: i
 @click.option("--model", required=True, type=existing,
               help="Hugging Face model folder, a .gguf file, or an unquantized trtbuild checkpoint folder.")
 @click.option("--output", required=True, type=out, help="Checkpoint folder to create (must not exist or be empty).")
-@click.option("--qformat", required=True, type=click.Choice(["fp8", "int4_awq", "int8_sq"]),
+@click.option("--qformat", required=True, type=click.Choice([a.value for a in CALIBRATED_QUANT_ALGOS]),
               help="fp8: e4m3 weights and activations; int4_awq: 4-bit weights, AWQ; int8_sq: int8 SmoothQuant.")
-@click.option("--kv-cache-dtype", type=click.Choice(["fp8", "int8"]), default=None,
+@click.option("--kv-cache-qformat", type=click.Choice([a.value for a in KVCacheQuantAlgo]), default=None,
               help="Also quantize the KV cache (per-layer static scales).")
 @click.option("--calib-dataset", type=existing, default=None,
               help='.txt file, .jsonl (field "text") or folder of .txt [default: Python standard-library docstrings].')
@@ -309,27 +311,28 @@ def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: i
 @click.option("--exclude", multiple=True, default=("lm_head",),
               help="Keep linears whose checkpoint name matches this fnmatch pattern unquantized (repeatable; "
                    "replaces the default), e.g. 'transformer.layers.0.*'.")
-@click.option("--lm-head-qformat", type=click.Choice(["int8_wo"]), default=None,
+@click.option("--lm-head-qformat", type=click.Choice([a.value for a in LM_HEAD_QUANT_ALGOS]), default=None,
               help="Give lm_head (excluded from --qformat) its own format: int8_wo is int8 weights with a scale per "
                    "output channel and full-precision activations (W8A16). Default: lm_head stays in --dtype.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto",
               help="Dtype of the unquantized tensors; auto keeps the model's.")
 @click.option("--tp-size", type=click.IntRange(min=1), default=1, help="Tensor-parallel ranks.")
 @click.option("--pp-size", type=click.IntRange(min=1), default=1, help="Pipeline-parallel ranks.")
-def quantize(model: Path, output: Path, qformat: str, kv_cache_dtype: str | None, calib_dataset: Path | None,
+def quantize(model: Path, output: Path, qformat: str, kv_cache_qformat: str | None, calib_dataset: Path | None,
              calib_size: int, calib_max_seq_len: int, awq_block_size: int | None, awq_grid: int | None,
              smoothquant_alpha: float | None, per_token_activations: bool, fuse_shared_scales: bool,
              exclude: tuple[str, ...], lm_head_qformat: str | None, dtype: str, tp_size: int, pp_size: int) -> None:
     """Calibrate a model with nvidia-modelopt and write a quantized checkpoint (docs/quantization.md)."""
+    from trtbuild.quantize.options import QuantizeOptions
     from trtbuild.quantize.quantize import quantize as run_quantize
 
-    r = run_quantize(model, output, qformat, kv_cache_dtype=kv_cache_dtype, calib_dataset=calib_dataset,
-                     calib_size=calib_size, calib_max_seq_len=calib_max_seq_len, awq_block_size=awq_block_size,
-                     exclude=exclude, dtype=dtype, tp_size=tp_size, pp_size=pp_size,
-                     shared_input_scales=fuse_shared_scales, smoothquant_alpha=smoothquant_alpha,
-                     per_token_activations=per_token_activations, lm_head_qformat=lm_head_qformat,
-                     awq_grid=awq_grid)
-    click.echo(f"wrote {output}: {r.summary()}")
+    options = QuantizeOptions(model, output, qformat, kv_cache_qformat=kv_cache_qformat, calib_dataset=calib_dataset,
+                              calib_size=calib_size, calib_max_seq_len=calib_max_seq_len,
+                              awq_block_size=awq_block_size, awq_grid=awq_grid, smoothquant_alpha=smoothquant_alpha,
+                              per_token_activations=per_token_activations, shared_input_scales=fuse_shared_scales,
+                              exclude=exclude, lm_head_qformat=lm_head_qformat, dtype=dtype, tp_size=tp_size,
+                              pp_size=pp_size)
+    click.echo(f"wrote {output}: {run_quantize(options).summary()}")
 
 if __name__ == "__main__":
     main()

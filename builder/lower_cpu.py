@@ -14,7 +14,7 @@ import onnx
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder, GraphView, topological_sort
 from trtbuild.builder.weight_file import StagingWeights
 from trtbuild.plugins import paged_attention as pa
-from trtbuild.runtime.kv_cache import fp8_e4m3_values
+from trtbuild.quantization import FP8_E4M3_MAX, INT8_MAX, KVCacheQuantAlgo, fp8_e4m3_values
 
 _MISSING = object()
 
@@ -122,7 +122,7 @@ class _Lowering:
         op, c = self.g.op, self.c
         if algo is None:
             return gathered if not self.half_pool(node) else op("Cast", [gathered], to=onnx.TensorProto.FLOAT)
-        if algo == "int8":
+        if algo == KVCacheQuantAlgo.INT8:
             return op("Cast", [gathered], to=onnx.TensorProto.FLOAT)
         return op("Gather", [c(fp8_e4m3_values(), "kv_fp8_table"), op("Cast", [gathered], to=onnx.TensorProto.INT32)])
 
@@ -138,10 +138,11 @@ class _Lowering:
                 return x
             return op("Cast", [op("Cast", [x], to=onnx.TensorProto.FLOAT16)], to=onnx.TensorProto.FLOAT)
         y = op("Div", [x, c(scale, "kv_scale")])
-        if algo == "int8":
-            return op("Clip", [op("Round", [y]), c(np.float32(-127), "kv_min"), c(np.float32(127), "kv_max")])
-        fp8 = op("Cast", [op("Clip", [y, c(np.float32(-448), "kv_min"), c(np.float32(448), "kv_max")])],
-                 to=onnx.TensorProto.FLOAT8E4M3FN)
+        bound = np.float32(INT8_MAX if algo == KVCacheQuantAlgo.INT8 else FP8_E4M3_MAX)
+        low, high = c(-bound, "kv_min"), c(bound, "kv_max")
+        if algo == KVCacheQuantAlgo.INT8:
+            return op("Clip", [op("Round", [y]), low, high])
+        fp8 = op("Cast", [op("Clip", [y, low, high])], to=onnx.TensorProto.FLOAT8E4M3FN)
         return op("Cast", [fp8], to=onnx.TensorProto.FLOAT)
 
     def lower(self, node: onnx.NodeProto) -> None:

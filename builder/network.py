@@ -13,7 +13,7 @@ Quantized checkpoints: linears take the standard Q/DQ form of their format (buil
 cache makes `kv_cache` int8 (or uint8 holding float8 e4m3fn bits); each PagedAttention node then carries the
 attributes `kv_cache_quant_algo` and `kv_cache_scale` [K scale, V scale], and the model's metadata_props carry
 the per-layer scales (`trtbuild.kv_cache_scales`, JSON [[k, v], ...]) for the runtime, which quantizes new_kv when
-it writes the pool. new_kv itself stays float32. An unquantized pool built with `kv_cache_dtype: float16` makes
+it writes the pool. new_kv itself stays float32. An unquantized pool built with `kv_pool_dtype: float16` makes
 `kv_cache` float16 (the runtime rounds new_kv to it when it writes, and attention reads it back as float32).
 """
 
@@ -28,12 +28,13 @@ import torch
 from onnx import TensorProto
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
-from trtbuild.builder.quantized import KV_CACHE_ELEM_TYPES, QuantizedLinears, kv_cache_scales
+from trtbuild.builder.quantized import QuantizedLinears, kv_cache_scales
 from trtbuild.builder.rope import rope_tables
 from trtbuild.builder.weight_file import StagingWeights
 from trtbuild.builder.weight_only_linear import emit_nbits_gather
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.plugins import paged_attention as pa
+from trtbuild.quantization import kv_pool_elem_type
 
 ENGINE_INPUTS = ("input_ids", "position_ids", "query_start_loc", "past_lengths", "block_tables", "logits_indices",
                  "kv_cache")
@@ -112,9 +113,7 @@ class _NetworkWriter:
         past_lengths = g.input("past_lengths", i64, ["batch"])
         block_tables = g.input("block_tables", i64, ["batch", self.build.max_blocks_per_seq])
         logits_indices = g.input("logits_indices", i64, ["num_logits"])
-        kv_algo = c.quantization.kv_cache_quant_algo
-        kv_cache = g.input("kv_cache", KV_CACHE_ELEM_TYPES[kv_algo or self.build.kv_cache_dtype],
-                           kv_cache_shape(c, self.build, "num_blocks"))
+        kv_cache = g.input("kv_cache", kv_pool_elem_type(c, self.build), kv_cache_shape(c, self.build, "num_blocks"))
 
         cos_np, sin_np = rope_tables(c, self.build.max_seq_len)
         cos, sin = g.weight("rope_cos", cos_np), g.weight("rope_sin", sin_np)
@@ -137,8 +136,8 @@ class _NetworkWriter:
                 k = self.head_norm(k, p + "attention.k_norm.weight", c.num_key_value_heads)
             q = self.rope(q, c.num_attention_heads, positions_2d, cos, sin)
             k = self.rope(k, c.num_key_value_heads, positions_2d, cos, sin)
-            kv_quant = {} if self.kv_scales is None else dict(
-                kv_cache_quant_algo=kv_algo, kv_cache_scale=[float(s) for s in self.kv_scales[i]])
+            kv_quant = {} if self.kv_scales is None else dict(kv_cache_quant_algo=c.quantization.kv_cache_quant_algo,
+                                                              kv_cache_scale=[float(s) for s in self.kv_scales[i]])
             attn, k_new, v_new = g.op(
                 pa.OP_TYPE, [q, k, v, kv_cache, block_tables, past_lengths, query_start], num_outputs=3,
                 domain=pa.DOMAIN, name=p + "attention.paged", layer_idx=i, num_heads=c.num_attention_heads,

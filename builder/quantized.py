@@ -27,19 +27,22 @@ from trtbuild.builder.convert.checkpoint import expected_shape
 from trtbuild.builder.graph import GraphBuilder
 from trtbuild.builder.weight_only_linear import emit_nbits_matmul
 from trtbuild.configs import BuildConfig, ModelConfig
-from trtbuild.configs.model_config import LM_HEAD_QUANT_ALGOS
-from trtbuild.errors import TrtbuildError
+from trtbuild.errors import ConfigError, TrtbuildError
+from trtbuild.quantization import (
+    INT8_MAX,
+    LM_HEAD_QUANT_ALGOS,
+    PER_TOKEN_MIN_AMAX,
+    QUANT_ALGOS,
+    KVCacheQuantAlgo,
+    KVPoolDtype,
+    QuantAlgo,
+    unpack_int4,
+)
 
-QUANT_ALGOS = ("fp8", "int4_awq", "int8_sq", "weight_only")
-KV_CACHE_QUANT_ALGOS = ("int8", "fp8")
 INT4_GROUP_SIZES = (16, 32, 64, 128, 256)  # MatMulNBits block sizes: powers of two from 16
-WEIGHT_DTYPES = {"fp8": torch.float8_e4m3fn, "int4_awq": torch.uint8, "int8_sq": torch.int8, "int8_wo": torch.int8,
-                 "weight_only": torch.uint8}
+WEIGHT_DTYPES = {QuantAlgo.FP8: torch.float8_e4m3fn, QuantAlgo.INT4_AWQ: torch.uint8, QuantAlgo.INT8_SQ: torch.int8,
+                 QuantAlgo.INT8_WO: torch.int8, QuantAlgo.WEIGHT_ONLY: torch.uint8}
 KV_SCALE = "attention.kv_cache_scaling_factor"
-# onnx element type of the kv_cache input for each kv_cache_quant_algo (fp8 travels as its uint8 bit patterns)
-# (and of an unquantized pool for each BuildConfig.kv_cache_dtype)
-KV_CACHE_ELEM_TYPES = {None: TensorProto.FLOAT, "int8": TensorProto.INT8, "fp8": TensorProto.UINT8,
-                       "float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
 
 def check_quantization(config: ModelConfig, build: BuildConfig) -> None:
@@ -48,23 +51,23 @@ def check_quantization(config: ModelConfig, build: BuildConfig) -> None:
     if q.quant_algo not in (None, *QUANT_ALGOS):
         raise TrtbuildError(f"quantization {q.quant_algo!r} cannot be built for target {build.target}; supported "
                             f"quant_algo: {', '.join(QUANT_ALGOS)} (or none).")
-    if q.kv_cache_quant_algo not in (None, *KV_CACHE_QUANT_ALGOS):
+    if q.kv_cache_quant_algo not in (None, *KVCacheQuantAlgo):
         raise TrtbuildError(f"KV cache quantization {q.kv_cache_quant_algo!r} cannot be built for target "
-                            f"{build.target}; supported kv_cache_quant_algo: {', '.join(KV_CACHE_QUANT_ALGOS)}.")
-    if q.kv_cache_quant_algo and build.kv_cache_dtype != "float32":
-        raise TrtbuildError(f"the checkpoint's KV cache is quantized ({q.kv_cache_quant_algo}); --kv-cache-dtype "
-                            f"{build.kv_cache_dtype} applies to unquantized KV caches only: drop it, or quantize "
-                            "without --kv-cache-dtype.")
+                            f"{build.target}; supported kv_cache_quant_algo: {', '.join(KVCacheQuantAlgo)}.")
+    if q.kv_cache_quant_algo and build.kv_pool_dtype != KVPoolDtype.FLOAT32:
+        raise ConfigError("kv_pool_dtype", f"{build.kv_pool_dtype} applies to unquantized KV caches only, and the "
+                                           f"checkpoint's KV cache is quantized ({q.kv_cache_quant_algo}): drop it, or "
+                                           "quantize the model without KV cache quantization.")
     if q.lm_head_quant_algo not in (None, *LM_HEAD_QUANT_ALGOS):
         raise TrtbuildError(f"lm_head quantization {q.lm_head_quant_algo!r} cannot be built for target {build.target}; "
                             f"supported lm_head_quant_algo: {', '.join(LM_HEAD_QUANT_ALGOS)}.")
-    if q.has_zero_point and q.quant_algo != "weight_only":
+    if q.has_zero_point and q.quant_algo != QuantAlgo.WEIGHT_ONLY:
         raise TrtbuildError("quantization with zero points (has_zero_point=true) is not supported; re-quantize with "
                             "symmetric scales (`trtbuild quantize` writes those).")
     if q.per_token_activations and config.mapping.tp_size > 1:
         raise TrtbuildError("per-token activation scales need tp_size 1 (a row-parallel rank does not hold all the "
                             "input features a token's scale is taken over); re-quantize with --tp-size 1.")
-    if q.quant_algo == "int4_awq":
+    if q.quant_algo == QuantAlgo.INT4_AWQ:
         g = q.group_size or 128
         if g not in INT4_GROUP_SIZES:
             raise TrtbuildError(f"int4_awq group_size {g} cannot run on the {build.target} target (MatMulNBits "
@@ -79,9 +82,9 @@ def check_quantization(config: ModelConfig, build: BuildConfig) -> None:
 
 # Linears of a layer that read one tensor, and the scales `shared_input_scales: true` promises are equal among them.
 SIBLINGS = (("attention.q", "attention.k", "attention.v"), ("mlp.gate", "mlp.fc"))
-SHARED_SCALES = {"fp8": ("activation_scaling_factor", "weights_scaling_factor"),
-                 "int4_awq": ("prequant_scaling_factor",),
-                 "int8_sq": ("prequant_scaling_factor", "activation_scaling_factor")}
+SHARED_SCALES = {QuantAlgo.FP8: ("activation_scaling_factor", "weights_scaling_factor"),
+                 QuantAlgo.INT4_AWQ: ("prequant_scaling_factor",),
+                 QuantAlgo.INT8_SQ: ("prequant_scaling_factor", "activation_scaling_factor")}
 
 
 def check_shared_scales(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
@@ -113,18 +116,6 @@ def kv_cache_scales(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> np
     if not np.all(np.isfinite(scales) & (scales > 0)):
         raise TrtbuildError("the checkpoint's kv_cache_scaling_factor values must be positive and finite.")
     return scales
-
-
-def unpack_int4(packed: np.ndarray) -> np.ndarray:
-    """uint8 [out, in/2] (q + 8, even input index in the low nibble) -> int8 [out, in] in [-8, 7]."""
-    low, high = (packed & 0x0F).astype(np.int8) - 8, (packed >> 4).astype(np.int8) - 8
-    return np.stack([low, high], axis=-1).reshape(packed.shape[0], -1)
-
-
-def pack_int4(q: np.ndarray) -> np.ndarray:
-    """int [out, in] in [-8, 7] -> uint8 [out, in/2]: q + 8, two per byte, even input index in the low nibble."""
-    nibbles = (np.asarray(q) + 8).astype(np.uint8)
-    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
 
 
 def _fp8(t: torch.Tensor) -> np.ndarray:
@@ -188,8 +179,6 @@ class QuantizedLinears:
 
     def _act_per_token(self, x: str, prefix: str, features: int) -> str:
         """Blocked Q/DQ(int8) of x with one dynamic scale per token: max(max |x|, floor) / 127 over the last axis."""
-        from trtbuild.quantize.formats import INT8_MAX, PER_TOKEN_MIN_AMAX
-
         def make() -> str:
             g = self.g
             amax = g.op("ReduceMax", [g.op("Abs", [x], name=prefix + "_act_token_abs"),
@@ -209,17 +198,17 @@ class QuantizedLinears:
         import ml_dtypes
 
         algo = self.quant.algo_of(prefix)
-        if algo == "weight_only":
+        if algo == QuantAlgo.WEIGHT_ONLY:
             in_features = expected_shape(prefix + ".weight", self.config)[1]
             return emit_nbits_matmul(self.g, x, prefix, self.tensors, in_features, self.accuracy_level, outputs)
         g, w = self.g, self.tensors[prefix + ".weight"]
         wscale = self._f32(prefix + ".weights_scaling_factor")
-        if algo == "fp8":
+        if algo == QuantAlgo.FP8:
             x = self._act_qdq(x, prefix, np.array(0, dtype=ml_dtypes.float8_e4m3fn))
             weight = g.weight(prefix + ".weight", _fp8(w).T)  # [in, out], one byte per weight
             dq = g.op("DequantizeLinear", [weight, g.weight(prefix + ".weights_scaling_factor", wscale.reshape(()))],
                       name=prefix + "_weight_dequant")
-        elif algo == "int4_awq":
+        elif algo == QuantAlgo.INT4_AWQ:
             x = self._prescale(x, prefix)
             q = unpack_int4(w.numpy())  # [out, in]
             want = (q.shape[0], q.shape[1] // self.quant.weight_group_size)
@@ -230,7 +219,7 @@ class QuantizedLinears:
             dq = g.op("DequantizeLinear", [weight, g.weight(prefix + ".weights_scaling_factor", wscale.T)],
                       name=prefix + "_weight_dequant", axis=0, block_size=self.quant.weight_group_size)
         else:  # int8_sq: static per-tensor or dynamic per-token activation scales; int8_wo: weight-only
-            if algo == "int8_sq":
+            if algo == QuantAlgo.INT8_SQ:
                 x = self._prescale(x, prefix)
                 x = (self._act_per_token(x, prefix, w.shape[1]) if self.quant.per_token_activations
                      else self._act_qdq(x, prefix, np.array(0, dtype=np.int8)))

@@ -6,14 +6,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from trtbuild.errors import TrtbuildError
+from trtbuild.errors import ConfigError
+from trtbuild.quantization import KVPoolDtype
 
 TARGETS = ("cpu", "tensorrt")
 # ONNX Runtime MatMulNBits accuracy levels the CPU engine offers for int4 weights: 1 = fp32 compute (bit-faithful
 # to the checkpoint format), 4 = int8 compute (activations quantized per block, VNNI kernels; faster).
 INT4_ACCURACY_LEVELS = (1, 4)
-# element type of an unquantized paged KV pool (a quantized one is the checkpoint's kv_cache_quant_algo)
-KV_CACHE_DTYPES = ("float32", "float16")
 
 
 @dataclass(frozen=True)
@@ -26,21 +25,21 @@ class BuildConfig:
     fuse: bool = True  # run the fusion passes (off only to test them)
     # INT4_ACCURACY_LEVELS: MatMulNBits' compute on the CPU target, for int4 and int8 weight-only (int8_wo) linears
     int4_accuracy_level: int = 4
-    # KV_CACHE_DTYPES: float16 halves the pool's bytes (attention still computes in float32)
-    kv_cache_dtype: str = "float32"
+    # KVPoolDtype of an unquantized KV pool: float16 halves its bytes (attention still computes in float32); a
+    # quantized one is the checkpoint's kv_cache_quant_algo (trtbuild.quantization.kv_pool_dtype)
+    kv_pool_dtype: str = KVPoolDtype.FLOAT32.value
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
-            raise TrtbuildError(f"unknown target {self.target!r}; choose one of {', '.join(TARGETS)}.")
+            raise ConfigError("target", f"must be one of {', '.join(TARGETS)}, got {self.target!r}.")
         for name in ("max_batch_size", "max_seq_len", "max_num_tokens", "tokens_per_block"):
             if getattr(self, name) < 1:
-                raise TrtbuildError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
+                raise ConfigError(name, f"must be at least 1, got {getattr(self, name)}.")
         if self.int4_accuracy_level not in INT4_ACCURACY_LEVELS:
-            raise TrtbuildError(f"--int4-accuracy-level must be one of {INT4_ACCURACY_LEVELS}, "
-                                f"got {self.int4_accuracy_level}.")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise TrtbuildError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                                f"got {self.kv_cache_dtype!r}.")
+            raise ConfigError("int4_accuracy_level", f"must be one of {', '.join(map(str, INT4_ACCURACY_LEVELS))}, "
+                                                     f"got {self.int4_accuracy_level}.")
+        if self.kv_pool_dtype not in tuple(KVPoolDtype):
+            raise ConfigError("kv_pool_dtype", f"must be one of {', '.join(KVPoolDtype)}, got {self.kv_pool_dtype!r}.")
 
     @property
     def max_blocks_per_seq(self) -> int:

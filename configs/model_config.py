@@ -15,6 +15,7 @@ from typing import Any
 
 from trtbuild import CHECKPOINT_FORMAT_VERSION
 from trtbuild.errors import CheckpointError
+from trtbuild.quantization import LM_HEAD_QUANT_ALGOS, QUANT_ALGOS, KVCacheQuantAlgo, QuantAlgo
 
 # HF `architectures[0]` -> (family, qkv_bias, qk_norm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
@@ -54,21 +55,13 @@ class Mapping:
         return {"world_size": self.world_size, "tp_size": self.tp_size, "pp_size": self.pp_size}
 
 
-# weight_only: int8 or int4 weights with blockwise scales (and optional float zero points) and full-precision
-# activations, in ONNX Runtime MatMulNBits' layout; each linear's bits, group size and zero points are told by its own
-# tensors (`trtbuild convert --weight-only`, or a GGUF file's quantized tensors kept as they are)
-QUANT_ALGOS = ("fp8", "int4_awq", "int8_sq", "weight_only")
-KV_CACHE_QUANT_ALGOS = ("fp8", "int8")
-# Formats lm_head may take on its own (`lm_head_quant_algo`), whatever the other linears use: int8_wo is int8 weights
-# with one scale per output channel and full-precision activations (TensorRT-LLM's W8A16).
-LM_HEAD_QUANT_ALGOS = ("int8_wo",)
 # Scale tensors each quantized linear `P` carries besides `P.weight` (format: docs/quantization.md).
 QUANT_SCALES: dict[str, tuple[str, ...]] = {
-    "fp8": ("weights_scaling_factor", "activation_scaling_factor"),
-    "int4_awq": ("weights_scaling_factor", "prequant_scaling_factor"),
-    "int8_sq": ("weights_scaling_factor", "activation_scaling_factor", "prequant_scaling_factor"),
-    "int8_wo": ("weights_scaling_factor",),
-    "weight_only": ("weights_scaling_factor",),  # + weights_zero_point where the linear has one
+    QuantAlgo.FP8: ("weights_scaling_factor", "activation_scaling_factor"),
+    QuantAlgo.INT4_AWQ: ("weights_scaling_factor", "prequant_scaling_factor"),
+    QuantAlgo.INT8_SQ: ("weights_scaling_factor", "activation_scaling_factor", "prequant_scaling_factor"),
+    QuantAlgo.INT8_WO: ("weights_scaling_factor",),
+    QuantAlgo.WEIGHT_ONLY: ("weights_scaling_factor",),  # + weights_zero_point where the linear has one
 }
 
 
@@ -76,8 +69,8 @@ QUANT_SCALES: dict[str, tuple[str, ...]] = {
 class QuantConfig:
     """Quantization of weights and KV cache; all None means full precision (docs/quantization.md)."""
 
-    quant_algo: str | None = None  # QUANT_ALGOS
-    kv_cache_quant_algo: str | None = None  # fp8 | int8
+    quant_algo: str | None = None  # QUANT_ALGOS (trtbuild.quantization)
+    kv_cache_quant_algo: str | None = None  # KVCacheQuantAlgo
     # int4_awq: input features per weight scale (128 unless set); weight_only: the one group size of every linear
     # (null: per output channel, or differing between linears)
     group_size: int | None = None
@@ -103,17 +96,17 @@ class QuantConfig:
 
         if self.quant_algo not in (None, *QUANT_ALGOS):
             raise bad(f"quant_algo {self.quant_algo!r} is not one of {', '.join(QUANT_ALGOS)} or null")
-        if self.kv_cache_quant_algo not in (None, *KV_CACHE_QUANT_ALGOS):
+        if self.kv_cache_quant_algo not in (None, *KVCacheQuantAlgo):
             raise bad(f"kv_cache_quant_algo {self.kv_cache_quant_algo!r} is not one of "
-                      f"{', '.join(KV_CACHE_QUANT_ALGOS)} or null")
-        if self.has_zero_point and self.quant_algo != "weight_only":
+                      f"{', '.join(KVCacheQuantAlgo)} or null")
+        if self.has_zero_point and self.quant_algo != QuantAlgo.WEIGHT_ONLY:
             raise bad("has_zero_point=true (asymmetric weights) is only supported with quant_algo weight_only")
         if self.group_size is not None and (isinstance(self.group_size, bool) or not isinstance(self.group_size, int)
                                             or self.group_size < 1):
             raise bad(f"group_size {self.group_size!r} is not a positive integer")
-        if self.group_size is not None and self.quant_algo not in ("int4_awq", "weight_only"):
+        if self.group_size is not None and self.quant_algo not in (QuantAlgo.INT4_AWQ, QuantAlgo.WEIGHT_ONLY):
             raise bad(f"group_size is only meaningful for int4_awq and weight_only, not {self.quant_algo!r}")
-        if bool(self.pre_quant_scale) != (self.quant_algo in ("int4_awq", "int8_sq")):
+        if bool(self.pre_quant_scale) != (self.quant_algo in (QuantAlgo.INT4_AWQ, QuantAlgo.INT8_SQ)):
             raise bad(f"pre_quant_scale={self.pre_quant_scale} does not match quant_algo {self.quant_algo!r}")
         if not all(isinstance(p, str) for p in self.exclude_modules):
             raise bad("exclude_modules must be a list of strings")
@@ -123,16 +116,16 @@ class QuantConfig:
             raise bad("shared_input_scales=true needs a quant_algo")
         if not isinstance(self.per_token_activations, bool):
             raise bad(f"per_token_activations {self.per_token_activations!r} is not true or false")
-        if self.per_token_activations and self.quant_algo != "int8_sq":
+        if self.per_token_activations and self.quant_algo != QuantAlgo.INT8_SQ:
             raise bad(f"per_token_activations is only meaningful for int8_sq, not {self.quant_algo!r}")
         alpha = self.smoothquant_alpha
-        if alpha is not None and self.quant_algo != "int8_sq":
+        if alpha is not None and self.quant_algo != QuantAlgo.INT8_SQ:
             raise bad(f"smoothquant_alpha is only meaningful for int8_sq, not {self.quant_algo!r}")
         if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)
                                   or not 0.0 <= alpha <= 1.0):
             raise bad(f"smoothquant_alpha {alpha!r} is not a number in [0, 1]")
         if self.embedding_weight_only is not False and (self.embedding_weight_only is not True
-                                                         or self.quant_algo != "weight_only"):
+                                                         or self.quant_algo != QuantAlgo.WEIGHT_ONLY):
             raise bad(f"embedding_weight_only={self.embedding_weight_only!r} needs quant_algo weight_only")
         if self.lm_head_quant_algo not in (None, *LM_HEAD_QUANT_ALGOS):
             raise bad(f"lm_head_quant_algo {self.lm_head_quant_algo!r} is not one of {', '.join(LM_HEAD_QUANT_ALGOS)} "

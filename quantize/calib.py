@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from trtbuild.errors import TrtbuildError
+from trtbuild.errors import ConfigError, TrtbuildError
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +74,22 @@ def read_calibration_texts(path: Path | None) -> list[str]:
         return default_corpus()
     path = Path(path)
     if not path.exists():
-        raise TrtbuildError(f"--calib-dataset {path} does not exist.")
+        raise ConfigError("calib_dataset", f"{path} does not exist.")
     try:
         if path.is_dir():
             files = sorted(path.rglob("*.txt"))
             if not files:
-                raise TrtbuildError(f"--calib-dataset folder {path} has no .txt files.")
+                raise ConfigError("calib_dataset", f"folder {path} has no .txt files.")
             texts = [f.read_text(encoding="utf-8") for f in files]
         elif path.suffix.lower() == ".jsonl":
             texts = _read_jsonl(path)
         else:
             texts = [path.read_text(encoding="utf-8")]
     except UnicodeDecodeError as e:
-        raise TrtbuildError(f"--calib-dataset {path} is not UTF-8 text ({e}).") from None
+        raise ConfigError("calib_dataset", f"{path} is not UTF-8 text ({e}).") from None
     texts = [t for t in texts if t.strip()]
     if not texts:
-        raise TrtbuildError(f"--calib-dataset {path} has no text; give a non-empty .txt, .jsonl or folder of .txt.")
+        raise ConfigError("calib_dataset", f"{path} has no text; give a non-empty .txt, .jsonl or folder of .txt.")
     return texts
 
 
@@ -101,9 +101,9 @@ def _read_jsonl(path: Path) -> list[str]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise TrtbuildError(f"--calib-dataset {path} line {number} is not JSON ({e}).") from None
+            raise ConfigError("calib_dataset", f"{path} line {number} is not JSON ({e}).") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise TrtbuildError(f'--calib-dataset {path} line {number} has no string field "text".')
+            raise ConfigError("calib_dataset", f'{path} line {number} has no string field "text".')
         texts.append(record["text"])
     return texts
 

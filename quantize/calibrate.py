@@ -17,12 +17,14 @@ from tqdm import tqdm
 
 from trtbuild.builder.convert.names import hf_to_checkpoint_name
 from trtbuild.errors import TrtbuildError
+from trtbuild.quantization import KVCacheQuantAlgo, QuantAlgo
 from trtbuild.quantize.awq import DEFAULT_GRID_POINTS, AWQLayerCalibrator, alpha_grid
 from trtbuild.quantize.layerwise import CalibLayer, ForwardLoop, Progress, calibrate_layerwise, decoder_layers
 
 log = logging.getLogger(__name__)
 
-MTQ_CONFIGS = {"fp8": "FP8_DEFAULT_CFG", "int4_awq": "INT4_AWQ_CFG", "int8_sq": "INT8_SMOOTHQUANT_CFG"}
+MTQ_CONFIGS = {QuantAlgo.FP8: "FP8_DEFAULT_CFG", QuantAlgo.INT4_AWQ: "INT4_AWQ_CFG",
+               QuantAlgo.INT8_SQ: "INT8_SMOOTHQUANT_CFG"}
 _KV_QUANTIZERS = "*[kv]_bmm_quantizer"
 # Linears of one layer that read the same tensor (HF names relative to `model.layers.{i}.`).
 _SHARED_INPUT_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
@@ -47,23 +49,23 @@ def linear_modules(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def mtq_config(qformat: str, kv_cache_dtype: str | None, block_size: int, excluded_modules: Sequence[str],
+def mtq_config(qformat: str, kv_cache_qformat: str | None, block_size: int, excluded_modules: Sequence[str],
                quantize_lm_head: bool, smoothquant_alpha: float | None = None) -> dict[str, Any]:
     """modelopt's config for `qformat`, with the AWQ block size, the SmoothQuant alpha, the KV-cache quantizers and
     the exclusions."""
     mtq = import_mtq()
     config = copy.deepcopy(getattr(mtq, MTQ_CONFIGS[qformat]))
-    if qformat == "int8_sq" and smoothquant_alpha is not None:
+    if qformat == QuantAlgo.INT8_SQ and smoothquant_alpha is not None:
         config["algorithm"] = {"method": "smoothquant", "alpha": float(smoothquant_alpha)}
     entries: list[dict[str, Any]] = config["quant_cfg"]
     if quantize_lm_head:
         entries[:] = [e for e in entries if e.get("quantizer_name") != "*lm_head*"]
-    if qformat == "int4_awq":
+    if qformat == QuantAlgo.INT4_AWQ:
         for e in entries:
             if e.get("quantizer_name") == "*weight_quantizer":
                 e["cfg"]["block_sizes"][-1] = block_size
-    if kv_cache_dtype is not None:
-        kv = {"num_bits": (4, 3), "axis": None} if kv_cache_dtype == "fp8" else {
+    if kv_cache_qformat is not None:
+        kv = {"num_bits": (4, 3), "axis": None} if kv_cache_qformat == KVCacheQuantAlgo.FP8 else {
             "num_bits": 8, "axis": None, "narrow_range": True}
         entries.append({"quantizer_name": _KV_QUANTIZERS, "cfg": kv})
     for name in excluded_modules:

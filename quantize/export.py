@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from trtbuild.errors import TrtbuildError
-from trtbuild.quantize.formats import FP8_MAX, INT4_MAX, INT8_MAX, dequantize_weight, kv_max, pack_int4
+from trtbuild.quantization import FP8_E4M3_MAX, INT4_MAX, INT8_MAX, QuantAlgo, pack_int4_torch
+from trtbuild.quantize.formats import dequantize_weight, kv_max
 
 _EPS = 1.0 / (1 << 24)  # modelopt treats smaller amaxes as zero
 
@@ -29,11 +30,12 @@ def _per_tensor_scale(amax: torch.Tensor, bound: float) -> torch.Tensor:
 def _quantize_weight(algo: str, w: torch.Tensor, amax: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(stored weight, weights_scaling_factor) of fp32 weight `w` [out, in] under the quantizer's amax."""
     out_features, in_features = w.shape
-    if algo == "fp8":  # modelopt: cast(clamp(w * (448 / amax))) * (1 / (448 / amax))
+    if algo == QuantAlgo.FP8:  # modelopt: cast(clamp(w * (448 / amax))) * (1 / (448 / amax))
         amax = amax.reshape(())
-        q_scale = FP8_MAX / torch.where(amax <= _EPS, torch.ones_like(amax), amax)
-        return (w * q_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), _per_tensor_scale(amax, FP8_MAX)
-    if algo == "int8_sq":
+        q_scale = FP8_E4M3_MAX / torch.where(amax <= _EPS, torch.ones_like(amax), amax)
+        q = (w * q_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        return q, _per_tensor_scale(amax, FP8_E4M3_MAX)
+    if algo == QuantAlgo.INT8_SQ:
         amax = amax.reshape(out_features, 1)
         bound = INT8_MAX
     else:
@@ -44,9 +46,9 @@ def _quantize_weight(algo: str, w: torch.Tensor, amax: torch.Tensor, group: int)
     q_scale = torch.where(amax <= _EPS, torch.zeros_like(amax), torch.full_like(amax, bound) / amax)
     q = torch.clamp((w * q_scale).round(), -bound - 1, bound)
     scale = (amax / bound).float()
-    if algo == "int8_sq":
+    if algo == QuantAlgo.INT8_SQ:
         return q.to(torch.int8), scale.reshape(out_features)
-    return pack_int4(q.reshape(out_features, in_features)), scale.reshape(out_features, in_features // group)
+    return pack_int4_torch(q.reshape(out_features, in_features)), scale.reshape(out_features, in_features // group)
 
 
 def export_linear(algo: str, prefix: str, module: torch.nn.Module, group: int, per_token: bool = False
@@ -57,13 +59,13 @@ def export_linear(algo: str, prefix: str, module: torch.nn.Module, group: int, p
     weight, w_scale = _quantize_weight(algo, w, _amax(module.weight_quantizer), group)
     out = {f"{prefix}.weight": weight, f"{prefix}.weights_scaling_factor": w_scale.contiguous()}
     inq = module.input_quantizer
-    if algo in ("int4_awq", "int8_sq"):
+    if algo in (QuantAlgo.INT4_AWQ, QuantAlgo.INT8_SQ):
         pre = getattr(inq, "pre_quant_scale", None)
         pre = torch.ones(w.shape[1]) if pre is None else pre.detach().float().reshape(w.shape[1])
         out[f"{prefix}.prequant_scaling_factor"] = pre.contiguous()
-    if algo == "fp8" or (algo == "int8_sq" and not per_token):
+    if algo == QuantAlgo.FP8 or (algo == QuantAlgo.INT8_SQ and not per_token):
         out[f"{prefix}.activation_scaling_factor"] = _per_tensor_scale(
-            _amax(inq), FP8_MAX if algo == "fp8" else INT8_MAX)
+            _amax(inq), FP8_E4M3_MAX if algo == QuantAlgo.FP8 else INT8_MAX)
     with torch.no_grad():
         simulated = module.weight_quantizer(module.weight).detach().float()
     ours = dequantize_weight(algo, weight, w_scale, group)
@@ -79,9 +81,9 @@ def export_weight_only_int8(prefix: str, module: torch.nn.Module) -> dict[str, t
     needs no data), rounded as modelopt rounds int8 weights. The module's weight becomes the dequantized one in place,
     so the simulated model stays exactly what the checkpoint holds."""
     w = module.weight.detach().float()
-    weight, scale = _quantize_weight("int8_sq", w, w.abs().amax(dim=1), group=0)
+    weight, scale = _quantize_weight(QuantAlgo.INT8_SQ, w, w.abs().amax(dim=1), group=0)
     with torch.no_grad():
-        module.weight.copy_(dequantize_weight("int8_wo", weight, scale).to(module.weight.dtype))
+        module.weight.copy_(dequantize_weight(QuantAlgo.INT8_WO, weight, scale).to(module.weight.dtype))
     return {f"{prefix}.weight": weight, f"{prefix}.weights_scaling_factor": scale.contiguous()}
 
 
@@ -97,11 +99,11 @@ def export_kv_scales(model: torch.nn.Module, kind: str) -> dict[str, torch.Tenso
 
 
 def export_quantized(model: torch.nn.Module, algo: str, quantized: dict[str, str], group: int,
-                     kv_cache_dtype: str | None, per_token: bool = False) -> dict[str, torch.Tensor]:
+                     kv_cache_qformat: str | None, per_token: bool = False) -> dict[str, torch.Tensor]:
     """All quantized tensors of the checkpoint: every quantized linear's weight and scales, and the KV scales."""
     out: dict[str, torch.Tensor] = {}
     for prefix, name in quantized.items():
         out.update(export_linear(algo, prefix, model.get_submodule(name), group, per_token))
-    if kv_cache_dtype is not None:
-        out.update(export_kv_scales(model, kv_cache_dtype))
+    if kv_cache_qformat is not None:
+        out.update(export_kv_scales(model, kv_cache_qformat))
     return out

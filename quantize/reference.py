@@ -27,11 +27,12 @@ _ATTENTION = "trtbuild_kv_fake_quant"
 
 def simulated_model(model: Path, qformat: str, **options: Any) -> torch.nn.Module:
     """modelopt's simulated-quantization model of `model`, calibrated as `trtbuild quantize` with the same options
-    (keyword arguments of `trtbuild.quantize.quantize.quantize`) calibrates it."""
+    (fields of `trtbuild.quantize.options.QuantizeOptions`) calibrates it."""
+    from trtbuild.quantize.options import QuantizeOptions
     from trtbuild.quantize.quantize import quantize
 
     with tempfile.TemporaryDirectory() as tmp:
-        return quantize(model, Path(tmp) / "ckpt", qformat, **options).model
+        return quantize(QuantizeOptions(model, Path(tmp) / "ckpt", qformat, **options)).model
 
 
 def load_merged(ckpt_dir: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:

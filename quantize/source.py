@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trtbuild.errors import CheckpointError
+from trtbuild.errors import CheckpointError, ConfigError
 
 
 @dataclass
@@ -37,11 +37,11 @@ def read_source(model: Path) -> Source:
     """Read `model`: a .gguf file, a trtbuild checkpoint folder (config.json with format_version) or an HF folder."""
     model = Path(model)
     if not model.exists():
-        raise CheckpointError(f"--model {model} does not exist.")
+        raise ConfigError("model", f"{model} does not exist.")
     if model.is_file():
         if model.suffix.lower() != ".gguf":
-            raise CheckpointError(f"--model {model} is a file but not a .gguf; pass a GGUF file, an HF model folder "
-                                  "or a trtbuild checkpoint folder.")
+            raise ConfigError("model", f"{model} is a file but not a .gguf; pass a GGUF file, an HF model folder or a "
+                                       "trtbuild checkpoint folder.")
         from trtbuild.builder.convert.gguf_reader import read_gguf
 
         cfg, arrays = read_gguf(model)

@@ -12,6 +12,7 @@ import numpy as np
 
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, EngineInfo, read_engine_config
 from trtbuild.errors import EngineCompatibilityError
+from trtbuild.quantization import kv_pool_dtype
 from trtbuild.runtime.kv_cache import KVCacheStorage
 from trtbuild.runtime.memory import require_memory
 
@@ -101,12 +102,12 @@ class CpuEngine:
         previous contents are dropped."""
         spec = self.info.kv_cache_input
         _, layers, _, kv_heads, tokens_per_block, head_size = spec["shape"]
-        kv = KVCacheStorage(layers, kv_heads, head_size, tokens_per_block, num_blocks, dtype=np.dtype(spec["dtype"]),
-                            quant_algo=self.kv_quant_algo, scales=self.kv_scales)
-        if kv.dtype != np.dtype(spec["dtype"]):
-            raise EngineCompatibilityError(f"{self.info.path}'s kv_cache input is {spec['dtype']} but its KV cache "
-                                           f"({self.kv_quant_algo}) is stored as {kv.dtype}; rebuild the engine.")
-        self.kv = kv
+        dtype = np.dtype(spec["dtype"])
+        if dtype != (expected := kv_pool_dtype(self.info.model, self.info.build)):
+            raise EngineCompatibilityError(f"{self.info.path}'s kv_cache input is {dtype} but its model and build "
+                                           f"configs give a {expected} KV pool; rebuild the engine.")
+        self.kv = KVCacheStorage(layers, kv_heads, head_size, tokens_per_block, num_blocks, dtype=dtype,
+                                 quant_algo=self.kv_quant_algo, scales=self.kv_scales)
 
     @property
     def max_blocks_per_seq(self) -> int:

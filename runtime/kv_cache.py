@@ -15,10 +15,8 @@ import sys
 
 import numpy as np
 
-# kv_cache_quant_algo -> dtype of the pool the engine reads
-KV_CACHE_DTYPES: dict[str | None, np.dtype] = {None: np.dtype(np.float32), "int8": np.dtype(np.int8),
-                                               "fp8": np.dtype(np.uint8)}
-FP8_E4M3_MAX = 448.0
+from trtbuild.quantization import FP8_E4M3_MAX, INT8_MAX, KVCacheQuantAlgo, fp8_e4m3_values
+
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h
 
@@ -46,26 +44,18 @@ def quantize_kv(x: np.ndarray, scale: np.ndarray | float, algo: str) -> np.ndarr
     """Stored value of x: int8 round(x / scale) (half to even) clipped to [-127, 127], or the uint8 bit pattern of
     float8 e4m3fn(x / scale), saturated to +-448. `scale` broadcasts against x."""
     y = np.asarray(x, dtype=np.float32) / np.asarray(scale, dtype=np.float32)
-    if algo == "int8":
-        return np.clip(np.rint(y), -127, 127).astype(np.int8)
-    if algo == "fp8":
+    if algo == KVCacheQuantAlgo.INT8:
+        return np.clip(np.rint(y), -INT8_MAX, INT8_MAX).astype(np.int8)
+    if algo == KVCacheQuantAlgo.FP8:
         import ml_dtypes
 
         return np.clip(y, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     raise ValueError(f"unknown KV cache quantization {algo!r}; int8 and fp8 are supported")
 
 
-def fp8_e4m3_values() -> np.ndarray:
-    """float32 value of each of the 256 float8 e4m3fn bit patterns (NaN patterns -> 0: they are never stored)."""
-    import ml_dtypes
-
-    values = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    return np.nan_to_num(values, nan=0.0)
-
-
 def dequantize_kv(q: np.ndarray, scale: np.ndarray | float, algo: str) -> np.ndarray:
     """The float32 value a stored K/V element stands for (the engine's in-graph dequantization, in numpy)."""
-    values = q.astype(np.float32) if algo == "int8" else fp8_e4m3_values()[q]
+    values = q.astype(np.float32) if algo == KVCacheQuantAlgo.INT8 else fp8_e4m3_values()[q]
     return values * np.asarray(scale, dtype=np.float32)
 
 
@@ -75,12 +65,16 @@ class KVCacheStorage:
     def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, tokens_per_block: int, num_blocks: int,
                  dtype: np.dtype = np.float32, quant_algo: str | None = None,
                  scales: np.ndarray | None = None) -> None:
-        """`quant_algo` int8 | fp8 stores 1-byte values with `scales` [num_layers, 2] (K, V scale per layer)."""
+        """`dtype` is the pool's element type (`trtbuild.quantization.kv_pool_dtype`); `quant_algo` int8 | fp8 stores
+        1-byte values (int8, or uint8 fp8 bit patterns) with `scales` [num_layers, 2] (K, V scale per layer)."""
         self.shape = (num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, head_size)
         self.quant_algo = quant_algo
-        self.dtype = KV_CACHE_DTYPES[quant_algo] if quant_algo else np.dtype(dtype)
+        self.dtype = np.dtype(dtype)
         self.scales = None
         if quant_algo:
+            stored = quantize_kv(np.zeros(1, dtype=np.float32), 1.0, quant_algo).dtype
+            if self.dtype != stored:
+                raise ValueError(f"a {quant_algo} KV cache is stored as {stored}, not {self.dtype}")
             if scales is None or np.shape(scales) != (num_layers, 2):
                 raise ValueError(f"a {quant_algo} KV cache needs scales of shape ({num_layers}, 2), got "
                                  f"{None if scales is None else np.shape(scales)}")

@@ -14,6 +14,7 @@ import torch
 
 from trtbuild.builder.convert.checkpoint import CONFIG_FILE, copy_tokenizer_files, load_checkpoint, save_rank
 from trtbuild.configs.model_config import QuantConfig
+from trtbuild.quantization import pack_int4, unpack_int4
 
 LINEARS = ("attention.q", "attention.k", "attention.v", "attention.dense", "mlp.gate", "mlp.fc", "mlp.proj")
 _HF_NAMES = {"attention.q": "self_attn.q_proj", "attention.k": "self_attn.k_proj", "attention.v": "self_attn.v_proj",
@@ -84,8 +85,8 @@ def quantize_checkpoint(src: Path, dst: Path, algo: str | None, kv_algo: str | N
             elif algo == "int4_awq":
                 wp = (w / s).reshape(w.shape[0], -1, group_size)
                 scale = np.abs(wp).max(axis=2) / 7
-                q = np.clip(np.rint(wp / scale[:, :, None]), -8, 7).reshape(w.shape).astype(np.int64) + 8
-                t["weight"] = torch.from_numpy((q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8))
+                q = np.clip(np.rint(wp / scale[:, :, None]), -8, 7).reshape(w.shape).astype(np.int8)
+                t["weight"] = torch.from_numpy(pack_int4(q))
                 t["weights_scaling_factor"] = torch.from_numpy(scale.astype(np.float32))
                 t["prequant_scaling_factor"] = torch.from_numpy(s.astype(np.float32))
             else:  # int8_sq
@@ -154,8 +155,7 @@ class Reference:
                 x = fake_quant(x, self.f(p + ".activation_scaling_factor"), "fp8")
                 y = x @ (w.double().numpy() * wscale).T
             elif algo == "int4_awq":
-                b = w.numpy().astype(np.int64)
-                q = np.stack([(b & 15) - 8, (b >> 4) - 8], axis=-1).reshape(b.shape[0], -1)
+                q = unpack_int4(w.numpy()).astype(np.int64)
                 y = x @ (q * np.repeat(wscale, self.q.group_size, axis=1)).T
             else:
                 if self.q.per_token_activations:  # max |x| of each token / 127, in float32 as the engine

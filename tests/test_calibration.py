@@ -21,6 +21,7 @@ from trtbuild.quantize import calibrate as calibrate_module
 from trtbuild.quantize.awq import AWQLayerCalibrator, alpha_grid, search_linear
 from trtbuild.quantize.calibrate import calibrate, import_mtq, mtq_config
 from trtbuild.quantize.layerwise import calibrate_layerwise
+from trtbuild.quantize.options import QuantizeOptions
 from trtbuild.quantize.quantize import quantize
 
 LAYERS = 3
@@ -188,10 +189,11 @@ def test_awq_grid_option(tiny_hf, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert set(searched) == {(0.0, 0.5, 1.0)} and len(searched) == 7 * LAYERS
     g3 = load_checkpoint(tmp_path / "g3")[1]
-    g11 = quantize(tiny_hf, tmp_path / "g11", "int4_awq", calib_size=4, calib_max_seq_len=32, awq_block_size=32)
+    g11 = quantize(QuantizeOptions(tiny_hf, tmp_path / "g11", "int4_awq", calib_size=4, calib_max_seq_len=32,
+                                   awq_block_size=32))
     assert g11.config.quantization.group_size == 32
     assert g3.keys() == load_checkpoint(tmp_path / "g11")[1].keys()
     result = runner.invoke(main, [*args, "--output", str(tmp_path / "x"), "--qformat", "int8_sq", "--awq-grid", "5"])
-    assert result.exit_code != 0 and "--awq-grid applies to --qformat int4_awq only" in result.stderr
+    assert result.exit_code != 0 and "--awq-grid applies to the int4_awq format only, not int8_sq" in result.stderr
     result = runner.invoke(main, [*args, "--output", str(tmp_path / "y"), "--qformat", "int4_awq", "--awq-grid", "1"])
     assert result.exit_code != 0 and "--awq-grid" in result.stderr

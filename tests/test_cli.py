@@ -141,18 +141,18 @@ def test_convert_options_reach_the_checkpoint(tmp_path):
     assert not (tmp_path / "engine").exists()
 
 
-def test_build_kv_cache_dtype_float16_reaches_the_engine_and_generates(stories, tmp_path):
-    """`--kv-cache-dtype float16`: recorded in the engine's build_config, a float16 pool at run time, and the same
+def test_build_kv_pool_dtype_float16_reaches_the_engine_and_generates(stories, tmp_path):
+    """`--kv-pool-dtype float16`: recorded in the engine's build_config, a float16 pool at run time, and the same
     greedy story as the float32 engine on stories260K."""
     assert_ok(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e16", "--max-seq-len", 256,
-                     "--kv-cache-dtype", "float16"))
+                     "--kv-pool-dtype", "float16"))
     doc = json.loads((tmp_path / "e16" / "config.json").read_text())
-    assert doc["build_config"]["kv_cache_dtype"] == "float16"
+    assert doc["build_config"]["kv_pool_dtype"] == "float16"
     result = invoke("run", "--engine", tmp_path / "e16", "--prompt", "Once upon a time", "--max-tokens", 40)
     assert_ok(result)
     assert result.stdout.startswith(STORY), result.stdout
-    assert_user_error(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e", "--kv-cache-dtype",
-                             "bfloat16"), r"Invalid value for '--kv-cache-dtype'")
+    assert_user_error(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e", "--kv-pool-dtype",
+                             "bfloat16"), r"Invalid value for '--kv-pool-dtype'")
 
 
 # ---- bad input --------------------------------------------------------------------------------------------------

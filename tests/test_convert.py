@@ -19,6 +19,7 @@ import torch
 from helpers import REPO, STORIES260K, make_random_hf_model, require_shared_models
 from safetensors.torch import load_file, save_file
 
+from trtbuild import ENGINE_FORMAT_VERSION
 from trtbuild.builder.build import build_engine
 from trtbuild.builder.convert.checkpoint import (
     TOKENIZER_FILES,
@@ -402,9 +403,9 @@ def test_build_refuses_multi_rank_checkpoint_on_cpu(tp, pp, converted, tmp_path)
     (dict(max_seq_len=257), r"max_seq_len 257 exceeds the model's max_position_embeddings \(256\); pass 256 or "
                             r"less"),
     (dict(target="tensorrt"), r"target tensorrt is not available.*use cpu"),
-    (dict(target="gpu"), r"unknown target 'gpu'; choose one of cpu, tensorrt"),
+    (dict(target="gpu"), r"target must be one of cpu, tensorrt, got 'gpu'"),
     (dict(max_batch_size=32, max_num_tokens=16), r"max_num_tokens 16 is below max_batch_size 32"),
-    (dict(tokens_per_block=0), r"--tokens-per-block must be at least 1"),
+    (dict(tokens_per_block=0), r"^tokens_per_block must be at least 1, got 0"),
 ])
 def test_build_refuses_impossible_options(options, pattern, converted, tmp_path):
     with pytest.raises(TrtbuildError, match=pattern):
@@ -470,9 +471,14 @@ INCOMPATIBLE = {
     "tensorrt_target": (lambda d: d["target"].update(name="tensorrt"),
                         r"built for target 'tensorrt'.*rebuild it: `trtbuild build .*--target cpu`"),
     "future_format": (lambda d: d.update(engine_format_version=999),
-                      r"engine format 999\); this trtbuild .* reads format 3\. Rebuild it"),
+                      rf"engine format 999\); this trtbuild .* reads format {ENGINE_FORMAT_VERSION}\. Rebuild it"),
     "format_2_weights_inside": (lambda d: [d.update(engine_format_version=2), d.pop("weight_files")],
-                                r"engine format 2\); this trtbuild .* reads format 3\. Rebuild it from its checkpoint"),
+                                rf"engine format 2\); this trtbuild .* reads format {ENGINE_FORMAT_VERSION}\. Rebuild "
+                                r"it from its checkpoint"),
+    "format_3_kv_cache_dtype": (lambda d: [d.update(engine_format_version=3),
+                                           d["build_config"].update(kv_cache_dtype=d["build_config"].pop("kv_pool_dtype"))],
+                                rf"engine format 3\); this trtbuild .* reads format {ENGINE_FORMAT_VERSION}\. Rebuild "
+                                r"it from its checkpoint"),
     "missing_cpu_feature": (_add_missing_feature, r"built for a CPU with \w+, which this CPU lacks; rebuild it"),
     "other_machine": (lambda d: d["target"].update(machine="s390x"), r"built on a s390x CPU.*rebuild it"),
     "newer_onnxruntime": (lambda d: d["target"].update(onnxruntime_version="999.0.0"),

@@ -5,11 +5,14 @@ full pool changes nothing). Exact block ids, prefix reuse and LRU eviction are i
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from helpers import RANDOM_CONFIGS
 
+from trtbuild.configs import BuildConfig, ModelConfig, QuantConfig
+from trtbuild.quantization import FP8_E4M3_MAX, INT8_MAX, fp8_e4m3_values, kv_pool_dtype, kv_pool_elem_type
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
-from trtbuild.runtime.kv_cache import KVCacheStorage
+from trtbuild.runtime.kv_cache import KVCacheStorage, dequantize_kv, quantize_kv
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
 from trtbuild.runtime.request import Request
 from trtbuild.runtime.sampling import SamplingParams
@@ -56,6 +59,28 @@ def test_storage_shape_and_sizes():
     assert not storage.pool.any()
     assert KVCacheStorage(LAYERS, KV_HEADS, HEAD, BLOCK, 3, dtype=np.float16).bytes_per_token == \
         LAYERS * 2 * KV_HEADS * HEAD * 2
+
+
+@pytest.mark.parametrize(("kv_quant", "pool", "dtype", "elem_type"), [
+    (None, "float32", np.float32, onnx.TensorProto.FLOAT), (None, "float16", np.float16, onnx.TensorProto.FLOAT16),
+    ("int8", "float32", np.int8, onnx.TensorProto.INT8), ("fp8", "float32", np.uint8, onnx.TensorProto.UINT8),
+])
+def test_kv_pool_dtype_is_what_the_runtime_stores(kv_quant, pool, dtype, elem_type):
+    """kv_pool_dtype (shared by the engine's kv_cache input and the runtime's pool): the build's dtype, or the 1-byte
+    type quantize_kv writes (fp8 as uint8 bit patterns); a pool of another type is refused."""
+    model = ModelConfig("LlamaForCausalLM", "llama", "float32", 64, 16, 32, LAYERS, 2, KV_HEADS, HEAD, 1e-5, 64,
+                        quantization=QuantConfig(kv_cache_quant_algo=kv_quant))
+    assert kv_pool_dtype(model, BuildConfig(kv_pool_dtype=pool)) == np.dtype(dtype)
+    assert kv_pool_elem_type(model, BuildConfig(kv_pool_dtype=pool)) == elem_type
+    if kv_quant:
+        scales = np.ones((LAYERS, 2), dtype=np.float32)
+        stored = quantize_kv(np.array([1000.0, -1.5, 0.25], dtype=np.float32), 1.0, kv_quant)
+        assert stored.dtype == np.dtype(dtype)
+        assert dequantize_kv(stored, 1.0, kv_quant)[0] == {"int8": 127, "fp8": 448}[kv_quant]  # saturated
+        assert fp8_e4m3_values().max() == FP8_E4M3_MAX == 448 and INT8_MAX == 127
+        KVCacheStorage(LAYERS, KV_HEADS, HEAD, BLOCK, 2, dtype=dtype, quant_algo=kv_quant, scales=scales)
+        with pytest.raises(ValueError, match=f"a {kv_quant} KV cache is stored as"):
+            KVCacheStorage(LAYERS, KV_HEADS, HEAD, BLOCK, 2, dtype=np.float32, quant_algo=kv_quant, scales=scales)
 
 
 def test_slots_map_positions_through_the_block_table():
@@ -394,14 +419,14 @@ def test_a_step_mixing_decodes_with_a_long_chunk_runs_as_two_calls_with_the_same
 
 
 def test_float16_pool_halves_the_bytes_and_rounds_each_stored_value_once(random_hf_model, engine_from_hf):
-    """`kv_cache_dtype: float16`: the pool holds float16 (half the bytes per token), every new K/V is rounded once to
+    """`kv_pool_dtype: float16`: the pool holds float16 (half the bytes per token), every new K/V is rounded once to
     float16 when stored, attention sees exactly the stored values (a prompt chunked 7 + 6 scores what one 13-token
     chunk does), and the logits stay within float16 rounding of the float32 engine's."""
     hf = random_hf_model("llama")
     full = CpuEngine(engine_dir := engine_from_hf(hf, **ENGINE_OPTIONS), num_threads=1, num_blocks=16)
-    half_dir = engine_from_hf(hf, kv_cache_dtype="float16", **ENGINE_OPTIONS)
+    half_dir = engine_from_hf(hf, kv_pool_dtype="float16", **ENGINE_OPTIONS)
     half, chunked = (CpuEngine(half_dir, num_threads=1, num_blocks=16) for _ in range(2))
-    assert engine_dir != half_dir and half.info.build.kv_cache_dtype == "float16"
+    assert engine_dir != half_dir and half.info.build.kv_pool_dtype == "float16"
     assert half.kv.pool.dtype == np.float16 and 2 * half.kv.bytes_per_token == full.kv.bytes_per_token
     prompt, table = tokens(13, 5), [3, 7]
     want = full.step([SequenceChunk(0, prompt, 0, 13, table)])

@@ -1,5 +1,5 @@
-"""Tests for quantize/weight_only.py (the nbits format, round-to-nearest) and builder/convert/gguf_quants.py (GGUF
-quantized blocks -> nbits, exactly), including that ONNX Runtime's MatMulNBits reads the layout as documented."""
+"""Tests for builder/convert/weight_only.py (the nbits format, round-to-nearest) and builder/convert/gguf_quants.py
+(GGUF quantized blocks -> nbits, exactly), including that ONNX Runtime's MatMulNBits reads the layout as documented."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild.builder.convert.gguf_quants import EXACT_NBITS, gguf_to_nbits
-from trtbuild.quantize.weight_only import NBitsWeight, pack_codes, quantize_rtn, unpack_codes
+from trtbuild.builder.convert.weight_only import NBitsWeight, pack_codes, quantize_rtn, unpack_codes
 
 OUT, IN = 24, 512  # two K-quant super-blocks per row
 EPS = np.finfo(np.float32).eps

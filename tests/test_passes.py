@@ -7,7 +7,9 @@ agree to 1e-5 relative to their largest magnitude.
 
 from __future__ import annotations
 
+import ast
 import collections
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -35,6 +37,7 @@ BUILD = BuildConfig(**ENGINE_OPTIONS)
 ALL = (fuse_qkv, fuse_gate_up, fuse_rope_into_attention, fuse_add_rmsnorm)
 RTOL = 1e-5
 PA_ATTRIBUTES = {"layer_idx", "num_heads", "num_kv_heads", "head_size", "tokens_per_block", "scale", "rotary"}
+PACKAGE = Path(__file__).resolve().parents[1]  # the repository root is the trtbuild package
 
 
 @pytest.fixture(scope="module")
@@ -430,3 +433,32 @@ def test_fused_engine_matches_unfused_engine(family, random_hf_model, engine_fro
         pools.append((logits, engine.kv.pool))
     assert rel_err(pools[0][0], pools[1][0]) <= RTOL
     assert rel_err(pools[0][1], pools[1][1]) <= RTOL
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a source file imports, anywhere in it (function-level imports included), as dotted names:
+    `from trtbuild import runtime` counts as trtbuild.runtime."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.level == 0, f"{path}: relative import of {node.module}"
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+@pytest.mark.parametrize(("sources", "forbidden"), [
+    ("builder/**/*.py", ("trtbuild.runtime", "trtbuild.quantize")),
+    ("configs/**/*.py", ("trtbuild.builder", "trtbuild.runtime", "trtbuild.quantize")),
+    ("quantization.py", ("trtbuild.builder", "trtbuild.runtime", "trtbuild.quantize")),
+])
+def test_dependency_direction(sources, forbidden):
+    """The builder compiles checkpoints without the runtime or the quantizer; configs and the shared quantization
+    vocabulary (trtbuild.quantization) depend on neither the builder, the runtime nor the quantizer."""
+    files = sorted(PACKAGE.glob(sources))
+    assert files, sources
+    bad = {f"{path.relative_to(PACKAGE)}: {name}" for path in files for name in imported_modules(path)
+           if any(name == m or name.startswith(m + ".") for m in forbidden)}
+    assert not bad, sorted(bad)

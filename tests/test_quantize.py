@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -22,7 +23,20 @@ from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.convert.sharding import merge_shards
 from trtbuild.cli import main
 from trtbuild.configs import ModelConfig
-from trtbuild.quantize.formats import FP8_MAX, INT4_MAX, INT8_MAX, dequantize_weight, pack_int4, unpack_int4
+from trtbuild.errors import ConfigError
+from trtbuild.quantization import (
+    FP8_E4M3_MAX,
+    INT4_MAX,
+    INT8_MAX,
+    KVCacheQuantAlgo,
+    QuantAlgo,
+    pack_int4,
+    pack_int4_torch,
+    unpack_int4,
+    unpack_int4_torch,
+)
+from trtbuild.quantize.formats import dequantize_weight
+from trtbuild.quantize.options import QuantizeOptions
 from trtbuild.quantize.quantize import quantize
 from trtbuild.quantize.reference import (
     dequantize_checkpoint,
@@ -61,7 +75,7 @@ def runs(tiny, tmp_path_factory):
         key = (qformat, kv, str(model), json.dumps(options, sort_keys=True, default=str))
         if key not in cache:
             out = tmp_path_factory.mktemp("q") / "ckpt"
-            cache[key] = (quantize(model, out, qformat, kv_cache_dtype=kv, **CALIB, **options), out)
+            cache[key] = (quantize(QuantizeOptions(model, out, qformat, kv_cache_qformat=kv, **CALIB, **options)), out)
         return cache[key]
 
     return get
@@ -129,7 +143,7 @@ def test_checkpoint_is_modelopts_calibration(qformat, kv, runs):
     result, ckpt = runs(qformat, kv)
     tensors = load_file(ckpt / "rank0.safetensors")
     model = result.model
-    bound = FP8_MAX if qformat == "fp8" else INT8_MAX
+    bound = FP8_E4M3_MAX if qformat == "fp8" else INT8_MAX
     for layer in range(TINY["layers"]):
         for suffix, hf in (("attention.q", "self_attn.q_proj"), ("attention.dense", "self_attn.o_proj"),
                            ("mlp.fc", "mlp.up_proj"), ("mlp.proj", "mlp.down_proj")):
@@ -147,7 +161,7 @@ def test_checkpoint_is_modelopts_calibration(qformat, kv, runs):
             attn = model.get_submodule(f"model.layers.{layer}.self_attn")
             amax = torch.stack([attn.k_bmm_quantizer.amax.reshape(()), attn.v_bmm_quantizer.amax.reshape(())])
             scale = tensors[f"transformer.layers.{layer}.attention.kv_cache_scaling_factor"]
-            torch.testing.assert_close(scale, amax / (FP8_MAX if kv == "fp8" else INT8_MAX), rtol=1e-6, atol=0)
+            torch.testing.assert_close(scale, amax / (FP8_E4M3_MAX if kv == "fp8" else INT8_MAX), rtol=1e-6, atol=0)
 
 
 SIBLINGS = {"qkv": [f"attention.{x}" for x in "qkv"], "gate_up": ["mlp.gate", "mlp.fc"]}
@@ -193,7 +207,7 @@ def test_per_linear_scales_by_default_shared_on_request(qformat, runs):
 def test_smoothquant_alpha_reaches_modelopt_and_config(runs):
     """alpha = 1 divides every input channel by its calibrated amax (so x * prequant has amax 1: activation scale
     1/127 for every linear); alpha = 0.5 migrates half; config.json records the value, also the default one."""
-    from trtbuild.quantize.quantize import DEFAULT_SMOOTHQUANT_ALPHA
+    from trtbuild.quantize.options import DEFAULT_SMOOTHQUANT_ALPHA
 
     result, ckpt = runs("int8_sq", None, smoothquant_alpha=1.0)
     config, tensors = load_checkpoint(ckpt)
@@ -382,11 +396,22 @@ def test_dequantized_checkpoint_for_fp32_engines(runs, tmp_path):
 
 
 def test_int4_packing_is_matmulnbits_layout():
+    """The torch and the numpy int4 packing: q + 8, even index in the low nibble, and each other's bytes."""
     q = torch.tensor([[-8, 7, 0, -1, 3, -3]])
-    packed = pack_int4(q)
+    packed = pack_int4_torch(q)
     assert packed.dtype == torch.uint8 and packed.tolist() == [[0xF0, 0x78, 0x5B]]  # even index in the low nibble
-    assert torch.equal(unpack_int4(packed), q.to(torch.int8))
-    w = dequantize_weight("int4_awq", pack_int4(torch.full((2, 4), 7)), torch.tensor([[0.5, 2.0], [1.0, 1.0]]), 2)
+    assert torch.equal(unpack_int4_torch(packed), q.to(torch.int8))
+    np_packed = pack_int4(q.numpy().astype(np.int8))
+    assert np_packed.dtype == np.uint8 and np_packed.tolist() == [[0xF0, 0x78, 0x5B]]
+    assert unpack_int4(np_packed).dtype == np.int8 and unpack_int4(np_packed).tolist() == q.tolist()
+    every = np.arange(-8, 8, dtype=np.int8).repeat(16).reshape(16, 16)  # every pair of nibbles, both orders
+    every = np.concatenate([every, every.T], axis=1)
+    np.testing.assert_array_equal(pack_int4(every), pack_int4_torch(torch.from_numpy(every)).numpy())
+    np.testing.assert_array_equal(unpack_int4(pack_int4(every)), every)
+    with pytest.raises(ValueError, match="even number"):
+        pack_int4(np.zeros((1, 3), dtype=np.int8))
+    w = dequantize_weight("int4_awq", pack_int4_torch(torch.full((2, 4), 7)), torch.tensor([[0.5, 2.0], [1.0, 1.0]]),
+                          2)
     assert w.tolist() == [[3.5, 3.5, 14.0, 14.0], [7.0, 7.0, 7.0, 7.0]] and INT4_MAX == 7
 
 
@@ -429,13 +454,50 @@ def test_cli_quantize_with_calibration_files(tiny, tmp_path):
         assert load_checkpoint(out)[0].quantization.quant_algo == "fp8"
 
 
+@pytest.mark.parametrize(("options", "field", "problem"), [
+    (dict(qformat="weight_only"), "qformat", "'weight_only' is not one of fp8, int4_awq, int8_sq."),
+    (dict(kv_cache_qformat="float16"), "kv_cache_qformat", "'float16' is not one of fp8, int8."),
+    (dict(qformat="int4_awq", awq_block_size=48), "awq_block_size", "48 must be a power of two from 16 to 256"),
+    (dict(lm_head_qformat="int4"), "lm_head_qformat", "'int4' is not one of int8_wo."),
+    (dict(lm_head_qformat="int8_wo", exclude=()), "lm_head_qformat", "exclude patterns (none) leave lm_head"),
+    (dict(per_token_activations=True), "per_token_activations", "applies to the int8_sq format only, not fp8."),
+    (dict(smoothquant_alpha=0.5), "smoothquant_alpha", "applies to the int8_sq format only, not fp8."),
+    (dict(qformat="int8_sq", smoothquant_alpha=1.5), "smoothquant_alpha", "1.5 must be in [0, 1]"),
+    (dict(calib_size=0), "calib_size", "must be at least 1, got 0."),
+    (dict(calib_max_seq_len=0), "calib_max_seq_len", "must be at least 1, got 0."),
+    (dict(awq_grid=5), "awq_grid", "applies to the int4_awq format only, not fp8."),
+    (dict(qformat="int4_awq", awq_grid=1), "awq_grid", "1 must be at least 2"),
+    (dict(qformat="int8_sq", per_token_activations=True, tp_size=2), "per_token_activations",
+     "needs one tensor-parallel rank, not 2"),
+])
+def test_quantize_options_are_checked_on_creation(options, field, problem):
+    """QuantizeOptions refuses bad options at once, as ConfigError naming the field (front ends spell it): the problem
+    names no command-line flag."""
+    with pytest.raises(ConfigError) as error:
+        QuantizeOptions(**{"model": "m", "output": "o", "qformat": "fp8", **options})
+    assert error.value.field == field and problem in error.value.problem and "--" not in error.value.problem
+
+
+def test_quantize_options_quant_config():
+    """The checkpoint config of the options: int8_sq's default alpha, int4_awq's group size, plain-string formats."""
+    q = QuantizeOptions("m", "o", QuantAlgo.INT8_SQ, kv_cache_qformat=KVCacheQuantAlgo.INT8,
+                        per_token_activations=True).quant_config()
+    assert (q.quant_algo, q.kv_cache_quant_algo, q.smoothquant_alpha, q.pre_quant_scale) == ("int8_sq", "int8", 0.5,
+                                                                                              True)
+    assert type(q.quant_algo) is str and type(q.kv_cache_quant_algo) is str
+    q = QuantizeOptions("m", "o", "int4_awq", awq_block_size=64, exclude=["lm_head"], lm_head_qformat="int8_wo",
+                        smoothquant_alpha=None).quant_config()
+    assert (q.group_size, q.exclude_modules, q.lm_head_quant_algo, q.smoothquant_alpha) == (64, ("lm_head",),
+                                                                                            "int8_wo", None)
+
+
 def test_cli_errors(tiny, runs, tmp_path):
     q = ("quantize", "--model", tiny, "--calib-size", 2, "--calib-max-seq-len", 16)
     out = tmp_path / "out"
     assert_user_error(invoke(*q, "--output", out, "--qformat", "int3"), "'int3' is not one of")
     assert_user_error(invoke(*q, "--output", out, "--qformat", "int4_awq", "--awq-block-size", 64),
                       "--awq-block-size 64 does not divide the 96 input features of transformer.layers.0.mlp.proj; "
-                      "use --awq-block-size 32")
+                      "use 32, or exclude those linears.")
     assert_user_error(invoke(*q, "--output", out, "--qformat", "int4_awq", "--awq-block-size", 48),
                       "must be a power of two")
     assert_user_error(invoke(*q, "--output", out, "--qformat", "int4_awq", "--awq-block-size", 64, "--exclude",
@@ -453,15 +515,15 @@ def test_cli_errors(tiny, runs, tmp_path):
         assert_user_error(invoke(*q, "--output", out, "--qformat", "int8_sq", "--smoothquant-alpha", alpha),
                           "must be in [0, 1]")
     assert_user_error(invoke(*q, "--output", out, "--qformat", "fp8", "--smoothquant-alpha", 0.5),
-                      "--smoothquant-alpha applies to --qformat int8_sq only")
+                      "--smoothquant-alpha applies to the int8_sq format only, not fp8.")
     assert_user_error(invoke(*q, "--output", out, "--qformat", "int4_awq", "--awq-block-size", 32,
-                             "--per-token-activations"), "--per-token-activations applies to --qformat int8_sq only")
+                             "--per-token-activations"), "--per-token-activations applies to the int8_sq format only")
     assert_user_error(invoke(*q, "--output", out, "--qformat", "int8_sq", "--per-token-activations", "--tp-size", 2),
-                      "--per-token-activations needs --tp-size 1")
+                      "--per-token-activations needs one tensor-parallel rank, not 2")
     assert_user_error(invoke(*q, "--output", out, "--qformat", "fp8", "--lm-head-qformat", "int8_wo", "--exclude",
                              "transformer.layers.0.*"),
-                      "--lm-head-qformat int8_wo gives lm_head its own format, but --exclude transformer.layers.0.* "
-                      "leaves lm_head to --qformat fp8; add --exclude lm_head.")
+                      "--lm-head-qformat int8_wo gives lm_head its own format, but the exclude patterns "
+                      "(transformer.layers.0.*) leave lm_head to the fp8 format; exclude lm_head too.")
     assert_user_error(invoke(*q, "--output", out, "--qformat", "fp8", "--lm-head-qformat", "int4"),
                       "'int4' is not 'int8_wo'")
     assert not out.exists()  # a failed run leaves nothing behind

@@ -56,7 +56,7 @@ GROUP = 64
 CALIB = {"calib_size": 8, "calib_max_seq_len": 64}
 BUILD = ("--max-seq-len", 128, "--tokens-per-block", 8, "--max-batch-size", 4, "--max-num-tokens", 64,
          "--int4-accuracy-level", 1)  # fp32 compute: the logits are checked against the format
-CASES = {  # name -> (--qformat, --kv-cache-dtype, flags)
+CASES = {  # name -> (--qformat, --kv-cache-qformat, flags)
     "fp8": ("fp8", None, ()),
     "int4_awq": ("int4_awq", None, ()),
     "int8_sq": ("int8_sq", None, ()),
@@ -84,7 +84,7 @@ def invoke(*args):
 
 
 def quantize_args(name: str) -> tuple[list, dict]:
-    """CLI arguments and the matching `quantize()` keyword arguments of a case."""
+    """CLI arguments and the matching `QuantizeOptions` fields of a case (model and output aside)."""
     qformat, kv, flags = CASES[name]
     args = ["--qformat", qformat, "--calib-size", CALIB["calib_size"],
             "--calib-max-seq-len", CALIB["calib_max_seq_len"], *flags]
@@ -98,8 +98,8 @@ def quantize_args(name: str) -> tuple[list, dict]:
         args += ["--awq-block-size", GROUP]
         options["awq_block_size"] = GROUP
     if kv:
-        args += ["--kv-cache-dtype", kv]
-        options["kv_cache_dtype"] = kv
+        args += ["--kv-cache-qformat", kv]
+        options["kv_cache_qformat"] = kv
     return args, options
 
 

@@ -27,7 +27,7 @@ from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
 from trtbuild.builder.network import build_network
 from trtbuild.configs import BuildConfig
 from trtbuild.configs.model_config import QuantConfig
-from trtbuild.errors import TrtbuildError
+from trtbuild.errors import ConfigError, TrtbuildError
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 from trtbuild.runtime.llm import LLM
@@ -333,7 +333,7 @@ def test_int4_int8_compute_is_the_default_and_stays_close(case, tmp_path):
 
 
 def test_build_refuses_an_unknown_int4_accuracy_level(base, tmp_path):
-    with pytest.raises(TrtbuildError, match="int4-accuracy-level must be one of"):
+    with pytest.raises(TrtbuildError, match="^int4_accuracy_level must be one of 1, 4, got 2"):
         build_engine(base("llama")[0], tmp_path / "engine", **{**OPTIONS, "int4_accuracy_level": 2})
 
 
@@ -409,11 +409,12 @@ def test_int8_weight_only_lowering(k):
 
 
 def test_build_refuses_a_float16_pool_for_a_quantized_kv_cache(case, tmp_path):
-    """--kv-cache-dtype float16 is for unquantized KV caches; with an int8 one the build says so before any work."""
+    """A float16 KV pool is for unquantized KV caches; with an int8 one the build says so before any work."""
     _, _, engine_dir, _ = case("qwen2-int8_sq-kv_int8")
-    with pytest.raises(TrtbuildError, match=r"KV cache is quantized \(int8\); --kv-cache-dtype float16 applies to "
-                                            r"unquantized KV caches only"):
-        build_engine(engine_dir.parent / "ckpt", tmp_path / "engine", **OPTIONS, kv_cache_dtype="float16")
+    with pytest.raises(ConfigError, match=r"^kv_pool_dtype float16 applies to unquantized KV caches only, and the "
+                                          r"checkpoint's KV cache is quantized \(int8\)") as error:
+        build_engine(engine_dir.parent / "ckpt", tmp_path / "engine", **OPTIONS, kv_pool_dtype="float16")
+    assert error.value.field == "kv_pool_dtype" and "--" not in error.value.problem
     assert not (tmp_path / "engine").exists()
-    with pytest.raises(TrtbuildError, match=r"--kv-cache-dtype must be one of float32, float16, got 'bfloat16'"):
-        BuildConfig(kv_cache_dtype="bfloat16")
+    with pytest.raises(ConfigError, match=r"^kv_pool_dtype must be one of float32, float16, got 'bfloat16'"):
+        BuildConfig(kv_pool_dtype="bfloat16")

@@ -15,11 +15,11 @@ from click.testing import CliRunner
 from trtbuild.builder.build import build_engine
 from trtbuild.builder.convert.checkpoint import CONFIG_FILE, load_checkpoint, save_rank
 from trtbuild.builder.convert.convert import WeightOnly, convert
+from trtbuild.builder.convert.weight_only import NBitsWeight
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
 from trtbuild.cli import main
 from trtbuild.configs.model_config import QuantConfig
 from trtbuild.errors import ConfigError
-from trtbuild.quantize.weight_only import NBitsWeight
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 
 OPTIONS = dict(max_seq_len=64, tokens_per_block=8, max_batch_size=4, max_num_tokens=64, int4_accuracy_level=1)

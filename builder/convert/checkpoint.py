@@ -12,6 +12,7 @@ from trtbuild.builder.convert.names import linear_prefixes, tp_split_axis
 from trtbuild.builder.convert.safetensors_io import SafetensorsError, SafetensorsFile
 from trtbuild.configs import ModelConfig
 from trtbuild.errors import CheckpointError
+from trtbuild.quantization import QuantAlgo
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -109,9 +110,9 @@ def stored_shape(name: str, config: ModelConfig, quantized: bool = False) -> tup
         return None
     if quantized:
         algo = config.quantization.algo_of(name.removesuffix(".weight"))
-        if algo == "weight_only" or config.quantization.embedding_weight_only and "vocab_embedding" in name:
+        if algo == QuantAlgo.WEIGHT_ONLY or config.quantization.embedding_weight_only and "vocab_embedding" in name:
             return None
-        if algo == "int4_awq":
+        if algo == QuantAlgo.INT4_AWQ:
             want = (want[0], want[1] // 2)
     axis, tp = tp_split_axis(name), config.mapping.tp_size
     if axis is not None and tp > 1:  # NOTE: ceil: vocab-parallel tensors are padded to a multiple of tp_size rows

@@ -30,6 +30,7 @@ from trtbuild.builder.convert.sharding import check_mapping, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig
 from trtbuild.configs.model_config import QuantConfig, model_config_from_hf
 from trtbuild.errors import CheckpointError, ConfigError
+from trtbuild.quantization import QuantAlgo
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 WEIGHT_ONLY_BITS = {"int8": 8, "int4": 4}
@@ -68,8 +69,8 @@ def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dic
 
 def default_group_size(config: ModelConfig) -> int:
     """The largest of 128/64/32 that divides the input features of every linear."""
-    from trtbuild.quantize.weight_only import GROUP_SIZES
-    from trtbuild.quantize.weight_only import default_group_size as largest
+    from trtbuild.builder.convert.weight_only import GROUP_SIZES
+    from trtbuild.builder.convert.weight_only import default_group_size as largest
 
     features = (config.hidden_size, config.q_size, config.intermediate_size)
     if (g := largest(features)) is None:
@@ -93,7 +94,7 @@ def with_weight_only(config: ModelConfig, plan: dict[str, SourceTensor], weight_
                               "target runs one); drop --tp-size, or use --dequantize for a GGUF file.")
     groups = {f[1] for f in quantized.values()}
     embedding = plan[EMBEDDING].nbits
-    quant = QuantConfig(quant_algo="weight_only", group_size=groups.pop() if len(groups) == 1 else None,
+    quant = QuantConfig(quant_algo=QuantAlgo.WEIGHT_ONLY.value, group_size=groups.pop() if len(groups) == 1 else None,
                         has_zero_point=any(f[2] for f in [*quantized.values(), embedding] if f),
                         exclude_modules=tuple(p for p in prefixes if p not in quantized),
                         embedding_weight_only=weight_only is not None or embedding is not None)
@@ -107,8 +108,8 @@ def checkpoint_tensors(name: str, src: SourceTensor, config: ModelConfig, weight
     value = src.load()
     prefix, q = name.removesuffix(".weight"), config.quantization
     if (name == EMBEDDING and q.embedding_weight_only) or (
-            name.endswith(".weight") and is_linear(prefix) and q.algo_of(prefix) == "weight_only"):
-        from trtbuild.quantize.weight_only import NBitsWeight, quantize_rtn
+            name.endswith(".weight") and is_linear(prefix) and q.algo_of(prefix) == QuantAlgo.WEIGHT_ONLY):
+        from trtbuild.builder.convert.weight_only import NBitsWeight, quantize_rtn
 
         if not isinstance(value, NBitsWeight):
             value = quantize_rtn(value, weight_only.bits, weight_only.group_size)
@@ -199,6 +200,6 @@ def _check_groups(config: ModelConfig, weight_only: WeightOnly | None) -> None:
         return
     for prefix in linear_prefixes(range(config.num_hidden_layers), last_stage=True):
         k = expected_shape(prefix + ".weight", config)[1]
-        if config.quantization.algo_of(prefix) == "weight_only" and k % weight_only.group_size:
+        if config.quantization.algo_of(prefix) == QuantAlgo.WEIGHT_ONLY and k % weight_only.group_size:
             raise ConfigError("group_size", f"{weight_only.group_size} does not divide the {k} input features of "
                                             f"{prefix}; choose one of 32, 64 or 128 that does.")

@@ -1,4 +1,4 @@
-"""GGUF quantized tensors -> the nbits weight-only format (quantize/weight_only.py), exactly: no requantization.
+"""GGUF quantized tensors -> the nbits weight-only format (builder/convert/weight_only.py), exactly: no requantization.
 
 `raw` is what gguf.GGUFReader gives in `ReaderTensor.data` for a quantized 2-D tensor: uint8 [out, in / block *
 type_size], each row a run of ggml blocks (layouts: gguf.quants / ggml-common.h). The block layouts are decoded here
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from trtbuild.quantize.weight_only import NBitsWeight, pack_codes, row_chunks
+from trtbuild.builder.convert.weight_only import NBitsWeight, pack_codes, row_chunks
 
 Q = GGMLQuantizationType
 

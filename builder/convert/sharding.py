@@ -7,6 +7,7 @@ import torch
 from trtbuild.builder.convert.names import layer_of, linear_prefixes, tp_split_axis
 from trtbuild.configs import Mapping, ModelConfig
 from trtbuild.errors import CheckpointError, ConfigError
+from trtbuild.quantization import QuantAlgo
 
 _VOCAB_PARALLEL = ("transformer.vocab_embedding.", "lm_head.")  # prefixes: a quantized lm_head's scales too
 
@@ -31,7 +32,7 @@ def check_mapping(config: ModelConfig, mapping: Mapping) -> None:
 def _check_int4_split(config: ModelConfig, tp: int) -> None:
     """int4 weights are packed and grouped along `in`: row-parallel linears need whole groups on every rank."""
     q = config.quantization
-    if q.quant_algo != "int4_awq" or tp == 1:
+    if q.quant_algo != QuantAlgo.INT4_AWQ or tp == 1:
         return
     group = q.group_size or 128
     for suffix, in_features in (("attention.dense", config.q_size), ("mlp.proj", config.intermediate_size)):

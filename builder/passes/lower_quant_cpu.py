@@ -32,6 +32,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphView, topological_sort
+from trtbuild.quantization import pack_int4
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -63,8 +64,7 @@ def _int4_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> t
     if a.get("axis", 1) != 0 or q.ndim != 2 or g < 16 or g & (g - 1) or q.shape[0] % g:
         return None
     k, n = q.shape
-    nibbles = (q.T + 8).astype(np.uint8)  # [N, K]
-    packed = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).reshape(n, k // g, g // 2)
+    packed = pack_int4(q.T).reshape(n, k // g, g // 2)  # [N, K/2] -> MatMulNBits' B
     return ("nbits", matmul.input[0], k, g, 4, False), packed, scales.T.astype(np.float32), None  # scales [N, K/g]
 
 

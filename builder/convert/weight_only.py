@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from trtbuild.quantization import INT4_ZERO_POINT, pack_int4, unpack_int4
+
 NBITS = (4, 8)
 GROUP_SIZES = (128, 64, 32)  # default group sizes of int4 weights, largest first
 CHUNK_ELEMENTS = 1 << 22  # weights per row chunk: bounds the float32 intermediates to ~16 MiB each
@@ -54,8 +56,8 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _pack4(codes: np.ndarray) -> np.ndarray:
-    """uint8 codes [rows, in] already in [0, 15] -> [rows, in / 2], no checks."""
-    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+    """uint8 codes [rows, in] already in [0, 15] -> [rows, in / 2], no checks: the int4 packing of code - 8."""
+    return pack_int4(codes.view(np.int8) - INT4_ZERO_POINT)
 
 
 def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -66,7 +68,7 @@ def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
         raise ValueError(f"packed codes must be uint8 [out, in*bits/8], got {packed.dtype} {packed.shape}")
     if bits == 8:
         return packed
-    return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+    return (unpack_int4(packed) + INT4_ZERO_POINT).view(np.uint8)
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: == on numpy fields would be ambiguous
