@@ -219,10 +219,9 @@ def _steps(info: EngineInfo):
 
     b, vocab = info.build, info.model.vocab_size
     rng = np.random.default_rng(SEED)
-    lengths = list(PREFILL_LENGTHS[: b.max_batch_size])
-    while sum(lengths) > b.max_num_tokens:  # shrink to fit, keeping at least one token each
-        lengths = [max(1, n // 2) for n in lengths][: max(1, b.max_num_tokens)]
-    lengths = [min(n, max(1, b.max_seq_len - 1)) for n in lengths]
+    lengths = [min(n, max(1, b.max_seq_len - 1)) for n in PREFILL_LENGTHS[: min(b.max_batch_size, b.max_num_tokens)]]
+    while sum(lengths) > b.max_num_tokens:  # shorten the longest until the step fits
+        lengths[lengths.index(max(lengths))] -= 1
     decode = all(n < b.max_seq_len for n in lengths)
     blocks_per_seq = [-(-(n + decode) // b.tokens_per_block) for n in lengths]
     ids = rng.permutation(sum(blocks_per_seq)).tolist()  # scattered block tables, as a pool in use has
