@@ -34,6 +34,7 @@ def main(verbose: bool) -> None:
     Flow:  trtbuild convert  (HF folder or GGUF -> checkpoint)
            trtbuild quantize (-> calibrated FP8 / INT4-AWQ / INT8-SQ checkpoint)
            trtbuild build    (checkpoint -> engine directory)
+           trtbuild verify   (engine vs. the unfused build of its checkpoint)
            trtbuild run      (engine -> generated text)
            trtbuild serve    (engine -> gRPC service; also triton-repo)
     """
@@ -90,9 +91,12 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
 @click.option("--kv-pool-dtype", type=click.Choice([d.value for d in KVPoolDtype]), default=KVPoolDtype.FLOAT32.value,
               show_default=True,
               help="Paged KV pool of an unquantized KV cache: float16 halves its memory (compute stays float32).")
+@click.option("--verify", "verify_after", is_flag=True,
+              help="Then run the engine against an unfused build of the checkpoint with polygraphy and print each "
+                   "output's error against its tolerance (as `trtbuild verify`); exit non-zero if one fails.")
 def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_seq_len: int | None,
           max_num_tokens: int, tokens_per_block: int, no_fuse: bool, int4_accuracy_level: str,
-          kv_pool_dtype: str) -> None:
+          kv_pool_dtype: str, verify_after: bool) -> None:
     """Compile a checkpoint into an engine directory for one target."""
     from trtbuild.builder.build import build_engine
 
@@ -100,6 +104,28 @@ def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_
                  max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block, fuse=not no_fuse,
                  int4_accuracy_level=int(int4_accuracy_level), kv_pool_dtype=kv_pool_dtype)
     click.echo(f"wrote engine {output}")
+    if verify_after:
+        _verify(output, checkpoint, None)
+
+
+@main.command()
+@click.option("--engine", required=True, type=existing, help="Engine directory written by `trtbuild build`.")
+@click.option("--checkpoint", type=existing, default=None,
+              help="The checkpoint folder the engine was built from (required): the unfused reference is built "
+                   "from it, in a temporary directory.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
+def verify(engine: Path, checkpoint: Path | None, threads: int | None) -> None:
+    """Run an engine against the unfused build of its checkpoint (polygraphy) and print each output's max absolute
+    and relative error against its tolerance; exit non-zero if one fails."""
+    _verify(engine, checkpoint, threads)
+
+
+def _verify(engine: Path, checkpoint: Path | None, threads: int | None) -> None:
+    from trtbuild.bench.verify import verify_engine
+
+    report = verify_engine(engine, checkpoint, num_threads=threads, echo=lambda m: click.echo(m, err=True))
+    click.echo(report.table())
+    report.check()
 
 
 @main.command()

@@ -17,6 +17,12 @@ class EngineCompatibilityError(TrtbuildError):
     """An engine that this machine or this trtbuild version cannot load; the message says what to rebuild."""
 
 
+class VerificationError(TrtbuildError):
+    """An engine whose outputs differ from its reference beyond tolerance (`trtbuild verify`)."""
+
+    exit_code = 1
+
+
 class ConfigError(TrtbuildError, ValueError):
     """An invalid value of one config field, raised by the config that validates it.
 

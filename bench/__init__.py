@@ -1,2 +1,2 @@
-"""Measuring engines: `trtbuild bench` (workload.py, targets.py, run.py, report.py) and `trtbuild eval`
-(perplexity.py). Nothing here is on the serving path."""
+"""Measuring and checking engines: `trtbuild bench` (workload.py, targets.py, run.py, report.py), `trtbuild eval`
+(perplexity.py) and `trtbuild verify` (verify.py). Nothing here is on the serving path."""

@@ -156,6 +156,16 @@ class CpuEngine:
 
     def _run(self, chunks: list[SequenceChunk]) -> np.ndarray:
         """One engine call over checked chunks."""
+        feeds, slots = self.feeds(chunks)
+        start = time.perf_counter()
+        logits, new_kv = self.session.run(None, feeds)
+        self.run_seconds += time.perf_counter() - start
+        self.kv.write(new_kv, slots)
+        return logits
+
+    def feeds(self, chunks: list[SequenceChunk]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The engine inputs of one call over checked chunks (the pool itself as `kv_cache`), and the pool slots
+        their new K/V go to."""
         num_tokens = sum(len(c.token_ids) for c in chunks)
         block_tables = np.zeros((len(chunks), self.max_blocks_per_seq), dtype=np.int64)
         query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
@@ -176,8 +186,4 @@ class CpuEngine:
             "logits_indices": np.array(logits_rows, dtype=np.int64),
             "kv_cache": self.kv.pool,
         }
-        start = time.perf_counter()
-        logits, new_kv = self.session.run(None, feeds)
-        self.run_seconds += time.perf_counter() - start
-        self.kv.write(new_kv, np.concatenate(slots))
-        return logits
+        return feeds, np.concatenate(slots)

@@ -18,7 +18,8 @@ from trtbuild import __version__
 from trtbuild.cli import main
 from trtbuild.cli_errors import flag_of
 
-HEAVY_MODULES = ("torch", "onnx", "onnxruntime", "transformers", "safetensors", "gguf", "tokenizers", "numpy")
+HEAVY_MODULES = ("torch", "onnx", "onnxruntime", "transformers", "safetensors", "gguf", "tokenizers", "numpy",
+                 "polygraphy")
 STORY = "Once upon a time, there was a little girl named Lily."
 LONG_PROMPT = "Once upon a time there was a little dog who liked to run in the park with his best friend the cat."
 
