@@ -103,27 +103,16 @@ def emit_nbits_gather(g: GraphBuilder, ids: str, prefix: str, tensors, hidden: i
 
 def emit_nbits_matmul(g: GraphBuilder, x: str, prefix: str, tensors, in_features: int, accuracy_level: int,
                       outputs: list[str] | None = None) -> str:
-    """y = x @ W^T for the weight-only linear `prefix`: one MatMulNBits node, plus, with float zero points, the
-    exact correction for them (see below)."""
+    """y = x @ W^T for the weight-only linear `prefix`: one MatMulNBits node, with float zero points as its fourth
+    input when the linear has them. NOTE: ONNX Runtime has no fast kernel for float zero points; the CPU lowering
+    (builder/passes/lower_quant_cpu.py) rewrites them exactly, after merging sibling linears."""
     codes, scales, zero_points, layout = _nbits_inputs(prefix, tensors, in_features)
     out = codes.shape[0]
     blocks = in_features // layout.block_size
     inputs = [x, g.weight(prefix + ".weight_nbits",
                           codes.numpy().reshape(out, blocks, layout.block_size * layout.bits // 8)),
               g.weight(prefix + ".scales_nbits", scales.reshape(-1))]
-    attrs = dict(domain=MS_DOMAIN, K=in_features, N=out, bits=layout.bits, block_size=layout.block_size,
-                 accuracy_level=accuracy_level)
-    if zero_points is None:
-        return g.op("MatMulNBits", inputs, name=prefix, outputs=outputs, **attrs)
-    # NOTE: MatMulNBits with float zero points has no fast kernel (it dequantizes the whole weight on every call:
-    # ~40 ms instead of ~0.8 ms for a 1536 x 8960 int4 GEMV). With the default zero point z0 = 2^(bits-1) instead,
-    #   x @ ((q - zp) * s)^T = x @ ((q - z0) * s)^T + blocksum(x) @ ((z0 - zp) * s)^T,
-    # exact algebra: the second term is a small fp32 GEMM over one sum of x per block (1/block_size of the work).
-    main = g.op("MatMulNBits", inputs, name=prefix + "_codes", **attrs)
-    block_sums = g.op("ReduceSum", [
-        g.op("Reshape", [x, g.const(np.array([0, blocks, layout.block_size]), "blocks_shape")],
-             name=prefix + "_blocks"), g.const(np.array([-1]), "axis_last")], keepdims=0, name=prefix + "_block_sums")
-    offsets = ((1 << (layout.bits - 1)) - zero_points) * scales  # [out, blocks]
-    correction = g.op("MatMul", [block_sums, g.weight(prefix + ".zero_point_offsets", offsets.T.copy())],
-                      name=prefix + "_zero_points")
-    return g.op("Add", [main, correction], name=prefix, outputs=outputs)
+    if zero_points is not None:
+        inputs.append(g.weight(prefix + ".zero_points_nbits", zero_points.astype(np.float32).reshape(-1)))
+    return g.op("MatMulNBits", inputs, name=prefix, outputs=outputs, domain=MS_DOMAIN, K=in_features, N=out,
+                bits=layout.bits, block_size=layout.block_size, accuracy_level=accuracy_level)
