@@ -91,19 +91,30 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
 @click.option("--kv-pool-dtype", type=click.Choice([d.value for d in KVPoolDtype]), default=KVPoolDtype.FLOAT32.value,
               show_default=True,
               help="Paged KV pool of an unquantized KV cache: float16 halves its memory (compute stays float32).")
+@click.option("--autotune", type=click.Choice(["off", "fast", "full"]), default="off", show_default=True,
+              help="Time the attention lowering and thread-count tactics on this machine and keep the fastest "
+                   "(fast: a single user's decode and prefill; full: also a full decode batch and a long context).")
+@click.option("--timing-cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="JSON file of earlier autotuning timings (created if missing): a rebuild skips what it measured.")
 @click.option("--verify", "verify_after", is_flag=True,
               help="Then run the engine against an unfused build of the checkpoint with polygraphy and print each "
                    "output's error against its tolerance (as `trtbuild verify`); exit non-zero if one fails.")
 def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_seq_len: int | None,
           max_num_tokens: int, tokens_per_block: int, no_fuse: bool, int4_accuracy_level: str,
-          kv_pool_dtype: str, verify_after: bool) -> None:
+          kv_pool_dtype: str, autotune: str, timing_cache: Path | None, verify_after: bool) -> None:
     """Compile a checkpoint into an engine directory for one target."""
     from trtbuild.builder.build import build_engine
 
+    timer = None
+    if autotune != "off":
+        from trtbuild.bench.autotune import time_graph as timer
     build_engine(checkpoint, output, target=target, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                  max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block, fuse=not no_fuse,
-                 int4_accuracy_level=int(int4_accuracy_level), kv_pool_dtype=kv_pool_dtype)
+                 int4_accuracy_level=int(int4_accuracy_level), kv_pool_dtype=kv_pool_dtype, autotune=autotune,
+                 timer=timer, timing_cache=timing_cache)
     click.echo(f"wrote engine {output}")
+    if autotune != "off":
+        click.echo(_tactics_summary(output))
     if verify_after:
         _verify(output, checkpoint, None)
 
@@ -118,6 +129,18 @@ def verify(engine: Path, checkpoint: Path | None, threads: int | None) -> None:
     """Run an engine against the unfused build of its checkpoint (polygraphy) and print each output's max absolute
     and relative error against its tolerance; exit non-zero if one fails."""
     _verify(engine, checkpoint, threads)
+
+
+def _tactics_summary(engine: Path) -> str:
+    from trtbuild.builder.engine_dir import read_engine_config
+
+    lines = []
+    for family, t in read_engine_config(engine).tactics.items():
+        if isinstance(t, dict) and "chosen" in t:
+            timings = "; ".join(f"{name}: " + ", ".join(f"{c} {ms:.2f} ms" for c, ms in by_class.items())
+                                for name, by_class in t["timings_ms"].items())
+            lines.append(f"autotune {family}: {t['chosen']} ({t['source']}; {timings})")
+    return "\n".join(lines)
 
 
 def _verify(engine: Path, checkpoint: Path | None, threads: int | None) -> None:

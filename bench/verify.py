@@ -1,8 +1,9 @@
 """`trtbuild verify` and `trtbuild build --verify`: run a built engine against the unfused reference build of its
 checkpoint with polygraphy's Comparator, and report each output's error against tolerances stated per precision.
 
-The reference is the same checkpoint built with the same limits and `fuse=False` (no fusion passes, still lowered
-for the CPU so ONNX Runtime can run it) into a temporary directory that is removed afterwards. Both run the same
+The reference is the same checkpoint built with the same limits, `fuse=False` (no fusion passes, still lowered
+for the CPU so ONNX Runtime can run it) and no autotuning (the default attention lowering), into a temporary
+directory that is removed afterwards. Both run the same
 two seeded steps: a prefill of two sequences of different lengths (logits of every token), then one decode token
 per sequence on top of the K/V the reference's prefill wrote. It borrows runtime/engine.py's session (the runtime's
 SessionOptions) and input packing, imported when it runs.
@@ -157,7 +158,7 @@ def verify_engine(engine_dir: Path, checkpoint: Path | None, num_threads: int | 
     with tempfile.TemporaryDirectory(prefix="trtbuild-verify-") as tmp:
         echo(f"building the unfused reference of {checkpoint} in {tmp}")
         reference = build_engine(Path(checkpoint), Path(tmp) / "reference",
-                                 build=dataclasses.replace(info.build, fuse=False))
+                                 build=dataclasses.replace(info.build, fuse=False, autotune="off"))
         echo("running the engine and the reference")
         steps, outputs = _compare(info, read_engine_config(reference), tolerances, num_threads)
     return VerifyReport(Path(engine_dir), precision, tuple(steps), tuple(outputs))

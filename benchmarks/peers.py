@@ -35,10 +35,9 @@ class CommandFailed(RuntimeError):
     pass
 
 
-def run_timed(cmd: list[str], env: dict | None = None) -> tuple[str, int]:
+def run_timed(cmd: list[str], cwd: Path | None = None) -> tuple[str, int]:
     """(stdout, peak RSS in bytes) of a command run under /usr/bin/time; CommandFailed with its output if it fails."""
-    out = subprocess.run(["/usr/bin/time", "-f", "PEAK_RSS_KB %M", *cmd], capture_output=True, text=True,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run(["/usr/bin/time", "-f", "PEAK_RSS_KB %M", *cmd], capture_output=True, text=True, cwd=cwd)
     if out.returncode:
         tail = (out.stdout + out.stderr).strip().splitlines()[-3:]
         raise CommandFailed(f"{Path(cmd[0]).name} ... failed (exit {out.returncode}): {' / '.join(tail)}")
@@ -121,8 +120,10 @@ def build_ortgenai(hf_dir: Path, work: Path, args: argparse.Namespace) -> Path:
     """Its model builder on the HF folder, at `--ortgenai-precision`, with this run's thread count."""
     out = work / f"ortgenai-{args.ortgenai_precision}"
     if not (out / "genai_config.json").is_file():
+        # NOTE: run from `work`: from the repository root, its quantization.py would shadow a module of the builder
         run_timed([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", hf_dir.name, "-i", str(hf_dir),
-                   "-o", str(out), "-p", args.ortgenai_precision, "-e", "cpu", "-c", str(work / "ortgenai-cache")])
+                   "-o", str(out), "-p", args.ortgenai_precision, "-e", "cpu", "-c", str(work / "ortgenai-cache")],
+                  cwd=work)
     config = json.loads((out / "genai_config.json").read_text())
     config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = args.threads
     (out / "genai_config.json").write_text(json.dumps(config, indent=2))

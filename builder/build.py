@@ -8,6 +8,7 @@ from pathlib import Path
 import onnx
 from tqdm import tqdm
 
+from trtbuild.builder.autotune import Timer
 from trtbuild.builder.convert.checkpoint import (
     CONFIG_FILE,
     copy_tokenizer_files,
@@ -56,9 +57,9 @@ def default_build_config(config: ModelConfig, **overrides) -> BuildConfig:
     return BuildConfig(**overrides)
 
 
-def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> tuple[onnx.ModelProto, list[str]]:
-    """Fusion passes (unless disabled) then the target lowering; returns the model and the passes applied."""
-    from trtbuild.builder.lower_cpu import lower_paged_attention
+def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
+    """Fusion passes (unless disabled) then the quantized linears' lowering, in place; returns the passes applied.
+    The attention is lowered last, by `lower_paged_attention`, in the variant the autotuner chose."""
     from trtbuild.builder.passes import run_passes
     from trtbuild.builder.passes.lower_quant_cpu import lower_quantized_linears
 
@@ -70,8 +71,7 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> tuple[onnx.M
     quantized = lower_quantized_linears(model, build.int4_accuracy_level)
     if quantized:
         applied.append(f"lower_quantized_linears:{quantized}")
-    lower_paged_attention(model)
-    return model, applied
+    return applied
 
 
 def io_spec(model: onnx.ModelProto) -> dict:
@@ -83,23 +83,37 @@ def io_spec(model: onnx.ModelProto) -> dict:
     return {"inputs": [describe(v) for v in model.graph.input], "outputs": [describe(v) for v in model.graph.output]}
 
 
-def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = None, **build_overrides) -> Path:
-    """Build an engine directory at `output` from the checkpoint at `checkpoint`."""
+def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = None, timer: Timer | None = None,
+                 timing_cache: Path | None = None, **build_overrides) -> Path:
+    """Build an engine directory at `output` from the checkpoint at `checkpoint`. With `build.autotune` on, `timer`
+    times candidate graphs (bench/autotune.py: time_graph) and `timing_cache` keeps what it measured."""
+    from trtbuild.builder.autotune import TimingCache, tune
+    from trtbuild.builder.lower_cpu import ATTENTION_VARIANTS, lower_paged_attention
+
     checkpoint, output = Path(checkpoint), Path(output)
     config = ModelConfig.load(checkpoint / CONFIG_FILE) if checkpoint.is_dir() else None
     if config is None:
         raise TrtbuildError(f"checkpoint folder {checkpoint} does not exist; create it with `trtbuild convert`.")
     build = build or default_build_config(config, **build_overrides)
     check_buildable(config, build)
+    if build.autotune != "off" and timer is None:
+        raise ConfigError("autotune", f"{build.autotune} needs a timer to run candidate graphs with "
+                                      "(trtbuild.bench.autotune.time_graph)")
+    cache = TimingCache(timing_cache)  # unreadable: refused before any work
     prepare_output_dir(output)
-    steps = tqdm(total=4, desc="building engine", unit="step", leave=False)
+    steps = tqdm(total=5, desc="building engine", unit="step", leave=False)
     try:
         _, tensors = open_checkpoint(checkpoint, rank=0)
         steps.set_postfix_str("network"), steps.update()
         staging = StagingWeights(output / (CPU_WEIGHTS_FILE + ".staging"))
         model = build_network(config, tensors, build, staging)
         steps.set_postfix_str("passes + lowering"), steps.update()
-        model, applied = lower_for_target(model, build)
+        applied = lower_for_target(model, build)
+        steps.set_postfix_str("autotuning"), steps.update()
+        tactics = {}
+        if build.autotune != "off":
+            tactics = tune(model, config, build, output, lower_paged_attention, ATTENTION_VARIANTS, timer, cache)
+        lower_paged_attention(model, tactics["attention"]["chosen"] if tactics else ATTENTION_VARIANTS[0])
         steps.set_postfix_str("saving"), steps.update()
         weight_bytes = save_engine_files(model, output / CPU_ENGINE_FILE, output / CPU_WEIGHTS_FILE)
         onnx.checker.check_model(str(output / CPU_ENGINE_FILE))  # by path: it reads the graph file, not the weights
@@ -107,7 +121,8 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         io = io_spec(model)
         assert [i["name"] for i in io["inputs"]] == list(ENGINE_INPUTS)
         assert [o["name"] for o in io["outputs"]] == list(ENGINE_OUTPUTS)
-        write_engine_config(output, config, build, cpu_fingerprint(), io, applied, {CPU_WEIGHTS_FILE: weight_bytes})
+        write_engine_config(output, config, build, cpu_fingerprint(), io, applied, {CPU_WEIGHTS_FILE: weight_bytes},
+                            tactics)
         steps.update()
     except BaseException:
         remove_partial_output(output)

@@ -7,8 +7,10 @@ with a message that says what to rebuild and how.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +61,13 @@ class EngineInfo:
     passes: tuple[str, ...]
     trtbuild_version: str
     weight_files: dict[str, int]  # file name in the engine dir -> size in bytes
+    tactics: dict[str, Any] = dataclasses.field(default_factory=dict)  # what autotuning chose (builder/autotune.py)
+
+    @property
+    def tuned_threads(self) -> int | None:
+        """The thread count autotuning chose, if it tuned on a machine with as many cores as this one."""
+        threads = self.tactics.get("num_threads", {})
+        return int(threads["chosen"]) if threads and threads.get("cores") == os.cpu_count() else None
 
     @property
     def kv_cache_input(self) -> dict[str, Any]:
@@ -87,7 +96,7 @@ class EngineInfo:
 
 
 def write_engine_config(out_dir: Path, model: ModelConfig, build: BuildConfig, target: dict, io: dict,
-                        passes: list[str], weight_files: dict[str, int]) -> None:
+                        passes: list[str], weight_files: dict[str, int], tactics: dict | None = None) -> None:
     doc = {
         "trtbuild_version": __version__,
         "engine_format_version": ENGINE_FORMAT_VERSION,
@@ -97,6 +106,7 @@ def write_engine_config(out_dir: Path, model: ModelConfig, build: BuildConfig, t
         "passes": passes,
         "io": io,
         "weight_files": weight_files,
+        "tactics": tactics or {},
     }
     (out_dir / ENGINE_CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
 
@@ -174,7 +184,17 @@ def _engine_info(engine_dir: Path, doc: dict[str, Any]) -> EngineInfo:
         passes=tuple(str(p) for p in doc.get("passes", ())),
         trtbuild_version=str(doc.get("trtbuild_version", "unknown")),
         weight_files={str(k): int(v) for k, v in doc["weight_files"].items()},
+        tactics=_tactics(doc.get("tactics", {})),
     )
+
+
+def _tactics(tactics: Any) -> dict[str, Any]:
+    if not isinstance(tactics, dict):
+        raise TypeError("tactics must be a JSON object")
+    threads = tactics.get("num_threads")
+    if threads is not None and not (isinstance(threads, dict) and isinstance(threads.get("chosen"), int)):
+        raise TypeError("tactics.num_threads.chosen must be an integer")
+    return tactics
 
 
 def _check_weight_files(engine_dir: Path, weight_files: dict[str, int]) -> None:

@@ -28,9 +28,14 @@ def _attr(node: onnx.NodeProto, name: str, default=_MISSING):
     raise KeyError(f"{node.name} lacks attribute {name}")
 
 
+ATTENTION_VARIANTS = ("split", "concat")  # how scores meet the past and the new keys (see _Lowering.lower)
+
+
 class _Lowering:
-    def __init__(self, g: GraphBuilder, elem_types: dict[str, int]) -> None:
-        self.g = g
+    def __init__(self, g: GraphBuilder, elem_types: dict[str, int], variant: str = "split") -> None:
+        if variant not in ATTENTION_VARIANTS:
+            raise ValueError(f"attention variant {variant!r} is not one of {', '.join(ATTENTION_VARIANTS)}")
+        self.g, self.variant = g, variant
         self.elem_types = elem_types  # graph input -> onnx element type (a float16 KV pool is read as float32)
         self.meta: dict[tuple, dict[str, str]] = {}
         self.positions_per_token: dict[str, str] = {}  # position_ids -> [T, 1], shared by every layer's RoPE
@@ -92,6 +97,10 @@ class _Lowering:
         out_index = op("Add", [op("Mul", [seq_of_t, max_q]), op("Sub", [t, op("Gather", [starts, seq_of_t])])])
         m = dict(q_index=q_index, head_blocks=head_blocks, past_mask=past_mask, new_mask=new_mask,
                  out_index=out_index, key_split=op("Concat", [past_span, max_q], axis=0))
+        if self.variant == "concat":  # one mask over past | new keys, [B, 1, G * Sq, nb * BS + Sq], for every layer
+            rows = op("Slice", [op("Shape", [new_mask]), c([0]), c([3])])
+            m["mask"] = op("Concat", [op("Expand", [past_mask, op("Concat", [rows, past_span], axis=0)]), new_mask],
+                           axis=-1)
         self.meta[key] = m
         return m
 
@@ -173,23 +182,29 @@ class _Lowering:
                      perm=[0, 2, 1, 3]) for w, x in enumerate((k, v))]
         (_, k_scale), (v_algo, v_scale) = self.kv_quant(node, 0), self.kv_quant(node, 1)
         alpha = float(np.float32(scale) * k_scale)
-        scores = [op("Add", [op("FusedMatMul", [q, key], domain=MS_DOMAIN, transB=1, alpha=alpha), mask])
-                  for key, mask in zip((past_kv[0], new_kv[0]), (m["past_mask"], m["new_mask"]), strict=True)]
-        probs = op("Split", [op("Softmax", [op("Concat", scores, axis=-1)], axis=-1), m["key_split"]],
-                   num_outputs=2, axis=-1)  # [B, KVH, G * Sq, past | Sq]
-        out = op("Add", [op("MatMul", [p, val]) for p, val in zip(probs, (past_kv[1], new_kv[1]), strict=True)])
+        if self.variant == "concat":  # past | new keys and values side by side: 6 nodes, copies the context
+            keys, values = (op("Concat", [past, new], axis=2) for past, new in zip(past_kv, new_kv, strict=True))
+            scores = op("Add", [op("FusedMatMul", [q, keys], domain=MS_DOMAIN, transB=1, alpha=alpha), m["mask"]])
+            out = op("MatMul", [op("Softmax", [scores], axis=-1), values])
+        else:  # "split": past and new keys scored apart, one softmax over both: 10 nodes, no copy of the context
+            scores = [op("Add", [op("FusedMatMul", [q, key], domain=MS_DOMAIN, transB=1, alpha=alpha), mask])
+                      for key, mask in zip((past_kv[0], new_kv[0]), (m["past_mask"], m["new_mask"]), strict=True)]
+            probs = op("Split", [op("Softmax", [op("Concat", scores, axis=-1)], axis=-1), m["key_split"]],
+                       num_outputs=2, axis=-1)  # [B, KVH, G * Sq, past | Sq]
+            out = op("Add", [op("MatMul", [p, val]) for p, val in zip(probs, (past_kv[1], new_kv[1]), strict=True)])
         if v_algo is not None:
             out = op("Mul", [out, c(v_scale, "kv_scale")])
         out = op("Transpose", [op("Reshape", [out, c([0, 0, group, -1, d])])], perm=[0, 3, 1, 2, 4])  # [B,Sq,KVH,G,D]
         op("Gather", [op("Reshape", [out, c([-1, heads * d])]), m["out_index"]], axis=0, outputs=[node.output[0]])
 
 
-def lower_paged_attention(model: onnx.ModelProto) -> int:
-    """Replace every PagedAttention node in place; returns how many were lowered."""
+def lower_paged_attention(model: onnx.ModelProto, variant: str = "split") -> int:
+    """Replace every PagedAttention node in place (ATTENTION_VARIANTS: the same attention, computed two ways; the
+    autotuner picks one by timing both); returns how many were lowered."""
     view = GraphView(model)
     targets = [n for n in model.graph.node if n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE]
     g = GraphBuilder(StagingWeights.of(model))
-    lowering = _Lowering(g, {i.name: i.type.tensor_type.elem_type for i in model.graph.input})
+    lowering = _Lowering(g, {i.name: i.type.tensor_type.elem_type for i in model.graph.input}, variant)
     for node in targets:
         lowering.lower(node)
         model.graph.node.remove(node)

@@ -13,6 +13,8 @@ TARGETS = ("cpu", "tensorrt")
 # ONNX Runtime MatMulNBits accuracy levels the CPU engine offers for int4 weights: 1 = fp32 compute (bit-faithful
 # to the checkpoint format), 4 = int8 compute (activations quantized per block, VNNI kernels; faster).
 INT4_ACCURACY_LEVELS = (1, 4)
+# build-time tactic selection (builder/autotune.py): off, fast (the shapes of a single user), full (more shapes)
+AUTOTUNE_MODES = ("off", "fast", "full")
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class BuildConfig:
     # KVPoolDtype of an unquantized KV pool: float16 halves its bytes (attention still computes in float32); a
     # quantized one is the checkpoint's kv_cache_quant_algo (trtbuild.quantization.kv_pool_dtype)
     kv_pool_dtype: str = KVPoolDtype.FLOAT32.value
+    autotune: str = "off"  # AUTOTUNE_MODES: time the engine's tactics on this machine and keep the fastest
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -38,6 +41,8 @@ class BuildConfig:
         if self.int4_accuracy_level not in INT4_ACCURACY_LEVELS:
             raise ConfigError("int4_accuracy_level", f"must be one of {', '.join(map(str, INT4_ACCURACY_LEVELS))}, "
                                                      f"got {self.int4_accuracy_level}.")
+        if self.autotune not in AUTOTUNE_MODES:
+            raise ConfigError("autotune", f"must be one of {', '.join(AUTOTUNE_MODES)}, got {self.autotune!r}.")
         if self.kv_pool_dtype not in tuple(KVPoolDtype):
             raise ConfigError("kv_pool_dtype", f"must be one of {', '.join(KVPoolDtype)}, got {self.kv_pool_dtype!r}.")
 

@@ -52,17 +52,21 @@ def attention_groups(chunks: list[SequenceChunk]) -> list[list[int]]:
     return [[i for i, c in enumerate(chunks) if 4 * len(c.token_ids) > longest], short]
 
 
-def default_threads() -> int:
-    return int(os.environ.get("TRTBUILD_NUM_THREADS", 0)) or (os.cpu_count() or 1)
+def default_threads(tuned: int | None = None) -> int:
+    """Threads when none are asked for: TRTBUILD_NUM_THREADS, else what autotuning chose, else the cores."""
+    return int(os.environ.get("TRTBUILD_NUM_THREADS", 0)) or tuned or (os.cpu_count() or 1)
 
 
 class CpuEngine:
     """An ONNX Runtime session over an engine directory, plus the paged KV pool it reads and the runtime writes."""
 
-    def __init__(self, engine: Path | EngineInfo, num_threads: int | None = None, num_blocks: int = 64) -> None:
-        """`engine`: an engine directory, or what read_engine_config said of one (already checked)."""
+    def __init__(self, engine: Path | EngineInfo, num_threads: int | None = None, num_blocks: int = 64,
+                 graph: Path | None = None) -> None:
+        """`engine`: an engine directory, or what read_engine_config said of one (already checked). `num_threads`:
+        ONNX Runtime's intra-op threads [None: `default_threads`]. `graph`: another graph file than the engine's
+        (the autotuner times candidates)."""
         self.info = engine if isinstance(engine, EngineInfo) else read_engine_config(Path(engine), expect_target="cpu")
-        path = self.info.path / CPU_ENGINE_FILE
+        path = Path(graph) if graph is not None else self.info.path / CPU_ENGINE_FILE
         if not path.is_file():
             raise EngineCompatibilityError(f"{path} is missing; rebuild the engine with `trtbuild build`.")
         # NOTE: ONNX Runtime maps the weight file and repacks each GEMM's weights into buffers of its own (about the
@@ -74,7 +78,7 @@ class CpuEngine:
 
         options = ort.SessionOptions()
         # NOTE: one intra-op pool, no inter-op pool: on small machines oversubscribed threads make small GEMMs slow.
-        options.intra_op_num_threads = num_threads or default_threads()
+        options.intra_op_num_threads = num_threads or default_threads(self.info.tuned_threads)
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.log_severity_level = 3
