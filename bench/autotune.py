@@ -11,7 +11,7 @@ from trtbuild.builder.engine_dir import EngineInfo, cpu_fingerprint
 from trtbuild.configs import BuildConfig, ModelConfig
 
 WARM_UP_CALLS = 2
-TIMED_CALLS = {"fast": 5, "full": 9}
+TIMED_CALLS = {"fast": 7, "full": 11}
 
 
 def time_graph(graph: Path, model: ModelConfig, build: BuildConfig, threads: int,

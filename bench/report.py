@@ -75,7 +75,8 @@ def format_report(r: dict[str, Any]) -> str:
                                 if seq["cached_prefix_tokens"] else ""))
         lines.append(f"speedup vs one-at-a-time: {r['speedup_vs_sequential']:.2f}x")
     if (other := r["engine"]) is not None:
-        row("compared engine", f"{other['target']}: {other['output_throughput']:.1f} output tok/s, TPOT p50 "
+        row("compared engine", f"{other['target']} (threads {other['threads']}): {other['output_throughput']:.1f} "
+                               f"output tok/s, TPOT p50 "
                                f"{other['tpot_ms_p50']:.1f} ms, {_sizes(other)}")
         lines.append(f"vs compared engine: {r['speedup_vs_engine']:.2f}x output tok/s, "
                      f"{other['tpot_ms_p50'] / r['tpot_ms_p50']:.2f}x TPOT p50 speed, "

@@ -56,8 +56,6 @@ SPEEDUPS = ("speedup_vs_sequential", "speedup_vs_engine", "speedup_vs_hf")
 
 def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Run the benchmark (and the asked-for baselines, never at the same time as the engine); returns the report."""
-    from trtbuild.runtime.engine import default_threads
-
     if (opts.engine is None) == (opts.address is None):
         raise TrtbuildError("give exactly one target: --engine DIR (in-process) or --address HOST:PORT (a server)")
     synthetic = (opts.input_len, opts.output_len)
@@ -72,7 +70,9 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _: None) -
         raise TrtbuildError("speculative decoding is a server option: start `trtbuild serve --speculative-tokens N`")
     if opts.compare_engine is not None and opts.engine is None:
         raise TrtbuildError("--compare-engine compares two in-process engines: give --engine DIR too")
-    threads = opts.threads or default_threads()
+    # NOTE: engines get --threads as given: None lets each use its own default (the autotuned count, if any);
+    # the HF baseline gets the same number of threads as the engine would by default
+    threads = opts.threads
     # NOTE: this VM's speed drifts by 10-30% over seconds, so one pass of each is a coin toss near a target ratio;
     # alternating them in rounds and taking the median ratio samples both under the same conditions.
     reports = []
@@ -91,13 +91,13 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _: None) -
     return report
 
 
-def _one_round(opts: BenchOptions, dataset: list[BenchRequest] | None, threads: int,
+def _one_round(opts: BenchOptions, dataset: list[BenchRequest] | None, threads: int | None,
                log: Callable[[str], None]) -> dict[str, Any]:
     """The engine, then each asked-for baseline, one at a time."""
     log(f"loading {opts.engine or opts.address} ...")
     target: Target = (EngineTarget(opts.engine, threads, opts.speculative) if opts.engine is not None
                       else ServerTarget(opts.address))
-    report: dict[str, Any] = {"target": target.name, "threads": threads if opts.engine is not None else None,
+    report: dict[str, Any] = {"target": target.name, "threads": getattr(target, "threads", None),
                               "concurrency": opts.concurrency, "request_rate": opts.request_rate}
     try:
         if dataset is None:
@@ -122,15 +122,18 @@ def _one_round(opts: BenchOptions, dataset: list[BenchRequest] | None, threads: 
             if other.vocab_size != target.vocab_size:
                 raise TrtbuildError(f"--compare-engine {opts.compare_engine} has a vocabulary of {other.vocab_size} "
                                     f"tokens, not {target.vocab_size}: compare engines of the same model.")
-            report["engine"] = {"target": other.name, **_measure(other, other.prepare(requests), opts), **other.sizes}
+            report["engine"] = {"target": other.name, "threads": other.threads,
+                                **_measure(other, other.prepare(requests), opts), **other.sizes}
         finally:
             other.close()
         report["speedup_vs_engine"] = report["output_throughput"] / report["engine"]["output_throughput"]
     report["hf"] = report["speedup_vs_hf"] = None
     if opts.compare_hf is not None:
+        from trtbuild.runtime.engine import default_threads
+
         log(f"running HF transformers generate() on {opts.compare_hf} ...")
         hf = hf_generate(opts.compare_hf, [r.prompt for r in requests], max(r.output_tokens for r in requests),
-                         threads)
+                         threads or default_threads())
         report["hf"] = {k: v for k, v in hf.items() if k != "token_ids"}
         report["speedup_vs_hf"] = report["output_throughput"] / hf["output_throughput"]
     return report

@@ -163,12 +163,13 @@ def tune(model: onnx.ModelProto, config: ModelConfig, build: BuildConfig, output
         return run
 
     tactics: dict[str, Any] = {"mode": build.autotune, "shape_classes": [s.name for s in shapes]}
-    tactics["attention"] = _measured("attention", cache_key("attention", config, build, {"threads": cores}), cache,
-                                     {v: timed(v, cores) for v in variants})
+    on = {"shapes": [s.name for s in shapes]}
+    tactics["attention"] = _measured("attention", cache_key("attention", config, build, {**on, "threads": cores}),
+                                     cache, {v: timed(v, cores) for v in variants})
     chosen = tactics["attention"]["chosen"]
     thread_counts = sorted({1, cores} | ({cores // 2} if cores >= 4 else set()), reverse=True)  # default first
     if len(thread_counts) > 1:
-        threads = _measured("num_threads", cache_key("num_threads", config, build, {"attention": chosen}), cache,
-                            {str(n): timed(chosen, n) for n in thread_counts})
+        threads = _measured("num_threads", cache_key("num_threads", config, build, {**on, "attention": chosen}),
+                            cache, {str(n): timed(chosen, n) for n in thread_counts})
         tactics["num_threads"] = {**threads, "chosen": int(threads["chosen"]), "cores": cores}
     return tactics
