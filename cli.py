@@ -180,12 +180,22 @@ def run(engine: Path, prompt: str, max_tokens: int, temperature: float, top_k: i
 @click.option("--engine", required=True, type=existing, help="Engine directory written by `trtbuild build`.")
 @click.option("--host", default="127.0.0.1", help="Address to bind; loopback by default (0.0.0.0: all interfaces).")
 @click.option("--port", type=click.IntRange(min=0, max=65535), default=8001, help="0 picks a free port (printed).")
+@click.option("--http-port", type=click.IntRange(min=0, max=65535), default=None,
+              help="Also serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics) "
+                   "on this port, over the same engine (0 picks a free port, printed).")
+@click.option("--api-key", envvar="TRTBUILD_API_KEY", default=None,
+              help="Require `Authorization: Bearer <key>` on the OpenAI API [env: TRTBUILD_API_KEY].")
+@click.option("--served-model-name", default=None, help="The model name of the OpenAI API [default: the engine's "
+                                                        "folder name].")
 @serving_options
-def serve(engine: Path, host: str, port: int, **serving) -> None:
-    """Serve an engine over gRPC (trtbuild.v1.Generation, health, reflection) until SIGTERM / Ctrl-C."""
+def serve(engine: Path, host: str, port: int, http_port: int | None, api_key: str | None,
+          served_model_name: str | None, **serving) -> None:
+    """Serve an engine over gRPC (trtbuild.v1.Generation, health, reflection), and the OpenAI API with --http-port,
+    until SIGTERM / Ctrl-C."""
     from trtbuild.serving.grpc.server import serve as run_server
 
-    run_server(engine, host=host, port=port, config=runtime_config(**serving))
+    run_server(engine, host=host, port=port, config=runtime_config(**serving), http_port=http_port, api_key=api_key,
+               model_name=served_model_name)
 
 
 @main.command()
@@ -224,6 +234,10 @@ def client(address: str, prompt: str, max_tokens: int, temperature: float, top_k
 @main.command()
 @click.option("--engine", type=existing, default=None, help="Engine directory: benchmark it in-process.")
 @click.option("--address", default=None, help="host:port of a running `trtbuild serve` to benchmark instead.")
+@click.option("--backend", type=click.Choice(["grpc", "openai"]), default="grpc", show_default=True,
+              help="How --address is spoken to: grpc (`trtbuild serve`) or openai (`trtbuild serve --http-port`, "
+                   "llama-server, vllm serve; streaming /v1/completions).")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="Bearer token of an openai backend.")
 @click.option("--dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help='JSON lines {"prompt": "..." or "input_ids": [...], "output_tokens": N}.')
 @click.option("--num-requests", type=click.IntRange(min=1), default=None,
@@ -249,7 +263,8 @@ def client(address: str, prompt: str, max_tokens: int, temperature: float, top_k
                    "medians of the rounds' ratios (steadier on a machine whose speed drifts).")
 @speculative_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-def bench(engine: Path | None, address: str | None, dataset: Path | None, num_requests: int | None,
+def bench(engine: Path | None, address: str | None, backend: str, api_key: str | None, dataset: Path | None,
+          num_requests: int | None,
           input_len: int | None, output_len: int | None, seed: int, concurrency: int | None, request_rate: float,
           timeout: float, threads: int | None, compare_sequential: bool, compare_engine: Path | None,
           compare_hf: Path | None, rounds: int, speculative_tokens: int, prompt_lookup_max: int,
@@ -258,7 +273,8 @@ def bench(engine: Path | None, address: str | None, dataset: Path | None, num_re
     from trtbuild.bench.report import format_report, to_json
     from trtbuild.bench.run import BenchOptions, run_bench
 
-    options = BenchOptions(engine=engine, address=address, dataset=dataset, num_requests=num_requests,
+    options = BenchOptions(engine=engine, address=address, backend=backend, api_key=api_key, dataset=dataset,
+                           num_requests=num_requests,
                            input_len=input_len, output_len=output_len, seed=seed, concurrency=concurrency,
                            request_rate=request_rate, timeout=timeout, threads=threads,
                            compare_sequential=compare_sequential, compare_engine=compare_engine,

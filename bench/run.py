@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trtbuild.bench.openai_target import OpenAITarget
 from trtbuild.bench.targets import EngineTarget, ServerTarget, hf_generate
 from trtbuild.bench.workload import (
     WARMUP_TOKENS,
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 class BenchOptions:
     engine: Path | None = None
     address: str | None = None
+    backend: str = "grpc"  # of --address: "grpc" (`trtbuild serve`) or "openai" (any OpenAI-compatible server)
+    api_key: str | None = None  # openai backend
     dataset: Path | None = None
     num_requests: int | None = None
     input_len: int | None = None
@@ -96,6 +99,7 @@ def _one_round(opts: BenchOptions, dataset: list[BenchRequest] | None, threads: 
     """The engine, then each asked-for baseline, one at a time."""
     log(f"loading {opts.engine or opts.address} ...")
     target: Target = (EngineTarget(opts.engine, threads, opts.speculative) if opts.engine is not None
+                      else OpenAITarget(opts.address, opts.api_key) if opts.backend == "openai"
                       else ServerTarget(opts.address))
     report: dict[str, Any] = {"target": target.name, "threads": getattr(target, "threads", None),
                               "concurrency": opts.concurrency, "request_rate": opts.request_rate}

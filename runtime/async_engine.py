@@ -11,7 +11,7 @@ import logging
 import queue
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput
@@ -83,6 +83,8 @@ class AsyncEngine:
         self.num_finished = 0  # requests that ended (any reason), and their preemptions: counters for stats
         self.num_preemptions = 0
         self.finish_reasons: Counter[str] = Counter()  # ended requests by finish reason
+        # called on the loop thread with each request's final output (e.g. Prometheus metrics); must not block
+        self.on_finished: list[Callable[[RequestOutput], None]] = []
         self._thread = threading.Thread(target=self._loop, name="trtbuild-engine-loop", daemon=True)
         self._thread.start()
 
@@ -111,6 +113,11 @@ class AsyncEngine:
         if known:
             self._commands.put(_Abort(request_id))
         return known
+
+    @property
+    def dead(self) -> bool:
+        """The loop stopped on an internal error: every request is refused (health checks report it)."""
+        return self._error is not None
 
     @property
     def num_unfinished(self) -> int:
@@ -144,6 +151,12 @@ class AsyncEngine:
                     self.num_preemptions += output.metrics.num_preemptions
         if stream is not None:
             stream.put(output)
+        if output.finished:
+            for listener in self.on_finished:
+                try:
+                    listener(output)
+                except Exception:  # NOTE: a metrics bug must not stop the engine loop
+                    log.exception("on_finished listener failed")
 
     def _finish(self, request_id: str, error: BaseException) -> None:
         with self._lock:

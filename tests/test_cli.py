@@ -19,7 +19,7 @@ from trtbuild.cli import main
 from trtbuild.cli_errors import flag_of
 
 HEAVY_MODULES = ("torch", "onnx", "onnxruntime", "transformers", "safetensors", "gguf", "tokenizers", "numpy",
-                 "polygraphy")
+                 "polygraphy", "fastapi", "uvicorn", "prometheus_client")
 STORY = "Once upon a time, there was a little girl named Lily."
 LONG_PROMPT = "Once upon a time there was a little dog who liked to run in the park with his best friend the cat."
 

@@ -243,12 +243,14 @@ class GenerationServer:
 
 
 def serve(engine_dir: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT, config: RuntimeConfig | None = None,
-          grace: float = 5.0) -> None:
+          grace: float = 5.0, http_port: int | None = None, api_key: str | None = None,
+          model_name: str | None = None) -> None:
     """Serve until SIGTERM or SIGINT (from the main thread). Binds loopback unless told otherwise."""
     config = config or RuntimeConfig()
     max_queue_size = config.max_queue_size
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    http = None
     try:
         server = GenerationServer(host, port, max_queue_size)
         try:
@@ -258,10 +260,19 @@ def serve(engine_dir: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT, c
             print(f"trtbuild serve: KV cache {pool.num_blocks} blocks x {kv.block_size} tokens = "
                   f"{pool.num_blocks * kv.block_size} tokens; policy {core.scheduler.config.policy}; "
                   f"max queue {max_queue_size}; ready", flush=True)
+            if http_port is not None:  # the OpenAI API over the same engine loop
+                from trtbuild.serving.openai.server import HttpServer
+
+                http = HttpServer(server.servicer.engine, host, http_port, model_name or Path(engine_dir).name,
+                                  api_key)
+                print(f"trtbuild serve: OpenAI API on {http.address}/v1 (model {http.openai.model_name})",
+                      flush=True)
             while not stop.wait(0.5):
                 pass
             print("trtbuild serve: shutting down", flush=True)
         finally:
+            if http is not None:
+                http.stop()
             server.stop(grace)
     finally:
         for sig, handler in previous.items():

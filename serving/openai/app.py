@@ -1,0 +1,307 @@
+"""The OpenAI-compatible HTTP front end (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health,
+/metrics, over the same AsyncEngine as the gRPC service.
+
+Each choice of a request is one engine request; a worker thread per choice follows its stream (serving/requests.py)
+and hands the deltas to the event loop. A client that disconnects has its requests aborted, and their KV blocks
+freed, at once: streaming responses end their generator, non-streaming ones are watched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from trtbuild.errors import ConfigError
+from trtbuild.runtime.async_engine import AsyncEngine, RequestStream
+from trtbuild.runtime.engine_core import RequestOutput
+from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
+from trtbuild.serving.openai import protocol as api
+from trtbuild.serving.openai.metrics import ServingMetrics
+from trtbuild.serving.requests import Accumulated, ErrorKind, error_kind, follow
+
+POLL_S = 0.5  # how often a waiting worker thread looks up, so that shutdown is never stuck behind it
+_STATUS = {ErrorKind.INVALID_ARGUMENT: (400, "invalid_request_error"), ErrorKind.QUEUE_FULL: (429, "rate_limit_error"),
+           ErrorKind.UNAVAILABLE: (503, "service_unavailable"), ErrorKind.INTERNAL: (500, "internal_error")}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
+
+
+def _error(e: Exception) -> OpenAIError:
+    if isinstance(e, OpenAIError):
+        return e
+    status, kind = _STATUS[error_kind(e)]
+    return OpenAIError(status, str(e), kind, e.field if isinstance(e, ConfigError) else None)
+
+
+class OpenAIServer:
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None) -> None:
+        from trtbuild.runtime.chat import ChatTemplate
+
+        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        core = engine.core
+        self.tokenizer, self.max_seq_len = core.tokenizer, core.scheduler.config.max_seq_len
+        self.template = ChatTemplate.from_engine_dir(core.engine.info.path) if self.tokenizer else None
+        self.metrics = ServingMetrics(engine, model_name)
+        self.workers = ThreadPoolExecutor(max_workers=engine.max_queue_size + 8, thread_name_prefix="openai")
+        self.app = self._routes()
+
+    # ---- requests -> engine ------------------------------------------------------------------------------------------
+    def _params(self, r: api.ChatCompletionRequest | api.CompletionRequest, prompt_len: int, default_max: int,
+                logprobs: int | None, extra_stop_ids: tuple[int, ...] = ()) -> SamplingParams:
+        if bad := r.unsupported():
+            raise OpenAIError(400, f"not supported: {', '.join(bad)}", param=bad[0].split()[0])
+        if r.n < 1:
+            raise OpenAIError(400, f"n must be at least 1, got {r.n}", param="n")
+        if r.model not in (None, self.model_name):
+            raise OpenAIError(404, f"The model `{r.model}` does not exist; this server serves `{self.model_name}`",
+                              "not_found_error", "model")
+        max_tokens = getattr(r, "max_completion_tokens", None) or r.max_tokens
+        if max_tokens is not None and prompt_len + max_tokens > self.max_seq_len:  # as vLLM refuses it
+            raise OpenAIError(400, f"max_tokens {max_tokens} + the prompt's {prompt_len} tokens exceed the engine's "
+                                   f"max_seq_len {self.max_seq_len}; ask for at most {self.max_seq_len - prompt_len}",
+                              param="max_tokens")
+        fields = {k: v for k, v in dict(
+            max_tokens=max_tokens if max_tokens is not None else max(1, min(default_max,
+                                                                            self.max_seq_len - prompt_len)),
+            temperature=r.temperature if r.temperature is not None else 1.0, top_p=r.top_p, top_k=r.top_k,
+            min_p=r.min_p, seed=r.seed, stop=r.stop, presence_penalty=r.presence_penalty,
+            frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty, min_tokens=r.min_tokens,
+            ignore_eos=r.ignore_eos, logprobs=logprobs,
+            stop_token_ids=tuple(r.stop_token_ids or ()) + extra_stop_ids or None).items() if v is not None}
+        from trtbuild.serving.requests import sampling_params
+
+        return sampling_params(fields)
+
+    def _submit(self, prompt: list[int], params: SamplingParams, n: int) -> list[RequestStream]:
+        streams = []
+        try:
+            for i in range(n):  # n > 1 with a seed: choice i samples with seed + i, so choices differ
+                seeded = params if params.seed is None or i == 0 else _replace(params, seed=params.seed + i)
+                streams.append(self.engine.submit(prompt, seeded))
+        except Exception:
+            for s in streams:
+                s.cancel()
+            raise
+        return streams
+
+    async def _deltas(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice, delta) of every stream as they come; the streams are cancelled if the caller stops early."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+
+        def pump(i: int, stream: RequestStream) -> None:
+            try:
+                for output in follow(stream, lambda: False, POLL_S):
+                    loop.call_soon_threadsafe(queue.put_nowait, (i, output))
+            except Exception as e:
+                loop.call_soon_threadsafe(queue.put_nowait, (i, e))
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, (i, None))
+
+        for i, stream in enumerate(streams):
+            loop.run_in_executor(self.workers, pump, i, stream)
+        done = 0
+        try:
+            while done < len(streams):
+                i, item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for stream in streams:
+                if not stream.finished:
+                    stream.cancel()
+
+    async def _collect(self, request: Request, streams: list[RequestStream]) -> list[Accumulated]:
+        """Non-streaming: every choice added up; a client that disconnects first has its requests aborted."""
+        wholes = [Accumulated() for _ in streams]
+
+        async def watch() -> None:
+            while not all(w.finished for w in wholes):
+                if await request.is_disconnected():
+                    for s in streams:
+                        s.cancel()
+                    return
+                await asyncio.sleep(POLL_S)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for i, output in self._deltas(streams):
+                wholes[i].add(output)
+        finally:
+            watcher.cancel()
+        return wholes
+
+    # ---- logprobs ---------------------------------------------------------------------------------------------------
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
+
+    def _chat_logprobs(self, lps: list[TokenLogprobs], top: int) -> api.ChoiceLogprobs:
+        return api.ChoiceLogprobs(content=[api.TokenLogprob(
+            token=self._token(lp.token_id), logprob=lp.logprob, bytes=list(self._token(lp.token_id).encode()),
+            top_logprobs=[api.TopLogprob(token=self._token(t), logprob=p) for t, p in lp.top[:top]]) for lp in lps])
+
+    def _completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> api.CompletionLogprobs:
+        tokens = [self._token(lp.token_id) for lp in lps]
+        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return api.CompletionLogprobs(tokens=tokens, token_logprobs=[lp.logprob for lp in lps],
+                                      top_logprobs=[{self._token(t): p for t, p in lp.top} for lp in lps],
+                                      text_offset=offsets)
+
+    # ---- endpoints --------------------------------------------------------------------------------------------------
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise OpenAIError(400, "this engine has no tokenizer: send the prompt as token ids", param="prompt")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def chat(self, request: Request, r: api.ChatCompletionRequest) -> Any:
+        if self.template is None:
+            raise OpenAIError(400, "this model has no chat template: use /v1/completions", param="messages")
+        prompt = self.template.encode(self.tokenizer, [m.model_dump(exclude={"name"}) for m in r.messages])
+        top = r.top_logprobs or 0
+        params = self._params(r, len(prompt), self.max_seq_len, top if r.logprobs else None,
+                              self.template.end_of_turn_token_ids)
+        streams = self._submit(prompt, params, r.n)
+        rid = api.new_id("chatcmpl")
+        if r.stream:
+            return self._stream(streams, rid, len(prompt), r, chat=True)
+        wholes = await self._collect(request, streams)
+        choices = [api.ChatChoice(index=i, message={"role": "assistant", "content": w.text},
+                                  logprobs=self._chat_logprobs(w.logprobs, top) if r.logprobs else None,
+                                  finish_reason=w.finish_reason) for i, w in enumerate(wholes)]
+        return api.ChatCompletion(id=rid, model=self.model_name, choices=choices, usage=_usage(len(prompt), wholes))
+
+    async def completion(self, request: Request, r: api.CompletionRequest) -> Any:
+        if isinstance(r.prompt, list) and r.prompt and isinstance(r.prompt[0], str):
+            if len(r.prompt) != 1:
+                raise OpenAIError(400, "send one prompt per request (batched prompts are not supported)",
+                                  param="prompt")
+            r.prompt = r.prompt[0]
+        prompt = self._encode(r.prompt) if isinstance(r.prompt, str) else [int(t) for t in r.prompt]
+        params = self._params(r, len(prompt), 16, r.logprobs)
+        streams = self._submit(prompt, params, r.n)
+        rid = api.new_id("cmpl")
+        if r.stream:
+            return self._stream(streams, rid, len(prompt), r, chat=False)
+        wholes = await self._collect(request, streams)
+        choices = [api.CompletionChoice(index=i, text=w.text, finish_reason=w.finish_reason,
+                                        logprobs=self._completion_logprobs(w.logprobs, 0)
+                                        if r.logprobs is not None else None) for i, w in enumerate(wholes)]
+        return api.Completion(id=rid, model=self.model_name, choices=choices, usage=_usage(len(prompt), wholes))
+
+    def _stream(self, streams: list[RequestStream], rid: str, prompt_len: int,
+                r: api.ChatCompletionRequest | api.CompletionRequest, chat: bool) -> StreamingResponse:
+        include_usage = bool(r.stream_options and r.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            wholes = [Accumulated() for _ in streams]
+            if chat:
+                for i in range(len(streams)):
+                    yield _sse(api.ChatCompletionChunk(id=rid, model=self.model_name, choices=[
+                        api.ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})]))
+            try:
+                async for i, out in self._deltas(streams):
+                    offset = len(wholes[i].text)
+                    wholes[i].add(out)
+                    if chat:
+                        lp = self._chat_logprobs(out.logprobs, r.top_logprobs or 0) if r.logprobs else None
+                        chunk = api.ChatCompletionChunk(id=rid, model=self.model_name, choices=[api.ChatChunkChoice(
+                            index=i, delta={"content": out.new_text} if out.new_text or not out.finished else {},
+                            logprobs=lp, finish_reason=out.finish_reason)])
+                    else:
+                        lp = self._completion_logprobs(out.logprobs, offset) if r.logprobs is not None else None
+                        chunk = api.Completion(id=rid, model=self.model_name, choices=[api.CompletionChoice(
+                            index=i, text=out.new_text, logprobs=lp, finish_reason=out.finish_reason)])
+                    yield _sse(chunk)
+            except Exception as e:  # the stream has started: the error goes in-band, as vLLM sends it
+                err = _error(e)
+                yield f"data: {json.dumps(api.error_body(str(err), err.kind, err.status, err.param))}\n\n"
+            if include_usage:
+                usage = _usage(prompt_len, wholes)
+                cls = api.ChatCompletionChunk if chat else api.Completion
+                yield _sse(cls(id=rid, model=self.model_name, choices=[], usage=usage))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def _routes(self) -> FastAPI:
+        app = FastAPI(title="trtbuild OpenAI-compatible server")
+
+        @app.exception_handler(OpenAIError)
+        async def openai_error(_: Request, e: OpenAIError) -> JSONResponse:
+            return JSONResponse(api.error_body(str(e), e.kind, e.status, e.param), status_code=e.status)
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+            first = e.errors()[0]
+            param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+            return JSONResponse(api.error_body(f"{param}: {first.get('msg')}" if param else str(first.get("msg")),
+                                               "invalid_request_error", 400, param), status_code=400)
+
+        @app.middleware("http")
+        async def auth(request: Request, call_next):
+            if self.api_key and request.url.path.startswith("/v1"):
+                given = request.headers.get("authorization", "")
+                if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                    return JSONResponse(api.error_body("invalid or missing API key (Authorization: Bearer <key>)",
+                                                       "authentication_error", 401), status_code=401)
+            return await call_next(request)
+
+        async def run(request: Request, handler, body: Any) -> Any:
+            try:
+                return await handler(request, body)
+            except Exception as e:
+                raise _error(e) from None
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request, body: api.ChatCompletionRequest) -> Any:
+            return await run(request, self.chat, body)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request, body: api.CompletionRequest) -> Any:
+            return await run(request, self.completion, body)
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "trtbuild",
+                                                "max_model_len": self.max_seq_len}]}
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=503 if self.engine.dead else 200)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        return app
+
+
+def _sse(model: Any) -> str:
+    return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
+
+
+def _usage(prompt_len: int, wholes: list[Accumulated]) -> api.Usage:
+    completion = sum(len(w.token_ids) for w in wholes)
+    return api.Usage(prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion)
+
+
+def _replace(params: SamplingParams, **changes: Any) -> SamplingParams:
+    import dataclasses
+
+    return dataclasses.replace(params, **changes)
