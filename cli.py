@@ -21,6 +21,7 @@ from trtbuild.cli_options import (
     speculative_config,
     speculative_options,
 )
+from trtbuild.errors import TrtbuildError
 from trtbuild.quantization import CALIBRATED_QUANT_ALGOS, LM_HEAD_QUANT_ALGOS, KVCacheQuantAlgo, KVPoolDtype
 
 
@@ -153,27 +154,60 @@ def _verify(engine: Path, checkpoint: Path | None, threads: int | None) -> None:
 
 @main.command()
 @click.option("--engine", required=True, type=existing, help="Engine directory written by `trtbuild build`.")
-@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--prompt", default=None, help="Text to continue.")
+@click.option("--chat", default=None, help="A user message, answered through the model's chat template.")
+@click.option("--system", default=None, help="System message before --chat.")
 @sampling_options
 @speculative_options
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
-def run(engine: Path, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
-        seed: int | None, speculative_tokens: int, prompt_lookup_max: int, threads: int | None) -> None:
-    """Generate text from a prompt, streaming it to the terminal."""
+def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, max_tokens: int, temperature: float,
+        top_k: int, top_p: float, seed: int | None, speculative_tokens: int, prompt_lookup_max: int,
+        threads: int | None) -> None:
+    """Generate text from a prompt (or answer a --chat message), streaming it to the terminal."""
     from trtbuild.runtime.config import RuntimeConfig
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens)
+    template = _chat_template(engine, prompt, chat, system)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens,
+                            stop_token_ids=template.end_of_turn_token_ids if template else ())
     llm = LLM(engine, RuntimeConfig(num_threads=threads, max_batch_size=1,
                                     speculative=speculative_config(speculative_tokens, prompt_lookup_max)))
-    outputs = llm.stream([prompt], params)
-    first = next(outputs)  # the request passed validation: echo the prompt, then stream
-    click.echo(prompt, nl=False)
+    if template is not None:
+        if llm.core.tokenizer is None:
+            raise TrtbuildError(f"{engine} has no tokenizer.json, which --chat needs; rebuild with tokenizer files.")
+        request: str | list[int] = template.encode(llm.core.tokenizer, _chat_messages(chat, system))
+    else:
+        request = prompt
+    outputs = llm.stream([request], params)
+    first = next(outputs)  # the request passed validation: echo the prompt (not a chat's), then stream
+    if template is None:
+        click.echo(prompt, nl=False)
     for _, output in itertools.chain([first], outputs):
         click.echo(output.new_text, nl=False)
         sys.stdout.flush()
     click.echo()
+
+
+def _chat_template(engine_dir: Path, prompt: str | None, chat: str | None, system: str | None):
+    """The engine's ChatTemplate for --chat (None for --prompt); one of the two must be given."""
+    if (prompt is None) == (chat is None):
+        raise click.UsageError("give either --prompt or --chat")
+    if chat is None:
+        if system is not None:
+            raise click.UsageError("--system goes with --chat")
+        return None
+    from trtbuild.runtime.chat import ChatTemplate
+
+    template = ChatTemplate.from_engine_dir(engine_dir)
+    if template is None:
+        raise TrtbuildError(f"{engine_dir} has no chat template (tokenizer_config.json 'chat_template' or "
+                            "chat_template.jinja), so --chat cannot be used; use --prompt.")
+    return template
+
+
+def _chat_messages(chat: str, system: str | None) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": chat}]
 
 
 @main.command()
@@ -200,29 +234,44 @@ def serve(engine: Path, host: str, port: int, http_port: int | None, api_key: st
 
 @main.command()
 @click.option("--address", default="127.0.0.1:8001", help="host:port of `trtbuild serve`.")
-@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--prompt", default=None, help="Text to continue.")
+@click.option("--chat", default=None,
+              help="A user message, answered through the model's chat template (needs --engine-dir).")
+@click.option("--system", default=None, help="System message before --chat.")
+@click.option("--engine-dir", type=existing, default=None,
+              help="The served engine's directory (or its model's), for --chat: its chat template and tokenizer.")
 @sampling_options
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--no-stream", is_flag=True, help="Wait for the whole text instead of streaming it.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, help="Seconds for the call.")
-def client(address: str, prompt: str, max_tokens: int, temperature: float, top_k: int, top_p: float,
-           seed: int | None, stop: tuple[str, ...], no_stream: bool, timeout: float) -> None:
+def client(address: str, prompt: str | None, chat: str | None, system: str | None, engine_dir: Path | None,
+           max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None, stop: tuple[str, ...],
+           no_stream: bool, timeout: float) -> None:
     """Generate text with a running `trtbuild serve`, streaming it to the terminal."""
     import grpc
 
-    from trtbuild.errors import TrtbuildError
     from trtbuild.serving.grpc.client import GenerationClient
 
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                     stop=list(stop))
+    if chat is not None and engine_dir is None:
+        raise click.UsageError("--chat needs --engine-dir (the served engine's directory, for its chat template)")
+    template = _chat_template(engine_dir or Path(), prompt, chat, system)
+    request: str | list[int] = prompt or ""
+    echo = prompt or ""  # a chat's rendered prompt is not echoed
+    if template is not None:  # rendered and tokenized here (the server would add BOS again to text), sent as ids
+        from trtbuild.runtime.tokenizer import Tokenizer
+
+        request = template.encode(Tokenizer(engine_dir), _chat_messages(chat, system))
+        sampling["stop_token_ids"] = list(template.end_of_turn_token_ids)
     try:
         with GenerationClient(address) as c:
             if no_stream:
-                click.echo(prompt + c.generate(prompt, timeout=timeout, **sampling).text, nl=False)
+                click.echo(echo + c.generate(request, timeout=timeout, **sampling).text, nl=False)
             else:
-                responses = c.generate_stream(prompt, timeout=timeout, **sampling)
+                responses = c.generate_stream(request, timeout=timeout, **sampling)
                 first = next(responses)  # the request passed validation: echo the prompt, then stream
-                click.echo(prompt, nl=False)
+                click.echo(echo, nl=False)
                 for r in itertools.chain([first], responses):
                     click.echo(r.text, nl=False)
                     sys.stdout.flush()

@@ -22,7 +22,9 @@ class Tokenizer:
         except Exception as e:  # NOTE: tokenizers raises a bare Exception for every parse error
             raise TrtbuildError(f"{path} is not a valid tokenizer ({_first_line(e)}); copy the model's tokenizer.json "
                                 "into the engine directory again.") from None
-        self.special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        added = self._tok.get_added_tokens_decoder().items()
+        self.special_tokens = {t.content: i for i, t in sorted(added) if t.special}  # text -> id
+        self.special_ids = frozenset(self.special_tokens.values())
         self.byte_fallback_ids = _byte_fallback_ids(json.loads(self._tok.to_str()), self._tok.get_vocab())
 
     @property
@@ -32,6 +34,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; add_special_tokens adds what the tokenizer's template adds (e.g. BOS)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
