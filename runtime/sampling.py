@@ -65,6 +65,10 @@ _RULES = {
     "logprobs": (f"None or an integer in [0, {MAX_LOGPROBS}]",
                  lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS)),
     "include_stop_str_in_output": ("a bool", lambda v: isinstance(v, bool)),
+    "logit_bias": ("(token id >= 0, bias in [-100, 100]) pairs",
+                   lambda v: isinstance(v, tuple) and all(isinstance(p, tuple) and len(p) == 2 and _is_int(p[0])
+                                                          and p[0] >= 0 and _is_real(p[1]) and -100 <= p[1] <= 100
+                                                          for p in v)),
 }
 
 
@@ -92,12 +96,16 @@ class SamplingParams:
     ignore_eos: bool = False  # EOS is an ordinary token: it does not stop the request and is never masked
     logprobs: int | None = None  # top-n log probs per generated token (plus the chosen token's); None: none
     include_stop_str_in_output: bool = False
+    # OpenAI: added to the token's logit before sampling (-100 bans it, 100 all but forces it); a dict works too
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else _as_tuple(value))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(tuple(p) if isinstance(p, list | tuple) else p for p in bias))
         words = _as_tuple(self.bad_words_ids)
         object.__setattr__(self, "bad_words_ids", tuple(map(_as_tuple, words)) if isinstance(words, tuple) else words)
         for f in fields(self):
@@ -157,6 +165,7 @@ class SamplingState(TokenHistory):
         self.bad_words_ids: tuple[tuple[int, ...], ...] = tuple(w for w in params.bad_words_ids + tuple(words) if w)
         if vocab_size is not None:
             for name, ids in (("stop_token_ids", params.stop_token_ids), ("eos_token_ids", self.eos_token_ids),
+                              ("logit_bias", tuple(t for t, _ in params.logit_bias)),
                               ("bad_words_ids", tuple(itertools.chain.from_iterable(self.bad_words_ids)))):
                 if any(i >= vocab_size for i in ids):
                     raise ValueError(f"{name} must be token ids below the vocabulary size {vocab_size}, got {ids}")
@@ -237,12 +246,16 @@ def apply_penalties(logits: np.ndarray, states: Sequence[SamplingState]) -> None
 
 
 def process_logits(logits: np.ndarray, states: Sequence[SamplingState]) -> np.ndarray:
-    """Masks then penalties on a float32 copy of logits [N, V] (the input is left as it is)."""
+    """Masks, penalties, then logit biases on a float32 copy of logits [N, V] (the input is left as it is)."""
     if logits.ndim != 2 or logits.shape[0] != len(states):
         raise ValueError(f"logits must be [{len(states)}, vocab], got shape {logits.shape}")
     out = np.array(logits, dtype=np.float32, copy=True)
     apply_masks(out, states)
     apply_penalties(out, states)
+    for row, state in enumerate(states):
+        if state.params.logit_bias:
+            ids, biases = zip(*state.params.logit_bias, strict=True)
+            out[row, list(ids)] += np.asarray(biases, dtype=np.float32)
     return out
 
 

@@ -151,10 +151,22 @@ def test_seed_n_stop_and_logprobs(server):
     content = chat.choices[0].logprobs.content
     assert content and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
     assert all(t.top_logprobs[0].logprob >= t.logprob for t in content)  # greedy: the chosen one is the top one
+    forced = c.completions.create(model="stories", prompt=[1, 300], max_tokens=3, temperature=0,
+                                  logit_bias={"42": 100}, logprobs=0)
+    assert forced.choices[0].logprobs.tokens == [server_token(c, 42)] * 3
+
+
+def server_token(client, token_id: int) -> str:
+    """The text the server gives one token id (as its logprobs name it)."""
+    r = client.completions.create(model="stories", prompt=[1], max_tokens=1, temperature=0,
+                                  logit_bias={str(token_id): 100}, logprobs=0)
+    return r.choices[0].logprobs.tokens[0]
 
 
 BAD = [  # (path, body, status, message)
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, 400, "not supported: logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1.0}}, 400, "logit_bias keys must be token ids"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias must be"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias must be token ids below"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "not supported: echo"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "not supported: suffix"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist"),

@@ -301,3 +301,14 @@ def test_logprobs_are_the_raw_log_softmax_top_n_sorted():
     second = out.logprobs[1]
     assert second.top == () and second.rank == 1 and second.logprob == pytest.approx(ref[1].max(), abs=1e-9)
     assert out.logprobs[2] is None
+
+
+def test_logit_bias_is_added_after_masks_and_penalties():
+    logits = np.zeros((1, 6), dtype=np.float32)
+    params = SamplingParams(logit_bias={2: 5.0, 4: -100}, bad_words_ids=[[3]])
+    state = SamplingState(params, [1], vocab_size=6)
+    out = process_logits(logits, [state])
+    assert out[0, 2] == 5.0 and out[0, 4] == -100 and out[0, 3] == -np.inf and out[0, 0] == 0
+    assert params.logit_bias == ((2, 5.0), (4, -100))
+    with pytest.raises(ValueError, match="logit_bias must be token ids below the vocabulary size 6"):
+        SamplingState(SamplingParams(logit_bias={9: 1.0}), [1], vocab_size=6)

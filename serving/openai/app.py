@@ -69,6 +69,10 @@ class OpenAIServer:
             raise OpenAIError(404, f"The model `{r.model}` does not exist; this server serves `{self.model_name}`",
                               "not_found_error", "model")
         max_tokens = getattr(r, "max_completion_tokens", None) or r.max_tokens
+        try:
+            bias = {int(token): value for token, value in (r.logit_bias or {}).items()}
+        except ValueError:
+            raise OpenAIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
         if max_tokens is not None and prompt_len + max_tokens > self.max_seq_len:  # as vLLM refuses it
             raise OpenAIError(400, f"max_tokens {max_tokens} + the prompt's {prompt_len} tokens exceed the engine's "
                                    f"max_seq_len {self.max_seq_len}; ask for at most {self.max_seq_len - prompt_len}",
@@ -79,7 +83,7 @@ class OpenAIServer:
             temperature=r.temperature if r.temperature is not None else 1.0, top_p=r.top_p, top_k=r.top_k,
             min_p=r.min_p, seed=r.seed, stop=r.stop, presence_penalty=r.presence_penalty,
             frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty, min_tokens=r.min_tokens,
-            ignore_eos=r.ignore_eos, logprobs=logprobs,
+            ignore_eos=r.ignore_eos, logprobs=logprobs, logit_bias=bias or None,
             stop_token_ids=tuple(r.stop_token_ids or ()) + extra_stop_ids or None).items() if v is not None}
         from trtbuild.serving.requests import sampling_params
 

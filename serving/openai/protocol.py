@@ -38,7 +38,7 @@ class _Request(BaseModel):
 
     def unsupported(self) -> list[str]:
         """Fields set to something this server does not do (each front end answers them with a 400)."""
-        return ["logit_bias"] if self.logit_bias else []
+        return []
 
 
 class StreamOptions(BaseModel):
