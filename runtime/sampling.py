@@ -65,6 +65,7 @@ _RULES = {
     "logprobs": (f"None or an integer in [0, {MAX_LOGPROBS}]",
                  lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS)),
     "include_stop_str_in_output": ("a bool", lambda v: isinstance(v, bool)),
+    "json_schema": ("None or a JSON schema as text", lambda v: v is None or isinstance(v, str)),
     "logit_bias": ("(token id >= 0, bias in [-100, 100]) pairs",
                    lambda v: isinstance(v, tuple) and all(isinstance(p, tuple) and len(p) == 2 and _is_int(p[0])
                                                           and p[0] >= 0 and _is_real(p[1]) and -100 <= p[1] <= 100
@@ -98,6 +99,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # OpenAI: added to the token's logit before sampling (-100 bans it, 100 all but forces it); a dict works too
     logit_bias: tuple[tuple[int, float], ...] = ()
+    json_schema: str | None = None  # the output is JSON valid under this schema (runtime/guided.py); None: free
 
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):
@@ -115,6 +117,10 @@ class SamplingParams:
                 raise ConfigError(f.name, f"must be {rule}, got {value!r}")
         if self.min_tokens > self.max_tokens:
             raise ConfigError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.json_schema is not None:
+            from trtbuild.runtime.guided import check_schema
+
+            check_schema(self.json_schema)
 
     @property
     def greedy(self) -> bool:
@@ -170,6 +176,9 @@ class SamplingState(TokenHistory):
                 if any(i >= vocab_size for i in ids):
                     raise ValueError(f"{name} must be token ids below the vocabulary size {vocab_size}, got {ids}")
         self._prompt_unique: np.ndarray | None = None
+        self.guide = None
+        if params.json_schema is not None:
+            self.guide = _json_guide(params, tokenizer, vocab_size, self.eos_token_ids)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -214,11 +223,25 @@ class SampleOutput:
 
 
 def apply_masks(logits: np.ndarray, states: Sequence[SamplingState]) -> None:
-    """Set the logits of each row's masked tokens (bad words, early EOS / stop tokens) to -inf, in place."""
+    """Set the logits of each row's masked tokens (bad words, early EOS / stop tokens, what its JSON schema forbids)
+    to -inf, in place."""
     pairs = [(row, t) for row, s in enumerate(states) for t in s.masked_ids()]
     if pairs:
         rows, ids = np.asarray(pairs, dtype=np.int64).T
         logits[rows, ids] = -np.inf
+    for row, state in enumerate(states):
+        if state.guide is not None:
+            state.guide.mask(logits[row], state.output_ids)
+
+
+def _json_guide(params: SamplingParams, tokenizer: object, vocab_size: int | None, eos: tuple[int, ...]):
+    """The request's JSON matcher (runtime/guided.py), which needs the engine's tokenizer and vocabulary size."""
+    from trtbuild.runtime.guided import JsonGuide
+
+    if tokenizer is None or not hasattr(tokenizer, "to_json") or vocab_size is None:
+        raise ConfigError("json_schema", "needs the engine's tokenizer (this engine has none)")
+    return JsonGuide(params.json_schema, tokenizer.to_json(), vocab_size, tuple(dict.fromkeys(
+        eos + params.stop_token_ids)))
 
 
 def apply_penalties(logits: np.ndarray, states: Sequence[SamplingState]) -> None:

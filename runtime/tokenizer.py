@@ -35,6 +35,10 @@ class Tokenizer:
         """Token ids of text; add_special_tokens adds what the tokenizer's template adds (e.g. BOS)."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (for llguidance, runtime/guided.py)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -156,6 +156,25 @@ def test_seed_n_stop_and_logprobs(server):
     assert forced.choices[0].logprobs.tokens == [server_token(c, 42)] * 3
 
 
+def test_response_format_constrains_the_output_to_json(server):
+    c = server.client()
+    schema = {"type": "object", "properties": {"happy": {"type": "boolean"}}, "required": ["happy"],
+              "additionalProperties": False}
+    for stream in (False, True):
+        ask = dict(model="stories", messages=[{"role": "user", "content": "Was Lily happy?"}], max_tokens=40,
+                   temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a",
+                                                                                          "schema": schema}})
+        if stream:
+            text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **ask)
+                           if ch.choices)
+        else:
+            text = c.chat.completions.create(**ask).choices[0].message.content
+        assert isinstance(json.loads(text)["happy"], bool), text
+    free = c.chat.completions.create(model="stories", messages=[{"role": "user", "content": "Lily"}], max_tokens=8,
+                                     temperature=0, response_format={"type": "json_object"})
+    assert free.choices[0].message.content.lstrip().startswith("{")
+
+
 def server_token(client, token_id: int) -> str:
     """The text the server gives one token id (as its logprobs name it)."""
     r = client.completions.create(model="stories", prompt=[1], max_tokens=1, temperature=0,
@@ -180,7 +199,10 @@ BAD = [  # (path, body, status, message)
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format 'json_object'"),
+                              "response_format": {"type": "grammar"}}, 400, "response_format 'grammar'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+     400, "json_schema cannot be compiled"),
 ]
 
 

@@ -84,6 +84,7 @@ class OpenAIServer:
             min_p=r.min_p, seed=r.seed, stop=r.stop, presence_penalty=r.presence_penalty,
             frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty, min_tokens=r.min_tokens,
             ignore_eos=r.ignore_eos, logprobs=logprobs, logit_bias=bias or None,
+            json_schema=r.response_format.schema() if getattr(r, "response_format", None) else None,
             stop_token_ids=tuple(r.stop_token_ids or ()) + extra_stop_ids or None).items() if v is not None}
         from trtbuild.serving.requests import sampling_params
 

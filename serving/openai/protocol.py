@@ -6,6 +6,7 @@ Requests name every field OpenAI and vLLM clients send; the ones trtbuild cannot
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -54,7 +55,18 @@ class ChatMessage(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    type: str
+    type: str  # text | json_object | json_schema
+    json_schema: dict[str, Any] | None = None  # json_schema: {"name": ..., "schema": {...}}
+
+    def schema(self) -> str | None:
+        """The JSON schema the output must follow, as text (None: free text)."""
+        from trtbuild.runtime.guided import JSON_OBJECT_SCHEMA
+
+        if self.type == "json_object":
+            return JSON_OBJECT_SCHEMA
+        if self.type == "json_schema":
+            return json.dumps((self.json_schema or {}).get("schema", {}))
+        return None
 
 
 class ChatCompletionRequest(_Request):
@@ -66,8 +78,9 @@ class ChatCompletionRequest(_Request):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.response_format is not None and self.response_format.type != "text":
-            bad.append(f"response_format {self.response_format.type!r} (only 'text' is served)")
+        if self.response_format is not None and self.response_format.type not in ("text", "json_object",
+                                                                                  "json_schema"):
+            bad.append(f"response_format {self.response_format.type!r} (text, json_object and json_schema are served)")
         return bad
 
 
