@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
-from trtbuild.bench.workload import BenchRequest, RequestResult
+from trtbuild.bench.workload import BenchRequest, KVSampler, RequestResult
 from trtbuild.errors import TrtbuildError
 
 SAMPLE_S = 0.05
@@ -36,9 +35,7 @@ class OpenAITarget:
         self.name, self.vocab_size, self.special_ids = f"openai server {self.base} ({self.model})", SAFE_VOCAB, set()
         self.sizes: dict[str, float | None] = dict.fromkeys(
             ("engine_file_bytes", "kv_bytes_per_token", "kv_pool_bytes", "load_s", "warm_up_s"))
-        self._samples: list[float] = []
-        self._done = threading.Event()
-        self._sampler: threading.Thread | None = None
+        self._sampler: KVSampler | None = None
 
     def _get(self, path: str, timeout: float) -> Any:
         request = urllib.request.Request(self.base + path, headers=self.headers)
@@ -79,26 +76,17 @@ class OpenAITarget:
         return result
 
     def begin(self) -> None:
-        self._samples, self._done = [], threading.Event()
+        def read() -> float | None:  # None: this server exports no KV usage (then no samples)
+            try:
+                found = _KV_USAGE.search(self._get("/metrics", 5.0))
+            except urllib.error.HTTPError:  # no /metrics here
+                return None
+            return float(found.group(1)) if found else None
 
-        def sample() -> None:
-            while not self._done.wait(SAMPLE_S):
-                try:
-                    found = _KV_USAGE.search(self._get("/metrics", 5.0))
-                except (OSError, ValueError):
-                    return  # no /metrics here: no KV samples
-                if found is None:
-                    return
-                self._samples.append(float(found.group(1)))
-
-        self._sampler = threading.Thread(target=sample, name="bench-kv-sampler", daemon=True)
-        self._sampler.start()
+        self._sampler = KVSampler(read, SAMPLE_S, (OSError, ValueError))
 
     def end(self) -> tuple[list[float], dict[str, Any] | None]:
-        self._done.set()
-        if self._sampler is not None:
-            self._sampler.join()
-        return self._samples, None
+        return self._sampler.stop() if self._sampler is not None else [], None
 
     def close(self) -> None:
         pass

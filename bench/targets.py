@@ -4,16 +4,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import queue
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from trtbuild.bench.workload import BenchRequest, RequestResult
+from trtbuild.bench.workload import BenchRequest, KVSampler, RequestResult
 from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.errors import TrtbuildError
 
@@ -149,9 +147,7 @@ class ServerTarget:
         self.special_ids = frozenset(self.info.eos_token_ids)  # the server does not list other special tokens
         self.sizes: dict[str, float | None] = dict.fromkeys(  # not told
             ("engine_file_bytes", "kv_bytes_per_token", "kv_pool_bytes", "load_s", "warm_up_s"))
-        self._samples: list[float] = []
-        self._done = threading.Event()
-        self._sampler: threading.Thread | None = None
+        self._sampler: KVSampler | None = None
 
     def prepare(self, requests: list[BenchRequest]) -> list[BenchRequest]:
         for r in requests:
@@ -179,25 +175,15 @@ class ServerTarget:
         return result
 
     def begin(self) -> None:
-        self._samples, self._done = [], threading.Event()
+        def read() -> float:
+            stats = self.client.stats()
+            busy = stats.last_step.kv_cache_usage if stats.num_unfinished else 0.0  # step of this run
+            return max(stats.kv_cache_usage, busy)
 
-        def sample() -> None:
-            while True:
-                with contextlib.suppress(self._grpc_error):
-                    stats = self.client.stats()
-                    busy = stats.last_step.kv_cache_usage if stats.num_unfinished else 0.0  # step of this run
-                    self._samples.append(max(stats.kv_cache_usage, busy))
-                if self._done.wait(SAMPLE_S):
-                    return
-
-        self._sampler = threading.Thread(target=sample, name="bench-kv-sampler", daemon=True)
-        self._sampler.start()
+        self._sampler = KVSampler(read, SAMPLE_S, (self._grpc_error,))
 
     def end(self) -> tuple[list[float], dict[str, Any] | None]:
-        self._done.set()
-        if self._sampler is not None:
-            self._sampler.join()
-        return self._samples, None
+        return self._sampler.stop() if self._sampler is not None else [], None
 
     def close(self) -> None:
         self.client.close()

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import math
 import random
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,36 @@ class Target(Protocol):
     def begin(self) -> None: ...  # before a run
     def end(self) -> tuple[list[float], dict[str, Any] | None]: ...  # KV usage samples, engine step breakdown
     def close(self) -> None: ...
+
+
+class KVSampler:
+    """Samples a server's KV-cache usage on a thread during a run: `read()` returns it, or None when the server
+    cannot tell (sampling stops); exceptions in `errors` skip one sample."""
+
+    def __init__(self, read: Callable[[], float | None], every_s: float,
+                 errors: tuple[type[BaseException], ...] = ()) -> None:
+        self.samples: list[float] = []
+        self._done = threading.Event()
+
+        def sample() -> None:
+            while True:
+                try:
+                    value = read()
+                    if value is None:
+                        return
+                    self.samples.append(value)
+                except errors:
+                    pass
+                if self._done.wait(every_s):
+                    return
+
+        self._thread = threading.Thread(target=sample, name="bench-kv-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> list[float]:
+        self._done.set()
+        self._thread.join()
+        return self.samples
 
 
 def run_load(target: Target, requests: list[BenchRequest], concurrency: int | None, request_rate: float,
