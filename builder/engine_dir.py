@@ -138,9 +138,9 @@ def read_engine_config(engine_dir: Path, expect_target: str = "cpu") -> EngineIn
             "build one with `trtbuild build --checkpoint <checkpoint dir> --output <engine dir>`.")
     version = doc.get("engine_format_version")
     built_by = doc.get("trtbuild_version", "unknown")
-    if version != ENGINE_FORMAT_VERSION:
+    if version != ENGINE_FORMAT_VERSION:  # NOTE: repr: a string "4" must not read as the format 4 it is not
         raise EngineCompatibilityError(
-            f"{engine_dir} was built by trtbuild {built_by} (engine format {version}); this trtbuild {__version__} "
+            f"{engine_dir} was built by trtbuild {built_by} (engine format {version!r}); this trtbuild {__version__} "
             f"reads format {ENGINE_FORMAT_VERSION}. Rebuild it from its checkpoint with this version: "
             "`trtbuild build --checkpoint <checkpoint dir> --output <new engine dir>`.")
     try:

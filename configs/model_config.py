@@ -160,6 +160,10 @@ class QuantConfig:
         return tuple(f"{prefix}.{s}" for s in names)
 
 
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_size", "max_position_embeddings")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -185,6 +189,24 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     mapping: Mapping = field(default_factory=Mapping)
     quantization: QuantConfig = field(default_factory=QuantConfig)
+
+    def __post_init__(self) -> None:
+        """Types and ranges, checked once here so that a hand-edited config.json fails with its field's name rather
+        than deep inside the builder or the runtime."""
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise CheckpointError(f"config.json: {name} must be a positive integer, got {value!r}")
+        for name in ("norm_epsilon", "rotary_base"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+                raise CheckpointError(f"config.json: {name} must be a positive number, got {value!r}")
+        for name in ("architecture", "family", "dtype", "hidden_act"):
+            if not isinstance(getattr(self, name), str):
+                raise CheckpointError(f"config.json: {name} must be a string, got {getattr(self, name)!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise CheckpointError(f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                                  f"of num_key_value_heads ({self.num_key_value_heads})")
 
     # ---- serialization -------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -165,6 +165,8 @@ def test_convert_bad_input(tmp_path):
     taken.mkdir()
     (taken / "notes.txt").write_text("mine")
     assert_user_error(invoke("convert", "--model", STORIES260K, "--output", taken), r"exists and is not empty")
+    assert_user_error(invoke("convert", "--model", STORIES260K, "--output", "/proc/trtbuild-x"),
+                      r"cannot create the output folder /proc/trtbuild-x \(.*\); choose a folder you can write to")
     assert [p.name for p in taken.iterdir()] == ["notes.txt"] and (taken / "notes.txt").read_text() == "mine"
     assert_user_error(invoke("convert", "--model", STORIES260K, "--output", tmp_path / "out", "--tp-size", 3),
                       r"--tp-size 3 does not divide num_attention_heads=8")

@@ -470,6 +470,9 @@ def _add_missing_feature(doc: dict) -> None:
 INCOMPATIBLE = {
     "tensorrt_target": (lambda d: d["target"].update(name="tensorrt"),
                         r"built for target 'tensorrt'.*rebuild it: `trtbuild build .*--target cpu`"),
+    "format_as_text": (lambda d: d.update(engine_format_version=str(ENGINE_FORMAT_VERSION)),
+                       rf"engine format '{ENGINE_FORMAT_VERSION}'\); this trtbuild .* reads format "
+                       rf"{ENGINE_FORMAT_VERSION}\. Rebuild it"),
     "future_format": (lambda d: d.update(engine_format_version=999),
                       rf"engine format 999\); this trtbuild .* reads format {ENGINE_FORMAT_VERSION}\. Rebuild it"),
     "format_2_weights_inside": (lambda d: [d.update(engine_format_version=2), d.pop("weight_files")],
@@ -611,6 +614,10 @@ UNREADABLE = {
     "weight_size_not_number": lambda engine: edit_engine_config(engine, lambda d: d["weight_files"].update(
         {"rank0.weights": "x"})),
     "io_without_kv_cache": lambda engine: edit_engine_config(engine, lambda d: d["io"].update(inputs=[])),
+    "model_field_wrong_type": lambda engine: edit_engine_config(engine, lambda d: d["model_config"].update(
+        num_hidden_layers="five")),
+    "model_heads_not_grouped": lambda engine: edit_engine_config(engine, lambda d: d["model_config"].update(
+        num_key_value_heads=d["model_config"]["num_attention_heads"] + 1)),
     "kv_cache_dims_symbolic": lambda engine: edit_engine_config(engine, lambda d: d["io"]["inputs"][-1].update(
         shape=["num_blocks"] * 6)),
     "kv_cache_dtype_unknown": lambda engine: edit_engine_config(engine, lambda d: d["io"]["inputs"][-1].update(

@@ -52,7 +52,11 @@ def prepare_output_dir(out_dir: Path) -> None:
     """Create `out_dir`; refuse a non-empty one so that nothing a user made is ever overwritten."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise CheckpointError(f"output folder {out_dir} exists and is not empty; choose a new folder or remove it.")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the output folder {out_dir} ({e.strerror}); choose a folder you can "
+                              "write to.") from None
 
 
 def remove_partial_output(out_dir: Path) -> None:
