@@ -105,6 +105,13 @@ class EngineCore:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this engine has no tokenizer; send prompt token ids")
+            # NOTE: refused by size before tokenizing: a prompt of more bytes than max_seq_len tokens can hold has
+            # too many tokens whatever they are, and tokenizing megabytes only to refuse them costs seconds of CPU
+            limit = self.scheduler.config.max_seq_len * self.tokenizer.max_token_bytes
+            if len(prompt) > limit or len(prompt.encode()) > limit:
+                raise ValueError(f"prompt: {len(prompt.encode())} bytes cannot fit in the engine's max_seq_len "
+                                 f"({self.scheduler.config.max_seq_len} tokens of at most "
+                                 f"{self.tokenizer.max_token_bytes} bytes each); shorten it")
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -26,6 +27,12 @@ class Tokenizer:
         self.special_tokens = {t.content: i for i, t in sorted(added) if t.special}  # text -> id
         self.special_ids = frozenset(self.special_tokens.values())
         self.byte_fallback_ids = _byte_fallback_ids(json.loads(self._tok.to_str()), self._tok.get_vocab())
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound of the UTF-8 bytes one token stands for (4 per character of its vocabulary entry: byte-level
+        entries are one byte a character, others at most 4)."""
+        return 4 * max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def vocab_size(self) -> int:

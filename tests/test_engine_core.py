@@ -510,3 +510,13 @@ def test_corrupt_tokenizer_files_are_one_line_errors_naming_the_file(stories_eng
     result = CliRunner().invoke(main, ["run", "--engine", str(engine), "--prompt", "Once", "--max-tokens", "2"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert re.search(message, result.output) and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(stories_engine, monkeypatch):
+    core = EngineCore(stories_engine, config())
+    limit = core.scheduler.config.max_seq_len * core.tokenizer.max_token_bytes
+    monkeypatch.setattr(core.tokenizer, "encode", lambda *_: pytest.fail("tokenized a hopeless prompt"))
+    with pytest.raises(ValueError, match=rf"prompt: {limit + 1} bytes cannot fit in the engine's max_seq_len"):
+        core.make_request("a" * (limit + 1), GREEDY)
+    with pytest.raises(ValueError, match="bytes cannot fit"):
+        core.make_request("é" * (limit // 2 + 1), GREEDY)  # counted in UTF-8 bytes, not characters

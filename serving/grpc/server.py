@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "trtbuild.v1.Generation"
 DEFAULT_PORT = 8001
+# NOTE: a request or response message at most: 4 MiB holds any prompt an engine can take (EngineCore refuses text
+# longer than max_seq_len tokens could be before tokenizing it) without letting a client queue gigabytes
+MAX_MESSAGE_BYTES = 4 << 20
 _POLL_S = 1.0  # how often a waiting handler re-checks that its client is still connected
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 _STATUS = {ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -206,7 +209,9 @@ class GenerationServer:
         self.servicer = GenerationServicer(max_queue_size, self.health)
         # NOTE: each streaming call holds a worker thread while its request is unfinished.
         self._server = grpc.server(ThreadPoolExecutor(max_workers=max_queue_size + 16, thread_name_prefix="grpc"),
-                                   options=[("grpc.so_reuseport", 0)])  # a second server must not share the port
+                                   options=[("grpc.so_reuseport", 0),  # a second server must not share the port
+                                            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
