@@ -221,9 +221,11 @@ def _chat_messages(chat: str, system: str | None) -> list[dict[str, str]]:
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--no-stream", is_flag=True, help="Wait for the whole text instead of streaming it.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, help="Seconds for the call.")
+@click.option("--api-key", envvar="TRTBUILD_API_KEY", default=None,
+              help="The server's --api-key, if it has one [env: TRTBUILD_API_KEY].")
 def client(address: str, prompt: str | None, chat: str | None, system: str | None, engine_dir: Path | None,
            max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None, stop: tuple[str, ...],
-           no_stream: bool, timeout: float) -> None:
+           no_stream: bool, timeout: float, api_key: str | None) -> None:
     """Generate text with a running `trtbuild serve`, streaming it to the terminal."""
     import grpc
 
@@ -242,7 +244,7 @@ def client(address: str, prompt: str | None, chat: str | None, system: str | Non
         request = template.encode(Tokenizer(engine_dir), _chat_messages(chat, system))
         sampling["stop_token_ids"] = list(template.end_of_turn_token_ids)
     try:
-        with GenerationClient(address) as c:
+        with GenerationClient(address, api_key=api_key) as c:
             if no_stream:
                 click.echo(echo + c.generate(request, timeout=timeout, **sampling).text, nl=False)
             else:
@@ -263,7 +265,8 @@ def client(address: str, prompt: str | None, chat: str | None, system: str | Non
 @click.option("--backend", type=click.Choice(["grpc", "openai"]), default="grpc", show_default=True,
               help="How --address is spoken to: grpc (`trtbuild serve`) or openai (`trtbuild serve --http-port`, "
                    "llama-server, vllm serve; streaming /v1/completions).")
-@click.option("--api-key", envvar="OPENAI_API_KEY", default=None, help="Bearer token of an openai backend.")
+@click.option("--api-key", envvar="TRTBUILD_API_KEY", default=None,
+              help="The server's API key (bearer token), for either backend [env: TRTBUILD_API_KEY].")
 @click.option("--dataset", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help='JSON lines {"prompt": "..." or "input_ids": [...], "output_tokens": N}.')
 @click.option("--num-requests", type=click.IntRange(min=1), default=None,

@@ -18,7 +18,8 @@ from trtbuild.cli_options import existing, out, runtime_config, serving_options
               help="Also serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics) "
                    "on this port, over the same engine (0 picks a free port, printed).")
 @click.option("--api-key", envvar="TRTBUILD_API_KEY", default=None,
-              help="Require `Authorization: Bearer <key>` on the OpenAI API [env: TRTBUILD_API_KEY].")
+              help="Require `authorization: Bearer <key>` on every gRPC call but health checks and on the OpenAI API "
+                   "[env: TRTBUILD_API_KEY].")
 @click.option("--served-model-name", default=None, help="The model name of the OpenAI API [default: the engine's "
                                                         "folder name].")
 @serving_options

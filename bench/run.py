@@ -37,7 +37,7 @@ class BenchOptions:
     engine: Path | None = None
     address: str | None = None
     backend: str = "grpc"  # of --address: "grpc" (`trtbuild serve`) or "openai" (any OpenAI-compatible server)
-    api_key: str | None = None  # openai backend
+    api_key: str | None = None  # of --address, if the server has one
     dataset: Path | None = None
     num_requests: int | None = None
     input_len: int | None = None
@@ -100,7 +100,7 @@ def _one_round(opts: BenchOptions, dataset: list[BenchRequest] | None, threads: 
     log(f"loading {opts.engine or opts.address} ...")
     target: Target = (EngineTarget(opts.engine, threads, opts.speculative) if opts.engine is not None
                       else OpenAITarget(opts.address, opts.api_key) if opts.backend == "openai"
-                      else ServerTarget(opts.address))
+                      else ServerTarget(opts.address, api_key=opts.api_key))
     report: dict[str, Any] = {"target": target.name, "threads": getattr(target, "threads", None),
                               "concurrency": opts.concurrency, "request_rate": opts.request_rate}
     try:

@@ -128,13 +128,13 @@ class EngineTarget:
 class ServerTarget:
     """A running `trtbuild serve`, through serving/grpc/client.py streaming calls; KV usage is sampled with GetStats."""
 
-    def __init__(self, address: str, ready_timeout: float = 30.0) -> None:
+    def __init__(self, address: str, ready_timeout: float = 30.0, api_key: str | None = None) -> None:
         import grpc
 
         from trtbuild.serving.grpc.client import FINISH_REASONS, GenerationClient
 
         self.name, self._grpc_error, self._reasons = f"server {address}", grpc.RpcError, FINISH_REASONS
-        self.client = GenerationClient(address, timeout=ready_timeout)
+        self.client = GenerationClient(address, timeout=ready_timeout, api_key=api_key)
         try:
             self.client.wait_ready(ready_timeout)
             self.info = self.client.model_info()

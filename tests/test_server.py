@@ -330,3 +330,31 @@ def test_health_is_not_serving_until_the_engine_loads_and_a_dead_engine_is_unava
 class _DeadEngine:
     def submit(self, *args: object) -> None:
         raise EngineDeadError("the engine loop stopped: boom")
+
+
+def test_an_api_key_guards_every_call_but_health_checks(engine):
+    server = GenerationServer(port=0, max_queue_size=4, api_key="sekret")
+    try:
+        server.load(engine, RuntimeConfig(num_threads=1))
+        with GenerationClient(server.address, timeout=TIMEOUT) as anonymous, \
+                GenerationClient(server.address, timeout=TIMEOUT, api_key="wrong") as wrong, \
+                GenerationClient(server.address, timeout=TIMEOUT, api_key="sekret") as keyed:
+            assert anonymous.health_status() == "SERVING"  # probes need no secret
+            for client in (anonymous, wrong):
+                for call in (lambda c=client: c.generate("Once", timeout=TIMEOUT, max_tokens=2),
+                             lambda c=client: list(c.generate_stream("Once", timeout=TIMEOUT, max_tokens=2)),
+                             lambda c=client: c.cancel("x"), lambda c=client: c.stats(),
+                             lambda c=client: c.model_info()):
+                    e = _error(call)
+                    assert e is not None and e.code() == grpc.StatusCode.UNAUTHENTICATED, call
+            assert keyed.generate("Once", timeout=TIMEOUT, max_tokens=2).usage.output_tokens == 2
+            assert keyed.stats().num_finished == 1 and not keyed.cancel("x")
+    finally:
+        server.stop(grace=1.0)
+
+
+def test_serve_refuses_a_broken_engine_before_listening(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    out = subprocess.run([sys.executable, "-m", "trtbuild.cli", "serve", "--engine", str(tmp_path), "--port", "0"],
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert out.returncode != 0 and "listening" not in out.stdout and "is corrupt" in out.stderr

@@ -54,10 +54,12 @@ class ResponseStream:
 class GenerationClient:
     """`with GenerationClient("127.0.0.1:8001") as c: c.wait_ready(); print(c.generate("Once", max_tokens=8).text)`"""
 
-    def __init__(self, address: str, timeout: float = 30.0) -> None:
-        """`timeout` bounds every call except streams and generate, which take their own (None: no deadline)."""
+    def __init__(self, address: str, timeout: float = 30.0, api_key: str | None = None) -> None:
+        """`timeout` bounds every call except streams and generate, which take their own (None: no deadline).
+        `api_key`: sent as `authorization: Bearer <key>` (a server started with --api-key needs it)."""
         self.address = address
         self.timeout = timeout
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -65,22 +67,25 @@ class GenerationClient:
     def generate_stream(self, prompt: str | Sequence[int], *, request_id: str = "", timeout: float | None = None,
                         **sampling: object) -> ResponseStream:
         """Stream the generation: one response per step with new tokens / text; the last has finished and usage."""
-        return ResponseStream(self.stub.GenerateStream(make_request(prompt, request_id, **sampling), timeout=timeout))
+        return ResponseStream(self.stub.GenerateStream(make_request(prompt, request_id, **sampling), timeout=timeout,
+                                                       metadata=self.metadata))
 
     def generate(self, prompt: str | Sequence[int], *, request_id: str = "", timeout: float | None = None,
                  **sampling: object) -> pb.GenerateResponse:
         """The whole generation in one response."""
-        return self.stub.Generate(make_request(prompt, request_id, **sampling), timeout=timeout)
+        return self.stub.Generate(make_request(prompt, request_id, **sampling), timeout=timeout,
+                                  metadata=self.metadata)
 
     def cancel(self, request_id: str) -> bool:
         """Abort an unfinished request; False when no unfinished request has this id."""
-        return self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=self.timeout).found
+        return self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=self.timeout,
+                                metadata=self.metadata).found
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout)
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self.metadata)
 
     def stats(self) -> pb.Stats:
-        return self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout)
+        return self.stub.GetStats(pb.GetStatsRequest(), timeout=self.timeout, metadata=self.metadata)
 
     def health_status(self, service: str = SERVICE_NAME) -> str:
         """The grpc.health.v1 status name of `service` ("" is the whole server): SERVING, NOT_SERVING, ..."""

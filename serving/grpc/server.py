@@ -8,6 +8,7 @@ the engine is loaded, then SERVING) and server reflection. Status codes are list
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 import threading
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from trtbuild import __version__
+from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.errors import TrtbuildError
 from trtbuild.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from trtbuild.runtime.config import RuntimeConfig
@@ -198,20 +200,47 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class _ApiKeyInterceptor(grpc.ServerInterceptor):
+    """Refuses calls without `authorization: Bearer <key>` (UNAUTHENTICATED); health checks stay open, as vLLM leaves
+    /health open, so that probes need no secret."""
+
+    def __init__(self, api_key: str) -> None:
+        self.expected = f"Bearer {api_key}".encode()
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith("/grpc.health.v1."):
+            return handler
+        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if secrets.compare_digest(given.encode(), self.expected):
+            return handler
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key (metadata authorization: "
+                                                           "Bearer <key>)")
+
+        make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else \
+            grpc.unary_unary_rpc_method_handler
+        return make(deny, request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+
 class GenerationServer:
     """A started gRPC server (health NOT_SERVING) bound to host:port (`port` 0 picks one: see `.port`).
     `load()` loads the engine and turns health to SERVING; `stop()` shuts down gracefully."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
-                 max_queue_size: int = RuntimeConfig.max_queue_size) -> None:
-        """`max_queue_size` (RuntimeConfig's, validated there) sizes the worker pool before an engine is loaded."""
+                 max_queue_size: int = RuntimeConfig.max_queue_size, api_key: str | None = None) -> None:
+        """`max_queue_size` (RuntimeConfig's, validated there) sizes the worker pool before an engine is loaded.
+        `api_key`: every call but health checks needs `authorization: Bearer <key>` metadata."""
         self.health = health.HealthServicer(experimental_non_blocking=True)
         self.servicer = GenerationServicer(max_queue_size, self.health)
         # NOTE: each streaming call holds a worker thread while its request is unfinished.
         self._server = grpc.server(ThreadPoolExecutor(max_workers=max_queue_size + 16, thread_name_prefix="grpc"),
                                    options=[("grpc.so_reuseport", 0),  # a second server must not share the port
                                             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                                            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+                                   interceptors=[_ApiKeyInterceptor(api_key)] if api_key else [])
         pb_grpc.add_GenerationServicer_to_server(self.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -256,8 +285,9 @@ def serve(engine_dir: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT, c
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     http = None
+    read_engine_config(Path(engine_dir), expect_target="cpu")  # a broken engine fails before "listening on"
     try:
-        server = GenerationServer(host, port, max_queue_size)
+        server = GenerationServer(host, port, max_queue_size, api_key)
         try:
             print(f"trtbuild serve listening on {server.address}", flush=True)
             core = server.load(engine_dir, config)
