@@ -3,6 +3,7 @@ raw gRPC stubs, checked against in-process generation (`LLM`) of the same reques
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -358,3 +359,13 @@ def test_serve_refuses_a_broken_engine_before_listening(tmp_path):
     out = subprocess.run([sys.executable, "-m", "trtbuild.cli", "serve", "--engine", str(tmp_path), "--port", "0"],
                          capture_output=True, text=True, timeout=TIMEOUT)
     assert out.returncode != 0 and "listening" not in out.stdout and "is corrupt" in out.stderr
+
+
+def test_soak_with_preemption_cancels_and_bad_requests_returns_every_token_and_block(engine):
+    """benchmarks/soak.py for a few seconds: every completed stream equals its request alone, the 8-block pool is
+    full again, nothing unfinished, RSS flat (the 10-minute run is in docs/reliability.md)."""
+    out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "soak.py"), "--engine",
+                          str(engine), "--duration", "8", "--concurrency", "8", "--kv-cache-blocks", "8",
+                          "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "soak: PASS" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert re.search(r"[1-9]\d* preemptions", out.stdout) and "0 mismatches" in out.stdout, out.stdout
