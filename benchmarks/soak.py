@@ -117,23 +117,34 @@ class Soak:
                         return  # closing the connection aborts the request
         self.done(("http", prompt, n), tokens, "http completed")
 
-    def bad(self, rng: random.Random) -> None:
-        how, body, expected = rng.choice(BAD_REQUESTS)
-        got = ""
+    def send_bad(self, how: str, body) -> tuple[str, str]:
+        """(status, message) the server answers a bad request with ("success" if it does not refuse it)."""
         if how == "grpc":
             try:
-                self.client.generate(body["prompt"], timeout=60,
-                                     **{k: v for k, v in body.items() if k != "prompt"})
+                self.client.generate(body["prompt"], timeout=60, **{k: v for k, v in body.items() if k != "prompt"})
             except grpc.RpcError as e:
-                got = e.code().name
-        else:
-            data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            path = "/v1/chat/completions" if "messages" in str(body) else "/v1/completions"
-            try:
-                urllib.request.urlopen(urllib.request.Request(self.base + path, data,
-                                                              {"Content-Type": "application/json"}), timeout=60)
-            except urllib.error.HTTPError as e:
-                got = str(e.code)
+                return e.code().name, e.details()
+            return "success", ""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        path = "/v1/chat/completions" if "messages" in str(body) else "/v1/completions"
+        try:
+            urllib.request.urlopen(urllib.request.Request(self.base + path, data,
+                                                          {"Content-Type": "application/json"}), timeout=60)
+        except urllib.error.HTTPError as e:
+            return str(e.code), json.loads(e.read())["error"]["message"]
+        return "success", ""
+
+    def bad_requests_table(self) -> str:
+        rows = ["| sent over | request | status | message |", "|---|---|---|---|"]
+        for how, body, _ in BAD_REQUESTS:
+            status, message = self.send_bad(how, dict(body) if isinstance(body, dict) else body)
+            shown = str(body) if len(str(body)) < 90 else str(body)[:60] + f"... ({len(str(body))} characters)"
+            rows.append(f"| {how} | `{shown}` | {status} | {message.replace('|', '/')} |")
+        return "\n".join(rows)
+
+    def bad(self, rng: random.Random) -> None:
+        how, body, expected = rng.choice(BAD_REQUESTS)
+        got, _ = self.send_bad(how, body)
         if got != expected:
             self.fail(f"bad request {how} {str(body)[:60]}: expected {expected}, got {got or 'success'}")
         self.count("bad requests refused")
@@ -238,9 +249,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rss-tolerance", type=float, default=1.25, help="RSS after / after warm-up allowed.")
+    p.add_argument("--bad-requests-table", action="store_true", help="Only print each bad request's answer.")
     args = p.parse_args()
     soak = Soak(args)
     try:
+        if args.bad_requests_table:
+            print(soak.bad_requests_table())
+            return
         code = soak.run()
     finally:
         soak.close()

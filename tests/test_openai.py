@@ -206,6 +206,15 @@ BAD = [  # (path, body, status, message)
 ]
 
 
+def test_a_body_that_is_not_json_is_a_400(server):
+    request = urllib.request.Request(server.base + "/v1/completions", b"{not json",
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=TIMEOUT)
+    message = json.loads(e.value.read())["error"]["message"]
+    assert e.value.code == 400 and "the request body is not valid JSON" in message
+
+
 @pytest.mark.parametrize(("path", "body", "status", "message"), BAD)
 def test_bad_requests_get_openai_errors(server, path, body, status, message):
     code, doc = server.post(path, body)

@@ -254,6 +254,10 @@ class OpenAIServer:
         @app.exception_handler(RequestValidationError)
         async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
             first = e.errors()[0]
+            if first.get("type") == "json_invalid":
+                return JSONResponse(api.error_body(f"the request body is not valid JSON ({first.get('msg')}, "
+                                                   f"{(first.get('ctx') or {}).get('error', 'at the start')})",
+                                                   "invalid_request_error", 400), status_code=400)
             param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
             return JSONResponse(api.error_body(f"{param}: {first.get('msg')}" if param else str(first.get("msg")),
                                                "invalid_request_error", 400, param), status_code=400)
