@@ -16,6 +16,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai  # a dev dependency (pip install -e '.[dev]'), as the README installs
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,7 +25,6 @@ from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 
-openai = pytest.importorskip("openai", reason="the openai client is a dev dependency (pip install -e '.[dev]')")
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
             "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")

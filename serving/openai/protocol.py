@@ -128,11 +128,14 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
-class ChatCompletion(BaseModel):
+class _Response(BaseModel):
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+
+
+class ChatCompletion(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
 
@@ -144,11 +147,8 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -167,11 +167,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(_Response):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
