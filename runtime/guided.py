@@ -36,24 +36,26 @@ def check_schema(schema: str) -> None:
 
 
 @lru_cache(maxsize=8)
-def _guidance_tokenizer(tokenizer_json: str, vocab_size: int, stop_ids: tuple[int, ...]) -> Any:
-    """llguidance's view of a tokenizer (about 1 s to build, so cached per tokenizer and stop tokens)."""
+def _guidance_tokenizer(tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -> Any:
+    """llguidance's view of an engine's Tokenizer (about 1 s to build, so cached per tokenizer object and stop
+    tokens: a request serializes nothing)."""
     import llguidance
 
-    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(stop_ids))
+    return llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=vocab_size, eos_token=list(stop_ids))
 
 
 class JsonGuide:
     """One request's matcher. `mask` first catches up with the output tokens appended since (`sync`): the token list
     is the request's own, which the scheduler appends to."""
 
-    def __init__(self, schema: str, tokenizer_json: str, vocab_size: int, stop_ids: tuple[int, ...]) -> None:
+    def __init__(self, schema: str, tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -> None:
+        """`tokenizer`: the engine's runtime.tokenizer.Tokenizer (its `to_json` is read once per tokenizer)."""
         import llguidance
 
         if not stop_ids:
             raise ConfigError("json_schema", "needs a stop token (the model's EOS) to end the output at")
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, COMPILE_DEFAULTS)
-        self.matcher = llguidance.LLMatcher(_guidance_tokenizer(tokenizer_json, vocab_size, stop_ids), grammar,
+        self.matcher = llguidance.LLMatcher(_guidance_tokenizer(tokenizer, vocab_size, stop_ids), grammar,
                                             log_level=0)
         self.vocab_size, self.consumed = vocab_size, 0
         self._mask = np.full((vocab_size + 31) // 32, -1, dtype=np.int32)

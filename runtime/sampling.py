@@ -240,7 +240,7 @@ def _json_guide(params: SamplingParams, tokenizer: object, vocab_size: int | Non
 
     if tokenizer is None or not hasattr(tokenizer, "to_json") or vocab_size is None:
         raise ConfigError("json_schema", "needs the engine's tokenizer (this engine has none)")
-    return JsonGuide(params.json_schema, tokenizer.to_json(), vocab_size, tuple(dict.fromkeys(
+    return JsonGuide(params.json_schema, tokenizer, vocab_size, tuple(dict.fromkeys(
         eos + params.stop_token_ids)))
 
 

@@ -9,6 +9,7 @@ freed, at once: streaming responses end their generator, non-streaming ones are 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 from collections.abc import AsyncIterator
@@ -26,7 +27,7 @@ from trtbuild.runtime.engine_core import RequestOutput
 from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
 from trtbuild.serving.openai import protocol as api
 from trtbuild.serving.openai.metrics import ServingMetrics
-from trtbuild.serving.requests import Accumulated, ErrorKind, error_kind, follow
+from trtbuild.serving.requests import Accumulated, ErrorKind, error_kind, follow, sampling_params
 
 POLL_S = 0.5  # how often a waiting worker thread looks up, so that shutdown is never stuck behind it
 _STATUS = {ErrorKind.INVALID_ARGUMENT: (400, "invalid_request_error"), ErrorKind.QUEUE_FULL: (429, "rate_limit_error"),
@@ -86,15 +87,13 @@ class OpenAIServer:
             ignore_eos=r.ignore_eos, logprobs=logprobs, logit_bias=bias or None,
             json_schema=r.response_format.schema() if getattr(r, "response_format", None) else None,
             stop_token_ids=tuple(r.stop_token_ids or ()) + extra_stop_ids or None).items() if v is not None}
-        from trtbuild.serving.requests import sampling_params
-
         return sampling_params(fields)
 
     def _submit(self, prompt: list[int], params: SamplingParams, n: int) -> list[RequestStream]:
         streams = []
         try:
             for i in range(n):  # n > 1 with a seed: choice i samples with seed + i, so choices differ
-                seeded = params if params.seed is None or i == 0 else _replace(params, seed=params.seed + i)
+                seeded = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
                 streams.append(self.engine.submit(prompt, seeded))
         except Exception:
             for s in streams:
@@ -308,9 +307,3 @@ def _sse(model: Any) -> str:
 def _usage(prompt_len: int, wholes: list[Accumulated]) -> api.Usage:
     completion = sum(len(w.token_ids) for w in wholes)
     return api.Usage(prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion)
-
-
-def _replace(params: SamplingParams, **changes: Any) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(params, **changes)
