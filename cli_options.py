@@ -67,6 +67,9 @@ serving_options = options(
                  help="Prefill tokens of one request per step [default: the whole token budget]."),
     click.option("--max-queue-size", type=int, default=256,
                  help="Unfinished requests held at most; more are refused (retry later)."),
+    click.option("--max-queued-tokens", type=int, default=None,
+                 help="Prompt tokens of unfinished requests held at most; more are refused (retry later) "
+                      "[default: 4x the KV cache's tokens, at least max_seq_len]."),
     speculative_options,
     click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads."),
 )
@@ -74,12 +77,12 @@ serving_options = options(
 
 def runtime_config(kv_cache_memory: float | None, kv_cache_blocks: int | None, policy: str, no_prefix_caching: bool,
                    max_batch_size: int | None, max_num_tokens: int | None, max_prefill_chunk: int | None,
-                   max_queue_size: int, speculative_tokens: int, prompt_lookup_max: int,
+                   max_queue_size: int, max_queued_tokens: int | None, speculative_tokens: int, prompt_lookup_max: int,
                    threads: int | None):  # -> RuntimeConfig, which checks every value (ConfigError names the field)
     from trtbuild.runtime.config import RuntimeConfig
 
     return RuntimeConfig(kv_cache_memory=kv_cache_memory, kv_cache_blocks=kv_cache_blocks, policy=policy,
                          enable_prefix_caching=not no_prefix_caching, max_batch_size=max_batch_size,
                          max_num_tokens=max_num_tokens, max_prefill_chunk=max_prefill_chunk,
-                         max_queue_size=max_queue_size, num_threads=threads,
+                         max_queue_size=max_queue_size, max_queued_tokens=max_queued_tokens, num_threads=threads,
                          speculative=speculative_config(speculative_tokens, prompt_lookup_max))

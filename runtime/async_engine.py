@@ -21,8 +21,13 @@ from trtbuild.runtime.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
+# NOTE: the default bound on queued prompt tokens: a prompt that waits behind more than a few KV pools' worth of
+# others waits for several turnovers of the whole pool, and each queued token costs host memory (~40 bytes as ids)
+QUEUED_TOKENS_PER_POOL_TOKEN = 4
+
+
 class QueueFullError(RuntimeError):
-    """The server holds as many unfinished requests as it accepts; retry later."""
+    """The server holds as many unfinished requests (or their prompt tokens) as it accepts; retry later."""
 
 
 class EngineDeadError(RuntimeError):
@@ -75,6 +80,10 @@ class AsyncEngine:
         """`max_queue_size`: unfinished requests held at most [None: the core's RuntimeConfig.max_queue_size]."""
         self.core = core
         self.max_queue_size = max_queue_size or core.config.max_queue_size
+        pool_tokens = core.kv.pool.num_blocks * core.kv.block_size
+        self.max_queued_tokens = core.config.max_queued_tokens or max(
+            QUEUED_TOKENS_PER_POOL_TOKEN * pool_tokens, core.scheduler.config.max_seq_len)
+        self._queued_tokens = 0  # prompt tokens of the requests in _streams
         self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
@@ -101,8 +110,13 @@ class AsyncEngine:
                 raise ValueError(f"request_id {request.request_id!r} is already in use")
             if len(self._streams) >= self.max_queue_size:
                 raise QueueFullError(f"the server already holds {self.max_queue_size} unfinished requests")
+            if self._queued_tokens + request.num_prompt_tokens > self.max_queued_tokens:
+                raise QueueFullError(f"the server already holds {self._queued_tokens} prompt tokens of unfinished "
+                                     f"requests; {request.num_prompt_tokens} more exceed its limit of "
+                                     f"{self.max_queued_tokens} (--max-queued-tokens)")
             stream = RequestStream(self, request.request_id, request.num_prompt_tokens)
             self._streams[request.request_id] = stream
+            self._queued_tokens += request.num_prompt_tokens
         self._commands.put(_Add(request, stream))
         return stream
 
@@ -144,7 +158,7 @@ class AsyncEngine:
         with self._lock:
             stream = self._streams.get(output.request_id)
             if output.finished:
-                self._streams.pop(output.request_id, None)
+                self._release(output.request_id)
                 self.num_finished += 1
                 self.finish_reasons[output.finish_reason or "unknown"] += 1
                 if output.metrics is not None:
@@ -158,9 +172,16 @@ class AsyncEngine:
                 except Exception:  # NOTE: a metrics bug must not stop the engine loop
                     log.exception("on_finished listener failed")
 
+    def _release(self, request_id: str) -> RequestStream | None:
+        """Forget a request's stream (lock held)."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._queued_tokens -= stream.num_prompt_tokens
+        return stream
+
     def _finish(self, request_id: str, error: BaseException) -> None:
         with self._lock:
-            stream = self._streams.pop(request_id, None)
+            stream = self._release(request_id)
         if stream is not None:
             stream.put(error)
 
@@ -184,7 +205,7 @@ class AsyncEngine:
             log.exception("engine loop failed")
             self._error = e
             with self._lock:
-                streams, self._streams = list(self._streams.values()), {}
+                streams, self._streams, self._queued_tokens = list(self._streams.values()), {}, 0
             for stream in streams:
                 stream.put(EngineDeadError(f"the engine loop stopped: {e}"))
         finally:
@@ -198,7 +219,7 @@ class AsyncEngine:
                 # too, and refuse later submits, so that no client waits forever.
                 with self._lock:
                     self._stopped = True
-                    streams, self._streams = list(self._streams.values()), {}
+                    streams, self._streams, self._queued_tokens = list(self._streams.values()), {}, 0
                 for stream in streams:
                     stream.put(RequestOutput(stream.request_id, [], "", True, FinishReason.ABORT.value,
                                              num_prompt_tokens=stream.num_prompt_tokens))

@@ -19,7 +19,7 @@ from trtbuild.runtime.speculative import SpeculativeConfig
 # Speculative decoding's fields, stored flat beside the others (absent or 0 drafts: off).
 _SPECULATIVE_FIELDS = tuple(f.name for f in dataclasses.fields(SpeculativeConfig))
 _AT_LEAST_ONE = ("kv_cache_blocks", "max_batch_size", "max_num_tokens", "max_prefill_chunk", "max_queue_size",
-                 "num_threads")
+                 "max_queued_tokens", "num_threads")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,9 @@ class RuntimeConfig:
     max_num_tokens: int | None = None  # tokens per engine step [None: the engine's]
     max_prefill_chunk: int | None = None  # prefill tokens of one request per step [None: the whole token budget]
     max_queue_size: int = 256  # unfinished requests a server holds at most; more are refused
+    # prompt tokens of the unfinished requests a server holds at most [None: QUEUED_TOKENS_PER_POOL_TOKEN x the KV
+    # pool's tokens, at least max_seq_len]; more are refused, so that queued prompts cannot hold unbounded memory
+    max_queued_tokens: int | None = None
     num_threads: int | None = None  # ONNX Runtime intra-op threads [None: the number of cores]
     speculative: SpeculativeConfig | None = None  # draft tokens verified per decode step; None: off
     warm_up: bool = True  # at start: one dummy step of the largest batch (CpuEngine.warm_up), KV pool faulted in

@@ -445,6 +445,30 @@ def test_async_queue_full(llama_engine, alone):
         engine.shutdown()
 
 
+def test_async_queued_prompt_tokens_are_bounded_and_released(llama_engine, alone):
+    """Memory held by queued requests is bounded in prompt tokens, not only in number; finishing frees it."""
+    limit = len(PROMPTS[0]) + len(PROMPTS[1])
+    core = EngineCore(llama_engine, config(max_queued_tokens=limit))
+    gate, _ = gate_steps(core)
+    engine = AsyncEngine(core)
+    try:
+        assert engine.max_queued_tokens == limit
+        long = SamplingParams(max_tokens=50, ignore_eos=True)
+        streams = [engine.submit(PROMPTS[i], long) for i in range(2)]
+        with pytest.raises(QueueFullError, match=f"{limit} prompt tokens .* limit of {limit}"):
+            engine.submit(PROMPTS[2][:1], long)  # one token more than the limit, while the queue has room
+        gate.set()
+        for s in streams:
+            assert collect(s)[1].finish_reason == "length"
+        assert collect(engine.submit(PROMPTS[0], GREEDY))[0] == alone[0]  # released: room again
+        default = AsyncEngine(EngineCore(llama_engine, config(warm_up=False)))
+        pool = default.core.kv.pool.num_blocks * default.core.kv.block_size
+        assert default.max_queued_tokens == max(4 * pool, default.core.scheduler.config.max_seq_len)
+        default.shutdown()
+    finally:
+        engine.shutdown()
+
+
 def test_async_shutdown_ends_every_pending_stream(llama_engine):
     core = EngineCore(llama_engine, config())
     gate, waiting = gate_steps(core)

@@ -244,6 +244,21 @@ def test_bad_inputs_are_invalid_argument_naming_the_field(main, rpc):
     assert main.cancel(f"dup-{rpc}") and collect(stream)[2].finish_reason == pb.FINISH_REASON_ABORT
 
 
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream", "Cancel"])
+def test_a_malformed_request_body_is_invalid_argument_with_one_log_line(main, servers, method):
+    identity = (lambda b: b)  # noqa: E731 - raw bytes on the wire
+    call = (main.channel.unary_stream if method == "GenerateStream" else main.channel.unary_unary)(
+        f"/trtbuild.v1.Generation/{method}", request_serializer=identity, response_deserializer=identity)
+    with pytest.raises(grpc.RpcError) as e:
+        result = call(b"\xff\xff\xff\xff garbage", timeout=TIMEOUT)
+        list(result) if method == "GenerateStream" else result
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert "not a valid /trtbuild.v1.Generation/" + method in e.value.details()
+    assert main.generate("Once", timeout=TIMEOUT, max_tokens=2).usage.output_tokens == 2  # the server carries on
+    log = servers["main"].log.read_text()
+    assert f"{method}: malformed request" in log and "Traceback" not in log
+
+
 def test_full_queue_is_resource_exhausted_then_sigterm_shuts_down_gracefully(servers):
     server = servers["small_queue"]
     client = server.client()
