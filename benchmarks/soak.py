@@ -40,6 +40,7 @@ BAD_REQUESTS = [
     ("grpc", dict(prompt=[1, 10**9]), "INVALID_ARGUMENT"),
     ("grpc", dict(prompt=""), "INVALID_ARGUMENT"),
     ("grpc", dict(prompt="x" * 2_000_000), "INVALID_ARGUMENT"),
+    ("grpc", b"\xff\xff\xff\xff not a GenerateRequest", "INVALID_ARGUMENT"),
     ("http", {"prompt": "Once", "temperature": -1}, "400"),
     ("http", {"prompt": "Once", "logit_bias": {"a": 1}}, "400"),
     ("http", {"prompt": "Once", "max_tokens": 10**6}, "400"),
@@ -121,7 +122,12 @@ class Soak:
         """(status, message) the server answers a bad request with ("success" if it does not refuse it)."""
         if how == "grpc":
             try:
-                self.client.generate(body["prompt"], timeout=60, **{k: v for k, v in body.items() if k != "prompt"})
+                if isinstance(body, bytes):  # not a protobuf message at all
+                    raw = self.client.channel.unary_unary("/trtbuild.v1.Generation/Generate")  # no serializers
+                    raw(body, timeout=60)
+                else:
+                    self.client.generate(body["prompt"], timeout=60, **{k: v for k, v in body.items()
+                                                                         if k != "prompt"})
             except grpc.RpcError as e:
                 return e.code().name, e.details()
             return "success", ""
