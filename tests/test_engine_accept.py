@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from conftest import RUNTIME_ENGINE_OPTIONS
 from helpers import STORIES260K, assert_pool_full, drive, require_shared_models
@@ -107,3 +108,20 @@ def test_a_plain_engine_refuses_to_verify_drafts(stories_engine, accept_engine):
         rows = engine.execute([SequenceChunk(0, tokens, 0, 3, [0])]).logits
         verified = verify(rows, list(drafts), SamplingState(SamplingParams(), [5]))
         assert out.accepted[0] == (verified.num_accepted, verified.token_ids[-1])
+
+
+def test_results_are_the_same_when_a_step_runs_as_two_calls(accept_engine, monkeypatch):
+    """A long prefill chunk beside a verified decode chunk (split by attention_groups when padding would cost more):
+    the same rows and accept results as one call."""
+    import trtbuild.runtime.engine as engine_module
+
+    chunks = [SequenceChunk(0, list(range(3, 43)), 0, 1, [0, 1, 2, 3, 4]),
+              SequenceChunk(1, [7, 8, 9], 0, 3, [5], DraftAccept((8, 9), 0.7, (0.3, 0.9, 0.1))),
+              SequenceChunk(2, [4, 5], 0, 2, [6])]
+    engine = CpuEngine(accept_engine, num_threads=1, num_blocks=8)
+    one = engine.execute(chunks)
+    monkeypatch.setattr(engine_module, "PADDING_SPLIT_PAIRS", 0)
+    assert len(engine_module.attention_groups(chunks)) == 2
+    two = engine.execute(chunks)
+    assert one.accepted == two.accepted and set(one.accepted) == {1} and one.logits.shape[0] == 3
+    np.testing.assert_allclose(one.logits, two.logits, rtol=1e-5, atol=1e-5)
