@@ -20,6 +20,7 @@ from trtbuild.cli_options import (
     speculative_options,
 )
 from trtbuild.cli_serving import COMMANDS
+from trtbuild.configs.build_config import SPECULATIVE_DECODING_MODES
 from trtbuild.errors import TrtbuildError
 from trtbuild.quantization import CALIBRATED_QUANT_ALGOS, LM_HEAD_QUANT_ALGOS, KVCacheQuantAlgo, KVPoolDtype
 
@@ -96,12 +97,19 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
                    "(fast: a single user's decode and prefill; full: also a full decode batch and a long context).")
 @click.option("--timing-cache", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="JSON file of earlier autotuning timings (created if missing): a rebuild skips what it measured.")
+@click.option("--speculative-decoding-mode", type=click.Choice(SPECULATIVE_DECODING_MODES), default="none",
+              show_default=True,
+              help="draft-tokens: the engine verifies speculative drafts itself (greedy acceptance and rejection "
+                   "sampling at a temperature) and returns accepted counts and next tokens instead of their logits.")
+@click.option("--max-draft-len", type=click.IntRange(min=0), default=None,
+              help="Drafts per sequence the engine verifies (draft-tokens mode) [default: 4 in that mode].")
 @click.option("--verify", "verify_after", is_flag=True,
               help="Then run the engine against an unfused build of the checkpoint with polygraphy and print each "
                    "output's error against its tolerance (as `trtbuild verify`); exit non-zero if one fails.")
 def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_seq_len: int | None,
           max_num_tokens: int, tokens_per_block: int, no_fuse: bool, int4_accuracy_level: str,
-          kv_pool_dtype: str, autotune: str, timing_cache: Path | None, verify_after: bool) -> None:
+          kv_pool_dtype: str, autotune: str, timing_cache: Path | None, speculative_decoding_mode: str,
+          max_draft_len: int | None, verify_after: bool) -> None:
     """Compile a checkpoint into an engine directory for one target."""
     from trtbuild.builder.build import build_engine
 
@@ -111,7 +119,9 @@ def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_
     build_engine(checkpoint, output, target=target, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                  max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block, fuse=not no_fuse,
                  int4_accuracy_level=int(int4_accuracy_level), kv_pool_dtype=kv_pool_dtype, autotune=autotune,
-                 timer=timer, timing_cache=timing_cache)
+                 timer=timer, timing_cache=timing_cache, speculative_decoding_mode=speculative_decoding_mode,
+                 max_draft_len=max_draft_len if max_draft_len is not None else
+                 (4 if speculative_decoding_mode == "draft-tokens" else 0))
     click.echo(f"wrote engine {output}")
     if autotune != "off":
         click.echo(_tactics_summary(output))

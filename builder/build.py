@@ -17,7 +17,7 @@ from trtbuild.builder.convert.checkpoint import (
     remove_partial_output,
 )
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, CPU_WEIGHTS_FILE, cpu_fingerprint, write_engine_config
-from trtbuild.builder.network import ENGINE_INPUTS, ENGINE_OUTPUTS, build_network
+from trtbuild.builder.network import build_network, engine_inputs, engine_outputs
 from trtbuild.builder.quantized import check_quantization
 from trtbuild.builder.weight_file import StagingWeights, save_engine_files
 from trtbuild.configs import BuildConfig, ModelConfig
@@ -58,8 +58,9 @@ def default_build_config(config: ModelConfig, **overrides) -> BuildConfig:
 
 
 def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
-    """Fusion passes (unless disabled) then the quantized linears' lowering, in place; returns the passes applied.
-    The attention is lowered last, by `lower_paged_attention`, in the variant the autotuner chose."""
+    """Fusion passes (unless disabled), the quantized linears' lowering and the accept op's, in place; returns the
+    passes applied. The attention is lowered last, by `lower_paged_attention`, in the variant the autotuner chose."""
+    from trtbuild.builder.lower_accept import lower_speculative_accept
     from trtbuild.builder.passes import run_passes
     from trtbuild.builder.passes.lower_quant_cpu import lower_quantized_linears
 
@@ -71,6 +72,9 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
     quantized = lower_quantized_linears(model, build.int4_accuracy_level)
     if quantized:
         applied.append(f"lower_quantized_linears:{quantized}")
+    accept = lower_speculative_accept(model)
+    if accept:
+        applied.append(f"lower_speculative_accept:{accept}")
     return applied
 
 
@@ -119,8 +123,8 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         onnx.checker.check_model(str(output / CPU_ENGINE_FILE))  # by path: it reads the graph file, not the weights
         copy_tokenizer_files(checkpoint, output)
         io = io_spec(model)
-        assert [i["name"] for i in io["inputs"]] == list(ENGINE_INPUTS)
-        assert [o["name"] for o in io["outputs"]] == list(ENGINE_OUTPUTS)
+        assert [i["name"] for i in io["inputs"]] == list(engine_inputs(build))
+        assert [o["name"] for o in io["outputs"]] == list(engine_outputs(build))
         write_engine_config(output, config, build, cpu_fingerprint(), io, applied, {CPU_WEIGHTS_FILE: weight_bytes},
                             tactics)
         steps.update()

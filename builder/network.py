@@ -9,6 +9,13 @@ Engine I/O (T = packed tokens of this step, B = sequences, N = tokens whose logi
   kv_cache [num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, head_size]
   -> logits [N, vocab] float32, new_kv [num_layers, 2, T, num_kv_heads, head_size] (K after RoPE, V)
 
+Built with speculative_decoding_mode draft-tokens (K = max_draft_len, A = sequences whose drafts the engine verifies),
+the N rows feed one trtbuild::SpeculativeAccept node (plugins/speculative_accept.py) and only the rows the runtime
+still samples itself leave the engine:
+  + logits_out_rows [M] int64, accept_rows [A] int64, draft_tokens [A, K] int64, draft_lens [A] int64,
+    temperatures [A] float64, uniforms [A, K+1] float64
+  -> logits [M, vocab] (rows logits_out_rows of the N), new_kv, num_accepted [A] int64, next_tokens [A] int64
+
 Quantized checkpoints: linears take the standard Q/DQ form of their format (builder/quantized.py). A quantized KV
 cache makes `kv_cache` int8 (or uint8 holding float8 e4m3fn bits); each PagedAttention node then carries the
 attributes `kv_cache_quant_algo` and `kv_cache_scale` [K scale, V scale], and the model's metadata_props carry
@@ -34,12 +41,22 @@ from trtbuild.builder.weight_file import StagingWeights
 from trtbuild.builder.weight_only_linear import emit_nbits_gather
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.plugins import paged_attention as pa
+from trtbuild.plugins import speculative_accept as sa
 from trtbuild.quantization import kv_pool_elem_type
 
 ENGINE_INPUTS = ("input_ids", "position_ids", "query_start_loc", "past_lengths", "block_tables", "logits_indices",
                  "kv_cache")
 ENGINE_OUTPUTS = ("logits", "new_kv")
+ACCEPT_INPUTS = ("logits_out_rows",) + sa.INPUTS[1:]  # the accept op's inputs but its logits rows, which it reads
 KV_SCALES_METADATA = "trtbuild.kv_cache_scales"
+
+
+def engine_inputs(build: BuildConfig) -> tuple[str, ...]:
+    return ENGINE_INPUTS + (ACCEPT_INPUTS if build.draft_tokens else ())
+
+
+def engine_outputs(build: BuildConfig) -> tuple[str, ...]:
+    return ENGINE_OUTPUTS + (sa.OUTPUTS if build.draft_tokens else ())
 
 
 def kv_cache_shape(config: ModelConfig, build: BuildConfig, num_blocks: int | str) -> list:
@@ -74,19 +91,19 @@ class _NetworkWriter:
                           name=prefix + "_bias", outputs=outputs)
         return y
 
-    def lm_head(self, h: str) -> None:
+    def lm_head(self, h: str, out: str) -> None:
         """logits = h @ lm_head^T. A tied, unquantized head reads the embedding table itself (Gemm with transB), so
         the engine holds the [vocab, hidden] matrix once instead of twice."""
         embedding, head = self.tensors["transformer.vocab_embedding.weight"], self.tensors["lm_head.weight"]
         tied = (self.c.tie_word_embeddings and not self.quant.is_quantized("lm_head")
                 and not self.c.quantization.embedding_weight_only and torch.equal(embedding, head))
         if tied:
-            self.g.op("Gemm", [h, "transformer.vocab_embedding.weight"], transB=1, name="lm_head", outputs=["logits"])
+            self.g.op("Gemm", [h, "transformer.vocab_embedding.weight"], transB=1, name="lm_head", outputs=[out])
         elif not self.quant.is_quantized("lm_head"):  # NOTE: as stored, [vocab, hidden]: no transposed copy
             w = self.g.weight("lm_head.weight", self.tensor("lm_head.weight"))
-            self.g.op("Gemm", [h, w], transB=1, name="lm_head", outputs=["logits"])
+            self.g.op("Gemm", [h, w], transB=1, name="lm_head", outputs=[out])
         else:
-            self.linear(h, "lm_head", outputs=["logits"])
+            self.linear(h, "lm_head", outputs=[out])
 
     def rms_norm(self, x: str, weight_name: str) -> str:
         w = self.g.weight(weight_name, self.tensor(weight_name))
@@ -103,6 +120,18 @@ class _NetworkWriter:
         x3 = self.g.op("Unsqueeze", [x, self.g.const(np.array([0]), "axis0")])
         y3 = self.g.op("RotaryEmbedding", [x3, cos, sin, positions_2d], num_heads=heads)
         return self.g.op("Squeeze", [y3, self.g.const(np.array([0]), "axis0")])
+
+    def accept(self, all_logits: str) -> None:
+        """The accept step (draft-tokens mode): SpeculativeAccept over the N rows, and the rows still wanted out."""
+        g, k = self.g, self.build.max_draft_len
+        i64, f64 = TensorProto.INT64, TensorProto.DOUBLE
+        out_rows = g.input("logits_out_rows", i64, ["num_logits_out"])
+        inputs = [g.input("accept_rows", i64, ["num_accepting"]), g.input("draft_tokens", i64, ["num_accepting", k]),
+                  g.input("draft_lens", i64, ["num_accepting"]), g.input("temperatures", f64, ["num_accepting"]),
+                  g.input("uniforms", f64, ["num_accepting", k + 1])]
+        g.op(sa.OP_TYPE, [all_logits] + inputs, domain=sa.DOMAIN, name="speculative_accept", outputs=list(sa.OUTPUTS),
+             max_draft_len=k)
+        g.op("Gather", [all_logits, out_rows], axis=0, name="logits_out", outputs=["logits"])
 
     def write(self) -> onnx.ModelProto:
         c, g = self.c, self.g
@@ -153,13 +182,20 @@ class _NetworkWriter:
         g.scope = ""
         selected = g.op("Gather", [x, logits_indices], axis=0, name="select_logit_tokens")
         h = self.rms_norm(selected, "transformer.ln_f.weight")
-        self.lm_head(h)
+        if self.build.draft_tokens:
+            self.lm_head(h, "all_logits")
+            self.accept("all_logits")
+        else:
+            self.lm_head(h, "logits")
         # [K0; V0; K1; ...] stacked on the token axis is [L * 2 * T, KVH, D]: one copy, then a free reshape
         stacked = g.op("Concat", new_kv, axis=0, name="new_kv_stacked")
         g.op("Reshape", [stacked, g.const(np.array([c.num_hidden_layers, 2, -1, c.num_key_value_heads, c.head_size]),
                                           "new_kv_shape")], name="new_kv", outputs=["new_kv"])
-        g.output("logits", f32, ["num_logits", c.vocab_size])
+        g.output("logits", f32, ["num_logits_out" if self.build.draft_tokens else "num_logits", c.vocab_size])
         g.output("new_kv", f32, [c.num_hidden_layers, 2, "num_tokens", c.num_key_value_heads, c.head_size])
+        if self.build.draft_tokens:
+            for name in sa.OUTPUTS:
+                g.output(name, i64, ["num_accepting"])
         opsets = {pa.DOMAIN: pa.OPSET_VERSION}
         if any(n.domain == MS_DOMAIN for n in g.nodes):  # weight_only linears (MatMulNBits)
             opsets[MS_DOMAIN] = 1

@@ -15,6 +15,9 @@ TARGETS = ("cpu", "tensorrt")
 INT4_ACCURACY_LEVELS = (1, 4)
 # build-time tactic selection (builder/autotune.py): off, fast (the shapes of a single user), full (more shapes)
 AUTOTUNE_MODES = ("off", "fast", "full")
+# how the engine takes speculative drafts: none (the runtime verifies them from logits rows), draft-tokens (the
+# engine's SpeculativeAccept op verifies up to max_draft_len drafts per sequence, plugins/speculative_accept.py)
+SPECULATIVE_DECODING_MODES = ("none", "draft-tokens")
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,8 @@ class BuildConfig:
     # quantized one is the checkpoint's kv_cache_quant_algo (trtbuild.quantization.kv_pool_dtype)
     kv_pool_dtype: str = KVPoolDtype.FLOAT32.value
     autotune: str = "off"  # AUTOTUNE_MODES: time the engine's tactics on this machine and keep the fastest
+    speculative_decoding_mode: str = "none"  # SPECULATIVE_DECODING_MODES
+    max_draft_len: int = 0  # drafts per sequence the accept op takes (draft-tokens mode: at least 1)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -45,6 +50,17 @@ class BuildConfig:
             raise ConfigError("autotune", f"must be one of {', '.join(AUTOTUNE_MODES)}, got {self.autotune!r}.")
         if self.kv_pool_dtype not in tuple(KVPoolDtype):
             raise ConfigError("kv_pool_dtype", f"must be one of {', '.join(KVPoolDtype)}, got {self.kv_pool_dtype!r}.")
+        if self.speculative_decoding_mode not in SPECULATIVE_DECODING_MODES:
+            raise ConfigError("speculative_decoding_mode", f"must be one of {', '.join(SPECULATIVE_DECODING_MODES)}, "
+                                                           f"got {self.speculative_decoding_mode!r}.")
+        if self.draft_tokens != (self.max_draft_len > 0) or self.max_draft_len < 0:
+            raise ConfigError("max_draft_len", "must be at least 1 with speculative_decoding_mode draft-tokens and 0 "
+                                               f"without, got {self.max_draft_len}.")
+
+    @property
+    def draft_tokens(self) -> bool:
+        """The engine verifies drafts itself (SpeculativeAccept)."""
+        return self.speculative_decoding_mode == "draft-tokens"
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -20,6 +20,23 @@ LOAD_OVERHEAD_BYTES = 256 << 20  # ONNX Runtime's session, arenas and this proce
 
 
 @dataclass(frozen=True)
+class DraftAccept:
+    """Verify a chunk's drafts inside the engine (SpeculativeAccept, engines built with draft-tokens mode): the
+    chunk ends with `draft_tokens` and asks one logits row per draft plus one, which stay in the engine.
+    `uniforms`: the request's next random numbers, at most one per row (greedy: none needed; missing ones are 0)."""
+
+    draft_tokens: tuple[int, ...]
+    temperature: float  # 0: greedy
+    uniforms: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    logits: np.ndarray  # [rows, vocab]: the logits rows of the chunks without `accept`, chunk by chunk in order
+    accepted: dict[int, tuple[int, int]]  # chunk index -> (drafts accepted, next token), for chunks with `accept`
+
+
+@dataclass(frozen=True)
 class SequenceChunk:
     """One sequence's share of a step: compute tokens [start, start + len(token_ids)) of sequence `seq_id`.
 
@@ -32,6 +49,7 @@ class SequenceChunk:
     start: int  # tokens already in the KV cache (the past length)
     num_logits: int
     block_ids: tuple[int, ...] | list[int]  # the sequence's block table, covering at least start + len(token_ids)
+    accept: DraftAccept | None = None  # its drafts verified by the engine, its logits rows kept there
 
 
 # NOTE: the CPU attention lowering pads every sequence's queries to the step's longest chunk. Beside a long prefill
@@ -129,9 +147,19 @@ class CpuEngine:
         blocks = [0] * -(-per_seq // b.tokens_per_block)
         self.step([SequenceChunk(i, [0] * per_seq, 0, 1, blocks) for i in range(num_seqs)])
 
+    @property
+    def max_draft_len(self) -> int:
+        """Drafts per sequence the engine verifies itself (SpeculativeAccept); 0: none, it returns logits rows."""
+        return self.info.build.max_draft_len
+
     def step(self, chunks: list[SequenceChunk]) -> np.ndarray:
-        """Execute one packed step; returns logits [sum of num_logits, vocab], chunk by chunk in order. A step that
-        mixes short and long chunks may run as two engine calls (`attention_groups`); the results are the same."""
+        """Execute one packed step; returns logits [sum of num_logits, vocab], chunk by chunk in order (chunks with
+        `accept`: none, see `execute`)."""
+        return self.execute(chunks).logits
+
+    def execute(self, chunks: list[SequenceChunk]) -> StepOutput:
+        """Execute one packed step. A step that mixes short and long chunks may run as two engine calls
+        (`attention_groups`); the results are the same."""
         b = self.info.build
         if not chunks:
             raise ValueError("a step needs at least one sequence chunk")
@@ -148,24 +176,44 @@ class CpuEngine:
                 raise ValueError(f"sequence {c.seq_id} reaches {end} tokens, beyond max_seq_len {b.max_seq_len}")
             if len(c.block_ids) * b.tokens_per_block < end:
                 raise ValueError(f"sequence {c.seq_id} has {len(c.block_ids)} blocks, too few for {end} tokens")
+            if c.accept is not None:
+                self._check_accept(c)
         groups = attention_groups(chunks)
         if len(groups) == 1:
             return self._run(chunks)
         rows: dict[int, np.ndarray] = {}
+        accepted: dict[int, tuple[int, int]] = {}
         for group in groups:
-            logits = self._run([chunks[i] for i in group])
-            ends = np.cumsum([chunks[i].num_logits for i in group])
-            rows.update(zip(group, np.split(logits, ends[:-1]), strict=True))
-        return np.concatenate([rows[i] for i in range(len(chunks))])
+            out = self._run([chunks[i] for i in group])
+            ends = np.cumsum([0 if chunks[i].accept else chunks[i].num_logits for i in group])
+            rows.update(zip(group, np.split(out.logits, ends[:-1]), strict=True))
+            accepted.update((group[i], result) for i, result in out.accepted.items())
+        return StepOutput(np.concatenate([rows[i] for i in range(len(chunks))]), accepted)
 
-    def _run(self, chunks: list[SequenceChunk]) -> np.ndarray:
+    def _check_accept(self, c: SequenceChunk) -> None:
+        drafts = c.accept.draft_tokens
+        if not self.max_draft_len:
+            raise ValueError(f"sequence {c.seq_id}: this engine does not verify drafts (built without "
+                             "--speculative-decoding-mode draft-tokens)")
+        if len(drafts) > self.max_draft_len or len(c.accept.uniforms) > len(drafts) + 1:
+            raise ValueError(f"sequence {c.seq_id}: {len(drafts)} drafts and {len(c.accept.uniforms)} uniforms for an "
+                             f"engine that verifies at most {self.max_draft_len} drafts")
+        if c.num_logits != len(drafts) + 1 or list(c.token_ids[len(c.token_ids) - len(drafts):]) != list(drafts):
+            raise ValueError(f"sequence {c.seq_id}: a chunk verified in the engine ends with its drafts and asks one "
+                             "logits row per draft plus one")
+
+    def _run(self, chunks: list[SequenceChunk]) -> StepOutput:
         """One engine call over checked chunks."""
         feeds, slots = self.feeds(chunks)
         start = time.perf_counter()
-        logits, new_kv = self.session.run(None, feeds)
+        outputs = self.session.run(None, feeds)
         self.run_seconds += time.perf_counter() - start
-        self.kv.write(new_kv, slots)
-        return logits
+        self.kv.write(outputs[1], slots)
+        if not self.max_draft_len:
+            return StepOutput(outputs[0], {})
+        verifying = [i for i, c in enumerate(chunks) if c.accept is not None]
+        results = zip(outputs[2].tolist(), outputs[3].tolist(), strict=True)
+        return StepOutput(outputs[0], dict(zip(verifying, results, strict=True)))
 
     def feeds(self, chunks: list[SequenceChunk]) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """The engine inputs of one call over checked chunks (the pool itself as `kv_cache`), and the pool slots
@@ -190,4 +238,28 @@ class CpuEngine:
             "logits_indices": np.array(logits_rows, dtype=np.int64),
             "kv_cache": self.kv.pool,
         }
+        if self.max_draft_len:
+            feeds.update(self.accept_feeds(chunks))
         return feeds, np.concatenate(slots)
+
+    def accept_feeds(self, chunks: list[SequenceChunk]) -> dict[str, np.ndarray]:
+        """The accept op's inputs (network.ACCEPT_INPUTS): the logits rows of chunks with `accept` stay in the
+        engine, all other rows come out."""
+        k = self.max_draft_len
+        first_rows = np.cumsum([0] + [c.num_logits for c in chunks])
+        verifying = [(i, c.accept) for i, c in enumerate(chunks) if c.accept is not None]
+        drafts = np.zeros((len(verifying), k), dtype=np.int64)
+        uniforms = np.zeros((len(verifying), k + 1), dtype=np.float64)
+        for a, (_, accept) in enumerate(verifying):
+            drafts[a, : len(accept.draft_tokens)] = accept.draft_tokens
+            uniforms[a, : len(accept.uniforms)] = accept.uniforms
+        out_rows = [r for i, c in enumerate(chunks) if c.accept is None
+                    for r in range(first_rows[i], first_rows[i + 1])]
+        return {
+            "logits_out_rows": np.array(out_rows, dtype=np.int64),
+            "accept_rows": np.array([first_rows[i] for i, _ in verifying], dtype=np.int64),
+            "draft_tokens": drafts,
+            "draft_lens": np.array([len(a.draft_tokens) for _, a in verifying], dtype=np.int64),
+            "temperatures": np.array([a.temperature for _, a in verifying], dtype=np.float64),
+            "uniforms": uniforms,
+        }

@@ -11,17 +11,16 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.detokenizer import IncrementalDetokenizer
-from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+from trtbuild.runtime.engine import CpuEngine, DraftAccept, SequenceChunk, StepOutput
+from trtbuild.runtime.engine_accept import advance, draft_accept, engine_can_verify
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
 from trtbuild.runtime.memory import kv_cache_blocks
 from trtbuild.runtime.request import FinishReason, Request, RequestMetrics
 from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
-from trtbuild.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from trtbuild.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from trtbuild.runtime.speculative import make_proposer, verify
 from trtbuild.runtime.tokenizer import Tokenizer, load_generation_eos
 
@@ -152,25 +151,46 @@ class EngineCore:
                            max_seq_len - len(request.token_ids)) - 1
                 self.scheduler.set_draft_tokens(request, self.proposer.propose(request.token_ids, min(k, room)))
 
-    def _sample(self, scheduled: SchedulerOutput, logits: np.ndarray) -> tuple[list[list[int]], dict[str, list]]:
-        """New tokens of each chunk with logits (in order), and their logprobs by request id: one batched draw for
-        the chunks without drafts, verification (speculative.verify) for the others."""
-        with_logits = [c for c in scheduled.chunks if c.num_logits]
-        rows = np.cumsum([0] + [c.num_logits for c in with_logits])
-        tokens: list[list[int]] = [[] for _ in with_logits]
+    def _engine_accept(self, chunk: ScheduledChunk) -> DraftAccept | None:
+        """Drafts the engine verifies itself (engine_accept.py), or None: their rows come out for `verify`."""
+        if not chunk.num_drafts:
+            return None
+        state = self.tracked[chunk.request.request_id].sampling
+        if not engine_can_verify(state, chunk.num_drafts, self.engine.max_draft_len):
+            return None
+        return draft_accept(state, chunk.request.spec_token_ids)
+
+    def _sample(self, scheduled: SchedulerOutput, output: StepOutput) -> tuple[list[list[int]], dict[str, list]]:
+        """New tokens of each chunk with logits (in order), and their logprobs by request id: the engine's accept
+        results, one batched draw for the chunks without drafts, verification (speculative.verify) for the others."""
+        with_logits = [i for i, c in enumerate(scheduled.chunks) if c.num_logits]
+        first_row, row = {}, 0
+        for i in with_logits:  # rows come out only for chunks the engine did not verify
+            if i not in output.accepted:
+                first_row[i], row = row, row + scheduled.chunks[i].num_logits
+        tokens: dict[int, list[int]] = {}
         logprobs: dict[str, list] = {}
-        plain = [i for i, c in enumerate(with_logits) if not c.num_drafts]
+        plain = [i for i in with_logits if not scheduled.chunks[i].num_drafts]
         if plain:
-            states = [self.tracked[with_logits[i].request.request_id].sampling for i in plain]
-            sampled = self.sampler.sample(logits[rows[plain]], states)
+            states = [self.tracked[scheduled.chunks[i].request.request_id].sampling for i in plain]
+            sampled = self.sampler.sample(output.logits[[first_row[i] for i in plain]], states)
             for i, token, lp in zip(plain, sampled.token_ids.tolist(), sampled.logprobs, strict=True):
-                tokens[i], logprobs[with_logits[i].request.request_id] = [token], [lp]
-        for i, c in enumerate(with_logits):
-            if c.num_drafts:
-                rid = c.request.request_id
-                verified = verify(logits[rows[i] : rows[i + 1]], c.request.spec_token_ids, self.tracked[rid].sampling)
+                tokens[i], logprobs[scheduled.chunks[i].request.request_id] = [token], [lp]
+        for i in with_logits:
+            c = scheduled.chunks[i]
+            if not c.num_drafts:
+                continue
+            rid, drafts = c.request.request_id, c.request.spec_token_ids
+            if i in output.accepted:
+                num_accepted, token = output.accepted[i]
+                advance(self.tracked[rid].sampling, len(drafts), num_accepted)
+                tokens[i] = list(drafts[:num_accepted]) + [token]
+                logprobs[rid] = [None] * len(tokens[i])
+            else:
+                rows = output.logits[first_row[i] : first_row[i] + c.num_logits]
+                verified = verify(rows, drafts, self.tracked[rid].sampling)
                 tokens[i], logprobs[rid] = verified.token_ids, verified.logprobs
-        return tokens, logprobs
+        return [tokens[i] for i in with_logits], logprobs
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
@@ -181,10 +201,9 @@ class EngineCore:
             return []
         chunks = [SequenceChunk(c.request.request_id,
                                 (c.request.token_ids + c.request.spec_token_ids)[c.start : c.start + c.num_tokens],
-                                c.start, c.num_logits, c.block_ids) for c in scheduled.chunks]
+                                c.start, c.num_logits, c.block_ids, self._engine_accept(c)) for c in scheduled.chunks]
         run_before = self.engine.run_seconds
-        logits = self.engine.step(chunks)
-        tokens, logprobs = self._sample(scheduled, logits)
+        tokens, logprobs = self._sample(scheduled, self.engine.execute(chunks))
         outputs = [self._output(self.tracked[request.request_id], new_tokens, logprobs[request.request_id])
                    for request, new_tokens in self.scheduler.update(scheduled, tokens)]
         self.last_stats = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), scheduled.num_tokens,

@@ -123,12 +123,14 @@ def verify(logits: np.ndarray, drafts: Sequence[int], state: SamplingState) -> V
 
 def _accept_or_resample(ids: np.ndarray, probs: np.ndarray, draft: int | None, rng: np.random.Generator) -> int:
     """Accept `draft` with probability p(draft); otherwise draw from p with the draft removed (renormalized).
-    Without a draft (the bonus row), one plain draw from p."""
+    Without a draft (the bonus row), one plain draw from p.
+
+    NOTE: the accept test draws even when p(draft) is 0, so the stream advances by accepted + 1 + rejected, what the
+    engine's SpeculativeAccept op (plugins/speculative_accept.py) is fed and reports."""
     if draft is not None:
         hit = ids == draft
         p_draft = float(probs[hit].sum())
-        if p_draft > 0 and rng.random() < p_draft:
+        if rng.random() < p_draft:
             return draft
-        if p_draft > 0:  # p_draft < 1 here: a rejection needs rng.random() >= p_draft
-            ids, probs = ids[~hit], probs[~hit] / (1.0 - p_draft)
+        ids, probs = ids[~hit], probs[~hit] / (1.0 - p_draft)  # p_draft < 1 here: the test failed
     return draw(ids, probs, rng)

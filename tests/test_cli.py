@@ -156,6 +156,19 @@ def test_build_kv_pool_dtype_float16_reaches_the_engine_and_generates(stories, t
                              "bfloat16"), r"Invalid value for '--kv-pool-dtype'")
 
 
+def test_build_draft_tokens_mode_reaches_the_engine_and_generates(stories, tmp_path):
+    """`--speculative-decoding-mode draft-tokens`: the mode and the default max draft len in build_config, and with
+    prompt lookup drafts verified in the engine the same greedy story."""
+    assert_ok(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e", "--max-seq-len", 256,
+                     "--speculative-decoding-mode", "draft-tokens"))
+    build = json.loads((tmp_path / "e" / "config.json").read_text())["build_config"]
+    assert (build["speculative_decoding_mode"], build["max_draft_len"]) == ("draft-tokens", 4)
+    result = invoke("run", "--engine", tmp_path / "e", "--prompt", "Once upon a time", "--max-tokens", 40,
+                    "--speculative-tokens", 3)
+    assert_ok(result)
+    assert result.stdout.startswith(STORY), result.stdout
+
+
 # ---- bad input --------------------------------------------------------------------------------------------------
 def test_convert_bad_input(tmp_path):
     require_shared_models()
@@ -197,6 +210,9 @@ def test_build_bad_input(stories, tmp_path):
                              "tensorrt"), r"--target tensorrt is not available.*use cpu")
     assert_user_error(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e", "--max-seq-len",
                              4096), r"--max-seq-len 4096 exceeds the model's max_position_embeddings \(512\)")
+    assert_user_error(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e", "--max-draft-len",
+                             2), r"--max-draft-len must be at least 1 with speculative_decoding_mode draft-tokens and "
+                                 r"0 without, got 2")
     assert not (tmp_path / "e").exists()
 
 

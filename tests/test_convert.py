@@ -482,6 +482,11 @@ INCOMPATIBLE = {
                                            d["build_config"].update(kv_cache_dtype=d["build_config"].pop("kv_pool_dtype"))],
                                 rf"engine format 3\); this trtbuild .* reads format {ENGINE_FORMAT_VERSION}\. Rebuild "
                                 r"it from its checkpoint"),
+    "format_4_no_speculative_mode": (lambda d: [d.update(engine_format_version=4),
+                                                [d["build_config"].pop(f) for f in ("speculative_decoding_mode",
+                                                                                    "max_draft_len")]],
+                                     rf"engine format 4\); this trtbuild .* reads format {ENGINE_FORMAT_VERSION}\. "
+                                     r"Rebuild it from its checkpoint"),
     "missing_cpu_feature": (_add_missing_feature, r"built for a CPU with \w+, which this CPU lacks; rebuild it"),
     "other_machine": (lambda d: d["target"].update(machine="s390x"), r"built on a s390x CPU.*rebuild it"),
     "newer_onnxruntime": (lambda d: d["target"].update(onnxruntime_version="999.0.0"),
