@@ -236,7 +236,8 @@ def serve(repo: Path, host: str = "127.0.0.1", grpc_port: int = 8001, http_port:
 
     Prints one line when the server is ready. tritonserver 2.51 does not finish its shutdown while a client holds a
     gRPC stream open (not even after --exit-timeout-secs): `exit_timeout` + KILL_GRACE_S seconds after the signal it
-    is killed, with its stubs, and their shared memory is removed (the exit code is then 1).
+    is killed, with its stubs, and their shared memory is removed (the exit code is then 1). When a model's Python stub
+    dies, tritonserver is stopped the same way and STUB_DIED_EXIT returned (watchdog.py says why).
     """
     install = install or find_tritonserver()
     python_bin = stub_env()
