@@ -7,16 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import signal
-import subprocess
-import sys
 import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,6 +19,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from helpers import STORIES260K, alone, require_shared_models
+from triton_helpers import TIMEOUT, Stream, TritonServer, grpc_inputs, write_repo
 
 from trtbuild.cli import main as cli
 from trtbuild.runtime.config import RuntimeConfig
@@ -31,13 +27,10 @@ from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.speculative import SpeculativeConfig
 from trtbuild.serving.triton_backend import launcher
 from trtbuild.serving.triton_backend.repository import runtime_options
-from trtbuild.serving.triton_backend.tensors import INPUTS, parse_request
+from trtbuild.serving.triton_backend.tensors import INPUTS, check_output_len, parse_request
 
-TIMEOUT = 60.0
 PROMPTS = [f"{n} went to the {p}" for n in ("Lily", "Tom", "Sue", "Ben") for p in ("park", "sea", "shop", "forest")]
 LONG = dict(max_tokens=240, ignore_eos=True)
-_TYPES = {t.name: t.data_type.removeprefix("TYPE_").replace("STRING", "BYTES") for t in INPUTS}
-_NUMPY = {"BYTES": np.object_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32, "BOOL": np.bool_}
 
 
 # ---- without a server -----------------------------------------------------------------------------------------------
@@ -102,6 +95,10 @@ def test_tensors_map_to_sampling_params():
         parse_request({"text_input": np.array([[b"x"]], object), "end_id": one(512, np.int32)}, vocab_size=512)
     with pytest.raises(ValueError, match="stop_words must be UTF-8 text"):
         parse_request({"text_input": np.array([[b"x"]], object), "stop_words": np.array([[b"\xff"]], object)})
+    huge = parse_request({"text_input": np.array([[b"x"]], object), "max_tokens": one(2**40, np.int64)})
+    assert (huge.params.max_tokens, huge.max_tokens_input) == (2**40, "max_tokens")  # whole, not wrapped
+    with pytest.raises(ValueError, match=r"max_tokens must be in \[1, 250\] .* got 1099511627776"):
+        check_output_len(huge, prompt_len=6, max_seq_len=256)
     with pytest.raises(ValueError, match="batch size must be 1"):
         parse_request({"text_input": np.array([[b"x"], [b"y"]], object)})
 
@@ -113,76 +110,10 @@ def test_triton_serve_says_what_to_install(monkeypatch, tmp_path):
 
 
 # ---- a real server --------------------------------------------------------------------------------------------------
-class TritonServer:
-    """`trtbuild triton-serve` as a subprocess; stdout is read by a thread (the ready line)."""
-
-    def __init__(self, repo: Path, log: Path) -> None:
-        self.grpc, self.http, self.metrics_port = launcher.free_ports(3)
-        self.log = log
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trtbuild.cli", "triton-serve", "--repo", str(repo), "--grpc-port", str(self.grpc),
-             "--http-port", str(self.http), "--metrics-port", str(self.metrics_port), "--exit-timeout", "10"],
-            stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
-        self.lines: list[str] = []
-        self.ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if "triton-serve: ready" in line:
-                self.ready.set()
-        self.ready.set()  # exited
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(TIMEOUT)
-
-    def post(self, path: str, body: dict) -> tuple[int, str]:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.http}{path}", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=TIMEOUT) as r:
-                return r.status, r.read().decode()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode()
-
-    def gauges(self, model: str = "trtbuild") -> dict[str, float]:
-        """{"kv_free": ..., "req_active": ...} of one model, from Triton's /metrics."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=TIMEOUT) as r:
-            text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line.startswith("trtbuild_") and f'model="{model}"' in line:
-                kind = line.split('_type="')[1].split('"')[0]
-                out[("kv_" if line.startswith("trtbuild_kv") else "req_") + kind] = float(line.split()[-1])
-        return out
-
-    def wait_gauges(self, ok: Callable[[dict], bool], model: str = "trtbuild", timeout: float = 20.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while not ok(g := self.gauges(model)):
-            assert time.monotonic() < deadline, f"metrics never reached the expected state: {g}"
-            time.sleep(0.01)
-        return g
-
-
 @pytest.fixture(scope="module")
 def server(engine, tmp_path_factory, request) -> TritonServer:
-    try:
-        launcher.find_tritonserver()
-    except launcher.TritonNotInstalledError as e:
-        pytest.skip(str(e))
-    pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed: pip install 'trtbuild[triton]'")
-    repo = tmp_path_factory.mktemp("triton_repo")
-    for extra in (["--threads", "1"], ["--model-name", "trtbuild_sync", "--no-decoupled", "--threads", "1"]):
-        out = CliRunner().invoke(cli, ["triton-repo", "--engine", str(engine), "--output", str(repo), *extra])
-        assert out.exit_code == 0, out.output
-    launcher.stub_env()  # made once and cached (pip installs numpy 1.26 for the stub): not counted in the timeouts
+    repo = write_repo(engine, tmp_path_factory.mktemp("triton_repo"), ["--threads", "1"],
+                      ["--model-name", "trtbuild_sync", "--no-decoupled", "--threads", "1"])
     shm_before = sorted(os.listdir("/dev/shm"))
     server = TritonServer(repo, tmp_path_factory.mktemp("triton_logs") / "server.log")
     request.addfinalizer(server.stop)
@@ -194,57 +125,6 @@ def server(engine, tmp_path_factory, request) -> TritonServer:
 @pytest.fixture(scope="module")
 def llm(engine) -> LLM:
     return LLM(engine, RuntimeConfig(num_threads=1))
-
-
-def grpc_inputs(**fields: object) -> list:
-    import tritonclient.grpc as grpcclient
-
-    inputs = []
-    for name, value in fields.items():
-        dtype = _TYPES[name]
-        array = np.array([value if isinstance(value, list) else [value]], dtype=_NUMPY[dtype])
-        if dtype == "BYTES":
-            array = np.array([[v.encode() for v in array[0]]], dtype=np.object_)
-        inputs.append(grpcclient.InferInput(name, list(array.shape), dtype))
-        inputs[-1].set_data_from_numpy(array)
-    return inputs
-
-
-class Stream:
-    """One tritonclient gRPC client with a bidirectional stream; responses of its requests arrive on a queue."""
-
-    def __init__(self, server: TritonServer) -> None:
-        import tritonclient.grpc as grpcclient
-
-        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
-        self.responses: queue.Queue = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: self.responses.put((result, error)))
-
-    def send(self, model: str = "trtbuild", **fields: object) -> None:
-        self.client.async_stream_infer(model, grpc_inputs(**fields), enable_empty_final_response=True)
-
-    def next(self) -> tuple[object, object]:
-        return self.responses.get(timeout=TIMEOUT)
-
-    def collect(self) -> tuple[list[int], str, str, int]:
-        """(token ids, text, finish reason, number of responses) up to the FINAL response; raises on an error."""
-        tokens, text, reason, n = [], "", "", 0
-        while True:
-            result, error = self.next()
-            if error is not None:
-                raise error
-            response = result.get_response()
-            if response.outputs:
-                n += 1
-                tokens += result.as_numpy("output_ids").reshape(-1).tolist()
-                text += result.as_numpy("text_output").reshape(-1)[0].decode()
-                reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
-            if response.parameters["triton_final_response"].bool_param:
-                return tokens, text, reason, n
-
-    def close(self) -> None:
-        self.client.stop_stream()
-        self.client.close()
 
 
 def test_16_concurrent_grpc_streams_equal_each_request_alone(server, llm):
@@ -358,6 +238,12 @@ BAD = [  # (inputs, message) over gRPC streaming and HTTP generate
     (dict(text_input="Once", min_tokens=9, max_tokens=4), "min_tokens must be <= max_tokens"),
     (dict(input_ids=[1, 600]), "input_ids: ids [600] are outside the vocabulary [0, 512)"),
     (dict(input_ids=[1] + [300] * 299), "the engine's max_seq_len is 256"),
+    # 64-bit values arrive whole (INT64 inputs) and are range-checked; under INT32 they were wrapped
+    (dict(input_ids=[1, 4294967396]), "input_ids: ids [4294967396] are outside the vocabulary [0, 512)"),
+    (dict(input_ids=[1, 2**40]), "input_ids: ids [1099511627776] are outside the vocabulary [0, 512)"),
+    (dict(text_input="Once", max_tokens=4294967301),
+     "max_tokens must be in [1, 254] (the engine's max_seq_len 256 minus the prompt's 2 tokens), got 4294967301"),
+    (dict(input_ids=[1, 2, 3], request_output_len=2**31), "request_output_len must be in [1, 253]"),
 ]
 
 
@@ -386,6 +272,18 @@ def test_bad_inputs_get_errors_naming_the_tensor(server):
             stream.collect()
     finally:
         stream.close()
+    for model in ("trtbuild", "trtbuild_sync"):  # the values of issue 15 over Triton's HTTP API, both models
+        for body, code, message in (
+                ({"input_ids": [1, 4294967396]}, 400, "ids [4294967396] are outside the vocabulary"),
+                ({"input_ids": [1, 2**40]}, 400, "ids [1099511627776] are outside the vocabulary"),
+                ({"text_input": "Once", "max_tokens": 4294967301}, 400, "max_tokens must be in [1, 254]"),
+                # NOTE: beyond int64 Triton's JSON parser refuses the request itself (500, before the model sees it)
+                ({"text_input": "Once", "max_tokens": 2**64}, 500, "Unable to parse 'data'")):
+            status, text = server.post(f"/v2/models/{model}/generate", body)
+            assert status == code and message in json.loads(text)["error"], (model, body, text)
+    status, body = server.post("/v2/models/trtbuild_sync/infer", {"inputs": [  # /infer: INT32 is no longer wrapped
+        {"name": "input_ids", "datatype": "INT32", "shape": [1, 2], "data": [1, 4294967396]}]})
+    assert status == 400 and "data-type is 'INT32', but model 'trtbuild_sync' expects 'INT64'" in body
     status, body = server.post("/v2/models/trtbuild/generate", {"text_input": "Once", "max_tokens": 3})
     assert status == 200 and json.loads(body)["sequence_length"] > 3  # the stub survived every error
 

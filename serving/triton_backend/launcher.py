@@ -36,9 +36,12 @@ from pathlib import Path
 
 import trtbuild
 from trtbuild.errors import TrtbuildError
+from trtbuild.serving.triton_backend.watchdog import CLEAN_EXIT, Stub, StubWatch, find_stubs, remove
 
 PYTRITON_PACKAGE = "pytriton"
 KILL_GRACE_S = 10.0  # after --exit-timeout-secs, before tritonserver is killed
+STUB_DEATH_GRACE_S = 5.0  # after a stub died: SIGTERM, then this long before tritonserver is killed
+STUB_DIED_EXIT = 1
 STUB_NUMPY = "numpy==1.26.4"  # the last NumPy 1 (the stub's ABI)
 INSTALL_HINT = ("pip install --no-deps nvidia-pytriton==0.7.0  (only its bundled tritonserver is used; its numpy<2 "
                 "pin is why --no-deps) and pip install 'trtbuild[triton]' for the clients")
@@ -201,32 +204,29 @@ def _ready(host: str, http_port: int) -> bool:
         return False
 
 
-def _stubs(server_pid: int) -> list[tuple[int, str]]:
-    """(pid, shared-memory region) of the Python stubs that tritonserver started."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == server_pid and argv[0].endswith(b"triton_python_backend_stub") and len(argv) > 2:
-            found.append((int(stat.parent.name), argv[2].decode()))
-    return found
-
-
-def _kill(proc: subprocess.Popen) -> None:
+def _kill(proc: subprocess.Popen, known: list[Stub] | None = None) -> None:
     """SIGKILL tritonserver and its stubs, and remove the stubs' shared memory that nobody will unlink now."""
-    stubs = _stubs(proc.pid)
+    stubs = find_stubs(proc.pid)
     proc.kill()
     proc.wait()
-    for pid, region in stubs:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):  # reparented to us (a subreaper): reap, leave no zombie
-            os.waitpid(pid, 0)
-        with contextlib.suppress(FileNotFoundError):
-            (Path("/dev/shm") / region).unlink()
+    pids = {s.pid for s in stubs}
+    remove(stubs + [s for s in known or [] if s.pid not in pids])
+
+
+def _stop_after_stub_death(proc: subprocess.Popen, watch: StubWatch, stub: Stub, how: str, grace: float) -> int:
+    """A stub died: tritonserver would go on answering ready while every request to its model fails. SIGTERM it
+    (the other models finalize), kill it after `grace` s (a dead model never unloads, so it would wait its whole
+    --exit-timeout-secs), remove what the stubs left behind and return 1, for a supervisor to restart the server."""
+    print(f"trtbuild triton-serve: the Python backend stub of model {stub.model!r} (pid {stub.pid}) {how}; "
+          f"tritonserver cannot serve that model any more: stopping it (exit code {STUB_DIED_EXIT})", flush=True)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+    if proc.poll() is None:
+        _kill(proc, watch.stubs)
+    watch.remove_all()
+    return STUB_DIED_EXIT
 
 
 def serve(repo: Path, host: str = "127.0.0.1", grpc_port: int = 8001, http_port: int = 8000,
@@ -236,7 +236,8 @@ def serve(repo: Path, host: str = "127.0.0.1", grpc_port: int = 8001, http_port:
 
     Prints one line when the server is ready. tritonserver 2.51 does not finish its shutdown while a client holds a
     gRPC stream open (not even after --exit-timeout-secs): `exit_timeout` + KILL_GRACE_S seconds after the signal it
-    is killed, with its stubs, and their shared memory is removed (the exit code is then 1).
+    is killed, with its stubs, and their shared memory is removed (the exit code is then 1). When a model's Python stub
+    dies, tritonserver is stopped the same way and STUB_DIED_EXIT returned (watchdog.py says why).
     """
     install = install or find_tritonserver()
     python_bin = stub_env()
@@ -260,18 +261,24 @@ def serve(repo: Path, host: str = "127.0.0.1", grpc_port: int = 8001, http_port:
         try:
             while proc.poll() is None and not stopping and not _ready(host, http_port):
                 time.sleep(0.2)
+            watch = StubWatch(proc.pid)
             if proc.poll() is None and not stopping:
                 print(f"trtbuild triton-serve: ready: grpc {host}:{grpc_port}, http {host}:{http_port}, "
                       f"metrics {host}:{metrics_port} (repository {repo})", flush=True)
             while proc.poll() is None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=0.5)
+                # NOTE: stubs also end when tritonserver stops by itself; only a stub's death while tritonserver
+                # runs, or a killed / failed stub, is reported as one.
+                if not stopping and (dead := watch.dead()) and (proc.poll() is None or dead[1] != CLEAN_EXIT):
+                    return _stop_after_stub_death(proc, watch, *dead, min(exit_timeout, STUB_DEATH_GRACE_S))
                 if stopping and proc.poll() is None and time.monotonic() - stopping[0] > exit_timeout + KILL_GRACE_S:
                     print("trtbuild triton-serve: tritonserver did not stop (a client still holds a gRPC stream "
                           "open?); killing it", flush=True)
                     _kill(proc)
                     return 1
             code = proc.returncode
+            watch.remove_all()  # after a crash: the stubs' regions (after a clean exit, nothing is left)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

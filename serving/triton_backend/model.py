@@ -27,6 +27,7 @@ from trtbuild.serving.triton_backend.tensors import (
     INPUT_NAMES,
     STREAMING_NEEDS_DECOUPLED,
     ParsedRequest,
+    check_output_len,
     parse_request,
     response_arrays,
 )
@@ -154,6 +155,7 @@ class TritonPythonModel:
             if self.core.tokenizer is None:
                 raise ValueError("text_input: this engine has no tokenizer; send input_ids")
             ids = self.core.tokenizer.encode(parsed.prompt)
+        check_output_len(parsed, len(ids), self.core.scheduler.config.max_seq_len)
         stream = self.engine.submit(ids, parsed.params, uuid.uuid4().hex)
         with self._lock:
             self._streams[stream.request_id] = stream

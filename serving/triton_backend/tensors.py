@@ -24,19 +24,22 @@ class TensorSpec:
 
 
 _S, _L = (1,), (-1,)  # a scalar, a list
+# NOTE: integer inputs are INT64. Triton's HTTP front end converts a JSON number to the declared type without a range
+# check, so under INT32 `input_ids: [1, 4294967396]` arrived as [1, 100] and max_tokens 4294967301 as 5. Under INT64
+# every JSON integer arrives whole (beyond int64, Triton's JSON parser refuses it) and is range-checked here.
 INPUTS = (
-    TensorSpec("text_input", "TYPE_STRING", _S), TensorSpec("input_ids", "TYPE_INT32", _L),
-    TensorSpec("input_lengths", "TYPE_INT32", _S), TensorSpec("max_tokens", "TYPE_INT32", _S),
-    TensorSpec("request_output_len", "TYPE_INT32", _S), TensorSpec("stream", "TYPE_BOOL", _S),
+    TensorSpec("text_input", "TYPE_STRING", _S), TensorSpec("input_ids", "TYPE_INT64", _L),
+    TensorSpec("input_lengths", "TYPE_INT64", _S), TensorSpec("max_tokens", "TYPE_INT64", _S),
+    TensorSpec("request_output_len", "TYPE_INT64", _S), TensorSpec("stream", "TYPE_BOOL", _S),
     TensorSpec("streaming", "TYPE_BOOL", _S), TensorSpec("temperature", "TYPE_FP32", _S),
-    TensorSpec("top_k", "TYPE_INT32", _S), TensorSpec("top_p", "TYPE_FP32", _S), TensorSpec("min_p", "TYPE_FP32", _S),
+    TensorSpec("top_k", "TYPE_INT64", _S), TensorSpec("top_p", "TYPE_FP32", _S), TensorSpec("min_p", "TYPE_FP32", _S),
     TensorSpec("repetition_penalty", "TYPE_FP32", _S), TensorSpec("presence_penalty", "TYPE_FP32", _S),
     TensorSpec("frequency_penalty", "TYPE_FP32", _S), TensorSpec("random_seed", "TYPE_UINT64", _S),
-    TensorSpec("min_tokens", "TYPE_INT32", _S), TensorSpec("stop_words", "TYPE_STRING", _L),
-    TensorSpec("bad_words", "TYPE_STRING", _L), TensorSpec("end_id", "TYPE_INT32", _S),
-    TensorSpec("pad_id", "TYPE_INT32", _S), TensorSpec("ignore_eos", "TYPE_BOOL", _S),
+    TensorSpec("min_tokens", "TYPE_INT64", _S), TensorSpec("stop_words", "TYPE_STRING", _L),
+    TensorSpec("bad_words", "TYPE_STRING", _L), TensorSpec("end_id", "TYPE_INT64", _S),
+    TensorSpec("pad_id", "TYPE_INT64", _S), TensorSpec("ignore_eos", "TYPE_BOOL", _S),
     TensorSpec("return_log_probs", "TYPE_BOOL", _S), TensorSpec("exclude_input_in_output", "TYPE_BOOL", _S),
-    TensorSpec("beam_width", "TYPE_INT32", _S),
+    TensorSpec("beam_width", "TYPE_INT64", _S),
 )
 OUTPUTS = (
     TensorSpec("text_output", "TYPE_STRING", _S), TensorSpec("output_ids", "TYPE_INT32", _L),
@@ -64,6 +67,7 @@ class ParsedRequest:
     stream: bool = False
     return_log_probs: bool = False
     exclude_input_in_output: bool = False
+    max_tokens_input: str | None = None  # the tensor that set max_tokens, if any (else the default applies)
 
 
 def _bytes(name: str, x: object) -> str:
@@ -133,8 +137,20 @@ def parse_request(inputs: Mapping[str, np.ndarray], vocab_size: int | None = Non
     if flags.get("return_log_probs"):
         kwargs["logprobs"] = 0  # the chosen token's log prob only
     params = requests.sampling_params(kwargs, _WIRE_NAMES)
+    max_tokens_input = next((n for n in ("max_tokens", "request_output_len") if n in inputs), None)
     return ParsedRequest(prompt, prompt_ids, params, flags.get("stream", False) or flags.get("streaming", False),
-                         flags.get("return_log_probs", False), flags.get("exclude_input_in_output", False))
+                         flags.get("return_log_probs", False), flags.get("exclude_input_in_output", False),
+                         max_tokens_input)
+
+
+def check_output_len(parsed: ParsedRequest, prompt_len: int, max_seq_len: int) -> None:
+    """Refuse a max_tokens / request_output_len the engine's max_seq_len cannot hold after the prompt (as vLLM and
+    the OpenAI front end do) instead of silently generating fewer tokens. A prompt that fills max_seq_len by itself
+    is left to the scheduler, which refuses it."""
+    room = max_seq_len - prompt_len
+    if parsed.max_tokens_input and room >= 1 and parsed.params.max_tokens > room:
+        raise ValueError(f"{parsed.max_tokens_input} must be in [1, {room}] (the engine's max_seq_len {max_seq_len} "
+                         f"minus the prompt's {prompt_len} tokens), got {parsed.params.max_tokens}")
 
 
 def response_arrays(text: str, token_ids: list[int], logprobs: list[float] | None, finish_reason: str | None,
