@@ -2,7 +2,7 @@
 and decode tokens over the paged pool [NB, L, 2, KVH, BS, D], checked against
 `plugins.paged_attention.reference_paged_attention`.
 
-Two kernels:
+The kernels:
 - `_rope_k_kernel` (only when rotary=1) rotates the new tokens' K once into `k_new`, the op's output; attention
   then reads this step's keys from `k_new` and past keys from the pool, so no program rotates a key twice.
 - `_paged_attention_kernel`, one program per (sequence, tile of its new tokens, KV head). Its rows are BLOCK_Q new
@@ -10,6 +10,8 @@ Two kernels:
   heads and each key tile loaded serves all of them. It walks the past keys BLOCK_N slots at a time, each slot's
   block looked up in the block table (any BS, any table order), then the new keys causally, with an online
   softmax (flash attention). Only slots below past_lengths[b] are loaded: free blocks are never read.
+- with `num_splits` > 1 (split-K), the past keys of a sequence are shared among that many programs, which write
+  unnormalized partial states; `_reduce_splits_kernel` merges them per (token, query head).
 Head vectors are handled as two halves (rotate-half RoPE pairs d with d + D/2), so RoPE of q needs no shuffles and
 each score is dot(q1, k1) + dot(q2, k2).
 """
@@ -58,15 +60,16 @@ def _online_softmax_step(s, v1, v2, m, denom, acc1, acc2, PRECISION: tl.constexp
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, tables_ptr, past_ptr, qsl_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr,
-    qk_scale, half, block_size,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, qk_scale, half, block_size, num_heads,
     stride_qt, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
     stride_cb, stride_ckv, stride_ch, stride_cs, stride_tb, stride_cos, stride_sin,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr, ROTARY: tl.constexpr, PRECISION: tl.constexpr,
+    HALF: tl.constexpr, ROTARY: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
     b = tl.program_id(0)
     q_tile = tl.program_id(1)
-    kvh = tl.program_id(2)
+    kvh = tl.program_id(2) // SPLITS
+    split = tl.program_id(2) % SPLITS
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
@@ -98,10 +101,14 @@ def _paged_attention_kernel(
     acc1 = tl.zeros([BLOCK_Q * GROUP_PAD, HALF], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_Q * GROUP_PAD, HALF], dtype=tl.float32)
 
-    # past keys: the pool, through the block table; every new token sees all of them
-    for j0 in range(0, past, BLOCK_N):
+    # past keys: the pool, through the block table; every new token sees all of them. With SPLITS > 1 this program
+    # takes one contiguous share of them (whole key tiles) and the last split also takes the new keys.
+    chunk = tl.cdiv(past, SPLITS * BLOCK_N) * BLOCK_N
+    past_lo = split * chunk
+    past_hi = tl.minimum(past, past_lo + chunk)
+    for j0 in range(past_lo, past_hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
-        j_ok = j < past
+        j_ok = j < past_hi
         block = tl.load(tables_ptr + b * stride_tb + j // block_size, mask=j_ok, other=0)
         slot = block.to(tl.int64) * stride_cb + (j % block_size) * stride_cs + kvh * stride_ch
         kv_ok = j_ok[:, None] & d_ok[None, :]
@@ -116,7 +123,7 @@ def _paged_attention_kernel(
         m, denom, acc1, acc2 = _online_softmax_step(scores, v1, v2, m, denom, acc1, acc2, PRECISION)
 
     # this step's keys (k_new, v), causal: new token i sees new tokens 0..i
-    kv_end = tl.minimum(q_len, (q_tile + 1) * BLOCK_Q)
+    kv_end = tl.where(split == SPLITS - 1, tl.minimum(q_len, (q_tile + 1) * BLOCK_Q), 0)
     for j0 in range(0, kv_end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         j_ok = j < kv_end
@@ -132,10 +139,36 @@ def _paged_attention_kernel(
         scores = tl.where(j_ok[None, :] & (j[None, :] <= i[:, None]), scores, float("-inf"))
         m, denom, acc1, acc2 = _online_softmax_step(scores, v1, v2, m, denom, acc1, acc2, PRECISION)
 
-    denom = tl.where(row_ok, denom, 1.0)
-    out_offs = t[:, None] * stride_ot + h[:, None] * (2 * half) + d[None, :]
-    tl.store(out_ptr + out_offs, (acc1 / denom[:, None]).to(out_ptr.dtype.element_ty), mask=q_ok)
-    tl.store(out_ptr + out_offs + half, (acc2 / denom[:, None]).to(out_ptr.dtype.element_ty), mask=q_ok)
+    if SPLITS == 1:
+        denom = tl.where(row_ok, denom, 1.0)
+        out_offs = t[:, None] * stride_ot + h[:, None] * (2 * half) + d[None, :]
+        tl.store(out_ptr + out_offs, (acc1 / denom[:, None]).to(out_ptr.dtype.element_ty), mask=q_ok)
+        tl.store(out_ptr + out_offs + half, (acc2 / denom[:, None]).to(out_ptr.dtype.element_ty), mask=q_ok)
+    else:  # unnormalized partial state, [T, H, SPLITS] (x D), merged by _reduce_splits_kernel
+        part = (t * num_heads + h) * SPLITS + split
+        tl.store(part_max_ptr + part, m, mask=row_ok)
+        tl.store(part_sum_ptr + part, denom, mask=row_ok)
+        acc_offs = part[:, None] * (2 * half) + d[None, :]
+        tl.store(part_acc_ptr + acc_offs, acc1, mask=q_ok)
+        tl.store(part_acc_ptr + acc_offs + half, acc2, mask=q_ok)
+
+
+@triton.jit
+def _reduce_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, num_heads, head_size, stride_ot,
+                          SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge the SPLITS partial softmax states of one (token, query head): rescale each to the common maximum."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, BLOCK_D)
+    part = (t * num_heads + h) * SPLITS + sp
+    m = tl.load(part_max_ptr + part, mask=sp < SPLITS, other=-1.0e38)
+    weight = tl.exp2(m - tl.max(m, axis=0))  # a split that saw no key has m = -1e38 and sum 0: weight 0
+    denom = tl.sum(tl.load(part_sum_ptr + part, mask=sp < SPLITS, other=0.0) * weight, axis=0)
+    acc = tl.load(part_acc_ptr + part[:, None] * head_size + d[None, :],
+                  mask=(sp < SPLITS)[:, None] & (d < head_size)[None, :], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / denom
+    tl.store(out_ptr + t * stride_ot + h * head_size + d, out.to(out_ptr.dtype.element_ty), mask=d < head_size)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer_idx: int,
@@ -169,14 +202,18 @@ def paged_attention(
     past_lengths: torch.Tensor, query_start_loc: torch.Tensor, *, layer_idx: int, num_heads: int,
     num_kv_heads: int, head_size: int, scale: float, position_ids: torch.Tensor | None = None,
     rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None, max_query_len: int | None = None,
-    block_m: int = 16, block_n: int = 64,
+    block_m: int = 16, block_n: int = 64, num_splits: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's semantics (plugins/README.md): -> attn_out [T, H*D], k_new [T, KVH, D] (after RoPE), v_new [T, KVH, D].
 
     `max_query_len` (the longest new-token run) sizes the grid; pass it when known (the scheduler knows it) to
     avoid reading query_start_loc back from the device. `block_m` is the rows of a program (new tokens x query
-    heads of one KV head), `block_n` the keys per tile."""
+    heads of one KV head), `block_n` the keys per tile. `num_splits` > 1 divides each sequence's past keys among
+    that many programs (split-K, for few sequences with long contexts: more programs than the batch alone gives),
+    with a float32 workspace of T x H x num_splits x (D + 2) and a second kernel that merges the splits."""
     _check(q, k, v, kv_cache, layer_idx, num_heads, num_kv_heads, head_size, [position_ids, rope_cos, rope_sin])
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     tokens, batch = q.shape[0], past_lengths.shape[0]
     if block_tables.ndim != 2 or block_tables.shape[0] != batch or query_start_loc.shape != (batch + 1,):
         raise ValueError(f"block_tables {list(block_tables.shape)} / query_start_loc {list(query_start_loc.shape)} "
@@ -209,13 +246,23 @@ def paged_attention(
     if cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in its last (head_size) dimension")
     rope = (position_ids, rope_cos, rope_sin) if rotary else (past_lengths, q, q)  # unused pointers when rotary=0
-    grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    if num_splits > 1:
+        part_acc = torch.empty((tokens, num_heads, num_splits, head_size), dtype=torch.float32, device=q.device)
+        part_max, part_sum = (torch.empty((tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
+                              for _ in range(2))
+    else:
+        part_acc = part_max = part_sum = out  # not touched
+    grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
         q, k_new, v_new, cache, block_tables, past_lengths, query_start_loc, *rope, out,
-        scale * LOG2E, half, cache.shape[3],
+        part_acc, part_max, part_sum, scale * LOG2E, half, cache.shape[3], num_heads,
         q.stride(0), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), out.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), block_tables.stride(0),
         rope[1].stride(0), rope[2].stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=max(MIN_DOT, block_n), HALF=half_pad,
-        ROTARY=rotary, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        ROTARY=rotary, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=num_splits)
+    if num_splits > 1:
+        _reduce_splits_kernel[(tokens, num_heads)](
+            part_acc, part_max, part_sum, out, num_heads, head_size, out.stride(0), SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_size))
     return out, k_new, v_new

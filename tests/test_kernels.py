@@ -221,3 +221,11 @@ def test_paged_attention_long_multi_tile_queries_and_mqa():
     """Several query tiles per sequence (tile = 4 tokens x 4 heads) and one KV head for all query heads."""
     data = attention_batch([(9, 14), (0, 17), (30, 2)], 8, 4, 1, seed=7)
     check_attention(data, 4, 1, rotary=True, dtype=torch.float32, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+@DTYPES
+def test_paged_attention_split_k(splits, dtype):
+    """Past keys shared among splits: some splits of short or empty pasts see no key at all."""
+    data = attention_batch([(40, 1), (0, 3), (5, 2), (33, 6)], 8, 4, 2, seed=splits)
+    check_attention(data, 4, 2, rotary=True, dtype=dtype, block_m=16, block_n=16, num_splits=splits)
