@@ -24,6 +24,8 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot needs every tile dimension >= 16 on the GPU
+# bfloat16 is accepted but untested: the interpreter the tests run in computes it wrongly (README.md)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -187,8 +189,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         raise ValueError(f"kv_cache {list(kv_cache.shape)} is not [NB, L, 2, {num_kv_heads}, BS, {head_size}] with "
                          f"layer {layer_idx}")
     dtypes = {x.dtype for x in (q, k, v, kv_cache)}
-    if len(dtypes) != 1 or q.dtype not in (torch.float16, torch.float32):
-        raise ValueError(f"q, k, v and kv_cache must share one dtype, float16 or float32; got "
+    if len(dtypes) != 1 or q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"q, k, v and kv_cache must share one dtype, float16, bfloat16 or float32; got "
                          f"{sorted(map(str, dtypes))}")
     if any(x is None for x in rope) != all(x is None for x in rope):
         raise ValueError("position_ids, rope_cos and rope_sin come together (rotary=1) or not at all")

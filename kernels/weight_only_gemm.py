@@ -6,7 +6,7 @@ The weights are taken exactly as the checkpoint stores them (builder/weight_only
   scales  [N, K/g], one per group of g input features ([N] or [N, 1]: per output channel)
   zero points  optional float [N, K/g]; absent: 2^(bits-1) for uint8 codes (128, or 8 as in int4_awq's q + 8)
   W[n, k] = (code[n, k] - zero_point[n, k // g]) * scale[n, k // g]
-x is float16 or float32; the dot accumulates in float32 and y has x's dtype.
+x is float16, bfloat16 or float32; the dot accumulates in float32 and y has x's dtype.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ def weight_only_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                      zero_points: torch.Tensor | None = None, *, block_m: int = 16, block_n: int = 64,
                      block_k: int = 64) -> torch.Tensor:
     """x [T, K] @ dequant(codes, scales, zero_points)^T -> [T, N]; bits are read from the codes' shape."""
-    if x.ndim != 2 or x.dtype not in (torch.float16, torch.float32):
-        raise ValueError(f"weight_only_gemm takes float16 or float32 x [T, K], got {x.dtype} {list(x.shape)}")
+    if x.ndim != 2 or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"weight_only_gemm takes float16, bfloat16 or float32 x [T, K], got {x.dtype} "
+                         f"{list(x.shape)}")
     tokens, k_in = x.shape
     n_out = codes.shape[0]
     if codes.dtype == torch.int8 and codes.shape == (n_out, k_in):

@@ -217,9 +217,12 @@ def test_paged_attention_without_rope(dtype):
     check_attention(data, 4, 2, rotary=False, dtype=dtype)
 
 
-def test_paged_attention_long_multi_tile_queries_and_mqa():
-    """Several query tiles per sequence (tile = 4 tokens x 4 heads) and one KV head for all query heads."""
+def test_paged_attention_long_multi_tile_queries_mqa_int32_metadata():
+    """Several query tiles per sequence (tile = 4 tokens x 4 heads), one KV head for all query heads, and int32
+    indices (a plugin boundary may cast the int64 metadata)."""
     data = attention_batch([(9, 14), (0, 17), (30, 2)], 8, 4, 1, seed=7)
+    for name in ("block_tables", "past_lengths", "query_start_loc", "position_ids"):
+        data[name] = data[name].astype(np.int32)
     check_attention(data, 4, 1, rotary=True, dtype=torch.float32, block_m=16, block_n=16)
 
 
@@ -229,3 +232,14 @@ def test_paged_attention_split_k(splits, dtype):
     """Past keys shared among splits: some splits of short or empty pasts see no key at all."""
     data = attention_batch([(40, 1), (0, 3), (5, 2), (33, 6)], 8, 4, 2, seed=splits)
     check_attention(data, 4, 2, rotary=True, dtype=dtype, block_m=16, block_n=16, num_splits=splits)
+
+
+def test_paged_attention_refuses_mixed_dtypes_and_partial_rope():
+    data = attention_batch([(3, 2)], 4, 2, 1, seed=0)
+    t = {n: torch.from_numpy(a) for n, a in data.items()}
+    args = [t[n] for n in ("q", "k", "v", "kv_cache", "block_tables", "past_lengths", "query_start_loc")]
+    attrs = dict(layer_idx=1, num_heads=2, num_kv_heads=1, head_size=HEAD, scale=0.25)
+    with pytest.raises(ValueError, match="one dtype"):
+        K["paged_attention"].paged_attention(args[0].half(), *args[1:], **attrs)
+    with pytest.raises(ValueError, match="come together"):
+        K["paged_attention"].paged_attention(*args, **attrs, position_ids=t["position_ids"])
