@@ -207,6 +207,7 @@ def paged_attention(
     block_m: int = 16, block_n: int = 64, num_splits: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's semantics (plugins/README.md): -> attn_out [T, H*D], k_new [T, KVH, D] (after RoPE), v_new [T, KVH, D].
+    v_new, and k_new when rotary=0, are the inputs viewed as [T, KVH, D] (no copy).
 
     `max_query_len` (the longest new-token run) sizes the grid; pass it when known (the scheduler knows it) to
     avoid reading query_start_loc back from the device. `block_m` is the rows of a program (new tokens x query
