@@ -133,6 +133,18 @@ def test_weight_only_gemm(dtype, kind, group):
     assert_close(y, x.double().numpy() @ w.T, dtype, kind)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_weight_only_gemm_runs_what_convert_writes(bits):
+    """Codes and scales from `trtbuild convert --weight-only`'s quantizer, against its own dequantization."""
+    from trtbuild.builder.convert.weight_only import quantize_rtn
+
+    rng = np.random.default_rng(bits)
+    nbits = quantize_rtn(rng.standard_normal((24, 64)).astype(np.float32), bits, group_size=32)
+    x = torch.from_numpy(rng.standard_normal((3, 64)).astype(np.float32))
+    y = K["weight_only_gemm"].weight_only_gemm(x, torch.from_numpy(nbits.codes), torch.from_numpy(nbits.scales))
+    assert_close(y, x.double().numpy() @ nbits.dequantize().astype(np.float64).T, torch.float32, f"{bits} bits")
+
+
 def test_weight_only_gemm_refuses_codes_that_do_not_match_x():
     with pytest.raises(ValueError, match="codes"):
         K["weight_only_gemm"].weight_only_gemm(torch.zeros(2, 32), torch.zeros(4, 20, dtype=torch.uint8),
