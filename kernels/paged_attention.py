@@ -12,6 +12,7 @@ The kernels:
   softmax (flash attention). Only slots below past_lengths[b] are loaded: free blocks are never read.
 - with `num_splits` > 1 (split-K), the past keys of a sequence are shared among that many programs, which write
   unnormalized partial states; `_reduce_splits_kernel` merges them per (token, query head).
+An int8 pool (kv_cache_quant_algo="int8") is attended in units of its scales; fp8 pools are not implemented.
 Head vectors are handled as two halves (rotate-half RoPE pairs d with d + D/2), so RoPE of q needs no shuffles and
 each score is dot(q1, k1) + dot(q2, k2).
 """
@@ -60,13 +61,24 @@ def _online_softmax_step(s, v1, v2, m, denom, acc1, acc2, PRECISION: tl.constexp
 
 
 @triton.jit
+def _fake_quant_int8(x, scale):
+    """x as an int8 pool stores it, in units of its scale: round(x / scale) half to even, clipped to +-127 (the
+    runtime's KV write), so this step's keys and values are attended as they will be read back."""
+    y = x.to(tl.float32) / scale
+    r = tl.floor(y)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    r = tl.where((y - r > 0.5) | ((y - r == 0.5) & odd), r + 1.0, r)
+    return tl.minimum(tl.maximum(r, -127.0), 127.0)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, tables_ptr, past_ptr, qsl_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr, qk_scale, half, block_size, num_heads,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, qk_scale, k_scale, v_scale, half, block_size, num_heads,
     stride_qt, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
     stride_cb, stride_ckv, stride_ch, stride_cs, stride_tb, stride_cos, stride_sin,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr, ROTARY: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
+    HALF: tl.constexpr, ROTARY: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr, KV_INT8: tl.constexpr,
 ):
     b = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -119,6 +131,9 @@ def _paged_attention_kernel(
         k2 = tl.load(cache_ptr + k_offs + half, mask=kv_ok, other=0.0)
         v1 = tl.load(cache_ptr + stride_ckv + k_offs, mask=kv_ok, other=0.0)
         v2 = tl.load(cache_ptr + stride_ckv + k_offs + half, mask=kv_ok, other=0.0)
+        if KV_INT8:  # int8 values in units of the layer's K / V scale: qk_scale holds k_scale, the end v_scale
+            k1, k2 = k1.to(q1.dtype), k2.to(q1.dtype)
+            v1, v2 = v1.to(q1.dtype), v2.to(q1.dtype)
         scores = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
         scores = tl.dot(q2, tl.trans(k2), scores, input_precision=PRECISION) * qk_scale
         scores = tl.where(j_ok[None, :], scores, float("-inf"))
@@ -136,11 +151,16 @@ def _paged_attention_kernel(
         k2 = tl.load(k_ptr + k_offs + half, mask=kv_ok, other=0.0)
         v1 = tl.load(v_ptr + v_offs, mask=kv_ok, other=0.0)
         v2 = tl.load(v_ptr + v_offs + half, mask=kv_ok, other=0.0)
+        if KV_INT8:
+            k1, k2 = _fake_quant_int8(k1, k_scale).to(q1.dtype), _fake_quant_int8(k2, k_scale).to(q1.dtype)
+            v1, v2 = _fake_quant_int8(v1, v_scale).to(q1.dtype), _fake_quant_int8(v2, v_scale).to(q1.dtype)
         scores = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
         scores = tl.dot(q2, tl.trans(k2), scores, input_precision=PRECISION) * qk_scale
         scores = tl.where(j_ok[None, :] & (j[None, :] <= i[:, None]), scores, float("-inf"))
         m, denom, acc1, acc2 = _online_softmax_step(scores, v1, v2, m, denom, acc1, acc2, PRECISION)
 
+    if KV_INT8:
+        acc1, acc2 = acc1 * v_scale, acc2 * v_scale
     if SPLITS == 1:
         denom = tl.where(row_ok, denom, 1.0)
         out_offs = t[:, None] * stride_ot + h[:, None] * (2 * half) + d[None, :]
@@ -174,7 +194,8 @@ def _reduce_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, num
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer_idx: int,
-           num_heads: int, num_kv_heads: int, head_size: int, rope: list[torch.Tensor | None]) -> None:
+           num_heads: int, num_kv_heads: int, head_size: int, rope: list[torch.Tensor | None],
+           kv_quant: str | None, kv_scale: tuple[float, float] | None) -> None:
     tokens = q.shape[0]
     if num_heads % num_kv_heads or head_size % 2:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}, and head_size "
@@ -188,9 +209,15 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
             kv_cache.shape[5] != head_size or not 0 <= layer_idx < kv_cache.shape[1]:
         raise ValueError(f"kv_cache {list(kv_cache.shape)} is not [NB, L, 2, {num_kv_heads}, BS, {head_size}] with "
                          f"layer {layer_idx}")
-    dtypes = {x.dtype for x in (q, k, v, kv_cache)}
+    if kv_quant not in (None, "int8"):
+        raise NotImplementedError(f"kv_cache_quant_algo {kv_quant!r}: only int8 pools are implemented (fp8 is not)")
+    if (kv_quant is None) != (kv_scale is None):
+        raise ValueError("kv_cache_scale (K scale, V scale) comes with kv_cache_quant_algo, and only with it")
+    if kv_quant and kv_cache.dtype != torch.int8:
+        raise ValueError(f"an int8 KV cache must be an int8 tensor, got {kv_cache.dtype}")
+    dtypes = {x.dtype for x in (q, k, v) + (() if kv_quant else (kv_cache,))}
     if len(dtypes) != 1 or q.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"q, k, v and kv_cache must share one dtype, float16, bfloat16 or float32; got "
+        raise ValueError(f"q, k, v (and a float kv_cache) must share one dtype, float16, bfloat16 or float32; got "
                          f"{sorted(map(str, dtypes))}")
     if any(x is None for x in rope) != all(x is None for x in rope):
         raise ValueError("position_ids, rope_cos and rope_sin come together (rotary=1) or not at all")
@@ -204,7 +231,8 @@ def paged_attention(
     past_lengths: torch.Tensor, query_start_loc: torch.Tensor, *, layer_idx: int, num_heads: int,
     num_kv_heads: int, head_size: int, scale: float, position_ids: torch.Tensor | None = None,
     rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None, max_query_len: int | None = None,
-    block_m: int = 16, block_n: int = 64, num_splits: int = 1,
+    block_m: int = 16, block_n: int = 64, num_splits: int = 1, kv_cache_quant_algo: str | None = None,
+    kv_cache_scale: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's semantics (plugins/README.md): -> attn_out [T, H*D], k_new [T, KVH, D] (after RoPE), v_new [T, KVH, D].
     v_new, and k_new when rotary=0, are the inputs viewed as [T, KVH, D] (no copy).
@@ -213,8 +241,12 @@ def paged_attention(
     avoid reading query_start_loc back from the device. `block_m` is the rows of a program (new tokens x query
     heads of one KV head), `block_n` the keys per tile. `num_splits` > 1 divides each sequence's past keys among
     that many programs (split-K, for few sequences with long contexts: more programs than the batch alone gives),
-    with a float32 workspace of T x H x num_splits x (D + 2) and a second kernel that merges the splits."""
-    _check(q, k, v, kv_cache, layer_idx, num_heads, num_kv_heads, head_size, [position_ids, rope_cos, rope_sin])
+    with a float32 workspace of T x H x num_splits x (D + 2) and a second kernel that merges the splits.
+    `kv_cache_quant_algo="int8"` with `kv_cache_scale=(K scale, V scale)`: an int8 pool (read = stored * scale), and
+    this step's K/V quantized the same way before attention; k_new/v_new stay unquantized (the runtime quantizes
+    when it writes them)."""
+    _check(q, k, v, kv_cache, layer_idx, num_heads, num_kv_heads, head_size, [position_ids, rope_cos, rope_sin],
+           kv_cache_quant_algo, kv_cache_scale)
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     tokens, batch = q.shape[0], past_lengths.shape[0]
@@ -255,15 +287,17 @@ def paged_attention(
                               for _ in range(2))
     else:
         part_acc = part_max = part_sum = out  # not touched
+    k_scale, v_scale = map(float, kv_cache_scale) if kv_cache_scale is not None else (1.0, 1.0)
     grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
         q, k_new, v_new, cache, block_tables, past_lengths, query_start_loc, *rope, out,
-        part_acc, part_max, part_sum, scale * LOG2E, half, cache.shape[3], num_heads,
+        part_acc, part_max, part_sum, scale * LOG2E * k_scale, k_scale, v_scale, half, cache.shape[3], num_heads,
         q.stride(0), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), out.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), block_tables.stride(0),
         rope[1].stride(0), rope[2].stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=max(MIN_DOT, block_n), HALF=half_pad,
-        ROTARY=rotary, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=num_splits)
+        ROTARY=rotary, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=num_splits,
+        KV_INT8=kv_cache_quant_algo == "int8")
     if num_splits > 1:
         _reduce_splits_kernel[(tokens, num_heads)](
             part_acc, part_max, part_sum, out, num_heads, head_size, out.stride(0), SPLITS=num_splits,

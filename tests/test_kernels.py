@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e .[
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from trtbuild.plugins.paged_attention import reference_paged_attention  # noqa: E402
+from trtbuild.plugins.paged_attention import apply_rope, reference_paged_attention  # noqa: E402
 from trtbuild.quantization import pack_int4, unpack_int4  # noqa: E402
 
 KERNEL_MODULES = ("paged_attention", "rmsnorm", "swiglu", "weight_only_gemm")
@@ -246,6 +246,51 @@ def test_paged_attention_split_k(splits, dtype):
     check_attention(data, 4, 2, rotary=True, dtype=dtype, block_m=16, block_n=16, num_splits=splits)
 
 
+def int8_kv(x: np.ndarray, scale: float) -> np.ndarray:
+    """What the runtime stores for x in an int8 pool (runtime/kv_cache.py): round half to even, clip to +-127."""
+    return np.clip(np.rint(x / np.float32(scale)), -127, 127).astype(np.int8)
+
+
+@pytest.mark.parametrize(("dtype", "splits", "ties"), [(torch.float32, 1, False), (torch.float32, 2, False),
+                                                     (torch.float16, 1, False), (torch.float32, 1, True)],
+                         ids=["fp32", "fp32-split2", "fp16", "fp32-ties"])
+def test_paged_attention_int8_kv_cache(dtype, splits, ties):
+    """An int8 pool read as stored * scale, and this step's K/V attended as the pool will store them. `ties`: new
+    K/V on multiples of scale / 2 without RoPE, so that every one rounds half to even."""
+    heads, kv_heads, scales = 4, 2, ((0.25, 0.25) if ties else (0.03, 0.02))
+    data = attention_batch(MIXED, 8, heads, kv_heads, seed=11)
+    if ties:
+        data["k"], data["v"] = (np.round(data[n] * 8) / 8 for n in ("k", "v"))
+    rnd = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(dtype)  # noqa: E731
+    f = lambda a: a.to(torch.float32).numpy()  # noqa: E731
+    pool = np.concatenate([int8_kv(data["kv_cache"][:, :, i:i + 1], s) for i, s in enumerate(scales)], axis=2)
+    tokens, pos = data["q"].shape[0], data["position_ids"]
+    meta = [torch.from_numpy(data[n]) for n in ("block_tables", "past_lengths", "query_start_loc")]
+    rope = {} if ties else {n: torch.from_numpy(data[n]) for n in ("position_ids", "rope_cos", "rope_sin")}
+    q, k, v = rnd(data["q"]), rnd(data["k"]), rnd(data["v"])
+    attrs = dict(layer_idx=1, num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD, scale=HEAD ** -0.5)
+    out, k_new, v_new = K["paged_attention"].paged_attention(
+        q, k, v, torch.from_numpy(pool), *meta, **attrs, **rope, num_splits=splits, block_n=16,
+        kv_cache_quant_algo="int8", kv_cache_scale=scales)
+
+    def rotated(x: torch.Tensor, n: int) -> np.ndarray:  # RoPE, then rounded to dtype as the kernel stores it
+        if ties:
+            return f(x).reshape(tokens, n, HEAD)
+        return f(rnd(apply_rope(f(x).reshape(tokens, n, HEAD), pos, data["rope_cos"], data["rope_sin"])))
+
+    k_rot = rotated(k, kv_heads)
+    assert_close(k_new, k_rot, dtype, "k_new")
+    assert_close(v_new, f(v).reshape(tokens, kv_heads, HEAD), dtype, "v_new")
+    # the reference without RoPE, on rotated queries and on the values the int8 pool holds, dequantized
+    deq = pool.astype(np.float32) * np.array(scales, dtype=np.float32)[None, None, :, None, None, None]
+    k_q = int8_kv(k_rot, scales[0]).astype(np.float32).reshape(tokens, -1) * np.float32(scales[0])
+    v_q = int8_kv(f(v), scales[1]).astype(np.float32) * np.float32(scales[1])
+    want, _, _ = reference_paged_attention(rotated(q, heads).reshape(tokens, -1), k_q, v_q, deq,
+                                           *(data[n] for n in ("block_tables", "past_lengths", "query_start_loc")),
+                                           **attrs)
+    assert_close(out, want, dtype, "attn_out")
+
+
 def test_paged_attention_refuses_mixed_dtypes_and_partial_rope():
     data = attention_batch([(3, 2)], 4, 2, 1, seed=0)
     t = {n: torch.from_numpy(a) for n, a in data.items()}
@@ -255,3 +300,5 @@ def test_paged_attention_refuses_mixed_dtypes_and_partial_rope():
         K["paged_attention"].paged_attention(args[0].half(), *args[1:], **attrs)
     with pytest.raises(ValueError, match="come together"):
         K["paged_attention"].paged_attention(*args, **attrs, position_ids=t["position_ids"])
+    with pytest.raises(NotImplementedError, match="fp8"):
+        K["paged_attention"].paged_attention(*args, **attrs, kv_cache_quant_algo="fp8", kv_cache_scale=(1.0, 1.0))
