@@ -261,8 +261,13 @@ def test_paged_attention_int8_kv_cache(dtype, splits, ties):
     data = attention_batch(MIXED, 8, heads, kv_heads, seed=11)
     if ties:
         data["k"], data["v"] = (np.round(data[n] * 8) / 8 for n in ("k", "v"))
-    rnd = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(dtype)  # noqa: E731
-    f = lambda a: a.to(torch.float32).numpy()  # noqa: E731
+
+    def rnd(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(dtype)
+
+    def f(x: torch.Tensor) -> np.ndarray:
+        return x.to(torch.float32).numpy()
+
     pool = np.concatenate([int8_kv(data["kv_cache"][:, :, i:i + 1], s) for i, s in enumerate(scales)], axis=2)
     tokens, pos = data["q"].shape[0], data["position_ids"]
     meta = [torch.from_numpy(data[n]) for n in ("block_tables", "past_lengths", "query_start_loc")]
