@@ -1,0 +1,309 @@
+"""The CUDA target's Triton kernels (kernels/) against numpy references, run by Triton's interpreter on the CPU.
+
+TRITON_INTERPRET=1 is set only while the kernel modules are imported (triton.jit reads it when it decorates;
+conftest.py imports triton's own library the same way), so the variable does not leak into other tests. Only float32
+and float16 are tested: bf16 arithmetic in the interpreter is wrong (cpu-stack-facts.md, "Triton in interpreter mode").
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e .[dev]); the kernels need it")
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+from trtbuild.plugins.paged_attention import apply_rope, reference_paged_attention  # noqa: E402
+from trtbuild.quantization import pack_int4, unpack_int4  # noqa: E402
+
+KERNEL_MODULES = ("paged_attention", "rmsnorm", "swiglu", "weight_only_gemm")
+
+
+def _import_interpreted() -> dict:
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        mods = {}
+        for name in KERNEL_MODULES:
+            full = f"trtbuild.kernels.{name}"
+            mods[name] = importlib.reload(sys.modules[full]) if full in sys.modules else importlib.import_module(full)
+        return mods
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+if not isinstance(tl.standard.sigmoid, interpreter.InterpretedFunction):
+    pytest.skip("triton was imported before tests/conftest.py could load it in interpreter mode; run these tests "
+                "with TRITON_INTERPRET=1", allow_module_level=True)
+K = _import_interpreted()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_numpy_fix():
+    """Triton 3.6's interpreter turns a runtime loop bound into an int with int(1-element array), which numpy >= 2.4
+    refuses (triton-lang/triton#9171, fixed after 3.6 by squeezing); patched here for these tests only."""
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interpreter, "_patch_lang_tensor", patched)
+        yield
+
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+
+
+def assert_close(got: torch.Tensor, want: np.ndarray, dtype: torch.dtype, what: str) -> None:
+    np.testing.assert_allclose(got.to(torch.float32).numpy(), want, err_msg=what, **TOL[dtype])
+
+
+# ---- fused residual add + RMSNorm, SwiGLU ---------------------------------------------------------------------
+@DTYPES
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "no_residual"])
+def test_add_rmsnorm(dtype, with_residual):
+    rng = np.random.default_rng(0)
+    x, residual = (rng.standard_normal((5, 48)).astype(np.float32) for _ in range(2))
+    weight = rng.uniform(0.5, 1.5, 48).astype(np.float32)
+    tx, tr, tw = (torch.from_numpy(a).to(dtype) for a in (x, residual, weight))
+    out, new_residual = K["rmsnorm"].add_rmsnorm(tx, tw, 1e-6, tr if with_residual else None)
+    s = (tx.double() + tr.double() if with_residual else tx.double()).to(dtype).double().numpy()
+    want = s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-6) * tw.double().numpy()
+    assert out.dtype == new_residual.dtype == dtype
+    assert_close(out, want, dtype, "normalized")
+    assert_close(new_residual, s, dtype, "residual")
+
+
+@DTYPES
+def test_swiglu_splits_the_fused_gate_up_output_gate_first(dtype):
+    gate_up = torch.from_numpy(np.random.default_rng(1).standard_normal((3, 2 * 40)).astype(np.float32)).to(dtype)
+    out = K["swiglu"].swiglu(gate_up, block=16)  # 3 column tiles, the last one partial
+    g, u = gate_up.double().numpy()[:, :40], gate_up.double().numpy()[:, 40:]
+    assert out.shape == (3, 40) and out.dtype == dtype
+    assert_close(out, g / (1 + np.exp(-g)) * u, dtype, "swiglu")
+
+
+# ---- weight-only GEMM ------------------------------------------------------------------------------------------
+def gemm_case(kind: str, rng: np.random.Generator, n: int, k: int, group: int):
+    """(codes, scales, zero points or None, dequantized W [n, k] in float64), stored as the checkpoint stores them."""
+    groups = k // group
+    scales = rng.uniform(0.01, 0.05, (n, groups)).astype(np.float32)
+    if kind == "int8_wo":  # signed int8, one scale per output channel
+        codes = rng.integers(-127, 128, (n, k)).astype(np.int8)
+        scales = scales[:, :1].reshape(n)
+        return torch.from_numpy(codes), torch.from_numpy(scales), None, codes * scales.astype(np.float64)[:, None]
+    if kind.startswith("int4"):
+        q = rng.integers(-8, 8, (n, k)).astype(np.int8)
+        codes = pack_int4(q)
+        values = unpack_int4(codes).astype(np.float64) + 8  # the stored nibbles
+        zero = 8.0
+    else:  # uint8 codes, zero point 128
+        codes = values = rng.integers(0, 256, (n, k)).astype(np.uint8)
+        values, zero = values.astype(np.float64), 128.0
+    zeros = None
+    if kind.endswith("zp"):  # GGUF Q4_1-style float zero points
+        zeros = rng.uniform(5, 10, (n, groups)).astype(np.float32)
+        zero = np.repeat(zeros.astype(np.float64), group, axis=1)
+    w = (values - zero) * np.repeat(scales.astype(np.float64), group, axis=1)
+    return torch.from_numpy(codes), torch.from_numpy(scales), None if zeros is None else torch.from_numpy(zeros), w
+
+
+@DTYPES
+@pytest.mark.parametrize(("kind", "group"), [("int4", 16), ("int4", 80), ("int4_zp", 16), ("uint8", 16),
+                                             ("int8_wo", 80)])
+def test_weight_only_gemm(dtype, kind, group):
+    rng = np.random.default_rng(2)
+    tokens, n, k = 20, 40, 80  # K is not a multiple of block_k; T and N span two tiles, the last partial
+    codes, scales, zeros, w = gemm_case(kind, rng, n, k, group)
+    x = torch.from_numpy(rng.standard_normal((tokens, k)).astype(np.float32)).to(dtype)
+    y = K["weight_only_gemm"].weight_only_gemm(x, codes, scales, zeros, block_m=16, block_n=32, block_k=32)
+    assert y.shape == (tokens, n) and y.dtype == dtype
+    assert_close(y, x.double().numpy() @ w.T, dtype, kind)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_weight_only_gemm_runs_what_convert_writes(bits):
+    """Codes and scales from `trtbuild convert --weight-only`'s quantizer, against its own dequantization."""
+    from trtbuild.builder.convert.weight_only import quantize_rtn
+
+    rng = np.random.default_rng(bits)
+    nbits = quantize_rtn(rng.standard_normal((24, 64)).astype(np.float32), bits, group_size=32)
+    x = torch.from_numpy(rng.standard_normal((3, 64)).astype(np.float32))
+    y = K["weight_only_gemm"].weight_only_gemm(x, torch.from_numpy(nbits.codes), torch.from_numpy(nbits.scales))
+    assert_close(y, x.double().numpy() @ nbits.dequantize().astype(np.float64).T, torch.float32, f"{bits} bits")
+
+
+def test_weight_only_gemm_refuses_codes_that_do_not_match_x():
+    with pytest.raises(ValueError, match="codes"):
+        K["weight_only_gemm"].weight_only_gemm(torch.zeros(2, 32), torch.zeros(4, 20, dtype=torch.uint8),
+                                               torch.ones(4, 2))
+
+
+# ---- PagedAttention --------------------------------------------------------------------------------------------
+HEAD, LAYERS, GARBAGE = 16, 2, 3e4  # garbage fits float16, and breaks any output it leaks into
+
+
+def attention_batch(seqs: list[tuple[int, int]], block: int, heads: int, kv_heads: int, seed: int) -> dict:
+    """A packed batch (past, new) per sequence over a pool whose free blocks, unwritten slots, other layer and
+    table padding hold garbage; block tables are shuffled."""
+    rng = np.random.default_rng(seed)
+    needed = [-(-(p + n) // block) for p, n in seqs]
+    num_blocks = sum(needed) + 3
+    width = max(needed) + 2
+    perm = rng.permutation(num_blocks)
+    tables = np.full((len(seqs), width), perm[-1], dtype=np.int64)  # padding entries point at a free block
+    cache = np.full((num_blocks, LAYERS, 2, kv_heads, block, HEAD), GARBAGE, dtype=np.float32)
+    taken = 0
+    for b, (p, _) in enumerate(seqs):
+        tables[b, : needed[b]] = perm[taken: taken + needed[b]]
+        taken += needed[b]
+        for j in range(p):
+            cache[tables[b, j // block], 1, :, :, j % block] = rng.standard_normal((2, kv_heads, HEAD))
+    tokens = sum(n for _, n in seqs)
+    angles = np.arange(64)[:, None] * 10000.0 ** (-np.arange(0, HEAD, 2) / HEAD)[None, :]
+    return {
+        "q": rng.standard_normal((tokens, heads * HEAD)).astype(np.float32),
+        "k": rng.standard_normal((tokens, kv_heads * HEAD)).astype(np.float32),
+        "v": rng.standard_normal((tokens, kv_heads * HEAD)).astype(np.float32),
+        "kv_cache": cache, "block_tables": tables,
+        "past_lengths": np.array([p for p, _ in seqs], dtype=np.int64),
+        "query_start_loc": np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int64),
+        "position_ids": np.concatenate([np.arange(p, p + n) for p, n in seqs]).astype(np.int64),
+        "rope_cos": np.cos(angles).astype(np.float32), "rope_sin": np.sin(angles).astype(np.float32),
+    }
+
+
+def check_attention(data: dict, heads: int, kv_heads: int, rotary: bool, dtype: torch.dtype, **blocks) -> None:
+    floats = ("q", "k", "v", "kv_cache")
+    t = {n: torch.from_numpy(a).to(dtype) if n in floats else torch.from_numpy(a) for n, a in data.items()}
+    # the reference sees the very values the kernel gets (float16-rounded when testing float16)
+    ref_in = {n: t[n].to(torch.float32).numpy() if n in floats else a for n, a in data.items()}
+    rope = ("position_ids", "rope_cos", "rope_sin")
+    attrs = dict(layer_idx=1, num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD, scale=HEAD ** -0.5)
+    pool = t["kv_cache"].clone()
+    got = K["paged_attention"].paged_attention(
+        *(t[n] for n in ("q", "k", "v", "kv_cache", "block_tables", "past_lengths", "query_start_loc")),
+        **attrs, **({n: t[n] for n in rope} if rotary else {}), **blocks)
+    want = reference_paged_attention(
+        *(ref_in[n] for n in ("q", "k", "v", "kv_cache", "block_tables", "past_lengths", "query_start_loc")),
+        **attrs, **({n: ref_in[n] for n in rope} if rotary else {}))
+    for name, g, w in zip(("attn_out", "k_new", "v_new"), got, want, strict=True):
+        assert g.dtype == dtype and tuple(g.shape) == w.shape, name
+        assert_close(g, w, dtype, name)
+    assert torch.equal(t["kv_cache"], pool), "the op must not write the pool"
+
+
+# fresh prefill, decode, continuing chunk, decode at a block boundary, a chunk spanning several key tiles
+MIXED = [(0, 5), (13, 1), (7, 4), (16, 1), (21, 11)]
+
+
+@pytest.mark.parametrize("block", [4, 8, 16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_paged_attention_mixed_batch_fp32(block, group):
+    kv_heads = 2
+    data = attention_batch(MIXED, block, group * kv_heads, kv_heads, seed=block + group)
+    check_attention(data, group * kv_heads, kv_heads, rotary=True, dtype=torch.float32, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_paged_attention_mixed_batch_fp16(group):
+    data = attention_batch(MIXED, 8, group * 2, 2, seed=group)
+    check_attention(data, group * 2, 2, rotary=True, dtype=torch.float16, block_m=16, block_n=16)
+
+
+@DTYPES
+def test_paged_attention_without_rope(dtype):
+    data = attention_batch(MIXED, 8, 4, 2, seed=5)
+    check_attention(data, 4, 2, rotary=False, dtype=dtype)
+
+
+def test_paged_attention_long_multi_tile_queries_mqa_int32_metadata():
+    """Several query tiles per sequence (tile = 4 tokens x 4 heads), one KV head for all query heads, and int32
+    indices (a plugin boundary may cast the int64 metadata)."""
+    data = attention_batch([(9, 14), (0, 17), (30, 2)], 8, 4, 1, seed=7)
+    for name in ("block_tables", "past_lengths", "query_start_loc", "position_ids"):
+        data[name] = data[name].astype(np.int32)
+    check_attention(data, 4, 1, rotary=True, dtype=torch.float32, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+@DTYPES
+def test_paged_attention_split_k(splits, dtype):
+    """Past keys shared among splits: some splits of short or empty pasts see no key at all."""
+    data = attention_batch([(40, 1), (0, 3), (5, 2), (33, 6)], 8, 4, 2, seed=splits)
+    check_attention(data, 4, 2, rotary=True, dtype=dtype, block_m=16, block_n=16, num_splits=splits)
+
+
+def int8_kv(x: np.ndarray, scale: float) -> np.ndarray:
+    """What the runtime stores for x in an int8 pool (runtime/kv_cache.py): round half to even, clip to +-127."""
+    return np.clip(np.rint(x / np.float32(scale)), -127, 127).astype(np.int8)
+
+
+@pytest.mark.parametrize(("dtype", "splits", "ties"), [(torch.float32, 1, False), (torch.float32, 2, False),
+                                                     (torch.float16, 1, False), (torch.float32, 1, True)],
+                         ids=["fp32", "fp32-split2", "fp16", "fp32-ties"])
+def test_paged_attention_int8_kv_cache(dtype, splits, ties):
+    """An int8 pool read as stored * scale, and this step's K/V attended as the pool will store them. `ties`: new
+    K/V on multiples of scale / 2 without RoPE, so that every one rounds half to even."""
+    heads, kv_heads, scales = 4, 2, ((0.25, 0.25) if ties else (0.03, 0.02))
+    data = attention_batch(MIXED, 8, heads, kv_heads, seed=11)
+    if ties:
+        data["k"], data["v"] = (np.round(data[n] * 8) / 8 for n in ("k", "v"))
+
+    def rnd(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(dtype)
+
+    def f(x: torch.Tensor) -> np.ndarray:
+        return x.to(torch.float32).numpy()
+
+    pool = np.concatenate([int8_kv(data["kv_cache"][:, :, i:i + 1], s) for i, s in enumerate(scales)], axis=2)
+    tokens, pos = data["q"].shape[0], data["position_ids"]
+    meta = [torch.from_numpy(data[n]) for n in ("block_tables", "past_lengths", "query_start_loc")]
+    rope = {} if ties else {n: torch.from_numpy(data[n]) for n in ("position_ids", "rope_cos", "rope_sin")}
+    q, k, v = rnd(data["q"]), rnd(data["k"]), rnd(data["v"])
+    attrs = dict(layer_idx=1, num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD, scale=HEAD ** -0.5)
+    out, k_new, v_new = K["paged_attention"].paged_attention(
+        q, k, v, torch.from_numpy(pool), *meta, **attrs, **rope, num_splits=splits, block_n=16,
+        kv_cache_quant_algo="int8", kv_cache_scale=scales)
+
+    def rotated(x: torch.Tensor, n: int) -> np.ndarray:  # RoPE, then rounded to dtype as the kernel stores it
+        if ties:
+            return f(x).reshape(tokens, n, HEAD)
+        return f(rnd(apply_rope(f(x).reshape(tokens, n, HEAD), pos, data["rope_cos"], data["rope_sin"])))
+
+    k_rot = rotated(k, kv_heads)
+    assert_close(k_new, k_rot, dtype, "k_new")
+    assert_close(v_new, f(v).reshape(tokens, kv_heads, HEAD), dtype, "v_new")
+    # the reference without RoPE, on rotated queries and on the values the int8 pool holds, dequantized
+    deq = pool.astype(np.float32) * np.array(scales, dtype=np.float32)[None, None, :, None, None, None]
+    k_q = int8_kv(k_rot, scales[0]).astype(np.float32).reshape(tokens, -1) * np.float32(scales[0])
+    v_q = int8_kv(f(v), scales[1]).astype(np.float32) * np.float32(scales[1])
+    want, _, _ = reference_paged_attention(rotated(q, heads).reshape(tokens, -1), k_q, v_q, deq,
+                                           *(data[n] for n in ("block_tables", "past_lengths", "query_start_loc")),
+                                           **attrs)
+    assert_close(out, want, dtype, "attn_out")
+
+
+def test_paged_attention_refuses_mixed_dtypes_and_partial_rope():
+    data = attention_batch([(3, 2)], 4, 2, 1, seed=0)
+    t = {n: torch.from_numpy(a) for n, a in data.items()}
+    args = [t[n] for n in ("q", "k", "v", "kv_cache", "block_tables", "past_lengths", "query_start_loc")]
+    attrs = dict(layer_idx=1, num_heads=2, num_kv_heads=1, head_size=HEAD, scale=0.25)
+    with pytest.raises(ValueError, match="one dtype"):
+        K["paged_attention"].paged_attention(args[0].half(), *args[1:], **attrs)
+    with pytest.raises(ValueError, match="come together"):
+        K["paged_attention"].paged_attention(*args, **attrs, position_ids=t["position_ids"])
+    with pytest.raises(NotImplementedError, match="fp8"):
+        K["paged_attention"].paged_attention(*args, **attrs, kv_cache_quant_algo="fp8", kv_cache_scale=(1.0, 1.0))
