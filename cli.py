@@ -294,8 +294,8 @@ def client(address: str, prompt: str | None, chat: str | None, system: str | Non
 @speculative_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench(engine: Path | None, address: str | None, backend: str, api_key: str | None, dataset: Path | None,
-          num_requests: int | None,
-          input_len: int | None, output_len: int | None, seed: int, concurrency: int | None, request_rate: float,
+          num_requests: int | None, input_len: int | None, output_len: int | None, seed: int,
+          concurrency: int | None, request_rate: float,
           timeout: float, threads: int | None, compare_sequential: bool, compare_engine: Path | None,
           compare_hf: Path | None, rounds: int, speculative_tokens: int, prompt_lookup_max: int,
           draft_engine: Path | None, as_json: bool) -> None:
@@ -304,12 +304,11 @@ def bench(engine: Path | None, address: str | None, backend: str, api_key: str |
     from trtbuild.bench.run import BenchOptions, run_bench
 
     options = BenchOptions(engine=engine, address=address, backend=backend, api_key=api_key, dataset=dataset,
-                           num_requests=num_requests,
-                           input_len=input_len, output_len=output_len, seed=seed, concurrency=concurrency,
-                           request_rate=request_rate, timeout=timeout, threads=threads,
-                           compare_sequential=compare_sequential, compare_engine=compare_engine,
-                           compare_hf=compare_hf, rounds=rounds,
-                           speculative=speculative_config(speculative_tokens, prompt_lookup_max, draft_engine))
+                           num_requests=num_requests, input_len=input_len, output_len=output_len, seed=seed,
+                           concurrency=concurrency, request_rate=request_rate, timeout=timeout, threads=threads,
+                           compare_sequential=compare_sequential, compare_engine=compare_engine, compare_hf=compare_hf,
+                           rounds=rounds, speculative=speculative_config(speculative_tokens, prompt_lookup_max,
+                                                                         draft_engine))
     report = run_bench(options, log=lambda message: click.echo(message, err=True))
     click.echo(to_json(report) if as_json else format_report(report))
 
