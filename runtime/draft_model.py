@@ -107,6 +107,12 @@ class DraftModelProposer(Proposer):
     def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         raise NotImplementedError("the draft model proposes for requests (propose_batch): it caches their K/V")
 
+    def warm_up(self, max_batch_size: int, max_num_tokens: int) -> None:
+        """The draft pool faulted in and one step of the largest batch it will run, as the target's warm-up."""
+        build = self.engine.info.build
+        self.engine.kv.reserve()
+        self.engine.warm_up(min(max_batch_size, build.max_batch_size), min(max_num_tokens, build.max_num_tokens))
+
     def release(self, live_request_ids: Collection[str]) -> None:
         for rid in [rid for rid in self.seqs if rid not in live_request_ids]:
             self.kv.free(self.seqs.pop(rid))

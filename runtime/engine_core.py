@@ -99,6 +99,8 @@ class EngineCore:
             start, limits = time.perf_counter(), self.scheduler.config
             self.engine.kv.reserve()
             self.engine.warm_up(limits.max_batch_size, limits.max_num_tokens)
+            if self.proposer is not None:
+                self.proposer.warm_up(limits.max_batch_size, limits.max_num_tokens)
             self.start_seconds["warm_up"] = time.perf_counter() - start
             log.info("warmed up: KV pool resident and one %d-token step in %.2f s", limits.max_num_tokens,
                      self.start_seconds["warm_up"])

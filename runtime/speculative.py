@@ -79,6 +79,10 @@ class Proposer(abc.ABC):
         """Forget every request not in `live_request_ids` (finished, aborted or preempted); nothing to do here."""
         return None
 
+    def warm_up(self, max_batch_size: int, max_num_tokens: int) -> None:
+        """Start-up work before the first request (a draft engine's warm-up step); nothing to do here."""
+        return None
+
 
 class NgramProposer(Proposer):
     def __init__(self, config: SpeculativeConfig) -> None:
