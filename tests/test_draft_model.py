@@ -159,3 +159,17 @@ def test_hf_self_draft_converts_builds_and_runs(random_hf_model, tmp_path):
                           **RUNTIME_ENGINE_OPTIONS)
     (tokens,), _, _, _ = run(engine, [[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True), None)
     assert len(tokens) == 4
+
+
+def test_cli_run_with_a_draft_engine(stories_engine, llama_engine):
+    def cli(*args):
+        return CliRunner().invoke(main, ["run", "--engine", str(stories_engine), "--prompt", "Once", "--max-tokens",
+                                         "12", "--threads", "1", *map(str, args)])
+
+    plain = cli()
+    drafted = cli("--speculative-tokens", 3, "--draft-engine", stories_engine)
+    assert plain.exit_code == drafted.exit_code == 0 and drafted.output == plain.output
+    alone = cli("--draft-engine", stories_engine)
+    assert alone.exit_code == 2 and "add --speculative-tokens K" in alone.output
+    wrong = cli("--speculative-tokens", 3, "--draft-engine", llama_engine)
+    assert wrong.exit_code == 2 and f"Error: --draft-engine {llama_engine} cannot draft for" in wrong.output
