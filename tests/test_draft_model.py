@@ -54,7 +54,7 @@ def run(engine, prompts, params, spec: SpeculativeConfig | None, **options):
 
 
 def test_adaptive_rule():
-    assert [adaptive_num_drafts(4, a) for a in (1.0, 0.76, 0.75, 0.5, 0.2, 0.0)] == [4, 4, 4, 3, 2, 1]
+    assert [adaptive_num_drafts(4, a) for a in (1.0, 0.76, 0.5, 0.37, 0.2, 0.12, 0.0)] == [4, 4, 3, 2, 2, 1, 1]
     assert adaptive_num_drafts(1, 0.0) == 1
 
 
