@@ -91,10 +91,13 @@ def adaptive_num_drafts(max_drafts: int, acceptance: float) -> int:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, config: SpeculativeConfig, target: EngineInfo, num_threads: int | None, num_blocks: int
+    def __init__(self, config: SpeculativeConfig, target: EngineInfo, num_threads: int | None, kv_tokens: int
                  ) -> None:
+        """`kv_tokens`: tokens the draft's KV pool holds (NOTE: beside the target's KV budget; the draft's bytes per
+        token are its layers' share)."""
         draft = read_engine_config(Path(config.draft_engine_dir), expect_target="cpu")
         check_same_tokenizer(target, draft)
+        num_blocks = -(-kv_tokens // draft.build.tokens_per_block)
         # NOTE: its threads do not spin between calls: spinning draft threads took the cores from the target's
         # calls (SmolLM2 batch 1 on 2 cores: the target's engine time 1.8x, the whole run 40% slower)
         self.engine = CpuEngine(draft, num_threads=num_threads, num_blocks=num_blocks, spinning=False)

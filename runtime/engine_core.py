@@ -87,10 +87,10 @@ class EngineCore:
         self.sampler = Sampler()
         self.proposer = None
         if config.speculative:
-            # NOTE: the draft pool holds as many tokens as the target's, plus room for every request's drafts
-            draft_blocks = num_blocks + build.max_batch_size * (config.speculative.num_speculative_tokens //
-                                                                 build.tokens_per_block + 1)
-            self.proposer = make_proposer(config.speculative, info, config.num_threads, draft_blocks)
+            # NOTE: a draft pool holds as many tokens as the target's, plus every request's drafts
+            draft_tokens = (num_blocks * build.tokens_per_block
+                            + config.max_batch_size * config.speculative.num_speculative_tokens)
+            self.proposer = make_proposer(config.speculative, info, config.num_threads, draft_tokens)
         self.tracked: dict[str, _Tracked] = {}
         self.last_stats: StepStats | None = None
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, build.tokens_per_block,

@@ -104,15 +104,15 @@ class NgramProposer(Proposer):
 
 
 def make_proposer(config: SpeculativeConfig, target: EngineInfo | None = None, num_threads: int | None = None,
-                  num_blocks: int = 64) -> Proposer:
+                  kv_tokens: int = 1024) -> Proposer:
     """The proposer of `config.method`; a draft model needs the target engine's info (tokenizer check), ONNX
-    Runtime's threads and the draft KV pool's size in blocks."""
+    Runtime's threads and how many tokens its KV pool holds."""
     if config.method == "draft_model":
         from trtbuild.runtime.draft_model import DraftModelProposer
 
         if target is None:
             raise ValueError("a draft model proposer needs the target engine")
-        return DraftModelProposer(config, target, num_threads, num_blocks)
+        return DraftModelProposer(config, target, num_threads, kv_tokens)
     return NgramProposer(config)
 
 
