@@ -57,8 +57,9 @@ def main(verbose: bool) -> None:
                    "int4 the largest of 128/64/32 that divides every linear].")
 @click.option("--dequantize", is_flag=True,
               help="GGUF: store the file's quantized tensors as float instead of keeping their quantization.")
+@click.option("--num-layers", type=int, help="Keep the first N layers, the final norm and head: a self-draft model.")
 def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, weight_only: str | None,
-            group_size: str | None, dequantize: bool) -> None:
+            group_size: str | None, dequantize: bool, num_layers: int | None) -> None:
     """Convert a Llama / Qwen2 / Qwen3 / Mistral model into a trtbuild checkpoint."""
     from trtbuild.builder.convert.convert import WEIGHT_ONLY_BITS, WeightOnly
     from trtbuild.builder.convert.convert import convert as run_convert
@@ -67,7 +68,7 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
         raise click.UsageError("--group-size applies to --weight-only; add --weight-only int8 or int4.")
     wo = None if weight_only is None else WeightOnly(WEIGHT_ONLY_BITS[weight_only], group_size and int(group_size))
     config = run_convert(model, output, dtype=dtype, tp_size=tp_size, pp_size=pp_size, weight_only=wo,
-                         dequantize=dequantize)
+                         dequantize=dequantize, num_layers=num_layers)
     q = config.quantization
     quant = "" if q.quant_algo is None else (
         f", {q.quant_algo} (group size {q.group_size or 'per channel or mixed'}, {len(q.exclude_modules)} linears "
@@ -171,7 +172,7 @@ def _verify(engine: Path, checkpoint: Path | None, threads: int | None) -> None:
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
 def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, max_tokens: int, temperature: float,
         top_k: int, top_p: float, seed: int | None, speculative_tokens: int, prompt_lookup_max: int,
-        threads: int | None) -> None:
+        draft_engine: Path | None, threads: int | None) -> None:
     """Generate text from a prompt (or answer a --chat message), streaming it to the terminal."""
     from trtbuild.runtime.config import RuntimeConfig
     from trtbuild.runtime.llm import LLM
@@ -180,8 +181,8 @@ def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, 
     template = _chat_template(engine, prompt, chat, system)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens,
                             stop_token_ids=template.end_of_turn_token_ids if template else ())
-    llm = LLM(engine, RuntimeConfig(num_threads=threads, max_batch_size=1,
-                                    speculative=speculative_config(speculative_tokens, prompt_lookup_max)))
+    spec = speculative_config(speculative_tokens, prompt_lookup_max, draft_engine)
+    llm = LLM(engine, RuntimeConfig(num_threads=threads, max_batch_size=1, speculative=spec))
     if template is not None:
         if llm.core.tokenizer is None:
             raise TrtbuildError(f"{engine} has no tokenizer.json, which --chat needs; rebuild with tokenizer files.")
@@ -303,22 +304,21 @@ def client(address: str, prompt: str | None, chat: str | None, system: str | Non
 @speculative_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench(engine: Path | None, address: str | None, backend: str, api_key: str | None, dataset: Path | None,
-          num_requests: int | None,
-          input_len: int | None, output_len: int | None, seed: int, concurrency: int | None, request_rate: float,
+          num_requests: int | None, input_len: int | None, output_len: int | None, seed: int,
+          concurrency: int | None, request_rate: float,
           timeout: float, threads: int | None, compare_sequential: bool, compare_engine: Path | None,
           compare_hf: Path | None, rounds: int, speculative_tokens: int, prompt_lookup_max: int,
-          as_json: bool) -> None:
+          draft_engine: Path | None, as_json: bool) -> None:
     """Measure throughput and latency of an engine (in-process) or a server under load, with baselines as ratios."""
     from trtbuild.bench.report import format_report, to_json
     from trtbuild.bench.run import BenchOptions, run_bench
 
     options = BenchOptions(engine=engine, address=address, backend=backend, api_key=api_key, dataset=dataset,
-                           num_requests=num_requests,
-                           input_len=input_len, output_len=output_len, seed=seed, concurrency=concurrency,
-                           request_rate=request_rate, timeout=timeout, threads=threads,
-                           compare_sequential=compare_sequential, compare_engine=compare_engine,
-                           compare_hf=compare_hf, rounds=rounds,
-                           speculative=speculative_config(speculative_tokens, prompt_lookup_max))
+                           num_requests=num_requests, input_len=input_len, output_len=output_len, seed=seed,
+                           concurrency=concurrency, request_rate=request_rate, timeout=timeout, threads=threads,
+                           compare_sequential=compare_sequential, compare_engine=compare_engine, compare_hf=compare_hf,
+                           rounds=rounds, speculative=speculative_config(speculative_tokens, prompt_lookup_max,
+                                                                         draft_engine))
     report = run_bench(options, log=lambda message: click.echo(message, err=True))
     click.echo(to_json(report) if as_json else format_report(report))
 

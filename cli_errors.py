@@ -21,6 +21,7 @@ FLAG_OF_FIELD = {
     "num_threads": "--threads",
     "enable_prefix_caching": "--no-prefix-caching",
     "num_speculative_tokens": "--speculative-tokens",
+    "draft_engine_dir": "--draft-engine",
     "shared_input_scales": "--fuse-shared-scales",
     "fuse": "--no-fuse",
 }

@@ -40,16 +40,28 @@ sampling_options = options(
 )
 speculative_options = options(
     click.option("--speculative-tokens", type=click.IntRange(min=0), default=0,
-                 help="Draft tokens per decode step from prompt lookup (n-gram) speculative decoding; 0 is off."),
+                 help="Draft tokens per decode step (at most, with --draft-engine) from prompt lookup (n-gram) or "
+                      "the draft engine; 0 is off."),
     click.option("--prompt-lookup-max", type=click.IntRange(min=1), default=4,
                  help="Longest n-gram prompt lookup matches (with --speculative-tokens)."),
+    click.option("--draft-engine", type=existing, default=None,
+                 help="A smaller engine with the same tokenizer that drafts the --speculative-tokens (e.g. built "
+                      "from `trtbuild convert --num-layers N`) instead of prompt lookup."),
 )
 
 
-def speculative_config(speculative_tokens: int, prompt_lookup_max: int):  # -> SpeculativeConfig | None
+def speculative_config(speculative_tokens: int, prompt_lookup_max: int, draft_engine: Path | None = None
+                       ):  # -> SpeculativeConfig | None
     from trtbuild.runtime.speculative import SpeculativeConfig
 
-    return SpeculativeConfig(speculative_tokens, prompt_lookup_max=prompt_lookup_max) if speculative_tokens else None
+    if not speculative_tokens:
+        if draft_engine is not None:
+            raise click.UsageError("--draft-engine drafts --speculative-tokens tokens per step; add "
+                                   "--speculative-tokens K (e.g. 4).")
+        return None
+    if draft_engine is not None:
+        return SpeculativeConfig(speculative_tokens, method="draft_model", draft_engine_dir=str(draft_engine))
+    return SpeculativeConfig(speculative_tokens, prompt_lookup_max=prompt_lookup_max)
 
 
 # The fields of RuntimeConfig (runtime/config.py) as flags, for the commands that serve an engine.
@@ -78,6 +90,7 @@ serving_options = options(
 def runtime_config(kv_cache_memory: float | None, kv_cache_blocks: int | None, policy: str, no_prefix_caching: bool,
                    max_batch_size: int | None, max_num_tokens: int | None, max_prefill_chunk: int | None,
                    max_queue_size: int, max_queued_tokens: int | None, speculative_tokens: int, prompt_lookup_max: int,
+                   draft_engine: Path | None,
                    threads: int | None):  # -> RuntimeConfig, which checks every value (ConfigError names the field)
     from trtbuild.runtime.config import RuntimeConfig
 
@@ -85,4 +98,4 @@ def runtime_config(kv_cache_memory: float | None, kv_cache_blocks: int | None, p
                          enable_prefix_caching=not no_prefix_caching, max_batch_size=max_batch_size,
                          max_num_tokens=max_num_tokens, max_prefill_chunk=max_prefill_chunk,
                          max_queue_size=max_queue_size, max_queued_tokens=max_queued_tokens, num_threads=threads,
-                         speculative=speculative_config(speculative_tokens, prompt_lookup_max))
+                         speculative=speculative_config(speculative_tokens, prompt_lookup_max, draft_engine))

@@ -39,7 +39,7 @@ class EngineTarget:
         from trtbuild.runtime.config import RuntimeConfig
         from trtbuild.runtime.engine_core import EngineCore
 
-        self.name = f"engine {engine_dir}" + (f" (ngram drafts {speculative.num_speculative_tokens})"
+        self.name = f"engine {engine_dir}" + (f" ({speculative.method} drafts {speculative.num_speculative_tokens})"
                                               if speculative else "")
         self.core = core = EngineCore(Path(engine_dir), RuntimeConfig(num_threads=threads, speculative=speculative))
         self.vocab_size = core.vocab_size

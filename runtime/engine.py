@@ -79,10 +79,10 @@ class CpuEngine:
     """An ONNX Runtime session over an engine directory, plus the paged KV pool it reads and the runtime writes."""
 
     def __init__(self, engine: Path | EngineInfo, num_threads: int | None = None, num_blocks: int = 64,
-                 graph: Path | None = None) -> None:
+                 graph: Path | None = None, spinning: bool = True) -> None:
         """`engine`: an engine directory, or what read_engine_config said of one (already checked). `num_threads`:
         ONNX Runtime's intra-op threads [None: `default_threads`]. `graph`: another graph file than the engine's
-        (the autotuner times candidates)."""
+        (the autotuner times candidates). `spinning`: ONNX Runtime's idle threads spin for work."""
         self.info = engine if isinstance(engine, EngineInfo) else read_engine_config(Path(engine), expect_target="cpu")
         path = Path(graph) if graph is not None else self.info.path / CPU_ENGINE_FILE
         if not path.is_file():
@@ -100,6 +100,8 @@ class CpuEngine:
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.log_severity_level = 3
+        if not spinning:  # NOTE: a second session in the process (a draft engine) must not spin while the other runs
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         # NOTE: ONNX Runtime fuses a weight DequantizeLinear -> MatMul that our lowering left (e.g. no block size fits)
         # into MatMulNBits itself, computing at accuracy level 4 unless told: keep the level the engine was built with.
         options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",

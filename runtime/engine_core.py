@@ -84,7 +84,12 @@ class EngineCore:
         self.eos_token_ids = tuple(dict.fromkeys(model.eos_token_ids + load_generation_eos(engine_dir)))
         self.vocab_size = model.vocab_size
         self.sampler = Sampler()
-        self.proposer = make_proposer(config.speculative) if config.speculative else None
+        self.proposer = None
+        if config.speculative:
+            # NOTE: a draft pool holds as many tokens as the target's, plus every request's drafts
+            draft_tokens = (num_blocks * build.tokens_per_block
+                            + config.max_batch_size * config.speculative.num_speculative_tokens)
+            self.proposer = make_proposer(config.speculative, info, config.num_threads, draft_tokens)
         self.tracked: dict[str, _Tracked] = {}
         self.last_stats: StepStats | None = None
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, build.tokens_per_block,
@@ -93,6 +98,8 @@ class EngineCore:
             start, limits = time.perf_counter(), self.scheduler.config
             self.engine.kv.reserve()
             self.engine.warm_up(limits.max_batch_size, limits.max_num_tokens)
+            if self.proposer is not None:
+                self.proposer.warm_up(limits.max_batch_size, limits.max_num_tokens)
             self.start_seconds["warm_up"] = time.perf_counter() - start
             log.info("warmed up: KV pool resident and one %d-token step in %.2f s", limits.max_num_tokens,
                      self.start_seconds["warm_up"])
@@ -136,6 +143,7 @@ class EngineCore:
         if tracked is None:
             return None
         self.scheduler.finish_requests([tracked.request], FinishReason.ABORT)
+        self._release_drafts()
         return self._final_output(tracked, [], "", [])
 
     def has_unfinished(self) -> bool:
@@ -145,11 +153,21 @@ class EngineCore:
     def _propose_drafts(self) -> None:
         """Drafts for each decoding request, as many as its remaining output allows (the step adds one more)."""
         k, max_seq_len = self.config.speculative.num_speculative_tokens, self.scheduler.config.max_seq_len
+        decoding, limits = [], []
         for request in self.scheduler.running:
             if request.num_computed_tokens == len(request.token_ids) - 1:
                 room = min(request.sampling.max_tokens - request.num_output_tokens,
                            max_seq_len - len(request.token_ids)) - 1
-                self.scheduler.set_draft_tokens(request, self.proposer.propose(request.token_ids, min(k, room)))
+                decoding.append(request)
+                limits.append(min(k, room))
+        if decoding:
+            for request, drafts in zip(decoding, self.proposer.propose_batch(decoding, limits), strict=True):
+                self.scheduler.set_draft_tokens(request, drafts)
+
+    def _release_drafts(self) -> None:
+        """The proposer forgets requests the scheduler no longer runs (a draft model frees their KV blocks)."""
+        if self.proposer is not None:
+            self.proposer.release({r.request_id for r in self.scheduler.running})
 
     def _engine_accept(self, chunk: ScheduledChunk) -> DraftAccept | None:
         """Drafts the engine verifies itself (engine_accept.py), or None: their rows come out for `verify`."""
@@ -206,6 +224,7 @@ class EngineCore:
         tokens, logprobs = self._sample(scheduled, self.engine.execute(chunks))
         outputs = [self._output(self.tracked[request.request_id], new_tokens, logprobs[request.request_id])
                    for request, new_tokens in self.scheduler.update(scheduled, tokens)]
+        self._release_drafts()
         self.last_stats = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), scheduled.num_tokens,
                                     len(scheduled.preempted), self.kv.pool.usage, time.perf_counter() - start,
                                     num_draft_tokens=sum(c.num_drafts for c in scheduled.chunks),

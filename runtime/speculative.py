@@ -12,14 +12,16 @@ token is distributed exactly as in plain decoding. Penalties and masks see the a
 processed one at a time, each after the previous token was appended).
 
 Proposers: `NgramProposer` (prompt lookup: copy what followed the latest earlier occurrence of the context's last
-n tokens). A draft model would be another `Proposer`.
+n tokens) and `DraftModelProposer` (runtime/draft_model.py: a smaller engine with the same tokenizer drafts greedily,
+batched over the running requests, with its own KV pool).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,7 +35,11 @@ from trtbuild.runtime.sampling import (
     token_logprobs,
 )
 
-METHODS = ("ngram",)
+if TYPE_CHECKING:
+    from trtbuild.builder.engine_dir import EngineInfo
+    from trtbuild.runtime.request import Request
+
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -44,10 +50,14 @@ class SpeculativeConfig:
     method: str = "ngram"
     prompt_lookup_max: int = 4  # longest n-gram matched (tried first)
     prompt_lookup_min: int = 1  # shortest n-gram matched
+    draft_engine_dir: str | None = None  # method "draft_model": the draft engine's directory
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError("method", f"must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.draft_engine_dir is not None):
+            raise ConfigError("draft_engine_dir", "is needed by method draft_model and by no other method, got "
+                                                  f"{self.draft_engine_dir!r} with method {self.method!r}")
         if self.num_speculative_tokens < 1:
             raise ConfigError("num_speculative_tokens", f"must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -60,6 +70,18 @@ class Proposer(abc.ABC):
 
     @abc.abstractmethod
     def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]: ...
+
+    def propose_batch(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
+        """Drafts for several decoding requests at once (read only: the scheduler stores them)."""
+        return [self.propose(r.token_ids, n) for r, n in zip(requests, max_tokens, strict=True)]
+
+    def release(self, live_request_ids: Collection[str]) -> None:
+        """Forget every request not in `live_request_ids` (finished, aborted or preempted); nothing to do here."""
+        return None
+
+    def warm_up(self, max_batch_size: int, max_num_tokens: int) -> None:
+        """Start-up work before the first request (a draft engine's warm-up step); nothing to do here."""
+        return None
 
 
 class NgramProposer(Proposer):
@@ -81,7 +103,16 @@ class NgramProposer(Proposer):
         return []
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+def make_proposer(config: SpeculativeConfig, target: EngineInfo | None = None, num_threads: int | None = None,
+                  kv_tokens: int = 1024) -> Proposer:
+    """The proposer of `config.method`; a draft model needs the target engine's info (tokenizer check), ONNX
+    Runtime's threads and how many tokens its KV pool holds."""
+    if config.method == "draft_model":
+        from trtbuild.runtime.draft_model import DraftModelProposer
+
+        if target is None:
+            raise ValueError("a draft model proposer needs the target engine")
+        return DraftModelProposer(config, target, num_threads, kv_tokens)
     return NgramProposer(config)
 
 

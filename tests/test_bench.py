@@ -263,6 +263,12 @@ def test_speculative_decoding_reports_accepted_drafts(engine, tmp_path):
     assert re.search(r"^speculative drafts: +\d+ of \d+ accepted \(\d+\.\d%\)$", text, re.M), text
     refused = bench("--address", "127.0.0.1:1", "--dataset", data, "--speculative-tokens", 2)
     assert refused.exit_code != 0 and "trtbuild serve --speculative-tokens" in refused.output
+    # the engine drafting for itself (--draft-engine): every draft is accepted, so each step yields K + 1 tokens
+    r = ok_json(bench("--engine", engine, "--dataset", data, "--threads", 1, "--speculative-tokens", 4,
+                      "--draft-engine", engine, "--json"))
+    steps = r["engine_steps"]
+    assert r["target"].endswith("(draft_model drafts 4)") and r["total_output_tokens"] == 60
+    assert steps["accepted_draft_tokens"] == steps["draft_tokens"] and steps["steps"] == 1 + 59 // 5 + 1
 
 
 def test_peers_benchmark_smoke_reports_trtbuild_and_a_missing_peer(tmp_path):

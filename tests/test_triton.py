@@ -70,7 +70,8 @@ def test_runtime_config_round_trips_through_parameters():
                          enable_prefix_caching=False, max_batch_size=3, max_num_tokens=96, max_prefill_chunk=32,
                          max_queue_size=9, num_threads=2, warm_up=False,
                          speculative=SpeculativeConfig(4, prompt_lookup_max=3, prompt_lookup_min=2))
-    for config in (full, RuntimeConfig()):
+    draft = RuntimeConfig(speculative=SpeculativeConfig(3, method="draft_model", draft_engine_dir="/engines/draft"))
+    for config in (full, draft, RuntimeConfig()):
         assert RuntimeConfig.from_parameters(config.to_parameters()) == config
     assert RuntimeConfig.from_parameters({"max_batch_size": "", "num_speculative_tokens": "0"}) == RuntimeConfig()
     for params, message in (({"max_batch_size": "many"}, "max_batch_size must be a number"),

@@ -153,17 +153,34 @@ def _open_source(model: Path, dequantize: bool) -> tuple[dict, dict[str, SourceT
     return (*open_hf(model), False)
 
 
+def keep_first_layers(hf_config: dict, num_layers: int) -> dict:
+    """The HF config of the model cut to its first `num_layers` decoder layers (the final norm and the head stay):
+    a self-draft for speculative decoding. Per-layer lists in the config are cut too."""
+    total = int(hf_config["num_hidden_layers"])
+    if not 1 <= num_layers <= total:
+        raise ConfigError("num_layers", f"must be between 1 and the model's {total} layers, got {num_layers}")
+    cut = dict(hf_config, num_hidden_layers=num_layers)
+    for key, value in hf_config.items():
+        if isinstance(value, list) and len(value) == total and key.startswith("layer"):  # e.g. Qwen3's layer_types
+            cut[key] = value[:num_layers]
+    return cut
+
+
 def convert(model: Path, output: Path, dtype: str = "auto", tp_size: int = 1, pp_size: int = 1,
-            weight_only: WeightOnly | None = None, dequantize: bool = False) -> ModelConfig:
+            weight_only: WeightOnly | None = None, dequantize: bool = False, num_layers: int | None = None
+            ) -> ModelConfig:
     """Convert `model` (HF folder or .gguf file) into a checkpoint at `output`; returns the written config.
 
     A GGUF file's quantized tensors are kept as they are (weight_only linears) unless `dequantize`; `weight_only`
-    quantizes the float linear weights (round to nearest)."""
+    quantizes the float linear weights (round to nearest). `num_layers` keeps only the first layers (the later
+    layers' tensors are never read)."""
     model, output = Path(model), Path(output)
     if weight_only is not None and weight_only.bits == 8 and weight_only.group_size is not None \
             and weight_only.group_size % 16:
         raise ConfigError("group_size", f"{weight_only.group_size} is not a multiple of 16.")
     hf_config, source, is_gguf = _open_source(model, dequantize)
+    if num_layers is not None:
+        hf_config = keep_first_layers(hf_config, num_layers)
     prepare_output_dir(output)  # fail before the slow part, never overwrite anything
     try:
         config = model_config_from_hf(hf_config, dtype).with_mapping(Mapping(tp_size=tp_size, pp_size=pp_size))
