@@ -111,9 +111,6 @@ class DraftModelProposer(Proposer):
     def max_seq_len(self) -> int:
         return self.engine.info.build.max_seq_len
 
-    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        raise NotImplementedError("the draft model proposes for requests (propose_batch): it caches their K/V")
-
     def warm_up(self, max_batch_size: int, max_num_tokens: int) -> None:
         """The draft pool faulted in and one step of the largest batch it will run, as the target's warm-up."""
         build = self.engine.info.build

@@ -90,6 +90,10 @@ class EngineCore:
             draft_tokens = (num_blocks * build.tokens_per_block
                             + config.max_batch_size * config.speculative.num_speculative_tokens)
             self.proposer = make_proposer(config.speculative, info, config.num_threads, draft_tokens)
+            if 0 < build.max_draft_len < config.speculative.num_speculative_tokens:
+                log.warning("the engine verifies at most %d drafts itself (--max-draft-len); steps with more drafts "
+                            "(--speculative-tokens %d) are verified on the host instead", build.max_draft_len,
+                            config.speculative.num_speculative_tokens)
         self.tracked: dict[str, _Tracked] = {}
         self.last_stats: StepStats | None = None
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, build.tokens_per_block,

@@ -66,14 +66,12 @@ class SpeculativeConfig:
 
 
 class Proposer(abc.ABC):
-    """Invariant: `propose` returns at most `max_tokens` token ids and never changes `token_ids`."""
+    """Invariant: `propose_batch` returns at most `max_tokens[i]` token ids for request i and never changes a
+    request (the scheduler stores the drafts)."""
 
     @abc.abstractmethod
-    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]: ...
-
     def propose_batch(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
-        """Drafts for several decoding requests at once (read only: the scheduler stores them)."""
-        return [self.propose(r.token_ids, n) for r, n in zip(requests, max_tokens, strict=True)]
+        """Drafts for the decoding requests, all at once."""
 
     def release(self, live_request_ids: Collection[str]) -> None:
         """Forget every request not in `live_request_ids` (finished, aborted or preempted); nothing to do here."""
@@ -87,6 +85,9 @@ class Proposer(abc.ABC):
 class NgramProposer(Proposer):
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose_batch(self, requests: Sequence[Request], max_tokens: Sequence[int]) -> list[list[int]]:
+        return [self.propose(r.token_ids, n) for r, n in zip(requests, max_tokens, strict=True)]
 
     def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """The tokens that followed the latest earlier occurrence of the last n tokens, longest n first."""
