@@ -9,6 +9,7 @@ Each node maps to one kernel (kernels/ for the Triton ones, torch for the rest):
   MatMul / Gemm(transB) on a constant     linear               torch (cuBLAS): weight stored [out, in]
   MatMulNBits (weight-only int8/int4)     weight_only_linear   kernels/weight_only_gemm.py on the checkpoint codes
   Split -> silu(gate) * up (fused gate|up) swiglu              kernels/swiglu.py on the Split's input
+  silu(gate) * up (separate GEMMs)        silu_mul             torch (weight-only gate and up stay two GEMMs)
   Add, Split, Reshape                     add, split, reshape  torch
   trtbuild::PagedAttention                paged_attention      kernels/paged_attention.py, then kv_write: this
                                                                layer's K/V scattered into the pool (torch)
@@ -101,23 +102,24 @@ class _PlanWriter:
     def emit(self, kernel: str, node: onnx.NodeProto, inputs: list[str], outputs: list[str], **attrs) -> None:
         self.steps.append(PlanStep(kernel, node.name, tuple(inputs), tuple(outputs), attrs))
 
-    def swiglu_of(self, split: onnx.NodeProto) -> onnx.NodeProto | None:
-        """The final Mul of silu(gate) * up when `split` is the fused gate|up Split feeding only that pattern."""
-        if len(split.output) != 2:
-            return None
-        gate, up = split.output
-        users = self.view.consumers.get(gate, [])
-        sig = next((n for n in users if n.op_type == "Sigmoid"), None)
-        silu = next((n for n in users if n.op_type == "Mul" and sig is not None and sig.output[0] in n.input), None)
-        if sig is None or silu is None or len(users) != 2:
-            return None
-        final = self.view.consumers.get(silu.output[0], [])
-        if len(final) != 1 or final[0].op_type != "Mul" or set(final[0].input) != {silu.output[0], up}:
-            return None
-        if len(self.view.consumers.get(up, [])) != 1:
-            return None
-        self.skip.update({sig.name, silu.name, final[0].name})
-        return final[0]
+    def find_swiglus(self) -> dict[str, tuple[str, ...]]:
+        """Final Mul of silu(gate) * up -> its kernel's inputs: ("swiglu", gate|up) when gate and up are the two
+        halves of the fused gate|up GEMM's Split (the Split is skipped too), else ("silu_mul", gate, up)."""
+        v, found = self.view, {}
+        for sig in [n for n in v.graph.node if n.op_type == "Sigmoid"]:
+            gate = sig.input[0]
+            users = v.consumers.get(gate, [])
+            inner = next((n for n in users if n.op_type == "Mul" and set(n.input) == {gate, sig.output[0]}), None)
+            final = v.consumers.get(inner.output[0], []) if inner is not None else []
+            if inner is None or len(users) != 2 or len(final) != 1 or final[0].op_type != "Mul":
+                continue
+            up = next((i for i in final[0].input if i != inner.output[0]), None)
+            split = v.producer.get(gate)
+            fused = (split is not None and split.op_type == "Split" and list(split.output) == [gate, up]
+                     and len(v.consumers.get(up, [])) == 1)
+            found[final[0].name] = ("swiglu", split.input[0]) if fused else ("silu_mul", gate, up)
+            self.skip.update({sig.name, inner.name} | ({split.name} if fused else set()))
+        return found
 
     def node(self, n: onnx.NodeProto) -> None:
         v, op, a = self.view, n.op_type, _attrs(n)
@@ -146,13 +148,12 @@ class _PlanWriter:
         elif op == "Add":
             inputs = [self.weight(i, self.const(i)) if i in v.initializers else i for i in n.input]
             self.emit("add", n, inputs, list(n.output))
+        elif n.name in self.swiglus:
+            kernel, *inputs = self.swiglus[n.name]
+            self.emit(kernel, n, inputs, list(n.output))
         elif op == "Split":
-            final = self.swiglu_of(n)
-            if final is not None:
-                self.emit("swiglu", n, [n.input[0]], list(final.output))
-            else:
-                sizes = self.const(n.input[1]).tolist() if len(n.input) > 1 else None
-                self.emit("split", n, [n.input[0]], list(n.output), sizes=sizes, axis=int(a.get("axis", 0)))
+            sizes = self.const(n.input[1]).tolist() if len(n.input) > 1 else None
+            self.emit("split", n, [n.input[0]], list(n.output), sizes=sizes, axis=int(a.get("axis", 0)))
         elif op == "Reshape" and n.input[1] in v.initializers:
             self.emit("reshape", n, [n.input[0]], list(n.output), shape=self.const(n.input[1]).tolist())
         elif op == pa.OP_TYPE and n.domain == pa.DOMAIN:
@@ -192,12 +193,11 @@ class _PlanWriter:
     def dequantized_table(self, n: onnx.NodeProto, a: dict[str, Any]) -> np.ndarray:
         """A weight-only embedding table dequantized at build time: the engine gathers rows of the step's tokens
         from it (the codes would only save memory, and one table of the compute dtype is simple)."""
-        codes, scales = self.const(n.input[0]), self.const(n.input[2])
-        q = unpack_int4(codes).astype(np.float32) if a.get("bits", 4) == 4 else codes.astype(np.float32)
-        zero = self.const(n.input[3]).astype(np.float32) if len(n.input) > 3 and n.input[3] else 1 << (a["bits"] - 1)
-        block = q.shape[1] // scales.shape[1]
-        z = np.repeat(zero, block, axis=1) if isinstance(zero, np.ndarray) else zero
-        return (q - z) * np.repeat(scales.astype(np.float32), block, axis=1)
+        codes, scales, bits = self.const(n.input[0]), self.const(n.input[2]), a.get("bits", 4)
+        # NOTE: unpack_int4 returns code - 8; the raw code is what the zero point applies to
+        raw = unpack_int4(codes).astype(np.float32) + 8 if bits == 4 else codes.astype(np.float32)
+        block = raw.shape[1] // scales.shape[1]
+        return (raw - (1 << (bits - 1))) * np.repeat(scales.astype(np.float32), block, axis=1)
 
     def new_kv_nodes(self) -> set[str]:
         """The Concat + Reshape that stack every layer's K/V into the `new_kv` output (not part of the plan)."""
@@ -209,6 +209,7 @@ class _PlanWriter:
 
     def write(self) -> Plan:
         self.skip |= self.new_kv_nodes()
+        self.swiglus = self.find_swiglus()
         for n in self.view.graph.node:
             if n.name not in self.skip:
                 self.node(n)

@@ -64,6 +64,10 @@ def swiglu(k: Kernels, a: dict[str, Any], gate_up: torch.Tensor) -> tuple[torch.
     return (k["swiglu"].swiglu(gate_up),)
 
 
+def silu_mul(k: Kernels, a: dict[str, Any], gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (F.silu(gate) * up,)
+
+
 def paged_attention(k: Kernels, a: dict[str, Any], q: torch.Tensor, key: torch.Tensor, v: torch.Tensor,
                     kv_cache: torch.Tensor, block_tables: torch.Tensor, past_lengths: torch.Tensor,
                     query_start_loc: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -89,4 +93,5 @@ def kv_write(k: Kernels, a: dict[str, Any], kv_cache: torch.Tensor, k_new: torch
 
 
 OPS: dict[str, Op] = {f.__name__: f for f in (embedding, gather_rows, rmsnorm, add_rmsnorm, linear, weight_only_linear,
-                                              add, split, reshape, swiglu, paged_attention, kv_write)}
+                                              add, split, reshape, swiglu, silu_mul, paged_attention,
+                                              kv_write)}
