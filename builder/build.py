@@ -155,7 +155,7 @@ def _finish_cuda(checkpoint: Path, output: Path, config: ModelConfig, build: Bui
     from trtbuild.builder.passes import run_passes
 
     applied = [f"{name}:{n}" for name, n in run_passes(model, "cuda").items()] if build.fuse else []
-    _, weight_files, tactics = build_cuda_files(model, build, output, timing_cache)
+    _, weight_files, tactics = build_cuda_files(model, config, build, output, timing_cache)
     staging = StagingWeights.of(model)
     if staging is not None and staging.path.exists():
         os.unlink(staging.path)

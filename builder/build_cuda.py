@@ -81,20 +81,22 @@ def check_tensorrt_available() -> None:
                                 "build for --target cuda.")
 
 
-def tactics(build: BuildConfig, timing_cache: Path | None) -> dict[str, Any]:
+def tactics(config: ModelConfig, build: BuildConfig, timing_cache: Path | None) -> dict[str, Any]:
     """The kernels' tile sizes as the engine's tactics. NOTE: real autotuning times candidates on the GPU it builds
-    for (bench/cuda_autotune.py); without one the launchers' defaults are recorded and the reason with them."""
+    for (kernels/autotune.py); without one the launchers' defaults are recorded and the reason with them."""
     if build.autotune == "off":
         return {name: {"chosen": dict(t), "source": "default"} for name, t in DEFAULT_TACTICS.items()}
     if not torch.cuda.is_available():
         return {name: {"chosen": dict(t), "source": "default: autotuning needs a GPU, none here"}
                 for name, t in DEFAULT_TACTICS.items()}
-    from trtbuild.bench.cuda_autotune import tune_cuda
+    from trtbuild.kernels.autotune import tune_cuda
+    from trtbuild.kernels.load import load_kernels
 
-    return tune_cuda(build, timing_cache)
+    tuned = tune_cuda(config, build, cuda_fingerprint(), timing_cache, load_kernels(interpret=False))
+    return {**{name: {"chosen": dict(t), "source": "default"} for name, t in DEFAULT_TACTICS.items()}, **tuned}
 
 
-def build_cuda_files(model: onnx.ModelProto, build: BuildConfig, output: Path,
+def build_cuda_files(model: onnx.ModelProto, config: ModelConfig, build: BuildConfig, output: Path,
                      timing_cache: Path | None) -> tuple[Plan, dict[str, int], dict[str, Any]]:
     """Write rank0.plan.json and rank0.safetensors; returns the plan, {weight file: bytes} and the tactics."""
     from safetensors.torch import save_file
@@ -102,4 +104,4 @@ def build_cuda_files(model: onnx.ModelProto, build: BuildConfig, output: Path,
     plan, weights = emit_plan(model, build.dtype)
     (output / CUDA_PLAN_FILE).write_text(plan.to_json())
     save_file(weights, str(output / CUDA_WEIGHTS_FILE), metadata={"plan": CUDA_PLAN_FILE})
-    return plan, {CUDA_WEIGHTS_FILE: (output / CUDA_WEIGHTS_FILE).stat().st_size}, tactics(build, timing_cache)
+    return plan, {CUDA_WEIGHTS_FILE: (output / CUDA_WEIGHTS_FILE).stat().st_size}, tactics(config, build, timing_cache)

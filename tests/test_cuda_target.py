@@ -160,3 +160,13 @@ def test_cuda_graph_decode_equals_eager(engine_pair):
     for chunks in STEPS:
         np.testing.assert_allclose(graphed.step(chunks), eager.step(chunks), atol=1e-5, rtol=0)
     assert graphed.graphs  # the decode steps replayed a captured graph
+
+
+def test_gpu_check_parity_and_text_run_here(engine_pair):
+    """The Python side of scripts/gpu_check.sh that needs no GPU: parity over its steps (a block boundary crossed)
+    and the greedy text of both engines."""
+    from trtbuild.bench.gpu_check import greedy_text, parity
+
+    assert parity(*engine_pair("qwen2")) < 1e-4
+    cpu_dir, cuda_dir = engine_pair("stories260K")
+    assert greedy_text(cuda_dir, "Once upon a time", 3) == greedy_text(cpu_dir, "Once upon a time", 3)
