@@ -239,13 +239,13 @@ def _check_cpu_target(engine_dir: Path, target: dict) -> None:
 
 
 def engine_target(engine_dir: Path) -> str:
-    """The target an engine directory says it was built for (`cpu` when config.json cannot tell: reading it then
-    fails with the full message)."""
+    """The runtime target (cpu or cuda) an engine directory says it was built for; `cpu` when config.json cannot
+    tell or names a target no runtime here runs (reading it then fails with the full message)."""
     try:
         target = json.loads((Path(engine_dir) / ENGINE_CONFIG).read_bytes())["target"]["name"]
     except (OSError, ValueError, KeyError, TypeError):
         return "cpu"
-    return target if isinstance(target, str) else "cpu"
+    return target if target in ("cpu", "cuda") else "cpu"
 
 
 def _check_cuda_target(engine_dir: Path, info: EngineInfo) -> None:
