@@ -29,7 +29,7 @@ DEFAULT_TACTICS = {"paged_attention": {"block_m": 16, "block_n": 64, "num_splits
 def cuda_fingerprint() -> dict[str, Any]:
     """What a CUDA engine is only valid for: the GPU (name, compute capability) and the stack (CUDA, torch, Triton).
     Without a GPU the kernels run in Triton's interpreter on CPU tensors, and the device says so."""
-    import triton
+    from importlib.metadata import version
 
     gpu = torch.cuda.is_available()
     return {"name": "cuda",
@@ -37,7 +37,9 @@ def cuda_fingerprint() -> dict[str, Any]:
             "compute_capability": ".".join(map(str, torch.cuda.get_device_capability(0))) if gpu else None,
             "cuda_version": torch.version.cuda if gpu else None,
             "torch_version": torch.__version__.split("+")[0],
-            "triton_version": triton.__version__}
+            # NOTE: the version from its metadata, not `import triton`: the kernels must be the first to import it
+            # (kernels/load.py), so that without a GPU triton's library is decorated for its interpreter
+            "triton_version": version("triton")}
 
 
 FINGERPRINT_FIELDS = ("device", "compute_capability", "cuda_version", "torch_version", "triton_version")

@@ -12,6 +12,8 @@ import os
 import sys
 from types import ModuleType
 
+from trtbuild.errors import TrtbuildError
+
 KERNEL_MODULES = ("paged_attention", "rmsnorm", "swiglu", "weight_only_gemm")
 
 
@@ -46,8 +48,11 @@ def load_kernels(interpret: bool) -> dict[str, ModuleType]:
         import triton.language as tl
         from triton.runtime.interpreter import InterpretedFunction
 
+        if interpret:
+            import triton.experimental.gluon  # noqa: F401  (the interpreter imports it at the first launch)
+
         if interpret and not isinstance(tl.standard.sigmoid, InterpretedFunction):
-            raise RuntimeError("triton was imported for the GPU before the CUDA engine could load it for its "
+            raise TrtbuildError("triton was imported for the GPU before the CUDA engine could load it for its "
                                "interpreter (there is no GPU here); set TRITON_INTERPRET=1 before starting")
         mods = {}
         for name in KERNEL_MODULES:
