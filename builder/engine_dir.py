@@ -182,8 +182,10 @@ def _engine_info(engine_dir: Path, doc: dict[str, Any]) -> EngineInfo:
                          "head_size] with fixed dimensions after the first")
     if not isinstance(kv[0].get("dtype"), str):
         raise TypeError("io.inputs kv_cache has no dtype")
-    import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy: a cuda engine's bfloat16 pool)
-
+    if kv[0]["dtype"] == "bfloat16":
+        # NOTE: a cuda engine's bfloat16 pool, a name ml_dtypes registers with numpy. Imported only then: the Triton
+        # stub's numpy 1.x environment cannot import ml_dtypes
+        import ml_dtypes  # noqa: F401
     np.dtype(kv[0]["dtype"])  # TypeError for a dtype numpy does not know
     return EngineInfo(
         path=engine_dir,
