@@ -80,7 +80,10 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
 @main.command()
 @click.option("--checkpoint", required=True, type=existing, help="Folder written by `trtbuild convert`.")
 @click.option("--output", required=True, type=out, help="Engine directory to create.")
-@click.option("--target", type=click.Choice(["cpu", "tensorrt"]), default="cpu", help="Where the engine runs.")
+@click.option("--target", type=click.Choice(["cpu", "cuda", "tensorrt"]), default="cpu",
+              help="Where the engine runs: cpu (ONNX Runtime), cuda (Triton and torch kernels), tensorrt.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
+              help="Compute dtype of the cuda target (weights, activations, KV pool); cpu computes in float32.")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=16, help="Sequences per engine step.")
 @click.option("--max-seq-len", type=click.IntRange(min=1), default=None,
               help="Prompt + output tokens of one sequence [default: the model's context, at most 4096].")
@@ -107,7 +110,7 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
 @click.option("--verify", "verify_after", is_flag=True,
               help="Then run the engine against an unfused build of the checkpoint with polygraphy and print each "
                    "output's error against its tolerance (as `trtbuild verify`); exit non-zero if one fails.")
-def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_seq_len: int | None,
+def build(checkpoint: Path, output: Path, target: str, dtype: str, max_batch_size: int, max_seq_len: int | None,
           max_num_tokens: int, tokens_per_block: int, no_fuse: bool, int4_accuracy_level: str,
           kv_pool_dtype: str, autotune: str, timing_cache: Path | None, speculative_decoding_mode: str,
           max_draft_len: int | None, verify_after: bool) -> None:
@@ -115,16 +118,16 @@ def build(checkpoint: Path, output: Path, target: str, max_batch_size: int, max_
     from trtbuild.builder.build import build_engine
 
     timer = None
-    if autotune != "off":
+    if autotune != "off" and target == "cpu":
         from trtbuild.bench.autotune import time_graph as timer
-    build_engine(checkpoint, output, target=target, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+    build_engine(checkpoint, output, target=target, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                  max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block, fuse=not no_fuse,
                  int4_accuracy_level=int(int4_accuracy_level), kv_pool_dtype=kv_pool_dtype, autotune=autotune,
                  timer=timer, timing_cache=timing_cache, speculative_decoding_mode=speculative_decoding_mode,
                  max_draft_len=max_draft_len if max_draft_len is not None else
                  (4 if speculative_decoding_mode == "draft-tokens" else 0))
     click.echo(f"wrote engine {output}")
-    if autotune != "off":
+    if autotune != "off" and target == "cpu":
         click.echo(_tactics_summary(output))
     if verify_after:
         _verify(output, checkpoint, None)

@@ -9,6 +9,7 @@ import onnx
 from tqdm import tqdm
 
 from trtbuild.builder.autotune import Timer
+from trtbuild.builder.build_cuda import check_cuda_buildable, check_tensorrt_available
 from trtbuild.builder.convert.checkpoint import (
     CONFIG_FILE,
     copy_tokenizer_files,
@@ -29,10 +30,13 @@ log = logging.getLogger(__name__)
 def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
     """Refuse, before any work, what the chosen target cannot build."""
     if build.target == "tensorrt":
-        raise ConfigError("target", "tensorrt is not available in this build of trtbuild; use cpu.")
+        check_tensorrt_available()
+    if build.target == "cuda":
+        check_cuda_buildable(config, build)
     if config.mapping.world_size > 1:
         raise TrtbuildError(
-            f"the CPU target builds single-rank checkpoints, and this one has {config.mapping.world_size} ranks "
+            f"the {build.target} target builds single-rank checkpoints, and this one has "
+            f"{config.mapping.world_size} ranks "
             f"(tp={config.mapping.tp_size}, pp={config.mapping.pp_size}); re-run `trtbuild convert` with "
             "--tp-size 1 --pp-size 1.")
     check_quantization(config, build)
@@ -100,7 +104,7 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         raise TrtbuildError(f"checkpoint folder {checkpoint} does not exist; create it with `trtbuild convert`.")
     build = build or default_build_config(config, **build_overrides)
     check_buildable(config, build)
-    if build.autotune != "off" and timer is None:
+    if build.autotune != "off" and timer is None and build.target == "cpu":
         raise ConfigError("autotune", f"{build.autotune} needs a timer to run candidate graphs with "
                                       "(trtbuild.bench.autotune.time_graph)")
     cache = TimingCache(timing_cache)  # unreadable: refused before any work
@@ -112,6 +116,10 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         staging = StagingWeights(output / (CPU_WEIGHTS_FILE + ".staging"))
         model = build_network(config, tensors, build, staging)
         steps.set_postfix_str("passes + lowering"), steps.update()
+        if build.target == "cuda":
+            _finish_cuda(checkpoint, output, config, build, model, timing_cache)
+            steps.update(3)
+            return output
         applied = lower_for_target(model, build)
         steps.set_postfix_str("autotuning"), steps.update()
         tactics = {}
@@ -135,3 +143,28 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         steps.close()
     log.info("built %s with passes %s", output, applied)
     return output
+
+
+def _finish_cuda(checkpoint: Path, output: Path, config: ModelConfig, build: BuildConfig, model: onnx.ModelProto,
+                 timing_cache: Path | None) -> None:
+    """The cuda target after the network: the fusion passes, then the plan instead of the CPU lowering."""
+    import os
+
+    from trtbuild.builder.build_cuda import build_cuda_files, cuda_fingerprint
+    from trtbuild.builder.cuda_plan import PLAN_INPUTS
+    from trtbuild.builder.passes import run_passes
+
+    applied = [f"{name}:{n}" for name, n in run_passes(model, "cuda").items()] if build.fuse else []
+    _, weight_files, tactics = build_cuda_files(model, config, build, output, timing_cache)
+    staging = StagingWeights.of(model)
+    if staging is not None and staging.path.exists():
+        os.unlink(staging.path)
+    copy_tokenizer_files(checkpoint, output)
+    io = io_spec(model)
+    io["inputs"] = [i for i in io["inputs"] if i["name"] in PLAN_INPUTS or i["name"] == "kv_cache"]
+    io["outputs"] = [o for o in io["outputs"] if o["name"] == "logits"]
+    for spec in io["inputs"]:  # the pool holds the compute dtype
+        if spec["name"] == "kv_cache":
+            spec["dtype"] = build.dtype
+    write_engine_config(output, config, build, cuda_fingerprint(), io, applied, weight_files, tactics)
+    log.info("built %s (cuda plan) with passes %s", output, applied)

@@ -25,6 +25,7 @@ from trtbuild.errors import EngineCompatibilityError, TrtbuildError
 ENGINE_CONFIG = "config.json"
 CPU_ENGINE_FILE = "rank0.onnx"
 CPU_WEIGHTS_FILE = "rank0.weights"
+CUDA_PLAN_FILE = "rank0.plan.json"  # the cuda target's files (builder/build_cuda.py)
 _CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
               "asimd", "sve")
 
@@ -86,9 +87,14 @@ class EngineInfo:
         return sum(self.weight_files.values())
 
     @property
+    def graph_file(self) -> Path:
+        """The engine's graph: the ONNX file (cpu) or the execution plan (cuda, builder/build_cuda.py)."""
+        return self.path / (CUDA_PLAN_FILE if self.target.get("name") == "cuda" else CPU_ENGINE_FILE)
+
+    @property
     def engine_bytes(self) -> int:
         """What the engine occupies on disk: its graph file and its weight files."""
-        return (self.path / CPU_ENGINE_FILE).stat().st_size + self.weight_bytes
+        return self.graph_file.stat().st_size + self.weight_bytes
 
     def rebuild_hint(self, target: str = "cpu") -> str:
         return (f"rebuild it here: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> "
@@ -157,6 +163,8 @@ def read_engine_config(engine_dir: Path, expect_target: str = "cpu") -> EngineIn
             f"--target {expect_target}`.")
     if expect_target == "cpu":
         _check_cpu_target(engine_dir, info.target)
+    elif expect_target == "cuda":
+        _check_cuda_target(engine_dir, info)
     _check_weight_files(engine_dir, info.weight_files)
     return info
 
@@ -174,6 +182,10 @@ def _engine_info(engine_dir: Path, doc: dict[str, Any]) -> EngineInfo:
                          "head_size] with fixed dimensions after the first")
     if not isinstance(kv[0].get("dtype"), str):
         raise TypeError("io.inputs kv_cache has no dtype")
+    if kv[0]["dtype"] == "bfloat16":
+        # NOTE: a cuda engine's bfloat16 pool, a name ml_dtypes registers with numpy. Imported only then: the Triton
+        # stub's numpy 1.x environment cannot import ml_dtypes
+        import ml_dtypes  # noqa: F401
     np.dtype(kv[0]["dtype"])  # TypeError for a dtype numpy does not know
     return EngineInfo(
         path=engine_dir,
@@ -226,3 +238,25 @@ def _check_cpu_target(engine_dir: Path, target: dict) -> None:
         raise EngineCompatibilityError(
             f"{engine_dir} was built with onnxruntime {built_ort}, newer than the installed "
             f"{here['onnxruntime_version']}; upgrade onnxruntime (`pip install -U onnxruntime`) or {hint}")
+
+
+def engine_target(engine_dir: Path) -> str:
+    """The runtime target (cpu or cuda) an engine directory says it was built for; `cpu` when config.json cannot
+    tell or names a target no runtime here runs (reading it then fails with the full message)."""
+    try:
+        target = json.loads((Path(engine_dir) / ENGINE_CONFIG).read_bytes())["target"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "cpu"
+    return target if target in ("cpu", "cuda") else "cpu"
+
+
+def _check_cuda_target(engine_dir: Path, info: EngineInfo) -> None:
+    """A CUDA engine runs only on the GPU and stack it was built (and tuned) for; refused before any work."""
+    from trtbuild.builder.build_cuda import cuda_fingerprint, fingerprint_mismatch
+
+    mismatch = fingerprint_mismatch(info.target, cuda_fingerprint())
+    if mismatch:
+        raise EngineCompatibilityError(
+            f"{engine_dir} was built for another GPU or software stack ({mismatch}); rebuild it here: "
+            f"`trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> --target cuda "
+            f"--dtype {info.build.dtype}`.")

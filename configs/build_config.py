@@ -9,7 +9,9 @@ from typing import Any
 from trtbuild.errors import ConfigError
 from trtbuild.quantization import KVPoolDtype
 
-TARGETS = ("cpu", "tensorrt")
+TARGETS = ("cpu", "cuda", "tensorrt")
+# compute dtypes of the cuda target (weights, activations and the KV pool); the CPU target computes in float32
+DTYPES = ("float32", "float16", "bfloat16")
 # ONNX Runtime MatMulNBits accuracy levels the CPU engine offers for int4 weights: 1 = fp32 compute (bit-faithful
 # to the checkpoint format), 4 = int8 compute (activations quantized per block, VNNI kernels; faster).
 INT4_ACCURACY_LEVELS = (1, 4)
@@ -36,6 +38,7 @@ class BuildConfig:
     autotune: str = "off"  # AUTOTUNE_MODES: time the engine's tactics on this machine and keep the fastest
     speculative_decoding_mode: str = "none"  # SPECULATIVE_DECODING_MODES
     max_draft_len: int = 0  # drafts per sequence the accept op takes (draft-tokens mode: at least 1)
+    dtype: str = "float32"  # DTYPES: the cuda target's compute dtype; the CPU target computes in float32
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -50,6 +53,9 @@ class BuildConfig:
             raise ConfigError("autotune", f"must be one of {', '.join(AUTOTUNE_MODES)}, got {self.autotune!r}.")
         if self.kv_pool_dtype not in tuple(KVPoolDtype):
             raise ConfigError("kv_pool_dtype", f"must be one of {', '.join(KVPoolDtype)}, got {self.kv_pool_dtype!r}.")
+        if self.dtype not in DTYPES or (self.target != "cuda" and self.dtype != "float32"):
+            raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)} for the cuda target and float32 for the "
+                                       f"others, got {self.dtype!r} for {self.target}.")
         if self.speculative_decoding_mode not in SPECULATIVE_DECODING_MODES:
             raise ConfigError("speculative_decoding_mode", f"must be one of {', '.join(SPECULATIVE_DECODING_MODES)}, "
                                                            f"got {self.speculative_decoding_mode!r}.")

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, EngineInfo, read_engine_config
+from trtbuild.configs import BuildConfig
 from trtbuild.errors import EngineCompatibilityError
 from trtbuild.quantization import kv_pool_dtype
 from trtbuild.runtime.kv_cache import KVCacheStorage
@@ -68,6 +69,40 @@ def attention_groups(chunks: list[SequenceChunk]) -> list[list[int]]:
     if not short or len(short) == len(chunks) or len(short) * longest * keys < PADDING_SPLIT_PAIRS:
         return [list(range(len(chunks)))]
     return [[i for i, c in enumerate(chunks) if 4 * len(c.token_ids) > longest], short]
+
+
+def check_chunks(b: BuildConfig, chunks: list[SequenceChunk], max_draft_len: int) -> None:
+    """Refuse a step the engine's build limits do not cover, before anything writes the pool (every engine)."""
+    if not chunks:
+        raise ValueError("a step needs at least one sequence chunk")
+    if len(chunks) > b.max_batch_size:
+        raise ValueError(f"{len(chunks)} sequences exceed the engine's max_batch_size {b.max_batch_size}")
+    num_tokens = sum(len(c.token_ids) for c in chunks)
+    if num_tokens > b.max_num_tokens:
+        raise ValueError(f"{num_tokens} tokens exceed the engine's max_num_tokens {b.max_num_tokens}")
+    for c in chunks:  # all checked before any call writes the pool
+        end = c.start + len(c.token_ids)
+        if not 0 <= c.num_logits <= len(c.token_ids):
+            raise ValueError(f"num_logits {c.num_logits} is outside 0..{len(c.token_ids)} for sequence {c.seq_id}")
+        if end > b.max_seq_len:
+            raise ValueError(f"sequence {c.seq_id} reaches {end} tokens, beyond max_seq_len {b.max_seq_len}")
+        if len(c.block_ids) * b.tokens_per_block < end:
+            raise ValueError(f"sequence {c.seq_id} has {len(c.block_ids)} blocks, too few for {end} tokens")
+        if c.accept is not None:
+            _check_accept(c, max_draft_len)
+
+
+def _check_accept(c: SequenceChunk, max_draft_len: int) -> None:
+    drafts = c.accept.draft_tokens
+    if not max_draft_len:
+        raise ValueError(f"sequence {c.seq_id}: this engine does not verify drafts (built without "
+                         "--speculative-decoding-mode draft-tokens)")
+    if len(drafts) > max_draft_len or len(c.accept.uniforms) > len(drafts) + 1:
+        raise ValueError(f"sequence {c.seq_id}: {len(drafts)} drafts and {len(c.accept.uniforms)} uniforms for an "
+                         f"engine that verifies at most {max_draft_len} drafts")
+    if c.num_logits != len(drafts) + 1 or list(c.token_ids[len(c.token_ids) - len(drafts):]) != list(drafts):
+        raise ValueError(f"sequence {c.seq_id}: a chunk verified in the engine ends with its drafts and asks one "
+                         "logits row per draft plus one")
 
 
 def default_threads(tuned: int | None = None) -> int:
@@ -162,24 +197,7 @@ class CpuEngine:
     def execute(self, chunks: list[SequenceChunk]) -> StepOutput:
         """Execute one packed step. A step that mixes short and long chunks may run as two engine calls
         (`attention_groups`); the results are the same."""
-        b = self.info.build
-        if not chunks:
-            raise ValueError("a step needs at least one sequence chunk")
-        if len(chunks) > b.max_batch_size:
-            raise ValueError(f"{len(chunks)} sequences exceed the engine's max_batch_size {b.max_batch_size}")
-        num_tokens = sum(len(c.token_ids) for c in chunks)
-        if num_tokens > b.max_num_tokens:
-            raise ValueError(f"{num_tokens} tokens exceed the engine's max_num_tokens {b.max_num_tokens}")
-        for c in chunks:  # all checked before any call writes the pool
-            end = c.start + len(c.token_ids)
-            if not 0 <= c.num_logits <= len(c.token_ids):
-                raise ValueError(f"num_logits {c.num_logits} is outside 0..{len(c.token_ids)} for sequence {c.seq_id}")
-            if end > b.max_seq_len:
-                raise ValueError(f"sequence {c.seq_id} reaches {end} tokens, beyond max_seq_len {b.max_seq_len}")
-            if len(c.block_ids) * b.tokens_per_block < end:
-                raise ValueError(f"sequence {c.seq_id} has {len(c.block_ids)} blocks, too few for {end} tokens")
-            if c.accept is not None:
-                self._check_accept(c)
+        check_chunks(self.info.build, chunks, self.max_draft_len)
         groups = attention_groups(chunks)
         if len(groups) == 1:
             return self._run(chunks)
@@ -191,18 +209,6 @@ class CpuEngine:
             rows.update(zip(group, np.split(out.logits, ends[:-1]), strict=True))
             accepted.update((group[i], result) for i, result in out.accepted.items())
         return StepOutput(np.concatenate([rows[i] for i in range(len(chunks))]), accepted)
-
-    def _check_accept(self, c: SequenceChunk) -> None:
-        drafts = c.accept.draft_tokens
-        if not self.max_draft_len:
-            raise ValueError(f"sequence {c.seq_id}: this engine does not verify drafts (built without "
-                             "--speculative-decoding-mode draft-tokens)")
-        if len(drafts) > self.max_draft_len or len(c.accept.uniforms) > len(drafts) + 1:
-            raise ValueError(f"sequence {c.seq_id}: {len(drafts)} drafts and {len(c.accept.uniforms)} uniforms for an "
-                             f"engine that verifies at most {self.max_draft_len} drafts")
-        if c.num_logits != len(drafts) + 1 or list(c.token_ids[len(c.token_ids) - len(drafts):]) != list(drafts):
-            raise ValueError(f"sequence {c.seq_id}: a chunk verified in the engine ends with its drafts and asks one "
-                             "logits row per draft plus one")
 
     def _run(self, chunks: list[SequenceChunk]) -> StepOutput:
         """One engine call over checked chunks."""

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trtbuild.builder.engine_dir import read_engine_config
+from trtbuild.builder.engine_dir import engine_target, read_engine_config
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.detokenizer import IncrementalDetokenizer
 from trtbuild.runtime.engine import CpuEngine, DraftAccept, SequenceChunk, StepOutput
@@ -66,12 +66,18 @@ class EngineCore:
     def __init__(self, engine_dir: Path, config: RuntimeConfig | None = None) -> None:
         engine_dir = Path(engine_dir)
         start = time.perf_counter()
-        info = read_engine_config(engine_dir, expect_target="cpu")  # compatibility, before any work
+        target = engine_target(engine_dir)  # NOTE: the engine class follows the engine dir's target
+        info = read_engine_config(engine_dir, expect_target=target)  # compatibility, before any work
         build, model = info.build, info.model
         self.config = config = (config or RuntimeConfig()).resolve(build)
         num_blocks = kv_cache_blocks(info.kv_cache_bytes_per_block, build, config.kv_cache_memory,
                                      config.kv_cache_blocks)
-        self.engine = CpuEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
+        if target == "cuda":
+            from trtbuild.runtime.cuda_engine import CudaEngine
+
+            self.engine = CudaEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
+        else:
+            self.engine = CpuEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
         # seconds spent starting: the ONNX Runtime session, then the KV pool faulted in + the warm-up step
         self.start_seconds = {"session": time.perf_counter() - start, "warm_up": 0.0}
         self.kv = KVCacheManager(num_blocks, build.tokens_per_block, config.enable_prefix_caching)

@@ -18,6 +18,8 @@ def _import_triton_interpreted() -> None:
     tests/test_kernels.py needs that library interpreted; nothing else in this suite runs Triton code."""
     if "triton" in sys.modules or importlib.util.find_spec("triton") is None:
         return
+    if os.environ.get("TRTBUILD_KERNELS_DEVICE") == "cuda":  # scripts/gpu_check.sh: the kernels on the GPU
+        return
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:

@@ -207,7 +207,7 @@ def test_build_bad_input(stories, tmp_path):
     assert_user_error(invoke("build", "--checkpoint", tmp_path / "nowhere", "--output", tmp_path / "e"),
                       r"Invalid value for '--checkpoint'.*does not exist")
     assert_user_error(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e", "--target",
-                             "tensorrt"), r"--target tensorrt is not available.*use cpu")
+                             "tensorrt"), r"--target tensorrt needs NVIDIA TensorRT's Python package.*pip install")
     assert_user_error(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e", "--max-seq-len",
                              4096), r"--max-seq-len 4096 exceeds the model's max_position_embeddings \(512\)")
     assert_user_error(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e", "--max-draft-len",

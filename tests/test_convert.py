@@ -402,8 +402,9 @@ def test_build_refuses_multi_rank_checkpoint_on_cpu(tp, pp, converted, tmp_path)
 @pytest.mark.parametrize(("options", "pattern"), [
     (dict(max_seq_len=257), r"max_seq_len 257 exceeds the model's max_position_embeddings \(256\); pass 256 or "
                             r"less"),
-    (dict(target="tensorrt"), r"target tensorrt is not available.*use cpu"),
-    (dict(target="gpu"), r"target must be one of cpu, tensorrt, got 'gpu'"),
+    (dict(target="tensorrt"), r"target tensorrt needs NVIDIA TensorRT's Python package.*pip install tensorrt"),
+    (dict(target="gpu"), r"target must be one of cpu, cuda, tensorrt, got 'gpu'"),
+    (dict(target="cpu", dtype="bfloat16"), r"dtype must be one of float32, float16, bfloat16 for the cuda target"),
     (dict(max_batch_size=32, max_num_tokens=16), r"max_num_tokens 16 is below max_batch_size 32"),
     (dict(tokens_per_block=0), r"^tokens_per_block must be at least 1, got 0"),
 ])

@@ -23,6 +23,13 @@ from trtbuild.plugins.paged_attention import apply_rope, reference_paged_attenti
 from trtbuild.quantization import pack_int4, unpack_int4  # noqa: E402
 
 KERNEL_MODULES = ("paged_attention", "rmsnorm", "swiglu", "weight_only_gemm")
+# NOTE: TRTBUILD_KERNELS_DEVICE=cuda (scripts/gpu_check.sh) compiles the kernels for the GPU and runs these tests on
+# GPU tensors; otherwise they run in Triton's interpreter on CPU tensors
+DEVICE = "cuda" if os.environ.get("TRTBUILD_KERNELS_DEVICE") == "cuda" else "cpu"
+
+
+def _dev(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(a)).to(DEVICE)
 
 
 def _import_interpreted() -> dict:
@@ -41,10 +48,15 @@ def _import_interpreted() -> dict:
             os.environ["TRITON_INTERPRET"] = old
 
 
-if not isinstance(tl.standard.sigmoid, interpreter.InterpretedFunction):
+if DEVICE == "cuda":
+    from trtbuild.kernels.load import load_kernels
+
+    K = load_kernels(interpret=False)
+elif not isinstance(tl.standard.sigmoid, interpreter.InterpretedFunction):
     pytest.skip("triton was imported before tests/conftest.py could load it in interpreter mode; run these tests "
                 "with TRITON_INTERPRET=1", allow_module_level=True)
-K = _import_interpreted()
+else:
+    K = _import_interpreted()
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -67,7 +79,7 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["
 
 
 def assert_close(got: torch.Tensor, want: np.ndarray, dtype: torch.dtype, what: str) -> None:
-    np.testing.assert_allclose(got.to(torch.float32).numpy(), want, err_msg=what, **TOL[dtype])
+    np.testing.assert_allclose(got.to(torch.float32).cpu().numpy(), want, err_msg=what, **TOL[dtype])
 
 
 # ---- fused residual add + RMSNorm, SwiGLU ---------------------------------------------------------------------
@@ -77,10 +89,10 @@ def test_add_rmsnorm(dtype, with_residual):
     rng = np.random.default_rng(0)
     x, residual = (rng.standard_normal((5, 48)).astype(np.float32) for _ in range(2))
     weight = rng.uniform(0.5, 1.5, 48).astype(np.float32)
-    tx, tr, tw = (torch.from_numpy(a).to(dtype) for a in (x, residual, weight))
+    tx, tr, tw = (_dev(a).to(dtype) for a in (x, residual, weight))
     out, new_residual = K["rmsnorm"].add_rmsnorm(tx, tw, 1e-6, tr if with_residual else None)
-    s = (tx.double() + tr.double() if with_residual else tx.double()).to(dtype).double().numpy()
-    want = s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-6) * tw.double().numpy()
+    s = (tx.double() + tr.double() if with_residual else tx.double()).to(dtype).double().cpu().numpy()
+    want = s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-6) * tw.double().cpu().numpy()
     assert out.dtype == new_residual.dtype == dtype
     assert_close(out, want, dtype, "normalized")
     assert_close(new_residual, s, dtype, "residual")
@@ -88,9 +100,9 @@ def test_add_rmsnorm(dtype, with_residual):
 
 @DTYPES
 def test_swiglu_splits_the_fused_gate_up_output_gate_first(dtype):
-    gate_up = torch.from_numpy(np.random.default_rng(1).standard_normal((3, 2 * 40)).astype(np.float32)).to(dtype)
+    gate_up = _dev(np.random.default_rng(1).standard_normal((3, 2 * 40)).astype(np.float32)).to(dtype)
     out = K["swiglu"].swiglu(gate_up, block=16)  # 3 column tiles, the last one partial
-    g, u = gate_up.double().numpy()[:, :40], gate_up.double().numpy()[:, 40:]
+    g, u = gate_up.double().cpu().numpy()[:, :40], gate_up.double().cpu().numpy()[:, 40:]
     assert out.shape == (3, 40) and out.dtype == dtype
     assert_close(out, g / (1 + np.exp(-g)) * u, dtype, "swiglu")
 
@@ -103,7 +115,7 @@ def gemm_case(kind: str, rng: np.random.Generator, n: int, k: int, group: int):
     if kind == "int8_wo":  # signed int8, one scale per output channel
         codes = rng.integers(-127, 128, (n, k)).astype(np.int8)
         scales = scales[:, :1].reshape(n)
-        return torch.from_numpy(codes), torch.from_numpy(scales), None, codes * scales.astype(np.float64)[:, None]
+        return _dev(codes), _dev(scales), None, codes * scales.astype(np.float64)[:, None]
     if kind.startswith("int4"):
         q = rng.integers(-8, 8, (n, k)).astype(np.int8)
         codes = pack_int4(q)
@@ -117,7 +129,7 @@ def gemm_case(kind: str, rng: np.random.Generator, n: int, k: int, group: int):
         zeros = rng.uniform(5, 10, (n, groups)).astype(np.float32)
         zero = np.repeat(zeros.astype(np.float64), group, axis=1)
     w = (values - zero) * np.repeat(scales.astype(np.float64), group, axis=1)
-    return torch.from_numpy(codes), torch.from_numpy(scales), None if zeros is None else torch.from_numpy(zeros), w
+    return _dev(codes), _dev(scales), None if zeros is None else _dev(zeros), w
 
 
 @DTYPES
@@ -127,10 +139,10 @@ def test_weight_only_gemm(dtype, kind, group):
     rng = np.random.default_rng(2)
     tokens, n, k = 20, 40, 80  # K is not a multiple of block_k; T and N span two tiles, the last partial
     codes, scales, zeros, w = gemm_case(kind, rng, n, k, group)
-    x = torch.from_numpy(rng.standard_normal((tokens, k)).astype(np.float32)).to(dtype)
+    x = _dev(rng.standard_normal((tokens, k)).astype(np.float32)).to(dtype)
     y = K["weight_only_gemm"].weight_only_gemm(x, codes, scales, zeros, block_m=16, block_n=32, block_k=32)
     assert y.shape == (tokens, n) and y.dtype == dtype
-    assert_close(y, x.double().numpy() @ w.T, dtype, kind)
+    assert_close(y, x.double().cpu().numpy() @ w.T, dtype, kind)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -140,9 +152,9 @@ def test_weight_only_gemm_runs_what_convert_writes(bits):
 
     rng = np.random.default_rng(bits)
     nbits = quantize_rtn(rng.standard_normal((24, 64)).astype(np.float32), bits, group_size=32)
-    x = torch.from_numpy(rng.standard_normal((3, 64)).astype(np.float32))
-    y = K["weight_only_gemm"].weight_only_gemm(x, torch.from_numpy(nbits.codes), torch.from_numpy(nbits.scales))
-    assert_close(y, x.double().numpy() @ nbits.dequantize().astype(np.float64).T, torch.float32, f"{bits} bits")
+    x = _dev(rng.standard_normal((3, 64)).astype(np.float32))
+    y = K["weight_only_gemm"].weight_only_gemm(x, _dev(nbits.codes), _dev(nbits.scales))
+    assert_close(y, x.double().cpu().numpy() @ nbits.dequantize().astype(np.float64).T, torch.float32, f"{bits} bits")
 
 
 def test_weight_only_gemm_refuses_codes_that_do_not_match_x():
@@ -187,9 +199,9 @@ def attention_batch(seqs: list[tuple[int, int]], block: int, heads: int, kv_head
 
 def check_attention(data: dict, heads: int, kv_heads: int, rotary: bool, dtype: torch.dtype, **blocks) -> None:
     floats = ("q", "k", "v", "kv_cache")
-    t = {n: torch.from_numpy(a).to(dtype) if n in floats else torch.from_numpy(a) for n, a in data.items()}
+    t = {n: _dev(a).to(dtype) if n in floats else _dev(a) for n, a in data.items()}
     # the reference sees the very values the kernel gets (float16-rounded when testing float16)
-    ref_in = {n: t[n].to(torch.float32).numpy() if n in floats else a for n, a in data.items()}
+    ref_in = {n: t[n].to(torch.float32).cpu().numpy() if n in floats else a for n, a in data.items()}
     rope = ("position_ids", "rope_cos", "rope_sin")
     attrs = dict(layer_idx=1, num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD, scale=HEAD ** -0.5)
     pool = t["kv_cache"].clone()
@@ -263,19 +275,19 @@ def test_paged_attention_int8_kv_cache(dtype, splits, ties):
         data["k"], data["v"] = (np.round(data[n] * 8) / 8 for n in ("k", "v"))
 
     def rnd(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(dtype)
+        return _dev(np.ascontiguousarray(a, dtype=np.float32)).to(dtype)
 
     def f(x: torch.Tensor) -> np.ndarray:
-        return x.to(torch.float32).numpy()
+        return x.to(torch.float32).cpu().numpy()
 
     pool = np.concatenate([int8_kv(data["kv_cache"][:, :, i:i + 1], s) for i, s in enumerate(scales)], axis=2)
     tokens, pos = data["q"].shape[0], data["position_ids"]
-    meta = [torch.from_numpy(data[n]) for n in ("block_tables", "past_lengths", "query_start_loc")]
-    rope = {} if ties else {n: torch.from_numpy(data[n]) for n in ("position_ids", "rope_cos", "rope_sin")}
+    meta = [_dev(data[n]) for n in ("block_tables", "past_lengths", "query_start_loc")]
+    rope = {} if ties else {n: _dev(data[n]) for n in ("position_ids", "rope_cos", "rope_sin")}
     q, k, v = rnd(data["q"]), rnd(data["k"]), rnd(data["v"])
     attrs = dict(layer_idx=1, num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD, scale=HEAD ** -0.5)
     out, k_new, v_new = K["paged_attention"].paged_attention(
-        q, k, v, torch.from_numpy(pool), *meta, **attrs, **rope, num_splits=splits, block_n=16,
+        q, k, v, _dev(pool), *meta, **attrs, **rope, num_splits=splits, block_n=16,
         kv_cache_quant_algo="int8", kv_cache_scale=scales)
 
     def rotated(x: torch.Tensor, n: int) -> np.ndarray:  # RoPE, then rounded to dtype as the kernel stores it
@@ -298,7 +310,7 @@ def test_paged_attention_int8_kv_cache(dtype, splits, ties):
 
 def test_paged_attention_refuses_mixed_dtypes_and_partial_rope():
     data = attention_batch([(3, 2)], 4, 2, 1, seed=0)
-    t = {n: torch.from_numpy(a) for n, a in data.items()}
+    t = {n: _dev(a) for n, a in data.items()}
     args = [t[n] for n in ("q", "k", "v", "kv_cache", "block_tables", "past_lengths", "query_start_loc")]
     attrs = dict(layer_idx=1, num_heads=2, num_kv_heads=1, head_size=HEAD, scale=0.25)
     with pytest.raises(ValueError, match="one dtype"):

@@ -20,6 +20,8 @@ Pass = Callable[[onnx.ModelProto], int]
 
 PASSES: dict[str, tuple[Pass, ...]] = {
     "cpu": (fold_prescale, fuse_qkv, fuse_gate_up, fuse_rope_into_attention, fuse_add_rmsnorm),
+    # NOTE: the cuda plan maps the fused SkipSimplifiedLayerNormalization to its add + RMSNorm kernel (cuda_plan.py)
+    "cuda": (fold_prescale, fuse_qkv, fuse_gate_up, fuse_rope_into_attention, fuse_add_rmsnorm),
     "tensorrt": (fold_prescale, fuse_qkv, fuse_gate_up, fuse_rope_into_attention),
 }
 

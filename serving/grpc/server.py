@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from trtbuild import __version__
-from trtbuild.builder.engine_dir import read_engine_config
+from trtbuild.builder.engine_dir import engine_target, read_engine_config
 from trtbuild.errors import TrtbuildError
 from trtbuild.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from trtbuild.runtime.config import RuntimeConfig
@@ -312,7 +312,8 @@ def serve(engine_dir: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT, c
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     http = None
-    read_engine_config(Path(engine_dir), expect_target="cpu")  # a broken engine fails before "listening on"
+    # a broken engine fails before "listening on"
+    read_engine_config(Path(engine_dir), expect_target=engine_target(Path(engine_dir)))
     try:
         server = GenerationServer(host, port, max_queue_size, api_key)
         try:

@@ -53,13 +53,14 @@ def write_model_repository(engine_dir: Path, output: Path, model_name: str = "tr
     """Write <output>/<model_name>/{config.pbtxt, 1/model.py}; the output folder may hold other models.
     Returns the model folder. Raises ValueError for a bad name or an existing model folder, ConfigError for
     limits beyond the engine's, EngineCompatibilityError for an engine this machine cannot run."""
-    from trtbuild.builder.engine_dir import read_engine_config  # checks the engine before anything is written
+    from trtbuild.builder.engine_dir import engine_target, read_engine_config  # checks the engine first
     from trtbuild.runtime.config import RuntimeConfig
 
     runtime = runtime or RuntimeConfig()
     if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", model_name):
         raise ValueError(f"model name {model_name!r}: use letters, digits, '_', '-' and '.'")
-    max_batch_size = runtime.resolve(read_engine_config(Path(engine_dir)).build).max_batch_size
+    info = read_engine_config(Path(engine_dir), engine_target(Path(engine_dir)))
+    max_batch_size = runtime.resolve(info.build).max_batch_size
     model = Path(output) / model_name
     if model.exists():
         raise ValueError(f"{model} already exists; remove it or choose another --model-name")

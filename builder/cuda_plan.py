@@ -1,0 +1,223 @@
+"""The fused ONNX graph -> the CUDA target's execution plan: a list of steps (kernel, inputs, outputs, attributes)
+and the weights they read, pre-packed for the GPU (layout and dtype), run by runtime/cuda_engine.py.
+
+Each node maps to one kernel (kernels/ for the Triton ones, torch for the rest):
+  Gather(table, ids)                      embedding            torch index_select
+  Gather(activation, rows)                gather_rows          torch index_select
+  RMSNormalization                        rmsnorm              kernels/rmsnorm.py (no residual)
+  SkipSimplifiedLayerNormalization        add_rmsnorm          kernels/rmsnorm.py (residual add + RMSNorm)
+  MatMul / Gemm(transB) on a constant     linear               torch (cuBLAS): weight stored [out, in]
+  MatMulNBits (weight-only int8/int4)     weight_only_linear   kernels/weight_only_gemm.py on the checkpoint codes
+  Split -> silu(gate) * up (fused gate|up) swiglu              kernels/swiglu.py on the Split's input
+  silu(gate) * up (separate GEMMs)        silu_mul             torch (weight-only gate and up stay two GEMMs)
+  Add, Split, Reshape                     add, split, reshape  torch
+  trtbuild::PagedAttention                paged_attention      kernels/paged_attention.py, then kv_write: this
+                                                               layer's K/V scattered into the pool (torch)
+The network's `new_kv` output (Concat + Reshape of every layer's K/V) is dropped: the engine writes each layer's K/V
+into its pool on the device instead of returning them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper
+
+from trtbuild.builder.graph import GraphView
+from trtbuild.errors import TrtbuildError
+from trtbuild.plugins import paged_attention as pa
+from trtbuild.quantization import unpack_int4
+
+PLAN_FORMAT = 1
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# what the engine feeds the plan each step (the CPU engine's inputs, less the pool, plus where new K/V go)
+PLAN_INPUTS = ("input_ids", "position_ids", "query_start_loc", "past_lengths", "block_tables", "logits_indices",
+               "slot_mapping")
+
+
+@dataclass(frozen=True)
+class PlanStep:
+    kernel: str
+    name: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    dtype: str  # compute dtype of weights, activations and the KV pool
+    steps: tuple[PlanStep, ...]
+    outputs: tuple[str, ...] = ("logits",)
+
+    def to_json(self) -> str:
+        doc = {"plan_format": PLAN_FORMAT, "dtype": self.dtype, "inputs": list(PLAN_INPUTS),
+               "outputs": list(self.outputs), "steps": [asdict(s) for s in self.steps]}
+        return json.dumps(doc, indent=1) + "\n"
+
+    @classmethod
+    def load(cls, path: Path) -> Plan:
+        doc = json.loads(Path(path).read_text())
+        if doc.get("plan_format") != PLAN_FORMAT:
+            raise ValueError(f"plan format {doc.get('plan_format')!r}, expected {PLAN_FORMAT}")
+        steps = tuple(PlanStep(s["kernel"], s["name"], tuple(s["inputs"]), tuple(s["outputs"]), s.get("attrs", {}))
+                      for s in doc["steps"])
+        return cls(doc["dtype"], steps, tuple(doc["outputs"]))
+
+
+def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
+    out = {}
+    for a in node.attribute:
+        v = helper.get_attribute_value(a)
+        out[a.name] = v.decode() if isinstance(v, bytes) else (list(v) if isinstance(v, list | tuple) else v)
+    return out
+
+
+class _PlanWriter:
+    def __init__(self, model: onnx.ModelProto, dtype: str) -> None:
+        self.view, self.dtype = GraphView(model), TORCH_DTYPES[dtype]
+        self.steps: list[PlanStep] = []
+        self.weights: dict[str, torch.Tensor] = {}
+        self.skip: set[str] = set()  # node names folded into an earlier step
+
+    def weight(self, name: str, value: np.ndarray, dtype: torch.dtype | None = None, key: str | None = None) -> str:
+        key = key or name
+        if key not in self.weights:
+            t = torch.from_numpy(np.array(value, copy=True, order="C"))
+            self.weights[key] = t.to(dtype or self.dtype).contiguous() if t.is_floating_point() else t.contiguous()
+        return key
+
+    def const(self, name: str) -> np.ndarray:
+        value = self.view.constant(name)
+        if value is None:
+            raise TrtbuildError(f"the cuda plan needs {name} to be a constant")
+        return value
+
+    def emit(self, kernel: str, node: onnx.NodeProto, inputs: list[str], outputs: list[str], **attrs) -> None:
+        self.steps.append(PlanStep(kernel, node.name, tuple(inputs), tuple(outputs), attrs))
+
+    def find_swiglus(self) -> dict[str, tuple[str, ...]]:
+        """Final Mul of silu(gate) * up -> its kernel's inputs: ("swiglu", gate|up) when gate and up are the two
+        halves of the fused gate|up GEMM's Split (the Split is skipped too), else ("silu_mul", gate, up)."""
+        v, found = self.view, {}
+        for sig in [n for n in v.graph.node if n.op_type == "Sigmoid"]:
+            gate = sig.input[0]
+            users = v.consumers.get(gate, [])
+            inner = next((n for n in users if n.op_type == "Mul" and set(n.input) == {gate, sig.output[0]}), None)
+            final = v.consumers.get(inner.output[0], []) if inner is not None else []
+            if inner is None or len(users) != 2 or len(final) != 1 or final[0].op_type != "Mul":
+                continue
+            up = next((i for i in final[0].input if i != inner.output[0]), None)
+            split = v.producer.get(gate)
+            fused = (split is not None and split.op_type == "Split" and list(split.output) == [gate, up]
+                     and len(v.consumers.get(up, [])) == 1)
+            found[final[0].name] = ("swiglu", split.input[0]) if fused else ("silu_mul", gate, up)
+            self.skip.update({sig.name, inner.name} | ({split.name} if fused else set()))
+        return found
+
+    def node(self, n: onnx.NodeProto) -> None:
+        v, op, a = self.view, n.op_type, _attrs(n)
+        if op == "Gather" and a.get("axis", 0) == 0:
+            table = v.constant(n.input[0]) if n.input[0] in v.initializers else None
+            if table is not None:
+                self.emit("embedding", n, [self.weight(n.input[0], table), n.input[1]], list(n.output))
+            else:
+                self.emit("gather_rows", n, list(n.input), list(n.output))
+        elif op == "GatherBlockQuantized":
+            self.emit("embedding", n, [self.weight(n.name + ".table", self.dequantized_table(n, a)), n.input[1]],
+                      list(n.output))
+        elif op == "RMSNormalization" and a.get("axis", -1) == -1:
+            self.emit("rmsnorm", n, [n.input[0], self.weight(n.input[1], self.const(n.input[1]))], list(n.output),
+                      eps=float(a.get("epsilon", 1e-5)))
+        elif op == "SkipSimplifiedLayerNormalization":
+            self.emit("add_rmsnorm", n, [n.input[0], n.input[1], self.weight(n.input[2], self.const(n.input[2]))],
+                      [n.output[0], n.output[3]], eps=float(a.get("epsilon", 1e-5)))
+        elif op == "MatMul" and n.input[1] in v.initializers:  # [in, out] -> [out, in], as cuBLAS reads x @ W^T
+            w = self.const(n.input[1])
+            self.emit("linear", n, [n.input[0], self.weight(n.input[1], w.T)], list(n.output))
+        elif op == "Gemm" and n.input[1] in v.initializers and a.get("transB") == 1 and len(n.input) == 2:
+            self.emit("linear", n, [n.input[0], self.weight(n.input[1], self.const(n.input[1]))], list(n.output))
+        elif op == "MatMulNBits":
+            self.weight_only(n, a)
+        elif op == "Add":
+            inputs = [self.weight(i, self.const(i)) if i in v.initializers else i for i in n.input]
+            self.emit("add", n, inputs, list(n.output))
+        elif n.name in self.swiglus:
+            kernel, *inputs = self.swiglus[n.name]
+            self.emit(kernel, n, inputs, list(n.output))
+        elif op == "Split":
+            sizes = self.const(n.input[1]).tolist() if len(n.input) > 1 else None
+            self.emit("split", n, [n.input[0]], list(n.output), sizes=sizes, axis=int(a.get("axis", 0)))
+        elif op == "Reshape" and n.input[1] in v.initializers:
+            self.emit("reshape", n, [n.input[0]], list(n.output), shape=self.const(n.input[1]).tolist())
+        elif op == pa.OP_TYPE and n.domain == pa.DOMAIN:
+            self.attention(n, a)
+        else:
+            raise TrtbuildError(f"the cuda target has no kernel for {n.domain or 'ai.onnx'}::{op} (node {n.name}); "
+                                "build this model for --target cpu")
+
+    def attention(self, n: onnx.NodeProto, a: dict[str, Any]) -> None:
+        if a.get("kv_cache_quant_algo"):
+            raise TrtbuildError(f"{n.name}: a quantized KV cache is not supported by the cuda target yet; build "
+                                "for --target cpu")
+        inputs = [n.input[pa.Q], n.input[pa.K], n.input[pa.V], "kv_cache", n.input[pa.BLOCK_TABLES],
+                  n.input[pa.PAST_LENGTHS], n.input[pa.QUERY_START_LOC]]
+        if a.get("rotary"):
+            inputs += [n.input[pa.POSITION_IDS]] + [self.weight(n.input[i], self.const(n.input[i]), torch.float32)
+                                                     for i in (pa.ROPE_COS, pa.ROPE_SIN)]
+        keep = ("layer_idx", "num_heads", "num_kv_heads", "head_size", "scale", "tokens_per_block")
+        self.emit("paged_attention", n, inputs, list(n.output), **{k: a[k] for k in keep})
+        self.steps.append(PlanStep("kv_write", n.name + "/kv_write", ("kv_cache", n.output[1], n.output[2],
+                                                                    "slot_mapping"), (), {"layer_idx": a["layer_idx"]}))
+
+    def weight_only(self, n: onnx.NodeProto, a: dict[str, Any]) -> None:
+        """MatMulNBits' tensors as weight_only_gemm reads them: codes [N, K * bits / 8], scales [N, K / block],
+        float zero points [N, K / block] when present (absent: 2^(bits-1), which the kernel applies itself)."""
+        k, out_features, bits = a["K"], a["N"], a["bits"]
+        codes = self.const(n.input[1]).reshape(out_features, k * bits // 8)
+        scales = self.const(n.input[2]).reshape(out_features, -1)
+        inputs = [n.input[0], self.weight(n.input[1], codes), self.weight(n.input[2], scales, torch.float32)]
+        if len(n.input) > 3 and n.input[3]:
+            zp = self.const(n.input[3])
+            if zp.dtype != np.float32:
+                raise TrtbuildError(f"{n.name}: packed integer zero points are not supported by the cuda target")
+            inputs.append(self.weight(n.input[3], zp.reshape(out_features, -1), torch.float32))
+        self.emit("weight_only_linear", n, inputs, list(n.output))
+
+    def dequantized_table(self, n: onnx.NodeProto, a: dict[str, Any]) -> np.ndarray:
+        """A weight-only embedding table dequantized at build time: the engine gathers rows of the step's tokens
+        from it (the codes would only save memory, and one table of the compute dtype is simple)."""
+        codes, scales, bits = self.const(n.input[0]), self.const(n.input[2]), a.get("bits", 4)
+        # NOTE: unpack_int4 returns code - 8; the raw code is what the zero point applies to
+        raw = unpack_int4(codes).astype(np.float32) + 8 if bits == 4 else codes.astype(np.float32)
+        block = raw.shape[1] // scales.shape[1]
+        return (raw - (1 << (bits - 1))) * np.repeat(scales.astype(np.float32), block, axis=1)
+
+    def new_kv_nodes(self) -> set[str]:
+        """The Concat + Reshape that stack every layer's K/V into the `new_kv` output (not part of the plan)."""
+        reshape = self.view.producer.get("new_kv")
+        if reshape is None:
+            return set()
+        concat = self.view.producer.get(reshape.input[0])
+        return {reshape.name} | ({concat.name} if concat is not None and concat.op_type == "Concat" else set())
+
+    def write(self) -> Plan:
+        self.skip |= self.new_kv_nodes()
+        self.swiglus = self.find_swiglus()
+        for n in self.view.graph.node:
+            if n.name not in self.skip:
+                self.node(n)
+        return Plan(next(k for k, t in TORCH_DTYPES.items() if t == self.dtype), tuple(self.steps))
+
+
+def emit_plan(model: onnx.ModelProto, dtype: str) -> tuple[Plan, dict[str, torch.Tensor]]:
+    """The plan of a fused graph and its weights (contiguous torch tensors in their GPU layout, on the CPU)."""
+    writer = _PlanWriter(model, dtype)
+    plan = writer.write()
+    return plan, writer.weights

@@ -1,0 +1,201 @@
+"""Run one step of a CUDA engine (builder/build_cuda.py): the plan's kernels over torch tensors on the device, the
+paged KV pool a device tensor that each layer's K/V are written into. Same step contract as CpuEngine, so
+EngineCore, the scheduler, the sampler and the servers are shared.
+
+Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors (slow; for tests), with the same plan.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from trtbuild.builder.cuda_plan import PLAN_INPUTS, TORCH_DTYPES, Plan
+from trtbuild.builder.engine_dir import EngineInfo, read_engine_config
+from trtbuild.errors import EngineCompatibilityError, TrtbuildError
+from trtbuild.kernels.load import load_kernels
+from trtbuild.runtime.cuda_plan_ops import OPS
+from trtbuild.runtime.engine import SequenceChunk, StepOutput, check_chunks
+
+
+class TorchKVPool:
+    """pool[block, layer, K|V, kv_head, offset, :] on the device, plus one scratch block past `num_blocks` that no
+    sequence owns: padded rows of a CUDA-graph decode batch write their K/V there."""
+
+    def __init__(self, shape: list[int], num_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
+        _, layers, _, kv_heads, tokens_per_block, head_size = shape
+        self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
+        # NOTE: zeros, not empty: the kernel never reads unwritten slots, but a pool of finite values keeps any
+        # debugging dump (and the CPU lowering's contract) sane
+        self.pool = torch.zeros((num_blocks + 1, layers, 2, kv_heads, tokens_per_block, head_size), dtype=dtype,
+                                device=device)
+        self.bytes_per_block = self.pool[0].numel() * self.pool.element_size()
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.pool.shape[4]
+
+    def reserve(self) -> None:
+        """The pool is allocated (and zeroed) up front; nothing is left to fault in."""
+
+    def slots(self, block_ids: list[int] | tuple[int, ...], start: int, end: int) -> np.ndarray:
+        positions = np.arange(start, end)
+        table = np.asarray(block_ids, dtype=np.int64)
+        return table[positions // self.tokens_per_block] * self.tokens_per_block + positions % self.tokens_per_block
+
+
+def _last_uses(plan: Plan) -> list[list[str]]:
+    """Per step, the activations read for the last time there (freed after it, so memory follows the live set)."""
+    last: dict[str, int] = {}
+    for i, step in enumerate(plan.steps):
+        for name in step.inputs:
+            last[name] = i
+    frees: list[list[str]] = [[] for _ in plan.steps]
+    for name, i in last.items():
+        if name not in plan.outputs:
+            frees[i].append(name)
+    return frees
+
+
+class CudaEngine:
+    """The plan of a cuda engine directory, its weights on the device and its KV pool."""
+
+    def __init__(self, engine: Path | EngineInfo, num_threads: int | None = None, num_blocks: int = 64) -> None:
+        """`engine`: an engine directory, or what read_engine_config said of one (already checked against this GPU
+        and stack). `num_threads` is accepted for the CpuEngine signature and unused."""
+        self.info = engine if isinstance(engine, EngineInfo) else read_engine_config(Path(engine), "cuda")
+        gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda" if gpu else "cpu")
+        if gpu:
+            free, _ = torch.cuda.mem_get_info()
+            if self.info.weight_bytes > free:
+                raise TrtbuildError(f"engine {self.info.path} needs {self.info.weight_bytes / 2**30:.2f} GiB of GPU "
+                                    f"memory for its weights but {free / 2**30:.2f} GiB is free; free GPU memory.")
+        self.kernels = load_kernels(interpret=not gpu)
+        try:
+            self.plan = Plan.load(self.info.graph_file)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise EngineCompatibilityError(f"{self.info.graph_file} cannot be read ({e}); rebuild the engine with "
+                                           "`trtbuild build --target cuda`.") from None
+        from safetensors.torch import load_file
+
+        self.weights = load_file(str(self.info.path / next(iter(self.info.weight_files))), device=str(self.device))
+        self.dtype = TORCH_DTYPES[self.plan.dtype]
+        chosen = {name: t["chosen"] for name, t in self.info.tactics.items() if isinstance(t, dict) and "chosen" in t}
+        tactic_of = {"paged_attention": "paged_attention", "weight_only_linear": "weight_only_gemm"}
+        self.step_attrs: list[dict[str, Any]] = [
+            {**s.attrs, "tactics": chosen.get(tactic_of.get(s.kernel, ""), {})} for s in self.plan.steps]
+        self.frees = _last_uses(self.plan)
+        self.run_seconds = 0.0
+        self.use_cuda_graphs = gpu  # NOTE: CUDA graphs need a GPU; in the interpreter every step runs eagerly
+        self.graphs: dict[int, Any] = {}
+        self.allocate_kv_cache(num_blocks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """(Re)create the KV pool with `num_blocks` blocks; its previous contents and captured graphs are dropped."""
+        self.graphs.clear()
+        self.kv = TorchKVPool(self.info.kv_cache_input["shape"], num_blocks, self.dtype, self.device)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.info.build.max_blocks_per_seq
+
+    @property
+    def max_draft_len(self) -> int:
+        return 0  # NOTE: the cuda target refuses draft-tokens builds; drafts are verified from logits rows
+
+    def warm_up(self, max_batch_size: int, max_num_tokens: int) -> None:
+        """One step of the largest batch (as CpuEngine.warm_up: allocator and kernels ready before requests), then
+        the decode CUDA graphs captured, one per batch-size bucket up to max_batch_size (GPU only). It writes
+        only into block 0 and the scratch block, before any request owns a block."""
+        b = self.info.build
+        num_seqs = max(1, min(max_batch_size, max_num_tokens))
+        per_seq = min(max_num_tokens // num_seqs, b.max_seq_len)
+        blocks = [0] * -(-per_seq // b.tokens_per_block)
+        self.step([SequenceChunk(i, [0] * per_seq, 0, 1, blocks) for i in range(num_seqs)])
+        if self.use_cuda_graphs:
+            from trtbuild.runtime.cuda_graphs import batch_buckets
+
+            for size in batch_buckets(max_batch_size):
+                self._graph(size)
+
+    def step(self, chunks: list[SequenceChunk]) -> np.ndarray:
+        return self.execute(chunks).logits
+
+    def execute(self, chunks: list[SequenceChunk]) -> StepOutput:
+        """One packed step: logits rows of every chunk, in order (only those rows leave the device)."""
+        check_chunks(self.info.build, chunks, self.max_draft_len)
+        start = time.perf_counter()
+        rows = sum(c.num_logits for c in chunks)
+        decode = all(len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks)
+        if self.use_cuda_graphs and decode:
+            from trtbuild.runtime.cuda_graphs import bucket_for
+
+            size = bucket_for(len(chunks), self.info.build.max_batch_size)
+            logits = self._graph(size).run(self.inputs(chunks, pad_to=size))
+        else:
+            logits = self.forward(self.inputs(chunks), max(len(c.token_ids) for c in chunks))
+        out = logits[:rows].float().cpu().numpy()  # NOTE: the copy back syncs; the rows asked for, nothing else
+        self.run_seconds += time.perf_counter() - start
+        return StepOutput(out, {})
+
+    def _graph(self, size: int):
+        if size not in self.graphs:
+            from trtbuild.runtime.cuda_graphs import DecodeGraph
+
+            self.graphs[size] = DecodeGraph(self, size)
+        return self.graphs[size]
+
+    def inputs(self, chunks: list[SequenceChunk], pad_to: int | None = None) -> dict[str, torch.Tensor]:
+        """The plan's inputs (PLAN_INPUTS) of checked chunks, on the device. `pad_to`: a decode batch padded with
+        one-token sequences in the scratch block (for a CUDA graph of that batch size)."""
+        n = len(chunks) if pad_to is None else pad_to
+        scratch = self.kv.scratch_block
+        block_tables = np.full((n, self.max_blocks_per_seq), scratch if pad_to else 0, dtype=np.int64)
+        query_start = np.zeros(n + 1, dtype=np.int64)
+        lengths = [len(c.token_ids) for c in chunks] + [1] * (n - len(chunks))
+        query_start[1:] = np.cumsum(lengths)
+        positions, slots, rows, ids = [], [], [], []
+        for i, c in enumerate(chunks):
+            end = c.start + len(c.token_ids)
+            block_tables[i, : len(c.block_ids)] = c.block_ids
+            positions.append(np.arange(c.start, end, dtype=np.int64))
+            slots.append(self.kv.slots(c.block_ids, c.start, end))
+            rows.extend(range(query_start[i + 1] - c.num_logits, query_start[i + 1]))
+            ids.extend(c.token_ids)
+        pad = n - len(chunks)
+        positions.append(np.zeros(pad, dtype=np.int64))
+        slots.append(np.full(pad, scratch * self.kv.tokens_per_block, dtype=np.int64))
+        rows.extend(range(len(rows), len(rows) + pad))
+        ids.extend([0] * pad)
+        host = {
+            "input_ids": np.array(ids, dtype=np.int64),
+            "position_ids": np.concatenate(positions),
+            "query_start_loc": query_start,
+            "past_lengths": np.array([c.start for c in chunks] + [0] * pad, dtype=np.int64),
+            "block_tables": block_tables,
+            "logits_indices": np.array(rows, dtype=np.int64),
+            "slot_mapping": np.concatenate(slots),
+        }
+        return {name: torch.from_numpy(host[name]).to(self.device, non_blocking=True) for name in PLAN_INPUTS}
+
+    def forward(self, inputs: dict[str, torch.Tensor], max_query_len: int) -> torch.Tensor:
+        """Every plan step in order over `inputs`; returns the logits [rows, vocab] on the device (compute dtype).
+        Free of host syncs, so a CUDA graph can capture it."""
+        env: dict[str, torch.Tensor] = dict(inputs)
+        env["kv_cache"] = self.kv.pool
+        weights = self.weights
+        for step, attrs, frees in zip(self.plan.steps, self.step_attrs, self.frees, strict=True):
+            args = [env[n] if n in env else weights[n] for n in step.inputs]
+            if step.kernel == "paged_attention":
+                attrs = {**attrs, "max_query_len": max_query_len}
+            env.update(zip(step.outputs, OPS[step.kernel](self.kernels, attrs, *args), strict=True))
+            for name in frees:
+                if name not in PLAN_INPUTS and name != "kv_cache":
+                    env.pop(name, None)
+        return env[self.plan.outputs[0]]

@@ -1,0 +1,97 @@
+"""The kernels a CUDA plan's steps name (builder/cuda_plan.py), over torch tensors on one device.
+
+Each op takes the step's input tensors, its attributes and the loaded kernel modules, and returns its outputs. The
+Triton kernels run compiled on a GPU, or in Triton's interpreter on CPU tensors (kernels/load.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+Kernels = dict[str, ModuleType]
+Op = Callable[..., tuple[torch.Tensor, ...]]
+
+
+def embedding(k: Kernels, a: dict[str, Any], table: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (table.index_select(0, ids),)
+
+
+def gather_rows(k: Kernels, a: dict[str, Any], x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (x.index_select(0, rows),)
+
+
+def rmsnorm(k: Kernels, a: dict[str, Any], x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """RMSNorm over the last axis; a per-head norm (Qwen3's q/k, [T, heads, D]) runs as [T * heads, D] rows."""
+    out, _ = k["rmsnorm"].add_rmsnorm(x.reshape(-1, x.shape[-1]), weight, a["eps"])
+    return (out.reshape(x.shape),)
+
+
+def add_rmsnorm(k: Kernels, a: dict[str, Any], x: torch.Tensor, residual: torch.Tensor,
+                weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return k["rmsnorm"].add_rmsnorm(x, weight, a["eps"], residual=residual)
+
+
+def linear(k: Kernels, a: dict[str, Any], x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x @ W^T with W [out, in]: cuBLAS on a GPU (float32, float16, bfloat16)."""
+    return (F.linear(x, weight),)
+
+
+def weight_only_linear(k: Kernels, a: dict[str, Any], x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                       zero_points: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    t = a.get("tactics", {})
+    return (k["weight_only_gemm"].weight_only_gemm(x, codes, scales, zero_points, **t),)
+
+
+def add(k: Kernels, a: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (x + y,)
+
+
+def split(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.split(x, a["sizes"], dim=a["axis"]))
+
+
+def reshape(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    shape = [x.shape[i] if d == 0 else d for i, d in enumerate(a["shape"])]  # ONNX: 0 keeps that dimension
+    return (x.reshape(shape),)
+
+
+def swiglu(k: Kernels, a: dict[str, Any], gate_up: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (k["swiglu"].swiglu(gate_up),)
+
+
+def silu_mul(k: Kernels, a: dict[str, Any], gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (F.silu(gate) * up,)
+
+
+def paged_attention(k: Kernels, a: dict[str, Any], q: torch.Tensor, key: torch.Tensor, v: torch.Tensor,
+                    kv_cache: torch.Tensor, block_tables: torch.Tensor, past_lengths: torch.Tensor,
+                    query_start_loc: torch.Tensor, position_ids: torch.Tensor | None = None,
+                    rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, ...]:
+    """NOTE: `max_query_len` comes from the host (the engine knows it), so the launch never reads it back."""
+    return k["paged_attention"].paged_attention(
+        q, key, v, kv_cache, block_tables, past_lengths, query_start_loc, layer_idx=a["layer_idx"],
+        num_heads=a["num_heads"], num_kv_heads=a["num_kv_heads"], head_size=a["head_size"], scale=a["scale"],
+        position_ids=position_ids, rope_cos=rope_cos, rope_sin=rope_sin, max_query_len=a["max_query_len"],
+        **a.get("tactics", {}))
+
+
+def kv_write(k: Kernels, a: dict[str, Any], kv_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+             slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """This step's K/V of one layer into their pool slots, [T, KVH, D] each: O(T), on the device."""
+    block_size = kv_cache.shape[4]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    layer = a["layer_idx"]
+    kv_cache[blocks, layer, 0, :, offsets] = k_new.to(kv_cache.dtype)
+    kv_cache[blocks, layer, 1, :, offsets] = v_new.to(kv_cache.dtype)
+    return ()
+
+
+OPS: dict[str, Op] = {f.__name__: f for f in (embedding, gather_rows, rmsnorm, add_rmsnorm, linear, weight_only_linear,
+                                              add, split, reshape, swiglu, silu_mul, paged_attention,
+                                              kv_write)}

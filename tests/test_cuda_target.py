@@ -1,0 +1,172 @@
+"""`--target cuda` (builder/build_cuda.py, runtime/cuda_engine.py): the whole plan executed by CudaEngine against the
+CPU engine. Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors (tests/conftest.py imports
+triton for it), so the engines here are tiny and the steps short."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from helpers import STORIES260K, drive, require_shared_models
+
+pytest.importorskip("triton", reason="triton is not installed (pip install -e .[dev]); the cuda target needs it")
+
+from trtbuild.builder.convert.convert import WeightOnly, convert  # noqa: E402
+from trtbuild.builder.engine_dir import read_engine_config  # noqa: E402
+from trtbuild.cli import main  # noqa: E402
+from trtbuild.errors import EngineCompatibilityError  # noqa: E402
+from trtbuild.runtime.config import RuntimeConfig  # noqa: E402
+from trtbuild.runtime.cuda_engine import CudaEngine  # noqa: E402
+from trtbuild.runtime.engine import CpuEngine, SequenceChunk  # noqa: E402
+from trtbuild.runtime.engine_core import EngineCore  # noqa: E402
+from trtbuild.runtime.sampling import SamplingParams  # noqa: E402
+
+BS = 4  # tokens per block: small, so that short sequences cross block boundaries
+OPTIONS = dict(max_seq_len=64, tokens_per_block=BS, max_batch_size=4, max_num_tokens=32)
+GPU = torch.cuda.is_available()
+
+
+def _source(name: str, random_hf_model):
+    if name == "stories260K":
+        require_shared_models()
+        return STORIES260K
+    return random_hf_model(name)
+
+
+@pytest.fixture(scope="module")
+def engine_pair(random_hf_model, engine_from_hf):
+    """factory(model) -> (CPU engine dir, cuda engine dir), built from the same checkpoint options."""
+    def get(name: str):
+        src = _source(name, random_hf_model)
+        return engine_from_hf(src, **OPTIONS), engine_from_hf(src, target="cuda", **OPTIONS)
+
+    return get
+
+
+# Three steps over two sequences (blocks of 4): fresh prefills (5 and 3 tokens, 2 logits rows for one), then a
+# mixed step (a decode token beside a continuing prefill chunk), then two decode tokens, one of them the first
+# token of a new block (position 8) and one the last slot of its block (position 7).
+STEPS = [
+    [SequenceChunk(0, [1, 5, 7, 9, 3], 0, 1, [3, 0]), SequenceChunk(1, [2, 4, 6], 0, 2, [5])],
+    [SequenceChunk(0, [11], 5, 1, [3, 0]), SequenceChunk(1, [8, 9, 10, 12], 3, 1, [5, 1])],
+    [SequenceChunk(0, [13], 6, 1, [3, 0]), SequenceChunk(1, [14], 7, 1, [5, 1])],
+    [SequenceChunk(0, [15], 7, 1, [3, 0]), SequenceChunk(1, [16], 8, 1, [5, 1, 2])],
+]
+
+
+@pytest.mark.parametrize("model", ["stories260K", "qwen2"])
+def test_cuda_plan_matches_cpu_engine(engine_pair, model):
+    cpu_dir, cuda_dir = engine_pair(model)
+    cpu, cuda = CpuEngine(cpu_dir, num_blocks=8), CudaEngine(cuda_dir, num_blocks=8)
+    for i, chunks in enumerate(STEPS):
+        want, got = cpu.step(chunks), cuda.step(chunks)
+        assert got.shape == want.shape == (sum(c.num_logits for c in chunks), cpu.info.model.vocab_size)
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=f"step {i}")
+    # the K/V each step wrote, slot by slot (the scratch block past the pool's blocks aside)
+    np.testing.assert_allclose(cuda.kv.pool[: cuda.kv.num_blocks].float().cpu().numpy(), cpu.kv.pool, atol=1e-5)
+
+
+def test_cuda_engine_directory_describes_itself(engine_pair):
+    _, cuda_dir = engine_pair("qwen2")
+    info = read_engine_config(cuda_dir, expect_target="cuda")
+    assert info.target["name"] == "cuda" and info.build.target == "cuda"
+    assert set(info.target) >= {"device", "compute_capability", "cuda_version", "torch_version", "triton_version"}
+    if not GPU:
+        assert info.target["device"] == "cpu (Triton interpreter)"
+    plan = json.loads((cuda_dir / "rank0.plan.json").read_text())
+    kernels = [s["kernel"] for s in plan["steps"]]
+    layers = info.model.num_hidden_layers
+    assert kernels.count("paged_attention") == kernels.count("kv_write") == layers
+    assert kernels.count("swiglu") == layers and kernels.count("add_rmsnorm") == 2 * layers - 1
+    assert kernels.count("linear") == 4 * layers + 1  # qkv, dense, gate_up, proj per layer; lm_head
+    assert info.tactics["paged_attention"]["chosen"]["num_splits"] == 1
+    assert [o["name"] for o in info.io["outputs"]] == ["logits"]
+
+
+def test_autotune_without_gpu_records_defaults_and_why(random_hf_model, engine_from_hf, tmp_path):
+    if GPU:
+        pytest.skip("on a GPU, --autotune times the kernels (scripts/gpu_check.sh)")
+    engine = engine_from_hf(random_hf_model("qwen2"), target="cuda", autotune="fast", **OPTIONS)
+    tactics = read_engine_config(engine, expect_target="cuda").tactics
+    assert "needs a GPU" in tactics["paged_attention"]["source"]
+
+
+def test_greedy_generation_equals_cpu_engine(engine_pair):
+    cpu_dir, cuda_dir = engine_pair("stories260K")
+    config = RuntimeConfig(kv_cache_blocks=32, warm_up=False)
+    prompts = ["Once upon a time", "The cat"]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    cuda_core = EngineCore(cuda_dir, config)
+    assert isinstance(cuda_core.engine, CudaEngine)
+    want, _, _ = drive(EngineCore(cpu_dir, config), prompts, params)
+    got, _, _ = drive(cuda_core, prompts, params)
+    assert got == want and all(len(t) == 6 for t in got)
+
+
+def test_weight_only_int4_plan_matches_cpu_engine(random_hf_model, engine_from_hf, tmp_path):
+    """Weight-only int4 (groups of 32) through the Triton weight-only GEMM, against MatMulNBits at fp32 compute."""
+    ckpt = tmp_path / "ckpt"
+    convert(random_hf_model("qwen2"), ckpt, weight_only=WeightOnly(4, 32))
+    from trtbuild.builder.build import build_engine
+
+    cpu = CpuEngine(build_engine(ckpt, tmp_path / "cpu", int4_accuracy_level=1, **OPTIONS), num_blocks=8)
+    cuda = CudaEngine(build_engine(ckpt, tmp_path / "cuda", target="cuda", **OPTIONS), num_blocks=8)
+    kernels = [s["kernel"] for s in json.loads((tmp_path / "cuda" / "rank0.plan.json").read_text())["steps"]]
+    assert "weight_only_linear" in kernels
+    for chunks in STEPS[:2]:
+        np.testing.assert_allclose(cuda.step(chunks), cpu.step(chunks), atol=1e-4, rtol=0)
+
+
+def test_other_gpu_or_stack_is_refused_with_the_rebuild_command(engine_pair, tmp_path):
+    import shutil
+
+    _, cuda_dir = engine_pair("qwen2")
+    moved = tmp_path / "engine"
+    shutil.copytree(cuda_dir, moved)
+    doc = json.loads((moved / "config.json").read_text())
+    doc["target"].update(device="NVIDIA H100 80GB HBM3", compute_capability="9.0")
+    (moved / "config.json").write_text(json.dumps(doc))
+    for load in (lambda: CudaEngine(moved), lambda: EngineCore(moved, RuntimeConfig(kv_cache_blocks=8))):
+        with pytest.raises(EngineCompatibilityError) as e:
+            load()
+        message = e.value.format_message()
+        assert "NVIDIA H100 80GB HBM3" in message and "compute_capability" in message
+        assert "trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> --target cuda" in message
+    with pytest.raises(EngineCompatibilityError, match="built for target 'cuda'"):
+        CpuEngine(moved)
+
+
+def test_target_tensorrt_says_what_to_install(tmp_path):
+    require_shared_models()
+    runner = CliRunner()
+    ckpt = tmp_path / "ckpt"
+    assert runner.invoke(main, ["convert", "--model", str(STORIES260K), "--output", str(ckpt)]).exit_code == 0
+    result = runner.invoke(main, ["build", "--checkpoint", str(ckpt), "--output", str(tmp_path / "e"),
+                                  "--target", "tensorrt"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error:") and "pip install tensorrt" in lines[0]
+    assert "Traceback" not in result.output and not (tmp_path / "e").exists()
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU; on the CPU every step runs eagerly (interpreter)")
+def test_cuda_graph_decode_equals_eager(engine_pair):
+    _, cuda_dir = engine_pair("qwen2")
+    graphed, eager = CudaEngine(cuda_dir, num_blocks=8), CudaEngine(cuda_dir, num_blocks=8)
+    eager.use_cuda_graphs = False
+    for chunks in STEPS:
+        np.testing.assert_allclose(graphed.step(chunks), eager.step(chunks), atol=1e-5, rtol=0)
+    assert graphed.graphs  # the decode steps replayed a captured graph
+
+
+def test_gpu_check_parity_and_text_run_here(engine_pair):
+    """The Python side of scripts/gpu_check.sh that needs no GPU: parity over its steps (a block boundary crossed)
+    and the greedy text of both engines."""
+    from trtbuild.bench.gpu_check import greedy_text, parity
+
+    assert parity(*engine_pair("qwen2")) < 1e-4
+    cpu_dir, cuda_dir = engine_pair("stories260K")
+    assert greedy_text(cuda_dir, "Once upon a time", 3) == greedy_text(cpu_dir, "Once upon a time", 3)
