@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from trtbuild import __version__
+from trtbuild.cli_chat import chat_messages, chat_template
 from trtbuild.cli_errors import TrtbuildCommandGroup
 from trtbuild.cli_options import (
     existing,
@@ -181,7 +182,7 @@ def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, 
     from trtbuild.runtime.llm import LLM
     from trtbuild.runtime.sampling import SamplingParams
 
-    template = _chat_template(engine, prompt, chat, system)
+    template = chat_template(engine, prompt, chat, system)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens,
                             stop_token_ids=template.end_of_turn_token_ids if template else ())
     spec = speculative_config(speculative_tokens, prompt_lookup_max, draft_engine)
@@ -189,7 +190,7 @@ def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, 
     if template is not None:
         if llm.core.tokenizer is None:
             raise TrtbuildError(f"{engine} has no tokenizer.json, which --chat needs; rebuild with tokenizer files.")
-        request: str | list[int] = template.encode(llm.core.tokenizer, _chat_messages(chat, system))
+        request: str | list[int] = template.encode(llm.core.tokenizer, chat_messages(chat, system))
     else:
         request = prompt
     outputs = llm.stream([request], params)
@@ -199,77 +200,6 @@ def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, 
     for _, output in itertools.chain([first], outputs):
         click.echo(output.new_text, nl=False)
         sys.stdout.flush()
-    click.echo()
-
-
-def _chat_template(engine_dir: Path, prompt: str | None, chat: str | None, system: str | None):
-    """The engine's ChatTemplate for --chat (None for --prompt); one of the two must be given."""
-    if (prompt is None) == (chat is None):
-        raise click.UsageError("give either --prompt or --chat")
-    if chat is None:
-        if system is not None:
-            raise click.UsageError("--system goes with --chat")
-        return None
-    from trtbuild.runtime.chat import ChatTemplate
-
-    template = ChatTemplate.from_engine_dir(engine_dir)
-    if template is None:
-        raise TrtbuildError(f"{engine_dir} has no chat template (tokenizer_config.json 'chat_template' or "
-                            "chat_template.jinja), so --chat cannot be used; use --prompt.")
-    return template
-
-
-def _chat_messages(chat: str, system: str | None) -> list[dict[str, str]]:
-    return ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": chat}]
-
-
-@main.command()
-@click.option("--address", default="127.0.0.1:8001", help="host:port of `trtbuild serve`.")
-@click.option("--prompt", default=None, help="Text to continue.")
-@click.option("--chat", default=None,
-              help="A user message, answered through the model's chat template (needs --engine-dir).")
-@click.option("--system", default=None, help="System message before --chat.")
-@click.option("--engine-dir", type=existing, default=None,
-              help="The served engine's directory (or its model's), for --chat: its chat template and tokenizer.")
-@sampling_options
-@click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--no-stream", is_flag=True, help="Wait for the whole text instead of streaming it.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, help="Seconds for the call.")
-@click.option("--api-key", envvar="TRTBUILD_API_KEY", default=None,
-              help="The server's --api-key, if it has one [env: TRTBUILD_API_KEY].")
-def client(address: str, prompt: str | None, chat: str | None, system: str | None, engine_dir: Path | None,
-           max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None, stop: tuple[str, ...],
-           no_stream: bool, timeout: float, api_key: str | None) -> None:
-    """Generate text with a running `trtbuild serve`, streaming it to the terminal."""
-    import grpc
-
-    from trtbuild.serving.grpc.client import GenerationClient
-
-    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                    stop=list(stop))
-    if chat is not None and engine_dir is None:
-        raise click.UsageError("--chat needs --engine-dir (the served engine's directory, for its chat template)")
-    template = _chat_template(engine_dir or Path(), prompt, chat, system)
-    request: str | list[int] = prompt or ""
-    echo = prompt or ""  # a chat's rendered prompt is not echoed
-    if template is not None:  # rendered and tokenized here (the server would add BOS again to text), sent as ids
-        from trtbuild.runtime.tokenizer import Tokenizer
-
-        request = template.encode(Tokenizer(engine_dir), _chat_messages(chat, system))
-        sampling["stop_token_ids"] = list(template.end_of_turn_token_ids)
-    try:
-        with GenerationClient(address, api_key=api_key) as c:
-            if no_stream:
-                click.echo(echo + c.generate(request, timeout=timeout, **sampling).text, nl=False)
-            else:
-                responses = c.generate_stream(request, timeout=timeout, **sampling)
-                first = next(responses)  # the request passed validation: echo the prompt, then stream
-                click.echo(echo, nl=False)
-                for r in itertools.chain([first], responses):
-                    click.echo(r.text, nl=False)
-                    sys.stdout.flush()
-    except grpc.RpcError as e:
-        raise TrtbuildError(f"{address}: {e.code().name}: {e.details()}") from None
     click.echo()
 
 

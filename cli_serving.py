@@ -1,13 +1,17 @@
-"""The serving commands of `trtbuild` (registered on the group in cli.py): serve, triton-repo, triton-serve."""
+"""The serving commands of `trtbuild` (registered on the group in cli.py): serve, client, triton-repo,
+triton-serve."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
 import click
 
-from trtbuild.cli_options import existing, out, runtime_config, serving_options
+from trtbuild.cli_chat import chat_messages, chat_template
+from trtbuild.cli_options import existing, out, runtime_config, sampling_options, serving_options
+from trtbuild.errors import TrtbuildError
 
 
 @click.command()
@@ -31,6 +35,56 @@ def serve(engine: Path, host: str, port: int, http_port: int | None, api_key: st
 
     run_server(engine, host=host, port=port, config=runtime_config(**serving), http_port=http_port, api_key=api_key,
                model_name=served_model_name)
+
+
+@click.command()
+@click.option("--address", default="127.0.0.1:8001", help="host:port of `trtbuild serve`.")
+@click.option("--prompt", default=None, help="Text to continue.")
+@click.option("--chat", default=None,
+              help="A user message, answered through the model's chat template (needs --engine-dir).")
+@click.option("--system", default=None, help="System message before --chat.")
+@click.option("--engine-dir", type=existing, default=None,
+              help="The served engine's directory (or its model's), for --chat: its chat template and tokenizer.")
+@sampling_options
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--no-stream", is_flag=True, help="Wait for the whole text instead of streaming it.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, help="Seconds for the call.")
+@click.option("--api-key", envvar="TRTBUILD_API_KEY", default=None,
+              help="The server's --api-key, if it has one [env: TRTBUILD_API_KEY].")
+def client(address: str, prompt: str | None, chat: str | None, system: str | None, engine_dir: Path | None,
+           max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None, stop: tuple[str, ...],
+           no_stream: bool, timeout: float, api_key: str | None) -> None:
+    """Generate text with a running `trtbuild serve`, streaming it to the terminal."""
+    import grpc
+
+    from trtbuild.serving.grpc.client import GenerationClient
+
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                    stop=list(stop))
+    if chat is not None and engine_dir is None:
+        raise click.UsageError("--chat needs --engine-dir (the served engine's directory, for its chat template)")
+    template = chat_template(engine_dir or Path(), prompt, chat, system)
+    request: str | list[int] = prompt or ""
+    echo = prompt or ""  # a chat's rendered prompt is not echoed
+    if template is not None:  # rendered and tokenized here (the server would add BOS again to text), sent as ids
+        from trtbuild.runtime.tokenizer import Tokenizer
+
+        request = template.encode(Tokenizer(engine_dir), chat_messages(chat, system))
+        sampling["stop_token_ids"] = list(template.end_of_turn_token_ids)
+    try:
+        with GenerationClient(address, api_key=api_key) as c:
+            if no_stream:
+                click.echo(echo + c.generate(request, timeout=timeout, **sampling).text, nl=False)
+            else:
+                responses = c.generate_stream(request, timeout=timeout, **sampling)
+                first = next(responses)  # the request passed validation: echo the prompt, then stream
+                click.echo(echo, nl=False)
+                for r in itertools.chain([first], responses):
+                    click.echo(r.text, nl=False)
+                    sys.stdout.flush()
+    except grpc.RpcError as e:
+        raise TrtbuildError(f"{address}: {e.code().name}: {e.details()}") from None
+    click.echo()
 
 
 @click.command("triton-repo")
@@ -69,4 +123,4 @@ def triton_serve(repo: Path, host: str, grpc_port: int, http_port: int, metrics_
     sys.exit(serve(repo, host, grpc_port, http_port, metrics_port, tuple(tritonserver_args), exit_timeout=exit_timeout))
 
 
-COMMANDS = (serve, triton_repo, triton_serve)
+COMMANDS = (serve, client, triton_repo, triton_serve)
