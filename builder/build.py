@@ -20,6 +20,7 @@ from trtbuild.builder.convert.checkpoint import (
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, CPU_WEIGHTS_FILE, cpu_fingerprint, write_engine_config
 from trtbuild.builder.network import build_network, engine_inputs, engine_outputs
 from trtbuild.builder.quantized import check_quantization
+from trtbuild.builder.tensorrt.plan import check_tensorrt_buildable
 from trtbuild.builder.weight_file import StagingWeights, save_engine_files
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.errors import ConfigError, TrtbuildError
@@ -31,6 +32,7 @@ def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
     """Refuse, before any work, what the chosen target cannot build."""
     if build.target == "tensorrt":
         check_tensorrt_available()
+        check_tensorrt_buildable(config, build)
     if build.target == "cuda":
         check_cuda_buildable(config, build)
     if config.mapping.world_size > 1:
@@ -107,7 +109,8 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
     if build.autotune != "off" and timer is None and build.target == "cpu":
         raise ConfigError("autotune", f"{build.autotune} needs a timer to run candidate graphs with "
                                       "(trtbuild.bench.autotune.time_graph)")
-    cache = TimingCache(timing_cache)  # unreadable: refused before any work
+    # unreadable: refused before any work. NOTE: a tensorrt build's cache is TensorRT's own binary file
+    cache = TimingCache(timing_cache if build.target != "tensorrt" else None)
     prepare_output_dir(output)
     steps = tqdm(total=5, desc="building engine", unit="step", leave=False)
     try:
@@ -116,8 +119,9 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         staging = StagingWeights(output / (CPU_WEIGHTS_FILE + ".staging"))
         model = build_network(config, tensors, build, staging)
         steps.set_postfix_str("passes + lowering"), steps.update()
-        if build.target == "cuda":
-            _finish_cuda(checkpoint, output, config, build, model, timing_cache)
+        if build.target in ("cuda", "tensorrt"):
+            finish = _finish_cuda if build.target == "cuda" else _finish_tensorrt
+            finish(checkpoint, output, config, build, model, timing_cache)
             steps.update(3)
             return output
         applied = lower_for_target(model, build)
@@ -168,3 +172,26 @@ def _finish_cuda(checkpoint: Path, output: Path, config: ModelConfig, build: Bui
             spec["dtype"] = build.dtype
     write_engine_config(output, config, build, cuda_fingerprint(), io, applied, weight_files, tactics)
     log.info("built %s (cuda plan) with passes %s", output, applied)
+
+
+def _finish_tensorrt(checkpoint: Path, output: Path, config: ModelConfig, build: BuildConfig, model: onnx.ModelProto,
+                     timing_cache: Path | None) -> None:
+    """The tensorrt target after the network: the fusion passes, then the plugin rewrite and TensorRT's builder
+    (builder/tensorrt/build.py). The engine's I/O is the CPU engine's: the runtime writes new_kv into its pool."""
+    import os
+
+    from trtbuild.builder.passes import run_passes
+    from trtbuild.builder.tensorrt.build import build_tensorrt_files, tensorrt_fingerprint
+
+    applied = [f"{name}:{n}" for name, n in run_passes(model, "tensorrt").items()] if build.fuse else []
+    io = io_spec(model)
+    plugins, engine_files, profiles = build_tensorrt_files(model, config, build, output, timing_cache)
+    staging = StagingWeights.of(model)
+    if staging is not None and staging.path.exists():
+        os.unlink(staging.path)
+    copy_tokenizer_files(checkpoint, output)
+    tactics = {"plugins": sorted({p.plugin for p in plugins}),
+               "profiles": [{"name": p.name, "shapes": p.shapes} for p in profiles],
+               "timing_cache": str(timing_cache) if timing_cache else None}
+    write_engine_config(output, config, build, tensorrt_fingerprint(), io, applied, engine_files, tactics)
+    log.info("built %s (tensorrt) with passes %s", output, applied)

@@ -79,8 +79,6 @@ def check_tensorrt_available() -> None:
         raise ConfigError("target", "tensorrt needs NVIDIA TensorRT's Python package, which is not installed: "
                                     "`pip install tensorrt` on a machine with an NVIDIA GPU and driver, or build for "
                                     "--target cuda or cpu.")
-    raise ConfigError("target", "tensorrt is installed, but its plugins (kernels/README.md) are not written yet; "
-                                "build for --target cuda.")
 
 
 def tactics(config: ModelConfig, build: BuildConfig, timing_cache: Path | None) -> dict[str, Any]:

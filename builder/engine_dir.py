@@ -26,6 +26,7 @@ ENGINE_CONFIG = "config.json"
 CPU_ENGINE_FILE = "rank0.onnx"
 CPU_WEIGHTS_FILE = "rank0.weights"
 CUDA_PLAN_FILE = "rank0.plan.json"  # the cuda target's files (builder/build_cuda.py)
+TENSORRT_ENGINE_FILE = "rank0.engine"  # the tensorrt target's serialized engine (builder/tensorrt/build.py)
 _CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
               "asimd", "sve")
 
@@ -88,13 +89,16 @@ class EngineInfo:
 
     @property
     def graph_file(self) -> Path:
-        """The engine's graph: the ONNX file (cpu) or the execution plan (cuda, builder/build_cuda.py)."""
-        return self.path / (CUDA_PLAN_FILE if self.target.get("name") == "cuda" else CPU_ENGINE_FILE)
+        """The engine's graph: the ONNX file (cpu), the execution plan (cuda, builder/build_cuda.py) or the
+        serialized TensorRT engine (tensorrt, which is also its only weight file)."""
+        files = {"cuda": CUDA_PLAN_FILE, "tensorrt": TENSORRT_ENGINE_FILE}
+        return self.path / files.get(self.target.get("name"), CPU_ENGINE_FILE)
 
     @property
     def engine_bytes(self) -> int:
         """What the engine occupies on disk: its graph file and its weight files."""
-        return self.graph_file.stat().st_size + self.weight_bytes
+        graph = 0 if self.graph_file.name in self.weight_files else self.graph_file.stat().st_size
+        return graph + self.weight_bytes
 
     def rebuild_hint(self, target: str = "cpu") -> str:
         return (f"rebuild it here: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> "
@@ -165,6 +169,8 @@ def read_engine_config(engine_dir: Path, expect_target: str = "cpu") -> EngineIn
         _check_cpu_target(engine_dir, info.target)
     elif expect_target == "cuda":
         _check_cuda_target(engine_dir, info)
+    elif expect_target == "tensorrt":
+        _check_tensorrt_target(engine_dir, info)
     _check_weight_files(engine_dir, info.weight_files)
     return info
 
@@ -241,13 +247,13 @@ def _check_cpu_target(engine_dir: Path, target: dict) -> None:
 
 
 def engine_target(engine_dir: Path) -> str:
-    """The runtime target (cpu or cuda) an engine directory says it was built for; `cpu` when config.json cannot
-    tell or names a target no runtime here runs (reading it then fails with the full message)."""
+    """The runtime target (cpu, cuda or tensorrt) an engine directory says it was built for; `cpu` when config.json
+    cannot tell or names a target no runtime here runs (reading it then fails with the full message)."""
     try:
         target = json.loads((Path(engine_dir) / ENGINE_CONFIG).read_bytes())["target"]["name"]
     except (OSError, ValueError, KeyError, TypeError):
         return "cpu"
-    return target if target in ("cpu", "cuda") else "cpu"
+    return target if target in ("cpu", "cuda", "tensorrt") else "cpu"
 
 
 def _check_cuda_target(engine_dir: Path, info: EngineInfo) -> None:
@@ -260,3 +266,23 @@ def _check_cuda_target(engine_dir: Path, info: EngineInfo) -> None:
             f"{engine_dir} was built for another GPU or software stack ({mismatch}); rebuild it here: "
             f"`trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> --target cuda "
             f"--dtype {info.build.dtype}`.")
+
+
+def _check_tensorrt_target(engine_dir: Path, info: EngineInfo) -> None:
+    """A serialized TensorRT engine loads only with TensorRT, on the GPU and TensorRT version that built it: said
+    here, before deserializing, instead of TensorRT's own opaque errors."""
+    import importlib.util
+
+    hint = ("rebuild it here: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> --target "
+            "tensorrt`, or build it for --target cuda or cpu")
+    if importlib.util.find_spec("tensorrt") is None:
+        raise EngineCompatibilityError(f"{engine_dir} is a TensorRT engine, and NVIDIA TensorRT's Python package is "
+                                       f"not installed here; `pip install tensorrt` or {hint}.")
+    from trtbuild.builder.tensorrt.build import FINGERPRINT_FIELDS, tensorrt_fingerprint
+
+    here = tensorrt_fingerprint()
+    diffs = [f"{f} {here.get(f)!r} here but {info.target.get(f)!r} in the engine" for f in FINGERPRINT_FIELDS
+             if info.target.get(f) != here.get(f)]
+    if diffs:
+        raise EngineCompatibilityError(f"{engine_dir} was built for another GPU or TensorRT ({'; '.join(diffs)}); "
+                                       f"{hint}.")

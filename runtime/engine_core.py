@@ -76,6 +76,12 @@ class EngineCore:
             from trtbuild.runtime.cuda_engine import CudaEngine
 
             self.engine = CudaEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
+        elif target == "tensorrt":
+            from trtbuild.builder.tensorrt.plan import max_pool_blocks
+            from trtbuild.runtime.tensorrt_engine import TensorRTEngine
+
+            num_blocks = min(num_blocks, max_pool_blocks(build))  # NOTE: a profile bounds the pool's block count
+            self.engine = TensorRTEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
         else:
             self.engine = CpuEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
         # seconds spent starting: the ONNX Runtime session, then the KV pool faulted in + the warm-up step
