@@ -19,7 +19,7 @@ from trtbuild.builder.engine_dir import EngineInfo, read_engine_config
 from trtbuild.errors import EngineCompatibilityError, TrtbuildError
 from trtbuild.kernels.load import load_kernels
 from trtbuild.runtime.cuda_plan_ops import OPS
-from trtbuild.runtime.engine import SequenceChunk, StepOutput, check_chunks
+from trtbuild.runtime.engine import SequenceChunk, StepOutput, check_chunks, pack_chunks
 
 
 class TorchKVPool:
@@ -154,34 +154,18 @@ class CudaEngine:
     def inputs(self, chunks: list[SequenceChunk], pad_to: int | None = None) -> dict[str, torch.Tensor]:
         """The plan's inputs (PLAN_INPUTS) of checked chunks, on the device. `pad_to`: a decode batch padded with
         one-token sequences in the scratch block (for a CUDA graph of that batch size)."""
-        n = len(chunks) if pad_to is None else pad_to
-        scratch = self.kv.scratch_block
-        block_tables = np.full((n, self.max_blocks_per_seq), scratch if pad_to else 0, dtype=np.int64)
-        query_start = np.zeros(n + 1, dtype=np.int64)
-        lengths = [len(c.token_ids) for c in chunks] + [1] * (n - len(chunks))
-        query_start[1:] = np.cumsum(lengths)
-        positions, slots, rows, ids = [], [], [], []
-        for i, c in enumerate(chunks):
-            end = c.start + len(c.token_ids)
-            block_tables[i, : len(c.block_ids)] = c.block_ids
-            positions.append(np.arange(c.start, end, dtype=np.int64))
-            slots.append(self.kv.slots(c.block_ids, c.start, end))
-            rows.extend(range(query_start[i + 1] - c.num_logits, query_start[i + 1]))
-            ids.extend(c.token_ids)
-        pad = n - len(chunks)
-        positions.append(np.zeros(pad, dtype=np.int64))
-        slots.append(np.full(pad, scratch * self.kv.tokens_per_block, dtype=np.int64))
-        rows.extend(range(len(rows), len(rows) + pad))
-        ids.extend([0] * pad)
-        host = {
-            "input_ids": np.array(ids, dtype=np.int64),
-            "position_ids": np.concatenate(positions),
-            "query_start_loc": query_start,
-            "past_lengths": np.array([c.start for c in chunks] + [0] * pad, dtype=np.int64),
-            "block_tables": block_tables,
-            "logits_indices": np.array(rows, dtype=np.int64),
-            "slot_mapping": np.concatenate(slots),
-        }
+        host, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots)
+        pad = 0 if pad_to is None else pad_to - len(chunks)
+        if pad:  # one-token sequences at position 0 whose only block is the scratch block
+            scratch, tokens = self.kv.scratch_block, len(host["input_ids"])
+            padded_tables = np.full((pad, self.max_blocks_per_seq), scratch, dtype=np.int64)
+            host["block_tables"] = np.concatenate([host["block_tables"], padded_tables])
+            host["query_start_loc"] = np.concatenate([host["query_start_loc"], tokens + np.arange(1, pad + 1)])
+            for name in ("input_ids", "position_ids", "past_lengths"):
+                host[name] = np.concatenate([host[name], np.zeros(pad, dtype=np.int64)])
+            host["logits_indices"] = np.concatenate([host["logits_indices"], tokens + np.arange(pad)])
+            slots = np.concatenate([slots, np.full(pad, scratch * self.kv.tokens_per_block, dtype=np.int64)])
+        host["slot_mapping"] = slots
         return {name: torch.from_numpy(host[name]).to(self.device, non_blocking=True) for name in PLAN_INPUTS}
 
     def forward(self, inputs: dict[str, torch.Tensor], max_query_len: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +109,32 @@ def _check_accept(c: SequenceChunk, max_draft_len: int) -> None:
 def default_threads(tuned: int | None = None) -> int:
     """Threads when none are asked for: TRTBUILD_NUM_THREADS, else what autotuning chose, else the cores."""
     return int(os.environ.get("TRTBUILD_NUM_THREADS", 0)) or tuned or (os.cpu_count() or 1)
+
+
+def pack_chunks(chunks: list[SequenceChunk], max_blocks_per_seq: int,
+                slots_of: Callable[[Sequence[int], int, int], np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """The step inputs every target takes (input_ids, position_ids, query_start_loc, past_lengths, block_tables,
+    logits_indices) for checked chunks, packed sequence after sequence, and the pool slots of their new K/V
+    (`slots_of(block_ids, start, end)`)."""
+    block_tables = np.zeros((len(chunks), max_blocks_per_seq), dtype=np.int64)
+    query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
+    query_start[1:] = np.cumsum([len(c.token_ids) for c in chunks])
+    positions, slots, logits_rows = [], [], []
+    for i, c in enumerate(chunks):
+        end = c.start + len(c.token_ids)
+        block_tables[i, : len(c.block_ids)] = c.block_ids
+        positions.append(np.arange(c.start, end, dtype=np.int64))
+        slots.append(slots_of(c.block_ids, c.start, end))
+        logits_rows.extend(range(query_start[i + 1] - c.num_logits, query_start[i + 1]))
+    inputs = {
+        "input_ids": np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=query_start[-1]),
+        "position_ids": np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64),
+        "query_start_loc": query_start,
+        "past_lengths": np.array([c.start for c in chunks], dtype=np.int64),
+        "block_tables": block_tables,
+        "logits_indices": np.array(logits_rows, dtype=np.int64),
+    }
+    return inputs, np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
 
 
 class CpuEngine:
@@ -226,29 +253,11 @@ class CpuEngine:
     def feeds(self, chunks: list[SequenceChunk]) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """The engine inputs of one call over checked chunks (the pool itself as `kv_cache`), and the pool slots
         their new K/V go to."""
-        num_tokens = sum(len(c.token_ids) for c in chunks)
-        block_tables = np.zeros((len(chunks), self.max_blocks_per_seq), dtype=np.int64)
-        query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
-        positions, slots, logits_rows = [], [], []
-        for i, c in enumerate(chunks):
-            end = c.start + len(c.token_ids)
-            block_tables[i, : len(c.block_ids)] = c.block_ids
-            query_start[i + 1] = query_start[i] + len(c.token_ids)
-            positions.append(np.arange(c.start, end, dtype=np.int64))
-            slots.append(self.kv.slots(c.block_ids, c.start, end))
-            logits_rows.extend(range(query_start[i + 1] - c.num_logits, query_start[i + 1]))
-        feeds = {
-            "input_ids": np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=num_tokens),
-            "position_ids": np.concatenate(positions),
-            "query_start_loc": query_start,
-            "past_lengths": np.array([c.start for c in chunks], dtype=np.int64),
-            "block_tables": block_tables,
-            "logits_indices": np.array(logits_rows, dtype=np.int64),
-            "kv_cache": self.kv.pool,
-        }
+        feeds, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots)
+        feeds["kv_cache"] = self.kv.pool
         if self.max_draft_len:
             feeds.update(self.accept_feeds(chunks))
-        return feeds, np.concatenate(slots)
+        return feeds, slots
 
     def accept_feeds(self, chunks: list[SequenceChunk]) -> dict[str, np.ndarray]:
         """The accept op's inputs (network.ACCEPT_INPUTS): the logits rows of chunks with `accept` stay in the

@@ -16,7 +16,7 @@ from trtbuild.builder.engine_dir import EngineInfo, read_engine_config
 from trtbuild.builder.tensorrt.plan import Profile, max_pool_blocks, profile_for
 from trtbuild.errors import EngineCompatibilityError
 from trtbuild.runtime.cuda_engine import TorchKVPool
-from trtbuild.runtime.engine import SequenceChunk, StepOutput, check_chunks
+from trtbuild.runtime.engine import SequenceChunk, StepOutput, check_chunks, pack_chunks
 
 INPUTS = ("input_ids", "position_ids", "query_start_loc", "past_lengths", "block_tables", "logits_indices")
 
@@ -101,21 +101,7 @@ class TensorRTEngine:
 
     def feeds(self, chunks: list[SequenceChunk]) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """The engine inputs of one step (CpuEngine's, less the pool) and the pool slots of its new K/V."""
-        block_tables = np.zeros((len(chunks), self.max_blocks_per_seq), dtype=np.int64)
-        query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
-        positions, slots, rows, ids = [], [], [], []
-        for i, c in enumerate(chunks):
-            end = c.start + len(c.token_ids)
-            block_tables[i, : len(c.block_ids)] = c.block_ids
-            query_start[i + 1] = query_start[i] + len(c.token_ids)
-            positions.append(np.arange(c.start, end, dtype=np.int64))
-            slots.append(self.kv.slots(c.block_ids, c.start, end))
-            rows.extend(range(query_start[i + 1] - c.num_logits, query_start[i + 1]))
-            ids.extend(c.token_ids)
-        host = {"input_ids": np.array(ids, dtype=np.int64), "position_ids": np.concatenate(positions),
-                "query_start_loc": query_start, "past_lengths": np.array([c.start for c in chunks], dtype=np.int64),
-                "block_tables": block_tables, "logits_indices": np.array(rows, dtype=np.int64)}
-        return host, np.concatenate(slots)
+        return pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots)
 
     def run(self, host: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """execute_async_v3 under the first profile that admits the step; returns logits and new_kv (device)."""

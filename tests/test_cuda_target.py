@@ -152,6 +152,25 @@ def test_target_tensorrt_says_what_to_install(tmp_path):
     assert "Traceback" not in result.output and not (tmp_path / "e").exists()
 
 
+def test_padded_decode_batch_equals_the_unpadded_step(engine_pair):
+    """What a CUDA graph of a larger batch replays, run eagerly: the real rows' logits and K/V are those of the
+    unpadded step, and the padding rows write only into the scratch block."""
+    _, cuda_dir = engine_pair("qwen2")
+    padded, plain = CudaEngine(cuda_dir, num_blocks=8), CudaEngine(cuda_dir, num_blocks=8)
+    for chunks in STEPS[:3]:
+        plain.step(chunks)
+        padded.step(chunks)
+    decode = STEPS[3]
+    want = plain.step(decode)
+    got = padded.forward(padded.inputs(decode, pad_to=4), max_query_len=1)
+    np.testing.assert_allclose(got[: len(decode)].float().numpy(), want, atol=1e-5, rtol=0)
+    blocks = padded.kv.num_blocks
+    # NOTE: close, not bitwise: a 4-row GEMM may round otherwise than a 2-row one; a padding row's K/V landing in a
+    # sequence's block would differ by O(1)
+    np.testing.assert_allclose(padded.kv.pool[:blocks].numpy(), plain.kv.pool[:blocks].numpy(), atol=1e-5, rtol=0)
+    assert padded.kv.pool[blocks].abs().sum() > 0
+
+
 @pytest.mark.skipif(not GPU, reason="CUDA graphs need a GPU; on the CPU every step runs eagerly (interpreter)")
 def test_cuda_graph_decode_equals_eager(engine_pair):
     _, cuda_dir = engine_pair("qwen2")
