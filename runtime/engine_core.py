@@ -17,7 +17,7 @@ from trtbuild.runtime.detokenizer import IncrementalDetokenizer
 from trtbuild.runtime.engine import CpuEngine, DraftAccept, SequenceChunk, StepOutput
 from trtbuild.runtime.engine_accept import advance, draft_accept, engine_can_verify
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
-from trtbuild.runtime.memory import kv_cache_blocks
+from trtbuild.runtime.memory import gpu_memory_for_kv, kv_cache_blocks
 from trtbuild.runtime.request import FinishReason, Request, RequestMetrics
 from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
 from trtbuild.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
@@ -70,8 +70,9 @@ class EngineCore:
         info = read_engine_config(engine_dir, expect_target=target)  # compatibility, before any work
         build, model = info.build, info.model
         self.config = config = (config or RuntimeConfig()).resolve(build)
+        device = gpu_memory_for_kv(info.weight_bytes) if target != "cpu" and config.kv_cache_blocks is None else None
         num_blocks = kv_cache_blocks(info.kv_cache_bytes_per_block, build, config.kv_cache_memory,
-                                     config.kv_cache_blocks)
+                                     config.kv_cache_blocks, available=device)
         if target == "cuda":
             from trtbuild.runtime.cuda_engine import CudaEngine
 

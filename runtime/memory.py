@@ -27,24 +27,36 @@ def require_memory(needed: int, what: str, fix: str) -> None:
                             f"is available (MemAvailable); {fix}")
 
 
+def gpu_memory_for_kv(weight_bytes: int) -> tuple[int, str] | None:
+    """Free GPU memory less the weights an engine is about to load, as kv_cache_blocks' `available`; None without a
+    GPU (the interpreted cuda plan keeps its pool in host memory)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    return max(free - weight_bytes, 0), "GPU memory free beside the engine's weights"
+
+
 def kv_cache_blocks(bytes_per_block: int, build: BuildConfig, memory: float | None = None,
-                    blocks: int | None = None) -> int:
+                    blocks: int | None = None, available: tuple[int, str] | None = None) -> int:
     """Number of KV blocks: `blocks` if given, else `memory` bytes (> 1) or that fraction of available memory.
+    `available`: (bytes, what they are) of the memory the pool lives in [None: host memory, MemAvailable].
 
     With no budget at all, the pool is the smaller of DEFAULT_FRACTION of available memory and what a full batch of
     full-length sequences needs, plus as much again for prefix reuse.
     """
     if blocks is not None:  # NOTE: RuntimeConfig checked blocks >= 1 and memory > 0
         return blocks
+    free, where = available or (available_memory_bytes(), "memory available (MemAvailable)")
     if memory is not None:
-        if memory > 1 and memory > (available := available_memory_bytes()):
-            raise ConfigError("kv_cache_memory", f"{int(memory)} bytes is more than the {available / 2**30:.2f} GiB "
-                                                 "of memory available (MemAvailable); give less, or a fraction")
-        budget = memory if memory > 1 else memory * available_memory_bytes()
-        n = int(budget // bytes_per_block)
+        if memory > 1 and memory > free:
+            raise ConfigError("kv_cache_memory", f"{int(memory)} bytes is more than the {free / 2**30:.2f} GiB "
+                                                 f"of {where}; give less, or a fraction")
+        n = int((memory if memory > 1 else memory * free) // bytes_per_block)
         if n < 1:
             raise ConfigError("kv_cache_memory", f"{memory:g} holds no KV block ({bytes_per_block} bytes each); "
                                                  "give more memory")
         return n
     full_batch = 2 * build.max_batch_size * build.max_blocks_per_seq
-    return max(1, min(int(DEFAULT_FRACTION * available_memory_bytes() // bytes_per_block), full_batch))
+    return max(1, min(int(DEFAULT_FRACTION * free // bytes_per_block), full_batch))

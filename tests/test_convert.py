@@ -594,6 +594,11 @@ def test_kv_cache_budget_beyond_available_memory_is_refused(monkeypatch):
                                           r"available \(MemAvailable\); give less"):
         memory.kv_cache_blocks(1024, BuildConfig(), memory=float(4 << 30))
     assert memory.kv_cache_blocks(1024, BuildConfig(), memory=float(1 << 20)) == 1024
+    # a GPU engine's pool is sized from the GPU's free memory, not the host's
+    gpu = (1 << 20, "GPU memory free beside the engine's weights")
+    assert memory.kv_cache_blocks(1024, BuildConfig(), memory=0.5, available=gpu) == 512
+    with pytest.raises(ConfigError, match=r"more than the 0\.00 GiB of GPU memory free beside the engine's weights"):
+        memory.kv_cache_blocks(1024, BuildConfig(), memory=float(4 << 20), available=gpu)
 
 
 def test_not_an_engine_directory(engine_copy, converted, tmp_path):
