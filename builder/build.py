@@ -9,7 +9,6 @@ import onnx
 from tqdm import tqdm
 
 from trtbuild.builder.autotune import Timer
-from trtbuild.builder.build_cuda import check_cuda_buildable, check_tensorrt_available
 from trtbuild.builder.convert.checkpoint import (
     CONFIG_FILE,
     copy_tokenizer_files,
@@ -30,11 +29,14 @@ log = logging.getLogger(__name__)
 
 def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
     """Refuse, before any work, what the chosen target cannot build."""
-    if build.target == "tensorrt":
-        check_tensorrt_available()
-        check_tensorrt_buildable(config, build)
-    if build.target == "cuda":
-        check_cuda_buildable(config, build)
+    if build.target in ("cuda", "tensorrt"):  # NOTE: imported here: they bring torch, which a cpu build never needs
+        from trtbuild.builder.build_cuda import check_cuda_buildable, check_tensorrt_available
+
+        if build.target == "tensorrt":
+            check_tensorrt_available()
+            check_tensorrt_buildable(config, build)
+        else:
+            check_cuda_buildable(config, build)
     if config.mapping.world_size > 1:
         raise TrtbuildError(
             f"the {build.target} target builds single-rank checkpoints, and this one has "
