@@ -210,7 +210,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Te
         raise ValueError(f"kv_cache {list(kv_cache.shape)} is not [NB, L, 2, {num_kv_heads}, BS, {head_size}] with "
                          f"layer {layer_idx}")
     if kv_quant not in (None, "int8"):
-        raise NotImplementedError(f"kv_cache_quant_algo {kv_quant!r}: only int8 pools are implemented (fp8 is not)")
+        raise ValueError(f"kv_cache_quant_algo {kv_quant!r}: this kernel reads float and int8 pools, not fp8 ones")
     if (kv_quant is None) != (kv_scale is None):
         raise ValueError("kv_cache_scale (K scale, V scale) comes with kv_cache_quant_algo, and only with it")
     if kv_quant and kv_cache.dtype != torch.int8:
