@@ -157,18 +157,17 @@ def _finish_cuda(checkpoint: Path, output: Path, config: ModelConfig, build: Bui
     import os
 
     from trtbuild.builder.build_cuda import build_cuda_files, cuda_fingerprint
-    from trtbuild.builder.cuda_plan import PLAN_INPUTS
     from trtbuild.builder.passes import run_passes
 
     applied = [f"{name}:{n}" for name, n in run_passes(model, "cuda").items()] if build.fuse else []
-    _, weight_files, tactics = build_cuda_files(model, config, build, output, timing_cache)
+    plan, weight_files, tactics = build_cuda_files(model, config, build, output, timing_cache)
     staging = StagingWeights.of(model)
     if staging is not None and staging.path.exists():
         os.unlink(staging.path)
     copy_tokenizer_files(checkpoint, output)
     io = io_spec(model)
-    io["inputs"] = [i for i in io["inputs"] if i["name"] in PLAN_INPUTS or i["name"] == "kv_cache"]
-    io["outputs"] = [o for o in io["outputs"] if o["name"] == "logits"]
+    io["inputs"] = [i for i in io["inputs"] if i["name"] in plan.inputs or i["name"] == "kv_cache"]
+    io["outputs"] = [o for o in io["outputs"] if o["name"] in plan.outputs]
     for spec in io["inputs"]:  # the pool holds the compute dtype
         if spec["name"] == "kv_cache":
             spec["dtype"] = build.dtype

@@ -66,9 +66,6 @@ def check_cuda_buildable(config: ModelConfig, build: BuildConfig) -> None:
     if build.kv_pool_dtype != "float32":
         raise ConfigError("kv_pool_dtype", "the cuda target's KV pool has the compute dtype (--dtype); leave "
                                            "--kv-pool-dtype at float32.")
-    if build.draft_tokens:
-        raise ConfigError("speculative_decoding_mode", "draft-tokens is not implemented by the cuda target yet; the "
-                                                       "runtime verifies drafts from logits rows (none).")
     if build.dtype == "bfloat16" and not torch.cuda.is_available():
         raise ConfigError("dtype", "bfloat16 needs a GPU: Triton's interpreter computes bfloat16 wrongly; build "
                                    "float32 or float16 here.")

@@ -13,6 +13,9 @@ Each node maps to one kernel (kernels/ for the Triton ones, torch for the rest):
   Add, Split, Reshape                     add, split, reshape  torch
   trtbuild::PagedAttention                paged_attention      kernels/paged_attention.py, then kv_write: this
                                                                layer's K/V scattered into the pool (torch)
+  trtbuild::SpeculativeAccept             speculative_accept   kernels/speculative_accept.py on the lm_head rows
+                                                               (draft-tokens engines: plan inputs and outputs
+                                                               gain the op's, as builder/network.py describes)
 The network's `new_kv` output (Concat + Reshape of every layer's K/V) is dropped: the engine writes each layer's K/V
 into its pool on the device instead of returning them.
 """
@@ -30,8 +33,10 @@ import torch
 from onnx import helper
 
 from trtbuild.builder.graph import GraphView
+from trtbuild.builder.network import ACCEPT_INPUTS
 from trtbuild.errors import TrtbuildError
 from trtbuild.plugins import paged_attention as pa
+from trtbuild.plugins import speculative_accept as sa
 from trtbuild.quantization import unpack_int4
 
 PLAN_FORMAT = 1
@@ -55,9 +60,10 @@ class Plan:
     dtype: str  # compute dtype of weights, activations and the KV pool
     steps: tuple[PlanStep, ...]
     outputs: tuple[str, ...] = ("logits",)
+    inputs: tuple[str, ...] = PLAN_INPUTS  # what the engine feeds each step
 
     def to_json(self) -> str:
-        doc = {"plan_format": PLAN_FORMAT, "dtype": self.dtype, "inputs": list(PLAN_INPUTS),
+        doc = {"plan_format": PLAN_FORMAT, "dtype": self.dtype, "inputs": list(self.inputs),
                "outputs": list(self.outputs), "steps": [asdict(s) for s in self.steps]}
         return json.dumps(doc, indent=1) + "\n"
 
@@ -68,7 +74,7 @@ class Plan:
             raise ValueError(f"plan format {doc.get('plan_format')!r}, expected {PLAN_FORMAT}")
         steps = tuple(PlanStep(s["kernel"], s["name"], tuple(s["inputs"]), tuple(s["outputs"]), s.get("attrs", {}))
                       for s in doc["steps"])
-        return cls(doc["dtype"], steps, tuple(doc["outputs"]))
+        return cls(doc["dtype"], steps, tuple(doc["outputs"]), tuple(doc.get("inputs", PLAN_INPUTS)))
 
 
 def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
@@ -158,6 +164,8 @@ class _PlanWriter:
             self.emit("reshape", n, [n.input[0]], list(n.output), shape=self.const(n.input[1]).tolist())
         elif op == pa.OP_TYPE and n.domain == pa.DOMAIN:
             self.attention(n, a)
+        elif op == sa.OP_TYPE and n.domain == sa.DOMAIN:
+            self.emit("speculative_accept", n, list(n.input), list(n.output))
         else:
             raise TrtbuildError(f"the cuda target has no kernel for {n.domain or 'ai.onnx'}::{op} (node {n.name}); "
                                 "build this model for --target cpu")
@@ -213,7 +221,10 @@ class _PlanWriter:
         for n in self.view.graph.node:
             if n.name not in self.skip:
                 self.node(n)
-        return Plan(next(k for k, t in TORCH_DTYPES.items() if t == self.dtype), tuple(self.steps))
+        dtype = next(k for k, t in TORCH_DTYPES.items() if t == self.dtype)
+        if any(s.kernel == "speculative_accept" for s in self.steps):
+            return Plan(dtype, tuple(self.steps), ("logits", *sa.OUTPUTS), PLAN_INPUTS + ACCEPT_INPUTS)
+        return Plan(dtype, tuple(self.steps))
 
 
 def emit_plan(model: onnx.ModelProto, dtype: str) -> tuple[Plan, dict[str, torch.Tensor]]:

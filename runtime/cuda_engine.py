@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from trtbuild.builder.cuda_plan import PLAN_INPUTS, TORCH_DTYPES, Plan
+from trtbuild.builder.cuda_plan import TORCH_DTYPES, Plan
 from trtbuild.builder.engine_dir import EngineInfo, read_engine_config
 from trtbuild.errors import EngineCompatibilityError, TrtbuildError
 from trtbuild.kernels.load import load_kernels
 from trtbuild.runtime.cuda_plan_ops import OPS
-from trtbuild.runtime.engine import SequenceChunk, StepOutput, check_chunks, pack_chunks
+from trtbuild.runtime.engine import SequenceChunk, StepOutput, accept_feeds, check_chunks, pack_chunks
 
 
 class TorchKVPool:
@@ -92,7 +92,9 @@ class CudaEngine:
             {**s.attrs, "tactics": chosen.get(tactic_of.get(s.kernel, ""), {})} for s in self.plan.steps]
         self.frees = _last_uses(self.plan)
         self.run_seconds = 0.0
-        self.use_cuda_graphs = gpu  # NOTE: CUDA graphs need a GPU; in the interpreter every step runs eagerly
+        # NOTE: CUDA graphs need a GPU (in the interpreter every step runs eagerly), and are not captured for
+        # draft-tokens engines yet: their decode steps verify drafts (several rows per sequence) and run eagerly
+        self.use_cuda_graphs = gpu and not self.max_draft_len
         self.graphs: dict[int, Any] = {}
         self.allocate_kv_cache(num_blocks)
 
@@ -107,7 +109,8 @@ class CudaEngine:
 
     @property
     def max_draft_len(self) -> int:
-        return 0  # NOTE: the cuda target refuses draft-tokens builds; drafts are verified from logits rows
+        """Drafts per sequence the engine verifies itself (SpeculativeAccept); 0: none, it returns logits rows."""
+        return self.info.build.max_draft_len
 
     def warm_up(self, max_batch_size: int, max_num_tokens: int) -> None:
         """One step of the largest batch (as CpuEngine.warm_up: allocator and kernels ready before requests), then
@@ -128,7 +131,8 @@ class CudaEngine:
         return self.execute(chunks).logits
 
     def execute(self, chunks: list[SequenceChunk]) -> StepOutput:
-        """One packed step: logits rows of every chunk, in order (only those rows leave the device)."""
+        """One packed step: logits rows of every chunk without `accept`, in order, and the accept results of those
+        with it (only those rows and results leave the device)."""
         check_chunks(self.info.build, chunks, self.max_draft_len)
         start = time.perf_counter()
         rows = sum(c.num_logits for c in chunks)
@@ -137,12 +141,19 @@ class CudaEngine:
             from trtbuild.runtime.cuda_graphs import bucket_for
 
             size = bucket_for(len(chunks), self.info.build.max_batch_size)
-            logits = self._graph(size).run(self.inputs(chunks, pad_to=size))
+            outputs = {"logits": self._graph(size).run(self.inputs(chunks, pad_to=size))}
         else:
-            logits = self.forward(self.inputs(chunks), max(len(c.token_ids) for c in chunks))
-        out = logits[:rows].float().cpu().numpy()  # NOTE: the copy back syncs; the rows asked for, nothing else
+            outputs = self.forward(self.inputs(chunks), max(len(c.token_ids) for c in chunks))
+        if self.max_draft_len:
+            rows -= sum(c.num_logits for c in chunks if c.accept is not None)
+        out = outputs["logits"][:rows].float().cpu().numpy()  # NOTE: syncs; the rows asked for, nothing else
+        accepted = {}
+        if self.max_draft_len:
+            verifying = [i for i, c in enumerate(chunks) if c.accept is not None]
+            results = zip(outputs["num_accepted"].tolist(), outputs["next_tokens"].tolist(), strict=True)
+            accepted = dict(zip(verifying, results, strict=True))
         self.run_seconds += time.perf_counter() - start
-        return StepOutput(out, {})
+        return StepOutput(out, accepted)
 
     def _graph(self, size: int):
         if size not in self.graphs:
@@ -152,7 +163,7 @@ class CudaEngine:
         return self.graphs[size]
 
     def inputs(self, chunks: list[SequenceChunk], pad_to: int | None = None) -> dict[str, torch.Tensor]:
-        """The plan's inputs (PLAN_INPUTS) of checked chunks, on the device. `pad_to`: a decode batch padded with
+        """The plan's inputs (plan.inputs) of checked chunks, on the device. `pad_to`: a decode batch padded with
         one-token sequences in the scratch block (for a CUDA graph of that batch size)."""
         host, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots)
         pad = 0 if pad_to is None else pad_to - len(chunks)
@@ -166,11 +177,14 @@ class CudaEngine:
             host["logits_indices"] = np.concatenate([host["logits_indices"], tokens + np.arange(pad)])
             slots = np.concatenate([slots, np.full(pad, scratch * self.kv.tokens_per_block, dtype=np.int64)])
         host["slot_mapping"] = slots
-        return {name: torch.from_numpy(host[name]).to(self.device, non_blocking=True) for name in PLAN_INPUTS}
+        if self.max_draft_len:
+            host.update(accept_feeds(chunks, self.max_draft_len))
+        return {name: torch.from_numpy(host[name]).to(self.device, non_blocking=True) for name in self.plan.inputs}
 
-    def forward(self, inputs: dict[str, torch.Tensor], max_query_len: int) -> torch.Tensor:
-        """Every plan step in order over `inputs`; returns the logits [rows, vocab] on the device (compute dtype).
-        Free of host syncs, so a CUDA graph can capture it."""
+    def forward(self, inputs: dict[str, torch.Tensor], max_query_len: int) -> dict[str, torch.Tensor]:
+        """Every plan step in order over `inputs`; returns the plan's outputs on the device: logits [rows, vocab]
+        (compute dtype), and num_accepted, next_tokens [A] in draft-tokens engines. Free of host syncs, so a CUDA
+        graph can capture it."""
         env: dict[str, torch.Tensor] = dict(inputs)
         env["kv_cache"] = self.kv.pool
         weights = self.weights
@@ -180,6 +194,6 @@ class CudaEngine:
                 attrs = {**attrs, "max_query_len": max_query_len}
             env.update(zip(step.outputs, OPS[step.kernel](self.kernels, attrs, *args), strict=True))
             for name in frees:
-                if name not in PLAN_INPUTS and name != "kv_cache":
+                if name not in inputs and name != "kv_cache":
                     env.pop(name, None)
-        return env[self.plan.outputs[0]]
+        return {name: env[name] for name in self.plan.outputs}

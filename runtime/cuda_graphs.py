@@ -44,7 +44,7 @@ class DecodeGraph:
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = engine.forward(self.inputs, max_query_len=1)
+            self.logits = engine.forward(self.inputs, max_query_len=1)["logits"]
 
     def run(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         for name, static in self.inputs.items():

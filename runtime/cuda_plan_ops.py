@@ -92,6 +92,13 @@ def kv_write(k: Kernels, a: dict[str, Any], kv_cache: torch.Tensor, k_new: torch
     return ()
 
 
+def speculative_accept(k: Kernels, a: dict[str, Any], logits: torch.Tensor, accept_rows: torch.Tensor,
+                       draft_tokens: torch.Tensor, draft_lens: torch.Tensor, temperatures: torch.Tensor,
+                       uniforms: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return k["speculative_accept"].speculative_accept(logits, accept_rows, draft_tokens, draft_lens, temperatures,
+                                                      uniforms)
+
+
 OPS: dict[str, Op] = {f.__name__: f for f in (embedding, gather_rows, rmsnorm, add_rmsnorm, linear, weight_only_linear,
                                               add, split, reshape, swiglu, silu_mul, paged_attention,
-                                              kv_write)}
+                                              kv_write, speculative_accept)}

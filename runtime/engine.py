@@ -137,6 +137,29 @@ def pack_chunks(chunks: list[SequenceChunk], max_blocks_per_seq: int,
     return inputs, np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
 
 
+def accept_feeds(chunks: list[SequenceChunk], max_draft_len: int) -> dict[str, np.ndarray]:
+    """The accept op's inputs (network.ACCEPT_INPUTS) of a draft-tokens engine's step: the logits rows of chunks with
+    `accept` stay in the engine, all other rows come out."""
+    k = max_draft_len
+    first_rows = np.cumsum([0] + [c.num_logits for c in chunks])
+    verifying = [(i, c.accept) for i, c in enumerate(chunks) if c.accept is not None]
+    drafts = np.zeros((len(verifying), k), dtype=np.int64)
+    uniforms = np.zeros((len(verifying), k + 1), dtype=np.float64)
+    for a, (_, accept) in enumerate(verifying):
+        drafts[a, : len(accept.draft_tokens)] = accept.draft_tokens
+        uniforms[a, : len(accept.uniforms)] = accept.uniforms
+    out_rows = [r for i, c in enumerate(chunks) if c.accept is None
+                for r in range(first_rows[i], first_rows[i + 1])]
+    return {
+        "logits_out_rows": np.array(out_rows, dtype=np.int64),
+        "accept_rows": np.array([first_rows[i] for i, _ in verifying], dtype=np.int64),
+        "draft_tokens": drafts,
+        "draft_lens": np.array([len(a.draft_tokens) for _, a in verifying], dtype=np.int64),
+        "temperatures": np.array([a.temperature for _, a in verifying], dtype=np.float64),
+        "uniforms": uniforms,
+    }
+
+
 class CpuEngine:
     """An ONNX Runtime session over an engine directory, plus the paged KV pool it reads and the runtime writes."""
 
@@ -256,27 +279,5 @@ class CpuEngine:
         feeds, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots)
         feeds["kv_cache"] = self.kv.pool
         if self.max_draft_len:
-            feeds.update(self.accept_feeds(chunks))
+            feeds.update(accept_feeds(chunks, self.max_draft_len))
         return feeds, slots
-
-    def accept_feeds(self, chunks: list[SequenceChunk]) -> dict[str, np.ndarray]:
-        """The accept op's inputs (network.ACCEPT_INPUTS): the logits rows of chunks with `accept` stay in the
-        engine, all other rows come out."""
-        k = self.max_draft_len
-        first_rows = np.cumsum([0] + [c.num_logits for c in chunks])
-        verifying = [(i, c.accept) for i, c in enumerate(chunks) if c.accept is not None]
-        drafts = np.zeros((len(verifying), k), dtype=np.int64)
-        uniforms = np.zeros((len(verifying), k + 1), dtype=np.float64)
-        for a, (_, accept) in enumerate(verifying):
-            drafts[a, : len(accept.draft_tokens)] = accept.draft_tokens
-            uniforms[a, : len(accept.uniforms)] = accept.uniforms
-        out_rows = [r for i, c in enumerate(chunks) if c.accept is None
-                    for r in range(first_rows[i], first_rows[i + 1])]
-        return {
-            "logits_out_rows": np.array(out_rows, dtype=np.int64),
-            "accept_rows": np.array([first_rows[i] for i, _ in verifying], dtype=np.int64),
-            "draft_tokens": drafts,
-            "draft_lens": np.array([len(a.draft_tokens) for _, a in verifying], dtype=np.int64),
-            "temperatures": np.array([a.temperature for _, a in verifying], dtype=np.float64),
-            "uniforms": uniforms,
-        }

@@ -20,9 +20,10 @@ from trtbuild.cli import main  # noqa: E402
 from trtbuild.errors import EngineCompatibilityError  # noqa: E402
 from trtbuild.runtime.config import RuntimeConfig  # noqa: E402
 from trtbuild.runtime.cuda_engine import CudaEngine  # noqa: E402
-from trtbuild.runtime.engine import CpuEngine, SequenceChunk  # noqa: E402
+from trtbuild.runtime.engine import CpuEngine, DraftAccept, SequenceChunk  # noqa: E402
 from trtbuild.runtime.engine_core import EngineCore  # noqa: E402
 from trtbuild.runtime.sampling import SamplingParams  # noqa: E402
+from trtbuild.runtime.speculative import SpeculativeConfig  # noqa: E402
 
 BS = 4  # tokens per block: small, so that short sequences cross block boundaries
 OPTIONS = dict(max_seq_len=64, tokens_per_block=BS, max_batch_size=4, max_num_tokens=32)
@@ -163,7 +164,7 @@ def test_padded_decode_batch_equals_the_unpadded_step(engine_pair):
     decode = STEPS[3]
     want = plain.step(decode)
     got = padded.forward(padded.inputs(decode, pad_to=4), max_query_len=1)
-    np.testing.assert_allclose(got[: len(decode)].float().numpy(), want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got["logits"][: len(decode)].float().numpy(), want, atol=1e-5, rtol=0)
     blocks = padded.kv.num_blocks
     # NOTE: close, not bitwise: a 4-row GEMM may round otherwise than a 2-row one; a padding row's K/V landing in a
     # sequence's block would differ by O(1)
@@ -189,3 +190,47 @@ def test_gpu_check_parity_and_text_run_here(engine_pair):
     assert parity(*engine_pair("qwen2")) < 1e-4
     cpu_dir, cuda_dir = engine_pair("stories260K")
     assert greedy_text(cuda_dir, "Once upon a time", 3) == greedy_text(cpu_dir, "Once upon a time", 3)
+
+
+def test_draft_tokens_engine_verifies_as_the_cpu_engine(engine_from_hf):
+    """SpeculativeAccept as a plan step: only the other chunks' rows leave the engine, the accept results are the CPU
+    draft-tokens engine's (greedy and sampled), and n-gram speculative decoding gives its tokens."""
+    require_shared_models()
+    options = dict(OPTIONS, speculative_decoding_mode="draft-tokens", max_draft_len=3)
+    cpu_dir, cuda_dir = engine_from_hf(STORIES260K, **options), engine_from_hf(STORIES260K, target="cuda", **options)
+    plan = json.loads((cuda_dir / "rank0.plan.json").read_text())
+    assert [s["kernel"] for s in plan["steps"]][-2:] == ["speculative_accept", "gather_rows"]
+    io = read_engine_config(cuda_dir, expect_target="cuda").io
+    assert {o["name"] for o in io["outputs"]} == {"logits", "num_accepted", "next_tokens"}
+    assert {i["name"] for i in io["inputs"]} >= {"logits_out_rows", "uniforms"}
+    cpu, cuda = CpuEngine(cpu_dir, num_blocks=8), CudaEngine(cuda_dir, num_blocks=8)
+    assert cuda.max_draft_len == 3
+    greedy = int(cpu.step([SequenceChunk(9, [2, 4], 0, 1, [4])])[0].argmax())  # block 4: no chunk below reads it
+    # the greedy drafts: the argmax, then another token; the sampled ones: u = 0 accepts the first two
+    chunks = [SequenceChunk(0, [1, 5, 7, 9, 3], 0, 2, [3, 0]),
+              SequenceChunk(1, [2, 4, greedy, 8], 0, 3, [5], DraftAccept((greedy, 8), 0.0)),
+              SequenceChunk(2, [2, 4, 6, 8], 0, 4, [6], DraftAccept((4, 6, 8), 0.8, (0.0, 0.0, 0.9, 0.3))),
+              SequenceChunk(3, [9], 0, 1, [7], DraftAccept((), 1.0, (0.6,)))]
+    want, got = cpu.execute(chunks), cuda.execute(chunks)
+    assert got.logits.shape == want.logits.shape == (2, cpu.info.model.vocab_size)
+    np.testing.assert_allclose(got.logits, want.logits, atol=1e-4, rtol=0)
+    assert got.accepted == want.accepted and set(got.accepted) == {1, 2, 3}
+    assert got.accepted[1][0] >= 1 and got.accepted[2][0] >= 2
+
+    config = RuntimeConfig(kv_cache_blocks=32, warm_up=False, speculative=SpeculativeConfig(3))
+    prompts = ["Tom had a big red ball. Tom had a big red ball. Tom", 'Mom said, "Yes, yes, yes']
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=1, ignore_eos=True)]
+    want_tokens, _, _ = drive(EngineCore(cpu_dir, config), prompts, params)
+    core = EngineCore(cuda_dir, config)
+    execute, verified = core.engine.execute, []
+
+    def counting(step_chunks):
+        out = execute(step_chunks)
+        verified.append(len(out.accepted))
+        return out
+
+    core.engine.execute = counting
+    got_tokens, finals, _ = drive(core, prompts, params)
+    assert got_tokens == want_tokens and sum(verified) > 0
+    assert sum(f.metrics.num_accepted_draft_tokens for f in finals) > 0

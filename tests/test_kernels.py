@@ -19,10 +19,11 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e .[
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
+from trtbuild.plugins import speculative_accept as sa  # noqa: E402
 from trtbuild.plugins.paged_attention import apply_rope, reference_paged_attention  # noqa: E402
 from trtbuild.quantization import pack_int4, unpack_int4  # noqa: E402
 
-KERNEL_MODULES = ("paged_attention", "rmsnorm", "swiglu", "weight_only_gemm")
+KERNEL_MODULES = ("paged_attention", "rmsnorm", "speculative_accept", "swiglu", "weight_only_gemm")
 # NOTE: TRTBUILD_KERNELS_DEVICE=cuda (scripts/gpu_check.sh) compiles the kernels for the GPU and runs these tests on
 # GPU tensors; otherwise they run in Triton's interpreter on CPU tensors
 DEVICE = "cuda" if os.environ.get("TRTBUILD_KERNELS_DEVICE") == "cuda" else "cpu"
@@ -319,3 +320,63 @@ def test_paged_attention_refuses_mixed_dtypes_and_partial_rope():
         K["paged_attention"].paged_attention(*args, **attrs, position_ids=t["position_ids"])
     with pytest.raises(ValueError, match="not fp8"):
         K["paged_attention"].paged_attention(*args, **attrs, kv_cache_quant_algo="fp8", kv_cache_scale=(1.0, 1.0))
+
+
+# ---- SpeculativeAccept -----------------------------------------------------------------------------------------
+def accept_batch(rng: np.random.Generator, lens: list[int], temperatures: list[float], vocab: int, k: int) -> dict:
+    """Each sequence's rows between unrelated ones; drafts are the row's argmax about 70% of the time, so sequences
+    stop at every position, and the first argmax of some rows is tied with a later tile."""
+    rows, starts, drafts = [rng.normal(size=(2, vocab))], [], np.zeros((len(lens), k), dtype=np.int64)
+    offset = 2
+    for a, n in enumerate(lens):
+        logits = rng.normal(size=(n + 1, vocab)) * 3
+        for i in range(n + 1):
+            if rng.random() < 0.3:  # a tie: the maximum again in the last tile
+                logits[i, -1] = logits[i].max()
+            if i < n:
+                drafts[a, i] = np.argmax(logits[i]) if rng.random() < 0.7 else rng.integers(vocab)
+        rows.append(logits)
+        starts.append(offset)
+        offset += n + 1
+    rows.append(rng.normal(size=(1, vocab)))
+    return dict(logits=np.concatenate(rows).astype(np.float32), accept_rows=np.array(starts, dtype=np.int64),
+                draft_tokens=drafts, draft_lens=np.array(lens, dtype=np.int64),
+                temperatures=np.array(temperatures, dtype=np.float64), uniforms=rng.random((len(lens), k + 1)))
+
+
+@DTYPES
+@pytest.mark.parametrize("temperature", [0.0, 0.8, 1.5])
+def test_speculative_accept_matches_the_reference(dtype, temperature):
+    k, vocab = 4, 100  # 4 tiles of 32, the last partial
+    got_accepted, got_tokens, want_accepted = [], [], []
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        lens = [0, 1, 2, 3, 4, 4, 4, 2, 0]
+        # mostly `temperature`, with the other kind of sequence in the same batch
+        temps = [temperature if a % 3 else (0.0 if temperature else 0.7) for a in range(len(lens))]
+        data = accept_batch(rng, lens, temps, vocab, k)
+        logits = torch.from_numpy(data["logits"]).to(dtype)
+        data["logits"] = logits.to(torch.float32).numpy()  # the values the kernel reads
+        want = sa.reference_speculative_accept(**data)
+        got = K["speculative_accept"].speculative_accept(
+            logits.to(DEVICE), *(_dev(data[n]) for n in sa.INPUTS[1:]), block=32)
+        got_accepted.append(got[0].cpu().numpy())
+        got_tokens.append(got[1].cpu().numpy())
+        want_accepted.append(want[0])
+        np.testing.assert_array_equal(got_accepted[-1], want[0], err_msg=f"num_accepted, seed {seed}")
+        np.testing.assert_array_equal(got_tokens[-1], want[1], err_msg=f"next_tokens, seed {seed}")
+    accepted, lens = np.concatenate(want_accepted), np.array(lens * 4)
+    assert (accepted > 0).any() and (accepted < lens).any() and (accepted[lens > 0] == lens[lens > 0]).any()
+
+
+def test_speculative_accept_draws_never_pick_zero_probability_tokens():
+    # -1e4 / 0.5 lies 2e4 below the maximum: exp underflows to exactly 0 in float64, as in the reference
+    logits = np.full((1, 70), -1e4, dtype=np.float32)
+    logits[0, [5, 40]] = [0.0, 1.0]
+    inputs = dict(logits=logits, accept_rows=np.zeros(1, np.int64), draft_tokens=np.zeros((1, 2), np.int64),
+                  draft_lens=np.zeros(1, np.int64), temperatures=np.full(1, 0.5))
+    for u in (0.0, 0.01, 0.5, 0.999999):
+        inputs["uniforms"] = np.full((1, 3), u)
+        want = sa.reference_speculative_accept(**inputs)
+        got = K["speculative_accept"].speculative_accept(*(_dev(inputs[n]) for n in sa.INPUTS), block=16)
+        assert int(got[1][0]) == int(want[1][0]) in (5, 40), u
