@@ -45,9 +45,10 @@ def cuda_fingerprint() -> dict[str, Any]:
 FINGERPRINT_FIELDS = ("device", "compute_capability", "cuda_version", "torch_version", "triton_version")
 
 
-def fingerprint_mismatch(built: dict[str, Any], here: dict[str, Any]) -> str | None:
-    """'device X here, Y in the engine; ...' for every field that differs, or None."""
-    diffs = [f"{f} {here.get(f)!r} here but {built.get(f)!r} in the engine" for f in FINGERPRINT_FIELDS
+def fingerprint_mismatch(built: dict[str, Any], here: dict[str, Any],
+                         fields: tuple[str, ...] = FINGERPRINT_FIELDS) -> str | None:
+    """'device X here but Y in the engine; ...' for every one of `fields` that differs, or None."""
+    diffs = [f"{f} {here.get(f)!r} here but {built.get(f)!r} in the engine" for f in fields
              if built.get(f) != here.get(f)]
     return "; ".join(diffs) or None
 

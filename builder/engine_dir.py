@@ -100,10 +100,6 @@ class EngineInfo:
         graph = 0 if self.graph_file.name in self.weight_files else self.graph_file.stat().st_size
         return graph + self.weight_bytes
 
-    def rebuild_hint(self, target: str = "cpu") -> str:
-        return (f"rebuild it here: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> "
-                f"--target {target}`")
-
 
 def write_engine_config(out_dir: Path, model: ModelConfig, build: BuildConfig, target: dict, io: dict,
                         passes: list[str], weight_files: dict[str, int], tactics: dict | None = None) -> None:
@@ -125,7 +121,12 @@ def _version_tuple(v: str) -> tuple[int, ...]:
     return tuple(int(p) for p in v.split("+")[0].split(".")[:2] if p.isdigit())
 
 
-REBUILD = "rebuild it from its checkpoint: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir>`"
+def build_command(*flags: str) -> str:
+    """The command that rebuilds an engine from its checkpoint, in backquotes, with `flags` after the paths."""
+    return "`" + " ".join(("trtbuild build --checkpoint <checkpoint dir> --output <new engine dir>",) + flags) + "`"
+
+
+REBUILD = f"rebuild it from its checkpoint: {build_command()}"
 
 
 def read_engine_config(engine_dir: Path, expect_target: str = "cpu") -> EngineInfo:
@@ -152,7 +153,7 @@ def read_engine_config(engine_dir: Path, expect_target: str = "cpu") -> EngineIn
         raise EngineCompatibilityError(
             f"{engine_dir} was built by trtbuild {built_by} (engine format {version!r}); this trtbuild {__version__} "
             f"reads format {ENGINE_FORMAT_VERSION}. Rebuild it from its checkpoint with this version: "
-            "`trtbuild build --checkpoint <checkpoint dir> --output <new engine dir>`.")
+            f"{build_command()}.")
     try:
         info = _engine_info(engine_dir, doc)
     except EngineCompatibilityError:
@@ -163,8 +164,7 @@ def read_engine_config(engine_dir: Path, expect_target: str = "cpu") -> EngineIn
     if info.target.get("name") != expect_target:
         raise EngineCompatibilityError(
             f"{engine_dir} was built for target {info.target.get('name')!r}, but this runtime runs {expect_target!r} "
-            f"engines; rebuild it: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> "
-            f"--target {expect_target}`.")
+            f"engines; rebuild it: {build_command('--target', expect_target)}.")
     if expect_target == "cpu":
         _check_cpu_target(engine_dir, info.target)
     elif expect_target == "cuda":
@@ -231,7 +231,7 @@ def _check_weight_files(engine_dir: Path, weight_files: dict[str, int]) -> None:
 
 def _check_cpu_target(engine_dir: Path, target: dict) -> None:
     here = cpu_fingerprint()
-    hint = "rebuild it on this machine: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir>`."
+    hint = f"rebuild it on this machine: {build_command()}."
     if target.get("machine") != here["machine"]:
         raise EngineCompatibilityError(
             f"{engine_dir} was built on a {target.get('machine')} CPU and this one is {here['machine']}; {hint}")
@@ -264,8 +264,7 @@ def _check_cuda_target(engine_dir: Path, info: EngineInfo) -> None:
     if mismatch:
         raise EngineCompatibilityError(
             f"{engine_dir} was built for another GPU or software stack ({mismatch}); rebuild it here: "
-            f"`trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> --target cuda "
-            f"--dtype {info.build.dtype}`.")
+            f"{build_command('--target', 'cuda', '--dtype', info.build.dtype)}.")
 
 
 def _check_tensorrt_target(engine_dir: Path, info: EngineInfo) -> None:
@@ -273,16 +272,13 @@ def _check_tensorrt_target(engine_dir: Path, info: EngineInfo) -> None:
     here, before deserializing, instead of TensorRT's own opaque errors."""
     import importlib.util
 
-    hint = ("rebuild it here: `trtbuild build --checkpoint <checkpoint dir> --output <new engine dir> --target "
-            "tensorrt`, or build it for --target cuda or cpu")
+    hint = f"rebuild it here: {build_command('--target', 'tensorrt')}, or build it for --target cuda or cpu"
     if importlib.util.find_spec("tensorrt") is None:
         raise EngineCompatibilityError(f"{engine_dir} is a TensorRT engine, and NVIDIA TensorRT's Python package is "
                                        f"not installed here; `pip install tensorrt` or {hint}.")
+    from trtbuild.builder.build_cuda import fingerprint_mismatch
     from trtbuild.builder.tensorrt.build import FINGERPRINT_FIELDS, tensorrt_fingerprint
 
-    here = tensorrt_fingerprint()
-    diffs = [f"{f} {here.get(f)!r} here but {info.target.get(f)!r} in the engine" for f in FINGERPRINT_FIELDS
-             if info.target.get(f) != here.get(f)]
-    if diffs:
-        raise EngineCompatibilityError(f"{engine_dir} was built for another GPU or TensorRT ({'; '.join(diffs)}); "
-                                       f"{hint}.")
+    mismatch = fingerprint_mismatch(info.target, tensorrt_fingerprint(), FINGERPRINT_FIELDS)
+    if mismatch:
+        raise EngineCompatibilityError(f"{engine_dir} was built for another GPU or TensorRT ({mismatch}); {hint}.")
