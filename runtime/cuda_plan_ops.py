@@ -17,11 +17,8 @@ Kernels = dict[str, ModuleType]
 Op = Callable[..., tuple[torch.Tensor, ...]]
 
 
-def embedding(k: Kernels, a: dict[str, Any], table: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return (table.index_select(0, ids),)
-
-
 def gather_rows(k: Kernels, a: dict[str, Any], x: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Rows of x: an activation's selected tokens, or (plan kernel `embedding`) the embedding table's token ids."""
     return (x.index_select(0, rows),)
 
 
@@ -99,6 +96,7 @@ def speculative_accept(k: Kernels, a: dict[str, Any], logits: torch.Tensor, acce
                                                       uniforms)
 
 
-OPS: dict[str, Op] = {f.__name__: f for f in (embedding, gather_rows, rmsnorm, add_rmsnorm, linear, weight_only_linear,
-                                              add, split, reshape, swiglu, silu_mul, paged_attention,
-                                              kv_write, speculative_accept)}
+OPS: dict[str, Op] = {f.__name__: f for f in (gather_rows, rmsnorm, add_rmsnorm, linear, weight_only_linear, add,
+                                              split, reshape, swiglu, silu_mul, paged_attention, kv_write,
+                                              speculative_accept)}
+OPS["embedding"] = gather_rows
