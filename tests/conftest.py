@@ -12,24 +12,17 @@ from helpers import STORIES260K, make_random_hf_model, require_shared_models
 
 
 def _import_triton_interpreted() -> None:
-    """Import triton, when installed, with TRITON_INTERPRET=1 and then restore the environment. triton.jit picks
-    interpreter or GPU compilation when it decorates, and triton's own library (tl.sum, tl.sigmoid, ...) is decorated
-    when triton is imported, which other tests cause early (torch._dynamo imports triton whenever it is installed).
-    tests/test_kernels.py needs that library interpreted; nothing else in this suite runs Triton code."""
+    """Import triton, when installed, for its interpreter (kernels/load.py sets TRITON_INTERPRET=1 only meanwhile).
+    triton.jit picks interpreter or GPU compilation when it decorates, and triton's own library (tl.sum,
+    tl.sigmoid, ...) is decorated when triton is imported, which other tests cause early (torch._dynamo imports triton
+    whenever it is installed). The kernel tests need that library interpreted; nothing else here runs Triton code."""
     if "triton" in sys.modules or importlib.util.find_spec("triton") is None:
         return
     if os.environ.get("TRTBUILD_KERNELS_DEVICE") == "cuda":  # scripts/gpu_check.sh: the kernels on the GPU
         return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import triton.experimental.gluon  # noqa: F401  (the interpreter imports it at the first launch)
-        import triton.language  # noqa: F401
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    from trtbuild.kernels.load import load_kernels
+
+    load_kernels(interpret=True)
 
 
 _import_triton_interpreted()

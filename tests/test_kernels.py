@@ -7,7 +7,6 @@ and float16 are tested: bf16 arithmetic in the interpreter is wrong (cpu-stack-f
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 
@@ -19,11 +18,11 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e .[
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
+from trtbuild.kernels.load import load_kernels  # noqa: E402
 from trtbuild.plugins import speculative_accept as sa  # noqa: E402
 from trtbuild.plugins.paged_attention import apply_rope, reference_paged_attention  # noqa: E402
 from trtbuild.quantization import pack_int4, unpack_int4  # noqa: E402
 
-KERNEL_MODULES = ("paged_attention", "rmsnorm", "speculative_accept", "swiglu", "weight_only_gemm")
 # NOTE: TRTBUILD_KERNELS_DEVICE=cuda (scripts/gpu_check.sh) compiles the kernels for the GPU and runs these tests on
 # GPU tensors; otherwise they run in Triton's interpreter on CPU tensors
 DEVICE = "cuda" if os.environ.get("TRTBUILD_KERNELS_DEVICE") == "cuda" else "cpu"
@@ -33,46 +32,12 @@ def _dev(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.asarray(a)).to(DEVICE)
 
 
-def _import_interpreted() -> dict:
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        mods = {}
-        for name in KERNEL_MODULES:
-            full = f"trtbuild.kernels.{name}"
-            mods[name] = importlib.reload(sys.modules[full]) if full in sys.modules else importlib.import_module(full)
-        return mods
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-
-
-if DEVICE == "cuda":
-    from trtbuild.kernels.load import load_kernels
-
-    K = load_kernels(interpret=False)
-elif not isinstance(tl.standard.sigmoid, interpreter.InterpretedFunction):
+if DEVICE == "cpu" and "triton" in sys.modules and \
+        not isinstance(tl.standard.sigmoid, interpreter.InterpretedFunction):
     pytest.skip("triton was imported before tests/conftest.py could load it in interpreter mode; run these tests "
                 "with TRITON_INTERPRET=1", allow_module_level=True)
-else:
-    K = _import_interpreted()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_numpy_fix():
-    """Triton 3.6's interpreter turns a runtime loop bound into an int with int(1-element array), which numpy >= 2.4
-    refuses (triton-lang/triton#9171, fixed after 3.6 by squeezing); patched here for these tests only."""
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interpreter, "_patch_lang_tensor", patched)
-        yield
+# the kernel modules decorated for the interpreter (with its numpy >= 2.4 fix) or, on a GPU, compiled
+K = load_kernels(interpret=DEVICE == "cpu")
 
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=1e-2)}
