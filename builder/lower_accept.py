@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from trtbuild.builder.graph import GraphBuilder, GraphView, topological_sort
+from trtbuild.builder.graph import GraphBuilder, topological_sort
 from trtbuild.builder.lower_cpu import _attr
 from trtbuild.builder.weight_file import StagingWeights
 from trtbuild.plugins import speculative_accept as sa
@@ -73,7 +73,6 @@ def _lower(g: GraphBuilder, node: onnx.NodeProto) -> None:
 
 def lower_speculative_accept(model: onnx.ModelProto) -> int:
     """Replace every SpeculativeAccept node in place; returns how many were lowered."""
-    view = GraphView(model)
     targets = [n for n in model.graph.node if n.domain == sa.DOMAIN and n.op_type == sa.OP_TYPE]
     if not targets:
         return 0
@@ -83,7 +82,6 @@ def lower_speculative_accept(model: onnx.ModelProto) -> int:
         model.graph.node.remove(node)
     model.graph.node.extend(g.nodes)
     model.graph.initializer.extend(g.initializers)
-    del view
     topological_sort(model.graph)
     if not any(n.domain == sa.DOMAIN for n in model.graph.node):
         for opset in [o for o in model.opset_import if o.domain == sa.DOMAIN]:
