@@ -2,7 +2,8 @@
 checkpoint with polygraphy's Comparator, and report each output's error against tolerances stated per precision.
 
 The reference is the same checkpoint built with the same limits, `fuse=False` (no fusion passes, still lowered
-for the CPU so ONNX Runtime can run it) and no autotuning (the default attention lowering), into a temporary
+for the CPU so ONNX Runtime can run it), no autotuning and the standard-op attention lowering (`split`, so that
+the native attention kernel is checked against it), into a temporary
 directory that is removed afterwards. Both run the same
 two seeded steps: a prefill of two sequences of different lengths (logits of every token), then one decode token
 per sequence on top of the K/V the reference's prefill wrote. It borrows runtime/engine.py's session (the runtime's
@@ -158,7 +159,8 @@ def verify_engine(engine_dir: Path, checkpoint: Path | None, num_threads: int | 
     with tempfile.TemporaryDirectory(prefix="trtbuild-verify-") as tmp:
         echo(f"building the unfused reference of {checkpoint} in {tmp}")
         reference = build_engine(Path(checkpoint), Path(tmp) / "reference",
-                                 build=dataclasses.replace(info.build, fuse=False, autotune="off"))
+                                 build=dataclasses.replace(info.build, fuse=False, autotune="off",
+                                                           attention="split"))
         echo("running the engine and the reference")
         steps, outputs = _compare(info, read_engine_config(reference), tolerances, num_threads)
     return VerifyReport(Path(engine_dir), precision, tuple(steps), tuple(outputs))

@@ -1,7 +1,8 @@
 """Kernel autotuning at build time, in the manner of TensorRT's tactic selection with a timing cache.
 
-A tactic is one way to compute the same thing, each worth having because it wins somewhere: the attention lowering
-(`ATTENTION_VARIANTS`: scoring past and new keys apart, or side by side after one copy of the context) and the
+A tactic is one way to compute the same thing, each worth having because it wins somewhere: the attention (the
+native custom op where its library builds, or the standard-op lowerings of `ATTENTION_VARIANTS`: scoring past and
+new keys apart, or side by side after one copy of the context) and the
 number of ONNX Runtime threads. Each candidate is timed on this machine at the engine's shape classes (a single
 user's decode and prefill; `full` adds a full decode batch and a long context), and the one with the lowest total
 time relative to the best of each class is kept. Choices and timings go into the engine's config.json ("tactics").
@@ -15,6 +16,7 @@ in by the caller (bench/autotune.py), since the builder does not run models.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -157,15 +159,18 @@ def tune(model: onnx.ModelProto, config: ModelConfig, build: BuildConfig, output
         def run() -> dict[str, float]:
             write(variant)
             try:
-                return timer(graph, config, build, threads, shapes)
+                return timer(graph, config, dataclasses.replace(build, attention=variant), threads, shapes)
             finally:
                 graph.unlink(missing_ok=True)
         return run
 
     tactics: dict[str, Any] = {"mode": build.autotune, "shape_classes": [s.name for s in shapes]}
     on = {"shapes": [s.name for s in shapes]}
-    tactics["attention"] = _measured("attention", cache_key("attention", config, build, {**on, "threads": cores}),
-                                     cache, {v: timed(v, cores) for v in variants})
+    if len(variants) > 1:
+        tactics["attention"] = _measured("attention", cache_key("attention", config, build, {**on, "threads": cores}),
+                                         cache, {v: timed(v, cores) for v in variants})
+    else:  # asked for (--attention): nothing to choose
+        tactics["attention"] = {"chosen": variants[0], "timings_ms": {}, "source": "requested"}
     chosen = tactics["attention"]["chosen"]
     thread_counts = sorted({1, cores} | ({cores // 2} if cores >= 4 else set()), reverse=True)  # default first
     if len(thread_counts) > 1:

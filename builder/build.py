@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -86,6 +87,20 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
     return applied
 
 
+def attention_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple[str, ...]:
+    """How this engine's attention may be computed, preferred first: the one asked for, or (auto) the native op
+    where it runs here, then the standard-op lowerings. The autotuner times them all; without it the first wins."""
+    from trtbuild.builder.lower_cpu import ATTENTION_VARIANTS, NATIVE, native_unavailable
+
+    if build.attention != "auto":
+        return (build.attention,)
+    reason = native_unavailable(model)
+    if reason is not None:
+        log.info("attention: the standard-op lowering (native op unavailable: %s)", reason)
+        return ATTENTION_VARIANTS
+    return (NATIVE, *ATTENTION_VARIANTS)
+
+
 def io_spec(model: onnx.ModelProto) -> dict:
     def describe(v: onnx.ValueInfoProto) -> dict:
         dims = [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
@@ -100,7 +115,7 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
     """Build an engine directory at `output` from the checkpoint at `checkpoint`. With `build.autotune` on, `timer`
     times candidate graphs (bench/autotune.py: time_graph) and `timing_cache` keeps what it measured."""
     from trtbuild.builder.autotune import TimingCache, tune
-    from trtbuild.builder.lower_cpu import ATTENTION_VARIANTS, lower_paged_attention
+    from trtbuild.builder.lower_cpu import lower_paged_attention
 
     checkpoint, output = Path(checkpoint), Path(output)
     config = ModelConfig.load(checkpoint / CONFIG_FILE) if checkpoint.is_dir() else None
@@ -128,10 +143,12 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
             return output
         applied = lower_for_target(model, build)
         steps.set_postfix_str("autotuning"), steps.update()
+        variants = attention_candidates(model, build)
         tactics = {}
         if build.autotune != "off":
-            tactics = tune(model, config, build, output, lower_paged_attention, ATTENTION_VARIANTS, timer, cache)
-        lower_paged_attention(model, tactics["attention"]["chosen"] if tactics else ATTENTION_VARIANTS[0])
+            tactics = tune(model, config, build, output, lower_paged_attention, variants, timer, cache)
+        build = dataclasses.replace(build, attention=tactics["attention"]["chosen"] if tactics else variants[0])
+        lower_paged_attention(model, build.attention)
         steps.set_postfix_str("saving"), steps.update()
         weight_bytes = save_engine_files(model, output / CPU_ENGINE_FILE, output / CPU_WEIGHTS_FILE)
         onnx.checker.check_model(str(output / CPU_ENGINE_FILE))  # by path: it reads the graph file, not the weights

@@ -1,9 +1,11 @@
 """Lower `trtbuild::PagedAttention` to standard ONNX ops that ONNX Runtime's CPU provider runs.
 
-ONNX Runtime has no CPU kernel for paged attention, so each node becomes gathers over the paged pool plus a dense
-masked attention of each sequence's new tokens over its past tokens and its own new tokens. Index arithmetic that
-depends only on the batch layout (block tables, lengths) is emitted once and shared by every layer. The gathers
-read O(context tokens) of the pool, never the whole pool.
+ONNX Runtime has no CPU kernel for paged attention. Either the node stays and trtbuild's custom-op library runs it
+(`native`, cpu_ops/paged_attention.cc: one kernel per layer), or each node becomes gathers over the paged pool plus a
+dense masked attention of each sequence's new tokens over its past tokens and its own new tokens (`split`,
+`concat`: ~34 standard nodes per layer, for machines without the library and for quantized or float16 pools).
+Index arithmetic that depends only on the batch layout (block tables, lengths) is emitted once and shared by every
+layer. The gathers read O(context tokens) of the pool, never the whole pool.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import onnx
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder, GraphView, topological_sort
 from trtbuild.builder.weight_file import StagingWeights
+from trtbuild.errors import ConfigError
 from trtbuild.plugins import paged_attention as pa
 from trtbuild.quantization import FP8_E4M3_MAX, INT8_MAX, KVCacheQuantAlgo, fp8_e4m3_values
 
@@ -29,6 +32,20 @@ def _attr(node: onnx.NodeProto, name: str, default=_MISSING):
 
 
 ATTENTION_VARIANTS = ("split", "concat")  # how scores meet the past and the new keys (see _Lowering.lower)
+NATIVE = "native"  # the nodes stay, for the custom-op library
+
+
+def native_unavailable(model: onnx.ModelProto) -> str | None:
+    """Why the native op cannot run this network's attention on this machine; None if it can."""
+    nodes = [n for n in model.graph.node if n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE]
+    if any(_attr(n, "kv_cache_quant_algo", None) for n in nodes):
+        return "the KV pool is quantized, and the native op reads a float32 pool"
+    pool = next((i for i in model.graph.input if i.name == "kv_cache"), None)
+    if pool is not None and pool.type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
+        return "the KV pool is not float32 (--kv-pool-dtype float16), and the native op reads a float32 pool"
+    from trtbuild import cpu_ops
+
+    return cpu_ops.unavailable_reason()
 
 
 class _Lowering:
@@ -200,7 +217,11 @@ class _Lowering:
 
 def lower_paged_attention(model: onnx.ModelProto, variant: str = "split") -> int:
     """Replace every PagedAttention node in place (ATTENTION_VARIANTS: the same attention, computed two ways; the
-    autotuner picks one by timing both); returns how many were lowered."""
+    autotuner picks one by timing both); returns how many were lowered. `native` leaves them (none lowered)."""
+    if variant == NATIVE:
+        if (reason := native_unavailable(model)) is not None:
+            raise ConfigError("attention", f"native cannot be used: {reason}. Use --attention split.")
+        return 0
     view = GraphView(model)
     targets = [n for n in model.graph.node if n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE]
     g = GraphBuilder(StagingWeights.of(model))

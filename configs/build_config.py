@@ -20,6 +20,9 @@ AUTOTUNE_MODES = ("off", "fast", "full")
 # how the engine takes speculative drafts: none (the runtime verifies them from logits rows), draft-tokens (the
 # engine's SpeculativeAccept op verifies up to max_draft_len drafts per sequence, plugins/speculative_accept.py)
 SPECULATIVE_DECODING_MODES = ("none", "draft-tokens")
+# how the CPU target computes PagedAttention (builder/lower_cpu.py): native (trtbuild's custom-op library, cpu_ops/),
+# split or concat (standard ONNX ops); auto: the autotuner's choice, else native where the library builds
+ATTENTION_MODES = ("auto", "native", "split", "concat")
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class BuildConfig:
     speculative_decoding_mode: str = "none"  # SPECULATIVE_DECODING_MODES
     max_draft_len: int = 0  # drafts per sequence the accept op takes (draft-tokens mode: at least 1)
     dtype: str = "float32"  # DTYPES: the cuda target's compute dtype; the CPU target computes in float32
+    attention: str = "auto"  # ATTENTION_MODES (CPU target)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -56,6 +60,8 @@ class BuildConfig:
         if self.dtype not in DTYPES or (self.target != "cuda" and self.dtype != "float32"):
             raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)} for the cuda target and float32 for the "
                                        f"others, got {self.dtype!r} for {self.target}.")
+        if self.attention not in ATTENTION_MODES:
+            raise ConfigError("attention", f"must be one of {', '.join(ATTENTION_MODES)}, got {self.attention!r}.")
         if self.speculative_decoding_mode not in SPECULATIVE_DECODING_MODES:
             raise ConfigError("speculative_decoding_mode", f"must be one of {', '.join(SPECULATIVE_DECODING_MODES)}, "
                                                            f"got {self.speculative_decoding_mode!r}.")

@@ -13,6 +13,7 @@ import numpy as np
 
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, EngineInfo, read_engine_config
 from trtbuild.configs import BuildConfig
+from trtbuild.cpu_ops import library_for_engine
 from trtbuild.errors import EngineCompatibilityError
 from trtbuild.quantization import kv_pool_dtype
 from trtbuild.runtime.kv_cache import KVCacheStorage
@@ -191,6 +192,8 @@ class CpuEngine:
         # into MatMulNBits itself, computing at accuracy level 4 unless told: keep the level the engine was built with.
         options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",
                                          str(self.info.build.int4_accuracy_level))
+        if self.info.build.attention == "native":  # trtbuild::PagedAttention nodes, run by cpu_ops/
+            options.register_custom_ops_library(str(library_for_engine(self.info.path)))
         try:
             self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as e:  # ORT raises its own exception types for corrupt or unsupported models

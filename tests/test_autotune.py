@@ -41,21 +41,28 @@ def steps(engine_dir) -> list[np.ndarray]:
             e.step([SequenceChunk(0, [7, 8, 9], 20, 3, [0, 1]), SequenceChunk(1, [3, 4], 0, 2, [5])])]
 
 
-def test_attention_variants_compute_the_same_attention(checkpoint, tmp_path, monkeypatch):
-    import trtbuild.builder.lower_cpu as lower_cpu
-
-    engines = {}
-    for variant in lower_cpu.ATTENTION_VARIANTS:
-        lowering = lower_cpu.lower_paged_attention
-        monkeypatch.setattr(lower_cpu, "lower_paged_attention", lambda m, *_, v=variant, f=lowering: f(m, v))
-        engines[variant] = build_engine(checkpoint, tmp_path / variant, **LIMITS)
-        monkeypatch.undo()
-    split, concat = (steps(engines[v]) for v in ("split", "concat"))
-    for a, b in zip(split, concat, strict=True):
+def test_attention_variants_compute_the_same_attention(checkpoint, tmp_path):
+    engines = {v: build_engine(checkpoint, tmp_path / v, attention=v, **LIMITS) for v in ("native", "split", "concat")}
+    for v, engine in engines.items():
+        assert read_engine_config(engine).build.attention == v
+    split, concat, native = (steps(engines[v]) for v in ("split", "concat", "native"))
+    for a, b, c in zip(split, concat, native, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)  # the same sums, in another order
+        np.testing.assert_allclose(c, a, atol=1e-4, rtol=1e-4)
     nodes = {v: len(onnx.load(str(engines[v] / CPU_ENGINE_FILE), load_external_data=False).graph.node)
              for v in engines}
-    assert nodes["concat"] < nodes["split"]  # fewer nodes per layer, one more copy of the context
+    assert nodes["native"] < nodes["concat"] < nodes["split"]  # concat: fewer nodes per layer, one more copy
+    layers = read_engine_config(engines["native"]).model.num_hidden_layers
+    graph = onnx.load(str(engines["native"] / CPU_ENGINE_FILE), load_external_data=False).graph
+    assert sum(n.op_type == "PagedAttention" and n.domain == "trtbuild" for n in graph.node) == layers
+
+
+def test_an_unbuilt_build_picks_native_attention_where_the_library_builds(checkpoint, tmp_path):
+    assert read_engine_config(build_engine(checkpoint, tmp_path / "e", **LIMITS)).build.attention == "native"
+    fp16_pool = build_engine(checkpoint, tmp_path / "f", kv_pool_dtype="float16", **LIMITS)
+    assert read_engine_config(fp16_pool).build.attention == "split"  # the native op reads a float32 pool
+    with pytest.raises(ConfigError, match="native cannot be used: the KV pool is not float32"):
+        build_engine(checkpoint, tmp_path / "g", kv_pool_dtype="float16", attention="native", **LIMITS)
 
 
 def test_autotune_records_tactics_and_the_cache_spares_a_rebuild(checkpoint, tmp_path):
@@ -71,11 +78,11 @@ def test_autotune_records_tactics_and_the_cache_spares_a_rebuild(checkpoint, tmp
     tactics = read_engine_config(first).tactics
     assert tactics["mode"] == "fast" and tactics["shape_classes"] == ["decode_b1_ctx64", "prefill_64"]
     attention = tactics["attention"]
-    assert attention["source"] == "measured" and set(attention["timings_ms"]) == {"split", "concat"}
+    assert attention["source"] == "measured" and set(attention["timings_ms"]) == {"native", "split", "concat"}
     assert attention["chosen"] == best(attention["timings_ms"])
     assert all(ms > 0 for by_class in attention["timings_ms"].values() for ms in by_class.values())
     measured = len(calls)
-    assert measured == 2 + (len(tactics["num_threads"]["timings_ms"]) if "num_threads" in tactics else 0)
+    assert measured == 3 + (len(tactics["num_threads"]["timings_ms"]) if "num_threads" in tactics else 0)
     second = build_engine(checkpoint, tmp_path / "b", timer=counting_timer, timing_cache=cache, autotune="fast",
                           **LIMITS)
     again = read_engine_config(second).tactics
@@ -127,7 +134,7 @@ def test_build_autotune_through_the_cli(checkpoint, tmp_path):
                                        "--max-seq-len", "128", "--max-num-tokens", "64", "--autotune", "fast",
                                        "--timing-cache", str(tmp_path / "t.json")])
     assert result.exit_code == 0, result.output
-    assert "autotune attention: " in result.output and "(measured; split: decode_b1_ctx64" in result.output
+    assert "autotune attention: " in result.output and "(measured; native: decode_b1_ctx64" in result.output
     assert json.loads((tmp_path / "t.json").read_text())["version"] == 1
 
 

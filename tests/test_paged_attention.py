@@ -221,6 +221,13 @@ def test_lowered_op_reads_the_pool_only_through_gathers():
 
 
 def test_engine_reads_the_pool_only_through_gathers(random_hf_model, engine_from_hf):
-    engine_dir = engine_from_hf(random_hf_model("qwen3"), max_batch_size=4, max_num_tokens=256)
+    engine_dir = engine_from_hf(random_hf_model("qwen3"), max_batch_size=4, max_num_tokens=256, attention="split")
     model = onnx.load(str(engine_dir / CPU_ENGINE_FILE))
     assert_pool_read_only_by_gathers(model, num_layers=2)
+
+
+def test_a_native_attention_engine_gives_the_pool_only_to_its_paged_attention_nodes(random_hf_model, engine_from_hf):
+    engine_dir = engine_from_hf(random_hf_model("qwen3"), max_batch_size=4, max_num_tokens=256, attention="native")
+    graph = onnx.load(str(engine_dir / CPU_ENGINE_FILE), load_external_data=False).graph
+    readers = [n for n in graph.node if "kv_cache" in n.input]
+    assert len(readers) == 2 and all(n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE for n in readers)

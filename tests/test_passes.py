@@ -18,6 +18,7 @@ import pytest
 from helpers import RANDOM_CONFIGS
 from onnx import helper, numpy_helper
 
+from trtbuild import cpu_ops
 from trtbuild.builder.convert.checkpoint import load_checkpoint
 from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
@@ -354,6 +355,8 @@ class Recorder:
     def __init__(self, model: onnx.ModelProto) -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
+        if any(o.domain == cpu_ops.DOMAIN for o in model.opset_import):  # built with native attention
+            options.register_custom_ops_library(str(cpu_ops.library_path()))
         self.session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         self.outputs: list[list[np.ndarray]] = []
 

@@ -1,0 +1,106 @@
+"""trtbuild's ONNX Runtime custom-op library for the CPU target: native kernels for ops of plugins/README.md.
+
+The library is compiled on the machine that uses it, on first use (as torch's C++ extensions and Triton compile
+theirs): `g++ -O3 -march=native` against ONNX Runtime's headers (cpu_ops/ort_headers.py), cached under
+`~/.cache/trtbuild/cpu_ops/<hash of sources, compiler and CPU>`. An engine whose graph keeps `trtbuild::` nodes
+needs it; the builder only keeps them when the library is available (`trtbuild build --attention`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from trtbuild.cpu_ops.ort_headers import HeadersUnavailable, cache_dir, include_dir
+from trtbuild.errors import TrtbuildError
+
+log = logging.getLogger(__name__)
+SOURCES = ("register.cc", "paged_attention.cc")
+HEADERS = ("cpu_ops.h",)
+DOMAIN = "trtbuild"
+_HERE = Path(__file__).parent
+
+
+class CpuOpsUnavailable(TrtbuildError):
+    """The custom-op library cannot be built or loaded on this machine."""
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise CpuOpsUnavailable(f"no C++ compiler ({cxx}) on this machine: install g++ (Debian: `apt-get install "
+                                "g++`), or build engines with `--attention split`.")
+    return cxx
+
+
+def _flags(includes: Path) -> list[str]:
+    # NOTE: no FMA contraction of plain C++ arithmetic (RoPE), so results match ONNX Runtime's kernels to the ulp
+    return ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden",
+            f"-I{includes}"]
+
+
+def _cpu_flags() -> str:
+    try:
+        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+@functools.lru_cache(maxsize=1)
+def library_path() -> Path:
+    """The compiled library, built now if this machine has none for these sources yet."""
+    cxx = _compiler()
+    try:
+        includes = include_dir()
+    except HeadersUnavailable as e:
+        raise CpuOpsUnavailable(str(e)) from None
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    digest = hashlib.sha256(b"".join((_HERE / f).read_bytes() for f in SOURCES + HEADERS))
+    digest.update(" ".join([*_flags(includes), *version, _cpu_flags()]).encode())
+    target = cache_dir() / "cpu_ops" / digest.hexdigest()[:16] / "libtrtbuild_cpu_ops.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        staging = Path(tmp) / target.name
+        command = [cxx, *_flags(includes), *(str(_HERE / f) for f in SOURCES), "-o", str(staging)]
+        log.info("compiling the CPU custom-op library: %s", " ".join(command))
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode:
+            raise CpuOpsUnavailable(f"compiling the CPU custom-op library failed:\n{result.stderr[-3000:]}\n"
+                                    "Build engines with `--attention split` to do without it.")
+        staging.replace(target)  # NOTE: atomic, so concurrent first uses never load a half-written library
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def unavailable_reason() -> str | None:
+    """None when the library builds and loads here; otherwise why not (logged once)."""
+    try:
+        path = library_path()
+        import onnxruntime as ort
+
+        ort.SessionOptions().register_custom_ops_library(str(path))
+    except (CpuOpsUnavailable, RuntimeError, OSError) as e:
+        log.warning("native CPU ops unavailable: %s", e)
+        return str(e)
+    return None
+
+
+def library_for_engine(engine: Path) -> Path:
+    """The library an engine's graph needs, or an error naming the engine and how to rebuild it without."""
+    from trtbuild.builder.engine_dir import build_command
+    from trtbuild.errors import EngineCompatibilityError
+
+    try:
+        return library_path()
+    except CpuOpsUnavailable as e:
+        raise EngineCompatibilityError(f"engine {engine} runs trtbuild's native CPU ops, which cannot be built on "
+                                       f"this machine: {e}\nOr rebuild the engine without them: "
+                                       f"{build_command('--attention split')}") from None

@@ -1,0 +1,21 @@
+// Entry point ONNX Runtime calls when a session loads the library (SessionOptions.register_custom_ops_library).
+#include "cpu_ops.h"
+
+#include <exception>
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  Ort::InitApi(api_base->GetApi(ORT_API_VERSION));
+  // NOTE: the domain must outlive every session that uses it, so it is built once per process.
+  static Ort::CustomOpDomain* domain = [] {
+    auto* d = new Ort::CustomOpDomain("trtbuild");
+    d->Add(trtbuild_cpu_ops::paged_attention_op());
+    return d;
+  }();
+  try {
+    Ort::UnownedSessionOptions(options).Add(*domain);
+  } catch (const std::exception& e) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
+  }
+  return nullptr;
+}

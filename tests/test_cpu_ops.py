@@ -1,0 +1,126 @@
+"""The native CPU custom-op library (cpu_ops/): trtbuild::PagedAttention run by ONNX Runtime against the numpy
+reference, on the conformance batch of test_paged_attention.py (decode, fresh and continuing prefill, GQA, RoPE)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from test_paged_attention import (
+    HEADS,
+    LAYERS,
+    assert_matches_reference,
+    batch,
+    paged_attention_model,
+)
+
+from trtbuild import cpu_ops
+
+
+@pytest.fixture(scope="module")
+def library() -> str:
+    reason = cpu_ops.unavailable_reason()
+    assert reason is None, reason  # NOTE: CI machines have g++ and reach deb.debian.org; a failure here is real
+    return str(cpu_ops.library_path())
+
+
+def session(library: str, layers: list[int], rotary: bool) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    options.intra_op_num_threads = 2
+    return ort.InferenceSession(paged_attention_model(layers, rotary).SerializeToString(), options,
+                                providers=["CPUExecutionProvider"])
+
+
+def run(sess: ort.InferenceSession, data: dict, layers: list[int], rotary: bool) -> dict:
+    feeds = {n: data[n] for n in ("kv_cache", "block_tables", "past_lengths", "query_start_loc")}
+    if rotary:
+        feeds.update({n: data[n] for n in ("position_ids", "rope_cos", "rope_sin")})
+    for layer in layers:
+        feeds.update({f"{n}{layer}": data[n] for n in "qkv"})
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds), strict=True))
+
+
+@pytest.mark.parametrize("rotary", [False, True], ids=["no_rope", "rope"])
+def test_native_paged_attention_matches_reference(library, rotary):
+    data = batch(3)
+    layers = list(range(LAYERS))
+    got = run(session(library, layers, rotary), data, layers, rotary)
+    for layer in layers:
+        assert_matches_reference(got, data, layer, rotary)
+
+
+@pytest.mark.parametrize("rotary", [False, True], ids=["no_rope", "rope"])
+def test_native_op_never_reads_unowned_slots(library, rotary):
+    data = batch(4)
+    want = run(session(library, [1], rotary), data, [1], rotary)
+    pool = data["kv_cache"].copy()  # [blocks, layers, K|V, kv heads, slots, head size]; owned_past [blocks, slots]
+    pool[np.broadcast_to(~data["owned_past"][:, None, None, None, :, None], pool.shape)] = 1e30
+    data["kv_cache"] = pool
+    got = run(session(library, [1], rotary), data, [1], rotary)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_a_block_table_entry_outside_the_pool_is_an_error_not_a_crash(library):
+    data = batch(5)
+    data["block_tables"] = data["block_tables"].copy()
+    data["block_tables"][0, 0] = data["kv_cache"].shape[0] + 7  # sequence 0 has past tokens in its first block
+    with pytest.raises(Exception, match="block table entry is outside the pool"):
+        run(session(library, [0], False), data, [0], False)
+
+
+def test_shapes_are_what_the_contract_says(library):
+    data = batch(6)
+    got = run(session(library, [0], True), data, [0], True)
+    tokens, kv_heads, head = len(data["q"]), data["kv_cache"].shape[3], data["kv_cache"].shape[5]
+    assert got["attn_out0"].shape == (tokens, HEADS * head)
+    assert got["k_new0"].shape == got["v_new0"].shape == (tokens, kv_heads, head)
+
+
+def test_an_engine_needing_the_library_where_it_cannot_be_built_names_the_rebuild(monkeypatch, tmp_path):
+    from helpers import STORIES260K, require_shared_models
+
+    from trtbuild.builder.build import build_engine
+    from trtbuild.builder.convert.convert import convert
+    from trtbuild.errors import EngineCompatibilityError
+    from trtbuild.runtime.engine import CpuEngine
+
+    require_shared_models()
+    convert(STORIES260K, tmp_path / "ckpt")
+    engine = build_engine(tmp_path / "ckpt", tmp_path / "e", attention="native", max_seq_len=64)
+
+    def no_compiler():
+        raise cpu_ops.CpuOpsUnavailable("no C++ compiler (g++) on this machine")
+
+    monkeypatch.setattr(cpu_ops, "library_path", no_compiler)
+    with pytest.raises(EngineCompatibilityError, match=r"(?s)native CPU ops.*no C\+\+ compiler.*--attention split"):
+        CpuEngine(engine, num_blocks=4)
+
+
+def test_headers_come_from_a_debian_package_or_a_given_directory(monkeypatch, tmp_path):
+    import io
+    import tarfile
+
+    from trtbuild.cpu_ops import ort_headers
+
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w:xz") as tar:
+        for name, body in (("./usr/include/onnxruntime/onnxruntime_cxx_api.h", b"// api"),
+                           ("./usr/share/doc/x/copyright", b"MIT")):
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    member = data.getvalue()
+    deb = b"!<arch>\n" + b"data.tar.xz/".ljust(48) + str(len(member)).encode().ljust(10) + b"`\n" + member
+    ort_headers._extract_headers(deb, tmp_path / "inc")
+    assert [p.name for p in (tmp_path / "inc").iterdir()] == ["onnxruntime_cxx_api.h"]
+    with pytest.raises(ort_headers.HeadersUnavailable, match="not a Debian archive"):
+        ort_headers._extract_headers(b"<html>", tmp_path / "other")
+
+    monkeypatch.setenv("TRTBUILD_ORT_INCLUDE_DIR", str(tmp_path / "inc"))
+    assert ort_headers.include_dir() == tmp_path / "inc"
+    monkeypatch.setenv("TRTBUILD_ORT_INCLUDE_DIR", str(tmp_path))
+    with pytest.raises(ort_headers.HeadersUnavailable, match="has no onnxruntime_cxx_api.h"):
+        ort_headers.include_dir()
