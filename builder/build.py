@@ -101,6 +101,27 @@ def attention_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple[st
     return (NATIVE, *ATTENTION_VARIANTS)
 
 
+def write_small_step_graph(model: onnx.ModelProto, build: BuildConfig, output: Path) -> str:
+    """Write the small-step graph (builder/decode_graph.py) beside the saved engine graph when asked (native) or
+    when it applies (auto); returns the resolved decode_linears."""
+    from trtbuild import cpu_ops
+    from trtbuild.builder.decode_graph import DECODE_GRAPH_FILE, small_step_graph
+
+    if build.decode_linears == "ort":
+        return "ort"
+    decode, replaced = small_step_graph(model)
+    problem = ("no linear has 4/8-bit blocks of 32 with K a multiple of 128" if not replaced else
+               "int4_accuracy_level 1 asks for fp32 compute" if build.int4_accuracy_level != 4 else
+               cpu_ops.unavailable_reason())
+    if problem is not None:
+        if build.decode_linears == "native":
+            raise ConfigError("decode_linears", f"native cannot be used: {problem}. Use --decode-linears ort.")
+        log.info("decode linears: MatMulNBits (%s)", problem)
+        return "ort"
+    onnx.save_model(decode, str(output / DECODE_GRAPH_FILE))
+    return "native"
+
+
 def io_spec(model: onnx.ModelProto) -> dict:
     def describe(v: onnx.ValueInfoProto) -> dict:
         dims = [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
@@ -152,6 +173,7 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         steps.set_postfix_str("saving"), steps.update()
         weight_bytes = save_engine_files(model, output / CPU_ENGINE_FILE, output / CPU_WEIGHTS_FILE)
         onnx.checker.check_model(str(output / CPU_ENGINE_FILE))  # by path: it reads the graph file, not the weights
+        build = dataclasses.replace(build, decode_linears=write_small_step_graph(model, build, output))
         copy_tokenizer_files(checkpoint, output)
         io = io_spec(model)
         assert [i["name"] for i in io["inputs"]] == list(engine_inputs(build))

@@ -6,4 +6,5 @@
 
 namespace trtbuild_cpu_ops {
 const OrtCustomOp* paged_attention_op();
+const OrtCustomOp* block_quant_matmul_op();
 }  // namespace trtbuild_cpu_ops

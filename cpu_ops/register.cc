@@ -10,6 +10,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   static Ort::CustomOpDomain* domain = [] {
     auto* d = new Ort::CustomOpDomain("trtbuild");
     d->Add(trtbuild_cpu_ops::paged_attention_op());
+    d->Add(trtbuild_cpu_ops::block_quant_matmul_op());
     return d;
   }();
   try {

@@ -124,3 +124,59 @@ def test_headers_come_from_a_debian_package_or_a_given_directory(monkeypatch, tm
     monkeypatch.setenv("TRTBUILD_ORT_INCLUDE_DIR", str(tmp_path))
     with pytest.raises(ort_headers.HeadersUnavailable, match="has no onnxruntime_cxx_api.h"):
         ort_headers.include_dir()
+
+
+def block_quant_model(k: int, n: int, bits: int, b: np.ndarray, scales: np.ndarray):
+    from onnx import TensorProto, helper, numpy_helper
+
+    node = helper.make_node("BlockQuantMatMul", ["x", "B", "S"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=n, bits=bits,
+                            block_size=32)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
+                              [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "S")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(cpu_ops.DOMAIN, 1)])
+
+
+def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
+    """llama.cpp's arithmetic in float64: x rounded to int8 per block of 32 (scale amax / 127), integer dot products
+    with the codes less their zero point, each block scaled by both scales."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32).astype(np.float64)
+    d = np.abs(blocks).max(axis=2, keepdims=True) / 127
+    q = np.rint(np.divide(blocks, d, out=np.zeros_like(blocks), where=d > 0))
+    w = codes.reshape(codes.shape[0], k // 32, 32).astype(np.float64) - (8 if bits == 4 else 128)
+    dots = np.einsum("mbi,nbi->mnb", q, w)  # exact integers
+    return np.einsum("mnb,mb,nb->mn", dots, d[:, :, 0], scales.reshape(-1, k // 32).astype(np.float64))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_block_quant_matmul_matches_its_reference(library, bits):
+    """MatMulNBits' own layout (4-bit: element 2j in the low nibble of byte j); token counts around the tile of 4;
+    rows not a multiple of the task size; a zero block in x."""
+    rng = np.random.default_rng(bits)
+    k, n = 384, 200
+    codes = rng.integers(0, 16 if bits == 4 else 256, (n, k), dtype=np.uint8)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)) if bits == 4 else codes
+    scales = (rng.random((n, k // 32), dtype=np.float32) * 0.02 + 1e-3).reshape(-1)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    options.intra_op_num_threads = 2
+    sess = ort.InferenceSession(block_quant_model(k, n, bits, packed.reshape(n, k // 32, -1), scales)
+                                .SerializeToString(), options, providers=["CPUExecutionProvider"])
+    for m in (1, 3, 4, 5, 9):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[0, 32:64] = 0.0
+        want = reference_block_quant_matmul(x, codes, scales, bits)
+        got = sess.run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+        w = (codes.astype(np.float32) - (8 if bits == 4 else 128)) * np.repeat(scales.reshape(n, -1), 32, axis=1)
+        assert np.abs(got - x @ w.T).max() < 0.02 * np.abs(x @ w.T).max()  # and near the float product
+
+
+def test_block_quant_matmul_refuses_what_it_cannot_run(library):
+    codes = np.zeros((8, 3, 16), dtype=np.uint8)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    with pytest.raises(Exception, match="K must be a multiple of 128"):
+        ort.InferenceSession(block_quant_model(96, 8, 4, codes, np.ones(24, np.float32)).SerializeToString(), options,
+                             providers=["CPUExecutionProvider"]).run(None, {"x": np.zeros((1, 96), np.float32)})
