@@ -105,7 +105,8 @@ def write_small_step_graph(model: onnx.ModelProto, build: BuildConfig, output: P
     """Write the small-step graph (builder/decode_graph.py) beside the saved engine graph when asked (native) or
     when it applies (auto); returns the resolved decode_linears."""
     from trtbuild import cpu_ops
-    from trtbuild.builder.decode_graph import DECODE_GRAPH_FILE, small_step_graph
+    from trtbuild.builder.decode_graph import small_step_graph
+    from trtbuild.builder.engine_dir import CPU_SMALL_STEP_FILE
 
     if build.decode_linears == "ort":
         return "ort"
@@ -118,7 +119,7 @@ def write_small_step_graph(model: onnx.ModelProto, build: BuildConfig, output: P
             raise ConfigError("decode_linears", f"native cannot be used: {problem}. Use --decode-linears ort.")
         log.info("decode linears: MatMulNBits (%s)", problem)
         return "ort"
-    onnx.save_model(decode, str(output / DECODE_GRAPH_FILE))
+    onnx.save_model(decode, str(output / CPU_SMALL_STEP_FILE))
     return "native"
 
 

@@ -4,10 +4,10 @@ linears (blocks of 32) run by trtbuild::BlockQuantMatMul (cpu_ops/block_matmul.c
 Why two graphs: at one to a few tokens a step reads every weight once, and our kernel streams the very bytes
 MatMulNBits would at a higher rate (llama.cpp's way: activations quantized to int8 blocks once per matmul, one row
 of codes at a time, VNNI dot products). From about 8 tokens on, ONNX Runtime's packed MLAS kernels are faster. So
-the runtime runs steps of at most DECODE_MAX_TOKENS tokens on this graph (batch-1 decode, a few decodes, short
-speculative verifications) and every other step on rank0.onnx. NOTE: the two sessions share the file, not memory:
-MLAS repacks its weights, while the small-step session reads the mapped file, so the linears' bytes count twice in
-RSS.
+the runtime runs steps of at most SMALL_STEP_MAX_TOKENS tokens (engine_dir.py) on this graph (batch-1 decode, a
+few decodes, short speculative verifications) and every other step on rank0.onnx. NOTE: the two sessions share the
+file, not memory: MLAS repacks its weights, while the small-step session reads the mapped file, so the linears'
+bytes count twice in RSS.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import onnx
 from trtbuild.builder.graph import MS_DOMAIN
 from trtbuild.plugins import paged_attention as pa
 
-DECODE_GRAPH_FILE = "rank0.decode.onnx"
-DECODE_MAX_TOKENS = 4  # steps with at most this many tokens run the small-step graph
 OP_TYPE = "BlockQuantMatMul"
 BLOCK = 32
 K_MULTIPLE = 128  # the kernel reads 4 blocks per step

@@ -11,8 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from trtbuild.builder.decode_graph import DECODE_GRAPH_FILE, DECODE_MAX_TOKENS
-from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, EngineInfo, read_engine_config
+from trtbuild.builder.engine_dir import (
+    CPU_ENGINE_FILE,
+    CPU_SMALL_STEP_FILE,
+    SMALL_STEP_MAX_TOKENS,
+    EngineInfo,
+    read_engine_config,
+)
 from trtbuild.configs import BuildConfig
 from trtbuild.cpu_ops import library_for_engine
 from trtbuild.errors import EngineCompatibilityError
@@ -209,7 +214,7 @@ class CpuEngine:
         # steps of a few tokens run the small-step graph (builder/decode_graph.py); not for autotuning candidates
         self.small_step_session = None
         if build.decode_linears == "native" and graph is None:
-            self.small_step_session = _session(ort, self.info.path / DECODE_GRAPH_FILE, options)
+            self.small_step_session = _session(ort, self.info.path / CPU_SMALL_STEP_FILE, options)
         self.run_seconds = 0.0  # time spent in session.run over all steps (the rest of a step is host work)
         self.kv_quant_algo = self.info.model.quantization.kv_cache_quant_algo
         self.kv_scales = None
@@ -279,7 +284,7 @@ class CpuEngine:
         """One engine call over checked chunks."""
         feeds, slots = self.feeds(chunks)
         session = self.session
-        if self.small_step_session is not None and len(feeds["input_ids"]) <= DECODE_MAX_TOKENS:
+        if self.small_step_session is not None and len(feeds["input_ids"]) <= SMALL_STEP_MAX_TOKENS:
             session = self.small_step_session
         start = time.perf_counter()
         outputs = session.run(None, feeds)

@@ -1,6 +1,6 @@
-"""The CPU engine's small-step graph (builder/decode_graph.py): steps of at most DECODE_MAX_TOKENS tokens run 4/8-bit
-linears with trtbuild::BlockQuantMatMul over the same weight file; larger steps run MatMulNBits. Both graphs give
-the same logits up to int8 activation rounding, and the runtime picks by step size."""
+"""The CPU engine's small-step graph (builder/decode_graph.py): steps of at most SMALL_STEP_MAX_TOKENS tokens
+run 4/8-bit linears with trtbuild::BlockQuantMatMul over the same weight file; larger steps run MatMulNBits. Both
+graphs give the same logits up to int8 activation rounding, and the runtime picks by step size."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from helpers import make_random_hf_model
 
 from trtbuild.builder.build import build_engine
 from trtbuild.builder.convert.convert import WeightOnly, convert
-from trtbuild.builder.decode_graph import DECODE_GRAPH_FILE, DECODE_MAX_TOKENS
-from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, read_engine_config
+from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, CPU_SMALL_STEP_FILE, SMALL_STEP_MAX_TOKENS, read_engine_config
 from trtbuild.errors import ConfigError
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 
@@ -34,7 +33,7 @@ def ops(path) -> list[str]:
 def test_small_steps_run_the_native_linears_and_agree_with_matmulnbits(checkpoint, tmp_path):
     engine_dir = build_engine(checkpoint, tmp_path / "e", **LIMITS)
     assert read_engine_config(engine_dir).build.decode_linears == "native"
-    main, small = ops(engine_dir / CPU_ENGINE_FILE), ops(engine_dir / DECODE_GRAPH_FILE)
+    main, small = ops(engine_dir / CPU_ENGINE_FILE), ops(engine_dir / CPU_SMALL_STEP_FILE)
     assert small.count("BlockQuantMatMul") == main.count("MatMulNBits") > 0 and "MatMulNBits" not in small
     assert [o for o in main if o != "MatMulNBits"] == [o for o in small if o != "BlockQuantMatMul"]
 
@@ -52,14 +51,14 @@ def test_small_steps_run_the_native_linears_and_agree_with_matmulnbits(checkpoin
     big_logits = engine.step(decode)
     np.testing.assert_allclose(small_logits, big_logits, atol=2e-2 * np.abs(big_logits).max())
     assert small_logits.argmax() == big_logits.argmax()
-    engine.step([SequenceChunk(i, [5] * (DECODE_MAX_TOKENS + 1 - i), 0, 1, [3 + i]) for i in range(2)])
-    assert used[-1] == "session"  # more than DECODE_MAX_TOKENS tokens
+    engine.step([SequenceChunk(i, [5] * (SMALL_STEP_MAX_TOKENS + 1 - i), 0, 1, [3 + i]) for i in range(2)])
+    assert used[-1] == "session"  # more than SMALL_STEP_MAX_TOKENS tokens
 
 
 def test_decode_linears_ort_or_where_nothing_applies(checkpoint, tmp_path):
     ort_engine = build_engine(checkpoint, tmp_path / "ort", decode_linears="ort", **LIMITS)
     assert read_engine_config(ort_engine).build.decode_linears == "ort"
-    assert not (ort_engine / DECODE_GRAPH_FILE).exists()
+    assert not (ort_engine / CPU_SMALL_STEP_FILE).exists()
     assert CpuEngine(ort_engine, num_blocks=4).small_step_session is None
     fp32 = build_engine(checkpoint, tmp_path / "acc1", int4_accuracy_level=1, **LIMITS)
     assert read_engine_config(fp32).build.decode_linears == "ort"  # fp32 compute asked for: MatMulNBits only
@@ -71,6 +70,6 @@ def test_a_missing_small_step_graph_is_a_clear_error(checkpoint, tmp_path):
     from trtbuild.errors import EngineCompatibilityError
 
     engine_dir = build_engine(checkpoint, tmp_path / "e", **LIMITS)
-    (engine_dir / DECODE_GRAPH_FILE).unlink()
+    (engine_dir / CPU_SMALL_STEP_FILE).unlink()
     with pytest.raises(EngineCompatibilityError, match=r"rank0\.decode\.onnx is missing; rebuild"):
         CpuEngine(engine_dir, num_blocks=4)
