@@ -73,3 +73,12 @@ def test_a_missing_small_step_graph_is_a_clear_error(checkpoint, tmp_path):
     (engine_dir / CPU_SMALL_STEP_FILE).unlink()
     with pytest.raises(EngineCompatibilityError, match=r"rank0\.decode\.onnx is missing; rebuild"):
         CpuEngine(engine_dir, num_blocks=4)
+
+
+def test_verify_checks_the_small_step_graph_against_matmulnbits(checkpoint, tmp_path):
+    from trtbuild.bench.verify import verify_engine
+
+    engine_dir = build_engine(checkpoint, tmp_path / "e", **LIMITS)
+    report = verify_engine(engine_dir, checkpoint, num_threads=1)
+    report.check()  # raises VerificationError if an output is off
+    assert len(report.steps) == 2 and "decode" in report.steps[1]
