@@ -17,11 +17,7 @@ import copy
 import onnx
 
 from trtbuild.builder.graph import MS_DOMAIN
-from trtbuild.plugins import paged_attention as pa
-
-OP_TYPE = "BlockQuantMatMul"
-BLOCK = 32
-K_MULTIPLE = 128  # the kernel reads 4 blocks per step
+from trtbuild.plugins import block_quant_matmul as bq
 
 
 def _attrs(node: onnx.NodeProto) -> dict:
@@ -33,7 +29,7 @@ def eligible(node: onnx.NodeProto) -> bool:
     if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN or len([i for i in node.input if i]) != 3:
         return False
     a = _attrs(node)
-    return a.get("bits") in (4, 8) and a.get("block_size") == BLOCK and a["K"] % K_MULTIPLE == 0
+    return a.get("bits") in (4, 8) and a.get("block_size") == bq.BLOCK and a["K"] % bq.K_MULTIPLE == 0
 
 
 def small_step_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
@@ -46,8 +42,8 @@ def small_step_graph(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
             a = _attrs(node)
             del node.attribute[:]
             node.attribute.extend(onnx.helper.make_attribute(k, a[k]) for k in ("K", "N", "bits", "block_size"))
-            node.op_type, node.domain = OP_TYPE, pa.DOMAIN
+            node.op_type, node.domain = bq.OP_TYPE, bq.DOMAIN
             replaced += 1
-    if replaced and not any(o.domain == pa.DOMAIN for o in decode.opset_import):
-        decode.opset_import.append(onnx.helper.make_opsetid(pa.DOMAIN, pa.OPSET_VERSION))
+    if replaced and not any(o.domain == bq.DOMAIN for o in decode.opset_import):
+        decode.opset_import.append(onnx.helper.make_opsetid(bq.DOMAIN, 1))
     return decode, replaced

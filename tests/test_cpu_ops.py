@@ -15,6 +15,7 @@ from test_paged_attention import (
 )
 
 from trtbuild import cpu_ops
+from trtbuild.plugins.block_quant_matmul import reference_block_quant_matmul
 
 
 @pytest.fixture(scope="module")
@@ -135,18 +136,6 @@ def block_quant_model(k: int, n: int, bits: int, b: np.ndarray, scales: np.ndarr
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
                               [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "S")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(cpu_ops.DOMAIN, 1)])
-
-
-def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
-    """llama.cpp's arithmetic in float64: x rounded to int8 per block of 32 (scale amax / 127), integer dot products
-    with the codes less their zero point, each block scaled by both scales."""
-    m, k = x.shape
-    blocks = x.reshape(m, k // 32, 32).astype(np.float64)
-    d = np.abs(blocks).max(axis=2, keepdims=True) / 127
-    q = np.rint(np.divide(blocks, d, out=np.zeros_like(blocks), where=d > 0))
-    w = codes.reshape(codes.shape[0], k // 32, 32).astype(np.float64) - (8 if bits == 4 else 128)
-    dots = np.einsum("mbi,nbi->mnb", q, w)  # exact integers
-    return np.einsum("mnb,mb,nb->mn", dots, d[:, :, 0], scales.reshape(-1, k // 32).astype(np.float64))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
