@@ -55,44 +55,58 @@ void quantize_x(const float* x, int64_t m, int64_t k, int bits, QuantizedX& q) {
   q.codes.resize(m * k);
   q.bias.resize(m * steps * q.halves * 16);
   q.scale.resize(m * steps * q.halves * 16);
-  int8_t natural[kStep];
-  float d[4];
+#ifndef TRTBUILD_NO_VNNI
+  const __m512i even_idx = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd_idx = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512i lanes4 = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i lanes8a = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i lanes8b = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m512i ones = _mm512_set1_epi8(1);
   for (int64_t t = 0; t < m; ++t) {
     for (int64_t s = 0; s < steps; ++s) {
       const float* src = x + t * k + s * kStep;
-      for (int b = 0; b < 4; ++b) {
-        float amax = 0.0f;
-        for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::abs(src[b * kBlock + i]));
-        d[b] = amax / 127.0f;
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int i = 0; i < kBlock; ++i) natural[b * kBlock + i] = static_cast<int8_t>(std::nearbyint(src[b * kBlock + i] * inv));
-      }
       int8_t* dst = q.codes.data() + (t * steps + s) * kStep;
-      if (bits == 4) {  // bytes 0..63: even elements of blocks 0..3 (16 each); 64..127: the odd ones
-        for (int b = 0; b < 4; ++b)
-          for (int j = 0; j < 16; ++j) {
-            dst[b * 16 + j] = natural[b * kBlock + 2 * j];
-            dst[64 + b * 16 + j] = natural[b * kBlock + 2 * j + 1];
-          }
-      } else {
-        std::copy(natural, natural + kStep, dst);
+      alignas(16) float d[4];
+      for (int b = 0; b < 4; ++b) {
+        const __m512 v0 = _mm512_loadu_ps(src + b * kBlock), v1 = _mm512_loadu_ps(src + b * kBlock + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        d[b] = amax / 127.0f;
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        // NOTE: cvtps rounds half to even (the default MXCSR), as the reference's rint
+        if (bits == 4) {  // bytes 0..63: even elements of blocks 0..3 (16 each); 64..127: the odd ones
+          const __m512 even = _mm512_permutex2var_ps(v0, even_idx, v1), odd = _mm512_permutex2var_ps(v0, odd_idx, v1);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b * 16),
+                           _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(even, inv))));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 64 + b * 16),
+                           _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(odd, inv))));
+        } else {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b * kBlock),
+                           _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + b * kBlock + 16),
+                           _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+        }
       }
+      // each lane's start value: -zp x the sum of the 4 codes it reads in each product (a dot product with ones)
+      const __m512i zero = _mm512_setzero_si512(), neg_zp = _mm512_set1_epi32(-zp);
+      const __m512i sum0 = _mm512_dpbusd_epi32(zero, ones, _mm512_loadu_si512(dst));
+      const __m512i sum1 = _mm512_dpbusd_epi32(zero, ones, _mm512_loadu_si512(dst + 64));
       int32_t* bias = q.bias.data() + (t * steps + s) * q.halves * 16;
       float* scale = q.scale.data() + (t * steps + s) * q.halves * 16;
-      for (int lane = 0; lane < 16; ++lane) {
-        const int8_t* c = dst + 4 * lane;  // lane l reads bytes 4l..4l+3 of each 64-byte product
-        if (bits == 4) {  // both products, block l / 4
-          bias[lane] = -zp * (c[0] + c[1] + c[2] + c[3] + c[64] + c[65] + c[66] + c[67]);
-          scale[lane] = d[lane / 4];
-        } else {  // product 0: blocks 0-1, product 1: blocks 2-3, block l / 8 of each
-          bias[lane] = -zp * (c[0] + c[1] + c[2] + c[3]);
-          bias[16 + lane] = -zp * (c[64] + c[65] + c[66] + c[67]);
-          scale[lane] = d[lane / 8];
-          scale[16 + lane] = d[2 + lane / 8];
-        }
+      const __m512 four = _mm512_castps128_ps512(_mm_load_ps(d));
+      if (bits == 4) {  // both products share lanes: block l / 4
+        _mm512_storeu_si512(bias, _mm512_mullo_epi32(_mm512_add_epi32(sum0, sum1), neg_zp));
+        _mm512_storeu_ps(scale, _mm512_permutexvar_ps(lanes4, four));
+      } else {  // product 0: blocks 0-1, product 1: blocks 2-3, block l / 8 of each
+        _mm512_storeu_si512(bias, _mm512_mullo_epi32(sum0, neg_zp));
+        _mm512_storeu_si512(bias + 16, _mm512_mullo_epi32(sum1, neg_zp));
+        _mm512_storeu_ps(scale, _mm512_permutexvar_ps(lanes8a, four));
+        _mm512_storeu_ps(scale + 16, _mm512_permutexvar_ps(lanes8b, four));
       }
     }
   }
+#else
+  (void)x, (void)zp;
+#endif
 }
 
 struct Problem {
@@ -197,7 +211,7 @@ struct BlockQuantMatMulKernel {
     out_shape.back() = n;
     Ort::UnownedValue y = ctx.GetOutput(0, out_shape);
     if (m == 0) return;
-    QuantizedX qx;
+    thread_local QuantizedX qx;  // NOTE: reused across calls: no allocation per linear
     quantize_x(x.GetTensorData<float>(), m, k, static_cast<int>(bits), qx);
     Problem p{ctx.GetInput(1).GetTensorData<uint8_t>(), ctx.GetInput(2).GetTensorData<float>(),
               y.GetTensorMutableData<float>(), &qx, m, n, k};
