@@ -33,9 +33,10 @@ def main() -> None:
     args = p.parse_args()
     engines = {d: CpuEngine(d, num_threads=args.threads, num_blocks=64) for d in args.engines}
     times: dict[str, list[float]] = {d: [] for d in engines}
-    for _ in range(args.rounds):
-        for d, engine in engines.items():
-            times[d].append(ms_per_step(engine))
+    order = list(engines)
+    for r in range(args.rounds):  # NOTE: each round starts with the next engine: the first run of a round is slower
+        for d in order[r % len(order):] + order[: r % len(order)]:
+            times[d].append(ms_per_step(engines[d]))
     for d, ts in times.items():
         print(f"{d}: median {statistics.median(ts):.2f} ms/step ({' '.join(f'{t:.1f}' for t in ts)})")
 

@@ -113,7 +113,7 @@ def write_small_step_graph(model: onnx.ModelProto, build: BuildConfig, output: P
     decode, replaced = small_step_graph(model)
     problem = ("no linear has 4/8-bit blocks of 32 with K a multiple of 128" if not replaced else
                "int4_accuracy_level 1 asks for fp32 compute" if build.int4_accuracy_level != 4 else
-               cpu_ops.unavailable_reason())
+               "this CPU has no AVX-512 VNNI" if not cpu_ops.has_vnni() else cpu_ops.unavailable_reason())
     if problem is not None:
         if build.decode_linears == "native":
             raise ConfigError("decode_linears", f"native cannot be used: {problem}. Use --decode-linears ort.")

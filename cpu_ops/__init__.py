@@ -79,6 +79,12 @@ def library_path() -> Path:
     return target
 
 
+def has_vnni() -> bool:
+    """Whether this CPU has the AVX-512 VNNI dot products BlockQuantMatMul is written with."""
+    flags = set(_cpu_flags().split())
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+
+
 @functools.lru_cache(maxsize=1)
 def unavailable_reason() -> str | None:
     """None when the library builds and loads here; otherwise why not (logged once)."""

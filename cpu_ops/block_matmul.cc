@@ -196,7 +196,7 @@ struct BlockQuantMatMulKernel {
     if (k % kStep) fail("K must be a multiple of 128, got " + std::to_string(k));
     if (ki.GetAttribute<int64_t>("block_size") != kBlock) fail("block_size must be 32");
 #ifdef TRTBUILD_NO_VNNI
-    fail("this CPU has no AVX-512 VNNI; rebuild the engine with `--linear-kernels ort`");
+    fail("this CPU has no AVX-512 VNNI; rebuild the engine with `--decode-linears ort`");
 #endif
   }
 
@@ -221,7 +221,9 @@ struct BlockQuantMatMulKernel {
 };
 
 struct BlockQuantMatMulOp : Ort::CustomOpBase<BlockQuantMatMulOp, BlockQuantMatMulKernel> {
-  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new BlockQuantMatMulKernel(api, info); }
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const {
+    return new BlockQuantMatMulKernel(api, info);
+  }
   const char* GetName() const { return "BlockQuantMatMul"; }
   size_t GetInputTypeCount() const { return 3; }
   ONNXTensorElementDataType GetInputType(size_t i) const {

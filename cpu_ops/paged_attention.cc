@@ -18,6 +18,8 @@
 namespace trtbuild_cpu_ops {
 namespace {
 
+constexpr int64_t kMinTasks = 4;
+
 #if defined(__AVX512F__)
 inline float dot(const float* a, const float* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
@@ -33,10 +35,12 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline void axpy(float w, const float* x, float* y, int64_t n) {  // y += w * x
   const __m512 wv = _mm512_set1_ps(w);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
   if (i < n) {
     const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+    const __m512 sum = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i));
+    _mm512_mask_storeu_ps(y + i, m, sum);
   }
 }
 #else
@@ -74,44 +78,52 @@ struct Step {
   const int64_t* starts;
   const int64_t* seq_of_token;
   float* out;  // [T, H, D]
-  int64_t heads, kv_heads, d, bs, layers, layer, width, num_blocks;
+  int64_t heads, kv_heads, d, bs, layers, layer, width;
   float scale;
-  int64_t max_visible;
+  int64_t heads_per_task;  // query heads of one KV head that one task computes, reading each key and value once
 };
 
+// One task: new token t, KV head g, and up to heads_per_task of its query heads.
 void attend(void* data, size_t task) {
   const Step& s = *static_cast<const Step*>(data);
-  const int64_t t = static_cast<int64_t>(task) / s.heads, h = static_cast<int64_t>(task) % s.heads;
-  const int64_t b = s.seq_of_token[t], kvh = h / (s.heads / s.kv_heads);
-  const int64_t past = s.past[b], start = s.starts[b], own = t - start + 1;  // own new keys: start .. t
+  const int64_t group = s.heads / s.kv_heads, chunks = (group + s.heads_per_task - 1) / s.heads_per_task;
+  const int64_t t = static_cast<int64_t>(task) / (s.kv_heads * chunks);
+  const int64_t g = static_cast<int64_t>(task) / chunks % s.kv_heads;
+  const int64_t h0 = g * group + static_cast<int64_t>(task) % chunks * s.heads_per_task;
+  const int64_t nh = std::min(s.heads_per_task, (g + 1) * group - h0);
+  const int64_t b = s.seq_of_token[t], past = s.past[b], start = s.starts[b];
+  const int64_t visible = past + t - start + 1;  // past keys, then this sequence's new keys up to t
   const int64_t d = s.d;
-  const float* q = s.q + (t * s.heads + h) * d;
-  thread_local std::vector<float> scores;
-  scores.resize(static_cast<size_t>(past + own));
+  thread_local std::vector<float> probs;  // [nh, visible]
+  probs.resize(static_cast<size_t>(nh * visible));
   const int64_t head_stride = s.bs * d, kv_stride = s.kv_heads * head_stride;  // within one (block, layer)
-  const int64_t layer_offset = (s.layer * 2) * kv_stride + kvh * head_stride;
+  const int64_t layer_offset = (s.layer * 2) * kv_stride + g * head_stride;
   const int64_t block_stride = s.layers * 2 * kv_stride;
-  float max_score = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < past; ++j) {
-    const float* key = s.pool + s.block_tables[b * s.width + j / s.bs] * block_stride + layer_offset + (j % s.bs) * d;
-    scores[j] = s.scale * dot(q, key, d);
-    max_score = std::max(max_score, scores[j]);
+  auto key = [&](int64_t j, int64_t which) {  // which 0: K, 1: V
+    if (j < past)
+      return s.pool + s.block_tables[b * s.width + j / s.bs] * block_stride + layer_offset + which * kv_stride +
+             (j % s.bs) * d;
+    return (which ? s.v_new : s.k_new) + ((start + j - past) * s.kv_heads + g) * d;
+  };
+  const float* q = s.q + (t * s.heads + h0) * d;
+  for (int64_t j = 0; j < visible; ++j) {
+    const float* k = key(j, 0);
+    for (int64_t h = 0; h < nh; ++h) probs[h * visible + j] = s.scale * dot(q + h * d, k, d);
   }
-  for (int64_t i = 0; i < own; ++i) {
-    scores[past + i] = s.scale * dot(q, s.k_new + ((start + i) * s.kv_heads + kvh) * d, d);
-    max_score = std::max(max_score, scores[past + i]);
+  for (int64_t h = 0; h < nh; ++h) {
+    float* p = probs.data() + h * visible;
+    const float max_score = *std::max_element(p, p + visible);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < visible; ++j) sum += (p[j] = std::exp(p[j] - max_score));
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < visible; ++j) p[j] *= inv;
   }
-  float sum = 0.0f;
-  for (int64_t j = 0; j < past + own; ++j) sum += (scores[j] = std::exp(scores[j] - max_score));
-  float* out = s.out + (t * s.heads + h) * d;
-  std::fill(out, out + d, 0.0f);
-  const float inv = 1.0f / sum;
-  for (int64_t j = 0; j < past; ++j) {
-    const float* value = s.pool + s.block_tables[b * s.width + j / s.bs] * block_stride + layer_offset + kv_stride +
-                         (j % s.bs) * d;
-    axpy(scores[j] * inv, value, out, d);
+  float* out = s.out + (t * s.heads + h0) * d;
+  std::fill(out, out + nh * d, 0.0f);
+  for (int64_t j = 0; j < visible; ++j) {
+    const float* v = key(j, 1);
+    for (int64_t h = 0; h < nh; ++h) axpy(probs[h * visible + j], v, out + h * d, d);
   }
-  for (int64_t i = 0; i < own; ++i) axpy(scores[past + i] * inv, s.v_new + ((start + i) * s.kv_heads + kvh) * d, out, d);
 }
 
 void fail(const std::string& what) { ORT_CXX_API_THROW("trtbuild::PagedAttention: " + what, ORT_INVALID_ARGUMENT); }
@@ -151,16 +163,19 @@ struct PagedAttentionKernel {
     float* v_new = ctx.GetOutput(2, {t_count, kv_heads, d}).GetTensorMutableData<float>();
     std::memcpy(k_new, ctx.GetInput(1).GetTensorData<float>(), sizeof(float) * t_count * kv_heads * d);
     std::memcpy(v_new, ctx.GetInput(2).GetTensorData<float>(), sizeof(float) * t_count * kv_heads * d);
-    std::vector<float> q(ctx.GetInput(0).GetTensorData<float>(), ctx.GetInput(0).GetTensorData<float>() + t_count * heads * d);
+    thread_local std::vector<float> q;  // rotated queries; reused across calls
+    q.assign(ctx.GetInput(0).GetTensorData<float>(), ctx.GetInput(0).GetTensorData<float>() + t_count * heads * d);
 
     std::vector<int64_t> seq_of_token(static_cast<size_t>(t_count), -1);
     for (int64_t b = 0; b < num_seqs; ++b) {
-      if (starts[b] < 0 || starts[b + 1] < starts[b] || starts[b + 1] > t_count) fail("query_start_loc is not ascending within [0, T]");
+      if (starts[b] < 0 || starts[b + 1] < starts[b] || starts[b + 1] > t_count)
+        fail("query_start_loc is not ascending within [0, T]");
       if (past[b] < 0 || (past[b] + starts[b + 1] - starts[b] > width * bs && starts[b + 1] > starts[b]))
         fail("a sequence's past and new tokens do not fit its block table");
       for (int64_t t = starts[b]; t < starts[b + 1]; ++t) seq_of_token[t] = b;
       for (int64_t j = 0; j < (past[b] + bs - 1) / bs; ++j)
-        if (tables[b * width + j] < 0 || tables[b * width + j] >= pool_shape[0]) fail("a block table entry is outside the pool");
+        if (tables[b * width + j] < 0 || tables[b * width + j] >= pool_shape[0])
+          fail("a block table entry is outside the pool");
     }
     for (int64_t t = 0; t < t_count; ++t)
       if (seq_of_token[t] < 0) fail("query_start_loc does not cover every token");
@@ -179,9 +194,15 @@ struct PagedAttentionKernel {
         rope(k_new + t * kv_heads * d, kv_heads, d, c, s);
       }
     }
+    // NOTE: a task per (token, KV head) reads each key once for its query heads; small steps split a KV head's
+    // query heads over a few tasks so that every intra-op thread has work
+    const int64_t group = heads / kv_heads;
+    const int64_t per_step = std::max<int64_t>(1, t_count * kv_heads);
+    const int64_t chunks = std::min(group, std::max<int64_t>(1, (kMinTasks + per_step - 1) / per_step));
+    const int64_t per_task = (group + chunks - 1) / chunks;
     Step step{q.data(), k_new, v_new, ctx.GetInput(3).GetTensorData<float>(), tables, past, starts,
-              seq_of_token.data(), out, heads, kv_heads, d, bs, pool_shape[1], layer, width, pool_shape[0], scale, 0};
-    ctx.ParallelFor(attend, static_cast<size_t>(t_count * heads), 0, &step);
+              seq_of_token.data(), out, heads, kv_heads, d, bs, pool_shape[1], layer, width, scale, per_task};
+    ctx.ParallelFor(attend, static_cast<size_t>(t_count * kv_heads * ((group + per_task - 1) / per_task)), 0, &step);
   }
 };
 

@@ -66,6 +66,15 @@ def test_decode_linears_ort_or_where_nothing_applies(checkpoint, tmp_path):
         build_engine(checkpoint, tmp_path / "bad", int4_accuracy_level=1, decode_linears="native", **LIMITS)
 
 
+def test_a_cpu_without_vnni_keeps_matmulnbits(checkpoint, tmp_path, monkeypatch):
+    from trtbuild import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "has_vnni", lambda: False)
+    assert read_engine_config(build_engine(checkpoint, tmp_path / "a", **LIMITS)).build.decode_linears == "ort"
+    with pytest.raises(ConfigError, match="native cannot be used: this CPU has no AVX-512 VNNI"):
+        build_engine(checkpoint, tmp_path / "b", decode_linears="native", **LIMITS)
+
+
 def test_a_missing_small_step_graph_is_a_clear_error(checkpoint, tmp_path):
     from trtbuild.errors import EngineCompatibilityError
 
