@@ -1,13 +1,12 @@
 """`trtbuild verify` and `trtbuild build --verify`: run a built engine against the unfused reference build of its
 checkpoint with polygraphy's Comparator, and report each output's error against tolerances stated per precision.
 
-The reference is the same checkpoint built with the same limits, `fuse=False` (no fusion passes, still lowered
-for the CPU so ONNX Runtime can run it), no autotuning, the standard-op attention lowering (`split`) and
-MatMulNBits in every step, so that trtbuild's native CPU ops are checked against ONNX Runtime's, into a temporary
-directory that is removed afterwards. Both run the same
-two seeded steps: a prefill of two sequences of different lengths (logits of every token), then one decode token
-per sequence on top of the K/V the reference's prefill wrote. It borrows runtime/engine.py's session (the runtime's
-SessionOptions) and input packing, imported when it runs.
+The reference is the same checkpoint built with the same limits, `fuse=False` (no fusion passes, still lowered for
+the CPU so ONNX Runtime can run it), no autotuning, the standard-op attention lowering (`split`) and MatMulNBits for
+the quantized linears, so that trtbuild's native CPU ops are checked against ONNX Runtime's, into a temporary
+directory that is removed afterwards. Both run the same two seeded steps: a prefill of two sequences of different
+lengths (logits of every token), then one decode token per sequence on top of the K/V the reference's prefill wrote.
+It borrows runtime/engine.py's session (the runtime's SessionOptions) and input packing, imported when it runs.
 """
 
 from __future__ import annotations
@@ -160,13 +159,10 @@ def verify_engine(engine_dir: Path, checkpoint: Path | None, num_threads: int | 
         echo(f"building the unfused reference of {checkpoint} in {tmp}")
         reference = build_engine(Path(checkpoint), Path(tmp) / "reference",
                                  build=dataclasses.replace(info.build, fuse=False, autotune="off",
-                                                           attention="split", decode_linears="ort"))
+                                                           attention="split", quant_linears="ort"))
         echo("running the engine and the reference")
         steps, outputs = _compare(info, read_engine_config(reference), tolerances, num_threads)
     return VerifyReport(Path(engine_dir), precision, tuple(steps), tuple(outputs))
-
-
-SMALL_STEPS = "engine, small-step graph"
 
 
 def _nan_high(x: float) -> float:
@@ -206,9 +202,6 @@ def _compare(info: EngineInfo, reference: EngineInfo, tolerances: dict[str, Tole
     runners = [OnnxrtRunner(_Once(ref.session), name="unfused-reference"),
                OnnxrtRunner(lambda: CpuEngine(info, num_threads=num_threads, num_blocks=num_blocks).session,
                             name="engine")]
-    if info.build.decode_linears == "native":  # the graph of small steps (builder/decode_graph.py), on every step
-        runners.append(OnnxrtRunner(lambda: CpuEngine(info, num_threads=num_threads,
-                                                      num_blocks=num_blocks).small_step_session, name=SMALL_STEPS))
     del ref
     with G_LOGGER.verbosity(G_LOGGER.INFO if log.isEnabledFor(logging.INFO) else G_LOGGER.CRITICAL):
         results = Comparator.run(runners, data_loader=data)
@@ -218,15 +211,11 @@ def _compare(info: EngineInfo, reference: EngineInfo, tolerances: dict[str, Tole
         compare = SimpleCompareFunc(atol=atol, rtol={name: t.rtol for name, t in tolerances.items()},
                                     check_error_stat="elemwise")
         # engine first: polygraphy's relative error is relative to the second runner's outputs, the reference's
-        accuracy = Comparator.compare_accuracy(results, comparisons=[(i, 0) for i in range(1, len(runners))],
-                                               compare_func=compare)
+        accuracy = Comparator.compare_accuracy(results, comparisons=[(1, 0)], compare_func=compare)
+    per_step = accuracy[0][("engine", "unfused-reference")]  # [step] -> {output: OutputCompareResult}
     outputs = []
     for name in OUTPUTS:
-        errors = []
-        for runner in runners[1:]:
-            per_step = accuracy[0][(runner.name, "unfused-reference")]  # [step] -> {output: OutputCompareResult}
-            suffix = f" ({runner.name})" if runner.name == SMALL_STEPS else ""
-            errors += [(r[name], step + suffix) for r, step in zip(per_step, steps, strict=True)]
+        errors = [(r[name], step) for r, step in zip(per_step, steps, strict=True)]
         worst = max(errors, key=lambda e: _nan_high(e[0].max_absdiff))
         outputs.append(OutputError(name, max(_nan_high(e.max_absdiff) for e, _ in errors),
                                    max(_nan_high(e.max_reldiff) for e, _ in errors),

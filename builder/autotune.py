@@ -1,16 +1,17 @@
 """Kernel autotuning at build time, in the manner of TensorRT's tactic selection with a timing cache.
 
-A tactic is one way to compute the same thing, each worth having because it wins somewhere: the attention (the
-native custom op where its library builds, or the standard-op lowerings of `ATTENTION_VARIANTS`: scoring past and
-new keys apart, or side by side after one copy of the context) and the
-number of ONNX Runtime threads. Each candidate is timed on this machine at the engine's shape classes (a single
-user's decode and prefill; `full` adds a full decode batch and a long context), and the one with the lowest total
-time relative to the best of each class is kept. Choices and timings go into the engine's config.json ("tactics").
+A tactic is one way to compute the same thing, each worth having because it wins somewhere: the attention (the native
+custom op where its library builds, or the standard-op lowerings of `ATTENTION_VARIANTS`: scoring past and new keys
+apart, or side by side after one copy of the context), the 4/8-bit linears (trtbuild::BlockQuantMatMul or ONNX
+Runtime's MatMulNBits) and the number of ONNX Runtime threads. Each candidate is timed on this machine at the
+engine's shape classes (a single user's decode and prefill; `full` adds a full decode batch and a long context), and
+the one with the lowest total time relative to the best of each class is kept. Choices and timings go into the
+engine's config.json ("tactics").
 
 The timing cache (`--timing-cache FILE`, JSON) maps a key of (CPU model, CPU features, core count, onnxruntime
 version, tactic family, the engine's shapes and formats) to what was measured, so a rebuild of the same engine on the
-same kind of machine measures nothing. NOTE: this module picks and records; the timing itself is a `Timer` handed
-in by the caller (bench/autotune.py), since the builder does not run models.
+same kind of machine measures nothing. NOTE: this module picks and records; the timing itself is a `Timer` handed in
+by the caller (bench/autotune.py), since the builder does not run models.
 """
 
 from __future__ import annotations
@@ -140,41 +141,47 @@ def _measured(family: str, key: str, cache: TimingCache, candidates: dict[str, C
 
 
 def tune(model: onnx.ModelProto, config: ModelConfig, build: BuildConfig, output: Path,
-         lower: Callable[[onnx.ModelProto, str], None], variants: tuple[str, ...], timer: Timer,
+         lower: Callable[[onnx.ModelProto, BuildConfig], Any], candidates: dict[str, tuple[str, ...]], timer: Timer,
          cache: TimingCache) -> dict[str, Any]:
-    """Choose the attention lowering among `variants` and the thread count; returns the config.json "tactics".
+    """Choose each tactic family's candidate in turn (`candidates`: BuildConfig field -> values, preferred first),
+    then the thread count; returns the config.json "tactics".
 
-    `model` is the network before its attention is lowered; `lower(copy, variant)` lowers a copy in place. Each
-    candidate graph is written into `output` beside the staging weights it refers to, timed, and removed."""
+    `model` is the network before its last lowering; `lower(copy, build)` lowers a copy in place as `build` says.
+    A family is timed with the choices made before it and the preferred values of those after it. Each candidate
+    graph is written into `output` beside the staging weights it refers to, timed, and removed."""
     shapes = shape_classes(build, build.autotune)
     cores = os.cpu_count() or 1
     graph = Path(output) / "rank0.tuning.onnx"
 
-    def write(variant: str) -> None:
-        candidate = copy.deepcopy(model)
-        lower(candidate, variant)
-        onnx.save_model(candidate, str(graph))
-
-    def timed(variant: str, threads: int) -> Callable[[], dict[str, float]]:
+    def timed(choice: BuildConfig, threads: int) -> Callable[[], dict[str, float]]:
         def run() -> dict[str, float]:
-            write(variant)
+            candidate = copy.deepcopy(model)
+            lower(candidate, choice)
+            onnx.save_model(candidate, str(graph))
+            del candidate
             try:
-                return timer(graph, config, dataclasses.replace(build, attention=variant), threads, shapes)
+                return timer(graph, config, choice, threads, shapes)
             finally:
                 graph.unlink(missing_ok=True)
         return run
 
     tactics: dict[str, Any] = {"mode": build.autotune, "shape_classes": [s.name for s in shapes]}
     on = {"shapes": [s.name for s in shapes]}
-    if len(variants) > 1:
-        tactics["attention"] = _measured("attention", cache_key("attention", config, build, {**on, "threads": cores}),
-                                         cache, {v: timed(v, cores) for v in variants})
-    else:  # asked for (--attention): nothing to choose
-        tactics["attention"] = {"chosen": variants[0], "timings_ms": {}, "source": "requested"}
-    chosen = tactics["attention"]["chosen"]
+    chosen = dataclasses.replace(build, **{family: options[0] for family, options in candidates.items()})
+    for family, options in candidates.items():
+        if len(options) > 1:
+            earlier = {f: getattr(chosen, f) for f in candidates if f in tactics}
+            tactics[family] = _measured(family, cache_key(family, config, build, {**on, **earlier, "threads": cores}),
+                                        cache, {v: timed(dataclasses.replace(chosen, **{family: v}), cores)
+                                                for v in options})
+        else:  # asked for, or the only one that applies here: nothing to choose
+            tactics[family] = {"chosen": options[0], "timings_ms": {},
+                               "source": "requested" if getattr(build, family) != "auto" else "only candidate"}
+        chosen = dataclasses.replace(chosen, **{family: tactics[family]["chosen"]})
     thread_counts = sorted({1, cores} | ({cores // 2} if cores >= 4 else set()), reverse=True)  # default first
     if len(thread_counts) > 1:
-        threads = _measured("num_threads", cache_key("num_threads", config, build, {**on, "attention": chosen}),
+        fixed = {f: getattr(chosen, f) for f in candidates}
+        threads = _measured("num_threads", cache_key("num_threads", config, build, {**on, **fixed}),
                             cache, {str(n): timed(chosen, n) for n in thread_counts})
         tactics["num_threads"] = {**threads, "chosen": int(threads["chosen"]), "cores": cores}
     return tactics

@@ -68,7 +68,7 @@ def default_build_config(config: ModelConfig, **overrides) -> BuildConfig:
 
 def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
     """Fusion passes (unless disabled), the quantized linears' lowering and the accept op's, in place; returns the
-    passes applied. The attention is lowered last, by `lower_paged_attention`, in the variant the autotuner chose."""
+    passes applied. The attention and the native linears are lowered last (TacticLowering), as the tactics say."""
     from trtbuild.builder.lower_accept import lower_speculative_accept
     from trtbuild.builder.passes import run_passes
     from trtbuild.builder.passes.lower_quant_cpu import lower_quantized_linears
@@ -87,6 +87,23 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
     return applied
 
 
+class TacticLowering:
+    """The last CPU lowering, as a build's tactics say: its attention variant, then its quantized linears (native:
+    builder/native_linears.py). Each weight is packed once however many candidate graphs the autotuner lowers."""
+
+    def __init__(self) -> None:
+        from trtbuild.builder.native_linears import NativeLinears
+
+        self.native_linears = NativeLinears()
+
+    def __call__(self, model: onnx.ModelProto, build: BuildConfig) -> int:
+        """Lower `model` in place; returns how many linears run natively."""
+        from trtbuild.builder.lower_cpu import lower_paged_attention
+
+        lower_paged_attention(model, build.attention)
+        return self.native_linears.lower(model) if build.quant_linears == "native" else 0
+
+
 def attention_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple[str, ...]:
     """How this engine's attention may be computed, preferred first: the one asked for, or (auto) the native op
     where it runs here, then the standard-op lowerings. The autotuner times them all; without it the first wins."""
@@ -101,26 +118,23 @@ def attention_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple[st
     return (NATIVE, *ATTENTION_VARIANTS)
 
 
-def write_small_step_graph(model: onnx.ModelProto, build: BuildConfig, output: Path) -> str:
-    """Write the small-step graph (builder/decode_graph.py) beside the saved engine graph when asked (native) or
-    when it applies (auto); returns the resolved decode_linears."""
+def quant_linear_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple[str, ...]:
+    """How this engine's 4/8-bit linears may be computed, preferred first (builder/native_linears.py): the one asked
+    for, or (auto) native where it applies and runs here, then MatMulNBits. The autotuner times them all."""
     from trtbuild import cpu_ops
-    from trtbuild.builder.decode_graph import small_step_graph
-    from trtbuild.builder.engine_dir import CPU_SMALL_STEP_FILE
+    from trtbuild.builder.native_linears import count_eligible
 
-    if build.decode_linears == "ort":
-        return "ort"
-    decode, replaced = small_step_graph(model)
-    problem = ("no linear has 4/8-bit blocks of 32 with K a multiple of 128" if not replaced else
+    if build.quant_linears == "ort":
+        return ("ort",)
+    problem = ("no linear has 4/8-bit blocks of 32 with the default zero point" if not count_eligible(model) else
                "int4_accuracy_level 1 asks for fp32 compute" if build.int4_accuracy_level != 4 else
                "this CPU has no AVX-512 VNNI" if not cpu_ops.has_vnni() else cpu_ops.unavailable_reason())
-    if problem is not None:
-        if build.decode_linears == "native":
-            raise ConfigError("decode_linears", f"native cannot be used: {problem}. Use --decode-linears ort.")
-        log.info("decode linears: MatMulNBits (%s)", problem)
-        return "ort"
-    onnx.save_model(decode, str(output / CPU_SMALL_STEP_FILE))
-    return "native"
+    if problem is None:
+        return ("native",) if build.quant_linears == "native" else ("native", "ort")
+    if build.quant_linears == "native":
+        raise ConfigError("quant_linears", f"native cannot be used: {problem}. Use --quant-linears ort.")
+    log.info("quantized linears: MatMulNBits (%s)", problem)
+    return ("ort",)
 
 
 def io_spec(model: onnx.ModelProto) -> dict:
@@ -137,7 +151,6 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
     """Build an engine directory at `output` from the checkpoint at `checkpoint`. With `build.autotune` on, `timer`
     times candidate graphs (bench/autotune.py: time_graph) and `timing_cache` keeps what it measured."""
     from trtbuild.builder.autotune import TimingCache, tune
-    from trtbuild.builder.lower_cpu import lower_paged_attention
 
     checkpoint, output = Path(checkpoint), Path(output)
     config = ModelConfig.load(checkpoint / CONFIG_FILE) if checkpoint.is_dir() else None
@@ -165,16 +178,20 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
             return output
         applied = lower_for_target(model, build)
         steps.set_postfix_str("autotuning"), steps.update()
-        variants = attention_candidates(model, build)
+        candidates = {"attention": attention_candidates(model, build),
+                      "quant_linears": quant_linear_candidates(model, build)}
+        lowering = TacticLowering()
         tactics = {}
         if build.autotune != "off":
-            tactics = tune(model, config, build, output, lower_paged_attention, variants, timer, cache)
-        build = dataclasses.replace(build, attention=tactics["attention"]["chosen"] if tactics else variants[0])
-        lower_paged_attention(model, build.attention)
+            tactics = tune(model, config, build, output, lowering, candidates, timer, cache)
+        build = dataclasses.replace(build, **{family: tactics[family]["chosen"] if tactics else options[0]
+                                              for family, options in candidates.items()})
+        native_linears = lowering(model, build)
+        if native_linears:
+            applied.append(f"native_linears:{native_linears}")
         steps.set_postfix_str("saving"), steps.update()
         weight_bytes = save_engine_files(model, output / CPU_ENGINE_FILE, output / CPU_WEIGHTS_FILE)
         onnx.checker.check_model(str(output / CPU_ENGINE_FILE))  # by path: it reads the graph file, not the weights
-        build = dataclasses.replace(build, decode_linears=write_small_step_graph(model, build, output))
         copy_tokenizer_files(checkpoint, output)
         io = io_spec(model)
         assert [i["name"] for i in io["inputs"]] == list(engine_inputs(build))

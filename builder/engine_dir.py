@@ -25,9 +25,6 @@ from trtbuild.errors import EngineCompatibilityError, TrtbuildError
 ENGINE_CONFIG = "config.json"
 CPU_ENGINE_FILE = "rank0.onnx"
 CPU_WEIGHTS_FILE = "rank0.weights"
-# the small-step graph (builder/decode_graph.py) and the largest step it runs
-CPU_SMALL_STEP_FILE = "rank0.decode.onnx"
-SMALL_STEP_MAX_TOKENS = 4
 CUDA_PLAN_FILE = "rank0.plan.json"  # the cuda target's files (builder/build_cuda.py)
 TENSORRT_ENGINE_FILE = "rank0.engine"  # the tensorrt target's serialized engine (builder/tensorrt/build.py)
 _CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",

@@ -233,8 +233,8 @@ def lower_paged_attention(model: onnx.ModelProto, variant: str = "split") -> int
     model.graph.initializer.extend(g.initializers)
     del view
     topological_sort(model.graph)
-    for opset in list(model.opset_import):
-        if opset.domain == pa.DOMAIN:
+    if not any(n.domain == pa.DOMAIN for n in model.graph.node):  # NOTE: the native linears share the domain
+        for opset in [o for o in model.opset_import if o.domain == pa.DOMAIN]:
             model.opset_import.remove(opset)
     if not any(o.domain == MS_DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))

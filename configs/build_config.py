@@ -23,9 +23,9 @@ SPECULATIVE_DECODING_MODES = ("none", "draft-tokens")
 # how the CPU target computes PagedAttention (builder/lower_cpu.py): native (trtbuild's custom-op library, cpu_ops/),
 # split or concat (standard ONNX ops); auto: the autotuner's choice, else native where the library builds
 ATTENTION_MODES = ("auto", "native", "split", "concat")
-# the CPU target's 4/8-bit linears in steps of a few tokens (builder/decode_graph.py): native (a second graph with
-# trtbuild::BlockQuantMatMul), ort (MatMulNBits in every step); auto: native where the library builds and it applies
-DECODE_LINEARS_MODES = ("auto", "native", "ort")
+# how the CPU target computes 4/8-bit linears in blocks of 32 (builder/native_linears.py): native
+# (trtbuild::BlockQuantMatMul, cpu_ops/) or ort (MatMulNBits); auto: the autotuner's choice, else native where it runs
+QUANT_LINEARS_MODES = ("auto", "native", "ort")
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class BuildConfig:
     max_draft_len: int = 0  # drafts per sequence the accept op takes (draft-tokens mode: at least 1)
     dtype: str = "float32"  # DTYPES: the cuda target's compute dtype; the CPU target computes in float32
     attention: str = "auto"  # ATTENTION_MODES (CPU target)
-    decode_linears: str = "auto"  # DECODE_LINEARS_MODES (CPU target)
+    quant_linears: str = "auto"  # QUANT_LINEARS_MODES (CPU target)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -66,9 +66,9 @@ class BuildConfig:
                                        f"others, got {self.dtype!r} for {self.target}.")
         if self.attention not in ATTENTION_MODES:
             raise ConfigError("attention", f"must be one of {', '.join(ATTENTION_MODES)}, got {self.attention!r}.")
-        if self.decode_linears not in DECODE_LINEARS_MODES:
-            raise ConfigError("decode_linears", f"must be one of {', '.join(DECODE_LINEARS_MODES)}, got "
-                                                f"{self.decode_linears!r}.")
+        if self.quant_linears not in QUANT_LINEARS_MODES:
+            raise ConfigError("quant_linears", f"must be one of {', '.join(QUANT_LINEARS_MODES)}, got "
+                                               f"{self.quant_linears!r}.")
         if self.speculative_decoding_mode not in SPECULATIVE_DECODING_MODES:
             raise ConfigError("speculative_decoding_mode", f"must be one of {', '.join(SPECULATIVE_DECODING_MODES)}, "
                                                            f"got {self.speculative_decoding_mode!r}.")

@@ -1,7 +1,16 @@
-"""The contract of `trtbuild::BlockQuantMatMul` (documented in plugins/README.md) and its numpy reference.
+"""The contract of `trtbuild::BlockQuantMatMul` (documented in plugins/README.md): its weight layout, the packing
+into it, and its numpy reference.
 
-A 4/8-bit linear in blocks of 32 over MatMulNBits' own initializers, computed as llama.cpp does: activations rounded
-to int8 per block, exact integer dot products, each block scaled by the weight's and the activation's scales.
+A 4/8-bit linear in blocks of 32 with the default zero point (MatMulNBits' 8 or 128), computed as llama.cpp does:
+activations rounded to int8 per block, exact integer dot products, each block scaled by the weight's and the
+activation's scales. The weights are packed at build time, 16 rows interleaved (cpu_ops/block_matmul.cc says why):
+
+  B uint8 [G, K / 32, 16 * 32 * bits / 8], G = ceil(N / 16): in block b of group g, 64-byte vector j, bytes
+    4r .. 4r + 3 hold row 16g + r's codes 32b + 4j .. +3; 4-bit: vectors j < 4 hold those of j in their low nibbles
+    and those of j + 4 in their high ones.
+  S float16 or float32 [G, K / 32, 16]: S[g, b, r] is the scale of row 16g + r in block b; `pack` stores float16
+    when every scale is exact in it (GGUF's are: 11% fewer bytes per 4-bit weight), else float32.
+Rows past N (padding) have code zp and scale 0.
 """
 
 from __future__ import annotations
@@ -11,8 +20,37 @@ import numpy as np
 DOMAIN = "trtbuild"
 OP_TYPE = "BlockQuantMatMul"
 BLOCK = 32
-K_MULTIPLE = 128  # the CPU kernel reads 4 blocks per step
+ROWS = 16  # rows per group: one per int32 lane of a 512-bit vector
 ZERO_POINT = {4: 8, 8: 128}
+
+
+def unpack_nbits(b: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
+    """MatMulNBits' B (uint8 [N, K / block, block * bits / 8]; 4-bit: element 2j in the low nibble of byte j) as
+    codes [N, K]."""
+    flat = b.reshape(n, -1)
+    if bits == 8:
+        return flat
+    codes = np.empty((n, k), dtype=np.uint8)
+    codes[:, 0::2], codes[:, 1::2] = flat & 0x0F, flat >> 4
+    return codes
+
+
+def pack(codes: np.ndarray, scales: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """B and S of the contract from codes [N, K] (0..15 or 0..255) and per-block scales [N, K / 32]."""
+    n, k = codes.shape
+    groups, blocks = -(-n // ROWS), k // BLOCK
+    padded = np.full((groups * ROWS, k), ZERO_POINT[bits], dtype=np.uint8)
+    padded[:n] = codes
+    s = np.zeros((groups * ROWS, blocks), dtype=np.float32)
+    s[:n] = scales.reshape(n, blocks)
+    # [G, r, b, j, i]: element 32b + 4j + i of row 16g + r
+    c = padded.reshape(groups, ROWS, blocks, 8, 4)
+    if bits == 4:
+        c = c[:, :, :, :4] | (c[:, :, :, 4:] << 4)
+    b = np.ascontiguousarray(c.transpose(0, 2, 3, 1, 4)).reshape(groups, blocks, -1)
+    s = np.ascontiguousarray(s.reshape(groups, ROWS, blocks).transpose(0, 2, 1))
+    half = s.astype(np.float16)
+    return b, half if np.array_equal(half.astype(np.float32), s) else s
 
 
 def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:

@@ -11,13 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trtbuild.builder.engine_dir import (
-    CPU_ENGINE_FILE,
-    CPU_SMALL_STEP_FILE,
-    SMALL_STEP_MAX_TOKENS,
-    EngineInfo,
-    read_engine_config,
-)
+from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, EngineInfo, read_engine_config
 from trtbuild.configs import BuildConfig
 from trtbuild.cpu_ops import library_for_engine
 from trtbuild.errors import EngineCompatibilityError
@@ -167,15 +161,6 @@ def accept_feeds(chunks: list[SequenceChunk], max_draft_len: int) -> dict[str, n
     }
 
 
-def _session(ort, path: Path, options):
-    if not path.is_file():
-        raise EngineCompatibilityError(f"{path} is missing; rebuild the engine with `trtbuild build`.")
-    try:
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    except Exception as e:  # ORT raises its own exception types for corrupt or unsupported models
-        raise EngineCompatibilityError(f"{path} could not be loaded ({e}); rebuild the engine.") from None
-
-
 class CpuEngine:
     """An ONNX Runtime session over an engine directory, plus the paged KV pool it reads and the runtime writes."""
 
@@ -186,11 +171,12 @@ class CpuEngine:
         (the autotuner times candidates). `spinning`: ONNX Runtime's idle threads spin for work."""
         self.info = engine if isinstance(engine, EngineInfo) else read_engine_config(Path(engine), expect_target="cpu")
         path = Path(graph) if graph is not None else self.info.path / CPU_ENGINE_FILE
+        if not path.is_file():
+            raise EngineCompatibilityError(f"{path} is missing; rebuild the engine with `trtbuild build`.")
         # NOTE: ONNX Runtime maps the weight file and repacks each GEMM's weights into buffers of its own (about the
         # file's size); the mapped pages are released after that, so the weights count once, plus working memory.
-        # The small-step graph's session keeps reading the mapped file: its linears count twice.
-        copies = 2 if self.info.build.decode_linears == "native" and graph is None else 1
-        require_memory(copies * self.info.weight_bytes + LOAD_OVERHEAD_BYTES, f"engine {self.info.path}",
+        # trtbuild::BlockQuantMatMul reads its packed weights from the mapped file as they are.
+        require_memory(self.info.weight_bytes + LOAD_OVERHEAD_BYTES, f"engine {self.info.path}",
                        "free memory, or build a smaller engine (`trtbuild convert --weight-only int8|int4`, or a "
                        "quantized GGUF file converted as it is).")
         import onnxruntime as ort
@@ -208,13 +194,12 @@ class CpuEngine:
         options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",
                                          str(self.info.build.int4_accuracy_level))
         build = self.info.build
-        if "native" in (build.attention, build.decode_linears):  # trtbuild:: nodes, run by cpu_ops/
+        if "native" in (build.attention, build.quant_linears):  # trtbuild:: nodes, run by cpu_ops/
             options.register_custom_ops_library(str(library_for_engine(self.info.path)))
-        self.session = _session(ort, path, options)
-        # steps of a few tokens run the small-step graph (builder/decode_graph.py); not for autotuning candidates
-        self.small_step_session = None
-        if build.decode_linears == "native" and graph is None:
-            self.small_step_session = _session(ort, self.info.path / CPU_SMALL_STEP_FILE, options)
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as e:  # ORT raises its own exception types for corrupt or unsupported models
+            raise EngineCompatibilityError(f"{path} could not be loaded ({e}); rebuild the engine.") from None
         self.run_seconds = 0.0  # time spent in session.run over all steps (the rest of a step is host work)
         self.kv_quant_algo = self.info.model.quantization.kv_cache_quant_algo
         self.kv_scales = None
@@ -283,11 +268,8 @@ class CpuEngine:
     def _run(self, chunks: list[SequenceChunk]) -> StepOutput:
         """One engine call over checked chunks."""
         feeds, slots = self.feeds(chunks)
-        session = self.session
-        if self.small_step_session is not None and len(feeds["input_ids"]) <= SMALL_STEP_MAX_TOKENS:
-            session = self.small_step_session
         start = time.perf_counter()
-        outputs = session.run(None, feeds)
+        outputs = self.session.run(None, feeds)
         self.run_seconds += time.perf_counter() - start
         self.kv.write(outputs[1], slots)
         if not self.max_draft_len:

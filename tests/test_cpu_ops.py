@@ -15,7 +15,7 @@ from test_paged_attention import (
 )
 
 from trtbuild import cpu_ops
-from trtbuild.plugins.block_quant_matmul import reference_block_quant_matmul
+from trtbuild.plugins.block_quant_matmul import pack, reference_block_quant_matmul, unpack_nbits
 
 
 @pytest.fixture(scope="module")
@@ -138,21 +138,27 @@ def block_quant_model(k: int, n: int, bits: int, b: np.ndarray, scales: np.ndarr
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(cpu_ops.DOMAIN, 1)])
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["float_scales", "float16_scales"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_block_quant_matmul_matches_its_reference(library, bits):
-    """MatMulNBits' own layout (4-bit: element 2j in the low nibble of byte j); token counts around the tile of 4;
-    rows not a multiple of the task size; a zero block in x."""
+def test_block_quant_matmul_matches_its_reference(library, bits, half):
+    """Codes taken from MatMulNBits' layout (4-bit: element 2j in the low nibble of byte j) and packed; token counts
+    around the tile of 8; rows not a multiple of 16 nor of a task's 64; K not a multiple of 128; a zero block in x."""
     rng = np.random.default_rng(bits)
-    k, n = 384, 200
+    k, n = 352, 200
     codes = rng.integers(0, 16 if bits == 4 else 256, (n, k), dtype=np.uint8)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)) if bits == 4 else codes
+    nbits = (codes[:, 0::2] | (codes[:, 1::2] << 4)) if bits == 4 else codes
+    np.testing.assert_array_equal(unpack_nbits(nbits.reshape(n, k // 32, -1), n, k, bits), codes)
     scales = (rng.random((n, k // 32), dtype=np.float32) * 0.02 + 1e-3).reshape(-1)
+    if half:  # GGUF's scales: exact in float16, which `pack` then stores
+        scales = scales.astype(np.float16).astype(np.float32)
+    b, s = pack(codes, scales, bits)
+    assert s.dtype == (np.float16 if half else np.float32)
     options = ort.SessionOptions()
     options.register_custom_ops_library(library)
     options.intra_op_num_threads = 2
-    sess = ort.InferenceSession(block_quant_model(k, n, bits, packed.reshape(n, k // 32, -1), scales)
-                                .SerializeToString(), options, providers=["CPUExecutionProvider"])
-    for m in (1, 3, 4, 5, 9):
+    sess = ort.InferenceSession(block_quant_model(k, n, bits, b, s).SerializeToString(),
+                                options, providers=["CPUExecutionProvider"])
+    for m in (1, 3, 7, 8, 9, 17):
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[0, 32:64] = 0.0
         want = reference_block_quant_matmul(x, codes, scales, bits)
@@ -163,9 +169,16 @@ def test_block_quant_matmul_matches_its_reference(library, bits):
 
 
 def test_block_quant_matmul_refuses_what_it_cannot_run(library):
-    codes = np.zeros((8, 3, 16), dtype=np.uint8)
     options = ort.SessionOptions()
     options.register_custom_ops_library(library)
-    with pytest.raises(Exception, match="K must be a multiple of 128"):
-        ort.InferenceSession(block_quant_model(96, 8, 4, codes, np.ones(24, np.float32)).SerializeToString(), options,
-                             providers=["CPUExecutionProvider"]).run(None, {"x": np.zeros((1, 96), np.float32)})
+
+    def run(k: int, b: np.ndarray, s: np.ndarray) -> None:
+        ort.InferenceSession(block_quant_model(k, 8, 4, b, s).SerializeToString(), options,
+                             providers=["CPUExecutionProvider"]).run(None, {"x": np.zeros((1, k), np.float32)})
+
+    with pytest.raises(Exception, match="K must be a multiple of 32"):
+        run(48, np.zeros((1, 1, 256), np.uint8), np.ones((1, 1, 16), np.float32))
+    with pytest.raises(Exception, match=r"do not hold ceil\(N / 16\) groups of 16 rows"):
+        run(64, np.zeros((8, 2, 16), np.uint8), np.ones(16, np.float32))  # MatMulNBits' layout, not packed
+    with pytest.raises(Exception, match="scales must be float or float16"):
+        run(64, np.zeros((1, 2, 256), np.uint8), np.ones((1, 2, 16), np.int32))

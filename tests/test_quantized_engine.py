@@ -315,10 +315,11 @@ def test_build_refuses_a_false_shared_scales_flag(base, tmp_path):
 
 def test_int4_int8_compute_is_the_default_and_stays_close(case, tmp_path):
     """The default build (int4_accuracy_level 4) runs MatMulNBits with int8 activations: within a few percent of the
-    format (fp32 compute) and recorded in the engine's config."""
+    format (fp32 compute) and recorded in the engine's config. (quant_linears ort: MatMulNBits, not the native op,
+    whose own int8 arithmetic tests/test_native_linears.py checks.)"""
     config, tensors, exact_dir, _ = case("qwen2-int4_awq")
     options = {k: v for k, v in OPTIONS.items() if k != "int4_accuracy_level"}
-    fast_dir = build_engine(exact_dir.parent / "ckpt", tmp_path / "engine", **options)
+    fast_dir = build_engine(exact_dir.parent / "ckpt", tmp_path / "engine", quant_linears="ort", **options)
     model = onnx.load(str(fast_dir / CPU_ENGINE_FILE), load_external_data=False)
     levels = {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
               if a.name == "accuracy_level"}

@@ -1,0 +1,71 @@
+"""The CPU lowering of 4/8-bit linears onto trtbuild::BlockQuantMatMul (cpu_ops/block_matmul.cc), llama.cpp's way
+of multiplying block-quantized weights: activations quantized to int8 blocks once per linear, integer dot
+products, 16 rows per vector so that one tile of tokens reuses each weight load.
+
+Each eligible MatMulNBits (4 or 8 bits, blocks of 32, the default zero point) becomes a BlockQuantMatMul over a
+packed copy of its weights (plugins/block_quant_matmul.py: the layout), and the MatMulNBits initializers nobody else
+reads are dropped, so the engine file holds each linear once. Measured on the 2-core AVX-512 VM (docs/performance.md):
+faster than MLAS's MatMulNBits at every token count from 1 to 256, which is why there is one graph for all steps.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from trtbuild.builder.graph import MS_DOMAIN, GraphView
+from trtbuild.plugins import block_quant_matmul as bq
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def eligible(node: onnx.NodeProto) -> bool:
+    """A MatMulNBits the native kernel computes: 4 or 8 bits, blocks of 32, no zero-point input."""
+    if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN or len([i for i in node.input if i]) != 3:
+        return False
+    a = _attrs(node)
+    return a.get("bits") in (4, 8) and a.get("block_size") == bq.BLOCK and a["K"] % bq.BLOCK == 0
+
+
+def count_eligible(model: onnx.ModelProto) -> int:
+    return sum(eligible(n) for n in model.graph.node)
+
+
+class NativeLinears:
+    """Rewrites eligible linears in place; packs each weight once however many graph copies it lowers (the
+    autotuner lowers a copy per candidate), keeping the packed initializers as they were staged."""
+
+    def __init__(self) -> None:
+        self._packed: dict[tuple[str, str], tuple[onnx.TensorProto, onnx.TensorProto]] = {}
+
+    def lower(self, model: onnx.ModelProto) -> int:
+        """Replace the eligible MatMulNBits of `model`; returns how many."""
+        view = GraphView(model)
+        replaced = 0
+        for node in model.graph.node:
+            if not eligible(node) or any(i not in view.initializers for i in node.input[1:3]):
+                continue
+            a = _attrs(node)
+            key = (node.input[1], node.input[2])
+            if key not in self._packed:
+                codes = bq.unpack_nbits(view.constant(key[0]), a["N"], a["K"], a["bits"])
+                b, s = bq.pack(codes, view.constant(key[1]).reshape(a["N"], -1), a["bits"])
+                view.add_initializer(key[0] + ".bq", b)
+                view.add_initializer(key[1] + ".bq", s)
+                self._packed[key] = (view.initializers[key[0] + ".bq"], view.initializers[key[1] + ".bq"])
+            else:
+                for t in self._packed[key]:
+                    if t.name not in view.initializers:
+                        model.graph.initializer.append(t)
+                        view.initializers[t.name] = t
+            node.input[1], node.input[2] = key[0] + ".bq", key[1] + ".bq"
+            del node.attribute[:]
+            node.attribute.extend(onnx.helper.make_attribute(k, a[k]) for k in ("K", "N", "bits", "block_size"))
+            node.op_type, node.domain = bq.OP_TYPE, bq.DOMAIN
+            replaced += 1
+        if replaced:
+            view.drop_unused_initializers()
+            if not any(o.domain == bq.DOMAIN for o in model.opset_import):
+                model.opset_import.append(onnx.helper.make_opsetid(bq.DOMAIN, 1))
+        return replaced

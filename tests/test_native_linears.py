@@ -1,0 +1,97 @@
+"""The CPU engine's native 4/8-bit linears (builder/native_linears.py): eligible MatMulNBits become
+trtbuild::BlockQuantMatMul over packed copies of their weights, in the one graph every step runs; the logits agree
+with MatMulNBits' up to int8 activation rounding; the autotuner times both."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from helpers import make_random_hf_model
+
+from trtbuild.bench.autotune import time_graph
+from trtbuild.builder.build import build_engine
+from trtbuild.builder.convert.convert import WeightOnly, convert
+from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, CPU_WEIGHTS_FILE, read_engine_config
+from trtbuild.errors import ConfigError
+from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+
+LIMITS = dict(max_batch_size=4, max_num_tokens=64, max_seq_len=128)
+
+
+@pytest.fixture(scope="module", params=[4, 8], ids=["int4", "int8"])
+def checkpoint(request, tmp_path_factory):
+    work = tmp_path_factory.mktemp(f"native_linears_{request.param}")
+    # NOTE: 136 input features to the MLP's down projection: not a multiple of 128, so every kernel path is used
+    hf = make_random_hf_model("qwen2", work / "hf", overrides=dict(hidden_size=128, intermediate_size=224))
+    convert(hf, work / "ckpt", weight_only=WeightOnly(request.param, 32))
+    return work / "ckpt"
+
+
+def ops(engine_dir) -> list[str]:
+    return [n.op_type for n in onnx.load(str(engine_dir / CPU_ENGINE_FILE), load_external_data=False).graph.node]
+
+
+def steps(engine_dir) -> list[np.ndarray]:
+    """A prefill of two sequences, then a decode step of both: every row of logits."""
+    engine = CpuEngine(engine_dir, num_threads=2, num_blocks=16)
+    prompts = [list(range(3, 40)), list(range(50, 61))]
+    prefill = engine.step([SequenceChunk(i, p, 0, len(p), [3 * i, 3 * i + 1, 3 * i + 2])
+                           for i, p in enumerate(prompts)])
+    decode = engine.step([SequenceChunk(i, [7 + i], len(p), 1, [3 * i, 3 * i + 1, 3 * i + 2])
+                          for i, p in enumerate(prompts)])
+    return [prefill, decode]
+
+
+def test_native_linears_replace_matmulnbits_and_agree_with_it(checkpoint, tmp_path):
+    native = build_engine(checkpoint, tmp_path / "native", **LIMITS)
+    ort = build_engine(checkpoint, tmp_path / "ort", quant_linears="ort", **LIMITS)
+    assert read_engine_config(native).build.quant_linears == "native"
+    assert read_engine_config(ort).build.quant_linears == "ort"
+    native_ops, ort_ops = ops(native), ops(ort)
+    assert native_ops.count("BlockQuantMatMul") == ort_ops.count("MatMulNBits") > 0
+    assert "MatMulNBits" not in native_ops
+    assert [o for o in native_ops if o != "BlockQuantMatMul"] == [o for o in ort_ops if o != "MatMulNBits"]
+    # the weights once: packed copies replace MatMulNBits' (rows padded to 16, fp32 scales either way)
+    sizes = [(e / CPU_WEIGHTS_FILE).stat().st_size for e in (native, ort)]
+    assert abs(sizes[0] - sizes[1]) < 0.02 * sizes[1]
+    for got, want in zip(steps(native), steps(ort), strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+        assert (got.argmax(axis=-1) == want.argmax(axis=-1)).all()
+
+
+def test_quant_linears_ort_or_where_native_does_not_apply(checkpoint, tmp_path):
+    fp32 = build_engine(checkpoint, tmp_path / "acc1", int4_accuracy_level=1, **LIMITS)
+    assert read_engine_config(fp32).build.quant_linears == "ort"  # fp32 compute asked for: MatMulNBits only
+    assert "BlockQuantMatMul" not in ops(fp32)
+    with pytest.raises(ConfigError, match="native cannot be used: int4_accuracy_level 1"):
+        build_engine(checkpoint, tmp_path / "bad", int4_accuracy_level=1, quant_linears="native", **LIMITS)
+    with pytest.raises(ConfigError, match="quant_linears must be one of auto, native, ort"):
+        build_engine(checkpoint, tmp_path / "bad2", quant_linears="fast", **LIMITS)
+
+
+def test_a_cpu_without_vnni_keeps_matmulnbits(checkpoint, tmp_path, monkeypatch):
+    from trtbuild import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "has_vnni", lambda: False)
+    assert read_engine_config(build_engine(checkpoint, tmp_path / "a", **LIMITS)).build.quant_linears == "ort"
+    with pytest.raises(ConfigError, match="native cannot be used: this CPU has no AVX-512 VNNI"):
+        build_engine(checkpoint, tmp_path / "b", quant_linears="native", **LIMITS)
+
+
+def test_autotune_times_native_and_ort_linears(checkpoint, tmp_path):
+    engine = build_engine(checkpoint, tmp_path / "e", timer=time_graph, autotune="fast", **LIMITS)
+    info = read_engine_config(engine)
+    tactic = info.tactics["quant_linears"]
+    assert tactic["source"] == "measured" and set(tactic["timings_ms"]) == {"native", "ort"}
+    assert info.build.quant_linears == tactic["chosen"]
+    assert ("BlockQuantMatMul" in ops(engine)) == (tactic["chosen"] == "native")
+
+
+def test_verify_checks_the_native_linears_against_matmulnbits(checkpoint, tmp_path):
+    from trtbuild.bench.verify import verify_engine
+
+    engine_dir = build_engine(checkpoint, tmp_path / "e", **LIMITS)
+    report = verify_engine(engine_dir, checkpoint, num_threads=1)
+    report.check()  # raises VerificationError if an output is off
+    assert len(report.steps) == 2 and "decode" in report.steps[1]
