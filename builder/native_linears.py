@@ -2,7 +2,7 @@
 of multiplying block-quantized weights: activations quantized to int8 blocks once per linear, integer dot
 products, 16 rows per vector so that one tile of tokens reuses each weight load.
 
-Each eligible MatMulNBits (4 or 8 bits, blocks of 32, the default zero point) becomes a BlockQuantMatMul over a
+Each eligible MatMulNBits (4 or 8 bits, blocks of 16 or 32, the default zero point) becomes a BlockQuantMatMul over a
 packed copy of its weights (plugins/block_quant_matmul.py: the layout), and the MatMulNBits initializers nobody else
 reads are dropped, so the engine file holds each linear once. Measured on the 2-core AVX-512 VM (docs/performance.md):
 faster than MLAS's MatMulNBits at every token count from 1 to 256, which is why there is one graph for all steps.
@@ -21,11 +21,12 @@ def _attrs(node: onnx.NodeProto) -> dict:
 
 
 def eligible(node: onnx.NodeProto) -> bool:
-    """A MatMulNBits the native kernel computes: 4 or 8 bits, blocks of 32, no zero-point input."""
+    """A MatMulNBits the native kernel computes: 4 or 8 bits, blocks of 16 or 32, K % 32 == 0, no zero-point
+    input."""
     if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN or len([i for i in node.input if i]) != 3:
         return False
     a = _attrs(node)
-    return a.get("bits") in (4, 8) and a.get("block_size") == bq.BLOCK and a["K"] % bq.BLOCK == 0
+    return a.get("bits") in (4, 8) and a.get("block_size") in bq.WEIGHT_BLOCKS and a["K"] % bq.BLOCK == 0
 
 
 def count_eligible(model: onnx.ModelProto) -> int:

@@ -1,11 +1,11 @@
 // trtbuild::BlockQuantMatMul for ONNX Runtime's CPU provider: y[M, N] = x[M, K] @ dequant(B)^T, 4- or 8-bit codes
-// in blocks of 32 with the default zero point (8 or 128), in the 16-row interleaved layout that
-// plugins/block_quant_matmul.py packs at build time (G = ceil(N / 16) groups of 16 rows, nb = K / 32 blocks):
-//   B uint8 [G, nb, 16 * 32 * bits / 8]: in block b of group g, 64-byte vector j, lane r (bytes 4r..4r+3) holds
-//     row 16g + r's elements 32b + 4j .. +3; 4-bit: vectors j < 4 hold those of j in their low nibbles and those of
-//     j + 4 in their high ones.
-//   S float or float16 [G, nb, 16]: the scale of row 16g + r in block b (float16 where that is exact, as it is for
-//     GGUF's blocks: 11% fewer bytes per 4-bit weight).
+// with a scale per block of 32 or 16 and the default zero point (8 or 128), in the 16-row interleaved layout that
+// plugins/block_quant_matmul.py packs at build time (G = ceil(N / 16) groups of 16 rows, nc = K / 32 chunks):
+//   B uint8 [G, nc, 16 * 32 * bits / 8]: in chunk c of group g, 64-byte vector j, lane r (bytes 4r..4r+3) holds
+//     row 16g + r's elements 32c + 4j .. +3; 4-bit: vectors j < 4 hold those of j in their low nibbles and those of
+//     j + 4 in their high ones. So vectors 0-3 are a chunk's first 16 elements and 4-7 its last 16.
+//   S float or float16 [G, K / block, 16]: the scale of row 16g + r in each block (float16 where that is exact, as
+//     it is for GGUF's 32-blocks: 11% fewer bytes per 4-bit weight).
 // The way llama.cpp multiplies: x is quantized once per call to int8 in blocks of 32 (a float scale each); each
 // lane of a VNNI dot product (unsigned codes x 4 signed activation codes broadcast to all lanes) belongs to one
 // row, so a block of 16 rows is 8 dot products into one int32 vector, scaled per row and block, and no horizontal
@@ -35,19 +35,19 @@ constexpr int64_t kGroupsPerTask = 4;
 
 void fail(const std::string& what) { ORT_CXX_API_THROW("trtbuild::BlockQuantMatMul: " + what, ORT_INVALID_ARGUMENT); }
 
-// x quantized for one call: int8 codes [M, K] in x's order; per token and block, the dot product's start value
-// (-zp x the sum of the block's codes) and the activation scale.
+// x quantized for one call, in blocks of 32: int8 codes [M, K] in x's order; per token and block, the dot
+// products' start values for its two halves (-zp x the sum of the half's codes) and the activation scale.
 struct QuantizedX {
   int64_t blocks = 0;
   std::vector<int8_t> codes;
-  std::vector<int32_t> bias;
+  std::vector<int32_t> bias;  // [M, blocks, 2]
   std::vector<float> scale;
 };
 
 void quantize_x(const float* x, int64_t m, int64_t k, int bits, QuantizedX& q) {
   q.blocks = k / kBlock;
   q.codes.resize(m * k);
-  q.bias.resize(m * q.blocks);
+  q.bias.resize(m * q.blocks * 2);
   q.scale.resize(m * q.blocks);
 #ifndef TRTBUILD_NO_VNNI
   const int32_t zp = bits == 4 ? 8 : 128;
@@ -60,7 +60,8 @@ void quantize_x(const float* x, int64_t m, int64_t k, int bits, QuantizedX& q) {
     const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * kBlock), _mm512_cvtsepi32_epi8(c0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * kBlock + 16), _mm512_cvtsepi32_epi8(c1));
-    q.bias[i] = -zp * _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+    q.bias[2 * i] = -zp * _mm512_reduce_add_epi32(c0);
+    q.bias[2 * i + 1] = -zp * _mm512_reduce_add_epi32(c1);
     q.scale[i] = amax / 127.0f;
   }
 #else
@@ -84,7 +85,7 @@ __m512 load_scales(const void* scales, int64_t at) {
   return _mm512_loadu_ps(static_cast<const float*>(scales) + at * kRows);
 }
 
-template <int BITS, bool HALF, int T>
+template <int BITS, bool HALF, bool BLOCK16, int T>
 void tile(const Problem& p, int64_t g, int64_t t0) {
   constexpr int64_t kBytes = kRows * kBlock * BITS / 8;  // one block of one group
   const QuantizedX& q = *p.qx;
@@ -104,23 +105,32 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
     } else {
       for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(codes + b * kBytes + j * 64);
     }
-    const __m512 ws = load_scales<HALF>(p.scales, g * nb + b);
+    // NOTE: a 16-block chunk has two scale vectors, one per half
+    const __m512 ws = load_scales<HALF>(p.scales, (g * nb + b) * (BLOCK16 ? 2 : 1));
+    const __m512 ws_hi = BLOCK16 ? load_scales<HALF>(p.scales, (g * nb + b) * 2 + 1) : ws;
     for (int t = 0; t < T; ++t) {
       const int64_t at = (t0 + t) * nb + b;
       const int32_t* x4 = reinterpret_cast<const int32_t*>(q.codes.data() + at * kBlock);
-      // two accumulators: half the dependency chain
-      __m512i d0 = _mm512_set1_epi32(q.bias[at]), d1 = _mm512_setzero_si512();
-      d0 = _mm512_dpbusd_epi32(d0, w[0], _mm512_set1_epi32(x4[0]));
-      d1 = _mm512_dpbusd_epi32(d1, w[1], _mm512_set1_epi32(x4[1]));
-      d0 = _mm512_dpbusd_epi32(d0, w[2], _mm512_set1_epi32(x4[2]));
-      d1 = _mm512_dpbusd_epi32(d1, w[3], _mm512_set1_epi32(x4[3]));
-      // 4-bit: vectors 4..7 are the high nibbles, elements 16 + 4(j - 4) = 4j: the same activation codes
-      d0 = _mm512_dpbusd_epi32(d0, w[4], _mm512_set1_epi32(x4[4]));
-      d1 = _mm512_dpbusd_epi32(d1, w[5], _mm512_set1_epi32(x4[5]));
-      d0 = _mm512_dpbusd_epi32(d0, w[6], _mm512_set1_epi32(x4[6]));
-      d1 = _mm512_dpbusd_epi32(d1, w[7], _mm512_set1_epi32(x4[7]));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1)),
-                               _mm512_mul_ps(ws, _mm512_set1_ps(q.scale[at])), acc[t]);
+      // four short dependency chains: two per half (4-bit: vectors 4..7 are the high nibbles, elements
+      // 16 + 4(j - 4) = 4j, so they take the same activation codes)
+      __m512i lo0 = _mm512_set1_epi32(q.bias[2 * at]), lo1 = _mm512_setzero_si512();
+      __m512i hi0 = _mm512_set1_epi32(q.bias[2 * at + 1]), hi1 = _mm512_setzero_si512();
+      lo0 = _mm512_dpbusd_epi32(lo0, w[0], _mm512_set1_epi32(x4[0]));
+      lo1 = _mm512_dpbusd_epi32(lo1, w[1], _mm512_set1_epi32(x4[1]));
+      hi0 = _mm512_dpbusd_epi32(hi0, w[4], _mm512_set1_epi32(x4[4]));
+      hi1 = _mm512_dpbusd_epi32(hi1, w[5], _mm512_set1_epi32(x4[5]));
+      lo0 = _mm512_dpbusd_epi32(lo0, w[2], _mm512_set1_epi32(x4[2]));
+      lo1 = _mm512_dpbusd_epi32(lo1, w[3], _mm512_set1_epi32(x4[3]));
+      hi0 = _mm512_dpbusd_epi32(hi0, w[6], _mm512_set1_epi32(x4[6]));
+      hi1 = _mm512_dpbusd_epi32(hi1, w[7], _mm512_set1_epi32(x4[7]));
+      const __m512 xs = _mm512_set1_ps(q.scale[at]);
+      const __m512i lo = _mm512_add_epi32(lo0, lo1), hi = _mm512_add_epi32(hi0, hi1);
+      if (BLOCK16) {
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(ws, xs), acc[t]);
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(ws_hi, xs), acc[t]);
+      } else {
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), _mm512_mul_ps(ws, xs), acc[t]);
+      }
     }
   }
   const int64_t rows = std::min(kRows, p.n - g * kRows);
@@ -128,16 +138,16 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
   for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(p.y + (t0 + t) * p.n + g * kRows, keep, acc[t]);
 }
 
-template <int BITS, bool HALF, int T>
+template <int BITS, bool HALF, bool BLOCK16, int T>
 void tail(const Problem& p, int64_t g, int64_t t0, int64_t left) {
   if constexpr (T > 0) {
-    if (left == T) return tile<BITS, HALF, T>(p, g, t0);
-    tail<BITS, HALF, T - 1>(p, g, t0, left);
+    if (left == T) return tile<BITS, HALF, BLOCK16, T>(p, g, t0);
+    tail<BITS, HALF, BLOCK16, T - 1>(p, g, t0, left);
   }
 }
 #endif
 
-template <int BITS, bool HALF>
+template <int BITS, bool HALF, bool BLOCK16>
 void run_task(void* data, size_t task) {
 #ifndef TRTBUILD_NO_VNNI
   const Problem& p = *static_cast<const Problem*>(data);
@@ -145,16 +155,23 @@ void run_task(void* data, size_t task) {
   const int64_t end = std::min(groups, static_cast<int64_t>(task + 1) * kGroupsPerTask);
   for (int64_t g = static_cast<int64_t>(task) * kGroupsPerTask; g < end; ++g) {
     int64_t t = 0;
-    for (; t + kTokens <= p.m; t += kTokens) tile<BITS, HALF, kTokens>(p, g, t);
-    tail<BITS, HALF, kTokens - 1>(p, g, t, p.m - t);
+    for (; t + kTokens <= p.m; t += kTokens) tile<BITS, HALF, BLOCK16, kTokens>(p, g, t);
+    tail<BITS, HALF, BLOCK16, kTokens - 1>(p, g, t, p.m - t);
   }
 #else
   (void)data, (void)task;
 #endif
 }
 
+using Task = void (*)(void*, size_t);
+
+template <int BITS, bool HALF>
+Task task_for(bool block16) {
+  return block16 ? run_task<BITS, HALF, true> : run_task<BITS, HALF, false>;
+}
+
 struct BlockQuantMatMulKernel {
-  int64_t k, n, bits;
+  int64_t k, n, bits, block;
 
   BlockQuantMatMulKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -163,7 +180,8 @@ struct BlockQuantMatMulKernel {
     bits = ki.GetAttribute<int64_t>("bits");
     if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
     if (k % kBlock) fail("K must be a multiple of 32, got " + std::to_string(k));
-    if (ki.GetAttribute<int64_t>("block_size") != kBlock) fail("block_size must be 32");
+    block = ki.GetAttribute<int64_t>("block_size");
+    if (block != 16 && block != 32) fail("block_size must be 16 or 32");
 #ifdef TRTBUILD_NO_VNNI
     fail("this CPU has no AVX-512 VNNI; rebuild the engine with `--quant-linears ort`");
 #endif
@@ -177,7 +195,7 @@ struct BlockQuantMatMulKernel {
     const int64_t groups = (n + kRows - 1) / kRows;
     const Ort::ConstValue b = ctx.GetInput(1), s = ctx.GetInput(2);
     if (b.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(groups * k * kRows * bits / 8) ||
-        s.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(groups * k / kBlock * kRows))
+        s.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(groups * k / block * kRows))
       fail("B or scales do not hold ceil(N / 16) groups of 16 rows (plugins/block_quant_matmul.py: pack)");
     const ONNXTensorElementDataType scale_type = s.GetTensorTypeAndShapeInfo().GetElementType();
     if (scale_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && scale_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
@@ -192,9 +210,10 @@ struct BlockQuantMatMulKernel {
     quantize_x(x.GetTensorData<float>(), m, k, static_cast<int>(bits), qx);
     Problem p{b.GetTensorData<uint8_t>(), s.GetTensorRawData(), y.GetTensorMutableData<float>(), &qx, m, n, k};
     const size_t tasks = static_cast<size_t>((groups + kGroupsPerTask - 1) / kGroupsPerTask);
-    const bool half = scale_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-    ctx.ParallelFor(bits == 4 ? (half ? run_task<4, true> : run_task<4, false>)
-                              : (half ? run_task<8, true> : run_task<8, false>), tasks, 0, &p);
+    const bool half = scale_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, block16 = block == 16;
+    const Task task = bits == 4 ? (half ? task_for<4, true>(block16) : task_for<4, false>(block16))
+                                : (half ? task_for<8, true>(block16) : task_for<8, false>(block16));
+    ctx.ParallelFor(task, tasks, 0, &p);
   }
 };
 

@@ -1,15 +1,16 @@
 """The contract of `trtbuild::BlockQuantMatMul` (documented in plugins/README.md): its weight layout, the packing
 into it, and its numpy reference.
 
-A 4/8-bit linear in blocks of 32 with the default zero point (MatMulNBits' 8 or 128), computed as llama.cpp does:
-activations rounded to int8 per block, exact integer dot products, each block scaled by the weight's and the
-activation's scales. The weights are packed at build time, 16 rows interleaved (cpu_ops/block_matmul.cc says why):
+A 4/8-bit linear with a scale per block of 32 or 16 weights and the default zero point (MatMulNBits' 8 or 128),
+computed as llama.cpp does: activations rounded to int8 per block of 32, exact integer dot products, each weight
+block scaled by its scale and the activation's. The weights are packed at build time, 16 rows interleaved
+(cpu_ops/block_matmul.cc says why):
 
-  B uint8 [G, K / 32, 16 * 32 * bits / 8], G = ceil(N / 16): in block b of group g, 64-byte vector j, bytes
-    4r .. 4r + 3 hold row 16g + r's codes 32b + 4j .. +3; 4-bit: vectors j < 4 hold those of j in their low nibbles
+  B uint8 [G, K / 32, 16 * 32 * bits / 8], G = ceil(N / 16): in chunk c of group g, 64-byte vector j, bytes
+    4r .. 4r + 3 hold row 16g + r's codes 32c + 4j .. +3; 4-bit: vectors j < 4 hold those of j in their low nibbles
     and those of j + 4 in their high ones.
-  S float16 or float32 [G, K / 32, 16]: S[g, b, r] is the scale of row 16g + r in block b; `pack` stores float16
-    when every scale is exact in it (GGUF's are: 11% fewer bytes per 4-bit weight), else float32.
+  S float16 or float32 [G, K / block, 16]: S[g, b, r] is the scale of row 16g + r in block b; `pack` stores float16
+    when every scale is exact in it (GGUF's Q4_0 / Q8_0 ones are: 11% fewer bytes per 4-bit weight), else float32.
 Rows past N (padding) have code zp and scale 0.
 """
 
@@ -19,7 +20,8 @@ import numpy as np
 
 DOMAIN = "trtbuild"
 OP_TYPE = "BlockQuantMatMul"
-BLOCK = 32
+BLOCK = 32  # activation blocks, and the weights' chunks
+WEIGHT_BLOCKS = (16, 32)
 ROWS = 16  # rows per group: one per int32 lane of a 512-bit vector
 ZERO_POINT = {4: 8, 8: 128}
 
@@ -36,29 +38,33 @@ def unpack_nbits(b: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
 
 
 def pack(codes: np.ndarray, scales: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """B and S of the contract from codes [N, K] (0..15 or 0..255) and per-block scales [N, K / 32]."""
+    """B and S of the contract from codes [N, K] (0..15 or 0..255) and per-block scales [N, K / block]."""
     n, k = codes.shape
-    groups, blocks = -(-n // ROWS), k // BLOCK
+    groups, chunks = -(-n // ROWS), k // BLOCK
+    blocks = scales.size // n
     padded = np.full((groups * ROWS, k), ZERO_POINT[bits], dtype=np.uint8)
     padded[:n] = codes
     s = np.zeros((groups * ROWS, blocks), dtype=np.float32)
     s[:n] = scales.reshape(n, blocks)
-    # [G, r, b, j, i]: element 32b + 4j + i of row 16g + r
-    c = padded.reshape(groups, ROWS, blocks, 8, 4)
+    # [G, r, c, j, i]: element 32c + 4j + i of row 16g + r
+    c = padded.reshape(groups, ROWS, chunks, 8, 4)
     if bits == 4:
         c = c[:, :, :, :4] | (c[:, :, :, 4:] << 4)
-    b = np.ascontiguousarray(c.transpose(0, 2, 3, 1, 4)).reshape(groups, blocks, -1)
+    b = np.ascontiguousarray(c.transpose(0, 2, 3, 1, 4)).reshape(groups, chunks, -1)
     s = np.ascontiguousarray(s.reshape(groups, ROWS, blocks).transpose(0, 2, 1))
     half = s.astype(np.float16)
     return b, half if np.array_equal(half.astype(np.float32), s) else s
 
 
 def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
-    """y [M, N] in float64 from x [M, K], the unpacked codes [N, K] (0..15 or 0..255) and scales [N * K / 32]."""
+    """y [M, N] in float64 from x [M, K], the unpacked codes [N, K] (0..15 or 0..255) and scales [N * K / block]."""
     m, k = x.shape
+    n = codes.shape[0]
     blocks = x.reshape(m, k // BLOCK, BLOCK).astype(np.float64)
     d = np.abs(blocks).max(axis=2, keepdims=True) / 127
     q = np.rint(np.divide(blocks, d, out=np.zeros_like(blocks), where=d > 0))
-    w = codes.reshape(codes.shape[0], k // BLOCK, BLOCK).astype(np.float64) - ZERO_POINT[bits]
-    dots = np.einsum("mbi,nbi->mnb", q, w)  # exact integers
-    return np.einsum("mnb,mb,nb->mn", dots, d[:, :, 0], scales.reshape(-1, k // BLOCK).astype(np.float64))
+    per_block = scales.size // n  # weight blocks per row; activation blocks of 32 hold 32 / block of them
+    q = q.reshape(m, per_block, -1) * np.repeat(d[:, :, 0], per_block * BLOCK // k, axis=1)[:, :, None]
+    w = codes.reshape(n, per_block, -1).astype(np.float64) - ZERO_POINT[bits]
+    dots = np.einsum("mbi,nbi->mnb", q, w)  # exact integers times the activation scale
+    return np.einsum("mnb,nb->mn", dots, scales.reshape(n, per_block).astype(np.float64))

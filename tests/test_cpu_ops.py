@@ -127,11 +127,11 @@ def test_headers_come_from_a_debian_package_or_a_given_directory(monkeypatch, tm
         ort_headers.include_dir()
 
 
-def block_quant_model(k: int, n: int, bits: int, b: np.ndarray, scales: np.ndarray):
+def block_quant_model(k: int, n: int, bits: int, b: np.ndarray, scales: np.ndarray, block: int = 32):
     from onnx import TensorProto, helper, numpy_helper
 
     node = helper.make_node("BlockQuantMatMul", ["x", "B", "S"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=n, bits=bits,
-                            block_size=32)
+                            block_size=block)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
                               [numpy_helper.from_array(b, "B"), numpy_helper.from_array(scales, "S")])
@@ -139,16 +139,17 @@ def block_quant_model(k: int, n: int, bits: int, b: np.ndarray, scales: np.ndarr
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["float_scales", "float16_scales"])
+@pytest.mark.parametrize("block", [32, 16])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_block_quant_matmul_matches_its_reference(library, bits, half):
+def test_block_quant_matmul_matches_its_reference(library, bits, block, half):
     """Codes taken from MatMulNBits' layout (4-bit: element 2j in the low nibble of byte j) and packed; token counts
     around the tile of 8; rows not a multiple of 16 nor of a task's 64; K not a multiple of 128; a zero block in x."""
-    rng = np.random.default_rng(bits)
+    rng = np.random.default_rng(bits + block)
     k, n = 352, 200
     codes = rng.integers(0, 16 if bits == 4 else 256, (n, k), dtype=np.uint8)
     nbits = (codes[:, 0::2] | (codes[:, 1::2] << 4)) if bits == 4 else codes
-    np.testing.assert_array_equal(unpack_nbits(nbits.reshape(n, k // 32, -1), n, k, bits), codes)
-    scales = (rng.random((n, k // 32), dtype=np.float32) * 0.02 + 1e-3).reshape(-1)
+    np.testing.assert_array_equal(unpack_nbits(nbits.reshape(n, k // block, -1), n, k, bits), codes)
+    scales = (rng.random((n, k // block), dtype=np.float32) * 0.02 + 1e-3).reshape(-1)
     if half:  # GGUF's scales: exact in float16, which `pack` then stores
         scales = scales.astype(np.float16).astype(np.float32)
     b, s = pack(codes, scales, bits)
@@ -156,7 +157,7 @@ def test_block_quant_matmul_matches_its_reference(library, bits, half):
     options = ort.SessionOptions()
     options.register_custom_ops_library(library)
     options.intra_op_num_threads = 2
-    sess = ort.InferenceSession(block_quant_model(k, n, bits, b, s).SerializeToString(),
+    sess = ort.InferenceSession(block_quant_model(k, n, bits, b, s, block).SerializeToString(),
                                 options, providers=["CPUExecutionProvider"])
     for m in (1, 3, 7, 8, 9, 17):
         x = rng.standard_normal((m, k)).astype(np.float32)
@@ -164,7 +165,7 @@ def test_block_quant_matmul_matches_its_reference(library, bits, half):
         want = reference_block_quant_matmul(x, codes, scales, bits)
         got = sess.run(None, {"x": x})[0]
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
-        w = (codes.astype(np.float32) - (8 if bits == 4 else 128)) * np.repeat(scales.reshape(n, -1), 32, axis=1)
+        w = (codes.astype(np.float32) - (8 if bits == 4 else 128)) * np.repeat(scales.reshape(n, -1), block, axis=1)
         assert np.abs(got - x @ w.T).max() < 0.02 * np.abs(x @ w.T).max()  # and near the float product
 
 

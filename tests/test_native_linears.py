@@ -95,3 +95,45 @@ def test_verify_checks_the_native_linears_against_matmulnbits(checkpoint, tmp_pa
     report = verify_engine(engine_dir, checkpoint, num_threads=1)
     report.check()  # raises VerificationError if an output is off
     assert len(report.steps) == 2 and "decode" in report.steps[1]
+
+
+@pytest.mark.parametrize("bits,block", [(8, 16), (4, 16), (4, 32)])
+def test_lowering_one_linear_keeps_its_product(bits, block):
+    """A lone MatMulNBits (GGUF's Q6_K arrives as 8-bit blocks of 16) lowered and run against itself."""
+    import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
+
+    from trtbuild import cpu_ops
+    from trtbuild.builder.native_linears import NativeLinears
+    from trtbuild.plugins.block_quant_matmul import ZERO_POINT, reference_block_quant_matmul, unpack_nbits
+
+    rng = np.random.default_rng(block)
+    k, n = 96, 40
+    b = rng.integers(0, 256, (n, k // block, block * bits // 8), dtype=np.uint8)
+    s = (rng.random(n * k // block, dtype=np.float32) * 0.01 + 1e-3)
+    node = helper.make_node("MatMulNBits", ["x", "B", "S"], ["y"], domain="com.microsoft", K=k, N=n, bits=bits,
+                            block_size=block, accuracy_level=4)
+    model = helper.make_model(
+        helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
+                          [numpy_helper.from_array(b, "B"), numpy_helper.from_array(s, "S")]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    options = onnxruntime.SessionOptions()
+    options.register_custom_ops_library(str(cpu_ops.library_path()))
+    x = rng.standard_normal((5, k)).astype(np.float32)
+
+    def run(m: onnx.ModelProto) -> np.ndarray:
+        return onnxruntime.InferenceSession(m.SerializeToString(), options).run(None, {"x": x})[0]
+
+    matmulnbits = run(model)
+    assert NativeLinears().lower(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["BlockQuantMatMul"]
+    assert {t.name for t in model.graph.initializer} == {"B.bq", "S.bq"}  # MatMulNBits' copies dropped
+    codes = unpack_nbits(b, n, k, bits)
+    got = run(model)
+    want = reference_block_quant_matmul(x, codes, s, bits)  # activations in int8 blocks of 32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    # NOTE: MLAS quantizes activations per weight block (16 here), so it differs by rounding, not more
+    exact = x @ ((codes.astype(np.float32) - ZERO_POINT[bits]) * np.repeat(s.reshape(n, -1), block, axis=1)).T
+    for y in (got, matmulnbits):
+        assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
