@@ -208,7 +208,10 @@ class EngineCore:
         plain = [i for i in with_logits if not scheduled.chunks[i].num_drafts]
         if plain:
             states = [self.tracked[scheduled.chunks[i].request.request_id].sampling for i in plain]
-            sampled = self.sampler.sample(output.logits[[first_row[i] for i in plain]], states)
+            rows = [first_row[i] for i in plain]
+            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))  # NOTE: a view, not a copy of [N, V]
+            sampled = self.sampler.sample(output.logits[rows[0]:rows[-1] + 1] if contiguous else output.logits[rows],
+                                          states)
             for i, token, lp in zip(plain, sampled.token_ids.tolist(), sampled.logprobs, strict=True):
                 tokens[i], logprobs[scheduled.chunks[i].request.request_id] = [token], [lp]
         for i in with_logits:

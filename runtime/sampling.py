@@ -201,6 +201,12 @@ class SamplingState(TokenHistory):
                 banned.append(word[-1])
         return banned
 
+    def changes_logits(self) -> bool:
+        """Whether process_logits would change this request's row: masks, a JSON guide, penalties or biases."""
+        p = self.params
+        return bool(self.guide is not None or p.repetition_penalty != 1.0 or p.frequency_penalty
+                    or p.presence_penalty or p.logit_bias or self.masked_ids())
+
     def seen_ids(self) -> np.ndarray:
         """Distinct token ids of prompt + output (what the repetition penalty applies to)."""
         if self._prompt_unique is None:
@@ -353,13 +359,17 @@ class Sampler:
 
     def sample(self, logits: np.ndarray, states: Sequence[SamplingState]) -> SampleOutput:
         """logits [N, V] -> the next token of each row's request. Does not record the tokens in the states."""
-        processed = process_logits(logits, states)
-        tokens = np.empty(len(states), dtype=np.int64)
-        greedy = np.array([s.params.greedy for s in states], dtype=bool)
-        if greedy.any():
-            tokens[greedy] = np.argmax(processed[greedy], axis=1)  # first maximum: ties go to the lowest id
-        for i in np.flatnonzero(~greedy):
-            tokens[i] = draw(*sampling_distribution(processed[i], states[i].params), states[i].rng)
+        if all(s.params.greedy and not s.changes_logits() for s in states):
+            # NOTE: the common serving case, and no copy of [N, V] (10 MB at batch 16 over a 152k vocabulary)
+            tokens = np.argmax(logits, axis=1)
+        else:
+            processed = process_logits(logits, states)
+            tokens = np.empty(len(states), dtype=np.int64)
+            greedy = np.array([s.params.greedy for s in states], dtype=bool)
+            if greedy.any():
+                tokens[greedy] = np.argmax(processed[greedy], axis=1)  # first maximum: ties go to the lowest id
+            for i in np.flatnonzero(~greedy):
+                tokens[i] = draw(*sampling_distribution(processed[i], states[i].params), states[i].rng)
         logprobs = [None if s.params.logprobs is None else token_logprobs(logits[i], int(tokens[i]), s.params.logprobs)
                     for i, s in enumerate(states)]
         return SampleOutput(tokens, logprobs)

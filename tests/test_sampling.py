@@ -103,6 +103,20 @@ def test_greedy_is_argmax_with_ties_to_the_lowest_id():
     assert out.token_ids[1] == 3 and out.token_ids[4] == 0
 
 
+def test_a_greedy_batch_that_changes_no_logits_skips_processing_and_one_that_does_not():
+    logits = np.random.default_rng(1).standard_normal((3, 50)).astype(np.float32)
+    plain = [state() for _ in range(3)]
+    assert not any(s.changes_logits() for s in plain)
+    assert Sampler().sample(logits, plain).token_ids.tolist() == np.argmax(logits, axis=1).tolist()
+    top = int(np.argmax(logits[1]))
+    for changed in (state(logit_bias={top: -100.0}), state(bad_words_ids=[[top]]), state(repetition_penalty=1.5),
+                    state(min_tokens=2, output=())):
+        assert changed.changes_logits()
+    biased = [plain[0], state(logit_bias={top: -100.0}), plain[2]]  # one row changes: the batch is processed
+    tokens = Sampler().sample(logits, biased).token_ids
+    assert tokens[1] != top and tokens[[0, 2]].tolist() == np.argmax(logits[[0, 2]], axis=1).tolist()
+
+
 def test_sample_leaves_logits_and_state_tokens_alone():
     logits = np.random.default_rng(1).standard_normal((2, 30)).astype(np.float32)
     before = logits.copy()

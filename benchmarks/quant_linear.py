@@ -1,0 +1,91 @@
+"""One 4/8-bit linear, trtbuild::BlockQuantMatMul (cpu_ops/block_matmul.cc) against ONNX Runtime's MatMulNBits
+(accuracy level 4: int8 activations too) on the same random codes and scales, at several token counts; alternated
+rounds, medians. The native op runs with float16 scales (as GGUF's Q4_0 / Q8_0 files give them) and float32 ones.
+
+    python benchmarks/quant_linear.py [--k 896] [--n 4864] [--bits 4] [--block 32] [--tokens 1,4,16,64,256]
+        [--threads 2] [--rounds 7]
+
+Prints, per token count, microseconds per call of each kernel and the speed of the native op relative to
+MatMulNBits (> 1: native faster), and, at one token, the rate the native op streams its weights at.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from trtbuild import cpu_ops
+from trtbuild.plugins.block_quant_matmul import pack
+
+
+def session(node: onnx.NodeProto, k: int, n: int, inits: list, threads: int) -> ort.InferenceSession:
+    graph = helper.make_graph([node], "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("trtbuild", 1),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.register_custom_ops_library(str(cpu_ops.library_path()))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--k", type=int, default=896)
+    p.add_argument("--n", type=int, default=4864)
+    p.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    p.add_argument("--block", type=int, choices=(16, 32), default=32)
+    p.add_argument("--tokens", default="1,4,16,64,256")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args()
+    k, n, bits, block = args.k, args.n, args.bits, args.block
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
+    nbits = ((codes[:, 0::2] | (codes[:, 1::2] << 4)) if bits == 4 else codes).reshape(n, k // block, -1)
+    scales = (rng.random(n * k // block, dtype=np.float32) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    b, s16 = pack(codes, scales, bits)
+    attrs = dict(K=k, N=n, bits=bits, block_size=block)
+    native = helper.make_node("BlockQuantMatMul", ["x", "B", "S"], ["y"], domain="trtbuild", **attrs)
+    kernels = {
+        "native fp16 scales": session(native, k, n, [numpy_helper.from_array(b, "B"),
+                                                     numpy_helper.from_array(s16, "S")], args.threads),
+        "native fp32 scales": session(native, k, n, [numpy_helper.from_array(b, "B"),
+                                                     numpy_helper.from_array(s16.astype(np.float32), "S")],
+                                      args.threads),
+        "MatMulNBits": session(helper.make_node("MatMulNBits", ["x", "B", "S"], ["y"], domain="com.microsoft",
+                                                accuracy_level=4, **attrs), k, n,
+                               [numpy_helper.from_array(nbits, "B"), numpy_helper.from_array(scales, "S")],
+                               args.threads),
+    }
+    names = list(kernels)
+    print(f"K={k} N={n} {bits}-bit blocks of {block}, {args.threads} threads, {args.rounds} alternated rounds")
+    for m in (int(t) for t in args.tokens.split(",")):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        ys = [kernels[name].run(None, {"x": x})[0] for name in names]
+        diff = max(float(np.abs(y - ys[-1]).max()) for y in ys) / float(np.abs(ys[-1]).max())
+        reps = max(3, 200 // m)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(args.rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:  # each round starts with the next one
+                start = time.perf_counter()
+                for _ in range(reps):
+                    kernels[name].run(None, {"x": x})
+                times[name].append((time.perf_counter() - start) / reps * 1e6)
+        us = {name: statistics.median(t) for name, t in times.items()}
+        line = "  ".join(f"{name} {us[name]:8.0f} us" for name in names)
+        ratio = us["MatMulNBits"] / us["native fp16 scales"]
+        rate = (b.nbytes + s16.nbytes) / us["native fp16 scales"] / 1e3
+        stream = f", native streams {rate:.1f} GB/s" if m == 1 else ""
+        print(f"M={m:4d}  {line}  native/MatMulNBits {ratio:.2f}x (max rel. diff {diff:.1e}){stream}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
