@@ -36,6 +36,7 @@ from trtbuild.errors import TrtbuildError
 
 log = logging.getLogger(__name__)
 CACHE_VERSION = 1
+PREFERRED_MARGIN = 0.03  # relative; see best()
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,14 @@ def shape_classes(build: BuildConfig, mode: str) -> tuple[ShapeClass, ...]:
 
 
 def best(timings: dict[str, dict[str, float]]) -> str:
-    """The candidate with the lowest sum over shape classes of its time / the best time of that class (the first
-    listed wins ties, so the default stays unless another is faster)."""
+    """The candidate with the lowest sum over shape classes of its time / the best time of that class. The first
+    listed (the default) stays unless another's sum is lower by more than PREFERRED_MARGIN: a difference inside
+    this VM's timing noise is no reason to leave the default."""
     classes = next(iter(timings.values())).keys()
     fastest = {c: min(t[c] for t in timings.values()) for c in classes}
-    return min(timings, key=lambda name: sum(timings[name][c] / fastest[c] for c in classes))
+    score = {name: sum(t[c] / fastest[c] for c in classes) for name, t in timings.items()}
+    default, winner = next(iter(score)), min(score, key=score.__getitem__)
+    return default if score[default] <= score[winner] * (1 + PREFERRED_MARGIN) else winner
 
 
 class TimingCache:
@@ -131,6 +135,7 @@ def _measured(family: str, key: str, cache: TimingCache, candidates: dict[str, C
     """{"chosen", "timings_ms", "source"} for a tactic family: from the cache, or by timing every candidate."""
     hit = cache.get(key)
     if hit is not None and set(hit.get("timings_ms", {})) == set(candidates):
+        hit = {**hit, "chosen": best({name: hit["timings_ms"][name] for name in candidates})}  # today's rule
         log.info("autotune %s: %s (timing cache)", family, hit["chosen"])
         return {**hit, "source": "timing cache"}
     timings = {name: time_it() for name, time_it in candidates.items()}

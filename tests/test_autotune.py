@@ -96,6 +96,9 @@ def test_autotune_records_tactics_and_the_cache_spares_a_rebuild(checkpoint, tmp
 def test_the_best_tactic_is_the_fastest_over_all_shape_classes():
     assert best({"split": {"decode": 1.0, "prefill": 10.0}, "concat": {"decode": 0.8, "prefill": 10.5}}) == "concat"
     assert best({"split": {"decode": 1.0}, "concat": {"decode": 1.0}}) == "split"  # ties keep the first (default)
+    # within the margin (3%) the default stays too; past it, the faster one wins
+    assert best({"native": {"decode": 12.9, "prefill": 224.4}, "split": {"decode": 13.5, "prefill": 214.3}}) == "native"
+    assert best({"native": {"decode": 12.9, "prefill": 224.4}, "split": {"decode": 12.0, "prefill": 214.3}}) == "split"
     full = shape_classes(BuildConfig(max_batch_size=8, max_seq_len=2048, autotune="full"), "full")
     assert full == (ShapeClass("decode_b1_ctx128", 1, 128, 1), ShapeClass("prefill_128", 1, 0, 128),
                     ShapeClass("decode_b8_ctx128", 8, 128, 1), ShapeClass("decode_b1_ctx1024", 1, 1024, 1))
