@@ -102,7 +102,7 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
                    "custom-op library, compiled on first use: needs g++); split / concat lower it to standard ONNX "
                    "ops; auto: the autotuner's choice, else native where the library builds.")
 @click.option("--quant-linears", type=click.Choice(QUANT_LINEARS_MODES), default="auto", show_default=True,
-              help="CPU target: native runs the 4/8-bit linears in blocks of 32 with trtbuild::BlockQuantMatMul "
+              help="CPU target: native runs the 4/8-bit linears (blocks of 16 or 32) with trtbuild::BlockQuantMatMul "
                    "(llama.cpp's int8 dot products; needs AVX-512 VNNI and g++), ort with ONNX Runtime's "
                    "MatMulNBits; auto: the autotuner's choice, else native where it runs.")
 @click.option("--autotune", type=click.Choice(["off", "fast", "full"]), default="off", show_default=True,

@@ -23,7 +23,7 @@ SPECULATIVE_DECODING_MODES = ("none", "draft-tokens")
 # how the CPU target computes PagedAttention (builder/lower_cpu.py): native (trtbuild's custom-op library, cpu_ops/),
 # split or concat (standard ONNX ops); auto: the autotuner's choice, else native where the library builds
 ATTENTION_MODES = ("auto", "native", "split", "concat")
-# how the CPU target computes 4/8-bit linears in blocks of 32 (builder/native_linears.py): native
+# how the CPU target computes 4/8-bit linears in blocks of 16 or 32 (builder/native_linears.py): native
 # (trtbuild::BlockQuantMatMul, cpu_ops/) or ort (MatMulNBits); auto: the autotuner's choice, else native where it runs
 QUANT_LINEARS_MODES = ("auto", "native", "ort")
 

@@ -175,7 +175,7 @@ class CpuEngine:
             raise EngineCompatibilityError(f"{path} is missing; rebuild the engine with `trtbuild build`.")
         # NOTE: ONNX Runtime maps the weight file and repacks each GEMM's weights into buffers of its own (about the
         # file's size); the mapped pages are released after that, so the weights count once, plus working memory.
-        # trtbuild::BlockQuantMatMul reads its packed weights from the mapped file as they are.
+        # trtbuild::BlockQuantMatMul computes on its (build-time packed) initializers as loaded: no second copy.
         require_memory(self.info.weight_bytes + LOAD_OVERHEAD_BYTES, f"engine {self.info.path}",
                        "free memory, or build a smaller engine (`trtbuild convert --weight-only int8|int4`, or a "
                        "quantized GGUF file converted as it is).")
