@@ -10,6 +10,7 @@ faster than MLAS's MatMulNBits at every token count from 1 to 256, which is why 
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphView
@@ -35,15 +36,42 @@ def count_eligible(model: onnx.ModelProto) -> int:
 
 class NativeLinears:
     """Rewrites eligible linears in place; packs each weight once however many graph copies it lowers (the
-    autotuner lowers a copy per candidate), keeping the packed initializers as they were staged."""
+    autotuner lowers a copy per candidate), keeping the packed initializers as they were staged. A tied embedding
+    (a GatherBlockQuantized over the same codes and scales as a rewritten linear, the lm_head) becomes a
+    BlockQuantGather over the packed table, so the engine holds that table once."""
 
     def __init__(self) -> None:
         self._packed: dict[tuple[str, str], tuple[onnx.TensorProto, onnx.TensorProto]] = {}
+        self._tied: dict[tuple[str, str], tuple[str, str] | None] = {}  # gather's (data, scales) -> linear's
+
+    def _attach(self, view: GraphView, key: tuple[str, str]) -> None:
+        for t in self._packed[key]:
+            if t.name not in view.initializers:
+                view.graph.initializer.append(t)
+                view.initializers[t.name] = t
+
+    def _tied_linear(self, view: GraphView, gather: onnx.NodeProto, linears: dict[tuple[str, str], dict]
+                     ) -> tuple[str, str] | None:
+        """The (B, scales) of a rewritten linear whose weights are this gather's table, or None."""
+        key = (gather.input[0], gather.input[2])
+        if key not in self._tied:
+            a = _attrs(gather)
+            shape, found = view.shape_of(key[0]), None
+            for linear, la in linears.items():
+                if (la["bits"], la["block_size"]) != (a.get("bits"), a.get("block_size")) or shape is None or \
+                        shape[0] != la["N"] or np.prod(shape) * 8 != la["N"] * la["K"] * la["bits"]:
+                    continue
+                if all(np.array_equal(view.constant(mine).reshape(-1), view.constant(theirs).reshape(-1))
+                       for mine, theirs in zip(key, linear, strict=True)):
+                    found = linear
+                    break
+            self._tied[key] = found
+        return self._tied[key]
 
     def lower(self, model: onnx.ModelProto) -> int:
-        """Replace the eligible MatMulNBits of `model`; returns how many."""
+        """Replace the eligible MatMulNBits of `model` (and a tied embedding's gather); returns how many linears."""
         view = GraphView(model)
-        replaced = 0
+        linears: dict[tuple[str, str], dict] = {}
         for node in model.graph.node:
             if not eligible(node) or any(i not in view.initializers for i in node.input[1:3]):
                 continue
@@ -55,18 +83,26 @@ class NativeLinears:
                 view.add_initializer(key[0] + ".bq", b)
                 view.add_initializer(key[1] + ".bq", s)
                 self._packed[key] = (view.initializers[key[0] + ".bq"], view.initializers[key[1] + ".bq"])
-            else:
-                for t in self._packed[key]:
-                    if t.name not in view.initializers:
-                        model.graph.initializer.append(t)
-                        view.initializers[t.name] = t
-            node.input[1], node.input[2] = key[0] + ".bq", key[1] + ".bq"
-            del node.attribute[:]
-            node.attribute.extend(onnx.helper.make_attribute(k, a[k]) for k in ("K", "N", "bits", "block_size"))
-            node.op_type, node.domain = bq.OP_TYPE, bq.DOMAIN
-            replaced += 1
-        if replaced:
+            self._attach(view, key)
+            linears[key] = a
+            _become(node, bq.OP_TYPE, [node.input[0], *(t.name for t in self._packed[key])], a)
+        for node in model.graph.node:
+            if (node.op_type == "GatherBlockQuantized" and node.domain == MS_DOMAIN and len(node.input) == 3
+                    and (_attrs(node).get("gather_axis", 0), _attrs(node).get("quantize_axis", 1)) == (0, 1)
+                    and (linear := self._tied_linear(view, node, linears)) is not None):
+                _become(node, bq.GATHER_OP_TYPE, [node.input[1], *(t.name for t in self._packed[linear])],
+                        linears[linear])
+        if linears:
             view.drop_unused_initializers()
             if not any(o.domain == bq.DOMAIN for o in model.opset_import):
                 model.opset_import.append(onnx.helper.make_opsetid(bq.DOMAIN, 1))
-        return replaced
+        return len([n for n in model.graph.node if n.op_type == bq.OP_TYPE and n.domain == bq.DOMAIN])
+
+
+def _become(node: onnx.NodeProto, op_type: str, inputs: list[str], attrs: dict) -> None:
+    """Turn `node` into the trtbuild op `op_type` over `inputs`, with the linear's K, N, bits and block size."""
+    del node.input[:]
+    node.input.extend(inputs)
+    del node.attribute[:]
+    node.attribute.extend(onnx.helper.make_attribute(k, attrs[k]) for k in ("K", "N", "bits", "block_size"))
+    node.op_type, node.domain = op_type, bq.DOMAIN

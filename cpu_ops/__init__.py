@@ -21,7 +21,7 @@ from trtbuild.cpu_ops.ort_headers import HeadersUnavailable, cache_dir, include_
 from trtbuild.errors import TrtbuildError
 
 log = logging.getLogger(__name__)
-SOURCES = ("register.cc", "paged_attention.cc", "block_matmul.cc")
+SOURCES = ("register.cc", "paged_attention.cc", "block_matmul.cc", "block_gather.cc")
 HEADERS = ("cpu_ops.h",)
 DOMAIN = "trtbuild"
 _HERE = Path(__file__).parent

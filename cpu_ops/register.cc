@@ -11,6 +11,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     auto* d = new Ort::CustomOpDomain("trtbuild");
     d->Add(trtbuild_cpu_ops::paged_attention_op());
     d->Add(trtbuild_cpu_ops::block_quant_matmul_op());
+    d->Add(trtbuild_cpu_ops::block_quant_gather_op());
     return d;
   }();
   try {

@@ -20,6 +20,7 @@ import numpy as np
 
 DOMAIN = "trtbuild"
 OP_TYPE = "BlockQuantMatMul"
+GATHER_OP_TYPE = "BlockQuantGather"  # rows of a packed table, dequantized (a tied embedding reads its lm_head's)
 BLOCK = 32  # activation blocks, and the weights' chunks
 WEIGHT_BLOCKS = (16, 32)
 ROWS = 16  # rows per group: one per int32 lane of a 512-bit vector
@@ -54,6 +55,13 @@ def pack(codes: np.ndarray, scales: np.ndarray, bits: int) -> tuple[np.ndarray, 
     s = np.ascontiguousarray(s.reshape(groups, ROWS, blocks).transpose(0, 2, 1))
     half = s.astype(np.float16)
     return b, half if np.array_equal(half.astype(np.float32), s) else s
+
+
+def reference_block_quant_gather(ids: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
+    """Rows `ids` [T] of the table with codes [N, K] and scales [N * K / block], dequantized: [T, K] float32."""
+    n, k = codes.shape
+    per_row = np.repeat(scales.reshape(n, -1), k // (scales.size // n), axis=1)
+    return ((codes[ids].astype(np.float32) - ZERO_POINT[bits]) * per_row[ids]).astype(np.float32)
 
 
 def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:

@@ -183,3 +183,34 @@ def test_block_quant_matmul_refuses_what_it_cannot_run(library):
         run(64, np.zeros((8, 2, 16), np.uint8), np.ones(16, np.float32))  # MatMulNBits' layout, not packed
     with pytest.raises(Exception, match="scales must be float or float16"):
         run(64, np.zeros((1, 2, 256), np.uint8), np.ones((1, 2, 16), np.int32))
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["float_scales", "float16_scales"])
+@pytest.mark.parametrize("bits,block", [(4, 32), (8, 32), (8, 16)])
+def test_block_quant_gather_reads_rows_of_the_packed_table(library, bits, block, half):
+    from onnx import TensorProto, helper, numpy_helper
+
+    from trtbuild.plugins.block_quant_matmul import reference_block_quant_gather
+
+    rng = np.random.default_rng(bits * block)
+    k, n = 96, 37  # the last group of 16 rows is partly padding
+    codes = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
+    scales = rng.random(n * k // block, dtype=np.float32) * 0.02 + 1e-3
+    if half:
+        scales = scales.astype(np.float16).astype(np.float32)
+    b, s = pack(codes, scales, bits)
+    node = helper.make_node("BlockQuantGather", ["ids", "B", "S"], ["y"], domain=cpu_ops.DOMAIN, K=k, N=n, bits=bits,
+                            block_size=block)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["T"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", k])],
+                              [numpy_helper.from_array(b, "B"), numpy_helper.from_array(s, "S")])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(cpu_ops.DOMAIN, 1)]
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    sess = ort.InferenceSession(helper.make_model(graph, opset_imports=opsets).SerializeToString(), options,
+                                providers=["CPUExecutionProvider"])
+    ids = np.array([0, 15, 16, 36, 5, 5], dtype=np.int64)
+    np.testing.assert_array_equal(sess.run(None, {"ids": ids})[0], reference_block_quant_gather(ids, codes, scales,
+                                                                                                  bits))
+    with pytest.raises(Exception, match="id 37 is outside the table's 37"):
+        sess.run(None, {"ids": np.array([37], dtype=np.int64)})

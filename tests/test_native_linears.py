@@ -137,3 +137,29 @@ def test_lowering_one_linear_keeps_its_product(bits, block):
     exact = x @ ((codes.astype(np.float32) - ZERO_POINT[bits]) * np.repeat(s.reshape(n, -1), block, axis=1)).T
     for y in (got, matmulnbits):
         assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
+
+
+def test_a_tied_quantized_embedding_is_held_once(tmp_path):
+    """A GGUF whose lm_head is its Q8_0 token table: the embedding gathers rows of the lm_head's packed table
+    (BlockQuantGather), and the engine file holds that table once."""
+    from gguf import GGMLQuantizationType
+    from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
+
+    class Q8Linears(dict):  # every 2-D weight in Q8_0: the token table and the linears; norms and biases in f32
+        def get(self, name, default=None):
+            return GGMLQuantizationType.Q8_0 if name.endswith(".weight") and "norm" not in name else default
+
+    hf = make_hf_folder("qwen2", tmp_path / "hf", overrides={"hidden_size": 128, "intermediate_size": 256,
+                                                             "tie_word_embeddings": True})
+    qtypes = Q8Linears({"token_embd.weight": GGMLQuantizationType.Q8_0})  # NOTE: not empty: an empty dict is false
+    convert(write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "qwen2", qtypes), tmp_path / "ckpt")
+    native = build_engine(tmp_path / "ckpt", tmp_path / "native", **LIMITS)
+    ort = build_engine(tmp_path / "ckpt", tmp_path / "ort", quant_linears="ort", **LIMITS)
+    assert ops(native).count("BlockQuantGather") == 1 and "GatherBlockQuantized" not in ops(native)
+    assert ops(ort).count("GatherBlockQuantized") == 1
+    config = read_engine_config(native).model
+    table = config.vocab_size * config.hidden_size  # 8-bit codes
+    sizes = [(e / CPU_WEIGHTS_FILE).stat().st_size for e in (native, ort)]
+    assert sizes[1] - sizes[0] > 0.9 * table
+    for got, want in zip(steps(native), steps(ort), strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())

@@ -1,0 +1,112 @@
+// trtbuild::BlockQuantGather for ONNX Runtime's CPU provider: rows `ids` of a 4/8-bit table stored in
+// BlockQuantMatMul's packed layout (block_matmul.cc), dequantized to float. A tied embedding then reads the very
+// bytes its lm_head multiplies with, and the engine holds the table once.
+//   inputs: ids int64 [T], B uint8 [G, K / 32, 16 * 32 * bits / 8], S float or float16 [G, K / block, 16]
+//   output: y float [T, K], y[t, k] = (code[ids[t], k] - zp) * scale[ids[t], k / block]
+#include "cpu_ops.h"
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace trtbuild_cpu_ops {
+namespace {
+
+constexpr int64_t kChunk = 32;
+constexpr int64_t kRows = 16;
+
+void fail(const std::string& what) { ORT_CXX_API_THROW("trtbuild::BlockQuantGather: " + what, ORT_INVALID_ARGUMENT); }
+
+float half_to_float(uint16_t h) {  // IEEE binary16, subnormals included
+  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int shift = 0;
+    uint32_t m = mantissa;
+    while (!(m & 0x400)) m <<= 1, ++shift;
+    bits = sign | ((113 - shift) << 23) | ((m & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+struct BlockQuantGatherKernel {
+  int64_t k, n, bits, block;
+
+  BlockQuantGatherKernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    k = ki.GetAttribute<int64_t>("K");
+    n = ki.GetAttribute<int64_t>("N");
+    bits = ki.GetAttribute<int64_t>("bits");
+    block = ki.GetAttribute<int64_t>("block_size");
+    if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
+    if (block != 16 && block != 32) fail("block_size must be 16 or 32");
+    if (k % kChunk) fail("K must be a multiple of 32, got " + std::to_string(k));
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    const Ort::ConstValue ids = ctx.GetInput(0), b = ctx.GetInput(1), s = ctx.GetInput(2);
+    const int64_t groups = (n + kRows - 1) / kRows, chunks = k / kChunk, bytes = kRows * kChunk * bits / 8;
+    if (b.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(groups * chunks * bytes) ||
+        s.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(groups * k / block * kRows))
+      fail("B or scales do not hold ceil(N / 16) groups of 16 rows (plugins/block_quant_matmul.py: pack)");
+    const ONNXTensorElementDataType scale_type = s.GetTensorTypeAndShapeInfo().GetElementType();
+    if (scale_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && scale_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
+      fail("scales must be float or float16");
+    const int64_t count = static_cast<int64_t>(ids.GetTensorTypeAndShapeInfo().GetElementCount());
+    const int64_t* rows = ids.GetTensorData<int64_t>();
+    float* y = ctx.GetOutput(0, std::vector<int64_t>{count, k}).GetTensorMutableData<float>();
+    const uint8_t* codes = b.GetTensorData<uint8_t>();
+    const int32_t zp = bits == 4 ? 8 : 128;
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t row = rows[t];
+      if (row < 0 || row >= n) fail("id " + std::to_string(row) + " is outside the table's " + std::to_string(n));
+      const int64_t g = row / kRows, lane = row % kRows;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint8_t* chunk = codes + (g * chunks + c) * bytes;
+        for (int64_t e = 0; e < kChunk; ++e) {  // element 32c + e: vector j = e / 4 (4-bit: low nibbles of j % 4)
+          const int64_t j = e / 4, i = e % 4;
+          const uint8_t byte = chunk[(bits == 4 ? j % 4 : j) * 64 + lane * 4 + i];
+          const int32_t code = bits == 8 ? byte : (j < 4 ? byte & 0x0F : byte >> 4);
+          const int64_t at = (g * (k / block) + (c * kChunk + e) / block) * kRows + lane;
+          const float scale = scale_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
+                                  ? half_to_float(s.GetTensorData<uint16_t>()[at])
+                                  : s.GetTensorData<float>()[at];
+          y[t * k + c * kChunk + e] = static_cast<float>(code - zp) * scale;
+        }
+      }
+    }
+  }
+};
+
+struct BlockQuantGatherOp : Ort::CustomOpBase<BlockQuantGatherOp, BlockQuantGatherKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const {
+    return new BlockQuantGatherKernel(api, info);
+  }
+  const char* GetName() const { return "BlockQuantGather"; }
+  size_t GetInputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {  // scales: float or float16, checked in Compute
+    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
+                                                                 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+}  // namespace
+
+const OrtCustomOp* block_quant_gather_op() {
+  static BlockQuantGatherOp op;
+  return &op;
+}
+
+}  // namespace trtbuild_cpu_ops
