@@ -66,22 +66,28 @@ struct BlockQuantGatherKernel {
     const int64_t* rows = ids.GetTensorData<int64_t>();
     float* y = ctx.GetOutput(0, std::vector<int64_t>{count, k}).GetTensorMutableData<float>();
     const uint8_t* codes = b.GetTensorData<uint8_t>();
+    const bool half = scale_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    const uint16_t* half_scales = half ? s.GetTensorData<uint16_t>() : nullptr;
+    const float* float_scales = half ? nullptr : s.GetTensorData<float>();
     const int32_t zp = bits == 4 ? 8 : 128;
     for (int64_t t = 0; t < count; ++t) {
       const int64_t row = rows[t];
       if (row < 0 || row >= n) fail("id " + std::to_string(row) + " is outside the table's " + std::to_string(n));
       const int64_t g = row / kRows, lane = row % kRows;
       for (int64_t c = 0; c < chunks; ++c) {
-        const uint8_t* chunk = codes + (g * chunks + c) * bytes;
-        for (int64_t e = 0; e < kChunk; ++e) {  // element 32c + e: vector j = e / 4 (4-bit: low nibbles of j % 4)
-          const int64_t j = e / 4, i = e % 4;
-          const uint8_t byte = chunk[(bits == 4 ? j % 4 : j) * 64 + lane * 4 + i];
-          const int32_t code = bits == 8 ? byte : (j < 4 ? byte & 0x0F : byte >> 4);
-          const int64_t at = (g * (k / block) + (c * kChunk + e) / block) * kRows + lane;
-          const float scale = scale_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
-                                  ? half_to_float(s.GetTensorData<uint16_t>()[at])
-                                  : s.GetTensorData<float>()[at];
-          y[t * k + c * kChunk + e] = static_cast<float>(code - zp) * scale;
+        const uint8_t* chunk = codes + (g * chunks + c) * bytes + lane * 4;
+        float* out = y + t * k + c * kChunk;
+        float scale[2];  // of the chunk's two halves (one block of 32, or two of 16)
+        for (int h = 0; h < 2; ++h) {
+          const int64_t at = (g * (k / block) + (c * kChunk + h * 16) / block) * kRows + lane;
+          scale[h] = half ? half_to_float(half_scales[at]) : float_scales[at];
+        }
+        for (int j = 0; j < 8; ++j) {  // elements 4j .. 4j + 3 (4-bit: j < 4 low nibbles, j >= 4 high ones)
+          const uint8_t* four = chunk + (bits == 4 ? j % 4 : j) * 64;
+          for (int i = 0; i < 4; ++i) {
+            const int32_t code = bits == 8 ? four[i] : (j < 4 ? four[i] & 0x0F : four[i] >> 4);
+            out[4 * j + i] = static_cast<float>(code - zp) * scale[j / 4];
+          }
         }
       }
     }
