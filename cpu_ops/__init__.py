@@ -22,7 +22,7 @@ from trtbuild.errors import TrtbuildError
 
 log = logging.getLogger(__name__)
 SOURCES = ("register.cc", "paged_attention.cc", "block_matmul.cc", "block_gather.cc")
-HEADERS = ("cpu_ops.h",)
+HEADERS = ("cpu_ops.h", "packed_table.h")
 DOMAIN = "trtbuild"
 _HERE = Path(__file__).parent
 

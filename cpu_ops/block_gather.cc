@@ -3,7 +3,7 @@
 // bytes its lm_head multiplies with, and the engine holds the table once.
 //   inputs: ids int64 [T], B uint8 [G, K / 32, 16 * 32 * bits / 8], S float or float16 [G, K / block, 16]
 //   output: y float [T, K], y[t, k] = (code[ids[t], k] - zp) * scale[ids[t], k / block]
-#include "cpu_ops.h"
+#include "packed_table.h"
 
 #include <cstdint>
 #include <cstring>
@@ -13,10 +13,8 @@
 namespace trtbuild_cpu_ops {
 namespace {
 
-constexpr int64_t kChunk = 32;
-constexpr int64_t kRows = 16;
-
-void fail(const std::string& what) { ORT_CXX_API_THROW("trtbuild::BlockQuantGather: " + what, ORT_INVALID_ARGUMENT); }
+constexpr int64_t kChunk = kTableChunk;
+constexpr int64_t kRows = kTableRows;
 
 float half_to_float(uint16_t h) {  // IEEE binary16, subnormals included
   const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
@@ -39,40 +37,28 @@ float half_to_float(uint16_t h) {  // IEEE binary16, subnormals included
 }
 
 struct BlockQuantGatherKernel {
-  int64_t k, n, bits, block;
+  PackedTable table;
+  const int64_t k, n, bits, block;
 
-  BlockQuantGatherKernel(const OrtApi&, const OrtKernelInfo* info) {
-    Ort::ConstKernelInfo ki(info);
-    k = ki.GetAttribute<int64_t>("K");
-    n = ki.GetAttribute<int64_t>("N");
-    bits = ki.GetAttribute<int64_t>("bits");
-    block = ki.GetAttribute<int64_t>("block_size");
-    if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
-    if (block != 16 && block != 32) fail("block_size must be 16 or 32");
-    if (k % kChunk) fail("K must be a multiple of 32, got " + std::to_string(k));
-  }
+  BlockQuantGatherKernel(const OrtApi&, const OrtKernelInfo* info)
+      : table("BlockQuantGather", info), k(table.k), n(table.n), bits(table.bits), block(table.block) {}
 
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
     const Ort::ConstValue ids = ctx.GetInput(0), b = ctx.GetInput(1), s = ctx.GetInput(2);
-    const int64_t groups = (n + kRows - 1) / kRows, chunks = k / kChunk, bytes = kRows * kChunk * bits / 8;
-    if (b.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(groups * chunks * bytes) ||
-        s.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(groups * k / block * kRows))
-      fail("B or scales do not hold ceil(N / 16) groups of 16 rows (plugins/block_quant_matmul.py: pack)");
-    const ONNXTensorElementDataType scale_type = s.GetTensorTypeAndShapeInfo().GetElementType();
-    if (scale_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && scale_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
-      fail("scales must be float or float16");
+    const int64_t chunks = k / kChunk, bytes = kRows * kChunk * bits / 8;
+    const bool half = table.check(b, s);
     const int64_t count = static_cast<int64_t>(ids.GetTensorTypeAndShapeInfo().GetElementCount());
     const int64_t* rows = ids.GetTensorData<int64_t>();
     float* y = ctx.GetOutput(0, std::vector<int64_t>{count, k}).GetTensorMutableData<float>();
     const uint8_t* codes = b.GetTensorData<uint8_t>();
-    const bool half = scale_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
     const uint16_t* half_scales = half ? s.GetTensorData<uint16_t>() : nullptr;
     const float* float_scales = half ? nullptr : s.GetTensorData<float>();
     const int32_t zp = bits == 4 ? 8 : 128;
     for (int64_t t = 0; t < count; ++t) {
       const int64_t row = rows[t];
-      if (row < 0 || row >= n) fail("id " + std::to_string(row) + " is outside the table's " + std::to_string(n));
+      if (row < 0 || row >= n)
+        table.fail("id " + std::to_string(row) + " is outside the table's " + std::to_string(n));
       const int64_t g = row / kRows, lane = row % kRows;
       for (int64_t c = 0; c < chunks; ++c) {
         const uint8_t* chunk = codes + (g * chunks + c) * bytes + lane * 4;

@@ -12,7 +12,7 @@
 // sum is ever needed. The zero point is folded into the start value (-zp x the sum of the block's activation
 // codes). A tile of up to 8 tokens reuses each unpacked weight vector from registers; one group's codes are a
 // single contiguous stream, which is what keeps batch-1 decode at the memory's rate.
-#include "cpu_ops.h"
+#include "packed_table.h"
 
 #include <immintrin.h>
 
@@ -28,12 +28,11 @@ namespace {
 #define TRTBUILD_NO_VNNI 1
 #endif
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kRows = 16;         // rows per group: one per int32 lane
+constexpr int64_t kBlock = kTableChunk;
+constexpr int64_t kRows = kTableRows;
 constexpr int kTokens = 8;            // tokens per tile
 constexpr int64_t kGroupsPerTask = 4;
 
-void fail(const std::string& what) { ORT_CXX_API_THROW("trtbuild::BlockQuantMatMul: " + what, ORT_INVALID_ARGUMENT); }
 
 // x quantized for one call, in blocks of 32: int8 codes [M, K] in x's order; per token and block, the dot
 // products' start values for its two halves (-zp x the sum of the half's codes) and the activation scale.
@@ -171,19 +170,13 @@ Task task_for(bool block16) {
 }
 
 struct BlockQuantMatMulKernel {
-  int64_t k, n, bits, block;
+  PackedTable table;
+  const int64_t k, n, bits, block;
 
-  BlockQuantMatMulKernel(const OrtApi&, const OrtKernelInfo* info) {
-    Ort::ConstKernelInfo ki(info);
-    k = ki.GetAttribute<int64_t>("K");
-    n = ki.GetAttribute<int64_t>("N");
-    bits = ki.GetAttribute<int64_t>("bits");
-    if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
-    if (k % kBlock) fail("K must be a multiple of 32, got " + std::to_string(k));
-    block = ki.GetAttribute<int64_t>("block_size");
-    if (block != 16 && block != 32) fail("block_size must be 16 or 32");
+  BlockQuantMatMulKernel(const OrtApi&, const OrtKernelInfo* info)
+      : table("BlockQuantMatMul", info), k(table.k), n(table.n), bits(table.bits), block(table.block) {
 #ifdef TRTBUILD_NO_VNNI
-    fail("this CPU has no AVX-512 VNNI; rebuild the engine with `--quant-linears ort`");
+    table.fail("this CPU has no AVX-512 VNNI; rebuild the engine with `--quant-linears ort`");
 #endif
   }
 
@@ -191,15 +184,10 @@ struct BlockQuantMatMulKernel {
     Ort::KernelContext ctx(context);
     const Ort::ConstValue x = ctx.GetInput(0);
     const std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
-    if (shape.empty() || shape.back() != k) fail("the last dimension of x is not K");
-    const int64_t groups = (n + kRows - 1) / kRows;
+    if (shape.empty() || shape.back() != k) table.fail("the last dimension of x is not K");
+    const int64_t groups = table.groups();
     const Ort::ConstValue b = ctx.GetInput(1), s = ctx.GetInput(2);
-    if (b.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(groups * k * kRows * bits / 8) ||
-        s.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(groups * k / block * kRows))
-      fail("B or scales do not hold ceil(N / 16) groups of 16 rows (plugins/block_quant_matmul.py: pack)");
-    const ONNXTensorElementDataType scale_type = s.GetTensorTypeAndShapeInfo().GetElementType();
-    if (scale_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && scale_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
-      fail("scales must be float or float16");
+    const bool half = table.check(b, s);
     int64_t m = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) m *= shape[i];
     std::vector<int64_t> out_shape = shape;
@@ -210,7 +198,7 @@ struct BlockQuantMatMulKernel {
     quantize_x(x.GetTensorData<float>(), m, k, static_cast<int>(bits), qx);
     Problem p{b.GetTensorData<uint8_t>(), s.GetTensorRawData(), y.GetTensorMutableData<float>(), &qx, m, n, k};
     const size_t tasks = static_cast<size_t>((groups + kGroupsPerTask - 1) / kGroupsPerTask);
-    const bool half = scale_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, block16 = block == 16;
+    const bool block16 = block == 16;
     const Task task = bits == 4 ? (half ? task_for<4, true>(block16) : task_for<4, false>(block16))
                                 : (half ? task_for<8, true>(block16) : task_for<8, false>(block16));
     ctx.ParallelFor(task, tasks, 0, &p);
