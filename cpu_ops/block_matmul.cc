@@ -8,7 +8,7 @@
 //     it is for GGUF's 32-blocks: 11% fewer bytes per 4-bit weight).
 // The way llama.cpp multiplies: x is quantized once per call to int8 in blocks of 32 (a float scale each); each
 // lane of a VNNI dot product (unsigned codes x 4 signed activation codes broadcast to all lanes) belongs to one
-// row, so a block of 16 rows is 8 dot products into one int32 vector, scaled per row and block, and no horizontal
+// row, so a chunk of 16 rows is 8 dot products into int32 vectors, scaled per row and block, and no horizontal
 // sum is ever needed. The zero point is folded into the start value (-zp x the sum of the block's activation
 // codes). A tile of up to 8 tokens reuses each unpacked weight vector from registers; one group's codes are a
 // single contiguous stream, which is what keeps batch-1 decode at the memory's rate.
@@ -30,9 +30,8 @@ namespace {
 
 constexpr int64_t kBlock = kTableChunk;
 constexpr int64_t kRows = kTableRows;
-constexpr int kTokens = 8;            // tokens per tile
+constexpr int kTokens = 8;  // tokens per tile
 constexpr int64_t kGroupsPerTask = 4;
-
 
 // x quantized for one call, in blocks of 32: int8 codes [M, K] in x's order; per token and block, the dot
 // products' start values for its two halves (-zp x the sum of the half's codes) and the activation scale.
