@@ -81,8 +81,9 @@ def library_path() -> Path:
 
 def has_vnni() -> bool:
     """Whether this CPU has the AVX-512 VNNI dot products BlockQuantMatMul is written with."""
-    flags = set(_cpu_flags().split())
-    return {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+    from trtbuild.builder.engine_dir import cpu_features
+
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= set(cpu_features())
 
 
 @functools.lru_cache(maxsize=1)
