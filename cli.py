@@ -21,7 +21,12 @@ from trtbuild.cli_options import (
     speculative_options,
 )
 from trtbuild.cli_serving import COMMANDS
-from trtbuild.configs.build_config import ATTENTION_MODES, QUANT_LINEARS_MODES, SPECULATIVE_DECODING_MODES
+from trtbuild.configs.build_config import (
+    ATTENTION_MODES,
+    FLOAT_LINEARS_MODES,
+    QUANT_LINEARS_MODES,
+    SPECULATIVE_DECODING_MODES,
+)
 from trtbuild.errors import TrtbuildError
 from trtbuild.quantization import CALIBRATED_QUANT_ALGOS, LM_HEAD_QUANT_ALGOS, KVCacheQuantAlgo, KVPoolDtype
 
@@ -105,6 +110,10 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
               help="CPU target: native runs the 4/8-bit linears (blocks of 16 or 32) with trtbuild::BlockQuantMatMul "
                    "(llama.cpp's int8 dot products; needs AVX-512 VNNI and g++), ort with ONNX Runtime's "
                    "MatMulNBits; auto: the autotuner's choice, else native where it runs.")
+@click.option("--float-linears", type=click.Choice(FLOAT_LINEARS_MODES), default="auto", show_default=True,
+              help="CPU target: native runs the linears whose weights came in float16/bfloat16 with "
+                   "trtbuild::DenseMatMul on those 16-bit weights (half the bytes; needs AVX-512 and g++), ort with "
+                   "MatMul on float32 copies; auto: the autotuner's choice, else native where it runs.")
 @click.option("--autotune", type=click.Choice(["off", "fast", "full"]), default="off", show_default=True,
               help="Time the attention, quantized-linear and thread-count tactics on this machine and keep the fastest "
                    "(fast: a single user's decode and prefill; full: also a full decode batch and a long context).")
@@ -121,8 +130,9 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
                    "output's error against its tolerance (as `trtbuild verify`); exit non-zero if one fails.")
 def build(checkpoint: Path, output: Path, target: str, dtype: str, max_batch_size: int, max_seq_len: int | None,
           max_num_tokens: int, tokens_per_block: int, no_fuse: bool, int4_accuracy_level: str,
-          kv_pool_dtype: str, attention: str, quant_linears: str, autotune: str, timing_cache: Path | None,
-          speculative_decoding_mode: str, max_draft_len: int | None, verify_after: bool) -> None:
+          kv_pool_dtype: str, attention: str, quant_linears: str, float_linears: str, autotune: str,
+          timing_cache: Path | None, speculative_decoding_mode: str, max_draft_len: int | None,
+          verify_after: bool) -> None:
     """Compile a checkpoint into an engine directory for one target."""
     from trtbuild.builder.build import build_engine
 
@@ -132,7 +142,8 @@ def build(checkpoint: Path, output: Path, target: str, dtype: str, max_batch_siz
     build_engine(checkpoint, output, target=target, dtype=dtype, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                  max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block, fuse=not no_fuse,
                  int4_accuracy_level=int(int4_accuracy_level), kv_pool_dtype=kv_pool_dtype, attention=attention,
-                 quant_linears=quant_linears, autotune=autotune, timer=timer, timing_cache=timing_cache,
+                 quant_linears=quant_linears, float_linears=float_linears, autotune=autotune, timer=timer,
+                 timing_cache=timing_cache,
                  speculative_decoding_mode=speculative_decoding_mode,
                  max_draft_len=max_draft_len if max_draft_len is not None else
                  (4 if speculative_decoding_mode == "draft-tokens" else 0))

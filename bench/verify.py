@@ -159,7 +159,8 @@ def verify_engine(engine_dir: Path, checkpoint: Path | None, num_threads: int | 
         echo(f"building the unfused reference of {checkpoint} in {tmp}")
         reference = build_engine(Path(checkpoint), Path(tmp) / "reference",
                                  build=dataclasses.replace(info.build, fuse=False, autotune="off",
-                                                           attention="split", quant_linears="ort"))
+                                                           attention="split", quant_linears="ort",
+                                                           float_linears="ort"))
         echo("running the engine and the reference")
         steps, outputs = _compare(info, read_engine_config(reference), tolerances, num_threads)
     return VerifyReport(Path(engine_dir), precision, tuple(steps), tuple(outputs))

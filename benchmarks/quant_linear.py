@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import onnx
@@ -31,8 +32,31 @@ def session(node: onnx.NodeProto, k: int, n: int, inits: list, threads: int) -> 
                                                     helper.make_opsetid("com.microsoft", 1)])
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    # NOTE: the kernels' sessions alternate in one process: a pool still spinning after its run would steal a core
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.register_custom_ops_library(str(cpu_ops.library_path()))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def timed_rounds(kernels: dict[str, ort.InferenceSession], k: int, token_counts: list[int], rounds: int,
+                 seed: int = 0) -> Iterator[tuple[int, dict[str, float], float]]:
+    """Per token count: (M, median microseconds per call of each kernel, max difference from the last kernel's
+    output relative to its largest value), rounds alternated (each round starts with the next kernel)."""
+    rng = np.random.default_rng(seed)
+    names = list(kernels)
+    for m in token_counts:
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        ys = [kernels[name].run(None, {"x": x})[0] for name in names]
+        diff = max(float(np.abs(y - ys[-1]).max()) for y in ys) / float(np.abs(ys[-1]).max())
+        reps = max(3, 200 // m)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                start = time.perf_counter()
+                for _ in range(reps):
+                    kernels[name].run(None, {"x": x})
+                times[name].append((time.perf_counter() - start) / reps * 1e6)
+        yield m, {name: statistics.median(t) for name, t in times.items()}, diff
 
 
 def main() -> None:
@@ -64,22 +88,9 @@ def main() -> None:
                                [numpy_helper.from_array(nbits, "B"), numpy_helper.from_array(scales, "S")],
                                args.threads),
     }
-    names = list(kernels)
     print(f"K={k} N={n} {bits}-bit blocks of {block}, {args.threads} threads, {args.rounds} alternated rounds")
-    for m in (int(t) for t in args.tokens.split(",")):
-        x = rng.standard_normal((m, k)).astype(np.float32)
-        ys = [kernels[name].run(None, {"x": x})[0] for name in names]
-        diff = max(float(np.abs(y - ys[-1]).max()) for y in ys) / float(np.abs(ys[-1]).max())
-        reps = max(3, 200 // m)
-        times: dict[str, list[float]] = {name: [] for name in names}
-        for r in range(args.rounds):
-            for name in names[r % len(names):] + names[: r % len(names)]:  # each round starts with the next one
-                start = time.perf_counter()
-                for _ in range(reps):
-                    kernels[name].run(None, {"x": x})
-                times[name].append((time.perf_counter() - start) / reps * 1e6)
-        us = {name: statistics.median(t) for name, t in times.items()}
-        line = "  ".join(f"{name} {us[name]:8.0f} us" for name in names)
+    for m, us, diff in timed_rounds(kernels, k, [int(t) for t in args.tokens.split(",")], args.rounds):
+        line = "  ".join(f"{name} {t:8.0f} us" for name, t in us.items())
         ratio = us["MatMulNBits"] / us["native fp16 scales"]
         rate = (b.nbytes + s16.nbytes) / us["native fp16 scales"] / 1e3
         stream = f", native streams {rate:.1f} GB/s" if m == 1 else ""

@@ -89,19 +89,24 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
 
 class TacticLowering:
     """The last CPU lowering, as a build's tactics say: its attention variant, then its quantized linears (native:
-    builder/native_linears.py). Each weight is packed once however many candidate graphs the autotuner lowers."""
+    builder/native_linears.py) and its 16-bit float ones (native: builder/dense_linears.py). Each weight is packed
+    once however many candidate graphs the autotuner lowers."""
 
     def __init__(self) -> None:
+        from trtbuild.builder.dense_linears import DenseLinears
         from trtbuild.builder.native_linears import NativeLinears
 
         self.native_linears = NativeLinears()
+        self.dense_linears = DenseLinears()
 
-    def __call__(self, model: onnx.ModelProto, build: BuildConfig) -> int:
-        """Lower `model` in place; returns how many linears run natively."""
+    def __call__(self, model: onnx.ModelProto, build: BuildConfig) -> list[str]:
+        """Lower `model` in place; returns the native linear lowerings applied, as "name:count"."""
         from trtbuild.builder.lower_cpu import lower_paged_attention
 
         lower_paged_attention(model, build.attention)
-        return self.native_linears.lower(model) if build.quant_linears == "native" else 0
+        counts = {"native_linears": self.native_linears.lower(model) if build.quant_linears == "native" else 0,
+                  "dense_linears": self.dense_linears.lower(model) if build.float_linears == "native" else 0}
+        return [f"{name}:{n}" for name, n in counts.items() if n]
 
 
 def attention_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple[str, ...]:
@@ -134,6 +139,25 @@ def quant_linear_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple
     if build.quant_linears == "native":
         raise ConfigError("quant_linears", f"native cannot be used: {problem}. Use --quant-linears ort.")
     log.info("quantized linears: MatMulNBits (%s)", problem)
+    return ("ort",)
+
+
+def float_linear_candidates(model: onnx.ModelProto, build: BuildConfig, lowering: TacticLowering
+                            ) -> tuple[str, ...]:
+    """How this engine's linears with 16-bit float weights may be computed, preferred first
+    (builder/dense_linears.py): the one asked for, or (auto) native where it applies and runs here, then MatMul on
+    float32 copies. The autotuner times them all."""
+    from trtbuild import cpu_ops
+
+    if build.float_linears == "ort":
+        return ("ort",)
+    problem = ("no linear or embedding has float16 or bfloat16 weights" if not lowering.dense_linears.count(model) else
+               "this CPU has no AVX-512" if not cpu_ops.has_avx512() else cpu_ops.unavailable_reason())
+    if problem is None:
+        return ("native",) if build.float_linears == "native" else ("native", "ort")
+    if build.float_linears == "native":
+        raise ConfigError("float_linears", f"native cannot be used: {problem}. Use --float-linears ort.")
+    log.info("float linears: MatMul (%s)", problem)
     return ("ort",)
 
 
@@ -178,17 +202,16 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
             return output
         applied = lower_for_target(model, build)
         steps.set_postfix_str("autotuning"), steps.update()
-        candidates = {"attention": attention_candidates(model, build),
-                      "quant_linears": quant_linear_candidates(model, build)}
         lowering = TacticLowering()
+        candidates = {"attention": attention_candidates(model, build),
+                      "quant_linears": quant_linear_candidates(model, build),
+                      "float_linears": float_linear_candidates(model, build, lowering)}
         tactics = {}
         if build.autotune != "off":
             tactics = tune(model, config, build, output, lowering, candidates, timer, cache)
         build = dataclasses.replace(build, **{family: tactics[family]["chosen"] if tactics else options[0]
                                               for family, options in candidates.items()})
-        native_linears = lowering(model, build)
-        if native_linears:
-            applied.append(f"native_linears:{native_linears}")
+        applied += lowering(model, build)
         steps.set_postfix_str("saving"), steps.update()
         weight_bytes = save_engine_files(model, output / CPU_ENGINE_FILE, output / CPU_WEIGHTS_FILE)
         onnx.checker.check_model(str(output / CPU_ENGINE_FILE))  # by path: it reads the graph file, not the weights

@@ -26,6 +26,9 @@ ATTENTION_MODES = ("auto", "native", "split", "concat")
 # how the CPU target computes 4/8-bit linears in blocks of 16 or 32 (builder/native_linears.py): native
 # (trtbuild::BlockQuantMatMul, cpu_ops/) or ort (MatMulNBits); auto: the autotuner's choice, else native where it runs
 QUANT_LINEARS_MODES = ("auto", "native", "ort")
+# how the CPU target computes linears whose weights came in float16 or bfloat16 (builder/dense_linears.py): native
+# (trtbuild::DenseMatMul over the 16-bit weights, cpu_ops/) or ort (MatMul on float32 copies); auto: as above
+FLOAT_LINEARS_MODES = ("auto", "native", "ort")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class BuildConfig:
     dtype: str = "float32"  # DTYPES: the cuda target's compute dtype; the CPU target computes in float32
     attention: str = "auto"  # ATTENTION_MODES (CPU target)
     quant_linears: str = "auto"  # QUANT_LINEARS_MODES (CPU target)
+    float_linears: str = "auto"  # FLOAT_LINEARS_MODES (CPU target)
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -69,6 +73,9 @@ class BuildConfig:
         if self.quant_linears not in QUANT_LINEARS_MODES:
             raise ConfigError("quant_linears", f"must be one of {', '.join(QUANT_LINEARS_MODES)}, got "
                                                f"{self.quant_linears!r}.")
+        if self.float_linears not in FLOAT_LINEARS_MODES:
+            raise ConfigError("float_linears", f"must be one of {', '.join(FLOAT_LINEARS_MODES)}, got "
+                                               f"{self.float_linears!r}.")
         if self.speculative_decoding_mode not in SPECULATIVE_DECODING_MODES:
             raise ConfigError("speculative_decoding_mode", f"must be one of {', '.join(SPECULATIVE_DECODING_MODES)}, "
                                                            f"got {self.speculative_decoding_mode!r}.")

@@ -21,7 +21,7 @@ from trtbuild.cpu_ops.ort_headers import HeadersUnavailable, cache_dir, include_
 from trtbuild.errors import TrtbuildError
 
 log = logging.getLogger(__name__)
-SOURCES = ("register.cc", "paged_attention.cc", "block_matmul.cc", "block_gather.cc")
+SOURCES = ("register.cc", "paged_attention.cc", "block_matmul.cc", "block_gather.cc", "dense_matmul.cc")
 HEADERS = ("cpu_ops.h", "packed_table.h")
 DOMAIN = "trtbuild"
 _HERE = Path(__file__).parent
@@ -84,6 +84,13 @@ def has_vnni() -> bool:
     from trtbuild.builder.engine_dir import cpu_features
 
     return {"avx512f", "avx512bw", "avx512_vnni"} <= set(cpu_features())
+
+
+def has_avx512() -> bool:
+    """Whether this CPU has the AVX-512 DenseMatMul is written with."""
+    from trtbuild.builder.engine_dir import cpu_features
+
+    return "avx512f" in cpu_features()
 
 
 @functools.lru_cache(maxsize=1)

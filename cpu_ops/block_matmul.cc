@@ -31,7 +31,12 @@ namespace {
 constexpr int64_t kBlock = kTableChunk;
 constexpr int64_t kRows = kTableRows;
 constexpr int kTokens = 8;  // tokens per tile
-constexpr int64_t kGroupsPerTask = 4;
+// A task is up to 64 tokens x 4 groups (decode) or 8 groups (longer steps): its activation codes and weights stay
+// in cache while each is reused. NOTE: a task of every token re-read all of x per group, from memory once x
+// outgrew the cache (a 2048-token prefill's down projection: 10 MB of codes).
+constexpr int64_t kTaskTokens = 64;
+constexpr int64_t kTaskGroupsShort = 4;
+constexpr int64_t kTaskGroupsLong = 8;
 
 // x quantized for one call, in blocks of 32: int8 codes [M, K] in x's order; per token and block, the dot
 // products' start values for its two halves (-zp x the sum of the half's codes) and the activation scale.
@@ -73,6 +78,7 @@ struct Problem {
   float* y;
   const QuantizedX* qx;
   int64_t m, n, k;
+  int64_t group_tasks, groups_per_task;  // tasks: token chunk major, group chunk minor
 };
 
 #ifndef TRTBUILD_NO_VNNI
@@ -150,11 +156,12 @@ void run_task(void* data, size_t task) {
 #ifndef TRTBUILD_NO_VNNI
   const Problem& p = *static_cast<const Problem*>(data);
   const int64_t groups = (p.n + kRows - 1) / kRows;
-  const int64_t end = std::min(groups, static_cast<int64_t>(task + 1) * kGroupsPerTask);
-  for (int64_t g = static_cast<int64_t>(task) * kGroupsPerTask; g < end; ++g) {
-    int64_t t = 0;
-    for (; t + kTokens <= p.m; t += kTokens) tile<BITS, HALF, BLOCK16, kTokens>(p, g, t);
-    tail<BITS, HALF, BLOCK16, kTokens - 1>(p, g, t, p.m - t);
+  const int64_t t0 = static_cast<int64_t>(task) / p.group_tasks * kTaskTokens, t1 = std::min(p.m, t0 + kTaskTokens);
+  const int64_t g0 = static_cast<int64_t>(task) % p.group_tasks * p.groups_per_task;
+  for (int64_t g = g0; g < std::min(groups, g0 + p.groups_per_task); ++g) {
+    int64_t t = t0;
+    for (; t + kTokens <= t1; t += kTokens) tile<BITS, HALF, BLOCK16, kTokens>(p, g, t);
+    tail<BITS, HALF, BLOCK16, kTokens - 1>(p, g, t, t1 - t);
   }
 #else
   (void)data, (void)task;
@@ -195,8 +202,11 @@ struct BlockQuantMatMulKernel {
     if (m == 0) return;
     thread_local QuantizedX qx;  // NOTE: reused across calls: no allocation per linear
     quantize_x(x.GetTensorData<float>(), m, k, static_cast<int>(bits), qx);
-    Problem p{b.GetTensorData<uint8_t>(), s.GetTensorRawData(), y.GetTensorMutableData<float>(), &qx, m, n, k};
-    const size_t tasks = static_cast<size_t>((groups + kGroupsPerTask - 1) / kGroupsPerTask);
+    const int64_t token_tasks = (m + kTaskTokens - 1) / kTaskTokens;
+    const int64_t per = token_tasks > 1 ? kTaskGroupsLong : kTaskGroupsShort;
+    Problem p{b.GetTensorData<uint8_t>(), s.GetTensorRawData(), y.GetTensorMutableData<float>(), &qx, m, n, k,
+              (groups + per - 1) / per, per};
+    const size_t tasks = static_cast<size_t>(token_tasks * p.group_tasks);
     const bool block16 = block == 16;
     const Task task = bits == 4 ? (half ? task_for<4, true>(block16) : task_for<4, false>(block16))
                                 : (half ? task_for<8, true>(block16) : task_for<8, false>(block16));

@@ -8,4 +8,6 @@ namespace trtbuild_cpu_ops {
 const OrtCustomOp* paged_attention_op();
 const OrtCustomOp* block_quant_matmul_op();
 const OrtCustomOp* block_quant_gather_op();
+const OrtCustomOp* dense_matmul_op();
+const OrtCustomOp* dense_gather_op();
 }  // namespace trtbuild_cpu_ops

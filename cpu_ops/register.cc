@@ -12,6 +12,8 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     d->Add(trtbuild_cpu_ops::paged_attention_op());
     d->Add(trtbuild_cpu_ops::block_quant_matmul_op());
     d->Add(trtbuild_cpu_ops::block_quant_gather_op());
+    d->Add(trtbuild_cpu_ops::dense_matmul_op());
+    d->Add(trtbuild_cpu_ops::dense_gather_op());
     return d;
   }();
   try {

@@ -194,7 +194,7 @@ class CpuEngine:
         options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",
                                          str(self.info.build.int4_accuracy_level))
         build = self.info.build
-        if "native" in (build.attention, build.quant_linears):  # trtbuild:: nodes, run by cpu_ops/
+        if "native" in (build.attention, build.quant_linears, build.float_linears):  # trtbuild:: nodes, run by cpu_ops/
             options.register_custom_ops_library(str(library_for_engine(self.info.path)))
         try:
             self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])

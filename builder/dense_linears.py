@@ -1,0 +1,117 @@
+"""The CPU lowering of unquantized linears onto trtbuild::DenseMatMul (cpu_ops/dense_matmul.cc): weights held in
+the 16-bit type they came in, packed 16 rows interleaved (plugins/dense_matmul.py).
+
+The network computes in float32, so a float16 or bfloat16 checkpoint (and a GGUF's F16 / BF16 tensors) reaches
+this pass as float32 initializers whose values are all exact in 16 bits. Such a MatMul (weights [K, N]) or Gemm
+(transB, no bias: the lm_head, [N, K]) becomes a DenseMatMul over the 16-bit packed copy, and a Gather of such a
+table (the embedding) a DenseGather, reading the lm_head's copy when the two are tied. Converting back to float32
+in the kernel is exact, so the engine computes what MatMul did on the upcast weights, from half the bytes: batch-1
+decode reads every weight once per token, and so does llama.cpp from an F16 file. Weights that need float32 (an
+F32 checkpoint, a folded SmoothQuant scale) stay where they are: MLAS's SGEMM is as fast as the native kernel on
+them (benchmarks/dense_linear.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from trtbuild.builder.graph import GraphView
+from trtbuild.builder.weight_file import make_initializer
+from trtbuild.plugins import dense_matmul as dm
+
+_SIXTEEN_BIT = ("float16", "bfloat16")
+
+
+def _attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _float_matrix(view: GraphView, name: str) -> bool:
+    t = view.initializers.get(name)
+    return t is not None and t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2
+
+
+def _weights(view: GraphView, node: onnx.NodeProto) -> tuple[str, bool] | None:
+    """(table initializer, whether it is stored [K, N] and needs a transpose) of a linear this pass may rewrite."""
+    if node.domain not in ("", "ai.onnx") or len(node.input) != 2 or not _float_matrix(view, node.input[1]):
+        return None
+    if node.op_type == "MatMul":
+        return node.input[1], True
+    a = _attrs(node)
+    if node.op_type == "Gemm" and a.get("transB") == 1 and not a.get("transA") and \
+            a.get("alpha", 1.0) == 1.0 and a.get("beta", 1.0) == 1.0:
+        return node.input[1], False
+    return None
+
+
+def _gathered_table(view: GraphView, node: onnx.NodeProto) -> tuple[str, bool] | None:
+    """(table initializer, False: rows as stored) of a Gather this pass may rewrite."""
+    if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and _attrs(node).get("axis", 0) == 0 and \
+            _float_matrix(view, node.input[0]):
+        return node.input[0], False
+    return None
+
+
+class DenseLinears:
+    """Rewrites the linears (and embedding gathers) whose float32 weights are exact in 16 bits, in place. Packs
+    each table once however many graph copies it lowers (the autotuner lowers one per candidate)."""
+
+    def __init__(self) -> None:
+        # (initializer, transposed) -> (packed initializer, or None when the weights need float32; N; K)
+        self._packed: dict[tuple[str, bool], tuple[onnx.TensorProto | None, int, int]] = {}
+
+    def _pack(self, view: GraphView, name: str, transposed: bool) -> tuple[onnx.TensorProto | None, int, int]:
+        """The packed table of initializer `name` (staged like it, not yet in any graph), N and K."""
+        key = (name, transposed)
+        if key not in self._packed:
+            w = view.constant(name)
+            w = np.ascontiguousarray(w.T) if transposed else w
+            weight_type = dm.exact_type(w)
+            packed = None
+            if weight_type in _SIXTEEN_BIT:
+                packed = make_initializer(view.staging, f"{name}.dense{'_t' if transposed else ''}",
+                                          dm.pack(w, weight_type))
+            self._packed[key] = (packed, *w.shape)
+        return self._packed[key]
+
+    def count(self, model: onnx.ModelProto) -> int:
+        """How many linears and gathers of `model` this pass would rewrite (packing them, once, to find out)."""
+        view = GraphView(model)
+        return sum(self._pack(view, *found)[0] is not None for node in model.graph.node
+                   if (found := _weights(view, node) or _gathered_table(view, node)) is not None)
+
+    def lower(self, model: onnx.ModelProto) -> int:
+        """Replace the eligible linears and gathers of `model`; returns how many linears."""
+        view = GraphView(model)
+        linears = 0
+        for node in model.graph.node:
+            if (found := _weights(view, node)) is not None:
+                packed, n, k = self._pack(view, *found)
+                if packed is not None:
+                    _become(view, node, dm.OP_TYPE, [node.input[0], packed], n, k)
+                    linears += 1
+            elif (table := _gathered_table(view, node)) is not None:
+                # NOTE: a table a Gemm also reads is [N, K] as the gather's: the same packed copy serves both
+                packed, n, k = self._pack(view, *table)
+                if packed is not None:
+                    _become(view, node, dm.GATHER_OP_TYPE, [node.input[1], packed], n, k)
+        if any(n.domain == dm.DOMAIN and n.op_type in (dm.OP_TYPE, dm.GATHER_OP_TYPE) for n in model.graph.node):
+            view.drop_unused_initializers()
+            if not any(o.domain == dm.DOMAIN for o in model.opset_import):
+                model.opset_import.append(onnx.helper.make_opsetid(dm.DOMAIN, 1))
+        return linears
+
+
+def _become(view: GraphView, node: onnx.NodeProto, op_type: str, inputs: list, n: int, k: int) -> None:
+    """Turn `node` into the trtbuild op `op_type` over `inputs` (a name, then the packed table, added to the graph
+    if it is not there yet)."""
+    first, table = inputs
+    if table.name not in view.initializers:
+        view.graph.initializer.append(table)
+        view.initializers[table.name] = table
+    del node.input[:]
+    node.input.extend([first, table.name])
+    del node.attribute[:]
+    node.attribute.extend([onnx.helper.make_attribute("K", k), onnx.helper.make_attribute("N", n)])
+    node.op_type, node.domain = op_type, dm.DOMAIN

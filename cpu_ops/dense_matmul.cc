@@ -1,0 +1,277 @@
+// trtbuild::DenseMatMul and trtbuild::DenseGather for ONNX Runtime's CPU provider: linears (and a tied embedding)
+// whose weights are float16, bfloat16 or float, packed at build time 16 rows interleaved (plugins/dense_matmul.py):
+//   B [G, K, 16], G = ceil(N / 16): B[g, k, r] is W[16g + r, k]; rows past N are zero.
+// DenseMatMul: y[M, N] = x[M, K] @ W^T in float32. Each 16-element vector of B is one k of 16 rows, converted to
+// float32 (exactly) in one instruction and multiplied by x[t, k] broadcast to all lanes: each lane accumulates one
+// output row, so there are no horizontal sums, and a group's weights are one contiguous stream. A 16-bit weight is
+// half the bytes of the float32 copy ONNX Runtime's MatMul would read, which is what batch-1 decode waits on.
+// A tile is up to 8 tokens x 32 rows (16 accumulators). Long steps are cut into tasks of 64 tokens x 8 groups, so
+// a task's activations and weights stay in cache while each is reused.
+// DenseGather: rows `ids` of the packed table, as float32 (a tied embedding reads its lm_head's packed weights).
+#include "cpu_ops.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace trtbuild_cpu_ops {
+namespace {
+
+#if !defined(__AVX512F__)
+#define TRTBUILD_NO_AVX512 1
+#endif
+
+constexpr int64_t kRows = 16;  // rows per group: one per float32 lane
+constexpr int kTokens = 8;     // tokens per tile
+constexpr int64_t kTaskTokens = 64;
+constexpr int64_t kTaskGroupsLong = 8;   // groups per task when a step has more than one task of tokens
+constexpr int64_t kTaskGroupsShort = 2;  // ... and when it has one (decode): more tasks for the thread pool
+
+enum class Weight { kFloat, kHalf, kBFloat };
+
+struct DenseTable {
+  std::string op;
+  int64_t k, n;
+
+  DenseTable(const char* op_name, const OrtKernelInfo* info) : op(op_name) {
+    Ort::ConstKernelInfo ki(info);
+    k = ki.GetAttribute<int64_t>("K");
+    n = ki.GetAttribute<int64_t>("N");
+    if (k < 1 || n < 1) fail("K and N must be positive");
+#ifdef TRTBUILD_NO_AVX512
+    fail("this CPU has no AVX-512; rebuild the engine with `--float-linears ort`");
+#endif
+  }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    ORT_CXX_API_THROW("trtbuild::" + op + ": " + what, ORT_INVALID_ARGUMENT);
+  }
+
+  int64_t groups() const { return (n + kRows - 1) / kRows; }
+
+  Weight check(const Ort::ConstValue& b) const {
+    const auto info = b.GetTensorTypeAndShapeInfo();
+    if (info.GetElementCount() != static_cast<size_t>(groups() * k * kRows))
+      fail("B does not hold ceil(N / 16) groups of K x 16 weights (plugins/dense_matmul.py: pack)");
+    switch (info.GetElementType()) {
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return Weight::kHalf;
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return Weight::kBFloat;
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return Weight::kFloat;
+      default: fail("B must be float16, bfloat16 or float");
+    }
+  }
+};
+
+#ifndef TRTBUILD_NO_AVX512
+template <Weight W>
+__m512 load16(const void* b, int64_t at) {  // 16 weights from element `at`, as float32 (exact)
+  if constexpr (W == Weight::kFloat) {
+    return _mm512_loadu_ps(static_cast<const float*>(b) + at);
+  } else {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(b) + at));
+    if constexpr (W == Weight::kHalf) return _mm512_cvtph_ps(bits);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  }
+}
+
+struct Problem {
+  const float* x;
+  const void* b;
+  float* y;
+  int64_t m, n, k;
+};
+
+// Rows 16g .. 16g + 16R - 1 of tokens t0 .. t0 + T - 1. With few accumulators (decode), k is split into U
+// interleaved chains so that the FMAs' latency hides behind independent ones.
+template <Weight W, int T, int R>
+void tile(const Problem& p, int64_t g, int64_t t0) {
+  constexpr int U = T * R >= 8 ? 1 : T * R >= 4 ? 2 : 4;
+  const int64_t k = p.k;
+  const float* x = p.x + t0 * k;
+  __m512 acc[U][T][R];
+  for (int u = 0; u < U; ++u)
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) acc[u][t][r] = _mm512_setzero_ps();
+  int64_t i = 0;
+  // NOTE: the unroll pragmas keep every accumulator in a register (a spilled one serializes its chain on memory)
+  for (; i + U <= k; i += U) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      __m512 w[R];
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) w[r] = load16<W>(p.b, ((g + r) * k + i + u) * kRows);
+#pragma GCC unroll 8
+      for (int t = 0; t < T; ++t) {
+        const __m512 xv = _mm512_set1_ps(x[t * k + i + u]);
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) acc[u][t][r] = _mm512_fmadd_ps(w[r], xv, acc[u][t][r]);
+      }
+    }
+  }
+  for (; i < k; ++i) {
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = load16<W>(p.b, ((g + r) * k + i) * kRows);
+      for (int t = 0; t < T; ++t) acc[0][t][r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[t * k + i]), acc[0][t][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t rows = std::min(kRows, p.n - (g + r) * kRows);
+    const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
+    for (int t = 0; t < T; ++t) {
+      __m512 sum = acc[0][t][r];
+      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][t][r]);
+      _mm512_mask_storeu_ps(p.y + (t0 + t) * p.n + (g + r) * kRows, keep, sum);
+    }
+  }
+}
+
+template <Weight W, int R, int T>
+void tail(const Problem& p, int64_t g, int64_t t0, int64_t left) {
+  if constexpr (T > 0) {
+    if (left == T) return tile<W, T, R>(p, g, t0);
+    tail<W, R, T - 1>(p, g, t0, left);
+  }
+}
+
+template <Weight W, int R>
+void tokens(const Problem& p, int64_t g, int64_t t0, int64_t t1) {
+  int64_t t = t0;
+  for (; t + kTokens <= t1; t += kTokens) tile<W, kTokens, R>(p, g, t);
+  tail<W, R, kTokens - 1>(p, g, t, t1 - t);
+}
+#endif
+
+struct Tasks {
+  int64_t token_tasks, group_tasks, groups_per_task;
+};
+
+Tasks split(int64_t m, int64_t groups) {
+  const int64_t token_tasks = (m + kTaskTokens - 1) / kTaskTokens;
+  const int64_t per = token_tasks > 1 ? kTaskGroupsLong : kTaskGroupsShort;
+  return {token_tasks, (groups + per - 1) / per, per};
+}
+
+struct Job {
+  Problem p;
+  Tasks tasks;
+};
+
+template <Weight W>
+void run_task(void* data, size_t task) {
+#ifndef TRTBUILD_NO_AVX512
+  const Job& job = *static_cast<const Job*>(data);
+  const Problem& p = job.p;
+  const int64_t groups = (p.n + kRows - 1) / kRows;
+  const int64_t tt = static_cast<int64_t>(task) / job.tasks.group_tasks;
+  const int64_t gt = static_cast<int64_t>(task) % job.tasks.group_tasks;
+  const int64_t t0 = tt * kTaskTokens, t1 = std::min(p.m, t0 + kTaskTokens);
+  const int64_t g1 = std::min(groups, (gt + 1) * job.tasks.groups_per_task);
+  int64_t g = gt * job.tasks.groups_per_task;
+  for (; g + 2 <= g1; g += 2) tokens<W, 2>(p, g, t0, t1);
+  if (g < g1) tokens<W, 1>(p, g, t0, t1);
+#else
+  (void)data, (void)task;
+#endif
+}
+
+struct DenseMatMulKernel {
+  DenseTable table;
+
+  DenseMatMulKernel(const OrtApi&, const OrtKernelInfo* info) : table("DenseMatMul", info) {}
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    const Ort::ConstValue x = ctx.GetInput(0), b = ctx.GetInput(1);
+    const std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
+    if (shape.empty() || shape.back() != table.k) table.fail("the last dimension of x is not K");
+    const Weight weight = table.check(b);
+    int64_t m = 1;
+    for (size_t i = 0; i + 1 < shape.size(); ++i) m *= shape[i];
+    std::vector<int64_t> out_shape = shape;
+    out_shape.back() = table.n;
+    Ort::UnownedValue y = ctx.GetOutput(0, out_shape);
+    if (m == 0) return;
+    Job job{{x.GetTensorData<float>(), b.GetTensorRawData(), y.GetTensorMutableData<float>(), m, table.n, table.k},
+            split(m, table.groups())};
+    void (*task)(void*, size_t) = weight == Weight::kHalf     ? run_task<Weight::kHalf>
+                                  : weight == Weight::kBFloat ? run_task<Weight::kBFloat>
+                                                              : run_task<Weight::kFloat>;
+    ctx.ParallelFor(task, static_cast<size_t>(job.tasks.token_tasks * job.tasks.group_tasks), 0, &job);
+  }
+};
+
+struct DenseGatherKernel {
+  DenseTable table;
+
+  DenseGatherKernel(const OrtApi&, const OrtKernelInfo* info) : table("DenseGather", info) {}
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    const Ort::ConstValue ids = ctx.GetInput(0), b = ctx.GetInput(1);
+    const Weight weight = table.check(b);
+    const int64_t count = static_cast<int64_t>(ids.GetTensorTypeAndShapeInfo().GetElementCount()), k = table.k;
+    const int64_t* rows = ids.GetTensorData<int64_t>();
+    float* y = ctx.GetOutput(0, std::vector<int64_t>{count, k}).GetTensorMutableData<float>();
+    const void* data = b.GetTensorRawData();
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t row = rows[t];
+      if (row < 0 || row >= table.n)
+        table.fail("id " + std::to_string(row) + " is outside the table's " + std::to_string(table.n));
+      const int64_t at = (row / kRows) * k * kRows + row % kRows;  // then a stride of 16 elements per k
+      float* out = y + t * k;
+      if (weight == Weight::kFloat) {
+        for (int64_t i = 0; i < k; ++i) out[i] = static_cast<const float*>(data)[at + i * kRows];
+      } else {
+        const uint16_t* bits = static_cast<const uint16_t*>(data) + at;
+        for (int64_t i = 0; i < k; ++i) {
+#ifndef TRTBUILD_NO_AVX512
+          out[i] = weight == Weight::kHalf ? _cvtsh_ss(bits[i * kRows])
+                                           : _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(bits[i * kRows] << 16)));
+#else
+          (void)bits, (void)out;
+#endif
+        }
+      }
+    }
+  }
+};
+
+ONNXTensorElementDataType dense_input_type(size_t i, bool gather) {  // B: any of the three, checked in Compute
+  if (i == 0) return gather ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+}
+
+struct DenseMatMulOp : Ort::CustomOpBase<DenseMatMulOp, DenseMatMulKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new DenseMatMulKernel(api, info); }
+  const char* GetName() const { return "DenseMatMul"; }
+  size_t GetInputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetInputType(size_t i) const { return dense_input_type(i, false); }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+struct DenseGatherOp : Ort::CustomOpBase<DenseGatherOp, DenseGatherKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new DenseGatherKernel(api, info); }
+  const char* GetName() const { return "DenseGather"; }
+  size_t GetInputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetInputType(size_t i) const { return dense_input_type(i, true); }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+}  // namespace
+
+const OrtCustomOp* dense_matmul_op() {
+  static DenseMatMulOp op;
+  return &op;
+}
+
+const OrtCustomOp* dense_gather_op() {
+  static DenseGatherOp op;
+  return &op;
+}
+
+}  // namespace trtbuild_cpu_ops
