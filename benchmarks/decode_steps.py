@@ -34,8 +34,9 @@ def main() -> None:
     engines = {d: CpuEngine(d, num_threads=args.threads, num_blocks=64) for d in args.engines}
     times: dict[str, list[float]] = {d: [] for d in engines}
     order = list(engines)
-    for r in range(args.rounds):  # NOTE: each round starts with the next engine: the first run of a round is slower
+    for r in range(args.rounds):  # each round starts with the next engine
         for d in order[r % len(order):] + order[: r % len(order)]:
+            time.sleep(0.2)  # NOTE: the engine run before must not still spin its thread pool on our cores
             times[d].append(ms_per_step(engines[d]))
     for d, ts in times.items():
         print(f"{d}: median {statistics.median(ts):.2f} ms/step ({' '.join(f'{t:.1f}' for t in ts)})")

@@ -31,10 +31,11 @@ namespace {
 constexpr int64_t kBlock = kTableChunk;
 constexpr int64_t kRows = kTableRows;
 constexpr int kTokens = 8;  // tokens per tile
-// A task is up to 64 tokens x 4 groups (decode) or 8 groups (longer steps): its activation codes and weights stay
-// in cache while each is reused. NOTE: a task of every token re-read all of x per group, from memory once x
-// outgrew the cache (a 2048-token prefill's down projection: 10 MB of codes).
-constexpr int64_t kTaskTokens = 64;
+// A task is 4 groups (one chunk of tokens) or 8 groups (several) of one chunk of tokens whose activation codes
+// fill about 256 KiB (at least 64 tokens), so that they stay in cache while every group of the task reuses them.
+// NOTE: a task of every token re-read all of x per group, from memory once x outgrew the cache (a 2048-token
+// prefill's down projection: 10 MB of codes).
+constexpr int64_t kTaskCodeBytes = 256 << 10;
 constexpr int64_t kTaskGroupsShort = 4;
 constexpr int64_t kTaskGroupsLong = 8;
 
@@ -78,7 +79,7 @@ struct Problem {
   float* y;
   const QuantizedX* qx;
   int64_t m, n, k;
-  int64_t group_tasks, groups_per_task;  // tasks: token chunk major, group chunk minor
+  int64_t task_tokens, group_tasks, groups_per_task;  // tasks: token chunk major, group chunk minor
 };
 
 #ifndef TRTBUILD_NO_VNNI
@@ -156,7 +157,8 @@ void run_task(void* data, size_t task) {
 #ifndef TRTBUILD_NO_VNNI
   const Problem& p = *static_cast<const Problem*>(data);
   const int64_t groups = (p.n + kRows - 1) / kRows;
-  const int64_t t0 = static_cast<int64_t>(task) / p.group_tasks * kTaskTokens, t1 = std::min(p.m, t0 + kTaskTokens);
+  const int64_t t0 = static_cast<int64_t>(task) / p.group_tasks * p.task_tokens;
+  const int64_t t1 = std::min(p.m, t0 + p.task_tokens);
   const int64_t g0 = static_cast<int64_t>(task) % p.group_tasks * p.groups_per_task;
   for (int64_t g = g0; g < std::min(groups, g0 + p.groups_per_task); ++g) {
     int64_t t = t0;
@@ -202,10 +204,11 @@ struct BlockQuantMatMulKernel {
     if (m == 0) return;
     thread_local QuantizedX qx;  // NOTE: reused across calls: no allocation per linear
     quantize_x(x.GetTensorData<float>(), m, k, static_cast<int>(bits), qx);
-    const int64_t token_tasks = (m + kTaskTokens - 1) / kTaskTokens;
+    const int64_t task_tokens = std::max<int64_t>(64, kTaskCodeBytes / k / kTokens * kTokens);
+    const int64_t token_tasks = (m + task_tokens - 1) / task_tokens;
     const int64_t per = token_tasks > 1 ? kTaskGroupsLong : kTaskGroupsShort;
     Problem p{b.GetTensorData<uint8_t>(), s.GetTensorRawData(), y.GetTensorMutableData<float>(), &qx, m, n, k,
-              (groups + per - 1) / per, per};
+              task_tokens, (groups + per - 1) / per, per};
     const size_t tasks = static_cast<size_t>(token_tasks * p.group_tasks);
     const bool block16 = block == 16;
     const Task task = bits == 4 ? (half ? task_for<4, true>(block16) : task_for<4, false>(block16))

@@ -68,9 +68,12 @@ def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.nd
     """y [M, N] in float64 from x [M, K], the unpacked codes [N, K] (0..15 or 0..255) and scales [N * K / block]."""
     m, k = x.shape
     n = codes.shape[0]
-    blocks = x.reshape(m, k // BLOCK, BLOCK).astype(np.float64)
-    d = np.abs(blocks).max(axis=2, keepdims=True) / 127
-    q = np.rint(np.divide(blocks, d, out=np.zeros_like(blocks), where=d > 0))
+    # x's int8 codes as the kernel rounds them, in float32: rint(x * (127 / amax)), half to even
+    blocks = x.reshape(m, k // BLOCK, BLOCK).astype(np.float32)
+    amax = np.abs(blocks).max(axis=2, keepdims=True)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.rint(blocks * inv).astype(np.float64)
+    d = (amax / np.float32(127)).astype(np.float64)
     per_block = scales.size // n  # weight blocks per row; activation blocks of 32 hold 32 / block of them
     q = q.reshape(m, per_block, -1) * np.repeat(d[:, :, 0], per_block * BLOCK // k, axis=1)[:, :, None]
     w = codes.reshape(n, per_block, -1).astype(np.float64) - ZERO_POINT[bits]

@@ -143,7 +143,7 @@ def block_quant_model(k: int, n: int, bits: int, b: np.ndarray, scales: np.ndarr
 @pytest.mark.parametrize("bits", [4, 8])
 def test_block_quant_matmul_matches_its_reference(library, bits, block, half):
     """Codes taken from MatMulNBits' layout (4-bit: element 2j in the low nibble of byte j) and packed; token counts
-    around the tile of 8 and the task of 64; rows not a multiple of 16 nor of a task's 64 or 128; K not a multiple
+    around the tile of 8 and a task's tokens; rows not a multiple of 16 nor of a task's 64 or 128; K not a multiple
     of 128; a zero block in x."""
     rng = np.random.default_rng(bits + block)
     k, n = 352, 200
@@ -160,7 +160,7 @@ def test_block_quant_matmul_matches_its_reference(library, bits, block, half):
     options.intra_op_num_threads = 2
     sess = ort.InferenceSession(block_quant_model(k, n, bits, b, s, block).SerializeToString(),
                                 options, providers=["CPUExecutionProvider"])
-    for m in (1, 3, 7, 8, 9, 17, 64, 70, 130):  # and past one task's 64 tokens
+    for m in (1, 3, 7, 8, 9, 17, 64, 70, 760):  # 760: past one task's 744 tokens (256 KiB of codes at K 352)
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[0, 32:64] = 0.0
         want = reference_block_quant_matmul(x, codes, scales, bits)
