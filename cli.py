@@ -143,8 +143,7 @@ def build(checkpoint: Path, output: Path, target: str, dtype: str, max_batch_siz
                  max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block, fuse=not no_fuse,
                  int4_accuracy_level=int(int4_accuracy_level), kv_pool_dtype=kv_pool_dtype, attention=attention,
                  quant_linears=quant_linears, float_linears=float_linears, autotune=autotune, timer=timer,
-                 timing_cache=timing_cache,
-                 speculative_decoding_mode=speculative_decoding_mode,
+                 timing_cache=timing_cache, speculative_decoding_mode=speculative_decoding_mode,
                  max_draft_len=max_draft_len if max_draft_len is not None else
                  (4 if speculative_decoding_mode == "draft-tokens" else 0))
     click.echo(f"wrote engine {output}")

@@ -151,8 +151,10 @@ def float_linear_candidates(model: onnx.ModelProto, build: BuildConfig, lowering
 
     if build.float_linears == "ort":
         return ("ort",)
-    problem = ("no linear or embedding has float16 or bfloat16 weights" if not lowering.dense_linears.count(model) else
-               "this CPU has no AVX-512" if not cpu_ops.has_avx512() else cpu_ops.unavailable_reason())
+    # NOTE: the count packs every eligible table (kept for the lowering): only asked where the kernel can run
+    problem = ("this CPU has no AVX-512" if not cpu_ops.has_avx512() else cpu_ops.unavailable_reason() or
+               ("no linear or embedding has float16 or bfloat16 weights" if not lowering.dense_linears.count(model)
+                else None))
     if problem is None:
         return ("native",) if build.float_linears == "native" else ("native", "ort")
     if build.float_linears == "native":

@@ -89,13 +89,13 @@ class DenseLinears:
             if (found := _weights(view, node)) is not None:
                 packed, n, k = self._pack(view, *found)
                 if packed is not None:
-                    _become(view, node, dm.OP_TYPE, [node.input[0], packed], n, k)
+                    _become(view, node, dm.OP_TYPE, node.input[0], packed, n, k)
                     linears += 1
             elif (table := _gathered_table(view, node)) is not None:
                 # NOTE: a table a Gemm also reads is [N, K] as the gather's: the same packed copy serves both
                 packed, n, k = self._pack(view, *table)
                 if packed is not None:
-                    _become(view, node, dm.GATHER_OP_TYPE, [node.input[1], packed], n, k)
+                    _become(view, node, dm.GATHER_OP_TYPE, node.input[1], packed, n, k)
         if any(n.domain == dm.DOMAIN and n.op_type in (dm.OP_TYPE, dm.GATHER_OP_TYPE) for n in model.graph.node):
             view.drop_unused_initializers()
             if not any(o.domain == dm.DOMAIN for o in model.opset_import):
@@ -103,10 +103,10 @@ class DenseLinears:
         return linears
 
 
-def _become(view: GraphView, node: onnx.NodeProto, op_type: str, inputs: list, n: int, k: int) -> None:
-    """Turn `node` into the trtbuild op `op_type` over `inputs` (a name, then the packed table, added to the graph
-    if it is not there yet)."""
-    first, table = inputs
+def _become(view: GraphView, node: onnx.NodeProto, op_type: str, first: str, table: onnx.TensorProto, n: int,
+            k: int) -> None:
+    """Turn `node` into the trtbuild op `op_type` over `first` and the packed `table` (added to the graph if it is
+    not there yet)."""
     if table.name not in view.initializers:
         view.graph.initializer.append(table)
         view.initializers[table.name] = table

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 SOURCES = ("register.cc", "paged_attention.cc", "block_matmul.cc", "block_gather.cc", "dense_matmul.cc")
 HEADERS = ("cpu_ops.h", "packed_table.h")
 DOMAIN = "trtbuild"
+WITHOUT_NATIVE_OPS = "--attention split --quant-linears ort --float-linears ort"  # the build flags that need no library
 _HERE = Path(__file__).parent
 
 
@@ -35,7 +36,7 @@ def _compiler() -> str:
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise CpuOpsUnavailable(f"no C++ compiler ({cxx}) on this machine: install g++ (Debian: `apt-get install "
-                                "g++`), or build engines with `--attention split`.")
+                                f"g++`), or build engines with `{WITHOUT_NATIVE_OPS}`.")
     return cxx
 
 
@@ -74,7 +75,7 @@ def library_path() -> Path:
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode:
             raise CpuOpsUnavailable(f"compiling the CPU custom-op library failed:\n{result.stderr[-3000:]}\n"
-                                    "Build engines with `--attention split` to do without it.")
+                                    f"Build engines with `{WITHOUT_NATIVE_OPS}` to do without it.")
         staging.replace(target)  # NOTE: atomic, so concurrent first uses never load a half-written library
     return target
 
@@ -117,4 +118,4 @@ def library_for_engine(engine: Path) -> Path:
     except CpuOpsUnavailable as e:
         raise EngineCompatibilityError(f"engine {engine} runs trtbuild's native CPU ops, which cannot be built on "
                                        f"this machine: {e}\nOr rebuild the engine without them: "
-                                       f"{build_command('--attention split')}") from None
+                                       f"{build_command(WITHOUT_NATIVE_OPS)}") from None

@@ -47,9 +47,11 @@ def include_dir() -> Path:
         with urllib.request.urlopen(DEB_URL, timeout=60) as response:
             package = response.read()
     except OSError as e:
+        from trtbuild.cpu_ops import WITHOUT_NATIVE_OPS
+
         raise HeadersUnavailable(f"could not fetch ONNX Runtime's headers from {DEB_URL} ({e}); set "
                                  "TRTBUILD_ORT_INCLUDE_DIR to a directory holding them (ONNX Runtime's "
-                                 "include/onnxruntime), or build with `--attention split`.") from None
+                                 f"include/onnxruntime), or build with `{WITHOUT_NATIVE_OPS}`.") from None
     if hashlib.sha256(package).hexdigest() != DEB_SHA256:
         raise HeadersUnavailable(f"{DEB_URL} does not have the expected SHA-256; not using it.")
     _extract_headers(package, target)

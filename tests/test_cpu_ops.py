@@ -96,7 +96,8 @@ def test_an_engine_needing_the_library_where_it_cannot_be_built_names_the_rebuil
         raise cpu_ops.CpuOpsUnavailable("no C++ compiler (g++) on this machine")
 
     monkeypatch.setattr(cpu_ops, "library_path", no_compiler)
-    with pytest.raises(EngineCompatibilityError, match=r"(?s)native CPU ops.*no C\+\+ compiler.*--attention split"):
+    with pytest.raises(EngineCompatibilityError, match=r"(?s)native CPU ops.*no C\+\+ compiler.*--attention split "
+                                                          r"--quant-linears ort --float-linears ort"):
         CpuEngine(engine, num_blocks=4)
 
 
