@@ -123,6 +123,16 @@ def attention_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple[st
     return (NATIVE, *ATTENTION_VARIANTS)
 
 
+def _native_then_ort(family: str, mode: str, problem: str | None, fallback: str) -> tuple[str, ...]:
+    """The candidates of a native-or-ort tactic family whose native kernel has `problem` here (None: none)."""
+    if problem is None:
+        return ("native",) if mode == "native" else ("native", "ort")
+    if mode == "native":
+        raise ConfigError(family, f"native cannot be used: {problem}. Use --{family.replace('_', '-')} ort.")
+    log.info("%s: %s (%s)", family, fallback, problem)
+    return ("ort",)
+
+
 def quant_linear_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple[str, ...]:
     """How this engine's 4/8-bit linears may be computed, preferred first (builder/native_linears.py): the one asked
     for, or (auto) native where it applies and runs here, then MatMulNBits. The autotuner times them all."""
@@ -134,12 +144,7 @@ def quant_linear_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple
     problem = ("no linear has 4/8-bit blocks of 16 or 32 with the default zero point" if not count_eligible(model) else
                "int4_accuracy_level 1 asks for fp32 compute" if build.int4_accuracy_level != 4 else
                "this CPU has no AVX-512 VNNI" if not cpu_ops.has_vnni() else cpu_ops.unavailable_reason())
-    if problem is None:
-        return ("native",) if build.quant_linears == "native" else ("native", "ort")
-    if build.quant_linears == "native":
-        raise ConfigError("quant_linears", f"native cannot be used: {problem}. Use --quant-linears ort.")
-    log.info("quantized linears: MatMulNBits (%s)", problem)
-    return ("ort",)
+    return _native_then_ort("quant_linears", build.quant_linears, problem, "MatMulNBits")
 
 
 def float_linear_candidates(model: onnx.ModelProto, build: BuildConfig, lowering: TacticLowering
@@ -155,12 +160,7 @@ def float_linear_candidates(model: onnx.ModelProto, build: BuildConfig, lowering
     problem = ("this CPU has no AVX-512" if not cpu_ops.has_avx512() else cpu_ops.unavailable_reason() or
                ("no linear or embedding has float16 or bfloat16 weights" if not lowering.dense_linears.count(model)
                 else None))
-    if problem is None:
-        return ("native",) if build.float_linears == "native" else ("native", "ort")
-    if build.float_linears == "native":
-        raise ConfigError("float_linears", f"native cannot be used: {problem}. Use --float-linears ort.")
-    log.info("float linears: MatMul (%s)", problem)
-    return ("ort",)
+    return _native_then_ort("float_linears", build.float_linears, problem, "MatMul on float32 copies")
 
 
 def io_spec(model: onnx.ModelProto) -> dict:
