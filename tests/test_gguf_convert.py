@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf_helpers import PROBE_TEXTS, make_hf_folder, write_gguf_like_llama_cpp
 from helpers import STORIES260K, require_shared_models
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from trtbuild.builder.convert.convert import convert
 from trtbuild.runtime.tokenizer import Tokenizer
@@ -118,3 +118,42 @@ def test_quantized_gguf_engine_equals_its_dequantized_checkpoint(tmp_path, famil
     # linears among them per kernel (a Q4_0 sibling's rows of it are zero)
     assert bits == [4] * 5 + [8] * 5
     assert sum(n.op_type == "MatMul" and n.name.endswith("_zero_points") for n in model.graph.node) == 5
+
+
+# ---- F16 files: the checkpoint holds their 16-bit values ---------------------------------------------------------
+def _round_to_float16(hf: Path) -> None:
+    tensors = {n: t.half().float() for n, t in load_file(str(hf / "model.safetensors")).items()}
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_an_f16_gguf_converts_to_a_float16_checkpoint_and_the_same_engine(tmp_path, monkeypatch):
+    """llama.cpp's F16 files: matrices F16, norms and biases F32. When the F32 ones are exact in float16, the
+    checkpoint is float16 (half the disk), and the engine (16-bit DenseMatMul) gives the float32 checkpoint's
+    logits exactly; one F32 value that float16 cannot hold keeps the checkpoint float32."""
+    import gguf
+    from test_native_linears import steps
+
+    from trtbuild.builder.build import build_engine
+
+    require_shared_models()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hf = make_hf_folder("qwen2", tmp_path / "hf")
+    _round_to_float16(hf)
+    reader_names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 2)
+    matrices = {reader_names.get_name(n, try_suffixes=(".weight",)): gguf.GGMLQuantizationType.F16
+                for n, t in load_file(str(hf / "model.safetensors")).items() if t.dim() == 2}
+    f16 = write_gguf_like_llama_cpp(hf, tmp_path / "m-f16.gguf", "qwen2", matrices)
+    config = convert(f16, tmp_path / "ckpt16")
+    assert config.dtype == "float16"
+    assert {t.dtype for t in load_file(str(tmp_path / "ckpt16" / "rank0.safetensors")).values()} == {torch.float16}
+    assert convert(f16, tmp_path / "ckpt32", dtype="float32").dtype == "float32"
+    limits = dict(max_batch_size=4, max_num_tokens=64, max_seq_len=128)
+    engines = [build_engine(tmp_path / f"ckpt{b}", tmp_path / f"engine{b}", **limits) for b in (16, 32)]
+    for got, want in zip(*(steps(e) for e in engines), strict=True):
+        assert torch.equal(torch.from_numpy(got), torch.from_numpy(want))
+
+    tensors = load_file(str(hf / "model.safetensors"))
+    tensors["model.norm.weight"][0] = 1.0 + 2.0**-20  # not a float16
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    f16_wide_norm = write_gguf_like_llama_cpp(hf, tmp_path / "m-f16b.gguf", "qwen2", matrices)
+    assert convert(f16_wide_norm, tmp_path / "ckpt-wide").dtype == "float32"

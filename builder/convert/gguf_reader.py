@@ -127,11 +127,33 @@ def _nbits_form(t: Any, shape: tuple[int, ...]) -> tuple[int, int, bool] | None:
     return bits, group, has_zero_point(t.tensor_type)
 
 
+def _storage_dtype(path: Path, reader: Any) -> str:
+    """float16 or bfloat16 when every matrix of the file is F16 (or every one BF16) and every F32 tensor (llama.cpp
+    keeps norms and biases in F32) is exact in that type: the checkpoint then holds the file's values at half
+    float32's size. float32 otherwise (and for any file with quantized tensors)."""
+    import ml_dtypes
+    from gguf import GGMLQuantizationType as Q
+
+    narrow = {Q.F16: "float16", Q.BF16: "bfloat16"}
+    types = {t.tensor_type for t in reader.tensors}
+    matrices = {t.tensor_type for t in reader.tensors if len(t.shape) == 2}
+    if not types <= {Q.F32, *narrow} or len(matrices) != 1 or (kind := next(iter(matrices))) not in narrow:
+        return "float32"
+    np_type = np.float16 if kind == Q.F16 else ml_dtypes.bfloat16
+    for t in reader.tensors:
+        if t.tensor_type == Q.F32 and t.name != "rope_freqs.weight":  # rope_freqs goes into the config, not here
+            values = _dequantize(path, t)
+            if not np.array_equal(values.astype(np_type).astype(np.float32), values):
+                return "float32"
+    return narrow[kind]
+
+
 def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any], dict[str, SourceTensor]]:
     """(hf_config_dict, HF name -> SourceTensor) of a llama/mistral/qwen2/qwen3 GGUF; a tensor is decoded when
     loaded. Names follow transformers' *ForCausalLM (model.layers.{i}.self_attn.q_proj.weight, ...); Linear weights
     are [out, in]; lm_head.weight is absent when the embeddings are tied. With `keep_quantization`, 2-D tensors whose
-    GGML type has an exact low-bit form (gguf_quants.EXACT_NBITS) load as NBitsWeight, the rest as float32.
+    GGML type has an exact low-bit form (gguf_quants.EXACT_NBITS) load as NBitsWeight, the rest as float32. The
+    config's torch_dtype is the file's 16-bit type where that holds every value exactly (`_storage_dtype`).
     Raises CheckpointError on any bad input.
     """
     path = Path(path)
@@ -143,6 +165,7 @@ def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any
     if "rope_freqs.weight" in shapes:
         rope_freqs = _dequantize(path, next(t for t in reader.tensors if t.name == "rope_freqs.weight"))
     cfg = hf_config(meta, prefix, arch, shapes, rope_freqs)
+    cfg["torch_dtype"] = _storage_dtype(path, reader)
     n_layers = cfg["num_hidden_layers"]
     required = (*COMMON_LAYER_TENSORS, *arch.layer_tensors)
     allowed = {*required, *arch.optional_layer_tensors}
