@@ -78,7 +78,8 @@ def test_a_killed_stub_fails_its_streams_and_the_launcher_exits_nonzero(engine_f
                 assert result.as_numpy("finish_reason").reshape(-1)[0] != b"length", "the stream ended normally"
         reader.join(BOUND_S)
         assert ended and not reader.is_alive(), "the HTTP stream hangs"
-        assert events[-1]["finish_reason"] != "length" or len(events) < 240, "the HTTP stream ended normally"
+        # NOTE: the last event may be Triton's {"error": ...} for the dead stub: that too is not a normal end
+        assert events[-1].get("finish_reason") != "length" or len(events) < 240, "the HTTP stream ended normally"
         assert server.proc.wait(BOUND_S) == launcher.STUB_DIED_EXIT
         assert time.monotonic() - killed < BOUND_S
         for s in streams:
