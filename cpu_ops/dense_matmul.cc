@@ -7,7 +7,8 @@
 // half the bytes of the float32 copy ONNX Runtime's MatMul would read, which is what batch-1 decode waits on.
 // A tile is up to 8 tokens x 32 rows (16 accumulators). Long steps are cut into tasks of 64 tokens x 8 groups, so
 // a task's activations and weights stay in cache while each is reused.
-// DenseGather: rows `ids` of the packed table, as float32 (a tied embedding reads its lm_head's packed weights).
+// DenseGather: rows `ids` of the packed table, as float32, shaped [*ids.shape, K] (a tied embedding reads its
+// lm_head's packed weights).
 #include "cpu_ops.h"
 
 #include <immintrin.h>
@@ -212,9 +213,12 @@ struct DenseGatherKernel {
     Ort::KernelContext ctx(context);
     const Ort::ConstValue ids = ctx.GetInput(0), b = ctx.GetInput(1);
     const Weight weight = table.check(b);
-    const int64_t count = static_cast<int64_t>(ids.GetTensorTypeAndShapeInfo().GetElementCount()), k = table.k;
+    const auto ids_info = ids.GetTensorTypeAndShapeInfo();
+    const int64_t count = static_cast<int64_t>(ids_info.GetElementCount()), k = table.k;
     const int64_t* rows = ids.GetTensorData<int64_t>();
-    float* y = ctx.GetOutput(0, std::vector<int64_t>{count, k}).GetTensorMutableData<float>();
+    std::vector<int64_t> out_shape = ids_info.GetShape();  // Gather's: the ids' shape, then K
+    out_shape.push_back(k);
+    float* y = ctx.GetOutput(0, out_shape).GetTensorMutableData<float>();
     const void* data = b.GetTensorRawData();
     for (int64_t t = 0; t < count; ++t) {
       const int64_t row = rows[t];

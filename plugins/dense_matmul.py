@@ -2,7 +2,7 @@
 packed layout of a float16, bfloat16 or float32 weight, the packing into it, and the numpy references.
 
     DenseMatMul(x float [..., K], B) -> y float [..., N] = x @ W^T, accumulated in float32
-    DenseGather(ids int64 [T], B) -> y float [T, K] = W[ids]  (a tied embedding reads its lm_head's table)
+    DenseGather(ids int64 [...], B) -> y float [..., K] = W[ids]  (a tied embedding reads its lm_head's table)
   B float16 | bfloat16 | float [G, K, 16], G = ceil(N / 16): B[g, k, r] = W[16g + r, k]; rows past N are zero.
   Attributes K, N.
 

@@ -30,11 +30,11 @@ def library() -> str:
     return str(cpu_ops.library_path())
 
 
-def op_session(library: str, node: onnx.NodeProto, first: onnx.ValueInfoProto, out_dim: int,
+def op_session(library: str, node: onnx.NodeProto, first: onnx.ValueInfoProto, out_dim: int | None,
                b: np.ndarray) -> ort.InferenceSession:
-    graph = helper.make_graph([node], "g", [first], [helper.make_tensor_value_info("y", TensorProto.FLOAT,
-                                                                                   ["M", out_dim])],
-                              [numpy_helper.from_array(b, "B")])
+    """One node; `out_dim` None: an output of any shape."""
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None if out_dim is None else ["M", out_dim])
+    graph = helper.make_graph([node], "g", [first], [y], [numpy_helper.from_array(b, "B")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(dm.DOMAIN, 1)])
     options = ort.SessionOptions()
     options.register_custom_ops_library(library)
@@ -77,9 +77,11 @@ def test_dense_gather_reads_rows_of_the_packed_table(library, weight_type):
     w = np.random.default_rng(2).standard_normal((n, k)).astype(dm.WEIGHT_TYPES[weight_type])
     b = dm.pack(w, weight_type)
     sess = op_session(library, helper.make_node(dm.GATHER_OP_TYPE, ["ids", "B"], ["y"], domain=dm.DOMAIN, K=k, N=n),
-                      helper.make_tensor_value_info("ids", TensorProto.INT64, ["M"]), k, b)
+                      helper.make_tensor_value_info("ids", TensorProto.INT64, None), None, b)
     ids = np.array([0, 15, 16, 36, 5, 5], dtype=np.int64)
     np.testing.assert_array_equal(sess.run(None, {"ids": ids})[0], dm.reference_dense_gather(ids, b, n))
+    np.testing.assert_array_equal(sess.run(None, {"ids": ids.reshape(2, 3)})[0],  # Gather's shape: ids', then K
+                                  dm.reference_dense_gather(ids, b, n).reshape(2, 3, k))
     with pytest.raises(Exception, match="id 37 is outside the table's 37"):
         sess.run(None, {"ids": np.array([37], dtype=np.int64)})
 
