@@ -16,15 +16,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from trtbuild.builder.graph import GraphView
+from trtbuild.builder.graph import GraphView, node_attrs
 from trtbuild.builder.weight_file import make_initializer
 from trtbuild.plugins import dense_matmul as dm
 
 _SIXTEEN_BIT = ("float16", "bfloat16")
-
-
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
 def _float_matrix(view: GraphView, name: str) -> bool:
@@ -38,7 +34,7 @@ def _weights(view: GraphView, node: onnx.NodeProto) -> tuple[str, bool] | None:
         return None
     if node.op_type == "MatMul":
         return node.input[1], True
-    a = _attrs(node)
+    a = node_attrs(node)
     if node.op_type == "Gemm" and a.get("transB") == 1 and not a.get("transA") and \
             a.get("alpha", 1.0) == 1.0 and a.get("beta", 1.0) == 1.0:
         return node.input[1], False
@@ -47,7 +43,7 @@ def _weights(view: GraphView, node: onnx.NodeProto) -> tuple[str, bool] | None:
 
 def _gathered_table(view: GraphView, node: onnx.NodeProto) -> tuple[str, bool] | None:
     """(table initializer, False: rows as stored) of a Gather this pass may rewrite."""
-    if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and _attrs(node).get("axis", 0) == 0 and \
+    if node.op_type == "Gather" and node.domain in ("", "ai.onnx") and node_attrs(node).get("axis", 0) == 0 and \
             _float_matrix(view, node.input[0]):
         return node.input[0], False
     return None
@@ -107,9 +103,7 @@ def _become(view: GraphView, node: onnx.NodeProto, op_type: str, first: str, tab
             k: int) -> None:
     """Turn `node` into the trtbuild op `op_type` over `first` and the packed `table` (added to the graph if it is
     not there yet)."""
-    if table.name not in view.initializers:
-        view.graph.initializer.append(table)
-        view.initializers[table.name] = table
+    view.attach(table)
     del node.input[:]
     node.input.extend([first, table.name])
     del node.attribute[:]

@@ -62,6 +62,11 @@ class GraphBuilder:
         return model
 
 
+def node_attrs(node: onnx.NodeProto) -> dict:
+    """A node's attributes as Python values."""
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
 class GraphView:
     """Producer/consumer maps over a model's main graph; rebuild after each structural rewrite."""
 
@@ -98,9 +103,13 @@ class GraphView:
         self.add_initializer(name, value)
 
     def add_initializer(self, name: str, value: np.ndarray) -> None:
-        t = make_initializer(self.staging, name, value)
-        self.graph.initializer.append(t)
-        self.initializers[name] = t
+        self.attach(make_initializer(self.staging, name, value))
+
+    def attach(self, t: onnx.TensorProto) -> None:
+        """Put the initializer `t` (made for another copy of this graph, say) in the graph, unless it is there."""
+        if t.name not in self.initializers:
+            self.graph.initializer.append(t)
+            self.initializers[t.name] = t
 
     def rename_uses(self, old: str, new: str) -> None:
         """Point every consumer (and graph output) of tensor `old` at tensor `new`."""

@@ -13,12 +13,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from trtbuild.builder.graph import MS_DOMAIN, GraphView
+from trtbuild.builder.graph import MS_DOMAIN, GraphView, node_attrs
 from trtbuild.plugins import block_quant_matmul as bq
-
-
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
 def eligible(node: onnx.NodeProto) -> bool:
@@ -26,7 +22,7 @@ def eligible(node: onnx.NodeProto) -> bool:
     input."""
     if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN or len([i for i in node.input if i]) != 3:
         return False
-    a = _attrs(node)
+    a = node_attrs(node)
     return a.get("bits") in (4, 8) and a.get("block_size") in bq.WEIGHT_BLOCKS and a["K"] % bq.BLOCK == 0
 
 
@@ -44,18 +40,12 @@ class NativeLinears:
         self._packed: dict[tuple[str, str], tuple[onnx.TensorProto, onnx.TensorProto]] = {}
         self._tied: dict[tuple[str, str], tuple[str, str] | None] = {}  # gather's (data, scales) -> linear's
 
-    def _attach(self, view: GraphView, key: tuple[str, str]) -> None:
-        for t in self._packed[key]:
-            if t.name not in view.initializers:
-                view.graph.initializer.append(t)
-                view.initializers[t.name] = t
-
     def _tied_linear(self, view: GraphView, gather: onnx.NodeProto, linears: dict[tuple[str, str], dict]
                      ) -> tuple[str, str] | None:
         """The (B, scales) of a rewritten linear whose weights are this gather's table, or None."""
         key = (gather.input[0], gather.input[2])
         if key not in self._tied:
-            a = _attrs(gather)
+            a = node_attrs(gather)
             shape, found = view.shape_of(key[0]), None
             for linear, la in linears.items():
                 if (la["bits"], la["block_size"]) != (a.get("bits"), a.get("block_size")) or shape is None or \
@@ -75,7 +65,7 @@ class NativeLinears:
         for node in model.graph.node:
             if not eligible(node) or any(i not in view.initializers for i in node.input[1:3]):
                 continue
-            a = _attrs(node)
+            a = node_attrs(node)
             key = (node.input[1], node.input[2])
             if key not in self._packed:
                 codes = bq.unpack_nbits(view.constant(key[0]), a["N"], a["K"], a["bits"])
@@ -83,12 +73,13 @@ class NativeLinears:
                 view.add_initializer(key[0] + ".bq", b)
                 view.add_initializer(key[1] + ".bq", s)
                 self._packed[key] = (view.initializers[key[0] + ".bq"], view.initializers[key[1] + ".bq"])
-            self._attach(view, key)
+            for t in self._packed[key]:
+                view.attach(t)
             linears[key] = a
             _become(node, bq.OP_TYPE, [node.input[0], *(t.name for t in self._packed[key])], a)
         for node in model.graph.node:
             if (node.op_type == "GatherBlockQuantized" and node.domain == MS_DOMAIN and len(node.input) == 3
-                    and (_attrs(node).get("gather_axis", 0), _attrs(node).get("quantize_axis", 1)) == (0, 1)
+                    and (node_attrs(node).get("gather_axis", 0), node_attrs(node).get("quantize_axis", 1)) == (0, 1)
                     and (linear := self._tied_linear(view, node, linears)) is not None):
                 _become(node, bq.GATHER_OP_TYPE, [node.input[1], *(t.name for t in self._packed[linear])],
                         linears[linear])

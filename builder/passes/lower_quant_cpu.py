@@ -31,12 +31,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from trtbuild.builder.graph import MS_DOMAIN, GraphView, topological_sort
+from trtbuild.builder.graph import MS_DOMAIN, GraphView, node_attrs, topological_sort
 from trtbuild.quantization import pack_int4
-
-
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
 def _is_zero_or_absent(view: GraphView, node: onnx.NodeProto, index: int) -> bool:
@@ -57,7 +53,7 @@ def _weight_dq(view: GraphView, matmul: onnx.NodeProto) -> tuple[onnx.NodeProto,
 
 
 def _int4_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> tuple | None:
-    a = _attrs(dq)
+    a = node_attrs(dq)
     q = view.constant(dq.input[0]).astype(np.int8)  # [K, N]
     scales = view.constant(dq.input[1])
     g = a.get("block_size", 0)
@@ -79,7 +75,7 @@ def _int8_weight_only_site(matmul: onnx.NodeProto, w: np.ndarray, w_scale: np.nd
 
 def _int8_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> tuple | None:
     w, w_scale = view.constant(dq.input[0]), view.constant(dq.input[1])  # [K, N], per-tensor or per-column scale
-    if w.ndim != 2 or not (w_scale.size == 1 or (w_scale.ndim == 1 and _attrs(dq).get("axis", 1) in (1, -1))):
+    if w.ndim != 2 or not (w_scale.size == 1 or (w_scale.ndim == 1 and node_attrs(dq).get("axis", 1) in (1, -1))):
         return None
     w_scale = np.broadcast_to(w_scale, (w.shape[1],)).astype(np.float32)
     act_dq = view.producer.get(matmul.input[0])
@@ -92,7 +88,7 @@ def _int8_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> t
     if quant is None or quant.op_type != "QuantizeLinear":
         return None
     if x_scale is None:  # a dynamic scale: per token when one block spans the whole last axis of x
-        per_token = all(_attrs(n).get("axis") == -1 and _attrs(n).get("block_size") == w.shape[0]
+        per_token = all(node_attrs(n).get("axis") == -1 and node_attrs(n).get("block_size") == w.shape[0]
                         for n in (quant, act_dq))
         if not per_token or quant.input[1] != act_dq.input[1]:
             return None
@@ -108,14 +104,14 @@ def _nbits_key(view: GraphView, node: onnx.NodeProto) -> tuple | None:
         return None
     if any(view.shape_of(i) is None for i in node.input[1:]):
         return None
-    a = _attrs(node)
+    a = node_attrs(node)
     return "nbits", node.input[0], a["K"], a["block_size"], a["bits"]  # with or without zero points: they merge
 
 
 def _site(view: GraphView, node: onnx.NodeProto) -> tuple | None:
     """(merge key, weights [N, ...] or [K, N], scales, zero points or None) of a linear to lower, or None."""
     if (key := _nbits_key(view, node)) is not None:
-        n = _attrs(node)["N"]
+        n = node_attrs(node)["N"]
         zp = view.constant(node.input[3]).reshape(n, -1) if len(node.input) == 4 and node.input[3] else None
         return key, view.constant(node.input[1]), view.constant(node.input[2]).reshape(n, -1), zp
     if node.op_type != "MatMul" or (found := _weight_dq(view, node)) is None:

@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from trtbuild.builder.graph import node_attrs
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.errors import ConfigError
 from trtbuild.plugins import paged_attention as pa
@@ -42,10 +43,6 @@ class PluginNode:
     attrs: dict
 
 
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
 def check_tensorrt_graph(model: onnx.ModelProto) -> None:
     """Refuse what the TensorRT target has no plugin for, naming it."""
     for node in model.graph.node:
@@ -54,7 +51,7 @@ def check_tensorrt_graph(model: onnx.ModelProto) -> None:
                                                            "plugin, which is not written yet; build without "
                                                            "--speculative-decoding-mode (drafts are then verified "
                                                            "from logits rows) or for --target cpu.")
-        if node.domain == pa.DOMAIN and node.op_type == pa.OP_TYPE and "kv_cache_quant_algo" in _attrs(node):
+        if node.domain == pa.DOMAIN and node.op_type == pa.OP_TYPE and "kv_cache_quant_algo" in node_attrs(node):
             raise ConfigError("target", "tensorrt does not run a quantized KV cache yet; build it for cpu.")
         if node.domain not in ("", "ai.onnx", pa.DOMAIN):
             raise ConfigError("target", f"tensorrt has no plugin for {node.domain}::{node.op_type} (node "
@@ -95,7 +92,7 @@ def rewrite_for_tensorrt(model: onnx.ModelProto) -> list[PluginNode]:
         if not (node.domain == pa.DOMAIN and node.op_type == pa.OP_TYPE):
             nodes.append(node)
             continue
-        attrs = _attrs(node)
+        attrs = node_attrs(node)
         keep = {k: attrs[k] for k in ATTENTION_ATTRS}
         rotary = bool(attrs.get("rotary", 0))
         kv_shape = f"{node.name}/kv_shape"
