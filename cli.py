@@ -111,9 +111,9 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
                    "(llama.cpp's int8 dot products; needs AVX-512 VNNI and g++), ort with ONNX Runtime's "
                    "MatMulNBits; auto: the autotuner's choice, else native where it runs.")
 @click.option("--float-linears", type=click.Choice(FLOAT_LINEARS_MODES), default="auto", show_default=True,
-              help="CPU target: native runs the linears whose weights came in float16/bfloat16 with "
-                   "trtbuild::DenseMatMul on those 16-bit weights (half the bytes; needs AVX-512 and g++), ort with "
-                   "MatMul on float32 copies; auto: the autotuner's choice, else native where it runs.")
+              help="CPU target: native runs unquantized linears with trtbuild::DenseMatMul on their weights in "
+                   "float16 or bfloat16 where that is exact (half the bytes), else float32 (needs AVX-512 and g++); "
+                   "ort with MatMul on float32 weights; auto: the autotuner's choice, else native where it runs.")
 @click.option("--autotune", type=click.Choice(["off", "fast", "full"]), default="off", show_default=True,
               help="Time the attention, quantized-linear and thread-count tactics on this machine and keep the fastest "
                    "(fast: a single user's decode and prefill; full: also a full decode batch and a long context).")

@@ -1,7 +1,8 @@
-"""Make a random-weight model with the real shape of Qwen2.5-1.5B (or -0.5B), as an HF folder (bf16 safetensors)
-and as a GGUF with a Q4_K / Q6_K mix written with the `gguf` package, for measuring convert / build / load / decode
-at real sizes. No weights are downloaded: the weights are random (seeded) and the tokenizer is a small byte-level
-BPE trained here, padded to the model's vocabulary as Qwen's own tokenizer is.
+"""Make a random-weight model with the real shape of Qwen2.5-1.5B (or -0.5B), as an HF folder (bf16 safetensors;
+`--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written with the `gguf` package, for
+measuring convert / build / load / decode at real sizes. No weights are downloaded: the weights are random (seeded)
+and the tokenizer is a small byte-level BPE trained here, padded to the model's vocabulary as Qwen's own tokenizer
+is.
 
     python benchmarks/make_real_size_model.py --out /work/models/qwen2.5-1.5b-random [--shape 0.5b]
 """
@@ -49,14 +50,14 @@ def make_tokenizer(out: Path):
     return tok
 
 
-def make_hf(out: Path, shape: str, seed: int) -> None:
+def make_hf(out: Path, shape: str, seed: int, dtype: str) -> None:
     import torch
     import transformers
 
     cfg = transformers.Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1000000.0,
                                    rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=None)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     with torch.no_grad():  # norms around 1 and small biases, as in a trained model
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -142,13 +143,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gguf-type", choices=["q4_k_m", "f32"], default="q4_k_m",
                     help="f32: for llama-quantize to make the other types from (benchmarks/peers.py)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                    help="the HF weights' type: bfloat16 as released checkpoints are; float32 for weights that no "
+                         "16-bit type holds exactly (as in a model trained and saved in float32)")
     args = ap.parse_args()
     hf = args.out / "hf"
     hf.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     tok = make_tokenizer(hf)
     if not (hf / "config.json").is_file():
-        make_hf(hf, args.shape, args.seed)
+        make_hf(hf, args.shape, args.seed, args.dtype)
     print(f"HF folder {hf}: {time.perf_counter() - t:.0f} s")
     t = time.perf_counter()
     gguf_path = args.out / f"model-{args.gguf_type.upper()}.gguf"

@@ -89,7 +89,7 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
 
 class TacticLowering:
     """The last CPU lowering, as a build's tactics say: its attention variant, then its quantized linears (native:
-    builder/native_linears.py) and its 16-bit float ones (native: builder/dense_linears.py). Each weight is packed
+    builder/native_linears.py) and its unquantized ones (native: builder/dense_linears.py). Each weight is packed
     once however many candidate graphs the autotuner lowers."""
 
     def __init__(self) -> None:
@@ -147,20 +147,19 @@ def quant_linear_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple
     return _native_then_ort("quant_linears", build.quant_linears, problem, "MatMulNBits")
 
 
-def float_linear_candidates(model: onnx.ModelProto, build: BuildConfig, lowering: TacticLowering
-                            ) -> tuple[str, ...]:
-    """How this engine's linears with 16-bit float weights may be computed, preferred first
-    (builder/dense_linears.py): the one asked for, or (auto) native where it applies and runs here, then MatMul on
-    float32 copies. The autotuner times them all."""
+def float_linear_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple[str, ...]:
+    """How this engine's unquantized linears may be computed, preferred first (builder/dense_linears.py): the one
+    asked for, or (auto) native where it applies and runs here, then MatMul on float32 weights. The autotuner times
+    them all."""
     from trtbuild import cpu_ops
+    from trtbuild.builder.dense_linears import DenseLinears
 
     if build.float_linears == "ort":
         return ("ort",)
-    # NOTE: the count packs every eligible table (kept for the lowering): only asked where the kernel can run
     problem = ("this CPU has no AVX-512" if not cpu_ops.has_avx512() else cpu_ops.unavailable_reason() or
-               ("no linear or embedding has float16 or bfloat16 weights" if not lowering.dense_linears.count(model)
+               ("no linear or embedding has unquantized weights" if not DenseLinears.count(model)
                 else None))
-    return _native_then_ort("float_linears", build.float_linears, problem, "MatMul on float32 copies")
+    return _native_then_ort("float_linears", build.float_linears, problem, "MatMul on float32 weights")
 
 
 def io_spec(model: onnx.ModelProto) -> dict:
@@ -207,7 +206,7 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         lowering = TacticLowering()
         candidates = {"attention": attention_candidates(model, build),
                       "quant_linears": quant_linear_candidates(model, build),
-                      "float_linears": float_linear_candidates(model, build, lowering)}
+                      "float_linears": float_linear_candidates(model, build)}
         tactics = {}
         if build.autotune != "off":
             tactics = tune(model, config, build, output, lowering, candidates, timer, cache)

@@ -1,14 +1,15 @@
 """The CPU lowering of unquantized linears onto trtbuild::DenseMatMul (cpu_ops/dense_matmul.cc): weights held in
-the 16-bit type they came in, packed 16 rows interleaved (plugins/dense_matmul.py).
+the narrowest float type that holds them exactly, packed 16 rows interleaved (plugins/dense_matmul.py).
 
 The network computes in float32, so a float16 or bfloat16 checkpoint (and a GGUF's F16 / BF16 tensors) reaches
-this pass as float32 initializers whose values are all exact in 16 bits. Such a MatMul (weights [K, N]) or Gemm
-(transB, no bias: the lm_head, [N, K]) becomes a DenseMatMul over the 16-bit packed copy, and a Gather of such a
-table (the embedding) a DenseGather, reading the lm_head's copy when the two are tied. Converting back to float32
-in the kernel is exact, so the engine computes what MatMul did on the upcast weights, from half the bytes: batch-1
-decode reads every weight once per token, and so does llama.cpp from an F16 file. Weights that need float32 (an
-F32 checkpoint, a folded SmoothQuant scale) stay where they are: MLAS's SGEMM is as fast as the native kernel on
-them (benchmarks/dense_linear.py).
+this pass as float32 initializers whose values are all exact in 16 bits. Each MatMul (weights [K, N]) and Gemm
+(transB, no bias: the lm_head, [N, K]) becomes a DenseMatMul over a packed copy in float16 where every value is
+exact in it, else bfloat16, else float32; a Gather of such a table (the embedding) becomes a DenseGather, reading
+the lm_head's copy when the two are tied. Converting back to float32 in the kernel is exact, so the engine computes
+what MatMul did, from half the bytes where the weights came in 16 bits: batch-1 decode reads every weight once per
+token, and so does llama.cpp from an F16 file. Float32 weights (an F32 checkpoint, a folded SmoothQuant scale) keep
+their bytes: the kernel's 16-row streams still decode faster than MLAS's SGEMM and run long steps at its rate
+(benchmarks/dense_linear.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from trtbuild.builder.graph import GraphView, node_attrs
 from trtbuild.builder.weight_file import make_initializer
 from trtbuild.plugins import dense_matmul as dm
 
-_SIXTEEN_BIT = ("float16", "bfloat16")
+_SIXTEEN_BIT = ("float16", "bfloat16", "float32")
 
 
 def _float_matrix(view: GraphView, name: str) -> bool:
@@ -50,32 +51,29 @@ def _gathered_table(view: GraphView, node: onnx.NodeProto) -> tuple[str, bool] |
 
 
 class DenseLinears:
-    """Rewrites the linears (and embedding gathers) whose float32 weights are exact in 16 bits, in place. Packs
-    each table once however many graph copies it lowers (the autotuner lowers one per candidate)."""
+    """Rewrites the linears (and embedding gathers) over float32 initializers, in place. Packs each table once
+    however many graph copies it lowers (the autotuner lowers one per candidate)."""
 
     def __init__(self) -> None:
-        # (initializer, transposed) -> (packed initializer, or None when the weights need float32; N; K)
-        self._packed: dict[tuple[str, bool], tuple[onnx.TensorProto | None, int, int]] = {}
+        # (initializer, transposed) -> (packed initializer, N, K)
+        self._packed: dict[tuple[str, bool], tuple[onnx.TensorProto, int, int]] = {}
 
-    def _pack(self, view: GraphView, name: str, transposed: bool) -> tuple[onnx.TensorProto | None, int, int]:
+    def _pack(self, view: GraphView, name: str, transposed: bool) -> tuple[onnx.TensorProto, int, int]:
         """The packed table of initializer `name` (staged like it, not yet in any graph), N and K."""
         key = (name, transposed)
         if key not in self._packed:
             w = view.constant(name)
             w = np.ascontiguousarray(w.T) if transposed else w
-            weight_type = dm.exact_type(w)
-            packed = None
-            if weight_type in _SIXTEEN_BIT:
-                packed = make_initializer(view.staging, f"{name}.dense{'_t' if transposed else ''}",
-                                          dm.pack(w, weight_type))
+            packed = make_initializer(view.staging, f"{name}.dense{'_t' if transposed else ''}",
+                                      dm.pack(w, dm.exact_type(w)))
             self._packed[key] = (packed, *w.shape)
         return self._packed[key]
 
-    def count(self, model: onnx.ModelProto) -> int:
-        """How many linears and gathers of `model` this pass would rewrite (packing them, once, to find out)."""
+    @staticmethod
+    def count(model: onnx.ModelProto) -> int:
+        """How many linears and gathers of `model` this pass would rewrite."""
         view = GraphView(model)
-        return sum(self._pack(view, *found)[0] is not None for node in model.graph.node
-                   if (found := _weights(view, node) or _gathered_table(view, node)) is not None)
+        return sum((_weights(view, node) or _gathered_table(view, node)) is not None for node in model.graph.node)
 
     def lower(self, model: onnx.ModelProto) -> int:
         """Replace the eligible linears and gathers of `model`; returns how many linears."""
@@ -83,15 +81,11 @@ class DenseLinears:
         linears = 0
         for node in model.graph.node:
             if (found := _weights(view, node)) is not None:
-                packed, n, k = self._pack(view, *found)
-                if packed is not None:
-                    _become(view, node, dm.OP_TYPE, node.input[0], packed, n, k)
-                    linears += 1
+                _become(view, node, dm.OP_TYPE, node.input[0], *self._pack(view, *found))
+                linears += 1
             elif (table := _gathered_table(view, node)) is not None:
                 # NOTE: a table a Gemm also reads is [N, K] as the gather's: the same packed copy serves both
-                packed, n, k = self._pack(view, *table)
-                if packed is not None:
-                    _become(view, node, dm.GATHER_OP_TYPE, node.input[1], packed, n, k)
+                _become(view, node, dm.GATHER_OP_TYPE, node.input[1], *self._pack(view, *table))
         if any(n.domain == dm.DOMAIN and n.op_type in (dm.OP_TYPE, dm.GATHER_OP_TYPE) for n in model.graph.node):
             view.drop_unused_initializers()
             if not any(o.domain == dm.DOMAIN for o in model.opset_import):

@@ -26,8 +26,8 @@ ATTENTION_MODES = ("auto", "native", "split", "concat")
 # how the CPU target computes 4/8-bit linears in blocks of 16 or 32 (builder/native_linears.py): native
 # (trtbuild::BlockQuantMatMul, cpu_ops/) or ort (MatMulNBits); auto: the autotuner's choice, else native where it runs
 QUANT_LINEARS_MODES = ("auto", "native", "ort")
-# how the CPU target computes linears whose weights came in float16 or bfloat16 (builder/dense_linears.py): native
-# (trtbuild::DenseMatMul over the 16-bit weights, cpu_ops/) or ort (MatMul on float32 copies); auto: as above
+# how the CPU target computes unquantized linears (builder/dense_linears.py): native (trtbuild::DenseMatMul over the
+# weights in the narrowest float type exact for them, cpu_ops/) or ort (MatMul on float32 weights); auto: as above
 FLOAT_LINEARS_MODES = ("auto", "native", "ort")
 
 

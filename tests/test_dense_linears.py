@@ -139,13 +139,25 @@ def test_float_linears_ort_where_native_does_not_apply(checkpoint, tmp_path, mon
         build_engine(checkpoint, tmp_path / "b", float_linears="native", **LIMITS)
 
 
-def test_a_float32_checkpoint_keeps_matmul(tmp_path):
+def test_a_float32_checkpoint_runs_its_linears_natively_on_float32_weights(tmp_path):
+    """Weights that no 16-bit type holds keep their float32 bytes in the packed table: same file size, the same
+    logits as MatMul up to summation order."""
+    from test_native_linears import steps
+
     hf = make_random_hf_model("qwen2", tmp_path / "hf", overrides=dict(hidden_size=64, intermediate_size=96))
     convert(hf, tmp_path / "ckpt")
-    engine = build_engine(tmp_path / "ckpt", tmp_path / "engine", **LIMITS)
-    assert read_engine_config(engine).build.float_linears == "ort" and "DenseMatMul" not in ops(engine)
-    with pytest.raises(ConfigError, match="native cannot be used: no linear or embedding has float16"):
-        build_engine(tmp_path / "ckpt", tmp_path / "bad", float_linears="native", **LIMITS)
+    native = build_engine(tmp_path / "ckpt", tmp_path / "native", **LIMITS)
+    ort_engine = build_engine(tmp_path / "ckpt", tmp_path / "ort", float_linears="ort", **LIMITS)
+    assert read_engine_config(native).build.float_linears == "native"
+    native_ops, ort_ops = ops(native), ops(ort_engine)
+    assert native_ops.count("DenseMatMul") == ort_ops.count("MatMul") + ort_ops.count("Gemm") > 0
+    model = onnx.load(str(native / CPU_ENGINE_FILE), load_external_data=False)
+    packed = [t for t in model.graph.initializer if t.name.endswith((".dense", ".dense_t"))]
+    assert packed and {t.data_type for t in packed} == {TensorProto.FLOAT}
+    sizes = [(e / CPU_WEIGHTS_FILE).stat().st_size for e in (native, ort_engine)]
+    assert 0.98 < sizes[0] / sizes[1] < 1.05  # the same bytes, padded to 16 rows
+    for got, want in zip(steps(native), steps(ort_engine), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
 def test_autotune_times_native_and_ort_float_linears(checkpoint, tmp_path):

@@ -117,7 +117,7 @@ def test_quantized_gguf_engine_equals_its_dequantized_checkpoint(tmp_path, famil
     # (Q4_1) and its gate and up (Q4_K) each run as one kernel, with one correction GEMM for the 7 Q4_K and Q4_1
     # linears among them per kernel (a Q4_0 sibling's rows of it are zero)
     assert bits == [4] * 5 + [8] * 5
-    assert sum(n.op_type == "MatMul" and n.name.endswith("_zero_points") for n in model.graph.node) == 5
+    assert sum(n.op_type == "DenseMatMul" and n.name.endswith("_zero_points") for n in model.graph.node) == 5
 
 
 # ---- F16 files: the checkpoint holds their 16-bit values ---------------------------------------------------------

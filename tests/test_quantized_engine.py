@@ -150,16 +150,18 @@ def test_lowered_graph_runs_low_bit_kernels(name, case):
     assert len(nbits) == (linears if algo == "int4_awq" else 0) + head_int8
     assert {n: a["bits"] for n, a in nbits.items() if a["bits"] == 8} == ({"lm_head": 8} if head_int8 else {})
     assert ops["MatMulIntegerToFloat"] == (linears if algo == "int8_sq" else 0)
-    float_matrices = {t.name for t in model.graph.initializer
-                      if t.data_type == TensorProto.FLOAT and len(t.dims) == 2 and min(t.dims) > 1}
-    expected = {"rope_cos", "rope_sin", "transformer.vocab_embedding.weight"} | (
-        {"lm_head.weight"} if "lm_head" in exclude and not head_int8 else set())
-    if algo is None:  # KV-only quantization: the fused full-precision GEMMs stay
-        assert ops["MatMul"] == 4 * LAYERS + 2 * LAYERS and ops["Gemm"] == 1  # lm_head: Gemm over [vocab, hidden]
+    if algo is None:  # KV-only quantization: the fused full-precision GEMMs stay, on float32 weights
+        assert ops["DenseMatMul"] == 4 * LAYERS + 1 and not ops["Gemm"]  # the lm_head too
+        assert ops["MatMul"] == 2 * LAYERS  # the attention's (a quantized pool: standard-op attention)
         return
-    assert float_matrices == expected | {e + ".weight" for e in excluded}  # no fp32 copy of a quantized weight
+    # the float32 tables left: RoPE's, and the full-precision weights packed for DenseMatMul / DenseGather
+    float_tables = {t.name for t in model.graph.initializer
+                    if t.data_type == TensorProto.FLOAT and len(t.dims) > 1 and min(t.dims) > 1}
+    expected = {"rope_cos", "rope_sin", "transformer.vocab_embedding.weight.dense"} | (
+        {"lm_head.weight.dense"} if "lm_head" in exclude and not head_int8 else set())
+    assert float_tables == expected | {e + ".weight.dense_t" for e in excluded}  # no fp32 copy of a quantized weight
     for e in excluded:
-        assert next(n for n in model.graph.node if n.name == e).op_type == "MatMul"
+        assert next(n for n in model.graph.node if n.name == e).op_type == "DenseMatMul"
     by_type = collections.Counter(t.data_type for t in model.graph.initializer if len(t.dims) == 2)
     if algo == "fp8":  # no CPU fp8 GEMM: 1-byte weights, dequantized as the MatMul runs
         assert by_type[TensorProto.FLOAT8E4M3FN] == 7 * LAYERS + ("lm_head" not in exclude)
