@@ -10,4 +10,5 @@ const OrtCustomOp* block_quant_matmul_op();
 const OrtCustomOp* block_quant_gather_op();
 const OrtCustomOp* dense_matmul_op();
 const OrtCustomOp* dense_gather_op();
+const OrtCustomOp* swiglu_op();
 }  // namespace trtbuild_cpu_ops

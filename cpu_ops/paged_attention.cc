@@ -1,10 +1,14 @@
 // trtbuild::PagedAttention for ONNX Runtime's CPU provider: the contract of plugins/README.md, float32 pool.
 //
 // One node per layer instead of the ~34 standard nodes of the CPU lowering (builder/lower_cpu.py): queries and new
-// keys are rotated once, then each (new token, query head) is one task: scores against the sequence's past keys,
-// read in place from the pool through its block table, and against its own new keys up to itself; softmax; the
-// weighted sum of the values. Tasks run on ONNX Runtime's intra-op threads.
+// keys are rotated once, then each (new token, KV head, some of its query heads) is one task: scores against the
+// sequence's past keys, read in place from the pool through its block table, and against its own new keys up to
+// itself; softmax; the weighted sum of the values. Tasks run on ONNX Runtime's intra-op threads.
+// Head sizes of 16 to 128 in steps of 16 (all the supported models' but the tiny ones) take the vectorized path:
+// 16 keys' scores at once (one accumulator per key, summed across lanes by one transpose), exp of 16 scores at a
+// time, and the weighted sum of the values kept in registers for up to 16 / (head size / 16) query heads.
 #include "cpu_ops.h"
+#include "simd_math.h"
 
 #include <immintrin.h>
 
@@ -55,6 +59,36 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// Lane j of the result is the sum of v[j]'s 16 lanes: pairs, then quads, then 128-bit lanes are added in place of
+// a transpose, so 16 dot products cost 45 shuffles and adds instead of 16 horizontal sums.
+inline __m512 transpose_sum16(const __m512* v) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+template <int DV>
+inline void prefetch(const float* row, int hint) {
+  for (int i = 0; i < DV; ++i) {
+    const char* at = reinterpret_cast<const char*>(row + 16 * i);
+    hint == _MM_HINT_T0 ? _mm_prefetch(at, _MM_HINT_T0) : _mm_prefetch(at, _MM_HINT_T1);
+  }
+}
+constexpr int64_t kAhead = 16;  // value rows prefetched ahead of the weighted sum
+
+inline __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
+#endif
+
 // Rotate-half RoPE of `heads` vectors of size d at `pos`, in place (cos/sin rows of d/2).
 void rope(float* x, int64_t heads, int64_t d, const float* cos_row, const float* sin_row) {
   const int64_t half = d / 2;
@@ -83,32 +117,135 @@ struct Step {
   int64_t heads_per_task;  // query heads of one KV head that one task computes, reading each key and value once
 };
 
-// One task: new token t, KV head g, and up to heads_per_task of its query heads.
-void attend(void* data, size_t task) {
-  const Step& s = *static_cast<const Step*>(data);
-  const int64_t group = s.heads / s.kv_heads, chunks = (group + s.heads_per_task - 1) / s.heads_per_task;
-  const int64_t t = static_cast<int64_t>(task) / (s.kv_heads * chunks);
-  const int64_t g = static_cast<int64_t>(task) / chunks % s.kv_heads;
-  const int64_t h0 = g * group + static_cast<int64_t>(task) % chunks * s.heads_per_task;
-  const int64_t nh = std::min(s.heads_per_task, (g + 1) * group - h0);
-  const int64_t b = s.seq_of_token[t], past = s.past[b], start = s.starts[b];
-  const int64_t visible = past + t - start + 1;  // past keys, then this sequence's new keys up to t
-  const int64_t d = s.d;
+// What one task reads: new token t's query heads h0 .. h0 + nh - 1 of KV head g, and its visible keys and values
+// (the sequence's past ones in the pool, then its new ones up to t).
+struct Task {
+  const Step& s;
+  int64_t t, g, h0, nh, b, past, start, visible;
+
+  Task(const Step& step, size_t task) : s(step) {
+    const int64_t group = s.heads / s.kv_heads, chunks = (group + s.heads_per_task - 1) / s.heads_per_task;
+    t = static_cast<int64_t>(task) / (s.kv_heads * chunks);
+    g = static_cast<int64_t>(task) / chunks % s.kv_heads;
+    h0 = g * group + static_cast<int64_t>(task) % chunks * s.heads_per_task;
+    nh = std::min(s.heads_per_task, (g + 1) * group - h0);
+    b = s.seq_of_token[t], past = s.past[b], start = s.starts[b];
+    visible = past + t - start + 1;
+  }
+
+  const float* row(int64_t j, int64_t which) const {  // key (which 0) or value (1) j
+    const int64_t d = s.d, head_stride = s.bs * d, kv_stride = s.kv_heads * head_stride;  // within (block, layer)
+    if (j < past)
+      return s.pool + s.block_tables[b * s.width + j / s.bs] * (s.layers * 2 * kv_stride) +
+             (s.layer * 2 + which) * kv_stride + g * head_stride + (j % s.bs) * d;
+    return (which ? s.v_new : s.k_new) + ((start + j - past) * s.kv_heads + g) * d;
+  }
+
+  const float* queries() const { return s.q + (t * s.heads + h0) * s.d; }
+  float* out() const { return s.out + (t * s.heads + h0) * s.d; }
+};
+
+#if defined(__AVX512F__)
+// out[h] = sum_j probs[h][j] v_j * inv[h] for `hp` <= HP heads, accumulated in registers; the first `pooled` values
+// come from the pool (prefetched ahead).
+template <int DV, int HP>
+void weighted_values(const float* const* values, int64_t visible, int64_t pooled, const float* probs, int64_t stride,
+                     const float* inv, int64_t hp, float* out) {
+  __m512 acc[HP][DV];
+  for (int h = 0; h < HP; ++h)
+    for (int i = 0; i < DV; ++i) acc[h][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < visible; ++j) {
+    if (j + kAhead < pooled) prefetch<DV>(values[j + kAhead], _MM_HINT_T0);
+    __m512 v[DV];
+#pragma GCC unroll 8
+    for (int i = 0; i < DV; ++i) v[i] = _mm512_loadu_ps(values[j] + 16 * i);
+#pragma GCC unroll 16
+    for (int h = 0; h < HP; ++h) {
+      if (h >= hp) break;
+      const __m512 w = _mm512_set1_ps(probs[h * stride + j]);
+#pragma GCC unroll 8
+      for (int i = 0; i < DV; ++i) acc[h][i] = _mm512_fmadd_ps(w, v[i], acc[h][i]);
+    }
+  }
+  for (int h = 0; h < hp; ++h)
+    for (int i = 0; i < DV; ++i)
+      _mm512_storeu_ps(out + h * 16 * DV + 16 * i, _mm512_mul_ps(acc[h][i], _mm512_set1_ps(inv[h])));
+}
+
+// A task whose head size is 16 * DV.
+template <int DV>
+void attend_vectorized(const Task& a) {
+  constexpr int64_t kD = 16 * DV, kHeadsPerPass = 16 / DV;
+  const int64_t visible = a.visible, stride = (visible + 15) / 16 * 16;
+  thread_local std::vector<float> probs;  // [nh, stride]: scores, then unnormalized probabilities
+  thread_local std::vector<const float*> rows;  // keys, then values
+  thread_local std::vector<float> inv;
+  probs.resize(static_cast<size_t>(a.nh * stride));
+  rows.resize(static_cast<size_t>(stride + visible));  // keys (padded to 16 with a row of zeros), then values
+  inv.resize(static_cast<size_t>(a.nh));
+  alignas(64) static const float zeros[16 * DV] = {};
+  const float** values = rows.data() + stride;
+  for (int64_t j = 0; j < visible; ++j) {  // NOTE: one block-table lookup (and division) per block, not per row
+    const bool next_in_block = j > 0 && j < a.past && j % a.s.bs;
+    rows[j] = next_in_block ? rows[j - 1] + kD : a.row(j, 0);
+    values[j] = next_in_block ? values[j - 1] + kD : a.row(j, 1);
+  }
+  for (int64_t j = visible; j < stride; ++j) rows[j] = zeros;
+  const float* q = a.queries();
+  const __m512 scale = _mm512_set1_ps(a.s.scale);
+  // NOTE: the rows come from a pool far larger than the caches, a few KiB per block: while 16 keys are scored, the
+  // next 16 are fetched, and their values are brought into L2 for the weighted sum
+  // (the step's new rows are in cache already)
+  const int64_t pooled = a.past;
+  for (int64_t j = 0; j < std::min<int64_t>(16, pooled); ++j) prefetch<DV>(rows[j], _MM_HINT_T0);
+  for (int64_t j0 = 0; j0 < visible; j0 += 16) {
+    for (int64_t j = j0; j < std::min(j0 + 16, pooled); ++j) {
+      prefetch<DV>(values[j], _MM_HINT_T1);
+      if (j + 16 < pooled) prefetch<DV>(rows[j + 16], _MM_HINT_T0);
+    }
+    for (int64_t h = 0; h < a.nh; ++h) {
+      __m512 qv[DV], acc[16];
+#pragma GCC unroll 8
+      for (int i = 0; i < DV; ++i) qv[i] = _mm512_loadu_ps(q + h * kD + 16 * i);
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        const float* k = rows[j0 + j];
+        acc[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+#pragma GCC unroll 8
+        for (int i = 1; i < DV; ++i) acc[j] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), acc[j]);
+      }
+      _mm512_storeu_ps(probs.data() + h * stride + j0, _mm512_mul_ps(scale, transpose_sum16(acc)));
+    }
+  }
+  for (int64_t h = 0; h < a.nh; ++h) {
+    float* p = probs.data() + h * stride;
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j0 = 0; j0 < visible; j0 += 16)
+      top = _mm512_mask_max_ps(top, first(visible - j0), top, _mm512_loadu_ps(p + j0));
+    const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j0 = 0; j0 < visible; j0 += 16) {
+      const __m512 e = _mm512_maskz_mov_ps(first(visible - j0), exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j0), max_score)));
+      _mm512_storeu_ps(p + j0, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv[h] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+  for (int64_t h = 0; h < a.nh; h += kHeadsPerPass)
+    weighted_values<DV, kHeadsPerPass>(values, visible, pooled, probs.data() + h * stride, stride,
+                                       inv.data() + h, std::min(kHeadsPerPass, a.nh - h), a.out() + h * kD);
+}
+#endif
+
+// A task of any head size.
+void attend_generic(const Task& a) {
+  const int64_t nh = a.nh, visible = a.visible, d = a.s.d;
   thread_local std::vector<float> probs;  // [nh, visible]
   probs.resize(static_cast<size_t>(nh * visible));
-  const int64_t head_stride = s.bs * d, kv_stride = s.kv_heads * head_stride;  // within one (block, layer)
-  const int64_t layer_offset = (s.layer * 2) * kv_stride + g * head_stride;
-  const int64_t block_stride = s.layers * 2 * kv_stride;
-  auto key = [&](int64_t j, int64_t which) {  // which 0: K, 1: V
-    if (j < past)
-      return s.pool + s.block_tables[b * s.width + j / s.bs] * block_stride + layer_offset + which * kv_stride +
-             (j % s.bs) * d;
-    return (which ? s.v_new : s.k_new) + ((start + j - past) * s.kv_heads + g) * d;
-  };
-  const float* q = s.q + (t * s.heads + h0) * d;
+  const float* q = a.queries();
   for (int64_t j = 0; j < visible; ++j) {
-    const float* k = key(j, 0);
-    for (int64_t h = 0; h < nh; ++h) probs[h * visible + j] = s.scale * dot(q + h * d, k, d);
+    const float* k = a.row(j, 0);
+    for (int64_t h = 0; h < nh; ++h) probs[h * visible + j] = a.s.scale * dot(q + h * d, k, d);
   }
   for (int64_t h = 0; h < nh; ++h) {
     float* p = probs.data() + h * visible;
@@ -118,12 +255,30 @@ void attend(void* data, size_t task) {
     const float inv = 1.0f / sum;
     for (int64_t j = 0; j < visible; ++j) p[j] *= inv;
   }
-  float* out = s.out + (t * s.heads + h0) * d;
+  float* out = a.out();
   std::fill(out, out + nh * d, 0.0f);
   for (int64_t j = 0; j < visible; ++j) {
-    const float* v = key(j, 1);
+    const float* v = a.row(j, 1);
     for (int64_t h = 0; h < nh; ++h) axpy(probs[h * visible + j], v, out + h * d, d);
   }
+}
+
+void attend(void* data, size_t task) {
+  const Task a(*static_cast<const Step*>(data), task);
+#if defined(__AVX512F__)
+  switch (a.s.d) {
+    case 16: return attend_vectorized<1>(a);
+    case 32: return attend_vectorized<2>(a);
+    case 48: return attend_vectorized<3>(a);
+    case 64: return attend_vectorized<4>(a);
+    case 80: return attend_vectorized<5>(a);
+    case 96: return attend_vectorized<6>(a);
+    case 112: return attend_vectorized<7>(a);
+    case 128: return attend_vectorized<8>(a);
+    default: break;
+  }
+#endif
+  attend_generic(a);
 }
 
 void fail(const std::string& what) { ORT_CXX_API_THROW("trtbuild::PagedAttention: " + what, ORT_INVALID_ARGUMENT); }

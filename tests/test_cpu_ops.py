@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper
 from test_paged_attention import (
     HEADS,
     LAYERS,
@@ -15,6 +16,8 @@ from test_paged_attention import (
 )
 
 from trtbuild import cpu_ops
+from trtbuild.plugins import paged_attention as pa
+from trtbuild.plugins import swiglu as sw
 from trtbuild.plugins.block_quant_matmul import pack, reference_block_quant_matmul, unpack_nbits
 
 
@@ -62,6 +65,78 @@ def test_native_op_never_reads_unowned_slots(library, rotary):
     got = run(session(library, [1], rotary), data, [1], rotary)
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
+
+
+def real_shape_case(heads: int, kv_heads: int, head: int, block: int, seqs: list[tuple[int, int]], seed: int
+                    ) -> tuple[ort.InferenceSession, dict[str, np.ndarray], dict]:
+    """One PagedAttention node (layer 1 of a 2-layer pool) of the given shape, a packed step of (past, new tokens)
+    per sequence over shuffled blocks, and the reference's keyword arguments."""
+    rng = np.random.default_rng(seed)
+    width = max(-(-(past + n) // block) for past, n in seqs)
+    tables = rng.permutation(len(seqs) * width).reshape(len(seqs), width).astype(np.int64)
+    tokens, max_pos = sum(n for _, n in seqs), 512
+    angles = np.arange(max_pos)[:, None] * 10000.0 ** (-np.arange(0, head, 2) / head)[None, :]
+    data = {"q": rng.standard_normal((tokens, heads * head), dtype=np.float32),
+            "k": rng.standard_normal((tokens, kv_heads * head), dtype=np.float32),
+            "v": rng.standard_normal((tokens, kv_heads * head), dtype=np.float32),
+            "kv_cache": rng.standard_normal((tables.size, 2, 2, kv_heads, block, head), dtype=np.float32),
+            "block_tables": tables, "past_lengths": np.array([p for p, _ in seqs], dtype=np.int64),
+            "query_start_loc": np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int64),
+            "position_ids": np.concatenate([np.arange(p, p + n) for p, n in seqs]).astype(np.int64),
+            "rope_cos": np.cos(angles).astype(np.float32), "rope_sin": np.sin(angles).astype(np.float32)}
+    attrs = dict(layer_idx=1, num_heads=heads, num_kv_heads=kv_heads, head_size=head, scale=head**-0.5)
+    inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+              for n, a in data.items()]
+    node = helper.make_node(pa.OP_TYPE, list(data), list(pa.OUTPUTS), domain=pa.DOMAIN, tokens_per_block=block,
+                            rotary=1, **attrs)
+    outputs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in pa.OUTPUTS]
+    model = helper.make_model(helper.make_graph([node], "attention", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(pa.DOMAIN, 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(cpu_ops.library_path().as_posix())
+    options.intra_op_num_threads = 2
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]), data, attrs
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head", "block"),
+                         [(14, 2, 64, 16), (8, 2, 128, 4), (6, 3, 48, 16), (4, 4, 32, 8), (4, 1, 16, 16)])
+@pytest.mark.parametrize("seqs", [[(37, 1), (0, 21), (16, 5), (15, 1), (100, 3)], [(129, 1)]],
+                         ids=["mixed", "one_decode_token"])
+def test_real_head_sizes_match_reference(library, heads, kv_heads, head, block, seqs):
+    """Head sizes of 16..128 take the vectorized path (16 keys at a time, registers for the weighted values): past
+    lengths inside, at and across 16-key groups and blocks, prefill chunks, and one decode token whose query heads
+    are split over tasks."""
+    sess, data, attrs = real_shape_case(heads, kv_heads, head, block, seqs, seed=head + block)
+    got = sess.run(None, data)
+    want = pa.reference_paged_attention(*(data[n] for n in list(data)[:7]), position_ids=data["position_ids"],
+                                        rope_cos=data["rope_cos"], rope_sin=data["rope_sin"], **attrs)
+    for name, g, w in zip(pa.OUTPUTS, got, want, strict=True):
+        np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_swiglu_matches_reference(library):
+    """Widths around the 16-lane vectors; a 3-D input; no rows; an odd width is an error."""
+    def session() -> ort.InferenceSession:
+        graph = helper.make_graph([helper.make_node(sw.OP_TYPE, ["x"], ["y"], domain=sw.DOMAIN)], "swiglu",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(sw.DOMAIN, 1)])
+        options = ort.SessionOptions()
+        options.register_custom_ops_library(library)
+        options.intra_op_num_threads = 2
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    sess = session()
+    rng = np.random.default_rng(7)
+    for shape in [(1, 2), (3, 30), (9, 32), (5, 2 * 4864), (2, 3, 66)]:
+        x = (rng.standard_normal(shape) * 8).astype(np.float32)  # sigmoid's tails included
+        x.flat[0], x.flat[-1] = -100.0, 100.0
+        got = sess.run(None, {"x": x})[0]
+        assert got.shape == (*shape[:-1], shape[-1] // 2)
+        np.testing.assert_allclose(got, sw.reference_swiglu(x), rtol=1e-6, atol=1e-6)
+    assert sess.run(None, {"x": np.zeros((0, 8), np.float32)})[0].shape == (0, 4)
+    with pytest.raises(Exception, match="the last dimension of x must be even"):
+        sess.run(None, {"x": np.zeros((2, 7), np.float32)})
 
 
 def test_a_block_table_entry_outside_the_pool_is_an_error_not_a_crash(library):

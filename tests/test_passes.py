@@ -427,7 +427,7 @@ def test_fused_engine_matches_unfused_engine(family, random_hf_model, engine_fro
     assert unfused_info.passes == (f"dense_linears:{7 * LAYERS + 1}",)  # the target's lowering: every linear
     assert fused_info.passes == ("fold_prescale:0", f"fuse_qkv:{LAYERS}", f"fuse_gate_up:{LAYERS}",
                                  f"fuse_rope_into_attention:{LAYERS}", f"fuse_add_rmsnorm:{2 * LAYERS - 1}",
-                                 f"dense_linears:{4 * LAYERS + 1}")
+                                 f"dense_linears:{4 * LAYERS + 1}", f"native_swiglu:{LAYERS}")
     assert_same_outputs(drive(fused_dir, None), drive(unfused_dir, None))
     pools = []
     for engine_dir in (fused_dir, unfused_dir):
