@@ -89,9 +89,9 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
 
 class TacticLowering:
     """The last CPU lowering, as a build's tactics say: its attention variant, then its quantized linears (native:
-    builder/native_linears.py) and its unquantized ones (native: builder/dense_linears.py), and, with any native
-    tactic, the MLP's SwiGLU (builder/native_swiglu.py). Each weight is packed once however many candidate graphs
-    the autotuner lowers."""
+    builder/native_linears.py) and its unquantized ones (native: builder/dense_linears.py; either takes its bias
+    add in: builder/linear_bias.py), and, with any native tactic, the MLP's SwiGLU (builder/native_swiglu.py).
+    Each weight is packed once however many candidate graphs the autotuner lowers."""
 
     def __init__(self) -> None:
         from trtbuild.builder.dense_linears import DenseLinears
@@ -102,12 +102,15 @@ class TacticLowering:
 
     def __call__(self, model: onnx.ModelProto, build: BuildConfig) -> list[str]:
         """Lower `model` in place; returns the native lowerings applied, as "name:count"."""
+        from trtbuild.builder.linear_bias import fold_linear_biases
         from trtbuild.builder.lower_cpu import lower_paged_attention
         from trtbuild.builder.native_swiglu import lower_swiglu
 
         lower_paged_attention(model, build.attention)
         counts = {"native_linears": self.native_linears.lower(model) if build.quant_linears == "native" else 0,
                   "dense_linears": self.dense_linears.lower(model) if build.float_linears == "native" else 0}
+        if counts["native_linears"] or counts["dense_linears"]:
+            counts["linear_biases"] = fold_linear_biases(model)
         # NOTE: an engine with any native tactic loads the library (runtime/engine.py); one with none must not need it
         if "native" in (build.attention, build.quant_linears, build.float_linears):
             counts["native_swiglu"] = lower_swiglu(model)

@@ -80,6 +80,7 @@ struct Problem {
   const QuantizedX* qx;
   int64_t m, n, k;
   int64_t task_tokens, group_tasks, groups_per_task;  // tasks: token chunk major, group chunk minor
+  const float* bias;  // [N], or null
 };
 
 #ifndef TRTBUILD_NO_VNNI
@@ -140,7 +141,8 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
   }
   const int64_t rows = std::min(kRows, p.n - g * kRows);
   const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
-  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(p.y + (t0 + t) * p.n + g * kRows, keep, acc[t]);
+  const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(keep, p.bias + g * kRows) : _mm512_setzero_ps();
+  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(p.y + (t0 + t) * p.n + g * kRows, keep, _mm512_add_ps(acc[t], bias));
 }
 
 template <int BITS, bool HALF, bool BLOCK16, int T>
@@ -208,7 +210,8 @@ struct BlockQuantMatMulKernel {
     const int64_t token_tasks = (m + task_tokens - 1) / task_tokens;
     const int64_t per = token_tasks > 1 ? kTaskGroupsLong : kTaskGroupsShort;
     Problem p{b.GetTensorData<uint8_t>(), s.GetTensorRawData(), y.GetTensorMutableData<float>(), &qx, m, n, k,
-              task_tokens, (groups + per - 1) / per, per};
+              task_tokens, (groups + per - 1) / per, per,
+              bias(ctx, 3, n, [&](const std::string& what) { table.fail(what); })};
     const size_t tasks = static_cast<size_t>(token_tasks * p.group_tasks);
     const bool block16 = block == 16;
     const Task task = bits == 4 ? (half ? task_for<4, true>(block16) : task_for<4, false>(block16))
@@ -222,10 +225,15 @@ struct BlockQuantMatMulOp : Ort::CustomOpBase<BlockQuantMatMulOp, BlockQuantMatM
     return new BlockQuantMatMulKernel(api, info);
   }
   const char* GetName() const { return "BlockQuantMatMul"; }
-  size_t GetInputTypeCount() const { return 3; }
+  size_t GetInputTypeCount() const { return 4; }
   ONNXTensorElementDataType GetInputType(size_t i) const {  // scales: float or float16, checked in Compute
-    return i == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
-                                                                 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    return i == 0 || i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
+           : i == 1         ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
+                            : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {  // the bias
+    return i == 3 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                  : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }

@@ -4,6 +4,9 @@
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
 
+#include <cstdint>
+#include <string>
+
 namespace trtbuild_cpu_ops {
 const OrtCustomOp* paged_attention_op();
 const OrtCustomOp* block_quant_matmul_op();
@@ -11,4 +14,14 @@ const OrtCustomOp* block_quant_gather_op();
 const OrtCustomOp* dense_matmul_op();
 const OrtCustomOp* dense_gather_op();
 const OrtCustomOp* swiglu_op();
+
+// A linear's optional bias input `index` (N floats, added to every output row), or null when the node has none.
+template <typename Fail>
+const float* bias(Ort::KernelContext& ctx, size_t index, int64_t n, Fail fail) {
+  if (ctx.GetInputCount() <= index) return nullptr;
+  const Ort::ConstValue b = ctx.GetInput(index);
+  if (static_cast<const OrtValue*>(b) == nullptr) return nullptr;
+  if (b.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n)) fail("the bias must hold N values");
+  return b.GetTensorData<float>();
+}
 }  // namespace trtbuild_cpu_ops

@@ -83,6 +83,7 @@ struct Problem {
   const void* b;
   float* y;
   int64_t m, n, k;
+  const float* bias;  // [N], or null
 };
 
 // Rows 16g .. 16g + 16R - 1 of tokens t0 .. t0 + T - 1. With few accumulators (decode), k is split into U
@@ -124,6 +125,7 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
     for (int t = 0; t < T; ++t) {
       __m512 sum = acc[0][t][r];
       for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][t][r]);
+      if (p.bias) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(keep, p.bias + (g + r) * kRows));
       _mm512_mask_storeu_ps(p.y + (t0 + t) * p.n + (g + r) * kRows, keep, sum);
     }
   }
@@ -195,7 +197,8 @@ struct DenseMatMulKernel {
     out_shape.back() = table.n;
     Ort::UnownedValue y = ctx.GetOutput(0, out_shape);
     if (m == 0) return;
-    Job job{{x.GetTensorData<float>(), b.GetTensorRawData(), y.GetTensorMutableData<float>(), m, table.n, table.k},
+    Job job{{x.GetTensorData<float>(), b.GetTensorRawData(), y.GetTensorMutableData<float>(), m, table.n, table.k,
+             bias(ctx, 2, table.n, [&](const std::string& what) { table.fail(what); })},
             split(m, table.groups())};
     void (*task)(void*, size_t) = weight == Weight::kHalf     ? run_task<Weight::kHalf>
                                   : weight == Weight::kBFloat ? run_task<Weight::kBFloat>
@@ -251,8 +254,14 @@ ONNXTensorElementDataType dense_input_type(size_t i, bool gather) {  // B: any o
 struct DenseMatMulOp : Ort::CustomOpBase<DenseMatMulOp, DenseMatMulKernel> {
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new DenseMatMulKernel(api, info); }
   const char* GetName() const { return "DenseMatMul"; }
-  size_t GetInputTypeCount() const { return 2; }
-  ONNXTensorElementDataType GetInputType(size_t i) const { return dense_input_type(i, false); }
+  size_t GetInputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : dense_input_type(i, false);
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {  // the bias
+    return i == 2 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                  : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+  }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
