@@ -21,8 +21,6 @@ from trtbuild.builder.graph import GraphView, node_attrs
 from trtbuild.builder.weight_file import make_initializer
 from trtbuild.plugins import dense_matmul as dm
 
-_SIXTEEN_BIT = ("float16", "bfloat16", "float32")
-
 
 def _float_matrix(view: GraphView, name: str) -> bool:
     t = view.initializers.get(name)

@@ -59,7 +59,7 @@ def fold_linear_biases(model: onnx.ModelProto) -> int:
             continue
         bias = np.concatenate([a[1] if a is not None else np.zeros(w, np.float32)
                                for a, (_, w) in zip(adds, pieces, strict=True)]).astype(np.float32)
-        name = f"{node.name}.bias"
+        name = f"{node.output[0]}.bias"
         view.add_initializer(name, bias)
         node.input.append(name)
         for a, (tensor, _) in zip(adds, pieces, strict=True):

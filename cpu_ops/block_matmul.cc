@@ -142,7 +142,8 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
   const int64_t rows = std::min(kRows, p.n - g * kRows);
   const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
   const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(keep, p.bias + g * kRows) : _mm512_setzero_ps();
-  for (int t = 0; t < T; ++t) _mm512_mask_storeu_ps(p.y + (t0 + t) * p.n + g * kRows, keep, _mm512_add_ps(acc[t], bias));
+  for (int t = 0; t < T; ++t)
+    _mm512_mask_storeu_ps(p.y + (t0 + t) * p.n + g * kRows, keep, _mm512_add_ps(acc[t], bias));
 }
 
 template <int BITS, bool HALF, bool BLOCK16, int T>

@@ -193,9 +193,9 @@ void attend_vectorized(const Task& a) {
   for (int64_t j = visible; j < stride; ++j) rows[j] = zeros;
   const float* q = a.queries();
   const __m512 scale = _mm512_set1_ps(a.s.scale);
-  // NOTE: the rows come from a pool far larger than the caches, a few KiB per block: while 16 keys are scored, the
-  // next 16 are fetched, and their values are brought into L2 for the weighted sum
-  // (the step's new rows are in cache already)
+  // NOTE: the pool's rows come from a pool far larger than the caches, a few KiB per block: while 16 keys are
+  // scored, the next 16 are fetched and their values brought into L2 for the weighted sum (the step's own new rows
+  // are in cache already)
   const int64_t pooled = a.past;
   for (int64_t j = 0; j < std::min<int64_t>(16, pooled); ++j) prefetch<DV>(rows[j], _MM_HINT_T0);
   for (int64_t j0 = 0; j0 < visible; j0 += 16) {
@@ -225,7 +225,8 @@ void attend_vectorized(const Task& a) {
     const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(top));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j0 = 0; j0 < visible; j0 += 16) {
-      const __m512 e = _mm512_maskz_mov_ps(first(visible - j0), exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j0), max_score)));
+      const __m512 e =
+          _mm512_maskz_mov_ps(first(visible - j0), exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j0), max_score)));
       _mm512_storeu_ps(p + j0, e);
       sum = _mm512_add_ps(sum, e);
     }
