@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from trtbuild.builder.graph import GraphView, node_attrs
+from trtbuild.builder.graph import GraphView, node_attrs, use_opset
 from trtbuild.builder.weight_file import make_initializer
 from trtbuild.plugins import dense_matmul as dm
 
@@ -86,8 +86,7 @@ class DenseLinears:
                 _become(view, node, dm.GATHER_OP_TYPE, node.input[1], *self._pack(view, *table))
         if any(n.domain == dm.DOMAIN and n.op_type in (dm.OP_TYPE, dm.GATHER_OP_TYPE) for n in model.graph.node):
             view.drop_unused_initializers()
-            if not any(o.domain == dm.DOMAIN for o in model.opset_import):
-                model.opset_import.append(onnx.helper.make_opsetid(dm.DOMAIN, 1))
+            use_opset(model, dm.DOMAIN)
         return linears
 
 

@@ -67,6 +67,18 @@ def node_attrs(node: onnx.NodeProto) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
+def other_input(node: onnx.NodeProto, one: str) -> str | None:
+    """The input of binary `node` that is not `one` (None unless `one` is exactly one of its two inputs)."""
+    ins = list(node.input)
+    return ins[1 - ins.index(one)] if len(ins) == 2 and ins.count(one) == 1 else None
+
+
+def use_opset(model: onnx.ModelProto, domain: str) -> None:
+    """Import `domain` (version 1: every custom domain here) unless the model does already."""
+    if not any(o.domain == domain for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(domain, 1))
+
+
 class GraphView:
     """Producer/consumer maps over a model's main graph; rebuild after each structural rewrite."""
 
@@ -92,6 +104,11 @@ class GraphView:
         if t is None:
             return None
         return self.staging.read(t) if is_external(t) else numpy_helper.to_array(t)
+
+    def only_consumer(self, tensor: str) -> onnx.NodeProto | None:
+        """The one node that reads `tensor`, when exactly one does and it is no graph output."""
+        users = self.consumers.get(tensor, [])
+        return users[0] if len(users) == 1 and tensor not in self.graph_outputs else None
 
     def shape_of(self, name: str) -> tuple[int, ...] | None:
         """The shape of initializer `name` without reading its values, or None when it is not a constant."""

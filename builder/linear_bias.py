@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from trtbuild.builder.graph import GraphView
+from trtbuild.builder.graph import GraphView, node_attrs, other_input
 from trtbuild.plugins import block_quant_matmul as bq
 from trtbuild.plugins import dense_matmul as dm
 
@@ -16,14 +16,11 @@ BIAS_INPUT = {bq.OP_TYPE: 3, dm.OP_TYPE: 2}  # the optional bias input of each o
 
 def _bias_add(view: GraphView, tensor: str) -> tuple[onnx.NodeProto, np.ndarray] | None:
     """The Add that is `tensor`'s only consumer and adds a 1-D float constant to it, and that constant."""
-    users = view.consumers.get(tensor, [])
-    if len(users) != 1 or tensor in view.graph_outputs:
-        return None
-    add = users[0]
-    if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.input) != 2 or \
+    add = view.only_consumer(tensor)
+    if add is None or add.op_type != "Add" or add.domain not in ("", "ai.onnx") or \
             add.output[0] in view.graph_outputs:
         return None
-    other = add.input[1] if add.input[0] == tensor else add.input[0] if add.input[1] == tensor else None
+    other = other_input(add, tensor)
     t = view.initializers.get(other) if other is not None else None
     if t is None or t.data_type != onnx.TensorProto.FLOAT or len(t.dims) != 1:
         return None
@@ -33,12 +30,11 @@ def _bias_add(view: GraphView, tensor: str) -> tuple[onnx.NodeProto, np.ndarray]
 def _pieces(view: GraphView, y: str, n: int) -> list[tuple[str, int]] | None:
     """(tensor, width) of the linear's output as its consumers see it: itself, or the outputs of the Split that is
     its only consumer (None when a split cannot be read)."""
-    users = view.consumers.get(y, [])
-    if len(users) == 1 and users[0].op_type == "Split" and len(users[0].input) == 2 and y not in view.graph_outputs:
-        split = users[0]
+    split = view.only_consumer(y)
+    if split is not None and split.op_type == "Split" and len(split.input) == 2:
         sizes = view.constant(split.input[1])
-        axis = next((a.i for a in split.attribute if a.name == "axis"), 0)
-        if sizes is None or axis != -1 or int(np.sum(sizes)) != n or len(sizes) != len(split.output):
+        if sizes is None or node_attrs(split).get("axis", 0) != -1 or int(np.sum(sizes)) != n or \
+                len(sizes) != len(split.output):
             return None
         return list(zip(split.output, (int(s) for s in sizes), strict=True))
     return [(y, n)]
@@ -52,7 +48,7 @@ def fold_linear_biases(model: onnx.ModelProto) -> int:
         index = BIAS_INPUT.get(node.op_type) if node.domain == bq.DOMAIN else None
         if index is None or len(node.input) > index:
             continue
-        n = next(a.i for a in node.attribute if a.name == "N")
+        n = node_attrs(node)["N"]
         pieces = _pieces(view, node.output[0], n)
         adds = [_bias_add(view, tensor) for tensor, _ in pieces] if pieces else []
         if not any(adds) or any(a is not None and a[1].shape != (w,) for a, (_, w) in zip(adds, pieces, strict=True)):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder, GraphView, topological_sort
+from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder, GraphView, topological_sort, use_opset
 from trtbuild.builder.weight_file import StagingWeights
 from trtbuild.errors import ConfigError
 from trtbuild.plugins import paged_attention as pa
@@ -236,6 +236,5 @@ def lower_paged_attention(model: onnx.ModelProto, variant: str = "split") -> int
     if not any(n.domain == pa.DOMAIN for n in model.graph.node):  # NOTE: the native linears share the domain
         for opset in [o for o in model.opset_import if o.domain == pa.DOMAIN]:
             model.opset_import.remove(opset)
-    if not any(o.domain == MS_DOMAIN for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
+    use_opset(model, MS_DOMAIN)
     return len(targets)

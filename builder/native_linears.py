@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from trtbuild.builder.graph import MS_DOMAIN, GraphView, node_attrs
+from trtbuild.builder.graph import MS_DOMAIN, GraphView, node_attrs, use_opset
 from trtbuild.plugins import block_quant_matmul as bq
 
 
@@ -85,8 +85,7 @@ class NativeLinears:
                         linears[linear])
         if linears:
             view.drop_unused_initializers()
-            if not any(o.domain == bq.DOMAIN for o in model.opset_import):
-                model.opset_import.append(onnx.helper.make_opsetid(bq.DOMAIN, 1))
+            use_opset(model, bq.DOMAIN)
         return len([n for n in model.graph.node if n.op_type == bq.OP_TYPE and n.domain == bq.DOMAIN])
 
 

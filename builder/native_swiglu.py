@@ -5,19 +5,8 @@ from __future__ import annotations
 
 import onnx
 
-from trtbuild.builder.graph import GraphView, node_attrs
+from trtbuild.builder.graph import GraphView, node_attrs, other_input, use_opset
 from trtbuild.plugins import swiglu as sw
-
-
-def _only_consumer(view: GraphView, tensor: str) -> onnx.NodeProto | None:
-    users = view.consumers.get(tensor, [])
-    return users[0] if len(users) == 1 and tensor not in view.graph_outputs else None
-
-
-def _other_input(node: onnx.NodeProto, one: str) -> str | None:
-    """The input of binary `node` that is not `one` (None unless `one` is exactly one of its two inputs)."""
-    ins = list(node.input)
-    return ins[1 - ins.index(one)] if len(ins) == 2 and ins.count(one) == 1 else None
 
 
 def _match(view: GraphView, split: onnx.NodeProto) -> tuple[list[onnx.NodeProto], str] | None:
@@ -34,11 +23,11 @@ def _match(view: GraphView, split: onnx.NodeProto) -> tuple[list[onnx.NodeProto]
     sigmoid = next((n for n in users if n.op_type == "Sigmoid"), None)
     silu = next((n for n in users if n.op_type == "Mul"), None)
     if len(users) != 2 or gate in view.graph_outputs or sigmoid is None or silu is None or \
-            _other_input(silu, gate) != sigmoid.output[0] or _only_consumer(view, sigmoid.output[0]) is not silu:
+            other_input(silu, gate) != sigmoid.output[0] or view.only_consumer(sigmoid.output[0]) is not silu:
         return None
-    product = _only_consumer(view, silu.output[0])
-    if product is None or product.op_type != "Mul" or _other_input(product, silu.output[0]) != up or \
-            _only_consumer(view, up) is not product:
+    product = view.only_consumer(silu.output[0])
+    if product is None or product.op_type != "Mul" or other_input(product, silu.output[0]) != up or \
+            view.only_consumer(up) is not product:
         return None
     return [split, sigmoid, silu, product], product.output[0]
 
@@ -56,6 +45,5 @@ def lower_swiglu(model: onnx.ModelProto) -> int:
         model.graph.node.insert(at, fused)
     if found:
         view.drop_unused_initializers()
-        if not any(o.domain == sw.DOMAIN for o in model.opset_import):
-            model.opset_import.append(onnx.helper.make_opsetid(sw.DOMAIN, 1))
+        use_opset(model, sw.DOMAIN)
     return len(found)

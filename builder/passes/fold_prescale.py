@@ -39,10 +39,6 @@ def _common_scale(view: GraphView, x: str) -> tuple[list[onnx.NodeProto], np.nda
     return readers, scales[0]
 
 
-def _only_user(view: GraphView, name: str) -> bool:
-    return len(view.consumers.get(name, [])) == 1 and name not in view.graph_outputs
-
-
 def _set_constant(view: GraphView, name: str, value: np.ndarray) -> None:
     dtype = onnx.helper.tensor_dtype_to_np_dtype(view.initializers[name].data_type)
     view.replace_initializer(name, value.astype(dtype, copy=False))
@@ -50,7 +46,7 @@ def _set_constant(view: GraphView, name: str, value: np.ndarray) -> None:
 
 def _fold_into_norm(view: GraphView, norm: onnx.NodeProto, s: np.ndarray) -> bool:
     gamma = view.constant(norm.input[1]) if len(norm.input) > 1 else None
-    if gamma is None or gamma.shape != s.shape or not _only_user(view, norm.input[1]):
+    if gamma is None or gamma.shape != s.shape or view.only_consumer(norm.input[1]) is None:
         return False
     _set_constant(view, norm.input[1], gamma * s)
     return True
@@ -60,17 +56,17 @@ def _fold_into_up(view: GraphView, swiglu: onnx.NodeProto, s: np.ndarray) -> boo
     """swiglu = Mul(silu(gate), up): fold s into the output columns of the linear that made `up`."""
     for up in swiglu.input:
         matmul = view.producer.get(up)
-        if matmul is None or matmul.op_type != "MatMul" or not _only_user(view, up):
+        if matmul is None or matmul.op_type != "MatMul" or view.only_consumer(up) is None:
             continue
         weight = matmul.input[1]
         shape = view.shape_of(weight)
         if shape is not None:  # full-precision [K, N]
-            if len(shape) == 2 and shape[1] == s.size and _only_user(view, weight):
+            if len(shape) == 2 and shape[1] == s.size and view.only_consumer(weight) is not None:
                 _set_constant(view, weight, view.constant(weight) * s)
                 return True
             continue
         dq = view.producer.get(weight)
-        if dq is None or dq.op_type != "DequantizeLinear" or not _only_user(view, dq.input[1]):
+        if dq is None or dq.op_type != "DequantizeLinear" or view.only_consumer(dq.input[1]) is None:
             continue
         scales = view.constant(dq.input[1])
         axis = next((helper.get_attribute_value(a) for a in dq.attribute if a.name == "axis"), 1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from trtbuild.builder.graph import MS_DOMAIN, GraphView, topological_sort
+from trtbuild.builder.graph import MS_DOMAIN, GraphView, topological_sort, use_opset
 
 
 def fuse_add_rmsnorm(model: onnx.ModelProto) -> int:
@@ -31,6 +31,6 @@ def fuse_add_rmsnorm(model: onnx.ModelProto) -> int:
         model.graph.node.append(fused_node)
         fused += 1
     topological_sort(model.graph)
-    if fused and not any(o.domain == MS_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    if fused:
+        use_opset(model, MS_DOMAIN)
     return fused

@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from trtbuild.builder.graph import MS_DOMAIN, GraphView, node_attrs, topological_sort
+from trtbuild.builder.graph import MS_DOMAIN, GraphView, node_attrs, topological_sort, use_opset
 from trtbuild.quantization import pack_int4
 
 
@@ -201,8 +201,8 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
     _drop_dead_nodes(model)
     GraphView(model).drop_unused_initializers()
     topological_sort(model.graph)
-    if groups and not any(o.domain == MS_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    if groups:
+        use_opset(model, MS_DOMAIN)
     return sum(len(m) for m in groups.values())
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from trtbuild.builder.graph import node_attrs
+from trtbuild.builder.graph import node_attrs, use_opset
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.errors import ConfigError
 from trtbuild.plugins import paged_attention as pa
@@ -115,8 +115,7 @@ def rewrite_for_tensorrt(model: onnx.ModelProto) -> list[PluginNode]:
         plan.append(PluginNode(op, node.name, keep))
     del graph.node[:]
     graph.node.extend(nodes)
-    if not any(o.domain == NAMESPACE for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(NAMESPACE, 1))
+    use_opset(model, NAMESPACE)
     return plan
 
 
