@@ -99,9 +99,10 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
 @click.option("--int4-accuracy-level", type=click.Choice(["1", "4"]), default="4", show_default=True,
               help="int4 and int8 weight-only linears on CPU (MatMulNBits): 4 computes in int8 (faster), 1 in fp32 "
                    "(matches the format exactly).")
-@click.option("--kv-pool-dtype", type=click.Choice([d.value for d in KVPoolDtype]), default=KVPoolDtype.FLOAT32.value,
-              show_default=True,
-              help="Paged KV pool of an unquantized KV cache: float16 halves its memory (compute stays float32).")
+@click.option("--kv-pool-dtype", type=click.Choice([d.value for d in KVPoolDtype]), default=None,
+              help="Paged KV pool of an unquantized KV cache: float16 halves its memory (compute stays float32) "
+                   "[default: float16 for quantized or 16-bit weights where the native attention reads it, else "
+                   "float32].")
 @click.option("--attention", type=click.Choice(ATTENTION_MODES), default="auto", show_default=True,
               help="CPU target: native runs attention as one trtbuild::PagedAttention kernel per layer (trtbuild's "
                    "custom-op library, compiled on first use: needs g++); split / concat lower it to standard ONNX "
@@ -130,7 +131,7 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
                    "output's error against its tolerance (as `trtbuild verify`); exit non-zero if one fails.")
 def build(checkpoint: Path, output: Path, target: str, dtype: str, max_batch_size: int, max_seq_len: int | None,
           max_num_tokens: int, tokens_per_block: int, no_fuse: bool, int4_accuracy_level: str,
-          kv_pool_dtype: str, attention: str, quant_linears: str, float_linears: str, autotune: str,
+          kv_pool_dtype: str | None, attention: str, quant_linears: str, float_linears: str, autotune: str,
           timing_cache: Path | None, speculative_decoding_mode: str, max_draft_len: int | None,
           verify_after: bool) -> None:
     """Compile a checkpoint into an engine directory for one target."""
@@ -254,13 +255,15 @@ def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, 
               help="Run the engine and its comparisons this many times, alternating; the speedups printed are the "
                    "medians of the rounds' ratios (steadier on a machine whose speed drifts).")
 @speculative_options
+@click.option("--kv-cache-blocks", type=click.IntRange(min=1), default=None,
+              help="KV blocks of the in-process engines [default: the runtime's, as `trtbuild serve`].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench(engine: Path | None, address: str | None, backend: str, api_key: str | None, dataset: Path | None,
           num_requests: int | None, input_len: int | None, output_len: int | None, seed: int,
           concurrency: int | None, request_rate: float,
           timeout: float, threads: int | None, compare_sequential: bool, compare_engine: Path | None,
           compare_hf: Path | None, rounds: int, speculative_tokens: int, prompt_lookup_max: int,
-          draft_engine: Path | None, as_json: bool) -> None:
+          draft_engine: Path | None, kv_cache_blocks: int | None, as_json: bool) -> None:
     """Measure throughput and latency of an engine (in-process) or a server under load, with baselines as ratios."""
     from trtbuild.bench.report import format_report, to_json
     from trtbuild.bench.run import BenchOptions, run_bench
@@ -270,7 +273,8 @@ def bench(engine: Path | None, address: str | None, backend: str, api_key: str |
                            concurrency=concurrency, request_rate=request_rate, timeout=timeout, threads=threads,
                            compare_sequential=compare_sequential, compare_engine=compare_engine, compare_hf=compare_hf,
                            rounds=rounds, speculative=speculative_config(speculative_tokens, prompt_lookup_max,
-                                                                         draft_engine))
+                                                                         draft_engine),
+                           kv_cache_blocks=kv_cache_blocks)
     report = run_bench(options, log=lambda message: click.echo(message, err=True))
     click.echo(to_json(report) if as_json else format_report(report))
 

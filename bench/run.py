@@ -52,6 +52,7 @@ class BenchOptions:
     compare_engine: Path | None = None
     speculative: SpeculativeConfig | None = None  # in-process engine only
     rounds: int = 1  # the engine and its comparisons, alternated; speedups are the medians of the rounds' ratios
+    kv_cache_blocks: int | None = None  # in-process engines' KV pool [None: the runtime's default]
 
 
 SPEEDUPS = ("speedup_vs_sequential", "speedup_vs_engine", "speedup_vs_hf")
@@ -73,6 +74,9 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _: None) -
         raise TrtbuildError("speculative decoding is a server option: start `trtbuild serve --speculative-tokens N`")
     if opts.compare_engine is not None and opts.engine is None:
         raise TrtbuildError("--compare-engine compares two in-process engines: give --engine DIR too")
+    if opts.kv_cache_blocks is not None and opts.engine is None:
+        raise TrtbuildError("--kv-cache-blocks sizes an in-process engine's pool; a server's is set where it starts "
+                            "(`trtbuild serve --kv-cache-blocks N`)")
     # NOTE: engines get --threads as given: None lets each use its own default (the autotuned count, if any);
     # the HF baseline gets the same number of threads as the engine would by default
     threads = opts.threads
@@ -98,7 +102,8 @@ def _one_round(opts: BenchOptions, dataset: list[BenchRequest] | None, threads: 
                log: Callable[[str], None]) -> dict[str, Any]:
     """The engine, then each asked-for baseline, one at a time."""
     log(f"loading {opts.engine or opts.address} ...")
-    target: Target = (EngineTarget(opts.engine, threads, opts.speculative) if opts.engine is not None
+    target: Target = (EngineTarget(opts.engine, threads, opts.speculative, opts.kv_cache_blocks)
+                      if opts.engine is not None
                       else OpenAITarget(opts.address, opts.api_key) if opts.backend == "openai"
                       else ServerTarget(opts.address, api_key=opts.api_key))
     report: dict[str, Any] = {"target": target.name, "threads": getattr(target, "threads", None),
@@ -121,7 +126,7 @@ def _one_round(opts: BenchOptions, dataset: list[BenchRequest] | None, threads: 
     report["engine"] = report["speedup_vs_engine"] = None
     if opts.compare_engine is not None:
         log(f"running the same requests on {opts.compare_engine} ...")
-        other = EngineTarget(opts.compare_engine, threads, opts.speculative)
+        other = EngineTarget(opts.compare_engine, threads, opts.speculative, opts.kv_cache_blocks)
         try:
             if other.vocab_size != target.vocab_size:
                 raise TrtbuildError(f"--compare-engine {opts.compare_engine} has a vocabulary of {other.vocab_size} "

@@ -34,14 +34,16 @@ class _Step(NamedTuple):
 class EngineTarget:
     """EngineCore behind an AsyncEngine (its own loop thread), as `trtbuild serve` runs it, without gRPC."""
 
-    def __init__(self, engine_dir: Path, threads: int | None, speculative: SpeculativeConfig | None = None) -> None:
+    def __init__(self, engine_dir: Path, threads: int | None, speculative: SpeculativeConfig | None = None,
+                 kv_cache_blocks: int | None = None) -> None:
         from trtbuild.runtime.async_engine import AsyncEngine
         from trtbuild.runtime.config import RuntimeConfig
         from trtbuild.runtime.engine_core import EngineCore
 
         self.name = f"engine {engine_dir}" + (f" ({speculative.method} drafts {speculative.num_speculative_tokens})"
                                               if speculative else "")
-        self.core = core = EngineCore(Path(engine_dir), RuntimeConfig(num_threads=threads, speculative=speculative))
+        self.core = core = EngineCore(Path(engine_dir), RuntimeConfig(num_threads=threads, speculative=speculative,
+                                                                      kv_cache_blocks=kv_cache_blocks))
         self.vocab_size = core.vocab_size
         self.threads = core.engine.session.get_session_options().intra_op_num_threads  # what the engine runs with
         self.special_ids = frozenset(core.eos_token_ids) | (core.tokenizer.special_ids if core.tokenizer else set())

@@ -4,11 +4,12 @@ a past of P tokens each, and one prefill; alternated rounds, medians of microsec
 nodes, divided by 24, so that session.run's own overhead hardly counts).
 
     python benchmarks/paged_attention.py [--batches 1,4,16] [--past 128] [--prefill 128] [--threads 2] [--rounds 7]
-        [--compare-library OLD.so]
+        [--compare-library OLD.so] [--float16-pool]
 
-Prints microseconds per node; with `--compare-library` (a copy of an earlier build of the library) it runs the same
-calls through that library too and prints the ratio (> 1: the current library is faster) and the largest output
-difference.
+Prints microseconds per node of the current library on a float32 pool; with `--compare-library` (a copy of an
+earlier build of the library) it runs the same calls through that library too, and with `--float16-pool` through
+the current library on the same pool held in float16, and prints the speed-ups (of the current library over the
+compared one; of the float16 pool over the float32 one) and the largest output differences.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from trtbuild.plugins import paged_attention as pa
 HEADS, KV_HEADS, HEAD, BLOCK, LAYERS, MAX_POS = 14, 2, 64, 16, 24, 4096
 
 
-def session(library: str, threads: int) -> ort.InferenceSession:
+def session(library: str, threads: int, pool_type: int) -> ort.InferenceSession:
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     inputs = [helper.make_tensor_value_info(n, t, s) for n, t, s in (
         ("q", f32, ["T", HEADS * HEAD]), ("k", f32, ["T", KV_HEADS * HEAD]), ("v", f32, ["T", KV_HEADS * HEAD]),
-        ("kv_cache", f32, ["NB", LAYERS, 2, KV_HEADS, BLOCK, HEAD]), ("block_tables", i64, ["B", "W"]),
+        ("kv_cache", pool_type, ["NB", LAYERS, 2, KV_HEADS, BLOCK, HEAD]), ("block_tables", i64, ["B", "W"]),
         ("past_lengths", i64, ["B"]), ("query_start_loc", i64, ["B1"]), ("position_ids", i64, ["T"]),
         ("rope_cos", f32, [MAX_POS, HEAD // 2]), ("rope_sin", f32, [MAX_POS, HEAD // 2]))]
     nodes = [helper.make_node(pa.OP_TYPE, [i.name for i in inputs], [f"{o}{layer}" for o in pa.OUTPUTS],
@@ -81,30 +82,37 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--compare-library", help="an earlier build of the library, run on the same calls")
+    p.add_argument("--float16-pool", action="store_true", help="also run the current library on a float16 pool")
     args = p.parse_args()
-    libraries = {"current": str(cpu_ops.library_path())}
+    current = str(cpu_ops.library_path())
+    variants = {"current": (current, TensorProto.FLOAT)}
     if args.compare_library:
-        libraries["compared"] = args.compare_library
-    sessions = {name: session(lib, args.threads) for name, lib in libraries.items()}
+        variants["compared"] = (args.compare_library, TensorProto.FLOAT)
+    if args.float16_pool:
+        variants["float16 pool"] = (current, TensorProto.FLOAT16)
+    sessions = {name: session(lib, args.threads, pool) for name, (lib, pool) in variants.items()}
+    pool_dtype = {name: helper.tensor_dtype_to_np_dtype(pool) for name, (_, pool) in variants.items()}
     rng = np.random.default_rng(0)
     cases = {f"decode B={b} past={args.past}": [(args.past, 1)] * b for b in map(int, args.batches.split(","))}
     cases[f"prefill {args.prefill}"] = [(0, args.prefill)]
     print(f"{HEADS} heads, {KV_HEADS} KV heads, head size {HEAD}, {args.threads} threads, {args.rounds} rounds")
     for label, seqs in cases.items():
         feed = feeds(seqs, rng)
-        outs = {name: s.run(None, feed)[0] for name, s in sessions.items()}
+        fed = {name: {**feed, "kv_cache": feed["kv_cache"].astype(pool_dtype[name])} for name in sessions}
+        outs = {name: s.run(None, fed[name])[0] for name, s in sessions.items()}
         times: dict[str, list[float]] = {name: [] for name in sessions}
         order = list(sessions)
         for r in range(args.rounds):
             for name in order[r % len(order):] + order[:r % len(order)]:
                 time.sleep(0.2)  # NOTE: as in the engine the pools spin; the other session's must be idle by now
-                times[name].append(us_per_node(sessions[name], feed))
+                times[name].append(us_per_node(sessions[name], fed[name]))
         med = {name: statistics.median(t) for name, t in times.items()}
         line = f"{label:24s} current {med['current']:8.1f} us"
-        if "compared" in med:
-            diff = np.abs(outs["current"] - outs["compared"]).max()
-            ratio = med["compared"] / med["current"]
-            line += f"  compared {med['compared']:8.1f} us  {ratio:.2f}x (max diff {diff:.1e})"
+        for name in list(sessions)[1:]:
+            diff = np.abs(outs["current"] - outs[name]).max()
+            # speed-up of the current library over the compared one, and of the float16 pool over float32
+            speedup = med[name] / med["current"] if name == "compared" else med["current"] / med[name]
+            line += f"  {name} {med[name]:8.1f} us, speed-up {speedup:.2f}x (max diff {diff:.1e})"
         print(line, flush=True)
 
 

@@ -7,9 +7,10 @@
 Measured, like llama-bench: prefill of one `--prompt`-token prompt (tok/s; its time is the TTFT), batch-1 decode of
 `--gen` tokens (tok/s), and `--parallel` concurrent requests of `--prompt` + `--gen` tokens (output tok/s over the
 whole run, prefill included), plus each system's peak RSS. trtbuild runs the engine built from the GGUF as it is
-(its quantized tensors stay quantized). Every system runs in its own process, one after another; rounds alternate
-the systems (this VM's speed drifts) and the table gives medians and trtbuild / peer ratios. A peer that is not
-there is reported as missing. `--smoke` is a seconds-long run for CI (tiny lengths, one round).
+(its quantized tensors stay quantized, its build options the defaults), with KV pools of the tokens llama.cpp's
+contexts hold. Every system runs in its own process, one after another; rounds alternate the systems (this VM's
+speed drifts) and the table gives medians and trtbuild / peer ratios. A peer that is not there is reported as
+missing. `--smoke` is a seconds-long run for CI (tiny lengths, one round).
 """
 
 from __future__ import annotations
@@ -67,11 +68,17 @@ def build_trtbuild(gguf: Path, work: Path, args: argparse.Namespace) -> Path:
 def measure_trtbuild(engine: Path, args: argparse.Namespace) -> dict[str, float]:
     """In this process (run by `--measure-trtbuild`): the same three measurements through EngineCore."""
     from trtbuild.bench.run import BenchOptions, run_bench
+    from trtbuild.builder.engine_dir import read_engine_config
     from trtbuild.runtime.config import RuntimeConfig
     from trtbuild.runtime.engine_core import EngineCore
     from trtbuild.runtime.sampling import SamplingParams
 
-    core = EngineCore(engine, RuntimeConfig(num_threads=args.threads, max_batch_size=1, enable_prefix_caching=False))
+    # NOTE: the KV pools hold what llama.cpp's contexts hold (llama-bench: one prompt + its output; the batched run:
+    # `batched_context`), so that peak RSS compares like with like; the runtime's default pool is twice a full batch
+    per_block = read_engine_config(engine).build.tokens_per_block
+    blocks = lambda tokens: -(-tokens // per_block)  # noqa: E731
+    core = EngineCore(engine, RuntimeConfig(num_threads=args.threads, max_batch_size=1, enable_prefix_caching=False,
+                                            kv_cache_blocks=blocks(args.prompt + args.gen)))
     vocab = core.vocab_size
     prompt = [(7 * i + 3) % (vocab - 10) + 5 for i in range(args.prompt)]
     core.add_request(core.make_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
@@ -88,7 +95,8 @@ def measure_trtbuild(engine: Path, args: argparse.Namespace) -> dict[str, float]
     decode_s = time.perf_counter() - start
     del core
     parallel = run_bench(BenchOptions(engine=engine, num_requests=args.parallel, input_len=args.prompt,
-                                      output_len=args.gen, concurrency=args.parallel, threads=args.threads))
+                                      output_len=args.gen, concurrency=args.parallel, threads=args.threads,
+                                      kv_cache_blocks=blocks(batched_context(args))))
     return {"prefill_tok_s": args.prompt / prefill_s, "ttft_ms": prefill_s * 1e3,
             "decode_tok_s": args.gen / decode_s, "parallel_output_tok_s": parallel["output_throughput"]}
 
@@ -101,6 +109,11 @@ def trtbuild_round(engine: Path, args: argparse.Namespace) -> dict[str, float]:
 
 
 # ---- llama.cpp ------------------------------------------------------------------------------------------------------
+def batched_context(args: argparse.Namespace) -> int:
+    """KV tokens of the concurrent run: every request's prompt and output, and a little slack."""
+    return args.parallel * (args.prompt + args.gen) + 64
+
+
 def llama_round(gguf: Path, bin_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     threads = ["-t", str(args.threads)]
     out, rss = run_timed([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", str(args.prompt), "-n", str(args.gen),
@@ -108,7 +121,7 @@ def llama_round(gguf: Path, bin_dir: Path, args: argparse.Namespace) -> dict[str
     tests = json.loads(out)
     prefill = next(t["avg_ts"] for t in tests if t["n_prompt"] == args.prompt and t["n_gen"] == 0)
     decode = next(t["avg_ts"] for t in tests if t["n_gen"] == args.gen and t["n_prompt"] == 0)
-    ctx = args.parallel * (args.prompt + args.gen) + 64
+    ctx = batched_context(args)
     table, rss_b = run_timed([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", str(ctx), "-npp",
                               str(args.prompt), "-ntg", str(args.gen), "-npl", str(args.parallel), *threads])
     # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |

@@ -24,6 +24,7 @@ from trtbuild.builder.tensorrt.plan import check_tensorrt_buildable
 from trtbuild.builder.weight_file import StagingWeights, save_engine_files
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.errors import ConfigError, TrtbuildError
+from trtbuild.quantization import KVPoolDtype
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,33 @@ def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
 
 
 def default_build_config(config: ModelConfig, **overrides) -> BuildConfig:
-    """Build limits with the model's context length as max_seq_len unless given."""
+    """Build limits with the model's context length as max_seq_len, and `default_kv_pool_dtype`, unless given."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     limits = [config.max_position_embeddings, 4096] + ([config.sliding_window] if config.sliding_window else [])
     overrides.setdefault("max_seq_len", min(limits))
+    if "kv_pool_dtype" not in overrides:
+        overrides["kv_pool_dtype"] = default_kv_pool_dtype(config, overrides.get("target", "cpu"))
     return BuildConfig(**overrides)
+
+
+def default_kv_pool_dtype(config: ModelConfig, target: str) -> str:
+    """float16 (as llama.cpp's default KV cache, and vLLM's for a 16-bit model) where the weights are 16-bit or
+    quantized, the KV cache is not, and the native attention reads a float16 pool on this machine (without it, the
+    standard-op lowering would cast every row it gathers); float32 otherwise, and always on the GPU targets, whose
+    pool has the compute dtype."""
+    from trtbuild import cpu_ops
+    from trtbuild.builder.lower_cpu import float16_pool_unreadable
+
+    q = config.quantization
+    if target != "cpu" or q.kv_cache_quant_algo or (config.dtype == "float32" and not q.quant_algo):
+        return KVPoolDtype.FLOAT32.value
+    why_not = float16_pool_unreadable({config.head_size}) or cpu_ops.unavailable_reason()
+    if why_not is not None:
+        log.info("kv_pool_dtype: float32 (%s)", why_not)
+        return KVPoolDtype.FLOAT32.value
+    log.info("kv_pool_dtype: float16 (%s weights; --kv-pool-dtype float32 keeps the KV cache exact)",
+             q.quant_algo or config.dtype)
+    return KVPoolDtype.FLOAT16.value
 
 
 def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:

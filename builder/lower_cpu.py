@@ -3,7 +3,7 @@
 ONNX Runtime has no CPU kernel for paged attention. Either the node stays and trtbuild's custom-op library runs it
 (`native`, cpu_ops/paged_attention.cc: one kernel per layer), or each node becomes gathers over the paged pool plus a
 dense masked attention of each sequence's new tokens over its past tokens and its own new tokens (`split`,
-`concat`: ~34 standard nodes per layer, for machines without the library and for quantized or float16 pools).
+`concat`: ~34 standard nodes per layer, for machines without the library and for quantized pools).
 Index arithmetic that depends only on the batch layout (block tables, lengths) is emitted once and shared by every
 layer. The gathers read O(context tokens) of the pool, never the whole pool.
 """
@@ -40,12 +40,23 @@ def native_unavailable(model: onnx.ModelProto) -> str | None:
     nodes = [n for n in model.graph.node if n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE]
     if any(_attr(n, "kv_cache_quant_algo", None) for n in nodes):
         return "the KV pool is quantized, and the native op reads a float32 pool"
-    pool = next((i for i in model.graph.input if i.name == "kv_cache"), None)
-    if pool is not None and pool.type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
-        return "the KV pool is not float32 (--kv-pool-dtype float16), and the native op reads a float32 pool"
     from trtbuild import cpu_ops
 
-    return cpu_ops.unavailable_reason()
+    pool = next((i for i in model.graph.input if i.name == "kv_cache"), None)
+    half = pool is not None and pool.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    return (half and float16_pool_unreadable({_attr(n, "head_size") for n in nodes})) or cpu_ops.unavailable_reason()
+
+
+def float16_pool_unreadable(head_sizes: set[int]) -> str | None:
+    """Why the native op cannot read a float16 KV pool with these head sizes on this CPU; None if it can (its
+    vectorized path, cpu_ops/paged_attention.cc, is the only one that reads float16)."""
+    from trtbuild import cpu_ops
+
+    if not cpu_ops.has_avx512() or not all(16 <= d <= 128 and d % 16 == 0 for d in head_sizes):
+        return (f"the native op reads a float16 KV pool with AVX-512 and head sizes 16-128 in steps of 16 only "
+                f"(this CPU {'has' if cpu_ops.has_avx512() else 'lacks'} AVX-512; head size "
+                f"{', '.join(map(str, sorted(head_sizes)))})")
+    return None
 
 
 class _Lowering:

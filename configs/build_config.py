@@ -42,7 +42,8 @@ class BuildConfig:
     # INT4_ACCURACY_LEVELS: MatMulNBits' compute on the CPU target, for int4 and int8 weight-only (int8_wo) linears
     int4_accuracy_level: int = 4
     # KVPoolDtype of an unquantized KV pool: float16 halves its bytes (attention still computes in float32); a
-    # quantized one is the checkpoint's kv_cache_quant_algo (trtbuild.quantization.kv_pool_dtype)
+    # quantized one is the checkpoint's kv_cache_quant_algo (trtbuild.quantization.kv_pool_dtype). Builds from a
+    # checkpoint get builder/build.py's default_kv_pool_dtype unless given
     kv_pool_dtype: str = KVPoolDtype.FLOAT32.value
     autotune: str = "off"  # AUTOTUNE_MODES: time the engine's tactics on this machine and keep the fastest
     speculative_decoding_mode: str = "none"  # SPECULATIVE_DECODING_MODES

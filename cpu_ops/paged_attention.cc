@@ -1,4 +1,4 @@
-// trtbuild::PagedAttention for ONNX Runtime's CPU provider: the contract of plugins/README.md, float32 pool.
+// trtbuild::PagedAttention for ONNX Runtime's CPU provider: the contract of plugins/README.md, float32 or float16 pool.
 //
 // One node per layer instead of the ~34 standard nodes of the CPU lowering (builder/lower_cpu.py): queries and new
 // keys are rotated once, then each (new token, KV head, some of its query heads) is one task: scores against the
@@ -7,6 +7,9 @@
 // Head sizes of 16 to 128 in steps of 16 (all the supported models' but the tiny ones) take the vectorized path:
 // 16 keys' scores at once (one accumulator per key, summed across lanes by one transpose), exp of 16 scores at a
 // time, and the weighted sum of the values kept in registers for up to 16 / (head size / 16) query heads.
+// A float16 pool (--kv-pool-dtype float16) takes that path only: its rows are widened to float32 as they are loaded,
+// and the step's own keys and values are rounded to float16 first, as the runtime rounds them when it writes them,
+// so that every key and value attended is a stored one (the standard-op lowering does the same).
 #include "cpu_ops.h"
 #include "simd_math.h"
 
@@ -17,6 +20,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace trtbuild_cpu_ops {
@@ -77,10 +81,17 @@ inline __m512 transpose_sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-template <int DV>
-inline void prefetch(const float* row, int hint) {
-  for (int i = 0; i < DV; ++i) {
-    const char* at = reinterpret_cast<const char*>(row + 16 * i);
+// 16 values of a pool row as float32: float16 (bits in uint16_t) widened exactly
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int DV, typename T>
+inline void prefetch(const T* row, int hint) {
+  constexpr int kLines = (16 * DV * static_cast<int>(sizeof(T)) + 63) / 64;
+  for (int i = 0; i < kLines; ++i) {
+    const char* at = reinterpret_cast<const char*>(row) + 64 * i;
     hint == _MM_HINT_T0 ? _mm_prefetch(at, _MM_HINT_T0) : _mm_prefetch(at, _MM_HINT_T1);
   }
 }
@@ -103,10 +114,11 @@ void rope(float* x, int64_t heads, int64_t d, const float* cos_row, const float*
 }
 
 struct Step {
-  const float* q;      // [T, H, D], rotated
-  const float* k_new;  // [T, KVH, D], rotated
-  const float* v_new;  // [T, KVH, D]
-  const float* pool;   // [NB, L, 2, KVH, BS, D]
+  const float* q;       // [T, H, D], rotated
+  const void* k_new;    // [T, KVH, D], rotated, of the pool's element type
+  const void* v_new;    // [T, KVH, D], of the pool's element type
+  const void* pool;     // [NB, L, 2, KVH, BS, D], float or float16 (uint16_t bits)
+  bool half;            // the pool (and k_new, v_new) hold float16
   const int64_t* block_tables;
   const int64_t* past;
   const int64_t* starts;
@@ -133,12 +145,13 @@ struct Task {
     visible = past + t - start + 1;
   }
 
-  const float* row(int64_t j, int64_t which) const {  // key (which 0) or value (1) j
+  template <typename T>
+  const T* row(int64_t j, int64_t which) const {  // key (which 0) or value (1) j
     const int64_t d = s.d, head_stride = s.bs * d, kv_stride = s.kv_heads * head_stride;  // within (block, layer)
     if (j < past)
-      return s.pool + s.block_tables[b * s.width + j / s.bs] * (s.layers * 2 * kv_stride) +
+      return static_cast<const T*>(s.pool) + s.block_tables[b * s.width + j / s.bs] * (s.layers * 2 * kv_stride) +
              (s.layer * 2 + which) * kv_stride + g * head_stride + (j % s.bs) * d;
-    return (which ? s.v_new : s.k_new) + ((start + j - past) * s.kv_heads + g) * d;
+    return static_cast<const T*>(which ? s.v_new : s.k_new) + ((start + j - past) * s.kv_heads + g) * d;
   }
 
   const float* queries() const { return s.q + (t * s.heads + h0) * s.d; }
@@ -148,8 +161,8 @@ struct Task {
 #if defined(__AVX512F__)
 // out[h] = sum_j probs[h][j] v_j * inv[h] for `hp` <= HP heads, accumulated in registers; the first `pooled` values
 // come from the pool (prefetched ahead).
-template <int DV, int HP>
-void weighted_values(const float* const* values, int64_t visible, int64_t pooled, const float* probs, int64_t stride,
+template <typename T, int DV, int HP>
+void weighted_values(const T* const* values, int64_t visible, int64_t pooled, const float* probs, int64_t stride,
                      const float* inv, int64_t hp, float* out) {
   __m512 acc[HP][DV];
   for (int h = 0; h < HP; ++h)
@@ -158,7 +171,7 @@ void weighted_values(const float* const* values, int64_t visible, int64_t pooled
     if (j + kAhead < pooled) prefetch<DV>(values[j + kAhead], _MM_HINT_T0);
     __m512 v[DV];
 #pragma GCC unroll 8
-    for (int i = 0; i < DV; ++i) v[i] = _mm512_loadu_ps(values[j] + 16 * i);
+    for (int i = 0; i < DV; ++i) v[i] = load16(values[j] + 16 * i);
 #pragma GCC unroll 16
     for (int h = 0; h < HP; ++h) {
       if (h >= hp) break;
@@ -172,23 +185,40 @@ void weighted_values(const float* const* values, int64_t visible, int64_t pooled
       _mm512_storeu_ps(out + h * 16 * DV + 16 * i, _mm512_mul_ps(acc[h][i], _mm512_set1_ps(inv[h])));
 }
 
-// A task whose head size is 16 * DV.
-template <int DV>
+// scores[h * stride + j] = scale * (query h . key j) for 16 keys of R (float, or float16 bits) and nh query heads
+template <typename R, int DV>
+inline void score16(const R* const* keys, const float* q, int64_t nh, __m512 scale, float* scores, int64_t stride) {
+  for (int64_t h = 0; h < nh; ++h) {
+    __m512 qv[DV], acc[16];
+#pragma GCC unroll 8
+    for (int i = 0; i < DV; ++i) qv[i] = _mm512_loadu_ps(q + h * 16 * DV + 16 * i);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      acc[j] = _mm512_mul_ps(qv[0], load16(keys[j]));
+#pragma GCC unroll 8
+      for (int i = 1; i < DV; ++i) acc[j] = _mm512_fmadd_ps(qv[i], load16(keys[j] + 16 * i), acc[j]);
+    }
+    _mm512_storeu_ps(scores + h * stride, _mm512_mul_ps(scale, transpose_sum16(acc)));
+  }
+}
+
+// A task whose head size is 16 * DV, over a pool of T (float, or float16 bits).
+template <typename T, int DV>
 void attend_vectorized(const Task& a) {
   constexpr int64_t kD = 16 * DV, kHeadsPerPass = 16 / DV;
   const int64_t visible = a.visible, stride = (visible + 15) / 16 * 16;
   thread_local std::vector<float> probs;  // [nh, stride]: scores, then unnormalized probabilities
-  thread_local std::vector<const float*> rows;  // keys, then values
+  thread_local std::vector<const T*> rows;  // keys, then values
   thread_local std::vector<float> inv;
   probs.resize(static_cast<size_t>(a.nh * stride));
   rows.resize(static_cast<size_t>(stride + visible));  // keys (padded to 16 with a row of zeros), then values
   inv.resize(static_cast<size_t>(a.nh));
-  alignas(64) static const float zeros[16 * DV] = {};
-  const float** values = rows.data() + stride;
+  alignas(64) static const T zeros[16 * DV] = {};
+  const T** values = rows.data() + stride;
   for (int64_t j = 0; j < visible; ++j) {  // NOTE: one block-table lookup (and division) per block, not per row
     const bool next_in_block = j > 0 && j < a.past && j % a.s.bs;
-    rows[j] = next_in_block ? rows[j - 1] + kD : a.row(j, 0);
-    values[j] = next_in_block ? values[j - 1] + kD : a.row(j, 1);
+    rows[j] = next_in_block ? rows[j - 1] + kD : a.row<T>(j, 0);
+    values[j] = next_in_block ? values[j - 1] + kD : a.row<T>(j, 1);
   }
   for (int64_t j = visible; j < stride; ++j) rows[j] = zeros;
   const float* q = a.queries();
@@ -203,18 +233,17 @@ void attend_vectorized(const Task& a) {
       prefetch<DV>(values[j], _MM_HINT_T1);
       if (j + 16 < pooled) prefetch<DV>(rows[j + 16], _MM_HINT_T0);
     }
-    for (int64_t h = 0; h < a.nh; ++h) {
-      __m512 qv[DV], acc[16];
-#pragma GCC unroll 8
-      for (int i = 0; i < DV; ++i) qv[i] = _mm512_loadu_ps(q + h * kD + 16 * i);
-#pragma GCC unroll 16
+    float* scores = probs.data() + j0;
+    if (std::is_same_v<T, float> || a.nh == 1) {
+      score16<T, DV>(rows.data() + j0, q, a.nh, scale, scores, stride);
+    } else {  // NOTE: widen the 16 float16 keys once for all the task's query heads, not once per head
+      alignas(64) float widened[16 * kD];
+      const float* keys[16];
       for (int j = 0; j < 16; ++j) {
-        const float* k = rows[j0 + j];
-        acc[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-#pragma GCC unroll 8
-        for (int i = 1; i < DV; ++i) acc[j] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(k + 16 * i), acc[j]);
+        for (int i = 0; i < DV; ++i) _mm512_store_ps(widened + j * kD + 16 * i, load16(rows[j0 + j] + 16 * i));
+        keys[j] = widened + j * kD;
       }
-      _mm512_storeu_ps(probs.data() + h * stride + j0, _mm512_mul_ps(scale, transpose_sum16(acc)));
+      score16<float, DV>(keys, q, a.nh, scale, scores, stride);
     }
   }
   for (int64_t h = 0; h < a.nh; ++h) {
@@ -233,19 +262,19 @@ void attend_vectorized(const Task& a) {
     inv[h] = 1.0f / _mm512_reduce_add_ps(sum);
   }
   for (int64_t h = 0; h < a.nh; h += kHeadsPerPass)
-    weighted_values<DV, kHeadsPerPass>(values, visible, pooled, probs.data() + h * stride, stride,
+    weighted_values<T, DV, kHeadsPerPass>(values, visible, pooled, probs.data() + h * stride, stride,
                                        inv.data() + h, std::min(kHeadsPerPass, a.nh - h), a.out() + h * kD);
 }
 #endif
 
-// A task of any head size.
+// A task of any head size, over a float32 pool.
 void attend_generic(const Task& a) {
   const int64_t nh = a.nh, visible = a.visible, d = a.s.d;
   thread_local std::vector<float> probs;  // [nh, visible]
   probs.resize(static_cast<size_t>(nh * visible));
   const float* q = a.queries();
   for (int64_t j = 0; j < visible; ++j) {
-    const float* k = a.row(j, 0);
+    const float* k = a.row<float>(j, 0);
     for (int64_t h = 0; h < nh; ++h) probs[h * visible + j] = a.s.scale * dot(q + h * d, k, d);
   }
   for (int64_t h = 0; h < nh; ++h) {
@@ -259,27 +288,54 @@ void attend_generic(const Task& a) {
   float* out = a.out();
   std::fill(out, out + nh * d, 0.0f);
   for (int64_t j = 0; j < visible; ++j) {
-    const float* v = a.row(j, 1);
+    const float* v = a.row<float>(j, 1);
     for (int64_t h = 0; h < nh; ++h) axpy(probs[h * visible + j], v, out + h * d, d);
   }
 }
 
+// Whether head size d takes the vectorized path (the only one that reads a float16 pool).
+bool vectorized(int64_t d) {
+#if defined(__AVX512F__)
+  return d >= 16 && d <= 128 && d % 16 == 0;
+#else
+  (void)d;
+  return false;
+#endif
+}
+
+#if defined(__AVX512F__)
+template <typename T>
+void attend_vectorized(const Task& a) {
+  switch (a.s.d) {
+    case 16: return attend_vectorized<T, 1>(a);
+    case 32: return attend_vectorized<T, 2>(a);
+    case 48: return attend_vectorized<T, 3>(a);
+    case 64: return attend_vectorized<T, 4>(a);
+    case 80: return attend_vectorized<T, 5>(a);
+    case 96: return attend_vectorized<T, 6>(a);
+    case 112: return attend_vectorized<T, 7>(a);
+    default: return attend_vectorized<T, 8>(a);
+  }
+}
+#endif
+
 void attend(void* data, size_t task) {
   const Task a(*static_cast<const Step*>(data), task);
 #if defined(__AVX512F__)
-  switch (a.s.d) {
-    case 16: return attend_vectorized<1>(a);
-    case 32: return attend_vectorized<2>(a);
-    case 48: return attend_vectorized<3>(a);
-    case 64: return attend_vectorized<4>(a);
-    case 80: return attend_vectorized<5>(a);
-    case 96: return attend_vectorized<6>(a);
-    case 112: return attend_vectorized<7>(a);
-    case 128: return attend_vectorized<8>(a);
-    default: break;
-  }
+  if (vectorized(a.s.d)) return a.s.half ? attend_vectorized<uint16_t>(a) : attend_vectorized<float>(a);
 #endif
   attend_generic(a);
+}
+
+// this step's keys or values as the float16 pool will hold them (rounded to nearest even, as numpy rounds when the
+// runtime writes new_kv to the pool); n is a multiple of 16
+void round_to_half(const float* x, int64_t n, std::vector<uint16_t>& out) {
+  out.resize(static_cast<size_t>(n));
+#if defined(__AVX512F__)
+  for (int64_t i = 0; i < n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
 }
 
 void fail(const std::string& what) { ORT_CXX_API_THROW("trtbuild::PagedAttention: " + what, ORT_INVALID_ARGUMENT); }
@@ -305,6 +361,12 @@ struct PagedAttentionKernel {
     Ort::KernelContext ctx(context);
     const int64_t t_count = ctx.GetInput(0).GetTensorTypeAndShapeInfo().GetShape()[0];
     const std::vector<int64_t> pool_shape = ctx.GetInput(3).GetTensorTypeAndShapeInfo().GetShape();
+    const ONNXTensorElementDataType pool_type = ctx.GetInput(3).GetTensorTypeAndShapeInfo().GetElementType();
+    const bool half = pool_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    if (!half && pool_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail("kv_cache must be float32 or float16");
+    if (half && !vectorized(d))
+      fail("a float16 kv_cache needs AVX-512 and a head_size of 16 to 128 in steps of 16; build with "
+           "--kv-pool-dtype float32 or --attention split");
     const std::vector<int64_t> table_shape = ctx.GetInput(4).GetTensorTypeAndShapeInfo().GetShape();
     if (pool_shape.size() != 6 || pool_shape[3] != kv_heads || pool_shape[4] != bs || pool_shape[5] != d)
       fail("kv_cache must be [blocks, layers, 2, num_kv_heads, tokens_per_block, head_size]");
@@ -356,8 +418,15 @@ struct PagedAttentionKernel {
     const int64_t per_step = std::max<int64_t>(1, t_count * kv_heads);
     const int64_t chunks = std::min(group, std::max<int64_t>(1, (kMinTasks + per_step - 1) / per_step));
     const int64_t per_task = (group + chunks - 1) / chunks;
-    Step step{q.data(), k_new, v_new, ctx.GetInput(3).GetTensorData<float>(), tables, past, starts,
-              seq_of_token.data(), out, heads, kv_heads, d, bs, pool_shape[1], layer, width, scale, per_task};
+    thread_local std::vector<uint16_t> k_half, v_half;
+    if (half) {
+      round_to_half(k_new, t_count * kv_heads * d, k_half);
+      round_to_half(v_new, t_count * kv_heads * d, v_half);
+    }
+    Step step{q.data(), half ? static_cast<const void*>(k_half.data()) : k_new,
+              half ? static_cast<const void*>(v_half.data()) : v_new, ctx.GetInput(3).GetTensorRawData(), half,
+              tables, past, starts, seq_of_token.data(), out, heads, kv_heads, d, bs, pool_shape[1], layer, width,
+              scale, per_task};
     ctx.ParallelFor(attend, static_cast<size_t>(t_count * kv_heads * ((group + per_task - 1) / per_task)), 0, &step);
   }
 };
@@ -367,6 +436,7 @@ struct PagedAttentionOp : Ort::CustomOpBase<PagedAttentionOp, PagedAttentionKern
   const char* GetName() const { return "PagedAttention"; }
   size_t GetInputTypeCount() const { return 10; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
+    if (i == 3) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // the pool: float or float16, checked by Compute
     return (i >= 4 && i <= 7) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {

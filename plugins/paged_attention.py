@@ -46,14 +46,17 @@ def reference_paged_attention(
         q, k = apply_rope(q, position_ids, rope_cos, rope_sin), apply_rope(k, position_ids, rope_cos, rope_sin)
     block_size = kv_cache.shape[4]  # kv_cache: [blocks, layers, 2, kv_heads, tokens_per_block, head_size]
     group = num_heads // num_kv_heads
+    # a float16 pool: the new tokens' keys and values are attended as the pool will hold them
+    stored = (lambda x: x.astype(np.float16).astype(np.float64)) if kv_cache.dtype == np.float16 else (lambda x: x)
+    k_stored, v_stored = stored(k), stored(v)
     out = np.zeros_like(q)
     for b in range(len(past_lengths)):
         start, end, past = query_start_loc[b], query_start_loc[b + 1], past_lengths[b]
         slots = [block_tables[b, j // block_size] * block_size + j % block_size for j in range(past)]
         # kv_cache[:, layer] [block, K|V, head, offset, d] -> [K|V, slot = block * block_size + offset, head, d]
         flat = kv_cache[:, layer_idx].transpose(1, 0, 3, 2, 4).reshape(2, -1, num_kv_heads, head_size)
-        keys = np.concatenate([flat[0][slots], k[start:end]]) if past else k[start:end]
-        values = np.concatenate([flat[1][slots], v[start:end]]) if past else v[start:end]
+        keys = np.concatenate([flat[0][slots], k_stored[start:end]]) if past else k_stored[start:end]
+        values = np.concatenate([flat[1][slots], v_stored[start:end]]) if past else v_stored[start:end]
         for t in range(end - start):
             visible = past + t + 1
             for h in range(num_heads):

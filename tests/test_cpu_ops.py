@@ -67,10 +67,10 @@ def test_native_op_never_reads_unowned_slots(library, rotary):
         np.testing.assert_array_equal(got[name], want[name])
 
 
-def real_shape_case(heads: int, kv_heads: int, head: int, block: int, seqs: list[tuple[int, int]], seed: int
-                    ) -> tuple[ort.InferenceSession, dict[str, np.ndarray], dict]:
-    """One PagedAttention node (layer 1 of a 2-layer pool) of the given shape, a packed step of (past, new tokens)
-    per sequence over shuffled blocks, and the reference's keyword arguments."""
+def real_shape_case(heads: int, kv_heads: int, head: int, block: int, seqs: list[tuple[int, int]], seed: int,
+                    pool_dtype: type = np.float32) -> tuple[ort.InferenceSession, dict[str, np.ndarray], dict]:
+    """One PagedAttention node (layer 1 of a 2-layer pool of `pool_dtype`) of the given shape, a packed step of
+    (past, new tokens) per sequence over shuffled blocks, and the reference's keyword arguments."""
     rng = np.random.default_rng(seed)
     width = max(-(-(past + n) // block) for past, n in seqs)
     tables = rng.permutation(len(seqs) * width).reshape(len(seqs), width).astype(np.int64)
@@ -79,7 +79,7 @@ def real_shape_case(heads: int, kv_heads: int, head: int, block: int, seqs: list
     data = {"q": rng.standard_normal((tokens, heads * head), dtype=np.float32),
             "k": rng.standard_normal((tokens, kv_heads * head), dtype=np.float32),
             "v": rng.standard_normal((tokens, kv_heads * head), dtype=np.float32),
-            "kv_cache": rng.standard_normal((tables.size, 2, 2, kv_heads, block, head), dtype=np.float32),
+            "kv_cache": rng.standard_normal((tables.size, 2, 2, kv_heads, block, head)).astype(pool_dtype),
             "block_tables": tables, "past_lengths": np.array([p for p, _ in seqs], dtype=np.int64),
             "query_start_loc": np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int64),
             "position_ids": np.concatenate([np.arange(p, p + n) for p, n in seqs]).astype(np.int64),
@@ -112,6 +112,41 @@ def test_real_head_sizes_match_reference(library, heads, kv_heads, head, block, 
                                         rope_cos=data["rope_cos"], rope_sin=data["rope_sin"], **attrs)
     for name, g, w in zip(pa.OUTPUTS, got, want, strict=True):
         np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def reference(data: dict[str, np.ndarray], attrs: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return pa.reference_paged_attention(*(data[n] for n in list(data)[:7]), position_ids=data["position_ids"],
+                                        rope_cos=data["rope_cos"], rope_sin=data["rope_sin"], **attrs)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head", "block"), [(14, 2, 64, 16), (8, 2, 128, 4), (6, 3, 48, 16)])
+@pytest.mark.parametrize("seqs", [[(37, 1), (0, 21), (16, 5), (15, 1), (100, 3)], [(129, 1)]],
+                         ids=["mixed", "one_decode_token"])
+def test_float16_pool_matches_reference(library, heads, kv_heads, head, block, seqs):
+    """A float16 pool is read in place, widened to float32, and the step's own keys and values are attended as
+    the pool will hold them (rounded to float16); k_new and v_new stay float32 and unrounded."""
+    sess, data, attrs = real_shape_case(heads, kv_heads, head, block, seqs, seed=head + block, pool_dtype=np.float16)
+    got = sess.run(None, data)
+    for name, g, w in zip(pa.OUTPUTS, got, reference(data, attrs), strict=True):
+        np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_float16_pool_attends_new_rows_as_stored(library):
+    """In a fresh prefill every attended row is new, and the outputs follow the rounded rows, not the unrounded
+    ones. NOTE: a key whose float32 RoPE lands on a float16 tie may round the other way than the float64
+    reference's, so single outputs may differ by about one float16 step; the mean error tells the two apart."""
+    sess, data, attrs = real_shape_case(14, 2, 64, 16, [(0, 40)], seed=3, pool_dtype=np.float16)
+    got = sess.run(None, data)[0]
+    rounded = reference(data, attrs)[0]
+    unrounded = reference({**data, "kv_cache": data["kv_cache"].astype(np.float32)}, attrs)[0]
+    np.testing.assert_allclose(got, rounded, rtol=0, atol=3e-4)
+    assert np.abs(got - rounded).mean() < 5e-6 < 2e-5 < np.abs(got - unrounded).mean()
+
+
+def test_float16_pool_with_an_unvectorized_head_size_is_refused(library):
+    sess, data, _ = real_shape_case(4, 2, 8, 16, [(5, 1)], seed=0, pool_dtype=np.float16)
+    with pytest.raises(Exception, match="float16 kv_cache needs AVX-512 and a head_size of 16 to 128"):
+        sess.run(None, data)
 
 
 def test_swiglu_matches_reference(library):

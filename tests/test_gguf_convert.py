@@ -147,7 +147,7 @@ def test_an_f16_gguf_converts_to_a_float16_checkpoint_and_the_same_engine(tmp_pa
     assert config.dtype == "float16"
     assert {t.dtype for t in load_file(str(tmp_path / "ckpt16" / "rank0.safetensors")).values()} == {torch.float16}
     assert convert(f16, tmp_path / "ckpt32", dtype="float32").dtype == "float32"
-    limits = dict(max_batch_size=4, max_num_tokens=64, max_seq_len=128)
+    limits = dict(max_batch_size=4, max_num_tokens=64, max_seq_len=128, kv_pool_dtype="float32")  # exact KV
     engines = [build_engine(tmp_path / f"ckpt{b}", tmp_path / f"engine{b}", **limits) for b in (16, 32)]
     for got, want in zip(*(steps(e) for e in engines), strict=True):
         assert torch.equal(torch.from_numpy(got), torch.from_numpy(want))

@@ -418,15 +418,39 @@ def test_a_step_mixing_decodes_with_a_long_chunk_runs_as_two_calls_with_the_same
     assert not np.array_equal(split_pool, start)
 
 
-def test_float16_pool_halves_the_bytes_and_rounds_each_stored_value_once(random_hf_model, engine_from_hf):
-    """`kv_pool_dtype: float16`: the pool holds float16 (half the bytes per token), every new K/V is rounded once to
-    float16 when stored, attention sees exactly the stored values (a prompt chunked 7 + 6 scores what one 13-token
-    chunk does), and the logits stay within float16 rounding of the float32 engine's."""
+@pytest.mark.parametrize(("dtype", "quant", "head", "target", "want"), [
+    ("float32", QuantConfig(), 64, "cpu", "float32"),  # float32 weights: an exact KV cache too
+    ("bfloat16", QuantConfig(), 64, "cpu", "float16"),
+    ("float16", QuantConfig(), 64, "cpu", "float16"),
+    ("float32", QuantConfig(quant_algo="weight_only", group_size=32), 64, "cpu", "float16"),  # a quantized GGUF
+    ("float32", QuantConfig(quant_algo="fp8", kv_cache_quant_algo="fp8"), 64, "cpu", "float32"),  # its own pool
+    ("bfloat16", QuantConfig(), 8, "cpu", "float32"),  # the native op does not read float16 at head size 8
+    ("bfloat16", QuantConfig(), 64, "cuda", "float32"),  # the GPU targets' pool has the compute dtype
+])
+def test_the_default_pool_is_float16_where_weights_are_16_bit_or_quantized(dtype, quant, head, target, want):
+    """As llama.cpp's default KV cache and vLLM's for a 16-bit model; recorded in the build config, so an engine
+    says what it holds, and `--kv-pool-dtype` overrides it."""
+    from trtbuild.builder.build import default_build_config
+
+    heads = 4
+    model = ModelConfig("LlamaForCausalLM", "llama", dtype, heads * head, 16, 32, LAYERS, heads, 2, head, 1e-5, 64,
+                        quantization=quant)
+    assert default_build_config(model, target=target).kv_pool_dtype == want
+    assert default_build_config(model, target=target, kv_pool_dtype="float32").kv_pool_dtype == "float32"
+
+
+@pytest.mark.parametrize("attention", ["native", "split"])
+def test_float16_pool_halves_the_bytes_and_rounds_each_stored_value_once(random_hf_model, engine_from_hf, attention):
+    """`kv_pool_dtype: float16`, with either attention (the native op reads the float16 pool in place at this head
+    size, 16): the pool holds float16 (half the bytes per token), every new K/V is rounded once to float16 when
+    stored, attention sees exactly the stored values (a prompt chunked 7 + 6 scores what one 13-token chunk does),
+    and the logits stay within float16 rounding of the float32 engine's."""
     hf = random_hf_model("llama")
     full = CpuEngine(engine_dir := engine_from_hf(hf, **ENGINE_OPTIONS), num_threads=1, num_blocks=16)
-    half_dir = engine_from_hf(hf, kv_pool_dtype="float16", **ENGINE_OPTIONS)
+    half_dir = engine_from_hf(hf, kv_pool_dtype="float16", attention=attention, **ENGINE_OPTIONS)
     half, chunked = (CpuEngine(half_dir, num_threads=1, num_blocks=16) for _ in range(2))
     assert engine_dir != half_dir and half.info.build.kv_pool_dtype == "float16"
+    assert half.info.build.attention == attention
     assert half.kv.pool.dtype == np.float16 and 2 * half.kv.bytes_per_token == full.kv.bytes_per_token
     prompt, table = tokens(13, 5), [3, 7]
     want = full.step([SequenceChunk(0, prompt, 0, 13, table)])

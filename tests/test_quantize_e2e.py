@@ -54,8 +54,9 @@ from trtbuild.runtime.tokenizer import Tokenizer
 MODEL = TINYSTORIES656K
 GROUP = 64
 CALIB = {"calib_size": 8, "calib_max_seq_len": 64}
+# fp32 compute and a float32 KV pool (quantized weights default to float16): the logits are checked against the format
 BUILD = ("--max-seq-len", 128, "--tokens-per-block", 8, "--max-batch-size", 4, "--max-num-tokens", 64,
-         "--int4-accuracy-level", 1)  # fp32 compute: the logits are checked against the format
+         "--int4-accuracy-level", 1, "--kv-pool-dtype", "float32")
 CASES = {  # name -> (--qformat, --kv-cache-qformat, flags)
     "fp8": ("fp8", None, ()),
     "int4_awq": ("int4_awq", None, ()),

@@ -35,7 +35,10 @@ from trtbuild.runtime.sampling import SamplingParams
 
 RTOL = 1e-4
 # int4 in fp32 compute: these tests check the engine against the format to RTOL (level 4 is tested on its own)
-OPTIONS = dict(max_seq_len=128, tokens_per_block=8, max_batch_size=4, max_num_tokens=64, int4_accuracy_level=1)
+# NOTE: a float32 KV pool (the default is float16 for quantized weights): the formats' arithmetic is compared
+# exactly, against float32 references
+OPTIONS = dict(max_seq_len=128, tokens_per_block=8, max_batch_size=4, max_num_tokens=64, int4_accuracy_level=1,
+               kv_pool_dtype="float32")
 LAYERS, VOCAB = 2, 320
 # case -> (family, quant_algo, kv_cache_quant_algo, extra quantize options)
 CASES = {
@@ -416,7 +419,7 @@ def test_build_refuses_a_float16_pool_for_a_quantized_kv_cache(case, tmp_path):
     _, _, engine_dir, _ = case("qwen2-int8_sq-kv_int8")
     with pytest.raises(ConfigError, match=r"^kv_pool_dtype float16 applies to unquantized KV caches only, and the "
                                           r"checkpoint's KV cache is quantized \(int8\)") as error:
-        build_engine(engine_dir.parent / "ckpt", tmp_path / "engine", **OPTIONS, kv_pool_dtype="float16")
+        build_engine(engine_dir.parent / "ckpt", tmp_path / "engine", **{**OPTIONS, "kv_pool_dtype": "float16"})
     assert error.value.field == "kv_pool_dtype" and "--" not in error.value.problem
     assert not (tmp_path / "engine").exists()
     with pytest.raises(ConfigError, match=r"^kv_pool_dtype must be one of float32, float16, got 'bfloat16'"):
