@@ -65,8 +65,10 @@ def build_trtbuild(gguf: Path, work: Path, args: argparse.Namespace) -> Path:
     return engine
 
 
-def measure_trtbuild(engine: Path, args: argparse.Namespace) -> dict[str, float]:
-    """In this process (run by `--measure-trtbuild`): the same three measurements through EngineCore."""
+def measure_trtbuild(engine: Path, part: str, args: argparse.Namespace) -> dict[str, float]:
+    """In this process (run by `--measure-trtbuild ENGINE --part single|parallel`), through EngineCore: `single`,
+    prefill and batch-1 decode of one sequence (as llama-bench); `parallel`, the concurrent requests (as
+    llama-batched-bench)."""
     from trtbuild.bench.run import BenchOptions, run_bench
     from trtbuild.builder.engine_dir import read_engine_config
     from trtbuild.runtime.config import RuntimeConfig
@@ -77,6 +79,11 @@ def measure_trtbuild(engine: Path, args: argparse.Namespace) -> dict[str, float]
     # `batched_context`), so that peak RSS compares like with like; the runtime's default pool is twice a full batch
     per_block = read_engine_config(engine).build.tokens_per_block
     blocks = lambda tokens: -(-tokens // per_block)  # noqa: E731
+    if part == "parallel":
+        parallel = run_bench(BenchOptions(engine=engine, num_requests=args.parallel, input_len=args.prompt,
+                                          output_len=args.gen, concurrency=args.parallel, threads=args.threads,
+                                          kv_cache_blocks=blocks(batched_context(args))))
+        return {"parallel_output_tok_s": parallel["output_throughput"]}
     core = EngineCore(engine, RuntimeConfig(num_threads=args.threads, max_batch_size=1, enable_prefix_caching=False,
                                             kv_cache_blocks=blocks(args.prompt + args.gen)))
     vocab = core.vocab_size
@@ -93,19 +100,19 @@ def measure_trtbuild(engine: Path, args: argparse.Namespace) -> dict[str, float]
     while core.has_unfinished():
         core.step()
     decode_s = time.perf_counter() - start
-    del core
-    parallel = run_bench(BenchOptions(engine=engine, num_requests=args.parallel, input_len=args.prompt,
-                                      output_len=args.gen, concurrency=args.parallel, threads=args.threads,
-                                      kv_cache_blocks=blocks(batched_context(args))))
-    return {"prefill_tok_s": args.prompt / prefill_s, "ttft_ms": prefill_s * 1e3,
-            "decode_tok_s": args.gen / decode_s, "parallel_output_tok_s": parallel["output_throughput"]}
+    return {"prefill_tok_s": args.prompt / prefill_s, "ttft_ms": prefill_s * 1e3, "decode_tok_s": args.gen / decode_s}
 
 
 def trtbuild_round(engine: Path, args: argparse.Namespace) -> dict[str, float]:
-    cmd = [sys.executable, __file__, "--measure-trtbuild", str(engine), "--threads", str(args.threads),
-           "--prompt", str(args.prompt), "--gen", str(args.gen), "--parallel", str(args.parallel)]
-    out, rss = run_timed(cmd)
-    return {**json.loads(out.splitlines()[-1]), "peak_rss_mib": rss / 2**20}
+    """The two parts in a process each, as llama.cpp's two tools run; peak RSS is the larger of the two."""
+    result, peak = {}, 0
+    for part in ("single", "parallel"):
+        out, rss = run_timed([sys.executable, __file__, "--measure-trtbuild", str(engine), "--part", part,
+                              "--threads", str(args.threads), "--prompt", str(args.prompt), "--gen", str(args.gen),
+                              "--parallel", str(args.parallel)])
+        result.update(json.loads(out.splitlines()[-1]))
+        peak = max(peak, rss)
+    return {**result, "peak_rss_mib": peak / 2**20}
 
 
 # ---- llama.cpp ------------------------------------------------------------------------------------------------------
@@ -228,10 +235,11 @@ def main() -> None:
     p.add_argument("--ortgenai-precision", default="int4", choices=["int4", "fp16", "fp32"],
                    help="ONNX Runtime GenAI's model builder precision (match the GGUF's).")
     p.add_argument("--measure-trtbuild", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--part", choices=["single", "parallel"], default="single", help=argparse.SUPPRESS)
     p.add_argument("--measure-ortgenai", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure_trtbuild:
-        print(json.dumps(measure_trtbuild(args.measure_trtbuild, args)))
+        print(json.dumps(measure_trtbuild(args.measure_trtbuild, args.part, args)))
         return
     if args.measure_ortgenai:
         print(json.dumps(measure_ortgenai(args.measure_ortgenai, args)))

@@ -29,64 +29,6 @@ namespace {
 constexpr int64_t kMinTasks = 4;
 
 #if defined(__AVX512F__)
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-}
-
-inline void axpy(float w, const float* x, float* y, int64_t n) {  // y += w * x
-  const __m512 wv = _mm512_set1_ps(w);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 sum = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i));
-    _mm512_mask_storeu_ps(y + i, m, sum);
-  }
-}
-#else
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.0f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-inline void axpy(float w, const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
-}
-#endif
-
-#if defined(__AVX512F__)
-// Lane j of the result is the sum of v[j]'s 16 lanes: pairs, then quads, then 128-bit lanes are added in place of
-// a transpose, so 16 dot products cost 45 shuffles and adds instead of 16 horizontal sums.
-inline __m512 transpose_sum16(const __m512* v) {
-  __m512 pairs[8], quads[4], halves[2];
-  for (int i = 0; i < 8; ++i)
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; ++i)
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// 16 values of a pool row as float32: float16 (bits in uint16_t) widened exactly
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 template <int DV, typename T>
 inline void prefetch(const T* row, int hint) {
   constexpr int kLines = (16 * DV * static_cast<int>(sizeof(T)) + 63) / 64;
@@ -171,7 +113,7 @@ void weighted_values(const T* const* values, int64_t visible, int64_t pooled, co
     if (j + kAhead < pooled) prefetch<DV>(values[j + kAhead], _MM_HINT_T0);
     __m512 v[DV];
 #pragma GCC unroll 8
-    for (int i = 0; i < DV; ++i) v[i] = load16(values[j] + 16 * i);
+    for (int i = 0; i < DV; ++i) v[i] = widen16(values[j] + 16 * i);
 #pragma GCC unroll 16
     for (int h = 0; h < HP; ++h) {
       if (h >= hp) break;
@@ -194,9 +136,9 @@ inline void score16(const R* const* keys, const float* q, int64_t nh, __m512 sca
     for (int i = 0; i < DV; ++i) qv[i] = _mm512_loadu_ps(q + h * 16 * DV + 16 * i);
 #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) {
-      acc[j] = _mm512_mul_ps(qv[0], load16(keys[j]));
+      acc[j] = _mm512_mul_ps(qv[0], widen16(keys[j]));
 #pragma GCC unroll 8
-      for (int i = 1; i < DV; ++i) acc[j] = _mm512_fmadd_ps(qv[i], load16(keys[j] + 16 * i), acc[j]);
+      for (int i = 1; i < DV; ++i) acc[j] = _mm512_fmadd_ps(qv[i], widen16(keys[j] + 16 * i), acc[j]);
     }
     _mm512_storeu_ps(scores + h * stride, _mm512_mul_ps(scale, transpose_sum16(acc)));
   }
@@ -240,7 +182,7 @@ void attend_vectorized(const Task& a) {
       alignas(64) float widened[16 * kD];
       const float* keys[16];
       for (int j = 0; j < 16; ++j) {
-        for (int i = 0; i < DV; ++i) _mm512_store_ps(widened + j * kD + 16 * i, load16(rows[j0 + j] + 16 * i));
+        for (int i = 0; i < DV; ++i) _mm512_store_ps(widened + j * kD + 16 * i, widen16(rows[j0 + j] + 16 * i));
         keys[j] = widened + j * kD;
       }
       score16<float, DV>(keys, q, a.nh, scale, scores, stride);
