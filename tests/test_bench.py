@@ -245,6 +245,18 @@ def test_bad_input_is_a_click_error(engine, tmp_path):
     assert_user_error(bench("--engine", engine, *synthetic, "--timeout", 1e-6),
                       r"warm-up request to engine .* failed: timed out")
     assert_user_error(bench("--engine", engine, *synthetic, "--concurrency", 0), r"Invalid value for '--concurrency'")
+    assert_user_error(bench("--address", "127.0.0.1:1", *synthetic, "--kv-cache-blocks", 8),
+                      r"--kv-cache-blocks sizes an in-process engine's pool.*trtbuild serve --kv-cache-blocks")
+
+
+def test_kv_cache_blocks_sizes_the_in_process_pool(engine):
+    """`--kv-cache-blocks N`: the engine's pool holds exactly N blocks (peers.py sizes it as llama.cpp's context)."""
+    from trtbuild.builder.engine_dir import read_engine_config
+
+    out = ok_json(bench("--engine", engine, "--num-requests", 3, "--input-len", 8, "--output-len", 4, "--threads", 1,
+                        "--kv-cache-blocks", 9, "--json"))
+    assert_sane(out, 3, 8, 4)
+    assert out["kv_pool_bytes"] == 9 * read_engine_config(engine).kv_cache_bytes_per_block
 
 
 def test_speculative_decoding_reports_accepted_drafts(engine, tmp_path):
