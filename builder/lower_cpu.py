@@ -39,7 +39,7 @@ def native_unavailable(model: onnx.ModelProto) -> str | None:
     """Why the native op cannot run this network's attention on this machine; None if it can."""
     nodes = [n for n in model.graph.node if n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE]
     if any(_attr(n, "kv_cache_quant_algo", None) for n in nodes):
-        return "the KV pool is quantized, and the native op reads a float32 pool"
+        return "the KV pool is quantized, and the native op reads float32 or float16 pools"
     from trtbuild import cpu_ops
 
     pool = next((i for i in model.graph.input if i.name == "kv_cache"), None)
