@@ -165,10 +165,11 @@ class CpuEngine:
     """An ONNX Runtime session over an engine directory, plus the paged KV pool it reads and the runtime writes."""
 
     def __init__(self, engine: Path | EngineInfo, num_threads: int | None = None, num_blocks: int = 64,
-                 graph: Path | None = None, spinning: bool = True) -> None:
+                 graph: Path | None = None, spinning: bool = True, profile_prefix: str | None = None) -> None:
         """`engine`: an engine directory, or what read_engine_config said of one (already checked). `num_threads`:
         ONNX Runtime's intra-op threads [None: `default_threads`]. `graph`: another graph file than the engine's
-        (the autotuner times candidates). `spinning`: ONNX Runtime's idle threads spin for work."""
+        (the autotuner times candidates). `spinning`: ONNX Runtime's idle threads spin for work. `profile_prefix`:
+        ONNX Runtime profiles every node into `<prefix>_<time>.json` (`session.end_profiling()` writes it)."""
         self.info = engine if isinstance(engine, EngineInfo) else read_engine_config(Path(engine), expect_target="cpu")
         path = Path(graph) if graph is not None else self.info.path / CPU_ENGINE_FILE
         if not path.is_file():
@@ -187,6 +188,8 @@ class CpuEngine:
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.log_severity_level = 3
+        if profile_prefix is not None:
+            options.enable_profiling, options.profile_file_prefix = True, profile_prefix
         if not spinning:  # NOTE: a second session in the process (a draft engine) must not spin while the other runs
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         # NOTE: ONNX Runtime fuses a weight DequantizeLinear -> MatMul that our lowering left (e.g. no block size fits)

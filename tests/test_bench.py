@@ -295,3 +295,14 @@ def test_peers_benchmark_smoke_reports_trtbuild_and_a_missing_peer(tmp_path):
     medians = json.loads((tmp_path / "peers.json").read_text())["medians"]
     assert set(medians) == {"trtbuild"}
     assert all(value > 0 for value in medians["trtbuild"].values()), medians
+
+
+def test_step_profile_splits_a_decode_step_by_op_type(engine):
+    """benchmarks/step_profile.py: ONNX Runtime's profile of decode steps (CpuEngine(profile_prefix=...)), per op
+    type, with the attention op among them."""
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_profile.py"), str(engine), "--batch", "2",
+                          "--context", "8", "--steps", "2", "--threads", "1"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"^step [\d.]+ ms, in session.run [\d.]+ ms$", out.stdout, re.M), out.stdout
+    assert re.search(r"^  PagedAttention +[\d.]+ ms +\d+ nodes$", out.stdout, re.M), out.stdout

@@ -1,0 +1,60 @@
+"""Where one decode step of a CPU engine goes, by ONNX Runtime op type: `batch` sequences with a `context`-token
+prompt each, then `steps` decode steps of all of them, profiled by ONNX Runtime (`CpuEngine(profile_prefix=...)`).
+
+    python benchmarks/step_profile.py <engine dir> [--batch 16] [--context 128] [--steps 6] [--threads 2]
+
+Prints the wall time per step, the time inside session.run, and each op type's kernel time per step and node count.
+NOTE: the profiler adds a few microseconds per node; compare op types within one profile, not across engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from trtbuild.builder.engine_dir import read_engine_config
+from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("engine", type=Path)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        info = read_engine_config(args.engine)
+        blocks = -(-(args.context + args.steps) // info.build.tokens_per_block)
+        engine = CpuEngine(info, num_threads=args.threads, num_blocks=args.batch * blocks,
+                           profile_prefix=str(Path(tmp) / "step"))
+        tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(args.batch)]
+        prompt = [(7 * i + 3) % 1000 + 5 for i in range(args.context)]
+        for b in range(args.batch):
+            engine.step([SequenceChunk(b, prompt, 0, 1, tables[b])])
+        start = time.perf_counter()
+        for i in range(args.steps):
+            engine.step([SequenceChunk(b, [7], args.context + i, 1, tables[b]) for b in range(args.batch)])
+        wall = (time.perf_counter() - start) / args.steps
+        events = json.loads(Path(engine.session.end_profiling()).read_text())
+    runs = [e for e in events if e.get("name") == "model_run"][-args.steps:]
+    first = runs[0]["ts"]
+    kernel_us: collections.Counter[str] = collections.Counter()
+    nodes: collections.Counter[str] = collections.Counter()
+    for e in events:
+        if e.get("cat") == "Node" and e["ts"] >= first and e["name"].endswith("_kernel_time"):
+            kernel_us[e["args"]["op_name"]] += e["dur"]
+            nodes[e["args"]["op_name"]] += 1
+    print(f"{args.engine}: batch {args.batch}, context {args.context}, {args.threads} threads")
+    print(f"step {wall * 1e3:.1f} ms, in session.run {sum(r['dur'] for r in runs) / args.steps / 1e3:.1f} ms")
+    for op, us in kernel_us.most_common():
+        print(f"  {op:34s} {us / args.steps / 1e3:8.2f} ms  {nodes[op] // args.steps:4d} nodes")
+
+
+if __name__ == "__main__":
+    main()
