@@ -98,6 +98,11 @@ def real_shape_case(heads: int, kv_heads: int, head: int, block: int, seqs: list
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]), data, attrs
 
 
+def reference(data: dict[str, np.ndarray], attrs: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return pa.reference_paged_attention(*(data[n] for n in list(data)[:7]), position_ids=data["position_ids"],
+                                        rope_cos=data["rope_cos"], rope_sin=data["rope_sin"], **attrs)
+
+
 @pytest.mark.parametrize(("heads", "kv_heads", "head", "block"),
                          [(14, 2, 64, 16), (8, 2, 128, 4), (6, 3, 48, 16), (4, 4, 32, 8), (4, 1, 16, 16)])
 @pytest.mark.parametrize("seqs", [[(37, 1), (0, 21), (16, 5), (15, 1), (100, 3)], [(129, 1)]],
@@ -108,15 +113,8 @@ def test_real_head_sizes_match_reference(library, heads, kv_heads, head, block, 
     are split over tasks."""
     sess, data, attrs = real_shape_case(heads, kv_heads, head, block, seqs, seed=head + block)
     got = sess.run(None, data)
-    want = pa.reference_paged_attention(*(data[n] for n in list(data)[:7]), position_ids=data["position_ids"],
-                                        rope_cos=data["rope_cos"], rope_sin=data["rope_sin"], **attrs)
-    for name, g, w in zip(pa.OUTPUTS, got, want, strict=True):
+    for name, g, w in zip(pa.OUTPUTS, got, reference(data, attrs), strict=True):
         np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
-
-
-def reference(data: dict[str, np.ndarray], attrs: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return pa.reference_paged_attention(*(data[n] for n in list(data)[:7]), position_ids=data["position_ids"],
-                                        rope_cos=data["rope_cos"], rope_sin=data["rope_sin"], **attrs)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head", "block"), [(14, 2, 64, 16), (8, 2, 128, 4), (6, 3, 48, 16)])
