@@ -1,9 +1,10 @@
 """Where one decode step of a CPU engine goes, by ONNX Runtime op type: `batch` sequences with a `context`-token
 prompt each, then `steps` decode steps of all of them, profiled by ONNX Runtime (`CpuEngine(profile_prefix=...)`).
 
-    python benchmarks/step_profile.py <engine dir> [--batch 16] [--context 128] [--steps 6] [--threads 2]
+    python benchmarks/step_profile.py <engine dir> [--batch 16] [--context 128] [--steps 6] [--threads 2] [--by-node]
 
-Prints the wall time per step, the time inside session.run, and each op type's kernel time per step and node count.
+Prints the wall time per step, the time inside session.run, and each op type's kernel time per step and node count
+(`--by-node`: each node name's, with layer numbers replaced by `*`, so a layer's linears are told apart).
 NOTE: the profiler adds a few microseconds per node; compare op types within one profile, not across engines.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +29,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--by-node", action="store_true", help="group by node name (layer numbers as *), not op type")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         info = read_engine_config(args.engine)
@@ -48,12 +51,13 @@ def main() -> None:
     nodes: collections.Counter[str] = collections.Counter()
     for e in events:
         if e.get("cat") == "Node" and e["ts"] >= first and e["name"].endswith("_kernel_time"):
-            kernel_us[e["args"]["op_name"]] += e["dur"]
-            nodes[e["args"]["op_name"]] += 1
+            key = re.sub(r"\d+", "*", e["name"].removesuffix("_kernel_time")) if args.by_node else e["args"]["op_name"]
+            kernel_us[key] += e["dur"]
+            nodes[key] += 1
     print(f"{args.engine}: batch {args.batch}, context {args.context}, {args.threads} threads")
     print(f"step {wall * 1e3:.1f} ms, in session.run {sum(r['dur'] for r in runs) / args.steps / 1e3:.1f} ms")
     for op, us in kernel_us.most_common():
-        print(f"  {op:34s} {us / args.steps / 1e3:8.2f} ms  {nodes[op] // args.steps:4d} nodes")
+        print(f"  {op:60s} {us / args.steps / 1e3:8.2f} ms  {nodes[op] // args.steps:4d} nodes")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ namespace {
 constexpr int64_t kBlock = kTableChunk;
 constexpr int64_t kRows = kTableRows;
 constexpr int kTokens = 8;  // tokens per tile
+constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of its loads a tile asks for its codes
 // A task is 4 groups (one chunk of tokens) or 8 groups (several) of one chunk of tokens whose activation codes
 // fill about 256 KiB (at least 64 tokens), so that they stay in cache while every group of the task reuses them.
 // NOTE: a task of every token re-read all of x per group, from memory once x outgrew the cache (a 2048-token
@@ -102,6 +103,10 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512i w[8];
+    // NOTE: as DenseMatMul's weights, the codes are one stream the hardware prefetcher falls behind on once a tile
+    // has several tokens (1.5B Q8_0, batch-16 decode step: ~12% faster asking ahead)
+    for (int64_t line = 0; line < kBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(codes + b * kBytes + kPrefetchBytes + line), _MM_HINT_T0);
     if (BITS == 4) {
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_loadu_si512(codes + b * kBytes + j * 64);
