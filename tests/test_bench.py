@@ -306,3 +306,15 @@ def test_step_profile_splits_a_decode_step_by_op_type(engine):
     assert out.returncode == 0, out.stderr[-2000:]
     assert re.search(r"^step [\d.]+ ms, in session.run [\d.]+ ms$", out.stdout, re.M), out.stdout
     assert re.search(r"^  PagedAttention +[\d.]+ ms +\d+ nodes$", out.stdout, re.M), out.stdout
+
+
+def test_step_profile_by_node_folds_layer_numbers(engine):
+    """`--by-node`: one line per node name with its layer number as `*`, so each layer's linears are told apart."""
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_profile.py"), str(engine), "--batch", "2",
+                          "--context", "8", "--steps", "2", "--threads", "1", "--by-node"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    layers = read_engine_config(engine).model.num_hidden_layers
+    assert re.search(rf"^  transformer\.layers\.\*\.attention\.paged +[\d.]+ ms +{layers} nodes$", out.stdout,
+                     re.M), out.stdout
+    assert not re.search(r"layers\.\d", out.stdout), out.stdout
