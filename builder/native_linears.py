@@ -3,7 +3,8 @@ of multiplying block-quantized weights: activations quantized to int8 blocks onc
 products, 16 rows per vector so that one tile of tokens reuses each weight load.
 
 Each eligible MatMulNBits (4 or 8 bits, blocks of 16 or 32, the default zero point) becomes a BlockQuantMatMul over a
-packed copy of its weights (plugins/block_quant_matmul.py: the layout), and the MatMulNBits initializers nobody else
+packed copy of its weights (plugins/block_quant_matmul.py: the layout; 8-bit codes that fit in 5 bits, as GGUF's Q5_0
+tensors do, packed in 5), and the MatMulNBits initializers nobody else
 reads are dropped, so the engine file holds each linear once. Measured on the 2-core AVX-512 VM (docs/performance.md):
 faster than MLAS's MatMulNBits at every token count from 1 to 256, which is why there is one graph for all steps.
 """
@@ -38,6 +39,7 @@ class NativeLinears:
 
     def __init__(self) -> None:
         self._packed: dict[tuple[str, str], tuple[onnx.TensorProto, onnx.TensorProto]] = {}
+        self._packed_bits: dict[tuple[str, str], int] = {}  # 5 where 8-bit codes fit in 5 (bq.narrow)
         self._tied: dict[tuple[str, str], tuple[str, str] | None] = {}  # gather's (data, scales) -> linear's
 
     def _tied_linear(self, view: GraphView, gather: onnx.NodeProto, linears: dict[tuple[str, str], dict]
@@ -68,21 +70,23 @@ class NativeLinears:
             a = node_attrs(node)
             key = (node.input[1], node.input[2])
             if key not in self._packed:
-                codes = bq.unpack_nbits(view.constant(key[0]), a["N"], a["K"], a["bits"])
-                b, s = bq.pack(codes, view.constant(key[1]).reshape(a["N"], -1), a["bits"])
+                codes, bits = bq.narrow(bq.unpack_nbits(view.constant(key[0]), a["N"], a["K"], a["bits"]), a["bits"])
+                b, s = bq.pack(codes, view.constant(key[1]).reshape(a["N"], -1), bits)
+                self._packed_bits[key] = bits
                 view.add_initializer(key[0] + ".bq", b)
                 view.add_initializer(key[1] + ".bq", s)
                 self._packed[key] = (view.initializers[key[0] + ".bq"], view.initializers[key[1] + ".bq"])
             for t in self._packed[key]:
                 view.attach(t)
             linears[key] = a
-            _become(node, bq.OP_TYPE, [node.input[0], *(t.name for t in self._packed[key])], a)
+            _become(node, bq.OP_TYPE, [node.input[0], *(t.name for t in self._packed[key])],
+                    {**a, "bits": self._packed_bits[key]})
         for node in model.graph.node:
             if (node.op_type == "GatherBlockQuantized" and node.domain == MS_DOMAIN and len(node.input) == 3
                     and (node_attrs(node).get("gather_axis", 0), node_attrs(node).get("quantize_axis", 1)) == (0, 1)
                     and (linear := self._tied_linear(view, node, linears)) is not None):
                 _become(node, bq.GATHER_OP_TYPE, [node.input[1], *(t.name for t in self._packed[linear])],
-                        linears[linear])
+                        {**linears[linear], "bits": self._packed_bits[linear]})
         if linears:
             view.drop_unused_initializers()
             use_opset(model, bq.DOMAIN)

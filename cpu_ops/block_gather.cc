@@ -1,4 +1,4 @@
-// trtbuild::BlockQuantGather for ONNX Runtime's CPU provider: rows `ids` of a 4/8-bit table stored in
+// trtbuild::BlockQuantGather for ONNX Runtime's CPU provider: rows `ids` of a 4/5/8-bit table stored in
 // BlockQuantMatMul's packed layout (block_matmul.cc), dequantized to float. A tied embedding then reads the very
 // bytes its lm_head multiplies with, and the engine holds the table once.
 //   inputs: ids int64 [T], B uint8 [G, K / 32, 16 * 32 * bits / 8], S float or float16 [G, K / block, 16]
@@ -54,7 +54,7 @@ struct BlockQuantGatherKernel {
     const uint8_t* codes = b.GetTensorData<uint8_t>();
     const uint16_t* half_scales = half ? s.GetTensorData<uint16_t>() : nullptr;
     const float* float_scales = half ? nullptr : s.GetTensorData<float>();
-    const int32_t zp = bits == 4 ? 8 : 128;
+    const int32_t zp = zero_point(bits);
     for (int64_t t = 0; t < count; ++t) {
       const int64_t row = rows[t];
       if (row < 0 || row >= n)
@@ -62,16 +62,21 @@ struct BlockQuantGatherKernel {
       const int64_t g = row / kRows, lane = row % kRows;
       for (int64_t c = 0; c < chunks; ++c) {
         const uint8_t* chunk = codes + (g * chunks + c) * bytes + lane * 4;
+        const uint8_t* fifth = codes + (g * chunks + c) * bytes + kNibbleBytes;  // 5-bit: bit 64j + 4 lane + i
         float* out = y + t * k + c * kChunk;
         float scale[2];  // of the chunk's two halves (one block of 32, or two of 16)
         for (int h = 0; h < 2; ++h) {
           const int64_t at = (g * (k / block) + (c * kChunk + h * 16) / block) * kRows + lane;
           scale[h] = half ? half_to_float(half_scales[at]) : float_scales[at];
         }
-        for (int j = 0; j < 8; ++j) {  // elements 4j .. 4j + 3 (4-bit: j < 4 low nibbles, j >= 4 high ones)
-          const uint8_t* four = chunk + (bits == 4 ? j % 4 : j) * 64;
+        for (int j = 0; j < 8; ++j) {  // elements 4j .. 4j + 3 (4/5-bit: j < 4 low nibbles, j >= 4 high ones)
+          const uint8_t* four = chunk + (bits == 8 ? j : j % 4) * 64;
           for (int i = 0; i < 4; ++i) {
-            const int32_t code = bits == 8 ? four[i] : (j < 4 ? four[i] & 0x0F : four[i] >> 4);
+            int32_t code = bits == 8 ? four[i] : (j < 4 ? four[i] & 0x0F : four[i] >> 4);
+            if (bits == 5) {
+              const int64_t bit = 64 * j + 4 * lane + i;
+              code |= ((fifth[bit / 8] >> (bit % 8)) & 1) << 4;
+            }
             out[4 * j + i] = static_cast<float>(code - zp) * scale[j / 4];
           }
         }

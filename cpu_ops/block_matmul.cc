@@ -1,9 +1,10 @@
-// trtbuild::BlockQuantMatMul for ONNX Runtime's CPU provider: y[M, N] = x[M, K] @ dequant(B)^T, 4- or 8-bit codes
-// with a scale per block of 32 or 16 and the default zero point (8 or 128), in the 16-row interleaved layout that
+// trtbuild::BlockQuantMatMul for ONNX Runtime's CPU provider: y[M, N] = x[M, K] @ dequant(B)^T, 4-, 5- or 8-bit
+// codes with a scale per block of 32 or 16 and the default zero point (8, 16 or 128), in the 16-row interleaved layout that
 // plugins/block_quant_matmul.py packs at build time (G = ceil(N / 16) groups of 16 rows, nc = K / 32 chunks):
 //   B uint8 [G, nc, 16 * 32 * bits / 8]: in chunk c of group g, 64-byte vector j, lane r (bytes 4r..4r+3) holds
 //     row 16g + r's elements 32c + 4j .. +3; 4-bit: vectors j < 4 hold those of j in their low nibbles and those of
-//     j + 4 in their high ones. So vectors 0-3 are a chunk's first 16 elements and 4-7 its last 16.
+//     j + 4 in their high ones. So vectors 0-3 are a chunk's first 16 elements and 4-7 its last 16. 5-bit: the
+//     4-bit layout of the low 4 bits, then 64 bytes whose 64-bit word j is a byte mask of vector j's fifth bits.
 //   S float or float16 [G, K / block, 16]: the scale of row 16g + r in each block (float16 where that is exact, as
 //     it is for GGUF's 32-blocks: 11% fewer bytes per 4-bit weight).
 // The way llama.cpp multiplies: x is quantized once per call to int8 in blocks of 32 (a float scale each); each
@@ -55,7 +56,7 @@ void quantize_x(const float* x, int64_t m, int64_t k, int bits, QuantizedX& q) {
   q.bias.resize(m * q.blocks * 2);
   q.scale.resize(m * q.blocks);
 #ifndef TRTBUILD_NO_VNNI
-  const int32_t zp = bits == 4 ? 8 : 128;
+  const int32_t zp = zero_point(bits);
   for (int64_t i = 0; i < m * q.blocks; ++i) {
     const float* src = x + i * kBlock;
     const __m512 v0 = _mm512_loadu_ps(src), v1 = _mm512_loadu_ps(src + 16);
@@ -98,7 +99,7 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
   const QuantizedX& q = *p.qx;
   const int64_t nb = q.blocks;
   const uint8_t* codes = p.b + g * nb * kBytes;
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -107,11 +108,15 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
     // has several tokens (1.5B Q8_0, batch-16 decode step: ~12% faster asking ahead)
     for (int64_t line = 0; line < kBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(codes + b * kBytes + kPrefetchBytes + line), _MM_HINT_T0);
-    if (BITS == 4) {
+    if (BITS != 8) {
       for (int j = 0; j < 4; ++j) {
         const __m512i v = _mm512_loadu_si512(codes + b * kBytes + j * 64);
         w[j] = _mm512_and_si512(v, low);
         w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      if (BITS == 5) {  // each vector's fifth bits are a byte mask: set 16 where it is on
+        const uint64_t* fifth = reinterpret_cast<const uint64_t*>(codes + b * kBytes + kNibbleBytes);
+        for (int j = 0; j < 8; ++j) w[j] = _mm512_mask_add_epi8(w[j], _cvtu64_mask64(fifth[j]), w[j], sixteen);
       }
     } else {
       for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(codes + b * kBytes + j * 64);
@@ -220,8 +225,9 @@ struct BlockQuantMatMulKernel {
               bias(ctx, 3, n, [&](const std::string& what) { table.fail(what); })};
     const size_t tasks = static_cast<size_t>(token_tasks * p.group_tasks);
     const bool block16 = block == 16;
-    const Task task = bits == 4 ? (half ? task_for<4, true>(block16) : task_for<4, false>(block16))
-                                : (half ? task_for<8, true>(block16) : task_for<8, false>(block16));
+    const Task task = bits == 4   ? (half ? task_for<4, true>(block16) : task_for<4, false>(block16))
+                      : bits == 5 ? (half ? task_for<5, true>(block16) : task_for<5, false>(block16))
+                                  : (half ? task_for<8, true>(block16) : task_for<8, false>(block16));
     ctx.ParallelFor(task, tasks, 0, &p);
   }
 };

@@ -1,4 +1,4 @@
-// The packed 4/8-bit table that trtbuild::BlockQuantMatMul multiplies with and trtbuild::BlockQuantGather reads
+// The packed 4/5/8-bit table that trtbuild::BlockQuantMatMul multiplies with and trtbuild::BlockQuantGather reads
 // rows of (layout: block_matmul.cc, plugins/block_quant_matmul.py): its attributes and the checks of its tensors.
 #pragma once
 #include "cpu_ops.h"
@@ -10,6 +10,9 @@ namespace trtbuild_cpu_ops {
 
 constexpr int64_t kTableRows = 16;   // rows per group: one per int32 lane
 constexpr int64_t kTableChunk = 32;  // elements per chunk of a row (and per activation block)
+constexpr int64_t kNibbleBytes = kTableRows * kTableChunk / 2;  // a chunk's 4-bit codes (5-bit: then the fifth bits)
+
+inline int32_t zero_point(int64_t bits) { return bits == 4 ? 8 : bits == 5 ? 16 : 128; }
 
 struct PackedTable {
   std::string op;  // for error messages
@@ -21,7 +24,7 @@ struct PackedTable {
     n = ki.GetAttribute<int64_t>("N");
     bits = ki.GetAttribute<int64_t>("bits");
     block = ki.GetAttribute<int64_t>("block_size");
-    if (bits != 4 && bits != 8) fail("bits must be 4 or 8");
+    if (bits != 4 && bits != 5 && bits != 8) fail("bits must be 4, 5 or 8");
     if (block != 16 && block != 32) fail("block_size must be 16 or 32");
     if (k % kTableChunk) fail("K must be a multiple of 32, got " + std::to_string(k));
   }

@@ -18,7 +18,13 @@ from test_paged_attention import (
 from trtbuild import cpu_ops
 from trtbuild.plugins import paged_attention as pa
 from trtbuild.plugins import swiglu as sw
-from trtbuild.plugins.block_quant_matmul import pack, reference_block_quant_matmul, unpack_nbits
+from trtbuild.plugins.block_quant_matmul import (
+    ZERO_POINT,
+    narrow,
+    pack,
+    reference_block_quant_matmul,
+    unpack_nbits,
+)
 
 
 @pytest.fixture(scope="module")
@@ -249,16 +255,22 @@ def block_quant_model(k: int, n: int, bits: int, b: np.ndarray, scales: np.ndarr
 
 @pytest.mark.parametrize("half", [False, True], ids=["float_scales", "float16_scales"])
 @pytest.mark.parametrize("block", [32, 16])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 def test_block_quant_matmul_matches_its_reference(library, bits, block, half):
-    """Codes taken from MatMulNBits' layout (4-bit: element 2j in the low nibble of byte j) and packed; token counts
-    around the tile of 8 and a task's tokens; rows not a multiple of 16 nor of a task's 64 or 128; K not a multiple
-    of 128; a zero block in x."""
+    """Codes taken from MatMulNBits' layout (4-bit: element 2j in the low nibble of byte j) and packed (5-bit: 8-bit
+    codes within 16 of 128, as GGUF's Q5_0 tensors are converted, narrowed); token counts around the tile of 8 and
+    a task's tokens; rows not a multiple of 16 nor of a task's 64 or 128; K not a multiple of 128; a zero block in
+    x."""
     rng = np.random.default_rng(bits + block)
     k, n = 352, 200
-    codes = rng.integers(0, 16 if bits == 4 else 256, (n, k), dtype=np.uint8)
-    nbits = (codes[:, 0::2] | (codes[:, 1::2] << 4)) if bits == 4 else codes
-    np.testing.assert_array_equal(unpack_nbits(nbits.reshape(n, k // block, -1), n, k, bits), codes)
+    stored = 8 if bits == 5 else bits
+    wide = rng.integers(112, 144, (n, k), dtype=np.uint8) if bits == 5 else \
+        rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
+    nbits = (wide[:, 0::2] | (wide[:, 1::2] << 4)) if bits == 4 else wide
+    np.testing.assert_array_equal(unpack_nbits(nbits.reshape(n, k // block, -1), n, k, stored), wide)
+    codes, packed_bits = narrow(wide, stored)
+    assert packed_bits == bits
+    np.testing.assert_array_equal(codes.astype(int) - ZERO_POINT[bits], wide.astype(int) - ZERO_POINT[stored])
     scales = (rng.random((n, k // block), dtype=np.float32) * 0.02 + 1e-3).reshape(-1)
     if half:  # GGUF's scales: exact in float16, which `pack` then stores
         scales = scales.astype(np.float16).astype(np.float32)
@@ -275,8 +287,18 @@ def test_block_quant_matmul_matches_its_reference(library, bits, block, half):
         want = reference_block_quant_matmul(x, codes, scales, bits)
         got = sess.run(None, {"x": x})[0]
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
-        w = (codes.astype(np.float32) - (8 if bits == 4 else 128)) * np.repeat(scales.reshape(n, -1), block, axis=1)
+        w = (codes.astype(np.float32) - ZERO_POINT[bits]) * np.repeat(scales.reshape(n, -1), block, axis=1)
         assert np.abs(got - x @ w.T).max() < 0.02 * np.abs(x @ w.T).max()  # and near the float product
+
+
+def test_only_8_bit_codes_within_16_of_the_zero_point_are_narrowed_to_5_bits():
+    inside = np.array([[112, 143, 128, 120]], dtype=np.uint8)
+    codes, bits = narrow(inside, 8)
+    assert bits == 5 and codes.tolist() == [[0, 31, 16, 8]]
+    for codes, bits in ((np.array([[111, 128]], np.uint8), 8), (np.array([[128, 144]], np.uint8), 8),
+                        (np.array([[0, 15]], np.uint8), 4)):
+        same, kept = narrow(codes, bits)
+        assert kept == bits and same is codes
 
 
 def test_block_quant_matmul_refuses_what_it_cannot_run(library):
@@ -296,7 +318,7 @@ def test_block_quant_matmul_refuses_what_it_cannot_run(library):
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["float_scales", "float16_scales"])
-@pytest.mark.parametrize("bits,block", [(4, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize("bits,block", [(4, 32), (5, 32), (8, 32), (8, 16)])
 def test_block_quant_gather_reads_rows_of_the_packed_table(library, bits, block, half):
     from onnx import TensorProto, helper, numpy_helper
 

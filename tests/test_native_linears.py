@@ -169,3 +169,38 @@ def test_a_tied_quantized_embedding_is_held_once(tmp_path):
     assert sizes[1] - sizes[0] > 0.9 * table
     for got, want in zip(steps(native), steps(ort), strict=True):
         np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+
+
+def test_q5_0_weights_are_packed_in_5_bits(tmp_path):
+    """A GGUF whose linears and tied token table are Q5_0 (converted as 8-bit codes within 16 of 128): the native
+    linears and the embedding's gather hold them in 5.5 bits a weight, not 8.5, and compute what MatMulNBits
+    computes on the 8-bit codes."""
+    from gguf import GGMLQuantizationType
+    from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
+    from onnx import numpy_helper
+
+    class Q5Linears(dict):  # every 2-D weight in Q5_0; norms and biases in f32
+        def get(self, name, default=None):
+            return GGMLQuantizationType.Q5_0 if name.endswith(".weight") and "norm" not in name else default
+
+    hf = make_hf_folder("qwen2", tmp_path / "hf", overrides={"hidden_size": 128, "intermediate_size": 256,
+                                                             "tie_word_embeddings": True})
+    qtypes = Q5Linears({"token_embd.weight": GGMLQuantizationType.Q5_0})  # NOTE: not empty: an empty dict is false
+    convert(write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "qwen2", qtypes), tmp_path / "ckpt")
+    native = build_engine(tmp_path / "ckpt", tmp_path / "native", **LIMITS)
+    ort = build_engine(tmp_path / "ckpt", tmp_path / "ort", quant_linears="ort", **LIMITS)
+    model = onnx.load(str(native / CPU_ENGINE_FILE))
+    nodes = [n for n in model.graph.node if n.op_type in ("BlockQuantMatMul", "BlockQuantGather")]
+    assert {n.op_type for n in nodes} == {"BlockQuantMatMul", "BlockQuantGather"}
+    weights = {t.name: t for t in model.graph.initializer}
+    for node in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["bits"] == 5, node.name
+        codes = numpy_helper.to_array(weights[node.input[1]])
+        assert codes.size == -(-attrs["N"] // 16) * 16 * attrs["K"] * 5 // 8
+    config = read_engine_config(native).model
+    sizes = [(e / CPU_WEIGHTS_FILE).stat().st_size for e in (native, ort)]
+    assert sizes[1] - sizes[0] > 0.3 * config.vocab_size * config.hidden_size  # 3 bits a weight less, table alone
+    for got, want in zip(steps(native), steps(ort), strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+        assert (got.argmax(axis=-1) == want.argmax(axis=-1)).all()
