@@ -1,6 +1,8 @@
 """One 4/8-bit linear, trtbuild::BlockQuantMatMul (cpu_ops/block_matmul.cc) against ONNX Runtime's MatMulNBits
 (accuracy level 4: int8 activations too) on the same random codes and scales, at several token counts; alternated
 rounds, medians. The native op runs with float16 scales (as GGUF's Q4_0 / Q8_0 files give them) and float32 ones.
+`--bits 5`: 8-bit codes within 16 of 128 (GGUF's Q5_0 as converted), the native op over them narrowed to 5 bits
+(what an engine holds) and packed as 8 bits, both with float16 scales.
 
     python benchmarks/quant_linear.py [--k 896] [--n 4864] [--bits 4] [--block 32] [--tokens 1,4,16,64,256]
         [--threads 2] [--rounds 7]
@@ -22,7 +24,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild import cpu_ops
-from trtbuild.plugins.block_quant_matmul import pack
+from trtbuild.plugins.block_quant_matmul import narrow, pack
 
 
 def session(node: onnx.NodeProto, k: int, n: int, inits: list, threads: int) -> ort.InferenceSession:
@@ -63,7 +65,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--k", type=int, default=896)
     p.add_argument("--n", type=int, default=4864)
-    p.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    p.add_argument("--bits", type=int, choices=(4, 5, 8), default=4)
     p.add_argument("--block", type=int, choices=(16, 32), default=32)
     p.add_argument("--tokens", default="1,4,16,64,256")
     p.add_argument("--threads", type=int, default=2)
@@ -71,20 +73,28 @@ def main() -> None:
     args = p.parse_args()
     k, n, bits, block = args.k, args.n, args.bits, args.block
     rng = np.random.default_rng(0)
-    codes = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
+    stored = 8 if bits == 5 else bits  # the checkpoint's (MatMulNBits') codes
+    codes = rng.integers(112, 144, (n, k), dtype=np.uint8) if bits == 5 else \
+        rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
     nbits = ((codes[:, 0::2] | (codes[:, 1::2] << 4)) if bits == 4 else codes).reshape(n, k // block, -1)
     scales = (rng.random(n * k // block, dtype=np.float32) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
-    b, s16 = pack(codes, scales, bits)
-    attrs = dict(K=k, N=n, bits=bits, block_size=block)
-    native = helper.make_node("BlockQuantMatMul", ["x", "B", "S"], ["y"], domain="trtbuild", **attrs)
+    narrowed, packed_bits = narrow(codes, stored)  # 5-bit: the codes less 112; else as they are
+    assert packed_bits == bits
+    b, s16 = pack(narrowed, scales, bits)
+    attrs = dict(K=k, N=n, block_size=block)
+    native = helper.make_node("BlockQuantMatMul", ["x", "B", "S"], ["y"], domain="trtbuild", bits=bits, **attrs)
+    second = ("native 8-bit packing", pack(codes, scales, 8)[0], 8) if bits == 5 else \
+        ("native fp32 scales", b, bits)
     kernels = {
         "native fp16 scales": session(native, k, n, [numpy_helper.from_array(b, "B"),
                                                      numpy_helper.from_array(s16, "S")], args.threads),
-        "native fp32 scales": session(native, k, n, [numpy_helper.from_array(b, "B"),
-                                                     numpy_helper.from_array(s16.astype(np.float32), "S")],
-                                      args.threads),
+        second[0]: session(helper.make_node("BlockQuantMatMul", ["x", "B", "S"], ["y"], domain="trtbuild",
+                                            bits=second[2], **attrs), k, n,
+                           [numpy_helper.from_array(second[1], "B"),
+                            numpy_helper.from_array(s16 if bits == 5 else s16.astype(np.float32), "S")],
+                           args.threads),
         "MatMulNBits": session(helper.make_node("MatMulNBits", ["x", "B", "S"], ["y"], domain="com.microsoft",
-                                                accuracy_level=4, **attrs), k, n,
+                                                accuracy_level=4, bits=stored, **attrs), k, n,
                                [numpy_helper.from_array(nbits, "B"), numpy_helper.from_array(scales, "S")],
                                args.threads),
     }
