@@ -1,6 +1,7 @@
 // trtbuild::BlockQuantMatMul for ONNX Runtime's CPU provider: y[M, N] = x[M, K] @ dequant(B)^T, 4-, 5- or 8-bit
-// codes with a scale per block of 32 or 16 and the default zero point (8, 16 or 128), in the 16-row interleaved layout that
-// plugins/block_quant_matmul.py packs at build time (G = ceil(N / 16) groups of 16 rows, nc = K / 32 chunks):
+// codes with a scale per block of 32 or 16 and the default zero point (8, 16 or 128), in the 16-row interleaved
+// layout that plugins/block_quant_matmul.py packs at build time (G = ceil(N / 16) groups of 16 rows, nc = K / 32
+// chunks):
 //   B uint8 [G, nc, 16 * 32 * bits / 8]: in chunk c of group g, 64-byte vector j, lane r (bytes 4r..4r+3) holds
 //     row 16g + r's elements 32c + 4j .. +3; 4-bit: vectors j < 4 hold those of j in their low nibbles and those of
 //     j + 4 in their high ones. So vectors 0-3 are a chunk's first 16 elements and 4-7 its last 16. 5-bit: the
@@ -19,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -115,8 +117,12 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
         w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
       if (BITS == 5) {  // each vector's fifth bits are a byte mask: set 16 where it is on
-        const uint64_t* fifth = reinterpret_cast<const uint64_t*>(codes + b * kBytes + kNibbleBytes);
-        for (int j = 0; j < 8; ++j) w[j] = _mm512_mask_add_epi8(w[j], _cvtu64_mask64(fifth[j]), w[j], sixteen);
+        const uint8_t* fifth = codes + b * kBytes + kNibbleBytes;
+        for (int j = 0; j < 8; ++j) {
+          uint64_t bits;
+          std::memcpy(&bits, fifth + 8 * j, sizeof bits);  // NOTE: the plane need not be 8-byte aligned
+          w[j] = _mm512_mask_add_epi8(w[j], _cvtu64_mask64(bits), w[j], sixteen);
+        }
       }
     } else {
       for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(codes + b * kBytes + j * 64);
