@@ -145,22 +145,29 @@ def test_lowering_one_linear_keeps_its_product(bits, block):
         assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
 
 
+def tied_gguf_engines(tmp_path, qtype) -> tuple:
+    """A small Qwen2 GGUF whose 2-D weights (linears and the tied token table; not norms) are all `qtype`, built with
+    the native linears and with ONNX Runtime's: (native engine dir, ort engine dir)."""
+    from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
+
+    class AllLinears(dict):
+        def get(self, name, default=None):
+            return qtype if name.endswith(".weight") and "norm" not in name else default
+
+    hf = make_hf_folder("qwen2", tmp_path / "hf", overrides={"hidden_size": 128, "intermediate_size": 256,
+                                                             "tie_word_embeddings": True})
+    qtypes = AllLinears({"token_embd.weight": qtype})  # NOTE: not empty: an empty dict is false
+    convert(write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "qwen2", qtypes), tmp_path / "ckpt")
+    return (build_engine(tmp_path / "ckpt", tmp_path / "native", **LIMITS),
+            build_engine(tmp_path / "ckpt", tmp_path / "ort", quant_linears="ort", **LIMITS))
+
+
 def test_a_tied_quantized_embedding_is_held_once(tmp_path):
     """A GGUF whose lm_head is its Q8_0 token table: the embedding gathers rows of the lm_head's packed table
     (BlockQuantGather), and the engine file holds that table once."""
     from gguf import GGMLQuantizationType
-    from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
 
-    class Q8Linears(dict):  # every 2-D weight in Q8_0: the token table and the linears; norms and biases in f32
-        def get(self, name, default=None):
-            return GGMLQuantizationType.Q8_0 if name.endswith(".weight") and "norm" not in name else default
-
-    hf = make_hf_folder("qwen2", tmp_path / "hf", overrides={"hidden_size": 128, "intermediate_size": 256,
-                                                             "tie_word_embeddings": True})
-    qtypes = Q8Linears({"token_embd.weight": GGMLQuantizationType.Q8_0})  # NOTE: not empty: an empty dict is false
-    convert(write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "qwen2", qtypes), tmp_path / "ckpt")
-    native = build_engine(tmp_path / "ckpt", tmp_path / "native", **LIMITS)
-    ort = build_engine(tmp_path / "ckpt", tmp_path / "ort", quant_linears="ort", **LIMITS)
+    native, ort = tied_gguf_engines(tmp_path, GGMLQuantizationType.Q8_0)
     assert ops(native).count("BlockQuantGather") == 1 and "GatherBlockQuantized" not in ops(native)
     assert ops(ort).count("GatherBlockQuantized") == 1
     config = read_engine_config(native).model
@@ -176,19 +183,9 @@ def test_q5_0_weights_are_packed_in_5_bits(tmp_path):
     linears and the embedding's gather hold them in 5.5 bits a weight, not 8.5, and compute what MatMulNBits
     computes on the 8-bit codes."""
     from gguf import GGMLQuantizationType
-    from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
     from onnx import numpy_helper
 
-    class Q5Linears(dict):  # every 2-D weight in Q5_0; norms and biases in f32
-        def get(self, name, default=None):
-            return GGMLQuantizationType.Q5_0 if name.endswith(".weight") and "norm" not in name else default
-
-    hf = make_hf_folder("qwen2", tmp_path / "hf", overrides={"hidden_size": 128, "intermediate_size": 256,
-                                                             "tie_word_embeddings": True})
-    qtypes = Q5Linears({"token_embd.weight": GGMLQuantizationType.Q5_0})  # NOTE: not empty: an empty dict is false
-    convert(write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "qwen2", qtypes), tmp_path / "ckpt")
-    native = build_engine(tmp_path / "ckpt", tmp_path / "native", **LIMITS)
-    ort = build_engine(tmp_path / "ckpt", tmp_path / "ort", quant_linears="ort", **LIMITS)
+    native, ort = tied_gguf_engines(tmp_path, GGMLQuantizationType.Q5_0)
     model = onnx.load(str(native / CPU_ENGINE_FILE))
     nodes = [n for n in model.graph.node if n.op_type in ("BlockQuantMatMul", "BlockQuantGather")]
     assert {n.op_type for n in nodes} == {"BlockQuantMatMul", "BlockQuantGather"}
