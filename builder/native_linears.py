@@ -4,12 +4,14 @@ products, 16 rows per vector so that one tile of tokens reuses each weight load.
 
 Each eligible MatMulNBits (4 or 8 bits, blocks of 16 or 32, the default zero point) becomes a BlockQuantMatMul over a
 packed copy of its weights (plugins/block_quant_matmul.py: the layout; 8-bit codes that fit in 5 bits, as GGUF's Q5_0
-tensors do, packed in 5), and the MatMulNBits initializers nobody else
-reads are dropped, so the engine file holds each linear once. Measured on the 2-core AVX-512 VM (docs/performance.md):
+tensors do, packed in 5), and the MatMulNBits initializers nobody else reads are dropped, so the engine file holds
+each linear once. Measured on the 2-core AVX-512 VM (docs/performance.md):
 faster than MLAS's MatMulNBits at every token count from 1 to 256, which is why there is one graph for all steps.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -31,6 +33,15 @@ def count_eligible(model: onnx.ModelProto) -> int:
     return sum(eligible(n) for n in model.graph.node)
 
 
+class Packed(NamedTuple):
+    """A linear's weights in the native layout: codes and scales initializers, and the bits the codes are packed in
+    (5 where the checkpoint's 8-bit codes fit in 5: bq.narrow)."""
+
+    codes: onnx.TensorProto
+    scales: onnx.TensorProto
+    bits: int
+
+
 class NativeLinears:
     """Rewrites eligible linears in place; packs each weight once however many graph copies it lowers (the
     autotuner lowers a copy per candidate), keeping the packed initializers as they were staged. A tied embedding
@@ -38,8 +49,7 @@ class NativeLinears:
     BlockQuantGather over the packed table, so the engine holds that table once."""
 
     def __init__(self) -> None:
-        self._packed: dict[tuple[str, str], tuple[onnx.TensorProto, onnx.TensorProto]] = {}
-        self._packed_bits: dict[tuple[str, str], int] = {}  # 5 where 8-bit codes fit in 5 (bq.narrow)
+        self._packed: dict[tuple[str, str], Packed] = {}
         self._tied: dict[tuple[str, str], tuple[str, str] | None] = {}  # gather's (data, scales) -> linear's
 
     def _tied_linear(self, view: GraphView, gather: onnx.NodeProto, linears: dict[tuple[str, str], dict]
@@ -72,21 +82,22 @@ class NativeLinears:
             if key not in self._packed:
                 codes, bits = bq.narrow(bq.unpack_nbits(view.constant(key[0]), a["N"], a["K"], a["bits"]), a["bits"])
                 b, s = bq.pack(codes, view.constant(key[1]).reshape(a["N"], -1), bits)
-                self._packed_bits[key] = bits
                 view.add_initializer(key[0] + ".bq", b)
                 view.add_initializer(key[1] + ".bq", s)
-                self._packed[key] = (view.initializers[key[0] + ".bq"], view.initializers[key[1] + ".bq"])
-            for t in self._packed[key]:
-                view.attach(t)
+                self._packed[key] = Packed(view.initializers[key[0] + ".bq"], view.initializers[key[1] + ".bq"], bits)
+            packed = self._packed[key]
+            view.attach(packed.codes)
+            view.attach(packed.scales)
             linears[key] = a
-            _become(node, bq.OP_TYPE, [node.input[0], *(t.name for t in self._packed[key])],
-                    {**a, "bits": self._packed_bits[key]})
+            _become(node, bq.OP_TYPE, [node.input[0], packed.codes.name, packed.scales.name],
+                    {**a, "bits": packed.bits})
         for node in model.graph.node:
             if (node.op_type == "GatherBlockQuantized" and node.domain == MS_DOMAIN and len(node.input) == 3
                     and (node_attrs(node).get("gather_axis", 0), node_attrs(node).get("quantize_axis", 1)) == (0, 1)
                     and (linear := self._tied_linear(view, node, linears)) is not None):
-                _become(node, bq.GATHER_OP_TYPE, [node.input[1], *(t.name for t in self._packed[linear])],
-                        {**linears[linear], "bits": self._packed_bits[linear]})
+                packed = self._packed[linear]
+                _become(node, bq.GATHER_OP_TYPE, [node.input[1], packed.codes.name, packed.scales.name],
+                        {**linears[linear], "bits": packed.bits})
         if linears:
             view.drop_unused_initializers()
             use_opset(model, bq.DOMAIN)
