@@ -2,7 +2,8 @@
 // 16-weight vector widened to float32 and multiplied by one token's activation broadcast) can run on this machine,
 // by where its weights come from: registers only (the FMA peak), L1, a 27.5 MB matrix (the last-level cache of
 // large server parts) and 1.8 GB (memory, as in a decode step), the last without and with a software prefetch
-// 2 KiB ahead. Threads split the rows; rounds alternate; medians.
+// 2 KiB ahead; and the rate the threads can read that 1.8 GB at with no compute at all (what batch-1 decode, one
+// pass over the weights per token, is bound by). Threads split the rows; rounds alternate; medians.
 //
 //     g++ -O3 -march=native -pthread benchmarks/dense_tile_ceilings.cc -o /tmp/ceilings && /tmp/ceilings [threads]
 #include <immintrin.h>
@@ -94,6 +95,26 @@ double fma_peak(int threads) {
   return 2.0 * 16 * 16 * kIters * threads / s / 1e9;
 }
 
+// GB/s of one pass reading the matrix's weights, each thread summing a contiguous share (the sum is discarded)
+double read_rate(const Matrix& a, int threads) {
+  const size_t bytes = a.w.size() * sizeof(uint16_t), share = bytes / threads / 256 * 256;
+  std::vector<float> sink(threads);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int th = 0; th < threads; ++th)
+    pool.emplace_back([&, th] {
+      const char* at = reinterpret_cast<const char*>(a.w.data()) + th * share;
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (size_t i = 0; i < share; i += 256)
+        for (int j = 0; j < 4; ++j) acc[j] = _mm512_add_ps(acc[j], _mm512_loadu_ps(at + i + 64 * j));
+      sink[th] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    });
+  for (auto& t : pool) t.join();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  g_sink = sink[0];
+  return share * threads / s / 1e9;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -105,6 +126,7 @@ int main(int argc, char** argv) {
       {"tile, one 27.5 MB matrix (K=1536, N=8960)", [&] { return matmul_rate<false>(llc, threads, 40); }},
       {"tile, 1.8 GB from memory", [&] { return matmul_rate<false>(memory, threads, 1); }},
       {"tile, 1.8 GB from memory, prefetch 2 KiB ahead", [&] { return matmul_rate<true>(memory, threads, 1); }},
+      {"read 1.8 GB, no compute (GB/s, not GFLOP/s)", [&] { return read_rate(memory, threads); }},
   };
   constexpr int kRounds = 5;
   std::vector<std::vector<double>> rates(cases.size());
