@@ -82,17 +82,17 @@ def main() -> None:
     assert packed_bits == bits
     b, s16 = pack(narrowed, scales, bits)
     attrs = dict(K=k, N=n, block_size=block)
-    native = helper.make_node("BlockQuantMatMul", ["x", "B", "S"], ["y"], domain="trtbuild", bits=bits, **attrs)
-    second = ("native 8-bit packing", pack(codes, scales, 8)[0], 8) if bits == 5 else \
-        ("native fp32 scales", b, bits)
+
+    def native(codes_b: np.ndarray, s: np.ndarray, packed: int) -> ort.InferenceSession:
+        node = helper.make_node("BlockQuantMatMul", ["x", "B", "S"], ["y"], domain="trtbuild", bits=packed, **attrs)
+        return session(node, k, n, [numpy_helper.from_array(codes_b, "B"), numpy_helper.from_array(s, "S")],
+                       args.threads)
+
+    second = {"native 8-bit packing": native(pack(codes, scales, 8)[0], s16, 8)} if bits == 5 else \
+        {"native fp32 scales": native(b, s16.astype(np.float32), bits)}
     kernels = {
-        "native fp16 scales": session(native, k, n, [numpy_helper.from_array(b, "B"),
-                                                     numpy_helper.from_array(s16, "S")], args.threads),
-        second[0]: session(helper.make_node("BlockQuantMatMul", ["x", "B", "S"], ["y"], domain="trtbuild",
-                                            bits=second[2], **attrs), k, n,
-                           [numpy_helper.from_array(second[1], "B"),
-                            numpy_helper.from_array(s16 if bits == 5 else s16.astype(np.float32), "S")],
-                           args.threads),
+        "native fp16 scales": native(b, s16, bits),
+        **second,
         "MatMulNBits": session(helper.make_node("MatMulNBits", ["x", "B", "S"], ["y"], domain="com.microsoft",
                                                 accuracy_level=4, bits=stored, **attrs), k, n,
                                [numpy_helper.from_array(nbits, "B"), numpy_helper.from_array(scales, "S")],
