@@ -80,7 +80,7 @@ def main() -> None:
     scales = (rng.random(n * k // block, dtype=np.float32) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
     narrowed, packed_bits = narrow(codes, stored)  # 5-bit: the codes less 112; else as they are
     assert packed_bits == bits
-    b, s16 = pack(narrowed, scales, bits)
+    b, s16 = pack(narrowed, scales, bits)[:2]
     attrs = dict(K=k, N=n, block_size=block)
 
     def native(codes_b: np.ndarray, s: np.ndarray, packed: int) -> ort.InferenceSession:
@@ -88,7 +88,7 @@ def main() -> None:
         return session(node, k, n, [numpy_helper.from_array(codes_b, "B"), numpy_helper.from_array(s, "S")],
                        args.threads)
 
-    second = {"native 8-bit packing": native(pack(codes, scales, 8)[0], s16, 8)} if bits == 5 else \
+    second = {"native 8-bit packing": native(pack(codes, scales, 8).codes, s16, 8)} if bits == 5 else \
         {"native fp32 scales": native(b, s16.astype(np.float32), bits)}
     kernels = {
         "native fp16 scales": native(b, s16, bits),

@@ -46,7 +46,7 @@ def fold_linear_biases(model: onnx.ModelProto) -> int:
     folded = 0
     for node in list(model.graph.node):
         index = BIAS_INPUT.get(node.op_type) if node.domain == bq.DOMAIN else None
-        if index is None or len(node.input) > index:
+        if index is None or (len(node.input) > index and node.input[index]):
             continue
         n = node_attrs(node)["N"]
         pieces = _pieces(view, node.output[0], n)
@@ -57,7 +57,10 @@ def fold_linear_biases(model: onnx.ModelProto) -> int:
                                for a, (_, w) in zip(adds, pieces, strict=True)]).astype(np.float32)
         name = f"{node.output[0]}.bias"
         view.add_initializer(name, bias)
-        node.input.append(name)
+        if len(node.input) > index:  # an empty slot before the op's other optional inputs
+            node.input[index] = name
+        else:
+            node.input.append(name)
         for a, (tensor, _) in zip(adds, pieces, strict=True):
             if a is not None:
                 view.rename_uses(a[0].output[0], tensor)

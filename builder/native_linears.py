@@ -2,11 +2,13 @@
 of multiplying block-quantized weights: activations quantized to int8 blocks once per linear, integer dot
 products, 16 rows per vector so that one tile of tokens reuses each weight load.
 
-Each eligible MatMulNBits (4 or 8 bits, blocks of 16 or 32, the default zero point) becomes a BlockQuantMatMul over a
-packed copy of its weights (plugins/block_quant_matmul.py: the layout; 8-bit codes that fit in 5 bits, as GGUF's Q5_0
-tensors do, packed in 5), and the MatMulNBits initializers nobody else reads are dropped, so the engine file holds
-each linear once. Measured on the 2-core AVX-512 VM (docs/performance.md):
-faster than MLAS's MatMulNBits at every token count from 1 to 256, which is why there is one graph for all steps.
+Each eligible MatMulNBits (4 or 8 bits, blocks of 16 or 32 with the default zero point, or 4 bits in blocks of 32
+with float zero points, as GGUF's Q4_K / Q4_1 tensors are converted) becomes a BlockQuantMatMul over a packed copy
+of its weights (plugins/block_quant_matmul.py: the layout; 8-bit codes that fit in 5 or 6 bits, as GGUF's Q5_0 /
+Q6_K tensors do, packed in 5 or 6; k-quants' scales and minimums in their two-level form), and the MatMulNBits
+initializers nobody else reads are dropped, so the engine file holds each linear once. Measured on the 2-core
+AVX-512 VM (docs/performance.md): faster than MLAS's MatMulNBits at every token count from 1 to 256, which is why
+there is one graph for all steps.
 """
 
 from __future__ import annotations
@@ -21,25 +23,40 @@ from trtbuild.plugins import block_quant_matmul as bq
 
 
 def eligible(node: onnx.NodeProto) -> bool:
-    """A MatMulNBits the native kernel computes: 4 or 8 bits, blocks of 16 or 32, K % 32 == 0, no zero-point
-    input."""
-    if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN or len([i for i in node.input if i]) != 3:
+    """A MatMulNBits the native kernel computes: 4 or 8 bits, blocks of 16 or 32, K % 32 == 0, the default zero
+    point; or 4 bits in blocks of 32 with zero points (as minimums: zp * scale)."""
+    if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN:
         return False
+    inputs = len([i for i in node.input if i])
     a = node_attrs(node)
-    return a.get("bits") in (4, 8) and a.get("block_size") in bq.WEIGHT_BLOCKS and a["K"] % bq.BLOCK == 0
+    if inputs == 4 and len(node.input) == 4:
+        return a.get("bits") == 4 and a.get("block_size") == bq.BLOCK and a["K"] % bq.BLOCK == 0
+    return (inputs == 3 and a.get("bits") in (4, 8) and a.get("block_size") in bq.WEIGHT_BLOCKS
+            and a["K"] % bq.BLOCK == 0)
 
 
 def count_eligible(model: onnx.ModelProto) -> int:
     return sum(eligible(n) for n in model.graph.node)
 
 
-class Packed(NamedTuple):
-    """A linear's weights in the native layout: codes and scales initializers, and the bits the codes are packed in
-    (5 where the checkpoint's 8-bit codes fit in 5: bq.narrow)."""
+_TABLE_INPUTS = ("codes", "scales", "super_scales", "mins", "super_mins")  # bq.PackedTable's fields, in input order
 
-    codes: onnx.TensorProto
-    scales: onnx.TensorProto
+
+class Packed(NamedTuple):
+    """A linear's weights in the native layout: one initializer per bq.PackedTable field (None where absent), and the
+    bits the codes are packed in (5 or 6 where the checkpoint's 8-bit codes fit: bq.narrow)."""
+
+    tensors: tuple[onnx.TensorProto | None, ...]
     bits: int
+
+    def inputs(self, first: str, bias_slot: bool) -> list[str]:
+        """The op's inputs: `first` (x or ids), B, scales, then the optional ones (BlockQuantMatMul's bias slot
+        left empty), without trailing empty ones."""
+        codes, scales, *optional = (t.name if t is not None else "" for t in self.tensors)
+        names = [first, codes, scales, *([""] if bias_slot else []), *optional]
+        while not names[-1]:
+            names.pop()
+        return names
 
 
 class NativeLinears:
@@ -80,28 +97,47 @@ class NativeLinears:
             a = node_attrs(node)
             key = (node.input[1], node.input[2])
             if key not in self._packed:
-                codes, bits = bq.narrow(bq.unpack_nbits(view.constant(key[0]), a["N"], a["K"], a["bits"]), a["bits"])
-                b, s = bq.pack(codes, view.constant(key[1]).reshape(a["N"], -1), bits)
-                view.add_initializer(key[0] + ".bq", b)
-                view.add_initializer(key[1] + ".bq", s)
-                self._packed[key] = Packed(view.initializers[key[0] + ".bq"], view.initializers[key[1] + ".bq"], bits)
+                self._packed[key] = _pack(view, node, a)
             packed = self._packed[key]
-            view.attach(packed.codes)
-            view.attach(packed.scales)
+            for t in packed.tensors:
+                if t is not None:
+                    view.attach(t)
             linears[key] = a
-            _become(node, bq.OP_TYPE, [node.input[0], packed.codes.name, packed.scales.name],
-                    {**a, "bits": packed.bits})
+            _become(node, bq.OP_TYPE, packed.inputs(node.input[0], bias_slot=True), {**a, "bits": packed.bits})
         for node in model.graph.node:
             if (node.op_type == "GatherBlockQuantized" and node.domain == MS_DOMAIN and len(node.input) == 3
                     and (node_attrs(node).get("gather_axis", 0), node_attrs(node).get("quantize_axis", 1)) == (0, 1)
                     and (linear := self._tied_linear(view, node, linears)) is not None):
                 packed = self._packed[linear]
-                _become(node, bq.GATHER_OP_TYPE, [node.input[1], packed.codes.name, packed.scales.name],
+                _become(node, bq.GATHER_OP_TYPE, packed.inputs(node.input[1], bias_slot=False),
                         {**linears[linear], "bits": packed.bits})
         if linears:
             view.drop_unused_initializers()
             use_opset(model, bq.DOMAIN)
         return len([n for n in model.graph.node if n.op_type == bq.OP_TYPE and n.domain == bq.DOMAIN])
+
+
+def _pack(view: GraphView, node: onnx.NodeProto, a: dict) -> Packed:
+    """Pack an eligible MatMulNBits' weights into new initializers named after its own."""
+    n, k = a["N"], a["K"]
+    codes = bq.unpack_nbits(view.constant(node.input[1]), n, k, a["bits"])
+    scales = view.constant(node.input[2]).reshape(n, -1)
+    mins = None
+    if len(node.input) == 4:  # (code - zp) * scale = code * scale - zp * scale
+        mins = (view.constant(node.input[3]).reshape(n, -1).astype(np.float64) * scales).astype(np.float32)
+        bits = a["bits"]
+    else:
+        codes, bits = bq.narrow(codes, a["bits"])
+    table = bq.pack(codes, scales, bits, mins)
+    tensors = []
+    for field, value in zip(_TABLE_INPUTS, table, strict=True):
+        if value is not None:
+            name = {"codes": f"{node.input[1]}.bq", "scales": f"{node.input[2]}.bq"}.get(field,
+                                                                                     f"{node.input[2]}.bq_{field}")
+            view.add_initializer(name, value)
+            value = view.initializers[name]
+        tensors.append(value)
+    return Packed(tuple(tensors), bits)
 
 
 def _become(node: onnx.NodeProto, op_type: str, inputs: list[str], attrs: dict) -> None:

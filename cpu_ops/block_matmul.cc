@@ -1,19 +1,23 @@
-// trtbuild::BlockQuantMatMul for ONNX Runtime's CPU provider: y[M, N] = x[M, K] @ dequant(B)^T, 4-, 5- or 8-bit
-// codes with a scale per block of 32 or 16 and the default zero point (8, 16 or 128), in the 16-row interleaved
-// layout that plugins/block_quant_matmul.py packs at build time (G = ceil(N / 16) groups of 16 rows, nc = K / 32
-// chunks):
+// trtbuild::BlockQuantMatMul for ONNX Runtime's CPU provider: y[M, N] = x[M, K] @ dequant(B)^T, 4-, 5-, 6- or 8-bit
+// codes with a scale per block of 32 or 16 and the default zero point (8, 16, 32 or 128), or with a minimum per block
+// of 32 and zero point 0, in the 16-row interleaved layout that plugins/block_quant_matmul.py packs at build time
+// (G = ceil(N / 16) groups of 16 rows, nc = K / 32 chunks):
 //   B uint8 [G, nc, 16 * 32 * bits / 8]: in chunk c of group g, 64-byte vector j, lane r (bytes 4r..4r+3) holds
 //     row 16g + r's elements 32c + 4j .. +3; 4-bit: vectors j < 4 hold those of j in their low nibbles and those of
-//     j + 4 in their high ones. So vectors 0-3 are a chunk's first 16 elements and 4-7 its last 16. 5-bit: the
-//     4-bit layout of the low 4 bits, then 64 bytes whose 64-bit word j is a byte mask of vector j's fifth bits.
-//   S float or float16 [G, K / block, 16]: the scale of row 16g + r in each block (float16 where that is exact, as
-//     it is for GGUF's 32-blocks: 11% fewer bytes per 4-bit weight).
+//     j + 4 in their high ones. So vectors 0-3 are a chunk's first 16 elements and 4-7 its last 16. 5/6-bit: the
+//     4-bit layout of the low 4 bits, then one (two) 64-byte planes whose 64-bit word j is a byte mask of vector j's
+//     fifth (sixth) bits.
+//   scales [G, K / block, 16]: the scale of row 16g + r in each block, float, float16 (where that is exact, as it is
+//     for GGUF's 32-blocks: 11% fewer bytes per 4-bit weight), or int8 times a float16 super-scale per 256 elements
+//     (GGUF's k-quants, exactly: 4.6 bits per Q4_K weight instead of 6 with float scales and minimums).
+//   minimums (optional), like the scales: W = scale * code - minimum.
 // The way llama.cpp multiplies: x is quantized once per call to int8 in blocks of 32 (a float scale each); each
 // lane of a VNNI dot product (unsigned codes x 4 signed activation codes broadcast to all lanes) belongs to one
 // row, so a chunk of 16 rows is 8 dot products into int32 vectors, scaled per row and block, and no horizontal
 // sum is ever needed. The zero point is folded into the start value (-zp x the sum of the block's activation
-// codes). A tile of up to 8 tokens reuses each unpacked weight vector from registers; one group's codes are a
-// single contiguous stream, which is what keeps batch-1 decode at the memory's rate.
+// codes); a minimum is multiplied by the block's sum of x as quantized. A tile of up to 8 tokens reuses each
+// unpacked weight vector from registers; one group's codes are a single contiguous stream, which is what keeps
+// batch-1 decode at the memory's rate.
 #include "packed_table.h"
 
 #include <immintrin.h>
@@ -44,21 +48,26 @@ constexpr int64_t kTaskGroupsShort = 4;
 constexpr int64_t kTaskGroupsLong = 8;
 
 // x quantized for one call, in blocks of 32: int8 codes [M, K] in x's order; per token and block, the dot
-// products' start values for its two halves (-zp x the sum of the half's codes) and the activation scale.
+// products' start values for its two halves (-zp x the sum of the half's codes), the activation scale and (for
+// minimums) the sum of the block as quantized. NOTE: not x's exact sum: then y = sum (scale * code - min) * x_q,
+// whose error is that of the weights times x's rounding, as llama.cpp's; with the exact sum the error is scale *
+// code times it, codes 0..15 where the weights center on 0 (a small Q4_K Qwen2's logits were 4x further from the
+// float model's: tests/test_native_linears.py, k-quants).
 struct QuantizedX {
   int64_t blocks = 0;
   std::vector<int8_t> codes;
   std::vector<int32_t> bias;  // [M, blocks, 2]
   std::vector<float> scale;
+  std::vector<float> sum;
 };
 
-void quantize_x(const float* x, int64_t m, int64_t k, int bits, QuantizedX& q) {
+void quantize_x(const float* x, int64_t m, int64_t k, int32_t zp, bool sums, QuantizedX& q) {
   q.blocks = k / kBlock;
   q.codes.resize(m * k);
   q.bias.resize(m * q.blocks * 2);
   q.scale.resize(m * q.blocks);
+  q.sum.resize(sums ? m * q.blocks : 0);
 #ifndef TRTBUILD_NO_VNNI
-  const int32_t zp = zero_point(bits);
   for (int64_t i = 0; i < m * q.blocks; ++i) {
     const float* src = x + i * kBlock;
     const __m512 v0 = _mm512_loadu_ps(src), v1 = _mm512_loadu_ps(src + 16);
@@ -68,18 +77,21 @@ void quantize_x(const float* x, int64_t m, int64_t k, int bits, QuantizedX& q) {
     const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * kBlock), _mm512_cvtsepi32_epi8(c0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * kBlock + 16), _mm512_cvtsepi32_epi8(c1));
-    q.bias[2 * i] = -zp * _mm512_reduce_add_epi32(c0);
-    q.bias[2 * i + 1] = -zp * _mm512_reduce_add_epi32(c1);
+    const int32_t sum0 = _mm512_reduce_add_epi32(c0), sum1 = _mm512_reduce_add_epi32(c1);
+    q.bias[2 * i] = -zp * sum0;
+    q.bias[2 * i + 1] = -zp * sum1;
     q.scale[i] = amax / 127.0f;
+    if (sums) q.sum[i] = q.scale[i] * static_cast<float>(sum0 + sum1);
   }
 #else
-  (void)x, (void)bits;
+  (void)x, (void)zp, (void)sums;
 #endif
 }
 
 struct Problem {
   const uint8_t* b;
-  const void* scales;
+  TableScales table;
+  int64_t supers;  // super-blocks per row (two-level scales)
   float* y;
   const QuantizedX* qx;
   int64_t m, n, k;
@@ -88,20 +100,27 @@ struct Problem {
 };
 
 #ifndef TRTBUILD_NO_VNNI
-// Rows 16g .. 16g + 15 of tokens t0 .. t0 + T - 1.
-template <bool HALF>
-__m512 load_scales(const void* scales, int64_t at) {
-  if (HALF) return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(scales) + at));
-  return _mm512_loadu_ps(static_cast<const float*>(scales) + at * kRows);
+// The 16 rows' values of block `at` (of all groups' blocks), in super-block `super_at` for two-level ones.
+template <ScaleKind KIND>
+__m512 load_block_values(const BlockValues& v, int64_t at, int64_t super_at) {
+  if constexpr (KIND == ScaleKind::kHalf) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(v.sub) + at));
+  } else if constexpr (KIND == ScaleKind::kFloat) {
+    return _mm512_loadu_ps(static_cast<const float*>(v.sub) + at * kRows);
+  } else {  // NOTE: int8 x float16 is exact in float32, and so equals the checkpoint's float32 scale
+    const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(v.sub) + at)));
+    return _mm512_mul_ps(sub, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.super) + super_at)));
+  }
 }
 
-template <int BITS, bool HALF, bool BLOCK16, int T>
+// Rows 16g .. 16g + 15 of tokens t0 .. t0 + T - 1.
+template <int BITS, ScaleKind KIND, bool BLOCK16, bool MINS, int T>
 void tile(const Problem& p, int64_t g, int64_t t0) {
   constexpr int64_t kBytes = kRows * kBlock * BITS / 8;  // one block of one group
   const QuantizedX& q = *p.qx;
   const int64_t nb = q.blocks;
   const uint8_t* codes = p.b + g * nb * kBytes;
-  const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+  const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -116,20 +135,23 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
         w[j] = _mm512_and_si512(v, low);
         w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       }
-      if (BITS == 5) {  // each vector's fifth bits are a byte mask: set 16 where it is on
-        const uint8_t* fifth = codes + b * kBytes + kNibbleBytes;
+      for (int plane = 0; plane < BITS - 4; ++plane) {  // each vector's fifth (sixth) bits are a byte mask
+        const uint8_t* high = codes + b * kBytes + kNibbleBytes + plane * 64;
+        const __m512i value = _mm512_set1_epi8(static_cast<char>(16 << plane));
         for (int j = 0; j < 8; ++j) {
           uint64_t bits;
-          std::memcpy(&bits, fifth + 8 * j, sizeof bits);  // NOTE: the plane need not be 8-byte aligned
-          w[j] = _mm512_mask_add_epi8(w[j], _cvtu64_mask64(bits), w[j], sixteen);
+          std::memcpy(&bits, high + 8 * j, sizeof bits);  // NOTE: the planes need not be 8-byte aligned
+          w[j] = _mm512_mask_add_epi8(w[j], _cvtu64_mask64(bits), w[j], value);
         }
       }
     } else {
       for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(codes + b * kBytes + j * 64);
     }
     // NOTE: a 16-block chunk has two scale vectors, one per half
-    const __m512 ws = load_scales<HALF>(p.scales, (g * nb + b) * (BLOCK16 ? 2 : 1));
-    const __m512 ws_hi = BLOCK16 ? load_scales<HALF>(p.scales, (g * nb + b) * 2 + 1) : ws;
+    const int64_t super_at = g * p.supers + b * kBlock / kSuperBlock;
+    const __m512 ws = load_block_values<KIND>(p.table.scales, (g * nb + b) * (BLOCK16 ? 2 : 1), super_at);
+    const __m512 ws_hi = BLOCK16 ? load_block_values<KIND>(p.table.scales, (g * nb + b) * 2 + 1, super_at) : ws;
+    const __m512 mins = MINS ? load_block_values<KIND>(p.table.mins, g * nb + b, super_at) : ws;
     for (int t = 0; t < T; ++t) {
       const int64_t at = (t0 + t) * nb + b;
       const int32_t* x4 = reinterpret_cast<const int32_t*>(q.codes.data() + at * kBlock);
@@ -153,6 +175,7 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
       } else {
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), _mm512_mul_ps(ws, xs), acc[t]);
       }
+      if (MINS) acc[t] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(q.sum[at]), acc[t]);
     }
   }
   const int64_t rows = std::min(kRows, p.n - g * kRows);
@@ -162,16 +185,16 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
     _mm512_mask_storeu_ps(p.y + (t0 + t) * p.n + g * kRows, keep, _mm512_add_ps(acc[t], bias));
 }
 
-template <int BITS, bool HALF, bool BLOCK16, int T>
+template <int BITS, ScaleKind KIND, bool BLOCK16, bool MINS, int T>
 void tail(const Problem& p, int64_t g, int64_t t0, int64_t left) {
   if constexpr (T > 0) {
-    if (left == T) return tile<BITS, HALF, BLOCK16, T>(p, g, t0);
-    tail<BITS, HALF, BLOCK16, T - 1>(p, g, t0, left);
+    if (left == T) return tile<BITS, KIND, BLOCK16, MINS, T>(p, g, t0);
+    tail<BITS, KIND, BLOCK16, MINS, T - 1>(p, g, t0, left);
   }
 }
 #endif
 
-template <int BITS, bool HALF, bool BLOCK16>
+template <int BITS, ScaleKind KIND, bool BLOCK16, bool MINS>
 void run_task(void* data, size_t task) {
 #ifndef TRTBUILD_NO_VNNI
   const Problem& p = *static_cast<const Problem*>(data);
@@ -181,8 +204,8 @@ void run_task(void* data, size_t task) {
   const int64_t g0 = static_cast<int64_t>(task) % p.group_tasks * p.groups_per_task;
   for (int64_t g = g0; g < std::min(groups, g0 + p.groups_per_task); ++g) {
     int64_t t = t0;
-    for (; t + kTokens <= t1; t += kTokens) tile<BITS, HALF, BLOCK16, kTokens>(p, g, t);
-    tail<BITS, HALF, BLOCK16, kTokens - 1>(p, g, t, t1 - t);
+    for (; t + kTokens <= t1; t += kTokens) tile<BITS, KIND, BLOCK16, MINS, kTokens>(p, g, t);
+    tail<BITS, KIND, BLOCK16, MINS, kTokens - 1>(p, g, t, t1 - t);
   }
 #else
   (void)data, (void)task;
@@ -191,12 +214,22 @@ void run_task(void* data, size_t task) {
 
 using Task = void (*)(void*, size_t);
 
-template <int BITS, bool HALF>
-Task task_for(bool block16) {
-  return block16 ? run_task<BITS, HALF, true> : run_task<BITS, HALF, false>;
+// The task of one format; minimums come with blocks of 32 only (PackedTable::check).
+template <int BITS, ScaleKind KIND>
+Task task_for(bool block16, bool mins) {
+  return block16 ? run_task<BITS, KIND, true, false>
+                 : (mins ? run_task<BITS, KIND, false, true> : run_task<BITS, KIND, false, false>);
+}
+
+template <int BITS>
+Task task_for(ScaleKind kind, bool block16, bool mins) {
+  return kind == ScaleKind::kFloat  ? task_for<BITS, ScaleKind::kFloat>(block16, mins)
+         : kind == ScaleKind::kHalf ? task_for<BITS, ScaleKind::kHalf>(block16, mins)
+                                    : task_for<BITS, ScaleKind::kTwoLevel>(block16, mins);
 }
 
 struct BlockQuantMatMulKernel {
+  static constexpr size_t kFirstOptional = 4;  // after the bias: super-scales, minimums, super-minimums
   PackedTable table;
   const int64_t k, n, bits, block;
 
@@ -213,8 +246,7 @@ struct BlockQuantMatMulKernel {
     const std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
     if (shape.empty() || shape.back() != k) table.fail("the last dimension of x is not K");
     const int64_t groups = table.groups();
-    const Ort::ConstValue b = ctx.GetInput(1), s = ctx.GetInput(2);
-    const bool half = table.check(b, s);
+    const TableScales scales = table.check(ctx, 1, 2, kFirstOptional);
     int64_t m = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) m *= shape[i];
     std::vector<int64_t> out_shape = shape;
@@ -222,18 +254,20 @@ struct BlockQuantMatMulKernel {
     Ort::UnownedValue y = ctx.GetOutput(0, out_shape);
     if (m == 0) return;
     thread_local QuantizedX qx;  // NOTE: reused across calls: no allocation per linear
-    quantize_x(x.GetTensorData<float>(), m, k, static_cast<int>(bits), qx);
+    quantize_x(x.GetTensorData<float>(), m, k, scales.has_mins() ? 0 : zero_point(bits), scales.has_mins(), qx);
     const int64_t task_tokens = std::max<int64_t>(64, kTaskCodeBytes / k / kTokens * kTokens);
     const int64_t token_tasks = (m + task_tokens - 1) / task_tokens;
     const int64_t per = token_tasks > 1 ? kTaskGroupsLong : kTaskGroupsShort;
-    Problem p{b.GetTensorData<uint8_t>(), s.GetTensorRawData(), y.GetTensorMutableData<float>(), &qx, m, n, k,
+    Problem p{ctx.GetInput(1).GetTensorData<uint8_t>(), scales, table.supers(), y.GetTensorMutableData<float>(),
+              &qx, m, n, k,
               task_tokens, (groups + per - 1) / per, per,
               bias(ctx, 3, n, [&](const std::string& what) { table.fail(what); })};
     const size_t tasks = static_cast<size_t>(token_tasks * p.group_tasks);
-    const bool block16 = block == 16;
-    const Task task = bits == 4   ? (half ? task_for<4, true>(block16) : task_for<4, false>(block16))
-                      : bits == 5 ? (half ? task_for<5, true>(block16) : task_for<5, false>(block16))
-                                  : (half ? task_for<8, true>(block16) : task_for<8, false>(block16));
+    const bool block16 = block == 16, mins = scales.has_mins();
+    const Task task = bits == 4   ? task_for<4>(scales.kind, block16, mins)
+                      : bits == 5 ? task_for<5>(scales.kind, block16, mins)
+                      : bits == 6 ? task_for<6>(scales.kind, block16, mins)
+                                  : task_for<8>(scales.kind, block16, mins);
     ctx.ParallelFor(task, tasks, 0, &p);
   }
 };
@@ -243,14 +277,16 @@ struct BlockQuantMatMulOp : Ort::CustomOpBase<BlockQuantMatMulOp, BlockQuantMatM
     return new BlockQuantMatMulKernel(api, info);
   }
   const char* GetName() const { return "BlockQuantMatMul"; }
-  size_t GetInputTypeCount() const { return 4; }
-  ONNXTensorElementDataType GetInputType(size_t i) const {  // scales: float or float16, checked in Compute
+  // x, B, scales, bias, super-scales, minimums, super-minimums (the last four optional)
+  size_t GetInputTypeCount() const { return 7; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {  // scales and minimums: checked in Compute
     return i == 0 || i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
            : i == 1         ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
+           : i == 4 || i == 6 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
                             : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   }
-  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {  // the bias
-    return i == 3 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i >= 3 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
                   : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 1; }

@@ -1,18 +1,67 @@
-// The packed 4/5/8-bit table that trtbuild::BlockQuantMatMul multiplies with and trtbuild::BlockQuantGather reads
+// The packed 4/5/6/8-bit table that trtbuild::BlockQuantMatMul multiplies with and trtbuild::BlockQuantGather reads
 // rows of (layout: block_matmul.cc, plugins/block_quant_matmul.py): its attributes and the checks of its tensors.
 #pragma once
 #include "cpu_ops.h"
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 namespace trtbuild_cpu_ops {
 
 constexpr int64_t kTableRows = 16;   // rows per group: one per int32 lane
 constexpr int64_t kTableChunk = 32;  // elements per chunk of a row (and per activation block)
-constexpr int64_t kNibbleBytes = kTableRows * kTableChunk / 2;  // a chunk's 4-bit codes (5-bit: then the fifth bits)
+constexpr int64_t kNibbleBytes = kTableRows * kTableChunk / 2;  // a chunk's 4-bit codes (5/6-bit: then bit planes)
+constexpr int64_t kSuperBlock = 256;  // elements per super-block of two-level scales
 
-inline int32_t zero_point(int64_t bits) { return bits == 4 ? 8 : bits == 5 ? 16 : 128; }
+inline int32_t zero_point(int64_t bits) { return bits == 4 ? 8 : bits == 5 ? 16 : bits == 6 ? 32 : 128; }
+
+// How a table's scales (and minimums) are stored: [G, K / block, 16] float, float16, or int8 sub-scales times a
+// float16 super-scale per row and super-block of 256 elements ([G, K / 256, 16]), as GGUF's k-quants keep them.
+enum class ScaleKind { kFloat, kHalf, kTwoLevel };
+
+inline float half_to_float(uint16_t h) {  // IEEE binary16, subnormals included
+  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    int shift = 0;
+    uint32_t m = mantissa;
+    while (!(m & 0x400)) m <<= 1, ++shift;
+    bits = sign | ((113 - shift) << 23) | ((m & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// One per-block quantity of a table (its scales, or its minimums), checked against the table's size.
+struct BlockValues {
+  const void* sub = nullptr;         // [G, K / block, 16]: float, float16 or int8
+  const uint16_t* super = nullptr;   // float16 [G, K / 256, 16] (two-level only)
+
+  // The value of row 16g + lane in block `block` of the row (scalar: for the gather).
+  float at(ScaleKind kind, int64_t blocks, int64_t supers, int64_t block_size, int64_t g, int64_t block,
+           int64_t lane) const {
+    const int64_t i = (g * blocks + block) * kTableRows + lane;
+    if (kind == ScaleKind::kFloat) return static_cast<const float*>(sub)[i];
+    if (kind == ScaleKind::kHalf) return half_to_float(static_cast<const uint16_t*>(sub)[i]);
+    const int64_t s = (g * supers + block * block_size / kSuperBlock) * kTableRows + lane;
+    return static_cast<float>(static_cast<const int8_t*>(sub)[i]) * half_to_float(super[s]);
+  }
+};
+
+// A table's scales and optional minimums (W = scale * code - minimum, zero point 0), as a node's inputs give them.
+struct TableScales {
+  ScaleKind kind = ScaleKind::kFloat;
+  BlockValues scales, mins;  // mins.sub null: no minimums, the default zero point
+  bool has_mins() const { return mins.sub != nullptr; }
+};
 
 struct PackedTable {
   std::string op;  // for error messages
@@ -24,7 +73,7 @@ struct PackedTable {
     n = ki.GetAttribute<int64_t>("N");
     bits = ki.GetAttribute<int64_t>("bits");
     block = ki.GetAttribute<int64_t>("block_size");
-    if (bits != 4 && bits != 5 && bits != 8) fail("bits must be 4, 5 or 8");
+    if (bits != 4 && bits != 5 && bits != 6 && bits != 8) fail("bits must be 4, 5, 6 or 8");
     if (block != 16 && block != 32) fail("block_size must be 16 or 32");
     if (k % kTableChunk) fail("K must be a multiple of 32, got " + std::to_string(k));
   }
@@ -34,16 +83,61 @@ struct PackedTable {
   }
 
   int64_t groups() const { return (n + kTableRows - 1) / kTableRows; }
+  int64_t blocks() const { return k / block; }
+  int64_t supers() const { return k / kSuperBlock; }
 
-  // Checks B's and the scales' sizes and the scales' type; returns whether the scales are float16.
-  bool check(const Ort::ConstValue& b, const Ort::ConstValue& s) const {
+  // Checks B and the scale inputs: `scales` (the scales), and from `first_optional` on the optional super-scales,
+  // minimums and super-minimums (plugins/README.md). Returns how they are stored.
+  TableScales check(Ort::KernelContext& ctx, size_t b_index, size_t scales_index, size_t first_optional) const {
+    const Ort::ConstValue b = ctx.GetInput(b_index), s = ctx.GetInput(scales_index);
+    const size_t per_block = static_cast<size_t>(groups() * blocks() * kTableRows);
     if (b.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(groups() * k * kTableRows * bits / 8) ||
-        s.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(groups() * k / block * kTableRows))
+        s.GetTensorTypeAndShapeInfo().GetElementCount() != per_block)
       fail("B or scales do not hold ceil(N / 16) groups of 16 rows (plugins/block_quant_matmul.py: pack)");
+    TableScales t;
     const ONNXTensorElementDataType type = s.GetTensorTypeAndShapeInfo().GetElementType();
-    if (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
-      fail("scales must be float or float16");
-    return type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    t.kind = type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT     ? ScaleKind::kFloat
+             : type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? ScaleKind::kHalf
+             : type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8    ? ScaleKind::kTwoLevel
+                                                             : fail_kind();
+    t.scales.sub = s.GetTensorRawData();
+    const Ort::ConstValue super = optional(ctx, first_optional), mins = optional(ctx, first_optional + 1),
+                          super_mins = optional(ctx, first_optional + 2);
+    if ((t.kind == ScaleKind::kTwoLevel) != (present(super)))
+      fail("int8 scales need float16 super-scales, and only they do");
+    if (present(super_mins) && !(present(mins) && t.kind == ScaleKind::kTwoLevel))
+      fail("super-minimums come with int8 minimums and two-level scales");
+    if (t.kind == ScaleKind::kTwoLevel) {
+      if (k % kSuperBlock) fail("two-level scales need K a multiple of 256, got " + std::to_string(k));
+      t.scales.super = super_values(super);
+    }
+    if (present(mins)) {
+      if (mins.GetTensorTypeAndShapeInfo().GetElementType() != type ||
+          mins.GetTensorTypeAndShapeInfo().GetElementCount() != per_block)
+        fail("the minimums must have the scales' type and shape");
+      if (block != kTableChunk) fail("minimums need block_size 32");
+      t.mins.sub = mins.GetTensorRawData();
+      if (t.kind == ScaleKind::kTwoLevel) {
+        if (!present(super_mins)) fail("int8 minimums need float16 super-minimums");
+        t.mins.super = super_values(super_mins);
+      }
+    }
+    return t;
+  }
+
+ private:
+  [[noreturn]] ScaleKind fail_kind() const { fail("scales must be float, float16 or int8 (two-level)"); }
+
+  static Ort::ConstValue optional(Ort::KernelContext& ctx, size_t index) {
+    return ctx.GetInputCount() > index ? ctx.GetInput(index) : Ort::ConstValue{nullptr};
+  }
+  static bool present(const Ort::ConstValue& v) { return static_cast<const OrtValue*>(v) != nullptr; }
+
+  const uint16_t* super_values(const Ort::ConstValue& v) const {
+    if (v.GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ||
+        v.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(groups() * supers() * kTableRows))
+      fail("super-scales and super-minimums are float16 [ceil(N / 16), K / 256, 16]");
+    return v.GetTensorData<uint16_t>();
   }
 };
 

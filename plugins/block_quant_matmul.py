@@ -1,23 +1,32 @@
 """The contract of `trtbuild::BlockQuantMatMul` (documented in plugins/README.md): its weight layout, the packing
 into it, and its numpy reference.
 
-A 4/5/8-bit linear with a scale per block of 32 or 16 weights and the default zero point (8, 16 or 128),
-computed as llama.cpp does: activations rounded to int8 per block of 32, exact integer dot products, each weight
-block scaled by its scale and the activation's. The weights are packed at build time, 16 rows interleaved
-(cpu_ops/block_matmul.cc says why):
+A 4/5/6/8-bit linear with a scale per block of 32 or 16 weights and the default zero point (8, 16, 32 or 128), or
+with a scale and a minimum per block of 32 (W = scale * code - minimum: GGUF's Q4_K and Q4_1, whose checkpoint
+form has float zero points), computed as llama.cpp does: activations rounded to int8 per block of 32, exact integer
+dot products, each weight block scaled by its scale and the activation's; a minimum times the block's sum of x as
+quantized. The weights are packed at build time, 16 rows interleaved (cpu_ops/block_matmul.cc says why):
 
   B uint8 [G, K / 32, 16 * 32 * bits / 8], G = ceil(N / 16): in chunk c of group g, 64-byte vector j, bytes
     4r .. 4r + 3 hold row 16g + r's codes 32c + 4j .. +3; 4-bit: vectors j < 4 hold those of j in their low nibbles
-    and those of j + 4 in their high ones. 5-bit: the 4-bit layout of each code's low 4 bits (256 bytes), then a
-    64-byte plane of their fifth bits: bit 64j + 4r + i is that of row 16g + r's element 32c + 4j + i.
-  S float16 or float32 [G, K / block, 16]: S[g, b, r] is the scale of row 16g + r in block b; `pack` stores float16
-    when every scale is exact in it (GGUF's Q4_0 / Q8_0 ones are: 11% fewer bytes per 4-bit weight), else float32.
-Rows past N (padding) have code zp and scale 0. 5-bit codes are not a checkpoint format (MatMulNBits has 4 and 8):
-`narrow` finds them among 8-bit ones, as GGUF's Q5_0 tensors are converted (code q - 16 + 128, q of 5 bits), and
-packs them in 5.5 bits a weight instead of 8.5, exactly.
+    and those of j + 4 in their high ones. 5/6-bit: the 4-bit layout of each code's low 4 bits (256 bytes), then a
+    64-byte plane of their fifth bits (and one of their sixth): bit 64j + 4r + i is that of row 16g + r's element
+    32c + 4j + i.
+  scales [G, K / block, 16]: S[g, b, r] is the scale of row 16g + r in block b, stored (`pack`) in the first form
+    that holds every scale exactly: int8 times a float16 super-scale [G, K / 256, 16] per row and 256 elements
+    (GGUF's k-quants are such products: Q4_K then takes 4.6 bits a weight, not 6), float16 (GGUF's Q4_0 / Q8_0
+    scales: 11% fewer bytes per 4-bit weight than float32), else float32.
+  mins (optional), in the scales' form: the minimums, recovered from the checkpoint's float zero points (zp * scale,
+    to float32 rounding; a two-level or float16 form is taken when it matches them to 1e-6 relative, and then gives
+    ggml's own products back).
+Rows past N (padding) have code zp and scale 0. 5- and 6-bit codes are not a checkpoint format (MatMulNBits has 4
+and 8): `narrow` finds them among 8-bit ones, as GGUF's Q5_0 and Q6_K tensors are converted (code q - 16 + 128 or
+q - 32 + 128), and packs them in 5 or 6 bits a weight instead of 8, exactly.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,7 +36,19 @@ GATHER_OP_TYPE = "BlockQuantGather"  # rows of a packed table, dequantized (a ti
 BLOCK = 32  # activation blocks, and the weights' chunks
 WEIGHT_BLOCKS = (16, 32)
 ROWS = 16  # rows per group: one per int32 lane of a 512-bit vector
-ZERO_POINT = {4: 8, 5: 16, 8: 128}
+ZERO_POINT = {4: 8, 5: 16, 6: 32, 8: 128}
+SUPER_BLOCK = 256  # elements per super-scale of two-level scales
+MINS_TOLERANCE = 1e-6  # how near (relative) a compact form of the minimums must come to the checkpoint's
+
+
+class PackedTable(NamedTuple):
+    """A linear's weights in the kernel's layout: the inputs B, scales and the optional ones (plugins/README.md)."""
+
+    codes: np.ndarray
+    scales: np.ndarray  # float32, float16, or int8 with super_scales
+    super_scales: np.ndarray | None = None
+    mins: np.ndarray | None = None  # like scales, with super_mins where scales are int8
+    super_mins: np.ndarray | None = None
 
 
 def unpack_nbits(b: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
@@ -42,48 +63,126 @@ def unpack_nbits(b: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
 
 
 def narrow(codes: np.ndarray, bits: int) -> tuple[np.ndarray, int]:
-    """8-bit codes [N, K] that all lie within 16 of the zero point as the same values in 5 bits (code - 112,
-    zero point 16), with 5; any other codes as they are, with `bits`."""
-    if bits == 8 and codes.size and int(codes.min()) >= 112 and int(codes.max()) <= 143:
-        return codes - np.uint8(112), 5
+    """8-bit codes [N, K] that all lie within 16 (32) of the zero point as the same values in 5 (6) bits (code - 112
+    with zero point 16, or code - 96 with 32), with 5 (6); any other codes as they are, with `bits`."""
+    if bits == 8 and codes.size:
+        low, high = int(codes.min()), int(codes.max())
+        for narrow_bits in (5, 6):
+            offset = ZERO_POINT[8] - ZERO_POINT[narrow_bits]
+            if low >= offset and high < offset + (1 << narrow_bits):
+                return codes - np.uint8(offset), narrow_bits
     return codes, bits
 
 
-def pack(codes: np.ndarray, scales: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """B and S of the contract from codes [N, K] (0..15, 0..31 or 0..255) and per-block scales [N, K / block]."""
+# The int8 sub-value a super-block's largest value most likely has, first: ggml's Q4_K scales and minimums
+# (63) and Q6_K scales (-128); the others are tried for what remains.
+_SUB_CANDIDATES = (63, -128, *range(127, 0, -1), *range(-127, 0))
+_SAMPLE = 64  # super-blocks tried with every candidate before all the rest are
+
+
+def two_level(values: np.ndarray, per_super: int, tolerance: float = 0.0) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per-block values [rows, blocks] as int8 sub-values [rows, blocks] times a float16 per row and `per_super`
+    blocks [rows, blocks / per_super], whose float32 products equal them (tolerance 0) or lie within `tolerance`
+    (relative) of them; None when some super-block has no such factors."""
+    rows, blocks = values.shape
+    want = values.reshape(-1, per_super).astype(np.float32)
+    v = want.astype(np.float64)
+    big = np.take_along_axis(v, np.abs(v).argmax(axis=1)[:, None], axis=1)[:, 0]
+    sub = np.zeros(v.shape, np.int8)
+    sup = np.zeros(len(v), np.float16)
+
+    def solve(todo: np.ndarray, candidates: tuple[int, ...]) -> np.ndarray:
+        """Factor super-blocks `todo` with the first of `candidates` that works; returns those left."""
+        for c in candidates:
+            if not len(todo):
+                break
+            with np.errstate(all="ignore"):
+                d = (big[todo] / c).astype(np.float16)
+                q = np.nan_to_num(np.rint(v[todo] / d.astype(np.float64)[:, None]), posinf=1e9, neginf=-1e9)
+                product = d.astype(np.float32)[:, None] * q.astype(np.float32)
+                close = product == want[todo] if not tolerance else \
+                    np.abs(product - want[todo]) <= tolerance * np.abs(want[todo])
+            ok = np.all((q >= -128) & (q <= 127) & close, axis=1)
+            sub[todo[ok]], sup[todo[ok]] = q[ok].astype(np.int8), d[ok]
+            todo = todo[~ok]
+        return todo
+
+    todo = solve(np.flatnonzero(big != 0), _SUB_CANDIDATES[:2])  # an all-zero super-block is 0 x 0
+    # NOTE: a float model's scales factor nowhere: a sample tells before ~250 passes over all of them
+    if len(todo) and len(solve(todo[:_SAMPLE], _SUB_CANDIDATES[2:])):
+        return None
+    if len(solve(todo[_SAMPLE:], _SUB_CANDIDATES[2:])):
+        return None
+    return sub.reshape(rows, blocks), sup.reshape(rows, blocks // per_super)
+
+
+def _half(values: np.ndarray, tolerance: float = 0.0) -> np.ndarray | None:
+    """`values` as float16 when that holds each exactly (or within `tolerance`, relative), else None."""
+    with np.errstate(over="ignore"):
+        half = values.astype(np.float16)
+    back = half.astype(np.float32)
+    ok = np.array_equal(back, values) if not tolerance else np.all(np.abs(back - values) <= tolerance * np.abs(values))
+    return half if ok else None
+
+
+def pack(codes: np.ndarray, scales: np.ndarray, bits: int, mins: np.ndarray | None = None) -> PackedTable:
+    """The kernel's tensors from codes [N, K] (0 .. 2^bits - 1), per-block scales [N, K / block] and, for W = scale *
+    code - minimum (blocks of 32; the codes then have no zero point), per-block minimums like the scales."""
     n, k = codes.shape
     groups, chunks = -(-n // ROWS), k // BLOCK
     blocks = scales.size // n
-    padded = np.full((groups * ROWS, k), ZERO_POINT[bits], dtype=np.uint8)
+    padded = np.full((groups * ROWS, k), 0 if mins is not None else ZERO_POINT[bits], dtype=np.uint8)
     padded[:n] = codes
-    s = np.zeros((groups * ROWS, blocks), dtype=np.float32)
-    s[:n] = scales.reshape(n, blocks)
     # [G, r, c, j, i]: element 32c + 4j + i of row 16g + r
     c = padded.reshape(groups, ROWS, chunks, 8, 4)
-    if bits == 5:  # [G, c, j, r, i] fifth bits, 64 per j, little-endian
-        plane = np.packbits((c >> 4).transpose(0, 2, 3, 1, 4).reshape(groups, chunks, 8, 64), axis=-1,
-                            bitorder="little").reshape(groups, chunks, 64)
+    planes = []
+    for plane in range(bits - 4 if bits in (5, 6) else 0):  # [G, c, j, r, i] fifth (sixth) bits, 64 per j
+        planes.append(np.packbits(((c >> (4 + plane)) & 1).transpose(0, 2, 3, 1, 4).reshape(groups, chunks, 8, 64),
+                                  axis=-1, bitorder="little").reshape(groups, chunks, 64))
+    if bits in (5, 6):
         c = c & np.uint8(0x0F)
-    if bits in (4, 5):
+    if bits in (4, 5, 6):
         c = c[:, :, :, :4] | (c[:, :, :, 4:] << 4)
-    b = np.ascontiguousarray(c.transpose(0, 2, 3, 1, 4)).reshape(groups, chunks, -1)
-    if bits == 5:
-        b = np.concatenate([b, plane], axis=2)
-    s = np.ascontiguousarray(s.reshape(groups, ROWS, blocks).transpose(0, 2, 1))
-    half = s.astype(np.float16)
-    return b, half if np.array_equal(half.astype(np.float32), s) else s
+    b = np.concatenate([np.ascontiguousarray(c.transpose(0, 2, 3, 1, 4)).reshape(groups, chunks, -1), *planes],
+                       axis=2)
+    values = [np.zeros((groups * ROWS, blocks), dtype=np.float32) for _ in range(1 if mins is None else 2)]
+    values[0][:n] = scales.reshape(n, blocks)
+    if mins is not None:
+        values[1][:n] = mins.reshape(n, blocks)
+        # a block whose codes are all 0 is its minimum alone: its scale is free, and 0 factors with any super-scale
+        values[0][(padded.reshape(groups * ROWS, blocks, -1) == 0).all(axis=2)] = 0
+    tolerances = (0.0, MINS_TOLERANCE)
+
+    def layout(t: np.ndarray) -> np.ndarray:  # [G * 16, columns] -> [G, columns, 16]
+        return np.ascontiguousarray(t.reshape(groups, ROWS, -1).transpose(0, 2, 1))
+
+    if k % SUPER_BLOCK == 0:
+        split = [two_level(v, SUPER_BLOCK * blocks // k, tol) for v, tol in zip(values, tolerances, strict=False)]
+        if all(f is not None for f in split):
+            (sub, sup), *rest = split
+            return PackedTable(b, layout(sub), layout(sup), *(layout(t) for t in (rest[0] if rest else ())))
+    halves = [_half(v, tol) for v, tol in zip(values, tolerances, strict=False)]
+    stored = halves if all(h is not None for h in halves) else values
+    return PackedTable(b, layout(stored[0]), None, layout(stored[1]) if mins is not None else None)
 
 
-def reference_block_quant_gather(ids: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
-    """Rows `ids` [T] of the table with codes [N, K] and scales [N * K / block], dequantized: [T, K] float32."""
+def reference_block_quant_gather(ids: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int,
+                                  mins: np.ndarray | None = None) -> np.ndarray:
+    """Rows `ids` [T] of the table with codes [N, K], scales [N * K / block] and optional minimums (like the
+    scales), dequantized as the kernel does in float32: [T, K]."""
     n, k = codes.shape
-    per_row = np.repeat(scales.reshape(n, -1), k // (scales.size // n), axis=1)
-    return ((codes[ids].astype(np.float32) - ZERO_POINT[bits]) * per_row[ids]).astype(np.float32)
+    block = k // (scales.size // n)
+    per_row = np.repeat(scales.reshape(n, -1).astype(np.float32), block, axis=1)[ids]
+    if mins is None:
+        return (codes[ids].astype(np.float32) - ZERO_POINT[bits]) * per_row
+    return codes[ids].astype(np.float32) * per_row - np.repeat(mins.reshape(n, -1).astype(np.float32), block,
+                                                               axis=1)[ids]
 
 
-def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
-    """y [M, N] in float64 from x [M, K], the unpacked codes [N, K] (0..15, 0..31 or 0..255) and scales
-    [N * K / block]."""
+def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int,
+                                  mins: np.ndarray | None = None) -> np.ndarray:
+    """y [M, N] in float64 from x [M, K], the unpacked codes [N, K] (0 .. 2^bits - 1), scales [N * K / block] and
+    optional minimums (blocks of 32, like the scales; the codes then have zero point 0)."""
     m, k = x.shape
     n = codes.shape[0]
     # x's int8 codes as the kernel rounds them, in float32: rint(x * (127 / amax)), half to even
@@ -94,6 +193,10 @@ def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.nd
     d = (amax / np.float32(127)).astype(np.float64)
     per_block = scales.size // n  # weight blocks per row; activation blocks of 32 hold 32 / block of them
     q = q.reshape(m, per_block, -1) * np.repeat(d[:, :, 0], per_block * BLOCK // k, axis=1)[:, :, None]
-    w = codes.reshape(n, per_block, -1).astype(np.float64) - ZERO_POINT[bits]
+    w = codes.reshape(n, per_block, -1).astype(np.float64) - (0 if mins is not None else ZERO_POINT[bits])
     dots = np.einsum("mbi,nbi->mnb", q, w)  # exact integers times the activation scale
-    return np.einsum("mnb,nb->mn", dots, scales.reshape(n, per_block).astype(np.float64))
+    y = np.einsum("mnb,nb->mn", dots, scales.reshape(n, per_block).astype(np.float64))
+    if mins is not None:  # a minimum times the block's sum of x as quantized
+        sums = (np.rint(blocks * inv).sum(axis=2) * (amax[:, :, 0] / np.float32(127))).astype(np.float64)
+        y -= sums @ mins.reshape(n, per_block).astype(np.float64).T
+    return y

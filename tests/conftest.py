@@ -75,3 +75,13 @@ def stories_engine(engine_from_hf) -> Path:
     """stories260K (real, trained) as an engine for runtime tests."""
     require_shared_models()
     return engine_from_hf(STORIES260K, **RUNTIME_ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def library() -> str:
+    """The native CPU custom-op library's path (cpu_ops/), built on first use."""
+    from trtbuild import cpu_ops
+
+    reason = cpu_ops.unavailable_reason()
+    assert reason is None, reason  # NOTE: CI machines have g++ and reach deb.debian.org; a failure here is real
+    return str(cpu_ops.library_path())

@@ -23,13 +23,6 @@ from trtbuild.plugins import dense_matmul as dm
 LIMITS = dict(max_batch_size=4, max_num_tokens=64, max_seq_len=128)
 
 
-@pytest.fixture(scope="module")
-def library() -> str:
-    reason = cpu_ops.unavailable_reason()
-    assert reason is None, reason
-    return str(cpu_ops.library_path())
-
-
 def op_session(library: str, node: onnx.NodeProto, first: onnx.ValueInfoProto, out_dim: int | None,
                b: np.ndarray) -> ort.InferenceSession:
     """One node; `out_dim` None: an output of any shape."""

@@ -38,7 +38,7 @@ def linear_model(kind: str, rng: np.random.Generator, after: list[onnx.NodeProto
     else:
         codes = rng.integers(0, 16, (N, K), dtype=np.uint8)
         scales = (rng.random((N, K // 32), dtype=np.float32) * 0.02 + 1e-3)
-        b, s = bq.pack(codes, scales.reshape(-1), 4)
+        b, s, *_ = bq.pack(codes, scales.reshape(-1), 4)
         inits = [numpy_helper.from_array(b, "B"), numpy_helper.from_array(s, "S")]
         node = helper.make_node(bq.OP_TYPE, ["x", "B", "S"], ["y"], domain=bq.DOMAIN, K=K, N=N, bits=4, block_size=32)
         w = (codes.astype(np.float32) - 8) * np.repeat(scales, 32, axis=1)

@@ -145,7 +145,7 @@ def test_lowering_one_linear_keeps_its_product(bits, block):
         assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
 
 
-def tied_gguf_engines(tmp_path, qtype) -> tuple:
+def tied_gguf_engines(tmp_path, qtype, hidden: int = 128) -> tuple:
     """A small Qwen2 GGUF whose 2-D weights (linears and the tied token table; not norms) are all `qtype`, built with
     the native linears and with ONNX Runtime's: (native engine dir, ort engine dir)."""
     from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
@@ -154,7 +154,7 @@ def tied_gguf_engines(tmp_path, qtype) -> tuple:
         def get(self, name, default=None):
             return qtype if name.endswith(".weight") and "norm" not in name else default
 
-    hf = make_hf_folder("qwen2", tmp_path / "hf", overrides={"hidden_size": 128, "intermediate_size": 256,
+    hf = make_hf_folder("qwen2", tmp_path / "hf", overrides={"hidden_size": hidden, "intermediate_size": 2 * hidden,
                                                              "tie_word_embeddings": True})
     qtypes = AllLinears({"token_embd.weight": qtype})  # NOTE: not empty: an empty dict is false
     convert(write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "qwen2", qtypes), tmp_path / "ckpt")
@@ -200,4 +200,44 @@ def test_q5_0_weights_are_packed_in_5_bits(tmp_path):
     assert sizes[1] - sizes[0] > 0.3 * config.vocab_size * config.hidden_size  # 3 bits a weight less, table alone
     for got, want in zip(steps(native), steps(ort), strict=True):
         np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+        assert (got.argmax(axis=-1) == want.argmax(axis=-1)).all()
+
+
+@pytest.mark.parametrize("qtype,bits,mins", [("Q4_K", 4, True), ("Q6_K", 6, False)])
+def test_k_quants_keep_their_two_level_scales(tmp_path, qtype, bits, mins):
+    """A GGUF whose linears are Q4_K (converted with float zero points) or Q6_K (8-bit codes within 32 of 128): the
+    native linears hold them as ggml does, codes in 4 or 6 bits with int8 scales (and minimums) under a float16
+    per 256 weights, and compute what ONNX Runtime's lowering (MatMulNBits, with the float zero points as a second
+    GEMM) computes."""
+    from gguf import GGMLQuantizationType
+    from onnx import numpy_helper
+
+    native, ort = tied_gguf_engines(tmp_path, GGMLQuantizationType[qtype], hidden=256)
+    model = onnx.load(str(native / CPU_ENGINE_FILE))
+    weights = {t.name: t for t in model.graph.initializer}
+    linears = [n for n in model.graph.node if n.op_type == "BlockQuantMatMul"]
+    assert len(linears) == 2 * 4 + 1  # per layer q+k+v, o, gate+up, down; the lm_head
+    for node in linears:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["bits"] == bits, node.name
+        scales = numpy_helper.to_array(weights[node.input[2]])
+        supers = numpy_helper.to_array(weights[node.input[4]])
+        assert scales.dtype == np.int8 and supers.dtype == np.float16
+        assert supers.shape == (-(-attrs["N"] // 16), attrs["K"] // 256, 16)
+        assert (len(node.input) == 7) == mins, node.input  # minimums: int8 and float16 too
+        if mins:
+            assert numpy_helper.to_array(weights[node.input[5]]).dtype == np.int8
+        # bits per weight: Q4_K 4 + (8 + 8) / 32 + (16 + 16) / 256 = 4.625; Q6_K 6 + 8 / 16 + 16 / 256 = 6.5625
+        per_weight = bits + 8 / attrs["block_size"] * (1 + mins) + 16 / 256 * (1 + mins)
+        held = sum(numpy_helper.to_array(weights[i]).nbytes for j, i in enumerate(node.input) if i and j not in (0, 3))
+        assert (node.input[3] != "") == node.name.endswith("q+k+v")  # Qwen2's biases, folded in
+        assert held == -(-attrs["N"] // 16) * 16 * attrs["K"] * per_weight / 8
+    assert "MatMulNBits" not in ops(native) and "ReduceSum" not in ops(native)
+    assert "MatMulNBits" in ops(ort)
+    # against the float model the GGUF holds (its weights dequantized): as near as ONNX Runtime's lowering
+    convert(tmp_path / "m.gguf", tmp_path / "float_ckpt", dequantize=True)
+    exact = build_engine(tmp_path / "float_ckpt", tmp_path / "float", **LIMITS)
+    for got, other, want in zip(steps(native), steps(ort), steps(exact), strict=True):
+        errors = [np.abs(y - want).max() for y in (got, other)]
+        assert errors[0] < 1e-2 * np.abs(want).max() and errors[0] < 1.5 * errors[1], errors
         assert (got.argmax(axis=-1) == want.argmax(axis=-1)).all()

@@ -135,10 +135,9 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
             key = site[0]
         if key is not None:
             groups[key].append(node)
-    # a lone MatMulNBits the network wrote stays as it is (rewriting it would copy its weights again), unless its
-    # float zero points need the rewrite below
+    # a lone MatMulNBits the network wrote stays as it is (rewriting it would copy its weights again)
     groups = {k: nodes for k, nodes in groups.items() if k[0] != "nbits" or len(nodes) > 1
-              or nodes[0].op_type != "MatMulNBits" or len(nodes[0].input) == 4}
+              or nodes[0].op_type != "MatMulNBits"}
     new_nodes = []
     for key, nodes in groups.items():
         members = [(node, *_site(view, node)[1:]) for node in nodes]
@@ -157,12 +156,11 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
                 view.add_initializer(inputs[1], np.concatenate([m[1] for m in members]))
                 view.add_initializer(inputs[2], scales.reshape(-1))
             attrs = dict(domain=MS_DOMAIN, K=k, N=sum(widths), bits=bits, block_size=g, accuracy_level=accuracy_level)
-            if any(m[3] is not None for m in members):  # a member without: the default zero point, offset 0
-                zero_points = np.concatenate([np.full_like(m[2], 1 << (bits - 1)) if m[3] is None else m[3]
-                                              for m in members])
-                new_nodes += _float_zero_points(view, base, x, inputs, zero_points, scales, wide, attrs)
-            else:
-                new_nodes.append(helper.make_node("MatMulNBits", inputs, [wide], name=base, **attrs))
+            if any(m[3] is not None for m in members):  # a member without: the default zero point
+                view.add_initializer(base + ".zero_points_nbits", np.concatenate(
+                    [np.full_like(m[2], 1 << (bits - 1)) if m[3] is None else m[3] for m in members]).reshape(-1))
+                inputs.append(base + ".zero_points_nbits")
+            new_nodes.append(helper.make_node("MatMulNBits", inputs, [wide], name=base, **attrs))
         else:  # int8: u8 = round(x / s) + 128 (|x / s| <= 127); y = (u8 - 128) @ W * s * s_w
             # NOTE: uint8 activations with zero point 128, because ONNX Runtime's int8 x int8 MatMulInteger is ~16x
             # slower than uint8 x int8 on x86. MatMulIntegerToFloat scales in the GEMM's epilogue (1.2-1.35x faster
@@ -204,6 +202,30 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
     if groups:
         use_opset(model, MS_DOMAIN)
     return sum(len(m) for m in groups.values())
+
+
+def expand_float_zero_points(model: onnx.ModelProto) -> int:
+    """Rewrite each MatMulNBits with float zero points in `model` as nodes ONNX Runtime runs fast (the `ort`
+    tactic; the native one, builder/native_linears.py, computes such linears itself); returns how many."""
+    view = GraphView(model)
+    count = 0
+    for node in list(model.graph.node):
+        if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN or len(node.input) != 4 or not node.input[3]:
+            continue
+        zero_points = view.constant(node.input[3])
+        if zero_points is None or zero_points.dtype != np.float32:
+            continue
+        attrs = {**node_attrs(node), "domain": MS_DOMAIN}
+        n = attrs["N"]
+        scales = view.constant(node.input[2]).reshape(n, -1)
+        model.graph.node.remove(node)
+        model.graph.node.extend(_float_zero_points(view, node.name, node.input[0], list(node.input[:3]),
+                                                   zero_points.reshape(n, -1), scales, node.output[0], attrs))
+        count += 1
+    if count:
+        view.drop_unused_initializers()
+        topological_sort(model.graph)
+    return count
 
 
 def _float_zero_points(view: GraphView, base: str, x: str, inputs: list[str], zero_points: np.ndarray,

@@ -1,0 +1,213 @@
+"""trtbuild::BlockQuantMatMul and BlockQuantGather (cpu_ops/block_matmul.cc, block_gather.cc) against the numpy
+references of plugins/block_quant_matmul.py, in every form `pack` stores: 4/5/6/8-bit codes, blocks of 32 and 16,
+float32, float16 and two-level (int8 x float16 per 256) scales, with and without minimums."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from trtbuild import cpu_ops
+from trtbuild.plugins.block_quant_matmul import (
+    GATHER_OP_TYPE,
+    OP_TYPE,
+    ZERO_POINT,
+    PackedTable,
+    narrow,
+    pack,
+    reference_block_quant_gather,
+    reference_block_quant_matmul,
+    two_level,
+    unpack_nbits,
+)
+
+TABLE_INPUTS = ("B", "S", "S_super", "mins", "mins_super")
+
+
+def block_quant_session(library: str, op: str, k: int, n: int, bits: int, table: PackedTable, block: int = 32,
+                        ) -> ort.InferenceSession:
+    """A one-node model of `op` over the packed `table` (input x [M, K], or ids [T] for the gather)."""
+    first = "ids" if op == GATHER_OP_TYPE else "x"
+    inputs = [first, *(name if value is not None else "" for name, value in zip(TABLE_INPUTS, table, strict=True))]
+    if op == OP_TYPE:
+        inputs.insert(3, "")  # the bias
+    while not inputs[-1]:
+        inputs.pop()
+    node = helper.make_node(op, inputs, ["y"], domain=cpu_ops.DOMAIN, K=k, N=n, bits=bits, block_size=block)
+    x = helper.make_tensor_value_info("ids", TensorProto.INT64, ["T"]) if op == GATHER_OP_TYPE else \
+        helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])
+    graph = helper.make_graph([node], "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
+                              [numpy_helper.from_array(v, name) for name, v in zip(TABLE_INPUTS, table, strict=True)
+                               if v is not None])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(cpu_ops.DOMAIN,
+                                                                                                     1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    options.intra_op_num_threads = 2
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def k_quant_values(rng: np.random.Generator, n: int, blocks: int, per_super: int, largest: int,
+                   low: int) -> np.ndarray:
+    """Per-block values as ggml's k-quants make them: float16 d per super-block times int8 sub-values in [low, 127]
+    (the super-block's largest in magnitude `largest`), products in float32: [n, blocks]."""
+    d = (rng.random((n, blocks // per_super)) * 1e-3 + 1e-5).astype(np.float16).astype(np.float32)
+    sub = rng.integers(low, 128, (n, blocks)) * abs(largest) // 128
+    sub.reshape(n, -1, per_super)[:, :, 1] = largest
+    return np.repeat(d, per_super, axis=1) * sub.astype(np.float32)
+
+
+def codes_of(rng: np.random.Generator, bits: int, n: int, k: int) -> np.ndarray:
+    """Codes as the checkpoint holds them (5/6-bit ones as 8-bit codes near 128, as GGUF's Q5_0 / Q6_K convert),
+    narrowed and packed as the build does; returns (codes, bits packed)."""
+    stored = 8 if bits in (5, 6) else bits
+    half_range = 1 << (bits - 1)
+    wide = rng.integers(128 - half_range, 128 + half_range, (n, k), dtype=np.uint8) if bits in (5, 6) else \
+        rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
+    codes, packed_bits = narrow(wide, stored)
+    assert packed_bits == bits
+    np.testing.assert_array_equal(codes.astype(int) - ZERO_POINT[bits], wide.astype(int) - ZERO_POINT[stored])
+    return codes
+
+
+# (bits, block, scales, minimums, K): scales float32 / float16 (exact in it) / k-quant (two-level products)
+FORMATS = [(bits, block, scales, None, 352) for bits in (4, 5, 6, 8) for block in (32, 16)
+           for scales in ("float32", "float16")] + [
+    (6, 16, "k-quant", None, 512),  # GGUF's Q6_K
+    (8, 16, "k-quant", None, 512),
+    (4, 32, "k-quant", "k-quant", 512),  # Q4_K
+    (4, 32, "float16", "float16", 352),  # Q4_1
+    (4, 32, "float32", "float32", 352),  # float zero points from elsewhere
+    (4, 32, "k-quant", "k-quant", 352),  # K not a multiple of 256: one-level float32 scales
+]
+STORED = {"float32": np.float32, "float16": np.float16, "k-quant": np.int8}
+
+
+def format_case(bits: int, block: int, scales_kind: str, mins_kind: str | None, k: int, n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    codes = codes_of(rng, bits, n, k)
+    blocks = k // block
+
+    def values(kind: str, largest: int, low: int) -> np.ndarray:
+        if kind == "k-quant" and k % 256 == 0:
+            return k_quant_values(rng, n, blocks, 256 // block, largest, low)
+        if kind == "k-quant":  # products of ggml's kind whose super-blocks do not tile K
+            return (rng.random((n, blocks)) * 1e-3).astype(np.float16).astype(np.float32) * \
+                rng.integers(1, 64, (n, blocks)).astype(np.float32)
+        v = rng.random((n, blocks), dtype=np.float32) * 0.02 + 1e-3
+        return v.astype(np.float16).astype(np.float32) if kind == "float16" else v
+
+    scales = values(scales_kind, -128 if bits in (6, 8) else 63, -128 if bits in (6, 8) else 0)
+    mins = values(mins_kind, 63, 0) if mins_kind else None
+    return codes, scales, mins
+
+
+@pytest.mark.parametrize("bits,block,scales_kind,mins_kind,k", FORMATS)
+def test_block_quant_matmul_matches_its_reference(library, bits, block, scales_kind, mins_kind, k):
+    """Token counts around the tile of 8 and a task's tokens; rows not a multiple of 16 nor of a task's 64 or 128; a
+    zero block in x; every form of scales `pack` chooses."""
+    n = 200
+    codes, scales, mins = format_case(bits, block, scales_kind, mins_kind, k, n, seed=bits + block + k)
+    table = pack(codes, scales, bits, mins)
+    two = scales_kind == "k-quant" and k % 256 == 0
+    assert table.scales.dtype == (np.int8 if two else np.float32 if scales_kind == "k-quant" else
+                                  STORED[scales_kind])
+    assert (table.super_scales is not None) == two and (table.mins is not None) == (mins is not None)
+    sess = block_quant_session(library, OP_TYPE, k, n, bits, table, block)
+    rng = np.random.default_rng(k)
+    for m in (1, 3, 7, 8, 9, 17, 64, 70, 760):  # 760: past one task's tokens at K 352 (256 KiB of codes)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[0, 32:64] = 0.0
+        want = reference_block_quant_matmul(x, codes, scales, bits, mins)
+        got = sess.run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+        w = reference_block_quant_gather(np.arange(n), codes, scales, bits, mins)
+        assert np.abs(got - x @ w.T).max() < 0.02 * np.abs(x @ w.T).max()  # and near the float product
+
+
+@pytest.mark.parametrize("bits,block,scales_kind,mins_kind,k", [f for f in FORMATS if f[2] != "float32"])
+def test_block_quant_gather_reads_rows_of_the_packed_table_exactly(library, bits, block, scales_kind, mins_kind,
+                                                                   k):
+    n = 37  # the last group of 16 rows is partly padding
+    codes, scales, mins = format_case(bits, block, scales_kind, mins_kind, k, n, seed=bits * block)
+    sess = block_quant_session(library, GATHER_OP_TYPE, k, n, bits, pack(codes, scales, bits, mins), block)
+    ids = np.array([0, 15, 16, 36, 5, 5], dtype=np.int64)
+    np.testing.assert_array_equal(sess.run(None, {"ids": ids})[0],
+                                  reference_block_quant_gather(ids, codes, scales, bits, mins))
+    with pytest.raises(Exception, match="id 37 is outside the table's 37"):
+        sess.run(None, {"ids": np.array([37], dtype=np.int64)})
+
+
+def test_two_level_factors_ggml_products_exactly_and_nothing_else():
+    rng = np.random.default_rng(0)
+    q4_k = k_quant_values(rng, 48, 32, 8, 63, 0)
+    sub, sup = two_level(q4_k, 8)
+    np.testing.assert_array_equal(np.repeat(sup.astype(np.float32), 8, axis=1) * sub.astype(np.float32), q4_k)
+    q6_k = k_quant_values(rng, 48, 32, 16, -128, -128)
+    sub, sup = two_level(q6_k, 16)
+    assert sub.min() == -128
+    np.testing.assert_array_equal(np.repeat(sup.astype(np.float32), 16, axis=1) * sub.astype(np.float32), q6_k)
+    odd = k_quant_values(rng, 48, 32, 8, 31, 0)
+    sub, sup = two_level(odd, 8)  # the largest need not be 63: other sub-values are tried
+    np.testing.assert_array_equal(np.repeat(sup.astype(np.float32), 8, axis=1) * sub.astype(np.float32), odd)
+    assert two_level(rng.random((48, 32), dtype=np.float32), 8) is None
+    nudged = q4_k.copy()
+    nudged[3, 5] = np.nextafter(nudged[3, 5], np.float32(1))
+    assert two_level(nudged, 8) is None  # one ulp off: not exact
+    sub, sup = two_level(nudged, 8, tolerance=1e-6)  # minimums recovered from float zero points: within 1e-6
+    np.testing.assert_array_equal(np.repeat(sup.astype(np.float32), 8, axis=1) * sub.astype(np.float32), q4_k)
+
+
+def test_a_block_of_zero_codes_keeps_two_level_scales_with_minimums():
+    """A GGUF Q4_K block whose scale rounded to 0 is converted as codes 0, scale = its minimum, zero point -1
+    (builder/convert/gguf_quants.py): its scale is free, so it must not cost the linear its compact form."""
+    rng = np.random.default_rng(1)
+    n, k = 16, 256
+    scales, mins = k_quant_values(rng, n, 8, 8, 63, 0), k_quant_values(rng, n, 8, 8, 63, 0)
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    codes[2, 64:96] = 0
+    scales[2, 2] = np.float32(-0.123)  # not a product of the super-block's scale
+    table = pack(codes, scales, 4, mins)
+    assert table.scales.dtype == np.int8
+    np.testing.assert_array_equal(reference_block_quant_gather(np.arange(n), codes, scales, 4, mins)[2, 64:96],
+                                  -mins[2, 2])
+
+
+def test_only_8_bit_codes_near_the_zero_point_are_narrowed_to_5_or_6_bits():
+    codes, bits = narrow(np.array([[112, 143, 128, 120]], dtype=np.uint8), 8)
+    assert bits == 5 and codes.tolist() == [[0, 31, 16, 8]]
+    codes, bits = narrow(np.array([[96, 159, 128, 111]], dtype=np.uint8), 8)
+    assert bits == 6 and codes.tolist() == [[0, 63, 32, 15]]
+    for codes, bits in ((np.array([[95, 128]], np.uint8), 8), (np.array([[128, 160]], np.uint8), 8),
+                        (np.array([[0, 15]], np.uint8), 4)):
+        same, kept = narrow(codes, bits)
+        assert kept == bits and same is codes
+
+
+def test_unpack_nbits_reads_matmul_nbits_layout():
+    rng = np.random.default_rng(2)
+    wide = rng.integers(0, 16, (8, 64), dtype=np.uint8)
+    np.testing.assert_array_equal(unpack_nbits((wide[:, 0::2] | (wide[:, 1::2] << 4)).reshape(8, 2, 16), 8, 64, 4),
+                                  wide)
+
+
+def test_block_quant_matmul_refuses_what_it_cannot_run(library):
+    def run(k: int, table: PackedTable, bits: int = 4) -> None:
+        block_quant_session(library, OP_TYPE, k, 8, bits, table).run(None, {"x": np.zeros((1, k), np.float32)})
+
+    with pytest.raises(Exception, match="K must be a multiple of 32"):
+        run(48, PackedTable(np.zeros((1, 1, 256), np.uint8), np.ones((1, 1, 16), np.float32)))
+    with pytest.raises(Exception, match=r"do not hold ceil\(N / 16\) groups of 16 rows"):
+        run(64, PackedTable(np.zeros((8, 2, 16), np.uint8), np.ones(16, np.float32)))  # MatMulNBits' layout
+    with pytest.raises(Exception, match="scales must be float, float16 or int8"):
+        run(64, PackedTable(np.zeros((1, 2, 256), np.uint8), np.ones((1, 2, 16), np.int32)))
+    with pytest.raises(Exception, match="int8 scales need float16 super-scales"):
+        run(256, PackedTable(np.zeros((1, 8, 256), np.uint8), np.ones((1, 8, 16), np.int8)))
+    with pytest.raises(Exception, match="two-level scales need K a multiple of 256"):
+        run(64, PackedTable(np.zeros((1, 2, 256), np.uint8), np.ones((1, 2, 16), np.int8),
+                            np.ones((1, 0, 16), np.float16)))
+    with pytest.raises(Exception, match="the minimums must have the scales' type and shape"):
+        run(64, PackedTable(np.zeros((1, 2, 256), np.uint8), np.ones((1, 2, 16), np.float16), None,
+                            np.ones((1, 2, 16), np.float32)))
