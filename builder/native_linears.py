@@ -2,10 +2,10 @@
 of multiplying block-quantized weights: activations quantized to int8 blocks once per linear, integer dot
 products, 16 rows per vector so that one tile of tokens reuses each weight load.
 
-Each eligible MatMulNBits (4 or 8 bits, blocks of 16 or 32 with the default zero point, or 4 bits in blocks of 32
-with float zero points, as GGUF's Q4_K / Q4_1 tensors are converted) becomes a BlockQuantMatMul over a packed copy
+Each eligible MatMulNBits (4 or 8 bits, blocks of 16 or 32 with the default zero point, or blocks of 32 with float
+zero points, as GGUF's Q4_K / Q5_K / Q4_1 / Q5_1 tensors are converted) becomes a BlockQuantMatMul over a packed copy
 of its weights (plugins/block_quant_matmul.py: the layout; 8-bit codes that fit in 5 or 6 bits, as GGUF's Q5_0 /
-Q6_K tensors do, packed in 5 or 6; k-quants' scales and minimums in their two-level form), and the MatMulNBits
+Q5_K / Q6_K tensors do, packed in 5 or 6; k-quants' scales and minimums in their two-level form), and the MatMulNBits
 initializers nobody else reads are dropped, so the engine file holds each linear once. Measured on the 2-core
 AVX-512 VM (docs/performance.md): faster than MLAS's MatMulNBits at every token count from 1 to 256, which is why
 there is one graph for all steps.
@@ -23,16 +23,17 @@ from trtbuild.plugins import block_quant_matmul as bq
 
 
 def eligible(node: onnx.NodeProto) -> bool:
-    """A MatMulNBits the native kernel computes: 4 or 8 bits, blocks of 16 or 32, K % 32 == 0, the default zero
-    point; or 4 bits in blocks of 32 with zero points (as minimums: zp * scale)."""
+    """A MatMulNBits the native kernel computes: 4 or 8 bits, K % 32 == 0, blocks of 16 or 32 with the default zero
+    point, or blocks of 32 with zero points (as minimums: zp * scale)."""
     if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN:
         return False
     inputs = len([i for i in node.input if i])
     a = node_attrs(node)
+    if a.get("bits") not in (4, 8) or a["K"] % bq.BLOCK:
+        return False
     if inputs == 4 and len(node.input) == 4:
-        return a.get("bits") == 4 and a.get("block_size") == bq.BLOCK and a["K"] % bq.BLOCK == 0
-    return (inputs == 3 and a.get("bits") in (4, 8) and a.get("block_size") in bq.WEIGHT_BLOCKS
-            and a["K"] % bq.BLOCK == 0)
+        return a.get("block_size") == bq.BLOCK
+    return inputs == 3 and a.get("block_size") in bq.WEIGHT_BLOCKS
 
 
 def count_eligible(model: onnx.ModelProto) -> int:
@@ -125,9 +126,7 @@ def _pack(view: GraphView, node: onnx.NodeProto, a: dict) -> Packed:
     mins = None
     if len(node.input) == 4:  # (code - zp) * scale = code * scale - zp * scale
         mins = (view.constant(node.input[3]).reshape(n, -1).astype(np.float64) * scales).astype(np.float32)
-        bits = a["bits"]
-    else:
-        codes, bits = bq.narrow(codes, a["bits"])
+    codes, bits = bq.narrow(codes, a["bits"], zero_point=mins is None)
     table = bq.pack(codes, scales, bits, mins)
     tensors = []
     for field, value in zip(_TABLE_INPUTS, table, strict=True):

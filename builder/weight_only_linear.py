@@ -55,9 +55,6 @@ def nbits_layout(prefix: str, in_features: int, weight_shape: tuple[int, ...], s
     if block < MIN_BLOCK:
         raise TrtbuildError(f"{prefix} has groups of {group} input features; the CPU target runs groups that are "
                             f"multiples of {MIN_BLOCK}. Re-run `trtbuild convert` with --group-size 32, 64 or 128.")
-    if has_zero_point and bits == 8:
-        raise TrtbuildError(f"{prefix} has 8-bit weights with float zero points, which ONNX Runtime's CPU "
-                            "MatMulNBits does not run; re-run `trtbuild convert` (it stores such tensors as float).")
     return NBitsLayout(bits, group, block)
 
 
@@ -78,8 +75,8 @@ def _nbits_inputs(prefix: str, tensors, in_features: int) -> tuple[torch.Tensor,
 
 def emit_nbits_gather(g: GraphBuilder, ids: str, prefix: str, tensors, hidden: int) -> str:
     """Rows `ids` of the weight_only embedding table `prefix`, dequantized: one GatherBlockQuantized node, or, for
-    4-bit codes with float zero points (which it does not take), a gather of the packed rows dequantized by
-    standard ops: only the step's rows are ever unpacked."""
+    codes with float zero points (which it does not take), a gather of the packed rows dequantized by standard ops:
+    only the step's rows are ever unpacked."""
     codes, scales, zero_points, layout = _nbits_inputs(prefix, tensors, hidden)
     data = g.weight(prefix + ".weight_nbits", codes.numpy())
     if zero_points is None:
@@ -87,12 +84,12 @@ def emit_nbits_gather(g: GraphBuilder, ids: str, prefix: str, tensors, hidden: i
                     domain=MS_DOMAIN, name="embedding", bits=layout.bits, block_size=layout.block_size,
                     gather_axis=0, quantize_axis=1)
     groups = hidden // layout.block_size
-    rows = g.op("Gather", [data, ids], axis=0, name="embedding_codes")  # [T, H/2] uint8
-    nibbles = [g.op("Unsqueeze", [n, g.const(np.array([-1]), "axis_last")]) for n in (
-        g.op("BitwiseAnd", [rows, g.const(np.uint8(0x0F), "low_nibble")]),
-        g.op("BitShift", [rows, g.const(np.uint8(4), "nibble_bits")], direction="RIGHT"))]
-    q = g.op("Reshape", [g.op("Concat", nibbles, axis=-1),
-                         g.const(np.array([0, groups, layout.block_size]), "embedding_blocks")])
+    rows = g.op("Gather", [data, ids], axis=0, name="embedding_codes")  # [T, H * bits / 8] uint8
+    if layout.bits == 4:
+        rows = g.op("Concat", [g.op("Unsqueeze", [n, g.const(np.array([-1]), "axis_last")]) for n in (
+            g.op("BitwiseAnd", [rows, g.const(np.uint8(0x0F), "low_nibble")]),
+            g.op("BitShift", [rows, g.const(np.uint8(4), "nibble_bits")], direction="RIGHT"))], axis=-1)
+    q = g.op("Reshape", [rows, g.const(np.array([0, groups, layout.block_size]), "embedding_blocks")])
     q = g.op("Cast", [q], to=onnx.TensorProto.FLOAT)
     per_block = [g.op("Unsqueeze", [g.op("Gather", [g.weight(f"{prefix}.{what}_nbits", table), ids], axis=0),
                                     g.const(np.array([-1]), "axis_last")])

@@ -21,7 +21,8 @@ quantized. The weights are packed at build time, 16 rows interleaved (cpu_ops/bl
     ggml's own products back).
 Rows past N (padding) have code zp and scale 0. 5- and 6-bit codes are not a checkpoint format (MatMulNBits has 4
 and 8): `narrow` finds them among 8-bit ones, as GGUF's Q5_0 and Q6_K tensors are converted (code q - 16 + 128 or
-q - 32 + 128), and packs them in 5 or 6 bits a weight instead of 8, exactly.
+q - 32 + 128) and Q5_K / Q5_1 ones (code q, with minimums), and packs them in 5 or 6 bits a weight instead of 8,
+exactly.
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ def unpack_nbits(b: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
     return codes
 
 
-def narrow(codes: np.ndarray, bits: int) -> tuple[np.ndarray, int]:
-    """8-bit codes [N, K] that all lie within 16 (32) of the zero point as the same values in 5 (6) bits (code - 112
-    with zero point 16, or code - 96 with 32), with 5 (6); any other codes as they are, with `bits`."""
+def narrow(codes: np.ndarray, bits: int, zero_point: bool = True) -> tuple[np.ndarray, int]:
+    """8-bit codes [N, K] that fit in 5 (6) bits as those, with 5 (6); any other codes as they are, with `bits`.
+    With the default zero point the codes must lie within 16 (32) of it: they become code - 112 (- 96), zero point 16
+    (32). Without (minimums), codes below 32 (64) stay as they are."""
     if bits == 8 and codes.size:
         low, high = int(codes.min()), int(codes.max())
         for narrow_bits in (5, 6):
-            offset = ZERO_POINT[8] - ZERO_POINT[narrow_bits]
+            offset = ZERO_POINT[8] - ZERO_POINT[narrow_bits] if zero_point else 0
             if low >= offset and high < offset + (1 << narrow_bits):
                 return codes - np.uint8(offset), narrow_bits
     return codes, bits

@@ -1,4 +1,4 @@
-"""Round-to-nearest encoders for GGUF's Q4_K and Q6_K blocks, which the `gguf` package can read but not write.
+"""Round-to-nearest encoders for GGUF's Q4_K, Q5_K and Q6_K blocks, which the `gguf` package can read but not write.
 
 They make valid files for tests and benchmarks (not llama.cpp's error-minimising search): `gguf.quants.dequantize`
 of their output is the reference any reader must reproduce. Input: float32 [rows, cols], cols a multiple of 256.
@@ -24,12 +24,12 @@ def _blocks(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, QK_K)
 
 
-def encode_q4_k(x: np.ndarray) -> np.ndarray:
-    """float32 [rows, cols] -> uint8 [rows, cols / 256 * 144]: x ~ d * sc_j * q - dmin * m_j per 32-value block."""
-    rows = np.asarray(x).shape[0]
+def _scale_min_blocks(x: np.ndarray, levels: int) -> tuple:
+    """Q4_K / Q5_K's common part: per 32-value block x ~ d * sc_j * q - dmin * m_j, q in [0, levels]. Returns
+    (d bytes, dmin bytes, the 12 packed 6-bit scale / minimum bytes, q uint8 [n, 8, 32])."""
     b = _blocks(x).reshape(-1, 8, 32)
     lo, hi = np.minimum(b.min(-1), 0.0), np.maximum(b.max(-1), 0.0)
-    scale, minimum = (hi - lo) / 15.0, -lo
+    scale, minimum = (hi - lo) / levels, -lo
     d_raw, d = _f16(scale.max(-1) / 63.0)
     dmin_raw, dmin = _f16(minimum.max(-1) / 63.0)
     sc = np.clip(np.rint(np.divide(scale, d[:, None], out=np.zeros_like(scale), where=d[:, None] > 0)), 0, 63)
@@ -37,12 +37,31 @@ def encode_q4_k(x: np.ndarray) -> np.ndarray:
                 0, 63)
     eff_scale, eff_min = (d[:, None] * sc)[..., None], (dmin[:, None] * m)[..., None]
     q = np.divide(b + eff_min, eff_scale, out=np.zeros_like(b), where=eff_scale > 0)
-    q = np.clip(np.rint(q), 0, 15).astype(np.uint8)  # [n, 8, 32]
+    q = np.clip(np.rint(q), 0, levels).astype(np.uint8)  # [n, 8, 32]
     sc, m = sc.astype(np.uint8), m.astype(np.uint8)
     scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
                              (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)], axis=1)
-    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk c: low nibbles block 2c, high block 2c + 1
-    return np.concatenate([d_raw, dmin_raw, scales, qs], axis=1).reshape(rows, -1)
+    return d_raw, dmin_raw, scales, q
+
+
+def _low_nibbles(q: np.ndarray) -> np.ndarray:
+    """q [n, 8, 32] -> qs [n, 128]: chunk c holds block 2c in its low nibbles and block 2c + 1 in its high ones."""
+    return ((q[:, 0::2] & 0x0F) | ((q[:, 1::2] & 0x0F) << 4)).reshape(-1, 128)
+
+
+def encode_q4_k(x: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 [rows, cols / 256 * 144]: x ~ d * sc_j * q - dmin * m_j per 32-value block."""
+    d_raw, dmin_raw, scales, q = _scale_min_blocks(x, 15)
+    return np.concatenate([d_raw, dmin_raw, scales, _low_nibbles(q)], axis=1).reshape(np.asarray(x).shape[0], -1)
+
+
+def encode_q5_k(x: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 [rows, cols / 256 * 176]: as Q4_K with 5-bit q, whose fifth bits are qh[32]:
+    bit j of byte l is that of value l of block j."""
+    d_raw, dmin_raw, scales, q = _scale_min_blocks(x, 31)
+    qh = ((q >> 4) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)  # [n, 32]
+    return np.concatenate([d_raw, dmin_raw, scales, qh, _low_nibbles(q)], axis=1).reshape(np.asarray(x).shape[0],
+                                                                                         -1)
 
 
 def encode_q6_k(x: np.ndarray) -> np.ndarray:

@@ -63,18 +63,18 @@ def test_llama_cpp_style_gguf_converts_like_its_hf_folder(tmp_path, family, monk
 
 # ---- quantized GGUF files kept as they are ----------------------------------------------------------------------
 Q = __import__("gguf").GGMLQuantizationType
-# every type with an exact engine form, the two that fall back to float (Q5_1, Q5_K has no encoder here) and F16,
-# spread over both layers so that q/k/v and gate/up siblings of different types meet
+# every type with an exact engine form, one that falls back to float (MXFP4) and F16, spread over both layers so
+# that q/k/v and gate/up siblings of different types meet
 QTYPES = {
     "token_embd.weight": Q.Q6_K, "output.weight": Q.Q8_0,
     "blk.0.attn_q.weight": Q.Q4_K, "blk.0.attn_k.weight": Q.Q4_0, "blk.0.attn_v.weight": Q.Q6_K,
-    "blk.0.attn_output.weight": Q.Q4_1, "blk.0.ffn_gate.weight": Q.Q5_0, "blk.0.ffn_up.weight": Q.Q5_1,
-    "blk.0.ffn_down.weight": Q.Q4_K,
-    "blk.1.attn_q.weight": Q.Q8_0, "blk.1.attn_k.weight": Q.Q4_K, "blk.1.attn_v.weight": Q.Q4_1,
+    "blk.0.attn_output.weight": Q.Q4_1, "blk.0.ffn_gate.weight": Q.Q5_0, "blk.0.ffn_up.weight": Q.MXFP4,
+    "blk.0.ffn_down.weight": Q.Q5_K,
+    "blk.1.attn_q.weight": Q.Q8_0, "blk.1.attn_k.weight": Q.Q4_K, "blk.1.attn_v.weight": Q.Q5_1,
     "blk.1.attn_output.weight": Q.Q5_0, "blk.1.ffn_gate.weight": Q.Q4_K, "blk.1.ffn_up.weight": Q.Q4_K,
     "blk.1.ffn_down.weight": Q.F16,
 }
-FLOAT_LINEARS = ("transformer.layers.0.mlp.fc", "transformer.layers.1.mlp.proj")  # Q5_1 and F16
+FLOAT_LINEARS = ("transformer.layers.0.mlp.fc", "transformer.layers.1.mlp.proj")  # MXFP4 and F16
 
 
 @pytest.mark.parametrize(("family", "embedding"), [("llama", Q.Q6_K), ("qwen2", Q.Q4_K)])
@@ -94,10 +94,13 @@ def test_quantized_gguf_engine_equals_its_dequantized_checkpoint(tmp_path, famil
     gguf_path = write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", family, {**QTYPES, "token_embd.weight": embedding})
     with caplog.at_level("INFO"):
         config = convert(gguf_path, tmp_path / "as_is")
-    assert "GGUF Q5_1: 1 tensors have no exact low-bit form on the CPU target" in caplog.text
-    q4k, q6k = 5 + (embedding == Q.Q4_K), 1 + (embedding == Q.Q6_K)
+    assert "GGUF MXFP4: 1 tensors have no exact low-bit form in trtbuild" in caplog.text
+    q4k, q6k = 4 + (embedding == Q.Q4_K), 1 + (embedding == Q.Q6_K)
     assert f"GGUF Q4_K: {q4k} tensors kept exactly as 4-bit weights in groups of 32 with float zero points" \
         in caplog.text
+    for qtype in ("Q5_K", "Q5_1"):
+        assert f"GGUF {qtype}: 1 tensors kept exactly as 8-bit weights in groups of 32 with float zero points" \
+            in caplog.text
     q = config.quantization
     assert (q.quant_algo, q.group_size, q.has_zero_point, q.exclude_modules) == ("weight_only", None, True,
                                                                                 FLOAT_LINEARS)
@@ -112,12 +115,12 @@ def test_quantized_gguf_engine_equals_its_dequantized_checkpoint(tmp_path, famil
     assert sum(n.op_type == "GatherBlockQuantized" for n in model.graph.node) == (embedding == Q.Q6_K)
     bits = sorted(next(a.i for a in n.attribute if a.name == "bits") for n in model.graph.node
                   if n.op_type == "MatMulNBits")
-    # 12 low-bit linears + lm_head, 8 of them 4-bit. Float zero points run as an exact fp32 correction beside the
-    # codes' kernel, so the 4-bit siblings share a layout: layer 0's q (Q4_K) and k (Q4_0), layer 1's k (Q4_K) and v
-    # (Q4_1) and its gate and up (Q4_K) each run as one kernel, with one correction GEMM for the 7 Q4_K and Q4_1
-    # linears among them per kernel (a Q4_0 sibling's rows of it are zero)
-    assert bits == [4] * 5 + [8] * 5
-    assert sum(n.op_type == "DenseMatMul" and n.name.endswith("_zero_points") for n in model.graph.node) == 5
+    # 12 low-bit linears + lm_head, 6 of them 4-bit. Float zero points run as an exact fp32 correction beside the
+    # codes' kernel, so siblings of one bit width share a layout: layer 0's q (Q4_K) and k (Q4_0), layer 1's q (Q8_0)
+    # and v (Q5_1) and its gate and up (Q4_K) each run as one kernel, with one correction GEMM for the 7 Q4_K, Q5_K,
+    # Q4_1 and Q5_1 linears among them per kernel (a sibling without zero points has zero rows in it)
+    assert bits == [4] * 4 + [8] * 6
+    assert sum(n.op_type == "DenseMatMul" and n.name.endswith("_zero_points") for n in model.graph.node) == 6
 
 
 # ---- F16 files: the checkpoint holds their 16-bit values ---------------------------------------------------------

@@ -17,8 +17,8 @@ from trtbuild.builder.convert.weight_only import NBitsWeight, pack_codes, quanti
 OUT, IN = 24, 512  # two K-quant super-blocks per row
 EPS = np.finfo(np.float32).eps
 # (byte offset of d, byte offset of the minimum or None) in each block
-D_OFFSETS = {Q.Q8_0: (0, None), Q.Q4_0: (0, None), Q.Q4_1: (0, 2), Q.Q5_0: (0, None), Q.Q4_K: (0, 2),
-             Q.Q6_K: (208, None)}
+D_OFFSETS = {Q.Q8_0: (0, None), Q.Q4_0: (0, None), Q.Q4_1: (0, 2), Q.Q5_0: (0, None), Q.Q5_1: (0, 2),
+             Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None)}
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -39,7 +39,7 @@ def _raw_blocks(qtype: Q, rng: np.random.Generator) -> np.ndarray:
         for offset in D_OFFSETS[qtype]:
             if offset is not None:
                 blocks[:, offset:offset + 2] = _f16_bytes(rng.uniform(-0.05, 0.05, len(blocks)))
-        if qtype == Q.Q4_K:  # sub-block scale 0 (with a nonzero minimum) for sub-blocks 0-3 of every 3rd block
+        if qtype in (Q.Q4_K, Q.Q5_K):  # sub-block scale 0 (with a nonzero minimum): sub-blocks 0-3, every 3rd block
             blocks[::3, 4:8] &= 0xC0
     blocks = raw.reshape(-1, type_size)
     d = D_OFFSETS[qtype][0]
@@ -87,7 +87,7 @@ def test_gguf_reader_layout(tmp_path) -> None:
                                    atol=1e-6)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_1, Q.Q5_K, Q.F16, Q.F32, Q.BF16, Q.Q2_K, Q.Q3_K, Q.IQ4_NL])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.F32, Q.BF16, Q.Q2_K, Q.Q3_K, Q.IQ4_NL])
 def test_gguf_without_exact_form(qtype: Q) -> None:
     assert qtype not in EXACT_NBITS
     assert gguf_to_nbits(np.zeros((OUT, 8), np.uint8), qtype, (OUT, IN)) is None

@@ -9,12 +9,14 @@ with numpy, row chunk by row chunk. What each type becomes (EXACT_NBITS):
   Q5_0  d * (q - 16), q 5-bit                         8-bit, g 32, code q - 16 + 128
   Q6_K  d * sc_j * (q - 32), 16 sub-blocks of 16      8-bit, g 16, code q - 32 + 128, scale d * sc_j
   Q4_1  d * q + m                                     4-bit, g 32, code q, scale d, float zero point -m / d
+  Q5_1  d * q + m, q 5-bit                            8-bit, g 32, code q, scale d, float zero point -m / d
   Q4_K  d * sc_j * q - dmin * m_j, 8 sub-blocks of 32 4-bit, g 32, code q, scale d * sc_j, zp dmin * m_j / scale
+  Q5_K  as Q4_K, q 5-bit                              8-bit, g 32, code q, scale d * sc_j, zp dmin * m_j / scale
 The first four are bit-exact (the scale is the float32 product ggml's dequantization computes, times an integer).
 Types with a minimum go through a float zero point, so they equal ggml's `d * q + m` to float32 rounding; a block
-whose scale is 0 (every value = the minimum) is stored exactly as scale = minimum, zero point -1, codes 0.
-Q5_1 / Q5_K (minimum and 5-bit codes) would need 8-bit codes with float zero points, which ONNX Runtime's CPU
-MatMulNBits refuses: they, float types and every other type give None (the caller keeps them as float).
+whose scale is 0 (every value = the minimum) is stored exactly as scale = minimum, zero point -1, codes 0. (The
+CPU engine's native linears take 5-bit codes back from 8 and the minimums back from the zero points:
+plugins/block_quant_matmul.py.) Float types and every other type give None (the caller keeps them as float).
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ EXACT_NBITS: dict[GGMLQuantizationType, tuple[int, int]] = {
     Q.Q4_0: (4, 32),
     Q.Q4_1: (4, 32),
     Q.Q5_0: (8, 32),
+    Q.Q5_1: (8, 32),
     Q.Q4_K: (4, 32),
+    Q.Q5_K: (8, 32),
     Q.Q6_K: (8, 16),
 }
-_HAS_ZERO_POINT = {Q.Q4_1, Q.Q4_K}
+_HAS_ZERO_POINT = {Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K}
 
 
 def has_zero_point(qtype: GGMLQuantizationType) -> bool:
@@ -85,6 +89,11 @@ def _q4_1(b: np.ndarray) -> Decoded:  # d f16 | m f16 | qs[16] as Q4_0
     return _with_minimum(_nibbles(b[:, 4:])[:, None, :], _f16(b[:, :2]), _f16(b[:, 2:4]))
 
 
+def _q5_1(b: np.ndarray) -> Decoded:  # d f16 | m f16 | qh uint32 as Q5_0 | qs[16] as Q4_0
+    high = np.unpackbits(b[:, 4:8], axis=1, bitorder="little")
+    return _with_minimum((_nibbles(b[:, 8:]) | (high << 4))[:, None, :], _f16(b[:, :2]), _f16(b[:, 2:4]))
+
+
 def _k_scale_min(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K / Q5_K's 12 bytes of 6-bit scales and minimums -> two uint8 [n, 8]. Bytes 0-3 hold scales 0-3 in their
     low 6 bits, 4-7 minimums 0-3; bytes 8-11 the low 4 bits of scales 4-7 (and minimums 4-7 in the high nibble),
@@ -104,6 +113,16 @@ def _q4_k(b: np.ndarray) -> Decoded:  # d f16 | dmin f16 | scales[12] | qs[128]
     return _with_minimum(codes, scale, minimum)
 
 
+def _q5_k(b: np.ndarray) -> Decoded:  # d f16 | dmin f16 | scales[12] | qh[32] | qs[128]
+    sc, m = _k_scale_min(b[:, 4:16])
+    scale = _f16(b[:, 0:2]) * sc.astype(np.float32)
+    minimum = -(_f16(b[:, 2:4]) * m.astype(np.float32))
+    low = _nibbles(b[:, 48:].reshape(-1, 4, 32)).reshape(-1, 8, 32)  # as Q4_K's
+    # qh byte l: bit j is the fifth bit of element l of sub-block j
+    high = (b[:, 16:48, None] >> np.arange(8, dtype=np.uint8)).transpose(0, 2, 1) & 1
+    return _with_minimum(low | (high << 4), scale, minimum)
+
+
 def _q6_k(b: np.ndarray) -> Decoded:  # ql[128] | qh[64] | scales int8[16] | d f16
     n = b.shape[0]
     # ql: 2 halves of 64 bytes, each giving 128 elements (64 low nibbles, then 64 high); qh: 2 halves of 32 bytes,
@@ -116,7 +135,8 @@ def _q6_k(b: np.ndarray) -> Decoded:  # ql[128] | qh[64] | scales int8[16] | d f
 
 
 _DECODERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Decoded]] = {
-    Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q6_K: _q6_k,
+    Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
+    Q.Q6_K: _q6_k,
 }
 
 

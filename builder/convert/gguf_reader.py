@@ -217,9 +217,9 @@ def _report_forms(forms: dict[str, list[str]], sources: dict[str, SourceTensor])
             log.info("GGUF %s: %d tensors kept exactly as %d-bit weights in groups of %d%s", qtype, len(quantized),
                      bits, group, " with float zero points" if zp else "")
         elif qtype not in exact and qtype not in ("F32", "F16", "BF16"):
-            log.warning("GGUF %s: %d tensors have no exact low-bit form on the CPU target (MatMulNBits takes 4-bit "
-                        "codes with float zero points or 8-bit codes without); they are dequantized to float32, "
-                        "the nearest larger form", qtype, len(names))
+            log.warning("GGUF %s: %d tensors have no exact low-bit form in trtbuild (builder/convert/gguf_quants.py "
+                        "lists the types that have one); they are dequantized to float32, the nearest larger form",
+                        qtype, len(names))
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

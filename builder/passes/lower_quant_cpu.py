@@ -218,9 +218,19 @@ def expand_float_zero_points(model: onnx.ModelProto) -> int:
         attrs = {**node_attrs(node), "domain": MS_DOMAIN}
         n = attrs["N"]
         scales = view.constant(node.input[2]).reshape(n, -1)
+        inputs, zero_points = list(node.input[:3]), zero_points.reshape(n, -1)
+        codes = view.constant(inputs[1])
+        if attrs["bits"] == 8 and int(codes.max()) < 128:
+            # NOTE: GGUF's Q5_K / Q5_1 codes are 0..31: centred on the default zero point (q + 112 - 128), the
+            # kernel's int8 activation rounding meets weights near 0, not 16x their scale (a small model's logits:
+            # ~15x nearer the float model's)
+            shift = 128 - (1 << int(codes.max()).bit_length()) // 2
+            inputs[1] = node.name + ".weight_nbits_centred"
+            view.add_initializer(inputs[1], codes + np.uint8(shift))
+            zero_points = zero_points + np.float32(shift)
         model.graph.node.remove(node)
-        model.graph.node.extend(_float_zero_points(view, node.name, node.input[0], list(node.input[:3]),
-                                                   zero_points.reshape(n, -1), scales, node.output[0], attrs))
+        model.graph.node.extend(_float_zero_points(view, node.name, node.input[0], inputs, zero_points, scales,
+                                                   node.output[0], attrs))
         count += 1
     if count:
         view.drop_unused_initializers()
