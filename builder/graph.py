@@ -142,6 +142,18 @@ class GraphView:
             self.graph.initializer.remove(t)
 
 
+def drop_dead_nodes(model: onnx.ModelProto) -> None:
+    """Remove nodes none of whose outputs is used (what a rewrite left behind), until none is left."""
+    outputs = {o.name for o in model.graph.output}
+    while True:
+        used = {i for n in model.graph.node for i in n.input} | outputs
+        dead = [n for n in model.graph.node if not any(o in used for o in n.output if o)]
+        if not dead:
+            return
+        for n in dead:
+            model.graph.node.remove(n)
+
+
 def topological_sort(graph: onnx.GraphProto) -> None:
     """Reorder nodes so that each comes after the producers of its inputs (passes may append out of order)."""
     available = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}

@@ -18,7 +18,8 @@ from typing import NamedTuple
 import numpy as np
 import onnx
 
-from trtbuild.builder.graph import MS_DOMAIN, GraphView, node_attrs, use_opset
+from trtbuild.builder.graph import MS_DOMAIN, GraphView, drop_dead_nodes, node_attrs, topological_sort, use_opset
+from trtbuild.builder.weight_only_linear import find_float_zero_point_gather
 from trtbuild.plugins import block_quant_matmul as bq
 
 
@@ -44,11 +45,12 @@ _TABLE_INPUTS = ("codes", "scales", "super_scales", "mins", "super_mins")  # bq.
 
 
 class Packed(NamedTuple):
-    """A linear's weights in the native layout: one initializer per bq.PackedTable field (None where absent), and the
-    bits the codes are packed in (5 or 6 where the checkpoint's 8-bit codes fit: bq.narrow)."""
+    """A linear's weights in the native layout: one initializer per bq.PackedTable field (None where absent), the
+    bits the codes are packed in (5 or 6 where the checkpoint's 8-bit codes fit: bq.narrow) and its rows (N)."""
 
     tensors: tuple[onnx.TensorProto | None, ...]
     bits: int
+    rows: int
 
     def inputs(self, first: str, bias_slot: bool) -> list[str]:
         """The op's inputs: `first` (x or ids), B, scales, then the optional ones (BlockQuantMatMul's bias slot
@@ -62,81 +64,113 @@ class Packed(NamedTuple):
 
 class NativeLinears:
     """Rewrites eligible linears in place; packs each weight once however many graph copies it lowers (the
-    autotuner lowers a copy per candidate), keeping the packed initializers as they were staged. A tied embedding
-    (a GatherBlockQuantized over the same codes and scales as a rewritten linear, the lm_head) becomes a
-    BlockQuantGather over the packed table, so the engine holds that table once."""
+    autotuner lowers a copy per candidate), keeping the packed initializers as they were staged. The embedding's
+    gather becomes a BlockQuantGather: over the lm_head's packed table when it is tied to it (the same codes, scales
+    and zero points), so the engine holds that table once; else, for tables with float zero points (GGUF's Q4_K /
+    Q5_K ones), over its own."""
 
     def __init__(self) -> None:
-        self._packed: dict[tuple[str, str], Packed] = {}
-        self._tied: dict[tuple[str, str], tuple[str, str] | None] = {}  # gather's (data, scales) -> linear's
+        # keyed by a weight's MatMulNBits-form initializers: codes, scales and any zero points
+        self._packed: dict[tuple[str, ...], Packed] = {}
+        self._tied: dict[tuple[str, ...], tuple[str, ...] | None] = {}  # a table's -> its linear's
 
-    def _tied_linear(self, view: GraphView, gather: onnx.NodeProto, linears: dict[tuple[str, str], dict]
-                     ) -> tuple[str, str] | None:
-        """The (B, scales) of a rewritten linear whose weights are this gather's table, or None."""
-        key = (gather.input[0], gather.input[2])
-        if key not in self._tied:
-            a = node_attrs(gather)
-            shape, found = view.shape_of(key[0]), None
+    def _tied_linear(self, view: GraphView, table: tuple[str, ...], bits: int, block: int,
+                     linears: dict[tuple[str, ...], dict]) -> tuple[str, ...] | None:
+        """The key of a rewritten linear whose weights are the table `table` (codes, scales[, zero points]), or
+        None."""
+        if table not in self._tied:
+            shape, found = view.shape_of(table[0]), None
             for linear, la in linears.items():
-                if (la["bits"], la["block_size"]) != (a.get("bits"), a.get("block_size")) or shape is None or \
+                if len(linear) != len(table) or (la["bits"], la["block_size"]) != (bits, block) or shape is None or \
                         shape[0] != la["N"] or np.prod(shape) * 8 != la["N"] * la["K"] * la["bits"]:
                     continue
                 if all(np.array_equal(view.constant(mine).reshape(-1), view.constant(theirs).reshape(-1))
-                       for mine, theirs in zip(key, linear, strict=True)):
+                       for mine, theirs in zip(table, linear, strict=True)):
                     found = linear
                     break
-            self._tied[key] = found
-        return self._tied[key]
+            self._tied[table] = found
+        return self._tied[table]
+
+    def _table(self, view: GraphView, key: tuple[str, ...], n: int, k: int, bits: int) -> Packed:
+        """The packed form of weights `key`, packed now if no graph copy has been lowered with them yet."""
+        if key not in self._packed:
+            self._packed[key] = _pack(view, key, n, k, bits)
+        packed = self._packed[key]
+        for t in packed.tensors:
+            if t is not None:
+                view.attach(t)
+        return packed
+
+    def _lower_embedding(self, view: GraphView, model: onnx.ModelProto, linears: dict[tuple[str, ...], dict]
+                         ) -> bool:
+        """Replace the embedding gather of a table with float zero points in blocks of 32
+        (builder/weight_only_linear.py: emit_nbits_gather) by a BlockQuantGather; returns whether it did."""
+        e = find_float_zero_point_gather(view)
+        if e is None:
+            return False
+        codes, scales = view.shape_of(e.codes), view.shape_of(e.scales)
+        bits, block = codes[1] * 8 // e.hidden, e.hidden // scales[1]
+        if bits not in (4, 8) or block != bq.BLOCK:
+            return False
+        table = (e.codes, e.scales, e.zero_points)
+        table = self._tied_linear(view, table, bits, block, linears) or table
+        packed = self._table(view, table, codes[0], e.hidden, bits)
+        gather = onnx.helper.make_node(bq.GATHER_OP_TYPE, packed.inputs(e.ids, bias_slot=False), list(e.output.output),
+                                       name=e.output.name, domain=bq.DOMAIN, K=e.hidden, N=packed.rows,
+                                       bits=packed.bits, block_size=bq.BLOCK)
+        model.graph.node.remove(e.output)
+        model.graph.node.append(gather)
+        drop_dead_nodes(model)
+        topological_sort(model.graph)
+        return True
 
     def lower(self, model: onnx.ModelProto) -> int:
-        """Replace the eligible MatMulNBits of `model` (and a tied embedding's gather); returns how many linears."""
+        """Replace the eligible MatMulNBits of `model` (and the embedding's gather, as the class says); returns how
+        many linears."""
         view = GraphView(model)
-        linears: dict[tuple[str, str], dict] = {}
+        linears: dict[tuple[str, ...], dict] = {}
         for node in model.graph.node:
-            if not eligible(node) or any(i not in view.initializers for i in node.input[1:3]):
+            key = tuple(i for i in node.input[1:] if i)
+            if not eligible(node) or any(i not in view.initializers for i in key):
                 continue
             a = node_attrs(node)
-            key = (node.input[1], node.input[2])
-            if key not in self._packed:
-                self._packed[key] = _pack(view, node, a)
-            packed = self._packed[key]
-            for t in packed.tensors:
-                if t is not None:
-                    view.attach(t)
+            packed = self._table(view, key, a["N"], a["K"], a["bits"])
             linears[key] = a
             _become(node, bq.OP_TYPE, packed.inputs(node.input[0], bias_slot=True), {**a, "bits": packed.bits})
         for node in model.graph.node:
+            a = node_attrs(node)
             if (node.op_type == "GatherBlockQuantized" and node.domain == MS_DOMAIN and len(node.input) == 3
-                    and (node_attrs(node).get("gather_axis", 0), node_attrs(node).get("quantize_axis", 1)) == (0, 1)
-                    and (linear := self._tied_linear(view, node, linears)) is not None):
+                    and (a.get("gather_axis", 0), a.get("quantize_axis", 1)) == (0, 1)
+                    and (linear := self._tied_linear(view, (node.input[0], node.input[2]), a.get("bits"),
+                                                     a.get("block_size"), linears)) is not None):
                 packed = self._packed[linear]
                 _become(node, bq.GATHER_OP_TYPE, packed.inputs(node.input[1], bias_slot=False),
                         {**linears[linear], "bits": packed.bits})
-        if linears:
+        embedding = self._lower_embedding(view, model, linears)
+        if linears or embedding:
             view.drop_unused_initializers()
             use_opset(model, bq.DOMAIN)
         return len([n for n in model.graph.node if n.op_type == bq.OP_TYPE and n.domain == bq.DOMAIN])
 
 
-def _pack(view: GraphView, node: onnx.NodeProto, a: dict) -> Packed:
-    """Pack an eligible MatMulNBits' weights into new initializers named after its own."""
-    n, k = a["N"], a["K"]
-    codes = bq.unpack_nbits(view.constant(node.input[1]), n, k, a["bits"])
-    scales = view.constant(node.input[2]).reshape(n, -1)
+def _pack(view: GraphView, inputs: tuple[str, ...], n: int, k: int, bits: int) -> Packed:
+    """Pack a linear's or table's MatMulNBits-form weights (`inputs`: codes, scales and, if any, float zero points)
+    into new initializers named after them."""
+    codes = bq.unpack_nbits(view.constant(inputs[0]), n, k, bits)
+    scales = view.constant(inputs[1]).reshape(n, -1)
     mins = None
-    if len(node.input) == 4:  # (code - zp) * scale = code * scale - zp * scale
-        mins = (view.constant(node.input[3]).reshape(n, -1).astype(np.float64) * scales).astype(np.float32)
-    codes, bits = bq.narrow(codes, a["bits"], zero_point=mins is None)
+    if len(inputs) == 3:  # (code - zp) * scale = code * scale - zp * scale
+        mins = (view.constant(inputs[2]).reshape(n, -1).astype(np.float64) * scales).astype(np.float32)
+    codes, bits = bq.narrow(codes, bits, zero_point=mins is None)
     table = bq.pack(codes, scales, bits, mins)
     tensors = []
     for field, value in zip(_TABLE_INPUTS, table, strict=True):
         if value is not None:
-            name = {"codes": f"{node.input[1]}.bq", "scales": f"{node.input[2]}.bq"}.get(field,
-                                                                                     f"{node.input[2]}.bq_{field}")
+            name = {"codes": f"{inputs[0]}.bq", "scales": f"{inputs[1]}.bq"}.get(field, f"{inputs[1]}.bq_{field}")
             view.add_initializer(name, value)
             value = view.initializers[name]
         tensors.append(value)
-    return Packed(tuple(tensors), bits)
+    return Packed(tuple(tensors), bits, n)
 
 
 def _become(node: onnx.NodeProto, op_type: str, inputs: list[str], attrs: dict) -> None:

@@ -16,14 +16,16 @@ keeps those files exact. Bits and group size are read from each linear's tensors
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import onnx
 import torch
 
-from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
+from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder, GraphView
 from trtbuild.errors import TrtbuildError
 
+EMBEDDING, EMBEDDING_ROWS = "embedding", "embedding_codes"  # the float-zero-point gather's output and code rows
 MAX_BLOCK = 256  # MatMulNBits block sizes: powers of two from 16; a larger group is cut into blocks of this or less
 MIN_BLOCK = 16
 
@@ -84,7 +86,7 @@ def emit_nbits_gather(g: GraphBuilder, ids: str, prefix: str, tensors, hidden: i
                     domain=MS_DOMAIN, name="embedding", bits=layout.bits, block_size=layout.block_size,
                     gather_axis=0, quantize_axis=1)
     groups = hidden // layout.block_size
-    rows = g.op("Gather", [data, ids], axis=0, name="embedding_codes")  # [T, H * bits / 8] uint8
+    rows = g.op("Gather", [data, ids], axis=0, name=EMBEDDING_ROWS)  # [T, H * bits / 8] uint8
     if layout.bits == 4:
         rows = g.op("Concat", [g.op("Unsqueeze", [n, g.const(np.array([-1]), "axis_last")]) for n in (
             g.op("BitwiseAnd", [rows, g.const(np.uint8(0x0F), "low_nibble")]),
@@ -95,7 +97,33 @@ def emit_nbits_gather(g: GraphBuilder, ids: str, prefix: str, tensors, hidden: i
                                     g.const(np.array([-1]), "axis_last")])
                  for what, table in (("scales", scales), ("zero_points", zero_points))]
     x = g.op("Mul", [g.op("Sub", [q, per_block[1]]), per_block[0]])
-    return g.op("Reshape", [x, g.const(np.array([0, hidden]), "embedding_rows")], name="embedding")
+    return g.op("Reshape", [x, g.const(np.array([0, hidden]), "embedding_rows")], name=EMBEDDING)
+
+
+class FloatZeroPointGather(NamedTuple):
+    """The tensors of the gather emit_nbits_gather writes for a table with float zero points."""
+
+    ids: str
+    codes: str  # uint8 [V, K * bits / 8], 4-bit: element 2j in the low nibble of byte j
+    scales: str  # float32 [V, K / g]
+    zero_points: str  # float32 [V, K / g]
+    hidden: int  # K
+    output: onnx.NodeProto  # the node that yields the rows
+
+
+def find_float_zero_point_gather(view: GraphView) -> FloatZeroPointGather | None:
+    """The embedding gather emit_nbits_gather writes for float zero points, read back from `view` (a backend that
+    has one kernel for it replaces the nodes between the ids and its output), or None."""
+    rows = next((n for n in view.graph.node if n.name == EMBEDDING_ROWS and n.op_type == "Gather"), None)
+    out = next((n for n in view.graph.node if n.name == EMBEDDING and n.op_type == "Reshape"), None)
+    if rows is None or out is None or not rows.input[0].endswith(".weight_nbits"):
+        return None
+    prefix = rows.input[0].removesuffix(".weight_nbits")
+    scales, zero_points = f"{prefix}.scales_nbits", f"{prefix}.zero_points_nbits"
+    shape = view.constant(out.input[1])
+    if any(t not in view.initializers for t in (rows.input[0], scales, zero_points)) or shape is None:
+        return None
+    return FloatZeroPointGather(rows.input[1], rows.input[0], scales, zero_points, int(shape[-1]), out)
 
 
 def emit_nbits_matmul(g: GraphBuilder, x: str, prefix: str, tensors, in_features: int, accuracy_level: int,

@@ -145,9 +145,10 @@ def test_lowering_one_linear_keeps_its_product(bits, block):
         assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
 
 
-def tied_gguf_engines(tmp_path, qtype, hidden: int = 128) -> tuple:
-    """A small Qwen2 GGUF whose 2-D weights (linears and the tied token table; not norms) are all `qtype`, built with
-    the native linears and with ONNX Runtime's: (native engine dir, ort engine dir)."""
+def tied_gguf_engines(tmp_path, qtype, hidden: int = 128, tied: bool = True) -> tuple:
+    """A small Qwen2 GGUF whose 2-D weights (linears and the tied token table, or the untied token table and
+    output; not norms) are all `qtype`, built with the native linears and with ONNX Runtime's: (native engine dir,
+    ort engine dir)."""
     from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
 
     class AllLinears(dict):
@@ -155,7 +156,7 @@ def tied_gguf_engines(tmp_path, qtype, hidden: int = 128) -> tuple:
             return qtype if name.endswith(".weight") and "norm" not in name else default
 
     hf = make_hf_folder("qwen2", tmp_path / "hf", overrides={"hidden_size": hidden, "intermediate_size": 2 * hidden,
-                                                             "tie_word_embeddings": True})
+                                                             "tie_word_embeddings": tied})
     qtypes = AllLinears({"token_embd.weight": qtype})  # NOTE: not empty: an empty dict is false
     convert(write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "qwen2", qtypes), tmp_path / "ckpt")
     return (build_engine(tmp_path / "ckpt", tmp_path / "native", **LIMITS),
@@ -238,6 +239,12 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, qtype, bits, mins, tw
         assert (node.input[3] != "") == node.name.endswith("q+k+v")  # Qwen2's biases, folded in
     assert "MatMulNBits" not in ops(native) and "ReduceSum" not in ops(native)
     assert "MatMulNBits" in ops(ort)
+    # the token table is the lm_head's packed table (with float zero points too: the gather the network writes
+    # for them becomes the same op)
+    gathers = [n for n in model.graph.node if n.op_type == "BlockQuantGather"]
+    assert len(gathers) == 1 and "GatherBlockQuantized" not in ops(native)
+    assert not [n for n in model.graph.node if n.name == "embedding_codes"]  # the standard-op gather's
+    assert [i for i in gathers[0].input[1:] if i] == [i for i in linears[-1].input[1:] if i]
     # against the float model the GGUF holds (its weights dequantized): as near as ONNX Runtime's lowering
     convert(tmp_path / "m.gguf", tmp_path / "float_ckpt", dequantize=True)
     exact = build_engine(tmp_path / "float_ckpt", tmp_path / "float", **LIMITS)
@@ -245,3 +252,22 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, qtype, bits, mins, tw
         errors = [np.abs(y - want).max() for y in (got, other)]
         assert errors[0] < 1e-2 * np.abs(want).max() and errors[0] < 1.5 * errors[1], errors
         assert (got.argmax(axis=-1) == want.argmax(axis=-1)).mean() >= 0.9  # a random model's near-ties may flip
+
+
+def test_an_untied_table_with_float_zero_points_is_gathered_packed(tmp_path):
+    """An untied Q4_K token table (converted with float zero points, which ONNX Runtime's GatherBlockQuantized does
+    not take): the native build gathers it from its own packed table (4.625 bits a weight), exactly the rows the
+    standard-op gather dequantizes."""
+    from gguf import GGMLQuantizationType
+
+    native, ort = tied_gguf_engines(tmp_path, GGMLQuantizationType.Q4_K, hidden=256, tied=False)
+    assert ops(native).count("BlockQuantGather") == 1
+    names = [{n.name for n in onnx.load(str(e / CPU_ENGINE_FILE), load_external_data=False).graph.node}
+             for e in (native, ort)]
+    assert "embedding_codes" in names[1] and "embedding_codes" not in names[0]  # the standard-op gather's
+    model = onnx.load(str(native / CPU_ENGINE_FILE))
+    gather = next(n for n in model.graph.node if n.op_type == "BlockQuantGather")
+    head = next(n for n in model.graph.node if n.op_type == "BlockQuantMatMul" and n.name == "lm_head")
+    assert gather.input[1] != head.input[1] and len(gather.input) == 6  # its own table, two-level with minimums
+    for got, want in zip(steps(native), steps(ort), strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())

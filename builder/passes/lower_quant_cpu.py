@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from trtbuild.builder.graph import MS_DOMAIN, GraphView, node_attrs, topological_sort, use_opset
+from trtbuild.builder.graph import MS_DOMAIN, GraphView, drop_dead_nodes, node_attrs, topological_sort, use_opset
 from trtbuild.quantization import pack_int4
 
 
@@ -196,7 +196,7 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
         for m in members:
             model.graph.node.remove(m[0])
     model.graph.node.extend(new_nodes)
-    _drop_dead_nodes(model)
+    drop_dead_nodes(model)
     GraphView(model).drop_unused_initializers()
     topological_sort(model.graph)
     if groups:
@@ -259,15 +259,3 @@ def _float_zero_points(view: GraphView, base: str, x: str, inputs: list[str], ze
         helper.make_node("MatMul", [base + "_block_sums", base + ".zero_point_offsets"], [base + "_zero_points"],
                          name=base + "_zero_points"),
         helper.make_node("Add", [base + "_codes_out", base + "_zero_points"], [out], name=base + "_with_zero_points")]
-
-
-def _drop_dead_nodes(model: onnx.ModelProto) -> None:
-    """Remove nodes none of whose outputs is used (the weight and activation DequantizeLinears left behind)."""
-    outputs = {o.name for o in model.graph.output}
-    while True:
-        used = {i for n in model.graph.node for i in n.input} | outputs
-        dead = [n for n in model.graph.node if not any(o in used for o in n.output if o)]
-        if not dead:
-            return
-        for n in dead:
-            model.graph.node.remove(n)
