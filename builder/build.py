@@ -175,7 +175,7 @@ def quant_linear_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple
 
     if build.quant_linears == "ort":
         return ("ort",)
-    problem = ("no linear has 4/8-bit blocks of 16 or 32 with the default zero point" if not count_eligible(model) else
+    problem = ("no linear has 4/8-bit blocks of 16 or 32 (of 32 with zero points)" if not count_eligible(model) else
                "int4_accuracy_level 1 asks for fp32 compute" if build.int4_accuracy_level != 4 else
                "this CPU has no AVX-512 VNNI" if not cpu_ops.has_vnni() else cpu_ops.unavailable_reason())
     return _native_then_ort("quant_linears", build.quant_linears, problem, "MatMulNBits")

@@ -41,9 +41,6 @@ def count_eligible(model: onnx.ModelProto) -> int:
     return sum(eligible(n) for n in model.graph.node)
 
 
-_TABLE_INPUTS = ("codes", "scales", "super_scales", "mins", "super_mins")  # bq.PackedTable's fields, in input order
-
-
 class Packed(NamedTuple):
     """A linear's weights in the native layout: one initializer per bq.PackedTable field (None where absent), the
     bits the codes are packed in (5 or 6 where the checkpoint's 8-bit codes fit: bq.narrow) and its rows (N)."""
@@ -164,7 +161,7 @@ def _pack(view: GraphView, inputs: tuple[str, ...], n: int, k: int, bits: int) -
     codes, bits = bq.narrow(codes, bits, zero_point=mins is None)
     table = bq.pack(codes, scales, bits, mins)
     tensors = []
-    for field, value in zip(_TABLE_INPUTS, table, strict=True):
+    for field, value in zip(bq.PackedTable._fields, table, strict=True):  # in the op's input order
         if value is not None:
             name = {"codes": f"{inputs[0]}.bq", "scales": f"{inputs[1]}.bq"}.get(field, f"{inputs[1]}.bq_{field}")
             view.add_initializer(name, value)

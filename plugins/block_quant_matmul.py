@@ -2,10 +2,10 @@
 into it, and its numpy reference.
 
 A 4/5/6/8-bit linear with a scale per block of 32 or 16 weights and the default zero point (8, 16, 32 or 128), or
-with a scale and a minimum per block of 32 (W = scale * code - minimum: GGUF's Q4_K and Q4_1, whose checkpoint
-form has float zero points), computed as llama.cpp does: activations rounded to int8 per block of 32, exact integer
-dot products, each weight block scaled by its scale and the activation's; a minimum times the block's sum of x as
-quantized. The weights are packed at build time, 16 rows interleaved (cpu_ops/block_matmul.cc says why):
+with a scale and a minimum per block of 32 (W = scale * code - minimum: GGUF's Q4_K, Q5_K, Q4_1 and Q5_1, whose
+checkpoint form has float zero points), computed as llama.cpp does: activations rounded to int8 per block of 32,
+exact integer dot products, each weight block scaled by its scale and the activation's; a minimum times the block's
+sum of x as quantized. The weights are packed at build time, 16 rows interleaved (cpu_ops/block_matmul.cc says why):
 
   B uint8 [G, K / 32, 16 * 32 * bits / 8], G = ceil(N / 16): in chunk c of group g, 64-byte vector j, bytes
     4r .. 4r + 3 hold row 16g + r's codes 32c + 4j .. +3; 4-bit: vectors j < 4 hold those of j in their low nibbles
