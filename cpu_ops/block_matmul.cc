@@ -108,8 +108,9 @@ __m512 load_block_values(const BlockValues& v, int64_t at, int64_t super_at) {
   } else if constexpr (KIND == ScaleKind::kFloat) {
     return _mm512_loadu_ps(static_cast<const float*>(v.sub) + at * kRows);
   } else {  // NOTE: int8 x float16 is exact in float32, and so equals the checkpoint's float32 scale
-    const __m512 sub = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(static_cast<const __m128i*>(v.sub) + at)));
-    return _mm512_mul_ps(sub, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.super) + super_at)));
+    const __m128i sub = _mm_loadu_si128(static_cast<const __m128i*>(v.sub) + at);
+    const __m256i super = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.super) + super_at);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub)), _mm512_cvtph_ps(super));
   }
 }
 
