@@ -127,13 +127,14 @@ def _half(values: np.ndarray, tolerance: float = 0.0) -> np.ndarray | None:
     return half if ok else None
 
 
-def pack(codes: np.ndarray, scales: np.ndarray, bits: int, mins: np.ndarray | None = None) -> PackedTable:
-    """The kernel's tensors from codes [N, K] (0 .. 2^bits - 1), per-block scales [N, K / block] and, for W = scale *
-    code - minimum (blocks of 32; the codes then have no zero point), per-block minimums like the scales."""
+_PACK_GROUPS = 512  # groups of 16 rows packed at a time: a vocabulary-sized table's temporaries stay ~10 MB
+
+
+def _pack_codes(codes: np.ndarray, bits: int, pad: int) -> np.ndarray:
+    """B of the contract for codes [rows, K], rows past the last multiple of 16 padded with code `pad`."""
     n, k = codes.shape
     groups, chunks = -(-n // ROWS), k // BLOCK
-    blocks = scales.size // n
-    padded = np.full((groups * ROWS, k), 0 if mins is not None else ZERO_POINT[bits], dtype=np.uint8)
+    padded = np.full((groups * ROWS, k), pad, dtype=np.uint8)
     padded[:n] = codes
     # [G, r, c, j, i]: element 32c + 4j + i of row 16g + r
     c = padded.reshape(groups, ROWS, chunks, 8, 4)
@@ -145,21 +146,44 @@ def pack(codes: np.ndarray, scales: np.ndarray, bits: int, mins: np.ndarray | No
         c = c & np.uint8(0x0F)
     if bits in (4, 5, 6):
         c = c[:, :, :, :4] | (c[:, :, :, 4:] << 4)
-    b = np.concatenate([np.ascontiguousarray(c.transpose(0, 2, 3, 1, 4)).reshape(groups, chunks, -1), *planes],
-                       axis=2)
+    return np.concatenate([np.ascontiguousarray(c.transpose(0, 2, 3, 1, 4)).reshape(groups, chunks, -1), *planes],
+                          axis=2)
+
+
+def _two_level_by_rows(values: np.ndarray, per_super: int, tolerance: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """two_level over row chunks (it is row by row: only the temporaries shrink)."""
+    step = _PACK_GROUPS * ROWS
+    parts = []
+    for r in range(0, len(values), step):
+        if (part := two_level(values[r:r + step], per_super, tolerance)) is None:
+            return None
+        parts.append(part)
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def pack(codes: np.ndarray, scales: np.ndarray, bits: int, mins: np.ndarray | None = None) -> PackedTable:
+    """The kernel's tensors from codes [N, K] (0 .. 2^bits - 1), per-block scales [N, K / block] and, for W = scale *
+    code - minimum (blocks of 32; the codes then have no zero point), per-block minimums like the scales."""
+    n, k = codes.shape
+    groups = -(-n // ROWS)
+    blocks = scales.size // n
+    step = _PACK_GROUPS * ROWS
+    b = np.concatenate([_pack_codes(codes[r:r + step], bits, 0 if mins is not None else ZERO_POINT[bits])
+                        for r in range(0, n, step)])
     values = [np.zeros((groups * ROWS, blocks), dtype=np.float32) for _ in range(1 if mins is None else 2)]
     values[0][:n] = scales.reshape(n, blocks)
     if mins is not None:
         values[1][:n] = mins.reshape(n, blocks)
         # a block whose codes are all 0 is its minimum alone: its scale is free, and 0 factors with any super-scale
-        values[0][(padded.reshape(groups * ROWS, blocks, -1) == 0).all(axis=2)] = 0
+        values[0][:n][codes.reshape(n, blocks, -1).max(axis=2) == 0] = 0
     tolerances = (0.0, MINS_TOLERANCE)
 
     def layout(t: np.ndarray) -> np.ndarray:  # [G * 16, columns] -> [G, columns, 16]
         return np.ascontiguousarray(t.reshape(groups, ROWS, -1).transpose(0, 2, 1))
 
     if k % SUPER_BLOCK == 0:
-        split = [two_level(v, SUPER_BLOCK * blocks // k, tol) for v, tol in zip(values, tolerances, strict=False)]
+        split = [_two_level_by_rows(v, SUPER_BLOCK * blocks // k, tol)
+                 for v, tol in zip(values, tolerances, strict=False)]
         if all(f is not None for f in split):
             (sub, sup), *rest = split
             return PackedTable(b, layout(sub), layout(sup), *(layout(t) for t in (rest[0] if rest else ())))

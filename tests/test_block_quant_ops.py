@@ -211,3 +211,21 @@ def test_block_quant_matmul_refuses_what_it_cannot_run(library):
     with pytest.raises(Exception, match="the minimums must have the scales' type and shape"):
         run(64, PackedTable(np.zeros((1, 2, 256), np.uint8), np.ones((1, 2, 16), np.float16), None,
                             np.ones((1, 2, 16), np.float32)))
+
+
+@pytest.mark.parametrize("bits,block,scales_kind,mins_kind,k", [(6, 16, "k-quant", None, 512),
+                                                                  (4, 32, "k-quant", "k-quant", 512),
+                                                                  (4, 32, "float16", "float16", 352)])
+def test_packing_in_row_chunks_gives_the_same_tables(monkeypatch, bits, block, scales_kind, mins_kind, k):
+    """`pack` works through a big table a few hundred groups of rows at a time (build memory); the result is the
+    same as in one piece."""
+    from trtbuild.plugins import block_quant_matmul
+
+    codes, scales, mins = format_case(bits, block, scales_kind, mins_kind, k, 200, seed=5)
+    whole = pack(codes, scales, bits, mins)
+    monkeypatch.setattr(block_quant_matmul, "_PACK_GROUPS", 3)  # 48 rows a chunk: 5 chunks, the last one short
+    for got, want in zip(pack(codes, scales, bits, mins), whole, strict=True):
+        assert (got is None) == (want is None)
+        if want is not None:
+            np.testing.assert_array_equal(got, want)
+            assert got.dtype == want.dtype
