@@ -119,8 +119,10 @@ class TacticLowering:
     def __init__(self) -> None:
         from trtbuild.builder.dense_linears import DenseLinears
         from trtbuild.builder.native_linears import NativeLinears
+        from trtbuild.builder.passes.lower_quant_cpu import FloatZeroPoints
 
         self.native_linears = NativeLinears()
+        self.float_zero_points = FloatZeroPoints()
         self.dense_linears = DenseLinears()
 
     def __call__(self, model: onnx.ModelProto, build: BuildConfig) -> list[str]:
@@ -128,12 +130,11 @@ class TacticLowering:
         from trtbuild.builder.linear_bias import fold_linear_biases
         from trtbuild.builder.lower_cpu import lower_paged_attention
         from trtbuild.builder.native_swiglu import lower_swiglu
-        from trtbuild.builder.passes.lower_quant_cpu import expand_float_zero_points
 
         lower_paged_attention(model, build.attention)
         counts = {"native_linears": self.native_linears.lower(model) if build.quant_linears == "native" else 0}
         # what the native linears did not take; NOTE: before the dense linears, which then take the correction GEMMs
-        counts["float_zero_points"] = expand_float_zero_points(model)
+        counts["float_zero_points"] = self.float_zero_points.expand(model)
         counts["dense_linears"] = self.dense_linears.lower(model) if build.float_linears == "native" else 0
         if counts["native_linears"] or counts["dense_linears"]:
             counts["linear_biases"] = fold_linear_biases(model)

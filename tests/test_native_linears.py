@@ -271,3 +271,47 @@ def test_an_untied_table_with_float_zero_points_is_gathered_packed(tmp_path):
     assert gather.input[1] != head.input[1] and len(gather.input) == 6  # its own table, two-level with minimums
     for got, want in zip(steps(native), steps(ort), strict=True):
         np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
+
+
+def test_float_zero_points_are_rewritten_once_for_every_graph_copy(monkeypatch):
+    """The `ort` tactic's rewrite of float zero points (passes/lower_quant_cpu.py: FloatZeroPoints) makes its
+    initializers (5-bit codes centred on 128, the correction's offsets) once, though the autotuner lowers a copy of
+    the graph per candidate; every copy computes the linear."""
+    import copy
+
+    import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
+
+    from trtbuild.builder.graph import GraphView
+    from trtbuild.builder.passes.lower_quant_cpu import FloatZeroPoints
+
+    rng = np.random.default_rng(0)
+    k, n, g = 64, 16, 32
+    codes = rng.integers(0, 32, (n, k), dtype=np.uint8)  # GGUF Q5_K's codes, 8 bits in the checkpoint
+    scales = rng.random((n, k // g), dtype=np.float32) * 0.1
+    zero_points = rng.random((n, k // g), dtype=np.float32) * 31
+    node = helper.make_node("MatMulNBits", ["x", "B", "S", "Z"], ["y"], name="linear", domain="com.microsoft", K=k,
+                            N=n, bits=8, block_size=g, accuracy_level=1)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
+                              [numpy_helper.from_array(codes.reshape(n, k // g, g), "B"),
+                               numpy_helper.from_array(scales.reshape(-1), "S"),
+                               numpy_helper.from_array(zero_points.reshape(-1), "Z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    made = []
+    add = GraphView.add_initializer
+    monkeypatch.setattr(GraphView, "add_initializer", lambda self, name, value: (made.append(name),
+                                                                                 add(self, name, value)))
+    rewrite = FloatZeroPoints()
+    copies = [copy.deepcopy(model) for _ in range(2)]
+    assert [rewrite.expand(c) for c in copies] == [1, 1]
+    assert sorted(made) == ["linear.axis_last", "linear.blocks_shape", "linear.weight_nbits_centred",
+                            "linear.zero_point_offsets"]
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    w = (codes.astype(np.float32) - np.repeat(zero_points, g, axis=1)) * np.repeat(scales, g, axis=1)
+    for c in copies:
+        assert "linear.weight_nbits_centred" in [i for nd in c.graph.node for i in nd.input]
+        got = onnxruntime.InferenceSession(c.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+            None, {"x": x})[0]
+        np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-5)

@@ -204,58 +204,71 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
     return sum(len(m) for m in groups.values())
 
 
-def expand_float_zero_points(model: onnx.ModelProto) -> int:
-    """Rewrite each MatMulNBits with float zero points in `model` as nodes ONNX Runtime runs fast (the `ort`
-    tactic; the native one, builder/native_linears.py, computes such linears itself); returns how many."""
-    view = GraphView(model)
-    count = 0
-    for node in list(model.graph.node):
-        if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN or len(node.input) != 4 or not node.input[3]:
-            continue
-        zero_points = view.constant(node.input[3])
-        if zero_points is None or zero_points.dtype != np.float32:
-            continue
-        attrs = {**node_attrs(node), "domain": MS_DOMAIN}
-        n = attrs["N"]
-        scales = view.constant(node.input[2]).reshape(n, -1)
-        inputs, zero_points = list(node.input[:3]), zero_points.reshape(n, -1)
-        codes = view.constant(inputs[1])
-        if attrs["bits"] == 8 and int(codes.max()) < 128:
+class FloatZeroPoints:
+    """The `ort` tactic's form of a MatMulNBits with float zero points (the native tactic,
+    builder/native_linears.py, computes such linears itself). NOTE: ONNX Runtime's MatMulNBits has no fast kernel
+    for float zero points (it dequantizes the whole weight on every call: ~40 ms instead of ~0.8 ms for a 1536 x 8960
+    int4 GEMV). With its default zero point z0 = 2^(bits-1) instead,
+      x @ ((q - zp) * s)^T = x @ ((q - z0) * s)^T + blocksum(x) @ ((z0 - zp) * s)^T,
+    exact algebra: the second term is a small fp32 GEMM over one sum of x per block (1/block_size of the work). Run
+    after sibling linears are merged, the block sums and the correction GEMM are shared by Q/K/V and by gate/up. Each
+    linear's new initializers are made once however many graph copies it lowers (the autotuner lowers one per
+    candidate)."""
+
+    def __init__(self) -> None:
+        self._made: dict[str, tuple[str, list[onnx.TensorProto]]] = {}  # node -> (its codes input, new initializers)
+
+    def expand(self, model: onnx.ModelProto) -> int:
+        """Rewrite each MatMulNBits with float zero points in `model`; returns how many."""
+        view = GraphView(model)
+        count = 0
+        for node in list(model.graph.node):
+            if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN or len(node.input) != 4 or \
+                    view.initializers.get(node.input[3], TensorProto()).data_type != TensorProto.FLOAT:
+                continue
+            if node.name not in self._made:
+                self._made[node.name] = self._initializers(view, node)
+            codes, tensors = self._made[node.name]
+            for t in tensors:
+                view.attach(t)
+            attrs, base, x = {**node_attrs(node), "domain": MS_DOMAIN}, node.name, node.input[0]
+            model.graph.node.remove(node)
+            model.graph.node.extend([
+                helper.make_node("MatMulNBits", [x, codes, node.input[2]], [base + "_codes_out"], name=base + "_codes",
+                                 **attrs),
+                helper.make_node("Reshape", [x, base + ".blocks_shape"], [base + "_blocks"], name=base + "_blocks"),
+                helper.make_node("ReduceSum", [base + "_blocks", base + ".axis_last"], [base + "_block_sums"],
+                                 name=base + "_block_sums", keepdims=0),
+                helper.make_node("MatMul", [base + "_block_sums", base + ".zero_point_offsets"],
+                                 [base + "_zero_points"], name=base + "_zero_points"),
+                helper.make_node("Add", [base + "_codes_out", base + "_zero_points"], list(node.output),
+                                 name=base + "_with_zero_points")])
+            count += 1
+        if count:
+            view.drop_unused_initializers()
+            topological_sort(model.graph)
+        return count
+
+    @staticmethod
+    def _initializers(view: GraphView, node: onnx.NodeProto) -> tuple[str, list[onnx.TensorProto]]:
+        """The codes the rewrite of `node` multiplies with, and the initializers it adds (made here)."""
+        a, base = node_attrs(node), node.name
+        n, k, g = a["N"], a["K"], a["block_size"]
+        codes, scales = view.constant(node.input[1]), view.constant(node.input[2]).reshape(n, -1)
+        zero_points = view.constant(node.input[3]).reshape(n, -1)
+        names = [base + ".blocks_shape", base + ".axis_last", base + ".zero_point_offsets"]
+        view.add_initializer(names[0], np.array([0, k // g, g], dtype=np.int64))
+        view.add_initializer(names[1], np.array([-1], dtype=np.int64))
+        codes_name = node.input[1]
+        if a["bits"] == 8 and int(codes.max()) < 128:
             # NOTE: GGUF's Q5_K / Q5_1 codes are 0..31: centred on the default zero point (q + 112 - 128), the
             # kernel's int8 activation rounding meets weights near 0, not 16x their scale (a small model's logits:
             # ~15x nearer the float model's)
             shift = 128 - (1 << int(codes.max()).bit_length()) // 2
-            inputs[1] = node.name + ".weight_nbits_centred"
-            view.add_initializer(inputs[1], codes + np.uint8(shift))
+            codes_name = base + ".weight_nbits_centred"
+            names.append(codes_name)
+            view.add_initializer(codes_name, codes + np.uint8(shift))
             zero_points = zero_points + np.float32(shift)
-        model.graph.node.remove(node)
-        model.graph.node.extend(_float_zero_points(view, node.name, node.input[0], inputs, zero_points, scales,
-                                                   node.output[0], attrs))
-        count += 1
-    if count:
-        view.drop_unused_initializers()
-        topological_sort(model.graph)
-    return count
-
-
-def _float_zero_points(view: GraphView, base: str, x: str, inputs: list[str], zero_points: np.ndarray,
-                       scales: np.ndarray, out: str, attrs: dict) -> list[onnx.NodeProto]:
-    """MatMulNBits with float zero points [N, blocks], as nodes that run fast. NOTE: ONNX Runtime's MatMulNBits has no
-    fast kernel for float zero points (it dequantizes the whole weight on every call: ~40 ms instead of ~0.8 ms for
-    a 1536 x 8960 int4 GEMV). With its default zero point z0 = 2^(bits-1) instead,
-      x @ ((q - zp) * s)^T = x @ ((q - z0) * s)^T + blocksum(x) @ ((z0 - zp) * s)^T,
-    exact algebra: the second term is a small fp32 GEMM over one sum of x per block (1/block_size of the work). Run
-    after sibling linears are merged, the block sums and the correction GEMM are shared by Q/K/V and by gate/up."""
-    k, g = attrs["K"], attrs["block_size"]
-    view.add_initializer(base + ".blocks_shape", np.array([0, k // g, g], dtype=np.int64))
-    view.add_initializer(base + ".axis_last", np.array([-1], dtype=np.int64))
-    offsets = ((1 << (attrs["bits"] - 1)) - zero_points) * scales  # [N, blocks]
-    view.add_initializer(base + ".zero_point_offsets", offsets.T.astype(np.float32).copy())
-    return [
-        helper.make_node("MatMulNBits", inputs, [base + "_codes_out"], name=base + "_codes", **attrs),
-        helper.make_node("Reshape", [x, base + ".blocks_shape"], [base + "_blocks"], name=base + "_blocks"),
-        helper.make_node("ReduceSum", [base + "_blocks", base + ".axis_last"], [base + "_block_sums"],
-                         name=base + "_block_sums", keepdims=0),
-        helper.make_node("MatMul", [base + "_block_sums", base + ".zero_point_offsets"], [base + "_zero_points"],
-                         name=base + "_zero_points"),
-        helper.make_node("Add", [base + "_codes_out", base + "_zero_points"], [out], name=base + "_with_zero_points")]
+        offsets = ((1 << (a["bits"] - 1)) - zero_points) * scales  # [N, blocks]
+        view.add_initializer(names[2], offsets.T.astype(np.float32).copy())
+        return codes_name, [view.initializers[name] for name in names]
