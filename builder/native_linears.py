@@ -135,9 +135,10 @@ class NativeLinears:
             linears[key] = a
             _become(node, bq.OP_TYPE, packed.inputs(node.input[0], bias_slot=True), {**a, "bits": packed.bits})
         for node in model.graph.node:
+            if node.op_type != "GatherBlockQuantized" or node.domain != MS_DOMAIN or len(node.input) != 3:
+                continue
             a = node_attrs(node)
-            if (node.op_type == "GatherBlockQuantized" and node.domain == MS_DOMAIN and len(node.input) == 3
-                    and (a.get("gather_axis", 0), a.get("quantize_axis", 1)) == (0, 1)
+            if ((a.get("gather_axis", 0), a.get("quantize_axis", 1)) == (0, 1)
                     and (linear := self._tied_linear(view, (node.input[0], node.input[2]), a.get("bits"),
                                                      a.get("block_size"), linears)) is not None):
                 packed = self._packed[linear]
