@@ -2,10 +2,11 @@
 of multiplying block-quantized weights: activations quantized to int8 blocks once per linear, integer dot
 products, 16 rows per vector so that one tile of tokens reuses each weight load.
 
-Each eligible MatMulNBits (4 or 8 bits, blocks of 16 or 32 with the default zero point, or blocks of 32 with float
-zero points, as GGUF's Q4_K / Q5_K / Q4_1 / Q5_1 tensors are converted) becomes a BlockQuantMatMul over a packed copy
-of its weights (plugins/block_quant_matmul.py: the layout; 8-bit codes that fit in 5 or 6 bits, as GGUF's Q5_0 /
-Q5_K / Q6_K tensors do, packed in 5 or 6; k-quants' scales and minimums in their two-level form), and the MatMulNBits
+Each eligible MatMulNBits (4 or 8 bits, blocks of 16 or 32, with the default zero point or with float zero points,
+as GGUF's Q2_K / Q4_K / Q5_K / Q4_1 / Q5_1 tensors are converted) becomes a BlockQuantMatMul over a packed copy of its
+weights (plugins/block_quant_matmul.py: the layout; codes packed in as few bits as hold them, as GGUF's Q5_0 / Q5_K /
+Q6_K tensors' 8-bit codes fit in 5 or 6 and Q2_K / Q3_K's 4-bit ones in 2 or 3; k-quants' scales and minimums in
+their two-level form), and the MatMulNBits
 initializers nobody else reads are dropped, so the engine file holds each linear once. Measured on the 2-core
 AVX-512 VM (docs/performance.md): faster than MLAS's MatMulNBits at every token count from 1 to 256, which is why
 there is one graph for all steps.
@@ -24,17 +25,16 @@ from trtbuild.plugins import block_quant_matmul as bq
 
 
 def eligible(node: onnx.NodeProto) -> bool:
-    """A MatMulNBits the native kernel computes: 4 or 8 bits, K % 32 == 0, blocks of 16 or 32 with the default zero
-    point, or blocks of 32 with zero points (as minimums: zp * scale)."""
+    """A MatMulNBits the native kernel computes: 4 or 8 bits, K % 32 == 0, blocks of 16 or 32, with the default zero
+    point or with zero points (as minimums: zp * scale)."""
     if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN:
         return False
     inputs = len([i for i in node.input if i])
     a = node_attrs(node)
     if a.get("bits") not in (4, 8) or a["K"] % bq.BLOCK:
         return False
-    if inputs == 4 and len(node.input) == 4:
-        return a.get("block_size") == bq.BLOCK
-    return inputs == 3 and a.get("block_size") in bq.WEIGHT_BLOCKS
+    zero_points = inputs == 4 and len(node.input) == 4
+    return (inputs == 3 or zero_points) and a.get("block_size") in bq.WEIGHT_BLOCKS
 
 
 def count_eligible(model: onnx.ModelProto) -> int:
@@ -63,8 +63,7 @@ class NativeLinears:
     """Rewrites eligible linears in place; packs each weight once however many graph copies it lowers (the
     autotuner lowers a copy per candidate), keeping the packed initializers as they were staged. The embedding's
     gather becomes a BlockQuantGather: over the lm_head's packed table when it is tied to it (the same codes, scales
-    and zero points), so the engine holds that table once; else, for tables with float zero points (GGUF's Q4_K /
-    Q5_K ones), over its own."""
+    and zero points), so the engine holds that table once; else over its own."""
 
     def __init__(self) -> None:
         # keyed by a weight's MatMulNBits-form initializers: codes, scales and any zero points
@@ -98,23 +97,43 @@ class NativeLinears:
                 view.attach(t)
         return packed
 
+    def _lower_gather(self, view: GraphView, node: onnx.NodeProto, linears: dict[tuple[str, ...], dict]) -> None:
+        """Turn a GatherBlockQuantized of rows (default zero points) into a BlockQuantGather over the lm_head's
+        packed table when it is that table, else over its own (as compact as the linears': GGUF's Q3_K token table
+        in 3.6 bits a weight, not GatherBlockQuantized's 6)."""
+        a = node_attrs(node)
+        bits, block = a.get("bits", 4), a.get("block_size", 128)
+        table = (node.input[0], node.input[2])
+        shape = view.shape_of(table[0])
+        if ((a.get("gather_axis", 0), a.get("quantize_axis", 1)) != (0, 1) or bits not in (4, 8)
+                or block not in bq.WEIGHT_BLOCKS or shape is None or len(shape) != 2
+                or any(t not in view.initializers for t in table)):
+            return
+        n, k = shape[0], shape[1] * 8 // bits
+        if k % bq.BLOCK:
+            return
+        table = self._tied_linear(view, table, bits, block, linears) or table
+        packed = self._table(view, table, n, k, bits)
+        _become(node, bq.GATHER_OP_TYPE, packed.inputs(node.input[1], bias_slot=False),
+                {"K": k, "N": n, "bits": packed.bits, "block_size": block})
+
     def _lower_embedding(self, view: GraphView, model: onnx.ModelProto, linears: dict[tuple[str, ...], dict]
                          ) -> bool:
-        """Replace the embedding gather of a table with float zero points in blocks of 32
-        (builder/weight_only_linear.py: emit_nbits_gather) by a BlockQuantGather; returns whether it did."""
+        """Replace the embedding gather of a table with float zero points (builder/weight_only_linear.py:
+        emit_nbits_gather) by a BlockQuantGather; returns whether it did."""
         e = find_float_zero_point_gather(view)
         if e is None:
             return False
         codes, scales = view.shape_of(e.codes), view.shape_of(e.scales)
         bits, block = codes[1] * 8 // e.hidden, e.hidden // scales[1]
-        if bits not in (4, 8) or block != bq.BLOCK:
+        if bits not in (4, 8) or block not in bq.WEIGHT_BLOCKS:
             return False
         table = (e.codes, e.scales, e.zero_points)
         table = self._tied_linear(view, table, bits, block, linears) or table
         packed = self._table(view, table, codes[0], e.hidden, bits)
         gather = onnx.helper.make_node(bq.GATHER_OP_TYPE, packed.inputs(e.ids, bias_slot=False), list(e.output.output),
                                        name=e.output.name, domain=bq.DOMAIN, K=e.hidden, N=packed.rows,
-                                       bits=packed.bits, block_size=bq.BLOCK)
+                                       bits=packed.bits, block_size=block)
         model.graph.node.remove(e.output)
         model.graph.node.append(gather)
         drop_dead_nodes(model)
@@ -135,15 +154,8 @@ class NativeLinears:
             linears[key] = a
             _become(node, bq.OP_TYPE, packed.inputs(node.input[0], bias_slot=True), {**a, "bits": packed.bits})
         for node in model.graph.node:
-            if node.op_type != "GatherBlockQuantized" or node.domain != MS_DOMAIN or len(node.input) != 3:
-                continue
-            a = node_attrs(node)
-            if ((a.get("gather_axis", 0), a.get("quantize_axis", 1)) == (0, 1)
-                    and (linear := self._tied_linear(view, (node.input[0], node.input[2]), a.get("bits"),
-                                                     a.get("block_size"), linears)) is not None):
-                packed = self._packed[linear]
-                _become(node, bq.GATHER_OP_TYPE, packed.inputs(node.input[1], bias_slot=False),
-                        {**linears[linear], "bits": packed.bits})
+            if node.op_type == "GatherBlockQuantized" and node.domain == MS_DOMAIN and len(node.input) == 3:
+                self._lower_gather(view, node, linears)
         embedding = self._lower_embedding(view, model, linears)
         if linears or embedding:
             view.drop_unused_initializers()

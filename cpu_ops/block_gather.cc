@@ -1,4 +1,4 @@
-// trtbuild::BlockQuantGather for ONNX Runtime's CPU provider: rows `ids` of a 4/5/6/8-bit table stored in
+// trtbuild::BlockQuantGather for ONNX Runtime's CPU provider: rows `ids` of a 2- to 8-bit table stored in
 // BlockQuantMatMul's packed layout (block_matmul.cc), dequantized to float. A tied embedding then reads the very
 // bytes its lm_head multiplies with, and the engine holds the table once.
 //   inputs: ids int64 [T], B uint8 [G, K / 32, 16 * 32 * bits / 8], scales [G, K / block, 16], then optional
@@ -36,6 +36,7 @@ struct BlockQuantGatherKernel {
     float* y = ctx.GetOutput(0, std::vector<int64_t>{count, k}).GetTensorMutableData<float>();
     const uint8_t* codes = b.GetTensorData<uint8_t>();
     const int32_t zp = scales.has_mins() ? 0 : zero_point(bits);
+    const int base = base_bits(bits);
     for (int64_t t = 0; t < count; ++t) {
       const int64_t row = rows[t];
       if (row < 0 || row >= n)
@@ -43,7 +44,7 @@ struct BlockQuantGatherKernel {
       const int64_t g = row / kRows, lane = row % kRows;
       for (int64_t c = 0; c < chunks; ++c) {
         const uint8_t* chunk = codes + (g * chunks + c) * bytes + lane * 4;
-        const uint8_t* planes = codes + (g * chunks + c) * bytes + kNibbleBytes;  // 5/6-bit: bit 64j + 4 lane + i
+        const uint8_t* planes = codes + (g * chunks + c) * bytes + base_bytes(bits);  // bit 64j + 4 lane + i
         float* out = y + t * k + c * kChunk;
         float scale[2], minimum[2] = {0.0f, 0.0f};  // of the chunk's two halves (one block of 32, or two of 16)
         for (int h = 0; h < 2; ++h) {
@@ -51,13 +52,14 @@ struct BlockQuantGatherKernel {
           scale[h] = scales.scales.at(scales.kind, blocks, supers, block, g, at, lane);
           if (scales.has_mins()) minimum[h] = scales.mins.at(scales.kind, blocks, supers, block, g, at, lane);
         }
-        for (int j = 0; j < 8; ++j) {  // elements 4j .. 4j + 3 (4/5-bit: j < 4 low nibbles, j >= 4 high ones)
-          const uint8_t* four = chunk + (bits == 8 ? j : j % 4) * 64;
+        for (int j = 0; j < 8; ++j) {  // elements 4j .. 4j + 3: bits base * (j / base) of vector j % base
+          const uint8_t* four = chunk + j % base * 64;
+          const int shift = base * (j / base);
           for (int i = 0; i < 4; ++i) {
-            int32_t code = bits == 8 ? four[i] : (j < 4 ? four[i] & 0x0F : four[i] >> 4);
+            int32_t code = (four[i] >> shift) & ((1 << base) - 1);
             const int64_t bit = 64 * j + 4 * lane + i;
-            for (int plane = 0; plane < (bits == 8 ? 0 : bits - 4); ++plane)
-              code |= ((planes[plane * 64 + bit / 8] >> (bit % 8)) & 1) << (4 + plane);
+            for (int plane = 0; plane < bits - base; ++plane)
+              code |= ((planes[plane * 64 + bit / 8] >> (bit % 8)) & 1) << (base + plane);
             out[4 * j + i] = static_cast<float>(code - zp) * scale[j / 4] - minimum[j / 4];
           }
         }

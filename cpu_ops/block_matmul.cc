@@ -1,12 +1,12 @@
-// trtbuild::BlockQuantMatMul for ONNX Runtime's CPU provider: y[M, N] = x[M, K] @ dequant(B)^T, 4-, 5-, 6- or 8-bit
-// codes with a scale per block of 32 or 16 and the default zero point (8, 16, 32 or 128), or with a minimum per block
-// of 32 and zero point 0, in the 16-row interleaved layout that plugins/block_quant_matmul.py packs at build time
+// trtbuild::BlockQuantMatMul for ONNX Runtime's CPU provider: y[M, N] = x[M, K] @ dequant(B)^T, 2- to 8-bit codes
+// (not 7) with a scale per block of 32 or 16 and the default zero point 2^(bits - 1), or with a minimum per block
+// and zero point 0, in the 16-row interleaved layout that plugins/block_quant_matmul.py packs at build time
 // (G = ceil(N / 16) groups of 16 rows, nc = K / 32 chunks):
-//   B uint8 [G, nc, 16 * 32 * bits / 8]: in chunk c of group g, 64-byte vector j, lane r (bytes 4r..4r+3) holds
-//     row 16g + r's elements 32c + 4j .. +3; 4-bit: vectors j < 4 hold those of j in their low nibbles and those of
-//     j + 4 in their high ones. So vectors 0-3 are a chunk's first 16 elements and 4-7 its last 16. 5/6-bit: the
-//     4-bit layout of the low 4 bits, then one (two) 64-byte planes whose 64-bit word j is a byte mask of vector j's
-//     fifth (sixth) bits.
+//   B uint8 [G, nc, 16 * 32 * bits / 8]: in chunk c of group g, the 8 vectors j of 64 bytes whose lane r (bytes
+//     4r..4r+3) holds row 16g + r's elements 32c + 4j .. +3 (so vectors 0-3 are a chunk's first 16 elements and 4-7
+//     its last 16). 8-bit: as they are. Base b = 4 (4/5/6-bit) or 2 (2/3-bit): b stored vectors, vector j in bits
+//     b * (j / b) .. of stored vector j % b (4-bit: j < 4 in the low nibbles, j + 4 in the high ones); then for 3, 5
+//     and 6 bits one 64-byte plane per further bit, whose 64-bit word j is a byte mask of vector j's bit.
 //   scales [G, K / block, 16]: the scale of row 16g + r in each block, float, float16 (where that is exact, as it is
 //     for GGUF's 32-blocks: 11% fewer bytes per 4-bit weight), or int8 times a float16 super-scale per 256 elements
 //     (GGUF's k-quants, exactly: 4.6 bits per Q4_K weight instead of 6 with float scales and minimums).
@@ -49,16 +49,16 @@ constexpr int64_t kTaskGroupsLong = 8;
 
 // x quantized for one call, in blocks of 32: int8 codes [M, K] in x's order; per token and block, the dot
 // products' start values for its two halves (-zp x the sum of the half's codes), the activation scale and (for
-// minimums) the sum of the block as quantized. NOTE: not x's exact sum: then y = sum (scale * code - min) * x_q,
-// whose error is that of the weights times x's rounding, as llama.cpp's; with the exact sum the error is scale *
-// code times it, codes 0..15 where the weights center on 0 (a small Q4_K Qwen2's logits were 4x further from the
-// float model's: tests/test_native_linears.py, k-quants).
+// minimums) the sums of its two halves' codes: times the scale, the sums of x as quantized. NOTE: not x's exact
+// sums: then y = sum (scale * code - min) * x_q, whose error is that of the weights times x's rounding, as
+// llama.cpp's; with the exact sum the error is scale * code times it, codes 0..15 where the weights center on 0 (a
+// small Q4_K Qwen2's logits were 4x further from the float model's: tests/test_native_linears.py, k-quants).
 struct QuantizedX {
   int64_t blocks = 0;
   std::vector<int8_t> codes;
   std::vector<int32_t> bias;  // [M, blocks, 2]
   std::vector<float> scale;
-  std::vector<float> sum;
+  std::vector<int32_t> sum;  // [M, blocks, 2]
 };
 
 void quantize_x(const float* x, int64_t m, int64_t k, int32_t zp, bool sums, QuantizedX& q) {
@@ -66,7 +66,7 @@ void quantize_x(const float* x, int64_t m, int64_t k, int32_t zp, bool sums, Qua
   q.codes.resize(m * k);
   q.bias.resize(m * q.blocks * 2);
   q.scale.resize(m * q.blocks);
-  q.sum.resize(sums ? m * q.blocks : 0);
+  q.sum.resize(sums ? m * q.blocks * 2 : 0);
 #ifndef TRTBUILD_NO_VNNI
   for (int64_t i = 0; i < m * q.blocks; ++i) {
     const float* src = x + i * kBlock;
@@ -81,7 +81,7 @@ void quantize_x(const float* x, int64_t m, int64_t k, int32_t zp, bool sums, Qua
     q.bias[2 * i] = -zp * sum0;
     q.bias[2 * i + 1] = -zp * sum1;
     q.scale[i] = amax / 127.0f;
-    if (sums) q.sum[i] = q.scale[i] * static_cast<float>(sum0 + sum1);
+    if (sums) q.sum[2 * i] = sum0, q.sum[2 * i + 1] = sum1;
   }
 #else
   (void)x, (void)zp, (void)sums;
@@ -121,7 +121,8 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
   const QuantizedX& q = *p.qx;
   const int64_t nb = q.blocks;
   const uint8_t* codes = p.b + g * nb * kBytes;
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  constexpr int kBase = base_bits(BITS);
+  const __m512i low = _mm512_set1_epi8(static_cast<char>((1 << kBase) - 1));
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -130,15 +131,15 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
     // has several tokens (1.5B Q8_0, batch-16 decode step: ~12% faster asking ahead)
     for (int64_t line = 0; line < kBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(codes + b * kBytes + kPrefetchBytes + line), _MM_HINT_T0);
-    if (BITS != 8) {
-      for (int j = 0; j < 4; ++j) {
+    if constexpr (kBase != 8) {
+      for (int j = 0; j < kBase; ++j) {
         const __m512i v = _mm512_loadu_si512(codes + b * kBytes + j * 64);
         w[j] = _mm512_and_si512(v, low);
-        w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int s = 1; s < 8 / kBase; ++s) w[j + s * kBase] = _mm512_and_si512(_mm512_srli_epi16(v, s * kBase), low);
       }
-      for (int plane = 0; plane < BITS - 4; ++plane) {  // each vector's fifth (sixth) bits are a byte mask
-        const uint8_t* high = codes + b * kBytes + kNibbleBytes + plane * 64;
-        const __m512i value = _mm512_set1_epi8(static_cast<char>(16 << plane));
+      for (int plane = 0; plane < BITS - kBase; ++plane) {  // each vector's further bits are byte masks
+        const uint8_t* high = codes + b * kBytes + base_bytes(BITS) + plane * 64;
+        const __m512i value = _mm512_set1_epi8(static_cast<char>((1 << kBase) << plane));
         for (int j = 0; j < 8; ++j) {
           uint64_t bits;
           std::memcpy(&bits, high + 8 * j, sizeof bits);  // NOTE: the planes need not be 8-byte aligned
@@ -152,7 +153,9 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
     const int64_t super_at = g * p.supers + b * kBlock / kSuperBlock;
     const __m512 ws = load_block_values<KIND>(p.table.scales, (g * nb + b) * (BLOCK16 ? 2 : 1), super_at);
     const __m512 ws_hi = BLOCK16 ? load_block_values<KIND>(p.table.scales, (g * nb + b) * 2 + 1, super_at) : ws;
-    const __m512 mins = MINS ? load_block_values<KIND>(p.table.mins, g * nb + b, super_at) : ws;
+    const __m512 mins = MINS ? load_block_values<KIND>(p.table.mins, (g * nb + b) * (BLOCK16 ? 2 : 1), super_at) : ws;
+    const __m512 mins_hi =
+        MINS && BLOCK16 ? load_block_values<KIND>(p.table.mins, (g * nb + b) * 2 + 1, super_at) : mins;
     for (int t = 0; t < T; ++t) {
       const int64_t at = (t0 + t) * nb + b;
       const int32_t* x4 = reinterpret_cast<const int32_t*>(q.codes.data() + at * kBlock);
@@ -176,7 +179,15 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
       } else {
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), _mm512_mul_ps(ws, xs), acc[t]);
       }
-      if (MINS) acc[t] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(q.sum[at]), acc[t]);
+      if (MINS) {  // a minimum times the sum of its block of x as quantized
+        const float s0 = static_cast<float>(q.sum[2 * at]), s1 = static_cast<float>(q.sum[2 * at + 1]);
+        if (BLOCK16) {
+          acc[t] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(q.scale[at] * s0), acc[t]);
+          acc[t] = _mm512_fnmadd_ps(mins_hi, _mm512_set1_ps(q.scale[at] * s1), acc[t]);
+        } else {
+          acc[t] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(q.scale[at] * (s0 + s1)), acc[t]);
+        }
+      }
     }
   }
   const int64_t rows = std::min(kRows, p.n - g * kRows);
@@ -215,10 +226,9 @@ void run_task(void* data, size_t task) {
 
 using Task = void (*)(void*, size_t);
 
-// The task of one format; minimums come with blocks of 32 only (PackedTable::check).
 template <int BITS, ScaleKind KIND>
 Task task_for(bool block16, bool mins) {
-  return block16 ? run_task<BITS, KIND, true, false>
+  return block16 ? (mins ? run_task<BITS, KIND, true, true> : run_task<BITS, KIND, true, false>)
                  : (mins ? run_task<BITS, KIND, false, true> : run_task<BITS, KIND, false, false>);
 }
 
@@ -265,7 +275,9 @@ struct BlockQuantMatMulKernel {
               bias(ctx, 3, n, [&](const std::string& what) { table.fail(what); })};
     const size_t tasks = static_cast<size_t>(token_tasks * p.group_tasks);
     const bool block16 = block == 16, mins = scales.has_mins();
-    const Task task = bits == 4   ? task_for<4>(scales.kind, block16, mins)
+    const Task task = bits == 2   ? task_for<2>(scales.kind, block16, mins)
+                      : bits == 3 ? task_for<3>(scales.kind, block16, mins)
+                      : bits == 4 ? task_for<4>(scales.kind, block16, mins)
                       : bits == 5 ? task_for<5>(scales.kind, block16, mins)
                       : bits == 6 ? task_for<6>(scales.kind, block16, mins)
                                   : task_for<8>(scales.kind, block16, mins);

@@ -1,4 +1,4 @@
-// The packed 4/5/6/8-bit table that trtbuild::BlockQuantMatMul multiplies with and trtbuild::BlockQuantGather reads
+// The packed 2/3/4/5/6/8-bit table that trtbuild::BlockQuantMatMul multiplies with and trtbuild::BlockQuantGather reads
 // rows of (layout: block_matmul.cc, plugins/block_quant_matmul.py): its attributes and the checks of its tensors.
 #pragma once
 #include "cpu_ops.h"
@@ -11,10 +11,13 @@ namespace trtbuild_cpu_ops {
 
 constexpr int64_t kTableRows = 16;   // rows per group: one per int32 lane
 constexpr int64_t kTableChunk = 32;  // elements per chunk of a row (and per activation block)
-constexpr int64_t kNibbleBytes = kTableRows * kTableChunk / 2;  // a chunk's 4-bit codes (5/6-bit: then bit planes)
 constexpr int64_t kSuperBlock = 256;  // elements per super-block of two-level scales
 
-inline int32_t zero_point(int64_t bits) { return bits == 4 ? 8 : bits == 5 ? 16 : bits == 6 ? 32 : 128; }
+// A chunk's codes are a base layout of 2, 4 or 8 bits a code (base_bits 64-byte vectors), then, for 3, 5 and 6
+// bits, one 64-byte plane per further bit.
+constexpr int base_bits(int64_t bits) { return bits <= 3 ? 2 : bits <= 6 ? 4 : 8; }
+constexpr int64_t base_bytes(int64_t bits) { return kTableRows * kTableChunk * base_bits(bits) / 8; }
+inline int32_t zero_point(int64_t bits) { return 1 << (bits - 1); }
 
 // How a table's scales (and minimums) are stored: [G, K / block, 16] float, float16, or int8 sub-scales times a
 // float16 super-scale per row and super-block of 256 elements ([G, K / 256, 16]), as GGUF's k-quants keep them.
@@ -73,7 +76,7 @@ struct PackedTable {
     n = ki.GetAttribute<int64_t>("N");
     bits = ki.GetAttribute<int64_t>("bits");
     block = ki.GetAttribute<int64_t>("block_size");
-    if (bits != 4 && bits != 5 && bits != 6 && bits != 8) fail("bits must be 4, 5, 6 or 8");
+    if (bits < 2 || bits > 8 || bits == 7) fail("bits must be 2, 3, 4, 5, 6 or 8");
     if (block != 16 && block != 32) fail("block_size must be 16 or 32");
     if (k % kTableChunk) fail("K must be a multiple of 32, got " + std::to_string(k));
   }
@@ -115,7 +118,6 @@ struct PackedTable {
       if (mins.GetTensorTypeAndShapeInfo().GetElementType() != type ||
           mins.GetTensorTypeAndShapeInfo().GetElementCount() != per_block)
         fail("the minimums must have the scales' type and shape");
-      if (block != kTableChunk) fail("minimums need block_size 32");
       t.mins.sub = mins.GetTensorRawData();
       if (t.kind == ScaleKind::kTwoLevel) {
         if (!present(super_mins)) fail("int8 minimums need float16 super-minimums");

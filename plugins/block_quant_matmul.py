@@ -1,17 +1,17 @@
 """The contract of `trtbuild::BlockQuantMatMul` (documented in plugins/README.md): its weight layout, the packing
 into it, and its numpy reference.
 
-A 4/5/6/8-bit linear with a scale per block of 32 or 16 weights and the default zero point (8, 16, 32 or 128), or
-with a scale and a minimum per block of 32 (W = scale * code - minimum: GGUF's Q4_K, Q5_K, Q4_1 and Q5_1, whose
+A 2/3/4/5/6/8-bit linear with a scale per block of 32 or 16 weights and the default zero point 2^(bits - 1), or
+with a scale and a minimum per block (W = scale * code - minimum: GGUF's Q2_K, Q4_K, Q5_K, Q4_1 and Q5_1, whose
 checkpoint form has float zero points), computed as llama.cpp does: activations rounded to int8 per block of 32,
 exact integer dot products, each weight block scaled by its scale and the activation's; a minimum times the block's
 sum of x as quantized. The weights are packed at build time, 16 rows interleaved (cpu_ops/block_matmul.cc says why):
 
-  B uint8 [G, K / 32, 16 * 32 * bits / 8], G = ceil(N / 16): in chunk c of group g, 64-byte vector j, bytes
-    4r .. 4r + 3 hold row 16g + r's codes 32c + 4j .. +3; 4-bit: vectors j < 4 hold those of j in their low nibbles
-    and those of j + 4 in their high ones. 5/6-bit: the 4-bit layout of each code's low 4 bits (256 bytes), then a
-    64-byte plane of their fifth bits (and one of their sixth): bit 64j + 4r + i is that of row 16g + r's element
-    32c + 4j + i.
+  B uint8 [G, K / 32, 16 * 32 * bits / 8], G = ceil(N / 16): in chunk c of group g, the 8 vectors j of 64 bytes
+    whose bytes 4r .. 4r + 3 hold row 16g + r's codes 32c + 4j .. +3. 8-bit: those. Else, with base b = 4 (4/5/6-bit)
+    or 2 (2/3-bit), b stored vectors of the codes' low b bits, vector j in bits b * (j / b) .. of stored vector
+    j % b (4-bit: j < 4 in the low nibbles, j + 4 in the high ones); then one 64-byte plane per further bit (3, 5
+    and 6 bits): bit 64j + 4r + i is that of row 16g + r's element 32c + 4j + i.
   scales [G, K / block, 16]: S[g, b, r] is the scale of row 16g + r in block b, stored (`pack`) in the first form
     that holds every scale exactly: int8 times a float16 super-scale [G, K / 256, 16] per row and 256 elements
     (GGUF's k-quants are such products: Q4_K then takes 4.6 bits a weight, not 6), float16 (GGUF's Q4_0 / Q8_0
@@ -19,10 +19,10 @@ sum of x as quantized. The weights are packed at build time, 16 rows interleaved
   mins (optional), in the scales' form: the minimums, recovered from the checkpoint's float zero points (zp * scale,
     to float32 rounding; a two-level or float16 form is taken when it matches them to 1e-6 relative, and then gives
     ggml's own products back).
-Rows past N (padding) have code zp and scale 0. 5- and 6-bit codes are not a checkpoint format (MatMulNBits has 4
-and 8): `narrow` finds them among 8-bit ones, as GGUF's Q5_0 and Q6_K tensors are converted (code q - 16 + 128 or
-q - 32 + 128) and Q5_K / Q5_1 ones (code q, with minimums), and packs them in 5 or 6 bits a weight instead of 8,
-exactly.
+Rows past N (padding) have code zp and scale 0. 2-, 3-, 5- and 6-bit codes are not a checkpoint format (MatMulNBits
+has 4 and 8): `narrow` finds them among 8-bit ones, as GGUF's Q5_0 and Q6_K tensors are converted (code q - 16 + 128
+or q - 32 + 128) and Q5_K / Q5_1 ones (code q, with minimums), and among 4-bit ones, as Q3_K (code q - 4 + 8) and
+Q2_K (code q, with minimums) are, and packs them in as many bits a weight as they need, exactly.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ GATHER_OP_TYPE = "BlockQuantGather"  # rows of a packed table, dequantized (a ti
 BLOCK = 32  # activation blocks, and the weights' chunks
 WEIGHT_BLOCKS = (16, 32)
 ROWS = 16  # rows per group: one per int32 lane of a 512-bit vector
-ZERO_POINT = {4: 8, 5: 16, 6: 32, 8: 128}
+BITS = (2, 3, 4, 5, 6, 8)
+ZERO_POINT = {bits: 1 << (bits - 1) for bits in BITS}
+_NARROWER = {4: (2, 3), 8: (5, 6)}  # the packed widths a checkpoint's codes may fit in, smallest first
 SUPER_BLOCK = 256  # elements per super-scale of two-level scales
 MINS_TOLERANCE = 1e-6  # how near (relative) a compact form of the minimums must come to the checkpoint's
 
@@ -64,21 +66,23 @@ def unpack_nbits(b: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
 
 
 def narrow(codes: np.ndarray, bits: int, zero_point: bool = True) -> tuple[np.ndarray, int]:
-    """8-bit codes [N, K] that fit in 5 (6) bits as those, with 5 (6); any other codes as they are, with `bits`.
-    With the default zero point the codes must lie within 16 (32) of it: they become code - 112 (- 96), zero point 16
-    (32). Without (minimums), codes below 32 (64) stay as they are."""
-    if bits == 8 and codes.size:
+    """8-bit (4-bit) codes [N, K] that fit in 5 or 6 (2 or 3) bits as those, with the fewest bits that hold them; any
+    other codes as they are, with `bits`. With the default zero point the codes must lie within 2^(narrow - 1) of it:
+    they become code - (zp - narrow zp), e.g. 8-bit codes within 16 of 128 become code - 112, zero point 16. Without
+    (minimums), codes below 2^narrow stay as they are."""
+    if codes.size and bits in _NARROWER:
         low, high = int(codes.min()), int(codes.max())
-        for narrow_bits in (5, 6):
-            offset = ZERO_POINT[8] - ZERO_POINT[narrow_bits] if zero_point else 0
+        for narrow_bits in _NARROWER[bits]:
+            offset = ZERO_POINT[bits] - ZERO_POINT[narrow_bits] if zero_point else 0
             if low >= offset and high < offset + (1 << narrow_bits):
                 return codes - np.uint8(offset), narrow_bits
     return codes, bits
 
 
 # The int8 sub-value a super-block's largest value most likely has, first: ggml's Q4_K scales and minimums
-# (63) and Q6_K scales (-128); the others are tried for what remains.
-_SUB_CANDIDATES = (63, -128, *range(127, 0, -1), *range(-127, 0))
+# (63), Q6_K scales (-128), Q3_K ones (-32) and Q2_K scales and minimums (15); the others are tried for what remains.
+_FIRST_CANDIDATES = (63, -128, -32, 15)
+_SUB_CANDIDATES = (*_FIRST_CANDIDATES, *(c for c in (*range(127, 0, -1), *range(-127, 0)) if c not in (63, -32, 15)))
 _SAMPLE = 64  # super-blocks tried with every candidate before all the rest are
 
 
@@ -109,11 +113,12 @@ def two_level(values: np.ndarray, per_super: int, tolerance: float = 0.0) -> tup
             todo = todo[~ok]
         return todo
 
-    todo = solve(np.flatnonzero(big != 0), _SUB_CANDIDATES[:2])  # an all-zero super-block is 0 x 0
+    first = len(_FIRST_CANDIDATES)
+    todo = solve(np.flatnonzero(big != 0), _SUB_CANDIDATES[:first])  # an all-zero super-block is 0 x 0
     # NOTE: a float model's scales factor nowhere: a sample tells before ~250 passes over all of them
-    if len(todo) and len(solve(todo[:_SAMPLE], _SUB_CANDIDATES[2:])):
+    if len(todo) and len(solve(todo[:_SAMPLE], _SUB_CANDIDATES[first:])):
         return None
-    if len(solve(todo[_SAMPLE:], _SUB_CANDIDATES[2:])):
+    if len(solve(todo[_SAMPLE:], _SUB_CANDIDATES[first:])):
         return None
     return sub.reshape(rows, blocks), sup.reshape(rows, blocks // per_super)
 
@@ -127,6 +132,11 @@ def _half(values: np.ndarray, tolerance: float = 0.0) -> np.ndarray | None:
     return half if ok else None
 
 
+def base_bits(bits: int) -> int:
+    """The bits per code of the packed layout's base vectors (the rest are bit planes): 2, 4 or 8."""
+    return 2 if bits <= 3 else 4 if bits <= 6 else 8
+
+
 _PACK_GROUPS = 512  # groups of 16 rows packed at a time: a vocabulary-sized table's temporaries stay ~10 MB
 
 
@@ -138,14 +148,15 @@ def _pack_codes(codes: np.ndarray, bits: int, pad: int) -> np.ndarray:
     padded[:n] = codes
     # [G, r, c, j, i]: element 32c + 4j + i of row 16g + r
     c = padded.reshape(groups, ROWS, chunks, 8, 4)
+    base = base_bits(bits)
     planes = []
-    for plane in range(bits - 4 if bits in (5, 6) else 0):  # [G, c, j, r, i] fifth (sixth) bits, 64 per j
-        planes.append(np.packbits(((c >> (4 + plane)) & 1).transpose(0, 2, 3, 1, 4).reshape(groups, chunks, 8, 64),
+    for plane in range(bits - base):  # [G, c, j, r, i] the further bits, 64 per j
+        planes.append(np.packbits(((c >> (base + plane)) & 1).transpose(0, 2, 3, 1, 4).reshape(groups, chunks, 8, 64),
                                   axis=-1, bitorder="little").reshape(groups, chunks, 64))
-    if bits in (5, 6):
-        c = c & np.uint8(0x0F)
-    if bits in (4, 5, 6):
-        c = c[:, :, :, :4] | (c[:, :, :, 4:] << 4)
+    if base < 8:  # vector j in bits base * (j // base) of stored vector j % base
+        c = c & np.uint8((1 << base) - 1)
+        c = np.bitwise_or.reduce([c[:, :, :, s * base:(s + 1) * base] << np.uint8(s * base)
+                                  for s in range(8 // base)], axis=0)
     return np.concatenate([np.ascontiguousarray(c.transpose(0, 2, 3, 1, 4)).reshape(groups, chunks, -1), *planes],
                           axis=2)
 
@@ -163,7 +174,7 @@ def _two_level_by_rows(values: np.ndarray, per_super: int, tolerance: float) -> 
 
 def pack(codes: np.ndarray, scales: np.ndarray, bits: int, mins: np.ndarray | None = None) -> PackedTable:
     """The kernel's tensors from codes [N, K] (0 .. 2^bits - 1), per-block scales [N, K / block] and, for W = scale *
-    code - minimum (blocks of 32; the codes then have no zero point), per-block minimums like the scales."""
+    code - minimum (the codes then have no zero point), per-block minimums like the scales."""
     n, k = codes.shape
     groups = -(-n // ROWS)
     blocks = scales.size // n
@@ -208,7 +219,7 @@ def reference_block_quant_gather(ids: np.ndarray, codes: np.ndarray, scales: np.
 def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int,
                                   mins: np.ndarray | None = None) -> np.ndarray:
     """y [M, N] in float64 from x [M, K], the unpacked codes [N, K] (0 .. 2^bits - 1), scales [N * K / block] and
-    optional minimums (blocks of 32, like the scales; the codes then have zero point 0)."""
+    optional minimums (like the scales; the codes then have zero point 0)."""
     m, k = x.shape
     n = codes.shape[0]
     # x's int8 codes as the kernel rounds them, in float32: rint(x * (127 / amax)), half to even
@@ -223,6 +234,7 @@ def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.nd
     dots = np.einsum("mbi,nbi->mnb", q, w)  # exact integers times the activation scale
     y = np.einsum("mnb,nb->mn", dots, scales.reshape(n, per_block).astype(np.float64))
     if mins is not None:  # a minimum times the block's sum of x as quantized
-        sums = (np.rint(blocks * inv).sum(axis=2) * (amax[:, :, 0] / np.float32(127))).astype(np.float64)
-        y -= sums @ mins.reshape(n, per_block).astype(np.float64).T
+        sums = np.rint(blocks * inv).reshape(m, per_block, -1).sum(axis=2)
+        per_weight_block = np.repeat(amax[:, :, 0] / np.float32(127), per_block * BLOCK // k, axis=1)
+        y -= (sums * per_weight_block).astype(np.float64) @ mins.reshape(n, per_block).astype(np.float64).T
     return y

@@ -145,10 +145,11 @@ def _add_bpe_vocab(w: gguf.GGUFWriter, hf_dir: Path, n_vocab: int) -> None:
 
 def _encode(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     """Raw GGUF blocks of `data` [rows, cols] in `qtype` (K-quants by tests/gguf_kquants.py, others by gguf)."""
-    from gguf_kquants import encode_q4_k, encode_q5_k, encode_q6_k
+    from gguf_kquants import encode_q2_k, encode_q3_k, encode_q4_k, encode_q5_k, encode_q6_k
 
     Q = gguf.GGMLQuantizationType
-    encoders = {Q.Q4_K: encode_q4_k, Q.Q5_K: encode_q5_k, Q.Q6_K: encode_q6_k}
+    encoders = {Q.Q2_K: encode_q2_k, Q.Q3_K: encode_q3_k, Q.Q4_K: encode_q4_k, Q.Q5_K: encode_q5_k,
+                Q.Q6_K: encode_q6_k}
     return encoders[qtype](data) if qtype in encoders else gguf.quants.quantize(data, qtype)
 
 

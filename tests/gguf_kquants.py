@@ -1,4 +1,5 @@
-"""Round-to-nearest encoders for GGUF's Q4_K, Q5_K and Q6_K blocks, which the `gguf` package can read but not write.
+"""Round-to-nearest encoders for GGUF's Q2_K, Q3_K, Q4_K, Q5_K and Q6_K blocks, which the `gguf` package can read
+but not write.
 
 They make valid files for tests and benchmarks (not llama.cpp's error-minimising search): `gguf.quants.dequantize`
 of their output is the reference any reader must reproduce. Input: float32 [rows, cols], cols a multiple of 256.
@@ -82,3 +83,48 @@ def encode_q6_k(x: np.ndarray) -> np.ndarray:
     ql = (low[:, :, 0:2] | (low[:, :, 2:4] << 4)).reshape(n, 128)
     qh = (high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)).reshape(n, 64)
     return np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), d_raw], axis=1).reshape(rows, -1)
+
+
+def _two_bit_runs(q: np.ndarray) -> np.ndarray:
+    """q [n, 256] (values < 4) -> qs [n, 64]: half h, byte l holds values 128h + 32s + l at bits 2s."""
+    runs = q.reshape(-1, 2, 4, 32)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 2) | (runs[:, :, 2] << 4) | (runs[:, :, 3] << 6)).reshape(-1, 64)
+
+
+def encode_q3_k(x: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 [rows, cols / 256 * 110]: x ~ d * (sc_j - 32) * (q - 4) per 16-value block,
+    q in [0, 7]: hmask[32] (bit i of byte l: q's third bit, of value 32i + l), qs[64] (the low 2 bits, as Q2_K's),
+    12 bytes of 6-bit scales, d."""
+    rows = np.asarray(x).shape[0]
+    sub = _blocks(x).reshape(-1, 16, 16)
+    scale = np.abs(sub).max(-1) / 4.0
+    d_raw, d = _f16(scale.max(-1) / 31.0)
+    sc = np.clip(np.rint(np.divide(scale, d[:, None], out=np.zeros_like(scale), where=d[:, None] > 0)), -32, 31)
+    eff = (d[:, None] * sc)[..., None]
+    q = (np.clip(np.rint(np.divide(sub, eff, out=np.zeros_like(sub), where=eff != 0)), -4, 3) + 4).astype(np.uint8)
+    q = q.reshape(-1, 256)
+    hmask = ((q >> 2).reshape(-1, 8, 32) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)
+    u = (sc + 32).astype(np.uint8)  # [n, 16], 6 bits
+    low = (u[:, :8] & 0x0F) | ((u[:, 8:] & 0x0F) << 4)
+    high = u >> 4  # scale j's top 2 bits at bits 2 (j // 4) of byte j % 4
+    top = (high[:, 0:4] | (high[:, 4:8] << 2) | (high[:, 8:12] << 4) | (high[:, 12:16] << 6)).astype(np.uint8)
+    return np.concatenate([hmask, _two_bit_runs(q & 0x03), low, top, d_raw], axis=1).reshape(rows, -1)
+
+
+def encode_q2_k(x: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 [rows, cols / 256 * 84]: x ~ d * sc_j * q - dmin * m_j per 16-value block,
+    q in [0, 3]: 16 bytes of 4-bit scales (low nibbles) and minimums, qs[64], d, dmin."""
+    rows = np.asarray(x).shape[0]
+    b = _blocks(x).reshape(-1, 16, 16)
+    lo, hi = np.minimum(b.min(-1), 0.0), np.maximum(b.max(-1), 0.0)
+    scale, minimum = (hi - lo) / 3, -lo
+    d_raw, d = _f16(scale.max(-1) / 15.0)
+    dmin_raw, dmin = _f16(minimum.max(-1) / 15.0)
+    sc = np.clip(np.rint(np.divide(scale, d[:, None], out=np.zeros_like(scale), where=d[:, None] > 0)), 0, 15)
+    m = np.clip(np.rint(np.divide(minimum, dmin[:, None], out=np.zeros_like(minimum), where=dmin[:, None] > 0)),
+                0, 15)
+    eff_scale, eff_min = (d[:, None] * sc)[..., None], (dmin[:, None] * m)[..., None]
+    q = np.clip(np.rint(np.divide(b + eff_min, eff_scale, out=np.zeros_like(b), where=eff_scale > 0)), 0, 3)
+    scales = (sc.astype(np.uint8) | (m.astype(np.uint8) << 4))
+    return np.concatenate([scales, _two_bit_runs(q.astype(np.uint8).reshape(-1, 256)), d_raw, dmin_raw],
+                          axis=1).reshape(rows, -1)

@@ -1,5 +1,5 @@
 """trtbuild::BlockQuantMatMul and BlockQuantGather (cpu_ops/block_matmul.cc, block_gather.cc) against the numpy
-references of plugins/block_quant_matmul.py, in every form `pack` stores: 4/5/6/8-bit codes, blocks of 32 and 16,
+references of plugins/block_quant_matmul.py, in every form `pack` stores: 2- to 8-bit codes, blocks of 32 and 16,
 float32, float16 and two-level (int8 x float16 per 256) scales, with and without minimums."""
 
 from __future__ import annotations
@@ -59,24 +59,29 @@ def k_quant_values(rng: np.random.Generator, n: int, blocks: int, per_super: int
     return np.repeat(d, per_super, axis=1) * sub.astype(np.float32)
 
 
-def codes_of(rng: np.random.Generator, bits: int, n: int, k: int) -> np.ndarray:
-    """Codes as the checkpoint holds them (5/6-bit ones as 8-bit codes near 128, as GGUF's Q5_0 / Q6_K convert),
-    narrowed and packed as the build does; returns (codes, bits packed)."""
-    stored = 8 if bits in (5, 6) else bits
-    half_range = 1 << (bits - 1)
-    wide = rng.integers(128 - half_range, 128 + half_range, (n, k), dtype=np.uint8) if bits in (5, 6) else \
-        rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
-    codes, packed_bits = narrow(wide, stored)
+def codes_of(rng: np.random.Generator, bits: int, n: int, k: int, mins: bool = False) -> np.ndarray:
+    """Codes as the checkpoint holds them (5/6-bit ones as 8-bit codes near 128, as GGUF's Q5_0 / Q6_K convert;
+    2/3-bit ones as 4-bit codes near 8, as Q3_K does; with minimums from 0, as Q2_K / Q5_K), narrowed as the build
+    does."""
+    stored = 8 if bits in (5, 6) else 4 if bits in (2, 3) else bits
+    low = 0 if mins else ZERO_POINT[stored] - ZERO_POINT[bits]
+    wide = rng.integers(low, low + (1 << bits), (n, k), dtype=np.uint8)
+    codes, packed_bits = narrow(wide, stored, zero_point=not mins)
     assert packed_bits == bits
-    np.testing.assert_array_equal(codes.astype(int) - ZERO_POINT[bits], wide.astype(int) - ZERO_POINT[stored])
+    if not mins:
+        np.testing.assert_array_equal(codes.astype(int) - ZERO_POINT[bits], wide.astype(int) - ZERO_POINT[stored])
     return codes
 
 
 # (bits, block, scales, minimums, K): scales float32 / float16 (exact in it) / k-quant (two-level products)
-FORMATS = [(bits, block, scales, None, 352) for bits in (4, 5, 6, 8) for block in (32, 16)
+FORMATS = [(bits, block, scales, None, 352) for bits in (2, 3, 4, 5, 6, 8) for block in (32, 16)
            for scales in ("float32", "float16")] + [
     (6, 16, "k-quant", None, 512),  # GGUF's Q6_K
     (8, 16, "k-quant", None, 512),
+    (3, 16, "k-quant", None, 512),  # Q3_K
+    (2, 16, "k-quant", "k-quant", 512),  # Q2_K
+    (2, 16, "float16", "float16", 352),
+    (5, 16, "float32", "float32", 352),
     (4, 32, "k-quant", "k-quant", 512),  # Q4_K
     (4, 32, "float16", "float16", 352),  # Q4_1
     (4, 32, "float32", "float32", 352),  # float zero points from elsewhere
@@ -87,7 +92,7 @@ STORED = {"float32": np.float32, "float16": np.float16, "k-quant": np.int8}
 
 def format_case(bits: int, block: int, scales_kind: str, mins_kind: str | None, k: int, n: int, seed: int):
     rng = np.random.default_rng(seed)
-    codes = codes_of(rng, bits, n, k)
+    codes = codes_of(rng, bits, n, k, mins=mins_kind is not None)
     blocks = k // block
 
     def values(kind: str, largest: int, low: int) -> np.ndarray:
@@ -99,8 +104,10 @@ def format_case(bits: int, block: int, scales_kind: str, mins_kind: str | None, 
         v = rng.random((n, blocks), dtype=np.float32) * 0.02 + 1e-3
         return v.astype(np.float16).astype(np.float32) if kind == "float16" else v
 
-    scales = values(scales_kind, -128 if bits in (6, 8) else 63, -128 if bits in (6, 8) else 0)
-    mins = values(mins_kind, 63, 0) if mins_kind else None
+    # (the largest sub-value, the smallest) of ggml's k-quant scales: Q2_K's (and minimums), Q3_K's, Q6_K's, Q4_K's
+    largest, low = {2: (15, 0), 3: (-32, -32), 6: (-128, -128), 8: (-128, -128)}.get(bits, (63, 0))
+    scales = values(scales_kind, largest, low)
+    mins = values(mins_kind, 15 if bits == 2 else 63, 0) if mins_kind else None
     return codes, scales, mins
 
 
@@ -175,13 +182,21 @@ def test_a_block_of_zero_codes_keeps_two_level_scales_with_minimums():
                                   -mins[2, 2])
 
 
-def test_only_8_bit_codes_near_the_zero_point_are_narrowed_to_5_or_6_bits():
+def test_codes_near_the_zero_point_are_narrowed_to_the_fewest_bits_that_hold_them():
     codes, bits = narrow(np.array([[112, 143, 128, 120]], dtype=np.uint8), 8)
     assert bits == 5 and codes.tolist() == [[0, 31, 16, 8]]
     codes, bits = narrow(np.array([[96, 159, 128, 111]], dtype=np.uint8), 8)
     assert bits == 6 and codes.tolist() == [[0, 63, 32, 15]]
+    codes, bits = narrow(np.array([[4, 11, 8]], dtype=np.uint8), 4)  # GGUF's Q3_K: q + 4
+    assert bits == 3 and codes.tolist() == [[0, 7, 4]]
+    codes, bits = narrow(np.array([[6, 9, 8]], dtype=np.uint8), 4)
+    assert bits == 2 and codes.tolist() == [[0, 3, 2]]
+    codes, bits = narrow(np.array([[0, 3, 1]], dtype=np.uint8), 4, zero_point=False)  # Q2_K: q, with minimums
+    assert bits == 2 and codes.tolist() == [[0, 3, 1]]
+    codes, bits = narrow(np.array([[0, 7]], dtype=np.uint8), 4, zero_point=False)
+    assert bits == 3 and codes.tolist() == [[0, 7]]
     for codes, bits in ((np.array([[95, 128]], np.uint8), 8), (np.array([[128, 160]], np.uint8), 8),
-                        (np.array([[0, 15]], np.uint8), 4)):
+                        (np.array([[0, 15]], np.uint8), 4), (np.array([[3, 8]], np.uint8), 4)):
         same, kept = narrow(codes, bits)
         assert kept == bits and same is codes
 
@@ -214,6 +229,8 @@ def test_block_quant_matmul_refuses_what_it_cannot_run(library):
 
 
 @pytest.mark.parametrize("bits,block,scales_kind,mins_kind,k", [(6, 16, "k-quant", None, 512),
+                                                                  (3, 16, "k-quant", None, 512),
+                                                                  (2, 16, "k-quant", "k-quant", 512),
                                                                   (4, 32, "k-quant", "k-quant", 512),
                                                                   (4, 32, "float16", "float16", 352)])
 def test_packing_in_row_chunks_gives_the_same_tables(monkeypatch, bits, block, scales_kind, mins_kind, k):

@@ -53,7 +53,8 @@ def test_native_linears_replace_matmulnbits_and_agree_with_it(checkpoint, tmp_pa
     assert "MatMulNBits" not in native_ops
     linears_and_adds = ("BlockQuantMatMul", "MatMulNBits", "Add")
     others = [[o for o in found if o not in linears_and_adds] for found in (native_ops, ort_ops)]
-    assert others[0] == others[1]
+    # the untied token table: gathered from its own packed table
+    assert others[0] == ["BlockQuantGather" if o == "GatherBlockQuantized" else o for o in others[1]]
     # a Qwen2: each layer's q, k and v bias adds go into its fused q+k+v kernel (builder/linear_bias.py)
     layers = read_engine_config(native).model.num_hidden_layers
     assert f"linear_biases:{layers}" in read_engine_config(native).passes
@@ -205,11 +206,13 @@ def test_q5_0_weights_are_packed_in_5_bits(tmp_path):
 
 
 @pytest.mark.parametrize("qtype,bits,mins,two_level", [("Q4_K", 4, True, True), ("Q5_K", 5, True, True),
-                                                       ("Q6_K", 6, False, True), ("Q5_1", 5, True, False)])
+                                                       ("Q6_K", 6, False, True), ("Q5_1", 5, True, False),
+                                                       ("Q3_K", 3, False, True), ("Q2_K", 2, True, True)])
 def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, qtype, bits, mins, two_level):
-    """A GGUF whose linears are Q4_K / Q5_K / Q5_1 (converted as 4- or 8-bit codes with float zero points) or Q6_K
-    (8-bit codes within 32 of 128): the native linears hold them as ggml does, codes in 4, 5 or 6 bits, k-quants'
-    scales (and minimums) as int8 under a float16 per 256 weights, Q5_1's as float16, and compute what ONNX
+    """A GGUF whose linears are Q2_K / Q4_K / Q5_K / Q5_1 (converted as 4- or 8-bit codes with float zero points),
+    Q6_K (8-bit codes within 32 of 128) or Q3_K (4-bit codes within 4 of 8): the native linears hold them as ggml
+    does, codes in 2 to 6 bits, k-quants' scales (and minimums) as int8 under a float16 per 256 weights, Q5_1's as
+    float16, and compute what ONNX
     Runtime's lowering (MatMulNBits, with the float zero points as a second GEMM) computes."""
     from gguf import GGMLQuantizationType
     from onnx import numpy_helper
@@ -231,7 +234,7 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, qtype, bits, mins, tw
         if mins:  # in the scales' form
             assert numpy_helper.to_array(weights[node.input[5]]).dtype == scales.dtype
         # bits per weight: Q4_K 4 + (8 + 8) / 32 + (16 + 16) / 256 = 4.625; Q6_K 6 + 8 / 16 + 16 / 256 = 6.5625;
-        # Q5_1 5 + (16 + 16) / 32 = 6
+        # Q5_1 5 + (16 + 16) / 32 = 6; Q3_K 3 + 8 / 16 + 16 / 256 = 3.5625; Q2_K 2 + 16 / 16 + 32 / 256 = 3.125
         per_block = 8 if two_level else 16
         per_weight = bits + per_block / attrs["block_size"] * (1 + mins) + two_level * 16 / 256 * (1 + mins)
         held = sum(numpy_helper.to_array(weights[i]).nbytes for j, i in enumerate(node.input) if i and j not in (0, 3))
@@ -254,21 +257,25 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, qtype, bits, mins, tw
         assert (got.argmax(axis=-1) == want.argmax(axis=-1)).mean() >= 0.9  # a random model's near-ties may flip
 
 
-def test_an_untied_table_with_float_zero_points_is_gathered_packed(tmp_path):
+@pytest.mark.parametrize("qtype,bits,inputs", [("Q4_K", 4, 6), ("Q3_K", 3, 4)])
+def test_an_untied_table_is_gathered_packed(tmp_path, qtype, bits, inputs):
     """An untied Q4_K token table (converted with float zero points, which ONNX Runtime's GatherBlockQuantized does
-    not take): the native build gathers it from its own packed table (4.625 bits a weight), exactly the rows the
-    standard-op gather dequantizes."""
+    not take) or Q3_K one (4-bit codes in blocks of 16, which it does): the native build gathers it from its own
+    packed table (4.625 or 3.5625 bits a weight, not the 6 of GatherBlockQuantized's float32 scales), exactly the
+    rows the ort build's gather dequantizes."""
     from gguf import GGMLQuantizationType
 
-    native, ort = tied_gguf_engines(tmp_path, GGMLQuantizationType.Q4_K, hidden=256, tied=False)
-    assert ops(native).count("BlockQuantGather") == 1
+    native, ort = tied_gguf_engines(tmp_path, GGMLQuantizationType[qtype], hidden=256, tied=False)
+    assert ops(native).count("BlockQuantGather") == 1 and "GatherBlockQuantized" not in ops(native)
     names = [{n.name for n in onnx.load(str(e / CPU_ENGINE_FILE), load_external_data=False).graph.node}
              for e in (native, ort)]
-    assert "embedding_codes" in names[1] and "embedding_codes" not in names[0]  # the standard-op gather's
+    assert ("embedding_codes" in names[1] or "GatherBlockQuantized" in ops(ort)) and "embedding_codes" not in names[0]
     model = onnx.load(str(native / CPU_ENGINE_FILE))
     gather = next(n for n in model.graph.node if n.op_type == "BlockQuantGather")
     head = next(n for n in model.graph.node if n.op_type == "BlockQuantMatMul" and n.name == "lm_head")
-    assert gather.input[1] != head.input[1] and len(gather.input) == 6  # its own table, two-level with minimums
+    # its own table, two-level (with minimums for Q4_K)
+    assert gather.input[1] != head.input[1] and len(gather.input) == inputs
+    assert onnx.helper.get_attribute_value(next(a for a in gather.attribute if a.name == "bits")) == bits
     for got, want in zip(steps(native), steps(ort), strict=True):
         np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
 

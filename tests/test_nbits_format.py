@@ -18,7 +18,7 @@ OUT, IN = 24, 512  # two K-quant super-blocks per row
 EPS = np.finfo(np.float32).eps
 # (byte offset of d, byte offset of the minimum or None) in each block
 D_OFFSETS = {Q.Q8_0: (0, None), Q.Q4_0: (0, None), Q.Q4_1: (0, 2), Q.Q5_0: (0, None), Q.Q5_1: (0, 2),
-             Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None)}
+             Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None), Q.Q3_K: (108, None), Q.Q2_K: (80, 82)}
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -41,6 +41,8 @@ def _raw_blocks(qtype: Q, rng: np.random.Generator) -> np.ndarray:
                 blocks[:, offset:offset + 2] = _f16_bytes(rng.uniform(-0.05, 0.05, len(blocks)))
         if qtype in (Q.Q4_K, Q.Q5_K):  # sub-block scale 0 (with a nonzero minimum): sub-blocks 0-3, every 3rd block
             blocks[::3, 4:8] &= 0xC0
+        if qtype == Q.Q2_K:  # sub-blocks 0-3 of every 3rd block: scale 0 (low nibble), minimum kept
+            blocks[::3, 0:4] &= 0xF0
     blocks = raw.reshape(-1, type_size)
     d = D_OFFSETS[qtype][0]
     blocks[::5, d:d + 2] = 0
@@ -87,7 +89,7 @@ def test_gguf_reader_layout(tmp_path) -> None:
                                    atol=1e-6)
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.F32, Q.BF16, Q.Q2_K, Q.Q3_K, Q.IQ4_NL])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.F32, Q.BF16, Q.IQ4_NL, Q.IQ4_XS])
 def test_gguf_without_exact_form(qtype: Q) -> None:
     assert qtype not in EXACT_NBITS
     assert gguf_to_nbits(np.zeros((OUT, 8), np.uint8), qtype, (OUT, IN)) is None

@@ -12,10 +12,13 @@ with numpy, row chunk by row chunk. What each type becomes (EXACT_NBITS):
   Q5_1  d * q + m, q 5-bit                            8-bit, g 32, code q, scale d, float zero point -m / d
   Q4_K  d * sc_j * q - dmin * m_j, 8 sub-blocks of 32 4-bit, g 32, code q, scale d * sc_j, zp dmin * m_j / scale
   Q5_K  as Q4_K, q 5-bit                              8-bit, g 32, code q, scale d * sc_j, zp dmin * m_j / scale
-The first four are bit-exact (the scale is the float32 product ggml's dequantization computes, times an integer).
-Types with a minimum go through a float zero point, so they equal ggml's `d * q + m` to float32 rounding; a block
-whose scale is 0 (every value = the minimum) is stored exactly as scale = minimum, zero point -1, codes 0. (The
-CPU engine's native linears take 5-bit codes back from 8 and the minimums back from the zero points:
+  Q3_K  d * (sc_j - 32) * (q - 4), 16 sub-blocks of 16 4-bit, g 16, code q + 4, scale d * (sc_j - 32)
+  Q2_K  d * sc_j * q - dmin * m_j, 16 sub-blocks of 16 4-bit, g 16, code q, scale d * sc_j, zp dmin * m_j / scale
+Q8_0, Q4_0, Q5_0, Q6_K and Q3_K are bit-exact (the scale is the float32 product ggml's dequantization computes,
+times an integer). Types with a minimum go through a float zero point, so they equal ggml's `d * q + m` to float32
+rounding; a block whose scale is 0 (every value = the minimum) is stored exactly as scale = minimum, zero point -1,
+codes 0. (The CPU engine's native linears take 2/3/5/6-bit codes back from 4 or 8 and the minimums back from the
+zero points:
 plugins/block_quant_matmul.py.) Float types and every other type give None (the caller keeps them as float).
 """
 
@@ -40,8 +43,10 @@ EXACT_NBITS: dict[GGMLQuantizationType, tuple[int, int]] = {
     Q.Q4_K: (4, 32),
     Q.Q5_K: (8, 32),
     Q.Q6_K: (8, 16),
+    Q.Q3_K: (4, 16),
+    Q.Q2_K: (4, 16),
 }
-_HAS_ZERO_POINT = {Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K}
+_HAS_ZERO_POINT = {Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q2_K}
 
 
 def has_zero_point(qtype: GGMLQuantizationType) -> bool:
@@ -134,9 +139,34 @@ def _q6_k(b: np.ndarray) -> Decoded:  # ql[128] | qh[64] | scales int8[16] | d f
     return q.reshape(n, 256) + np.uint8(128 - 32), scale, None
 
 
+def _two_bit_runs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K's 64 bytes of 2-bit codes -> uint8 [n, 256]: 2 halves of 32 bytes, each giving 128 elements in 4
+    runs of 32 (bits 0-1 of each byte, then 2-3, 4-5, 6-7)."""
+    runs = qs.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    return (runs & 0x03).reshape(-1, 256)
+
+
+def _q3_k(b: np.ndarray) -> Decoded:  # hmask[32] | qs[64] | scales[12] | d f16
+    # scales: 16 6-bit values; bytes 0-7 hold the low 4 bits of scales 0-7 (low nibbles) and 8-15 (high nibbles),
+    # bytes 8-11 the top 2 bits, scale j in bits 2 (j // 4) of byte 8 + j % 4
+    s = b[:, 96:108]
+    low = np.concatenate([s[:, :8] & 0x0F, s[:, :8] >> 4], axis=1)
+    high = (s[:, None, 8:12] >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(-1, 16) & 0x03
+    scale = _f16(b[:, 108:110]) * ((low | (high << 4)).astype(np.float32) - 32)
+    # hmask byte l: bit i is the third bit of element 32i + l (ggml subtracts 4 where it is 0: q = ql + 4h - 4)
+    third = (b[:, :32, None] >> np.arange(8, dtype=np.uint8)).transpose(0, 2, 1).reshape(-1, 256) & 1
+    return _two_bit_runs(b[:, 32:96]) + (third << 2) + np.uint8(8 - 4), scale, None
+
+
+def _q2_k(b: np.ndarray) -> Decoded:  # scales[16] (scale low nibble, minimum high) | qs[64] | d f16 | dmin f16
+    scale = _f16(b[:, 80:82]) * (b[:, :16] & 0x0F).astype(np.float32)
+    minimum = -(_f16(b[:, 82:84]) * (b[:, :16] >> 4).astype(np.float32))
+    return _with_minimum(_two_bit_runs(b[:, 16:80]).reshape(-1, 16, 16), scale, minimum)
+
+
 _DECODERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Decoded]] = {
     Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
-    Q.Q6_K: _q6_k,
+    Q.Q6_K: _q6_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k,
 }
 
 
