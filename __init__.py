@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 # kv_cache_dtype); 5: build_config.speculative_decoding_mode and max_draft_len; 6: build_config.attention and
 # quant_linears (trtbuild:: nodes run by cpu_ops/); 7: build_config.float_linears; 8: trtbuild::SwiGLU and the
 # linear ops' bias input (a library built from an earlier trtbuild has neither); 9: BlockQuantMatMul / Gather's
-# 6-bit codes, two-level scales and minimums (GGUF k-quants as ggml holds them)
-ENGINE_FORMAT_VERSION = 9
+# 6-bit codes, two-level scales and minimums (GGUF k-quants as ggml holds them); 10: their 2/3-bit codes, minimums
+# in blocks of 16 and codebooks (GGUF Q2_K, Q3_K, IQ4_NL, IQ4_XS)
+ENGINE_FORMAT_VERSION = 10
 CHECKPOINT_FORMAT_VERSION = 1

@@ -5,8 +5,8 @@ products, 16 rows per vector so that one tile of tokens reuses each weight load.
 Each eligible MatMulNBits (4 or 8 bits, blocks of 16 or 32, with the default zero point or with float zero points,
 as GGUF's Q2_K / Q4_K / Q5_K / Q4_1 / Q5_1 tensors are converted) becomes a BlockQuantMatMul over a packed copy of its
 weights (plugins/block_quant_matmul.py: the layout; codes packed in as few bits as hold them, as GGUF's Q5_0 / Q5_K /
-Q6_K tensors' 8-bit codes fit in 5 or 6 and Q2_K / Q3_K's 4-bit ones in 2 or 3; k-quants' scales and minimums in
-their two-level form), and the MatMulNBits
+Q6_K tensors' 8-bit codes fit in 5 or 6, Q2_K / Q3_K's 4-bit ones in 2 or 3, and IQ4_NL / IQ4_XS's 8-bit ones, 16
+values, in 4-bit indices into a codebook; k-quants' scales and minimums in their two-level form), and the MatMulNBits
 initializers nobody else reads are dropped, so the engine file holds each linear once. Measured on the 2-core
 AVX-512 VM (docs/performance.md): faster than MLAS's MatMulNBits at every token count from 1 to 256, which is why
 there is one graph for all steps.
@@ -43,11 +43,17 @@ def count_eligible(model: onnx.ModelProto) -> int:
 
 class Packed(NamedTuple):
     """A linear's weights in the native layout: one initializer per bq.PackedTable field (None where absent), the
-    bits the codes are packed in (5 or 6 where the checkpoint's 8-bit codes fit: bq.narrow) and its rows (N)."""
+    bits the codes are packed in and the codebook they index (bq.compact), and its rows (N)."""
 
     tensors: tuple[onnx.TensorProto | None, ...]
     bits: int
     rows: int
+    codebook: tuple[int, ...] | None = None
+
+    def attributes(self, k: int, block: int) -> dict:
+        """The op's attributes for this table, K columns in blocks of `block`."""
+        codebook = {"codebook": list(self.codebook)} if self.codebook else {}
+        return {"K": k, "N": self.rows, "bits": self.bits, "block_size": block, **codebook}
 
     def inputs(self, first: str, bias_slot: bool) -> list[str]:
         """The op's inputs: `first` (x or ids), B, scales, then the optional ones (BlockQuantMatMul's bias slot
@@ -114,8 +120,7 @@ class NativeLinears:
             return
         table = self._tied_linear(view, table, bits, block, linears) or table
         packed = self._table(view, table, n, k, bits)
-        _become(node, bq.GATHER_OP_TYPE, packed.inputs(node.input[1], bias_slot=False),
-                {"K": k, "N": n, "bits": packed.bits, "block_size": block})
+        _become(node, bq.GATHER_OP_TYPE, packed.inputs(node.input[1], bias_slot=False), packed.attributes(k, block))
 
     def _lower_embedding(self, view: GraphView, model: onnx.ModelProto, linears: dict[tuple[str, ...], dict]
                          ) -> bool:
@@ -132,8 +137,7 @@ class NativeLinears:
         table = self._tied_linear(view, table, bits, block, linears) or table
         packed = self._table(view, table, codes[0], e.hidden, bits)
         gather = onnx.helper.make_node(bq.GATHER_OP_TYPE, packed.inputs(e.ids, bias_slot=False), list(e.output.output),
-                                       name=e.output.name, domain=bq.DOMAIN, K=e.hidden, N=packed.rows,
-                                       bits=packed.bits, block_size=block)
+                                       name=e.output.name, domain=bq.DOMAIN, **packed.attributes(e.hidden, block))
         model.graph.node.remove(e.output)
         model.graph.node.append(gather)
         drop_dead_nodes(model)
@@ -152,7 +156,8 @@ class NativeLinears:
             a = node_attrs(node)
             packed = self._table(view, key, a["N"], a["K"], a["bits"])
             linears[key] = a
-            _become(node, bq.OP_TYPE, packed.inputs(node.input[0], bias_slot=True), {**a, "bits": packed.bits})
+            _become(node, bq.OP_TYPE, packed.inputs(node.input[0], bias_slot=True),
+                    packed.attributes(a["K"], a["block_size"]))
         for node in model.graph.node:
             if node.op_type == "GatherBlockQuantized" and node.domain == MS_DOMAIN and len(node.input) == 3:
                 self._lower_gather(view, node, linears)
@@ -171,7 +176,7 @@ def _pack(view: GraphView, inputs: tuple[str, ...], n: int, k: int, bits: int) -
     mins = None
     if len(inputs) == 3:  # (code - zp) * scale = code * scale - zp * scale
         mins = (view.constant(inputs[2]).reshape(n, -1).astype(np.float64) * scales).astype(np.float32)
-    codes, bits = bq.narrow(codes, bits, zero_point=mins is None)
+    codes, bits, codebook = bq.compact(codes, bits, zero_point=mins is None)
     table = bq.pack(codes, scales, bits, mins)
     tensors = []
     for field, value in zip(bq.PackedTable._fields, table, strict=True):  # in the op's input order
@@ -180,13 +185,13 @@ def _pack(view: GraphView, inputs: tuple[str, ...], n: int, k: int, bits: int) -
             view.add_initializer(name, value)
             value = view.initializers[name]
         tensors.append(value)
-    return Packed(tuple(tensors), bits, n)
+    return Packed(tuple(tensors), bits, n, codebook)
 
 
 def _become(node: onnx.NodeProto, op_type: str, inputs: list[str], attrs: dict) -> None:
-    """Turn `node` into the trtbuild op `op_type` over `inputs`, with the linear's K, N, bits and block size."""
+    """Turn `node` into the trtbuild op `op_type` over `inputs`, with attributes `attrs` (Packed.attributes)."""
     del node.input[:]
     node.input.extend(inputs)
     del node.attribute[:]
-    node.attribute.extend(onnx.helper.make_attribute(k, attrs[k]) for k in ("K", "N", "bits", "block_size"))
+    node.attribute.extend(onnx.helper.make_attribute(k, v) for k, v in attrs.items())
     node.op_type, node.domain = op_type, bq.DOMAIN

@@ -35,7 +35,8 @@ struct BlockQuantGatherKernel {
     const int64_t* rows = ids.GetTensorData<int64_t>();
     float* y = ctx.GetOutput(0, std::vector<int64_t>{count, k}).GetTensorMutableData<float>();
     const uint8_t* codes = b.GetTensorData<uint8_t>();
-    const int32_t zp = scales.has_mins() ? 0 : zero_point(bits);
+    const int32_t zp = table.zero_point(scales);
+    const std::vector<uint8_t>& codebook = table.codebook;
     const int base = base_bits(bits);
     for (int64_t t = 0; t < count; ++t) {
       const int64_t row = rows[t];
@@ -60,6 +61,7 @@ struct BlockQuantGatherKernel {
             const int64_t bit = 64 * j + 4 * lane + i;
             for (int plane = 0; plane < bits - base; ++plane)
               code |= ((planes[plane * 64 + bit / 8] >> (bit % 8)) & 1) << (base + plane);
+            if (!codebook.empty()) code = codebook[code];
             out[4 * j + i] = static_cast<float>(code - zp) * scale[j / 4] - minimum[j / 4];
           }
         }

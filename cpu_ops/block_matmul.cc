@@ -11,6 +11,8 @@
 //     for GGUF's 32-blocks: 11% fewer bytes per 4-bit weight), or int8 times a float16 super-scale per 256 elements
 //     (GGUF's k-quants, exactly: 4.6 bits per Q4_K weight instead of 6 with float scales and minimums).
 //   minimums (optional), like the scales: W = scale * code - minimum.
+//   codebook (attribute, optional, 4-bit codes without minimums): the 16 8-bit codes (zero point 128) the 4-bit ones
+//     index, looked up in registers (GGUF's IQ4_NL / IQ4_XS: its non-uniform values + 128).
 // The way llama.cpp multiplies: x is quantized once per call to int8 in blocks of 32 (a float scale each); each
 // lane of a VNNI dot product (unsigned codes x 4 signed activation codes broadcast to all lanes) belongs to one
 // row, so a chunk of 16 rows is 8 dot products into int32 vectors, scaled per row and block, and no horizontal
@@ -97,6 +99,7 @@ struct Problem {
   int64_t m, n, k;
   int64_t task_tokens, group_tasks, groups_per_task;  // tasks: token chunk major, group chunk minor
   const float* bias;  // [N], or null
+  const uint8_t* codebook;  // 16 codes the 4-bit ones index (LUT), or null
 };
 
 #ifndef TRTBUILD_NO_VNNI
@@ -115,7 +118,7 @@ __m512 load_block_values(const BlockValues& v, int64_t at, int64_t super_at) {
 }
 
 // Rows 16g .. 16g + 15 of tokens t0 .. t0 + T - 1.
-template <int BITS, ScaleKind KIND, bool BLOCK16, bool MINS, int T>
+template <int BITS, ScaleKind KIND, bool BLOCK16, bool MINS, bool LUT, int T>
 void tile(const Problem& p, int64_t g, int64_t t0) {
   constexpr int64_t kBytes = kRows * kBlock * BITS / 8;  // one block of one group
   const QuantizedX& q = *p.qx;
@@ -123,6 +126,9 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
   const uint8_t* codes = p.b + g * nb * kBytes;
   constexpr int kBase = base_bits(BITS);
   const __m512i low = _mm512_set1_epi8(static_cast<char>((1 << kBase) - 1));
+  // NOTE: shuffle_epi8 looks up within each 128-bit lane: the 16 codes in every lane
+  const __m512i codebook =
+      LUT ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codebook))) : low;
   __m512 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -149,6 +155,8 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
     } else {
       for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(codes + b * kBytes + j * 64);
     }
+    if constexpr (LUT)
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_shuffle_epi8(codebook, w[j]);
     // NOTE: a 16-block chunk has two scale vectors, one per half
     const int64_t super_at = g * p.supers + b * kBlock / kSuperBlock;
     const __m512 ws = load_block_values<KIND>(p.table.scales, (g * nb + b) * (BLOCK16 ? 2 : 1), super_at);
@@ -197,16 +205,16 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
     _mm512_mask_storeu_ps(p.y + (t0 + t) * p.n + g * kRows, keep, _mm512_add_ps(acc[t], bias));
 }
 
-template <int BITS, ScaleKind KIND, bool BLOCK16, bool MINS, int T>
+template <int BITS, ScaleKind KIND, bool BLOCK16, bool MINS, bool LUT, int T>
 void tail(const Problem& p, int64_t g, int64_t t0, int64_t left) {
   if constexpr (T > 0) {
-    if (left == T) return tile<BITS, KIND, BLOCK16, MINS, T>(p, g, t0);
-    tail<BITS, KIND, BLOCK16, MINS, T - 1>(p, g, t0, left);
+    if (left == T) return tile<BITS, KIND, BLOCK16, MINS, LUT, T>(p, g, t0);
+    tail<BITS, KIND, BLOCK16, MINS, LUT, T - 1>(p, g, t0, left);
   }
 }
 #endif
 
-template <int BITS, ScaleKind KIND, bool BLOCK16, bool MINS>
+template <int BITS, ScaleKind KIND, bool BLOCK16, bool MINS, bool LUT = false>
 void run_task(void* data, size_t task) {
 #ifndef TRTBUILD_NO_VNNI
   const Problem& p = *static_cast<const Problem*>(data);
@@ -216,8 +224,8 @@ void run_task(void* data, size_t task) {
   const int64_t g0 = static_cast<int64_t>(task) % p.group_tasks * p.groups_per_task;
   for (int64_t g = g0; g < std::min(groups, g0 + p.groups_per_task); ++g) {
     int64_t t = t0;
-    for (; t + kTokens <= t1; t += kTokens) tile<BITS, KIND, BLOCK16, MINS, kTokens>(p, g, t);
-    tail<BITS, KIND, BLOCK16, MINS, kTokens - 1>(p, g, t, t1 - t);
+    for (; t + kTokens <= t1; t += kTokens) tile<BITS, KIND, BLOCK16, MINS, LUT, kTokens>(p, g, t);
+    tail<BITS, KIND, BLOCK16, MINS, LUT, kTokens - 1>(p, g, t, t1 - t);
   }
 #else
   (void)data, (void)task;
@@ -237,6 +245,18 @@ Task task_for(ScaleKind kind, bool block16, bool mins) {
   return kind == ScaleKind::kFloat  ? task_for<BITS, ScaleKind::kFloat>(block16, mins)
          : kind == ScaleKind::kHalf ? task_for<BITS, ScaleKind::kHalf>(block16, mins)
                                     : task_for<BITS, ScaleKind::kTwoLevel>(block16, mins);
+}
+
+// 4-bit indices into a codebook of 8-bit codes (GGUF's IQ4_NL / IQ4_XS), without minimums (PackedTable::check).
+template <ScaleKind KIND>
+Task codebook_task(bool block16) {
+  return block16 ? run_task<4, KIND, true, false, true> : run_task<4, KIND, false, false, true>;
+}
+
+Task codebook_task(ScaleKind kind, bool block16) {
+  return kind == ScaleKind::kFloat  ? codebook_task<ScaleKind::kFloat>(block16)
+         : kind == ScaleKind::kHalf ? codebook_task<ScaleKind::kHalf>(block16)
+                                    : codebook_task<ScaleKind::kTwoLevel>(block16);
 }
 
 struct BlockQuantMatMulKernel {
@@ -265,17 +285,19 @@ struct BlockQuantMatMulKernel {
     Ort::UnownedValue y = ctx.GetOutput(0, out_shape);
     if (m == 0) return;
     thread_local QuantizedX qx;  // NOTE: reused across calls: no allocation per linear
-    quantize_x(x.GetTensorData<float>(), m, k, scales.has_mins() ? 0 : zero_point(bits), scales.has_mins(), qx);
+    quantize_x(x.GetTensorData<float>(), m, k, table.zero_point(scales), scales.has_mins(), qx);
     const int64_t task_tokens = std::max<int64_t>(64, kTaskCodeBytes / k / kTokens * kTokens);
     const int64_t token_tasks = (m + task_tokens - 1) / task_tokens;
     const int64_t per = token_tasks > 1 ? kTaskGroupsLong : kTaskGroupsShort;
     Problem p{ctx.GetInput(1).GetTensorData<uint8_t>(), scales, table.supers(), y.GetTensorMutableData<float>(),
               &qx, m, n, k,
               task_tokens, (groups + per - 1) / per, per,
-              bias(ctx, 3, n, [&](const std::string& what) { table.fail(what); })};
+              bias(ctx, 3, n, [&](const std::string& what) { table.fail(what); }),
+              table.codebook.empty() ? nullptr : table.codebook.data()};
     const size_t tasks = static_cast<size_t>(token_tasks * p.group_tasks);
     const bool block16 = block == 16, mins = scales.has_mins();
-    const Task task = bits == 2   ? task_for<2>(scales.kind, block16, mins)
+    const Task task = !table.codebook.empty() ? codebook_task(scales.kind, block16)
+                      : bits == 2 ? task_for<2>(scales.kind, block16, mins)
                       : bits == 3 ? task_for<3>(scales.kind, block16, mins)
                       : bits == 4 ? task_for<4>(scales.kind, block16, mins)
                       : bits == 5 ? task_for<5>(scales.kind, block16, mins)

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace trtbuild_cpu_ops {
 
@@ -69,6 +70,8 @@ struct TableScales {
 struct PackedTable {
   std::string op;  // for error messages
   int64_t k, n, bits, block;
+  // Empty, or the 16 8-bit codes (zero point 128) that 4-bit codes index: GGUF's IQ4_NL / IQ4_XS values + 128.
+  std::vector<uint8_t> codebook;
 
   PackedTable(const char* op_name, const OrtKernelInfo* info) : op(op_name) {
     Ort::ConstKernelInfo ki(info);
@@ -79,6 +82,16 @@ struct PackedTable {
     if (bits < 2 || bits > 8 || bits == 7) fail("bits must be 2, 3, 4, 5, 6 or 8");
     if (block != 16 && block != 32) fail("block_size must be 16 or 32");
     if (k % kTableChunk) fail("K must be a multiple of 32, got " + std::to_string(k));
+    for (const int64_t code : optional_ints(info, "codebook")) {
+      if (code < 0 || code > 255) fail("codebook entries must be 8-bit codes (0 .. 255)");
+      codebook.push_back(static_cast<uint8_t>(code));
+    }
+    if (!codebook.empty() && (codebook.size() != 16 || bits != 4)) fail("a codebook holds 16 codes, for 4-bit ones");
+  }
+
+  // The zero point of the codes the dot products see: none with minimums, 128 for a codebook's 8-bit codes.
+  int32_t zero_point(const TableScales& scales) const {
+    return scales.has_mins() ? 0 : codebook.empty() ? trtbuild_cpu_ops::zero_point(bits) : 128;
   }
 
   [[noreturn]] void fail(const std::string& what) const {
@@ -115,6 +128,7 @@ struct PackedTable {
       t.scales.super = super_values(super);
     }
     if (present(mins)) {
+      if (!codebook.empty()) fail("a codebook comes without minimums");
       if (mins.GetTensorTypeAndShapeInfo().GetElementType() != type ||
           mins.GetTensorTypeAndShapeInfo().GetElementCount() != per_block)
         fail("the minimums must have the scales' type and shape");
@@ -129,6 +143,17 @@ struct PackedTable {
 
  private:
   [[noreturn]] ScaleKind fail_kind() const { fail("scales must be float, float16 or int8 (two-level)"); }
+
+  static std::vector<int64_t> optional_ints(const OrtKernelInfo* info, const char* name) {
+    size_t size = 0;
+    if (OrtStatus* absent = Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, nullptr, &size)) {
+      Ort::GetApi().ReleaseStatus(absent);
+      return {};
+    }
+    std::vector<int64_t> values(size);
+    Ort::ThrowOnError(Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, values.data(), &size));
+    return values;
+  }
 
   static Ort::ConstValue optional(Ort::KernelContext& ctx, size_t index) {
     return ctx.GetInputCount() > index ? ctx.GetInput(index) : Ort::ConstValue{nullptr};

@@ -19,6 +19,9 @@ sum of x as quantized. The weights are packed at build time, 16 rows interleaved
   mins (optional), in the scales' form: the minimums, recovered from the checkpoint's float zero points (zp * scale,
     to float32 rounding; a two-level or float16 form is taken when it matches them to 1e-6 relative, and then gives
     ggml's own products back).
+  codebook (attribute, optional; 4-bit codes without minimums): 16 8-bit codes (zero point 128) that the 4-bit
+    codes index: `compact` finds one where a checkpoint's 8-bit codes take 16 values or fewer, as GGUF's IQ4_NL and
+    IQ4_XS tensors are converted (their non-uniform values + 128), and so holds them in 4 bits a weight.
 Rows past N (padding) have code zp and scale 0. 2-, 3-, 5- and 6-bit codes are not a checkpoint format (MatMulNBits
 has 4 and 8): `narrow` finds them among 8-bit ones, as GGUF's Q5_0 and Q6_K tensors are converted (code q - 16 + 128
 or q - 32 + 128) and Q5_K / Q5_1 ones (code q, with minimums), and among 4-bit ones, as Q3_K (code q - 4 + 8) and
@@ -63,6 +66,31 @@ def unpack_nbits(b: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
     codes = np.empty((n, k), dtype=np.uint8)
     codes[:, 0::2], codes[:, 1::2] = flat & 0x0F, flat >> 4
     return codes
+
+
+class Compact(NamedTuple):
+    """A checkpoint's codes as the kernel holds them: codes, their bits, and the codebook they index (or None)."""
+
+    codes: np.ndarray
+    bits: int
+    codebook: tuple[int, ...] | None = None
+
+
+CODEBOOK_SIZE = 16
+CODEBOOK_ZERO_POINT = 128
+
+
+def compact(codes: np.ndarray, bits: int, zero_point: bool = True) -> Compact:
+    """The fewest bits that hold a checkpoint's codes [N, K] exactly: `narrow`, or, for 8-bit codes with the default
+    zero point that take at most 16 values, 4-bit indices into a codebook of those codes."""
+    narrowed, narrow_bits = narrow(codes, bits, zero_point)
+    if narrow_bits == 8 and zero_point and codes.size:
+        used = np.flatnonzero(np.bincount(codes.reshape(-1), minlength=256))
+        if len(used) <= CODEBOOK_SIZE:
+            book = np.full(CODEBOOK_SIZE, CODEBOOK_ZERO_POINT, dtype=np.uint8)
+            book[:len(used)] = used
+            return Compact(np.searchsorted(used, codes).astype(np.uint8), 4, tuple(int(c) for c in book))
+    return Compact(narrowed, narrow_bits)
 
 
 def narrow(codes: np.ndarray, bits: int, zero_point: bool = True) -> tuple[np.ndarray, int]:
@@ -203,23 +231,34 @@ def pack(codes: np.ndarray, scales: np.ndarray, bits: int, mins: np.ndarray | No
     return PackedTable(b, layout(stored[0]), None, layout(stored[1]) if mins is not None else None)
 
 
+def _weight_codes(codes: np.ndarray, bits: int, mins: np.ndarray | None,
+                  codebook: tuple[int, ...] | None) -> tuple[np.ndarray, int]:
+    """The codes the dot products see (a codebook's entries where there is one) and their zero point."""
+    if codebook is not None:
+        return np.asarray(codebook, dtype=np.uint8)[codes], CODEBOOK_ZERO_POINT
+    return codes, 0 if mins is not None else ZERO_POINT[bits]
+
+
 def reference_block_quant_gather(ids: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int,
-                                  mins: np.ndarray | None = None) -> np.ndarray:
+                                  mins: np.ndarray | None = None,
+                                  codebook: tuple[int, ...] | None = None) -> np.ndarray:
     """Rows `ids` [T] of the table with codes [N, K], scales [N * K / block] and optional minimums (like the
-    scales), dequantized as the kernel does in float32: [T, K]."""
+    scales) or codebook, dequantized as the kernel does in float32: [T, K]."""
     n, k = codes.shape
     block = k // (scales.size // n)
     per_row = np.repeat(scales.reshape(n, -1).astype(np.float32), block, axis=1)[ids]
+    codes, zp = _weight_codes(codes, bits, mins, codebook)
     if mins is None:
-        return (codes[ids].astype(np.float32) - ZERO_POINT[bits]) * per_row
+        return (codes[ids].astype(np.float32) - zp) * per_row
     return codes[ids].astype(np.float32) * per_row - np.repeat(mins.reshape(n, -1).astype(np.float32), block,
                                                                axis=1)[ids]
 
 
 def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, bits: int,
-                                  mins: np.ndarray | None = None) -> np.ndarray:
+                                  mins: np.ndarray | None = None,
+                                  codebook: tuple[int, ...] | None = None) -> np.ndarray:
     """y [M, N] in float64 from x [M, K], the unpacked codes [N, K] (0 .. 2^bits - 1), scales [N * K / block] and
-    optional minimums (like the scales; the codes then have zero point 0)."""
+    optional minimums (like the scales; the codes then have zero point 0) or codebook."""
     m, k = x.shape
     n = codes.shape[0]
     # x's int8 codes as the kernel rounds them, in float32: rint(x * (127 / amax)), half to even
@@ -230,7 +269,8 @@ def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.nd
     d = (amax / np.float32(127)).astype(np.float64)
     per_block = scales.size // n  # weight blocks per row; activation blocks of 32 hold 32 / block of them
     q = q.reshape(m, per_block, -1) * np.repeat(d[:, :, 0], per_block * BLOCK // k, axis=1)[:, :, None]
-    w = codes.reshape(n, per_block, -1).astype(np.float64) - (0 if mins is not None else ZERO_POINT[bits])
+    codes, zp = _weight_codes(codes, bits, mins, codebook)
+    w = codes.reshape(n, per_block, -1).astype(np.float64) - zp
     dots = np.einsum("mbi,nbi->mnb", q, w)  # exact integers times the activation scale
     y = np.einsum("mnb,nb->mn", dots, scales.reshape(n, per_block).astype(np.float64))
     if mins is not None:  # a minimum times the block's sum of x as quantized

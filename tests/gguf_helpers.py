@@ -144,12 +144,20 @@ def _add_bpe_vocab(w: gguf.GGUFWriter, hf_dir: Path, n_vocab: int) -> None:
 
 
 def _encode(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
-    """Raw GGUF blocks of `data` [rows, cols] in `qtype` (K-quants by tests/gguf_kquants.py, others by gguf)."""
-    from gguf_kquants import encode_q2_k, encode_q3_k, encode_q4_k, encode_q5_k, encode_q6_k
+    """Raw GGUF blocks of `data` [rows, cols] in `qtype` (K-quants and IQ4 by tests/gguf_kquants.py, others by gguf)."""
+    from gguf_kquants import (
+        encode_iq4_nl,
+        encode_iq4_xs,
+        encode_q2_k,
+        encode_q3_k,
+        encode_q4_k,
+        encode_q5_k,
+        encode_q6_k,
+    )
 
     Q = gguf.GGMLQuantizationType
     encoders = {Q.Q2_K: encode_q2_k, Q.Q3_K: encode_q3_k, Q.Q4_K: encode_q4_k, Q.Q5_K: encode_q5_k,
-                Q.Q6_K: encode_q6_k}
+                Q.Q6_K: encode_q6_k, Q.IQ4_NL: encode_iq4_nl, Q.IQ4_XS: encode_iq4_xs}
     return encoders[qtype](data) if qtype in encoders else gguf.quants.quantize(data, qtype)
 
 

@@ -1,8 +1,9 @@
-"""Round-to-nearest encoders for GGUF's Q2_K, Q3_K, Q4_K, Q5_K and Q6_K blocks, which the `gguf` package can read
-but not write.
+"""Round-to-nearest encoders for GGUF's Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS blocks, which the `gguf`
+package can read but not write.
 
 They make valid files for tests and benchmarks (not llama.cpp's error-minimising search): `gguf.quants.dequantize`
-of their output is the reference any reader must reproduce. Input: float32 [rows, cols], cols a multiple of 256.
+of their output is the reference any reader must reproduce. Input: float32 [rows, cols], cols a multiple of 256 (of
+32 for IQ4_NL).
 """
 
 from __future__ import annotations
@@ -128,3 +129,43 @@ def encode_q2_k(x: np.ndarray) -> np.ndarray:
     scales = (sc.astype(np.uint8) | (m.astype(np.uint8) << 4))
     return np.concatenate([scales, _two_bit_runs(q.astype(np.uint8).reshape(-1, 256)), d_raw, dmin_raw],
                           axis=1).reshape(rows, -1)
+
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def _iq4_indices(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The nearest of the 16 IQ4 values to x / scale, as 4-bit indices (x [..., 32], scale [..., 1])."""
+    v = np.divide(x, scale, out=np.zeros_like(x), where=scale != 0)
+    return np.abs(v[..., None] - IQ4_VALUES).argmin(axis=-1).astype(np.uint8)
+
+
+def _iq4_nibbles(q: np.ndarray) -> np.ndarray:
+    """indices [..., 32] -> [..., 16]: value j in the low nibble of byte j, j + 16 in the high one (as Q4_0)."""
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def encode_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 [rows, cols / 32 * 18]: x ~ d * v[q] per 32-value block."""
+    x = np.asarray(x, dtype=np.float32)
+    rows = x.shape[0]
+    b = x.reshape(-1, 32)
+    d_raw, d = _f16(np.abs(b).max(-1) / 127.0)
+    return np.concatenate([d_raw, _iq4_nibbles(_iq4_indices(b, d[:, None]))], axis=1).reshape(rows, -1)
+
+
+def encode_iq4_xs(x: np.ndarray) -> np.ndarray:
+    """float32 [rows, cols] -> uint8 [rows, cols / 256 * 136]: x ~ d * (sc_j - 32) * v[q] per 32-value block: d,
+    scales_h (uint16: sub-block j's top 2 bits at bits 2j), scales_l[4] (low 4 bits, j's in nibble j % 2 of byte
+    j // 2), qs: 8 runs of 16 bytes as IQ4_NL's."""
+    rows = np.asarray(x).shape[0]
+    sub = _blocks(x).reshape(-1, 8, 32)
+    scale = np.abs(sub).max(-1) / 127.0
+    d_raw, d = _f16(scale.max(-1) / 31.0)
+    sc = np.clip(np.rint(np.divide(scale, d[:, None], out=np.zeros_like(scale), where=d[:, None] > 0)), -32, 31)
+    q = _iq4_indices(sub, (d[:, None] * sc)[..., None])
+    u = (sc + 32).astype(np.uint16)  # [n, 8], 6 bits
+    high = ((u >> 4) << np.arange(0, 16, 2, dtype=np.uint16)).sum(axis=1, dtype=np.uint16)
+    low = (u & 0x0F).astype(np.uint8)
+    return np.concatenate([d_raw, high[:, None].view(np.uint8), low[:, 0::2] | (low[:, 1::2] << 4),
+                           _iq4_nibbles(q).reshape(-1, 128)], axis=1).reshape(rows, -1)

@@ -15,6 +15,7 @@ from trtbuild.plugins.block_quant_matmul import (
     OP_TYPE,
     ZERO_POINT,
     PackedTable,
+    compact,
     narrow,
     pack,
     reference_block_quant_gather,
@@ -27,7 +28,7 @@ TABLE_INPUTS = ("B", "S", "S_super", "mins", "mins_super")
 
 
 def block_quant_session(library: str, op: str, k: int, n: int, bits: int, table: PackedTable, block: int = 32,
-                        ) -> ort.InferenceSession:
+                        codebook: tuple[int, ...] | None = None) -> ort.InferenceSession:
     """A one-node model of `op` over the packed `table` (input x [M, K], or ids [T] for the gather)."""
     first = "ids" if op == GATHER_OP_TYPE else "x"
     inputs = [first, *(name if value is not None else "" for name, value in zip(TABLE_INPUTS, table, strict=True))]
@@ -35,7 +36,8 @@ def block_quant_session(library: str, op: str, k: int, n: int, bits: int, table:
         inputs.insert(3, "")  # the bias
     while not inputs[-1]:
         inputs.pop()
-    node = helper.make_node(op, inputs, ["y"], domain=cpu_ops.DOMAIN, K=k, N=n, bits=bits, block_size=block)
+    node = helper.make_node(op, inputs, ["y"], domain=cpu_ops.DOMAIN, K=k, N=n, bits=bits, block_size=block,
+                            **({"codebook": list(codebook)} if codebook is not None else {}))
     x = helper.make_tensor_value_info("ids", TensorProto.INT64, ["T"]) if op == GATHER_OP_TYPE else \
         helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])
     graph = helper.make_graph([node], "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
@@ -147,6 +149,47 @@ def test_block_quant_gather_reads_rows_of_the_packed_table_exactly(library, bits
         sess.run(None, {"ids": np.array([37], dtype=np.int64)})
 
 
+IQ4_CODES = [v + 128 for v in (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)]
+
+
+@pytest.mark.parametrize("block,scales_kind,k", [(32, "float16", 352), (32, "k-quant", 512), (16, "float32", 352)])
+def test_4_bit_codes_into_a_codebook(library, block, scales_kind, k):
+    """8-bit codes that take 16 values (GGUF's IQ4_NL / IQ4_XS, as converted: their values + 128) are held as 4-bit
+    indices into a codebook of those codes (`compact`), and multiplied and gathered as the 8-bit codes are."""
+    rng = np.random.default_rng(k + block)
+    n = 200
+    wide = np.array(IQ4_CODES, dtype=np.uint8)[rng.integers(0, 16, (n, k))]
+    codes, bits, codebook = compact(wide, 8)
+    assert bits == 4 and codebook == tuple(IQ4_CODES) and codes.max() == 15
+    np.testing.assert_array_equal(np.array(codebook, np.uint8)[codes], wide)
+    _, scales, _ = format_case(4, block, scales_kind, None, k, n, seed=k)
+    if scales_kind == "k-quant":  # IQ4_XS: d * (sc - 32), the largest -32
+        scales = k_quant_values(rng, n, k // block, 256 // block, -32, -32)
+    table = pack(codes, scales, bits)
+    assert table.scales.dtype == STORED[scales_kind]
+    sess = block_quant_session(library, OP_TYPE, k, n, bits, table, block, codebook)
+    for m in (1, 9, 70):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        want = reference_block_quant_matmul(x, codes, scales, bits, codebook=codebook)
+        np.testing.assert_allclose(want, reference_block_quant_matmul(x, wide, scales, 8))  # what the 8-bit codes give
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    gather = block_quant_session(library, GATHER_OP_TYPE, k, n, bits, table, block, codebook)
+    ids = np.array([0, 15, 16, 199, 5], dtype=np.int64)
+    np.testing.assert_array_equal(gather.run(None, {"ids": ids})[0],
+                                  reference_block_quant_gather(ids, wide, scales, 8))
+
+
+def test_compact_takes_a_codebook_only_for_8_bit_codes_of_16_values_or_fewer():
+    rng = np.random.default_rng(3)
+    assert compact(rng.integers(0, 256, (4, 64)).astype(np.uint8), 8).codebook is None  # Q8_0
+    assert compact(rng.integers(112, 144, (4, 64)).astype(np.uint8), 8)[1:] == (5, None)  # Q5_0: narrowed
+    few = np.array([[3, 200, 3, 77]], dtype=np.uint8)
+    codes, bits, codebook = compact(few, 8)
+    assert bits == 4 and codebook[:3] == (3, 77, 200) and codes.tolist() == [[0, 2, 0, 1]]
+    assert compact(few, 8, zero_point=False).codebook is None  # minimums: the codes are the weights' own
+    assert compact(rng.integers(0, 16, (4, 64)).astype(np.uint8), 4).codebook is None
+
+
 def test_two_level_factors_ggml_products_exactly_and_nothing_else():
     rng = np.random.default_rng(0)
     q4_k = k_quant_values(rng, 48, 32, 8, 63, 0)
@@ -226,6 +269,21 @@ def test_block_quant_matmul_refuses_what_it_cannot_run(library):
     with pytest.raises(Exception, match="the minimums must have the scales' type and shape"):
         run(64, PackedTable(np.zeros((1, 2, 256), np.uint8), np.ones((1, 2, 16), np.float16), None,
                             np.ones((1, 2, 16), np.float32)))
+
+    def run_codebook(bits: int, codebook: list[int], mins: bool = False) -> None:
+        table = PackedTable(np.zeros((1, 2, 64 * bits), np.uint8), np.ones((1, 2, 16), np.float16), None,
+                            np.ones((1, 2, 16), np.float16) if mins else None)
+        block_quant_session(library, OP_TYPE, 64, 8, bits, table, codebook=codebook).run(
+            None, {"x": np.zeros((1, 64), np.float32)})
+
+    with pytest.raises(Exception, match="a codebook holds 16 codes, for 4-bit ones"):
+        run_codebook(8, IQ4_CODES)
+    with pytest.raises(Exception, match="a codebook holds 16 codes, for 4-bit ones"):
+        run_codebook(4, IQ4_CODES[:8])
+    with pytest.raises(Exception, match="codebook entries must be 8-bit codes"):
+        run_codebook(4, [256] * 16)
+    with pytest.raises(Exception, match="a codebook comes without minimums"):
+        run_codebook(4, IQ4_CODES, mins=True)
 
 
 @pytest.mark.parametrize("bits,block,scales_kind,mins_kind,k", [(6, 16, "k-quant", None, 512),

@@ -207,12 +207,14 @@ def test_q5_0_weights_are_packed_in_5_bits(tmp_path):
 
 @pytest.mark.parametrize("qtype,bits,mins,two_level", [("Q4_K", 4, True, True), ("Q5_K", 5, True, True),
                                                        ("Q6_K", 6, False, True), ("Q5_1", 5, True, False),
-                                                       ("Q3_K", 3, False, True), ("Q2_K", 2, True, True)])
-def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, qtype, bits, mins, two_level):
+                                                       ("Q3_K", 3, False, True), ("Q2_K", 2, True, True),
+                                                       ("IQ4_NL", 4, False, False), ("IQ4_XS", 4, False, True)])
+def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, monkeypatch, qtype, bits, mins, two_level):
     """A GGUF whose linears are Q2_K / Q4_K / Q5_K / Q5_1 (converted as 4- or 8-bit codes with float zero points),
-    Q6_K (8-bit codes within 32 of 128) or Q3_K (4-bit codes within 4 of 8): the native linears hold them as ggml
-    does, codes in 2 to 6 bits, k-quants' scales (and minimums) as int8 under a float16 per 256 weights, Q5_1's as
-    float16, and compute what ONNX
+    Q6_K (8-bit codes within 32 of 128), Q3_K (4-bit codes within 4 of 8) or IQ4_NL / IQ4_XS (8-bit codes taking 16
+    values): the native linears hold them as ggml does, codes in 2 to 6 bits (IQ4: 4-bit indices into the 16
+    values), k-quants' scales (and minimums) as int8 under a float16 per 256 weights, the others' as float16, and
+    compute what ONNX
     Runtime's lowering (MatMulNBits, with the float zero points as a second GEMM) computes."""
     from gguf import GGMLQuantizationType
     from onnx import numpy_helper
@@ -225,6 +227,10 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, qtype, bits, mins, tw
     for node in linears:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs["bits"] == bits, node.name
+        assert ("codebook" in attrs) == qtype.startswith("IQ4")
+        if "codebook" in attrs:  # ggml's values + 128
+            assert attrs["codebook"] == [v + 128 for v in (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
+                                                          53, 69, 89, 113)]
         scales = numpy_helper.to_array(weights[node.input[2]])
         assert scales.dtype == (np.int8 if two_level else np.float16)
         if two_level:
@@ -234,12 +240,13 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, qtype, bits, mins, tw
         if mins:  # in the scales' form
             assert numpy_helper.to_array(weights[node.input[5]]).dtype == scales.dtype
         # bits per weight: Q4_K 4 + (8 + 8) / 32 + (16 + 16) / 256 = 4.625; Q6_K 6 + 8 / 16 + 16 / 256 = 6.5625;
-        # Q5_1 5 + (16 + 16) / 32 = 6; Q3_K 3 + 8 / 16 + 16 / 256 = 3.5625; Q2_K 2 + 16 / 16 + 32 / 256 = 3.125
+        # Q5_1 5 + (16 + 16) / 32 = 6; Q3_K 3 + 8 / 16 + 16 / 256 = 3.5625; Q2_K 2 + 16 / 16 + 32 / 256 = 3.125;
+        # IQ4_NL 4 + 16 / 32 = 4.5; IQ4_XS 4 + 8 / 32 + 16 / 256 = 4.3125
         per_block = 8 if two_level else 16
         per_weight = bits + per_block / attrs["block_size"] * (1 + mins) + two_level * 16 / 256 * (1 + mins)
         held = sum(numpy_helper.to_array(weights[i]).nbytes for j, i in enumerate(node.input) if i and j not in (0, 3))
         assert held == -(-attrs["N"] // 16) * 16 * attrs["K"] * per_weight / 8
-        assert (node.input[3] != "") == node.name.endswith("q+k+v")  # Qwen2's biases, folded in
+        assert (node.input[3:4] not in ([], [""])) == node.name.endswith("q+k+v")  # Qwen2's biases, folded in
     assert "MatMulNBits" not in ops(native) and "ReduceSum" not in ops(native)
     assert "MatMulNBits" in ops(ort)
     # the token table is the lm_head's packed table (with float zero points too: the gather the network writes
@@ -251,10 +258,21 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, qtype, bits, mins, tw
     # against the float model the GGUF holds (its weights dequantized): as near as ONNX Runtime's lowering
     convert(tmp_path / "m.gguf", tmp_path / "float_ckpt", dequantize=True)
     exact = build_engine(tmp_path / "float_ckpt", tmp_path / "float", **LIMITS)
+    # (IQ4's weights span int8 as Q8_0's do, and so does the error of rounding x to int8 blocks, llama.cpp's way)
+    bound, ratio = (1.5e-2, 2.0) if qtype.startswith("IQ4") else (1e-2, 1.5)
     for got, other, want in zip(steps(native), steps(ort), steps(exact), strict=True):
         errors = [np.abs(y - want).max() for y in (got, other)]
-        assert errors[0] < 1e-2 * np.abs(want).max() and errors[0] < 1.5 * errors[1], errors
+        assert errors[0] < bound * np.abs(want).max() and errors[0] < ratio * errors[1], errors
         assert (got.argmax(axis=-1) == want.argmax(axis=-1)).mean() >= 0.9  # a random model's near-ties may flip
+    if qtype.startswith("IQ4"):  # the codebook's 4-bit indices compute exactly what the 8-bit codes do
+        from trtbuild.plugins import block_quant_matmul as bq
+
+        monkeypatch.setattr(bq, "compact",
+                            lambda codes, bits, zero_point: bq.Compact(*bq.narrow(codes, bits, zero_point)))
+        eight = build_engine(tmp_path / "ckpt", tmp_path / "eight", **LIMITS)
+        assert "codebook" not in str(onnx.load(str(eight / CPU_ENGINE_FILE), load_external_data=False).graph)
+        for got, want in zip(steps(native), steps(eight), strict=True):
+            np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("qtype,bits,inputs", [("Q4_K", 4, 6), ("Q3_K", 3, 4)])

@@ -18,7 +18,8 @@ OUT, IN = 24, 512  # two K-quant super-blocks per row
 EPS = np.finfo(np.float32).eps
 # (byte offset of d, byte offset of the minimum or None) in each block
 D_OFFSETS = {Q.Q8_0: (0, None), Q.Q4_0: (0, None), Q.Q4_1: (0, 2), Q.Q5_0: (0, None), Q.Q5_1: (0, 2),
-             Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None), Q.Q3_K: (108, None), Q.Q2_K: (80, 82)}
+             Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None), Q.Q3_K: (108, None), Q.Q2_K: (80, 82),
+             Q.IQ4_NL: (0, None), Q.IQ4_XS: (0, None)}
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -89,7 +90,7 @@ def test_gguf_reader_layout(tmp_path) -> None:
                                    atol=1e-6)
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.F32, Q.BF16, Q.IQ4_NL, Q.IQ4_XS])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.F32, Q.BF16, Q.IQ2_XXS, Q.IQ3_S, Q.TQ2_0])
 def test_gguf_without_exact_form(qtype: Q) -> None:
     assert qtype not in EXACT_NBITS
     assert gguf_to_nbits(np.zeros((OUT, 8), np.uint8), qtype, (OUT, IN)) is None

@@ -14,11 +14,13 @@ with numpy, row chunk by row chunk. What each type becomes (EXACT_NBITS):
   Q5_K  as Q4_K, q 5-bit                              8-bit, g 32, code q, scale d * sc_j, zp dmin * m_j / scale
   Q3_K  d * (sc_j - 32) * (q - 4), 16 sub-blocks of 16 4-bit, g 16, code q + 4, scale d * (sc_j - 32)
   Q2_K  d * sc_j * q - dmin * m_j, 16 sub-blocks of 16 4-bit, g 16, code q, scale d * sc_j, zp dmin * m_j / scale
-Q8_0, Q4_0, Q5_0, Q6_K and Q3_K are bit-exact (the scale is the float32 product ggml's dequantization computes,
-times an integer). Types with a minimum go through a float zero point, so they equal ggml's `d * q + m` to float32
-rounding; a block whose scale is 0 (every value = the minimum) is stored exactly as scale = minimum, zero point -1,
-codes 0. (The CPU engine's native linears take 2/3/5/6-bit codes back from 4 or 8 and the minimums back from the
-zero points:
+  IQ4_NL d * v[q], v: 16 non-uniform int8 values      8-bit, g 32, code v[q] + 128
+  IQ4_XS d * (sc_j - 32) * v[q], 8 sub-blocks of 32   8-bit, g 32, code v[q] + 128, scale d * (sc_j - 32)
+Q8_0, Q4_0, Q5_0, Q6_K, Q3_K, IQ4_NL and IQ4_XS are bit-exact (the scale is the float32 product ggml's
+dequantization computes, times an integer). Types with a minimum go through a float zero point, so they equal
+ggml's `d * q + m` to float32 rounding; a block whose scale is 0 (every value = the minimum) is stored exactly as
+scale = minimum, zero point -1, codes 0. (The CPU engine's native linears take 2/3/5/6-bit codes back from 4 or 8,
+IQ4's 4-bit indices and values back from 8-bit codes, and the minimums back from the zero points:
 plugins/block_quant_matmul.py.) Float types and every other type give None (the caller keeps them as float).
 """
 
@@ -45,6 +47,8 @@ EXACT_NBITS: dict[GGMLQuantizationType, tuple[int, int]] = {
     Q.Q6_K: (8, 16),
     Q.Q3_K: (4, 16),
     Q.Q2_K: (4, 16),
+    Q.IQ4_NL: (8, 32),
+    Q.IQ4_XS: (8, 32),
 }
 _HAS_ZERO_POINT = {Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q2_K}
 
@@ -164,9 +168,26 @@ def _q2_k(b: np.ndarray) -> Decoded:  # scales[16] (scale low nibble, minimum hi
     return _with_minimum(_two_bit_runs(b[:, 16:80]).reshape(-1, 16, 16), scale, minimum)
 
 
+# IQ4_NL / IQ4_XS's 16 values (ggml-common.h: kvalues_iq4nl) as 8-bit codes: value + 128
+_IQ4_CODES = (np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128
+              ).astype(np.uint8)
+
+
+def _iq4_nl(b: np.ndarray) -> Decoded:  # d f16 | qs[16] as Q4_0's, indices into the values
+    return _IQ4_CODES[_nibbles(b[:, 2:])], _f16(b[:, :2]), None
+
+
+def _iq4_xs(b: np.ndarray) -> Decoded:  # d f16 | scales_h uint16 | scales_l[4] | qs[128]: 8 runs of 16 as IQ4_NL's
+    # sub-block j's 6-bit scale: low 4 bits in nibble j % 2 of scales_l[j // 2], top 2 at bits 2j of scales_h
+    low = (b[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(-1, 8) & 0x0F
+    high = (np.ascontiguousarray(b[:, 2:4]).view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & 0x03
+    scale = _f16(b[:, :2]) * ((low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32)
+    return _IQ4_CODES[_nibbles(b[:, 8:].reshape(-1, 8, 16)).reshape(-1, 256)], scale, None
+
+
 _DECODERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Decoded]] = {
     Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
-    Q.Q6_K: _q6_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k,
+    Q.Q6_K: _q6_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
 }
 
 

@@ -93,8 +93,8 @@ def _dequantize(path: Path, t: Any) -> np.ndarray:
         except NotImplementedError:
             raise CheckpointError(
                 f"{path}: tensor {t.name} uses GGML type {t.tensor_type.name}, which this gguf package cannot "
-                "dequantize. Use a GGUF quantized as F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K, "
-                "or upgrade gguf."
+                "dequantize. Use a GGUF quantized as F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/"
+                "IQ4_NL/IQ4_XS, or upgrade gguf."
             ) from None
         except ValueError as exc:
             raise CheckpointError(f"{path}: tensor {t.name} is corrupt ({exc}). Re-download the file.") from None
