@@ -80,17 +80,31 @@ CODEBOOK_SIZE = 16
 CODEBOOK_ZERO_POINT = 128
 
 
+def _codebook(codes: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
+    """(the codes used, the 16-entry codebook of them) where 8-bit codes take at most 16 values, else None."""
+    used = np.flatnonzero(np.bincount(codes.reshape(-1), minlength=256))
+    if not codes.size or len(used) > CODEBOOK_SIZE:
+        return None
+    return used, (*(int(c) for c in used), *[CODEBOOK_ZERO_POINT] * (CODEBOOK_SIZE - len(used)))
+
+
 def compact(codes: np.ndarray, bits: int, zero_point: bool = True) -> Compact:
     """The fewest bits that hold a checkpoint's codes [N, K] exactly: `narrow`, or, for 8-bit codes with the default
     zero point that take at most 16 values, 4-bit indices into a codebook of those codes."""
     narrowed, narrow_bits = narrow(codes, bits, zero_point)
-    if narrow_bits == 8 and zero_point and codes.size:
-        used = np.flatnonzero(np.bincount(codes.reshape(-1), minlength=256))
-        if len(used) <= CODEBOOK_SIZE:
-            book = np.full(CODEBOOK_SIZE, CODEBOOK_ZERO_POINT, dtype=np.uint8)
-            book[:len(used)] = used
-            return Compact(np.searchsorted(used, codes).astype(np.uint8), 4, tuple(int(c) for c in book))
+    if narrow_bits == 8 and zero_point and (found := _codebook(codes)) is not None:
+        used, book = found
+        return Compact(np.searchsorted(used, codes).astype(np.uint8), 4, book)
     return Compact(narrowed, narrow_bits)
+
+
+def compact_form(codes: np.ndarray, bits: int, zero_point: bool = True) -> tuple[int, tuple[int, ...] | None]:
+    """`compact`'s bits and codebook, without making its codes."""
+    if (narrower := _narrower(codes, bits, zero_point)) is not None:
+        return narrower[0], None
+    if bits == 8 and zero_point and (found := _codebook(codes)) is not None:
+        return 4, found[1]
+    return bits, None
 
 
 def narrow(codes: np.ndarray, bits: int, zero_point: bool = True) -> tuple[np.ndarray, int]:
@@ -98,13 +112,21 @@ def narrow(codes: np.ndarray, bits: int, zero_point: bool = True) -> tuple[np.nd
     other codes as they are, with `bits`. With the default zero point the codes must lie within 2^(narrow - 1) of it:
     they become code - (zp - narrow zp), e.g. 8-bit codes within 16 of 128 become code - 112, zero point 16. Without
     (minimums), codes below 2^narrow stay as they are."""
+    if (narrower := _narrower(codes, bits, zero_point)) is None:
+        return codes, bits
+    narrow_bits, offset = narrower
+    return codes - np.uint8(offset), narrow_bits
+
+
+def _narrower(codes: np.ndarray, bits: int, zero_point: bool) -> tuple[int, int] | None:
+    """(the fewest bits, the offset subtracted) of `narrow`, or None where the codes need all `bits`."""
     if codes.size and bits in _NARROWER:
         low, high = int(codes.min()), int(codes.max())
         for narrow_bits in _NARROWER[bits]:
             offset = ZERO_POINT[bits] - ZERO_POINT[narrow_bits] if zero_point else 0
             if low >= offset and high < offset + (1 << narrow_bits):
-                return codes - np.uint8(offset), narrow_bits
-    return codes, bits
+                return narrow_bits, offset
+    return None
 
 
 # The int8 sub-value a super-block's largest value most likely has, first: ggml's Q4_K scales and minimums

@@ -115,11 +115,12 @@ def test_quantized_gguf_engine_equals_its_dequantized_checkpoint(tmp_path, famil
     assert sum(n.op_type == "GatherBlockQuantized" for n in model.graph.node) == (embedding == Q.Q6_K)
     bits = sorted(next(a.i for a in n.attribute if a.name == "bits") for n in model.graph.node
                   if n.op_type == "MatMulNBits")
-    # 12 low-bit linears + lm_head, 6 of them 4-bit. Float zero points run as an exact fp32 correction beside the
-    # codes' kernel, so siblings of one bit width share a layout: layer 0's q (Q4_K) and k (Q4_0), layer 1's q (Q8_0)
-    # and v (Q5_1) and its gate and up (Q4_K) each run as one kernel, with one correction GEMM for the 7 Q4_K, Q5_K,
-    # Q4_1 and Q5_1 linears among them per kernel (a sibling without zero points has zero rows in it)
-    assert bits == [4] * 4 + [8] * 6
+    # 12 low-bit linears + lm_head, 6 of them 4-bit. Siblings merge only where their codes have one form (with float
+    # zero points or without, and as the native linears would pack them): layer 0's q (Q4_K) and k (Q4_0) and layer
+    # 1's q (Q8_0) and v (Q5_1) stay apart, layer 1's gate and up (Q4_K) run as one kernel. Float zero points run as
+    # an exact fp32 correction beside the codes' kernel: one GEMM for each of the 6 kernels of Q4_K, Q5_K, Q4_1 and
+    # Q5_1 linears
+    assert bits == [4] * 5 + [8] * 7
     assert sum(n.op_type == "DenseMatMul" and n.name.endswith("_zero_points") for n in model.graph.node) == 6
 
 

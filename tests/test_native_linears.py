@@ -146,15 +146,17 @@ def test_lowering_one_linear_keeps_its_product(bits, block):
         assert np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
 
 
-def tied_gguf_engines(tmp_path, qtype, hidden: int = 128, tied: bool = True) -> tuple:
+def tied_gguf_engines(tmp_path, qtype, hidden: int = 128, tied: bool = True, suffixes: dict | None = None) -> tuple:
     """A small Qwen2 GGUF whose 2-D weights (linears and the tied token table, or the untied token table and
-    output; not norms) are all `qtype`, built with the native linears and with ONNX Runtime's: (native engine dir,
-    ort engine dir)."""
+    output; not norms) are all `qtype` (or `suffixes`' type for the GGUF names ending in a key), built with the
+    native linears and with ONNX Runtime's: (native engine dir, ort engine dir)."""
     from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
 
     class AllLinears(dict):
         def get(self, name, default=None):
-            return qtype if name.endswith(".weight") and "norm" not in name else default
+            if not name.endswith(".weight") or "norm" in name:
+                return default
+            return next((t for suffix, t in (suffixes or {}).items() if name.endswith(suffix)), qtype)
 
     hf = make_hf_folder("qwen2", tmp_path / "hf", overrides={"hidden_size": hidden, "intermediate_size": 2 * hidden,
                                                              "tie_word_embeddings": tied})
@@ -340,3 +342,20 @@ def test_float_zero_points_are_rewritten_once_for_every_graph_copy(monkeypatch):
         got = onnxruntime.InferenceSession(c.SerializeToString(), providers=["CPUExecutionProvider"]).run(
             None, {"x": x})[0]
         np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_siblings_merge_only_where_their_codes_have_one_form(tmp_path):
+    """llama.cpp's IQ4_XS files keep attn_v in Q5_K: each layer's q and k (4-bit indices into a codebook) run as one
+    kernel and its v (5-bit codes with minimums) as another, not all three in 8 bits with float zero points."""
+    from gguf import GGMLQuantizationType as Q
+
+    native, ort = tied_gguf_engines(tmp_path, Q.IQ4_XS, hidden=256, suffixes={"attn_v.weight": Q.Q5_K})
+    model = onnx.load(str(native / CPU_ENGINE_FILE), load_external_data=False)
+    forms = sorted((n.name.rsplit(".", 1)[-1], a["bits"], "codebook" in a) for n in model.graph.node
+                   if n.op_type == "BlockQuantMatMul" and (a := {x.name: onnx.helper.get_attribute_value(x)
+                                                                 for x in n.attribute}))
+    layers = read_engine_config(native).model.num_hidden_layers
+    assert forms.count(("q+k", 4, True)) == layers and forms.count(("v", 5, False)) == layers, forms
+    assert all(bits == 4 and codebook for name, bits, codebook in forms if name != "v"), forms
+    for got, want in zip(steps(native), steps(ort), strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())

@@ -20,7 +20,10 @@ their concatenated weights followed by a Split: every output column is computed 
 grouped by the very tensor their kernel would read: int4 by the MatMul's input (the output of the pre-scale Mul),
 int8 by the QuantizeLinear's input and scale. builder/quantized.py shares that Mul / Q/DQ only between linears with
 bit-identical scales, so linears with their own prequant / activation scales (the default `trtbuild quantize`
-checkpoint, `shared_input_scales: false`) stay separate kernels.
+checkpoint, `shared_input_scales: false`) stay separate kernels. Weight-only (MatMulNBits) siblings merge where
+their codes have one form: the same bits and block size, all with float zero points or none, and 8-bit codes that
+the native lowering holds alike (plugins/block_quant_matmul.py: `compact_form`). NOTE: a GGUF IQ4_XS layer's q and k
+(4-bit indices into a codebook) merged with its Q5_K v (5-bit codes with minimums) were all held in 8 bits.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphView, drop_dead_nodes, node_attrs, topological_sort, use_opset
+from trtbuild.plugins.block_quant_matmul import compact_form
 from trtbuild.quantization import pack_int4
 
 
@@ -99,13 +103,19 @@ def _int8_site(view: GraphView, matmul: onnx.NodeProto, dq: onnx.NodeProto) -> t
 
 
 def _nbits_key(view: GraphView, node: onnx.NodeProto) -> tuple | None:
-    """The merge key of a MatMulNBits the network wrote itself (weight_only linears), read without its weights."""
+    """The merge key of a MatMulNBits the network wrote itself (weight_only linears): its input, K, block size,
+    bits, whether it has float zero points, and for 8-bit codes without them the bits and codebook `compact` packs
+    them in (4-bit codes are told apart by their block size: GGUF's Q3_K 16, Q4_0 32)."""
     if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN or len(node.input) > 4:
         return None
     if any(view.shape_of(i) is None for i in node.input[1:]):
         return None
     a = node_attrs(node)
-    return "nbits", node.input[0], a["K"], a["block_size"], a["bits"]  # with or without zero points: they merge
+    zero_points = len(node.input) == 4 and bool(node.input[3])
+    form = None
+    if a["bits"] == 8 and not zero_points and (codes := view.constant(node.input[1])) is not None:
+        form = compact_form(codes.reshape(a["N"], -1), 8)
+    return "nbits", node.input[0], a["K"], a["block_size"], a["bits"], zero_points, form
 
 
 def _site(view: GraphView, node: onnx.NodeProto) -> tuple | None:
@@ -147,7 +157,7 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
         wide = outs[0] if len(members) == 1 else base + "_out"
         widths = [m[1].shape[0 if key[0] == "nbits" else 1] for m in members]
         if key[0] == "nbits":
-            _, x, k, g, bits = key
+            _, x, k, g, bits, *_ = key
             scales = np.concatenate([m[2] for m in members])  # [N, blocks]
             if len(members) == 1 and members[0][0].op_type == "MatMulNBits":  # its own weights, as they are
                 inputs = list(members[0][0].input[:3])
