@@ -26,21 +26,27 @@ def _blocks(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, QK_K)
 
 
+def _scale_min(b: np.ndarray, levels: int, sub_levels: int) -> tuple:
+    """Per sub-block b [n, subs, size]: x ~ d * sc_j * q - dmin * m_j, q in [0, levels], sc and m in [0, sub_levels].
+    Returns (d bytes, dmin bytes, sc uint8 [n, subs], m uint8 [n, subs], q uint8 [n, subs, size])."""
+    lo, hi = np.minimum(b.min(-1), 0.0), np.maximum(b.max(-1), 0.0)
+    scale, minimum = (hi - lo) / levels, -lo
+    d_raw, d = _f16(scale.max(-1) / sub_levels)
+    dmin_raw, dmin = _f16(minimum.max(-1) / sub_levels)
+    sc = np.clip(np.rint(np.divide(scale, d[:, None], out=np.zeros_like(scale), where=d[:, None] > 0)), 0,
+                 sub_levels)
+    m = np.clip(np.rint(np.divide(minimum, dmin[:, None], out=np.zeros_like(minimum), where=dmin[:, None] > 0)),
+                0, sub_levels)
+    eff_scale, eff_min = (d[:, None] * sc)[..., None], (dmin[:, None] * m)[..., None]
+    q = np.divide(b + eff_min, eff_scale, out=np.zeros_like(b), where=eff_scale > 0)
+    q = np.clip(np.rint(q), 0, levels).astype(np.uint8)
+    return d_raw, dmin_raw, sc.astype(np.uint8), m.astype(np.uint8), q
+
+
 def _scale_min_blocks(x: np.ndarray, levels: int) -> tuple:
     """Q4_K / Q5_K's common part: per 32-value block x ~ d * sc_j * q - dmin * m_j, q in [0, levels]. Returns
     (d bytes, dmin bytes, the 12 packed 6-bit scale / minimum bytes, q uint8 [n, 8, 32])."""
-    b = _blocks(x).reshape(-1, 8, 32)
-    lo, hi = np.minimum(b.min(-1), 0.0), np.maximum(b.max(-1), 0.0)
-    scale, minimum = (hi - lo) / levels, -lo
-    d_raw, d = _f16(scale.max(-1) / 63.0)
-    dmin_raw, dmin = _f16(minimum.max(-1) / 63.0)
-    sc = np.clip(np.rint(np.divide(scale, d[:, None], out=np.zeros_like(scale), where=d[:, None] > 0)), 0, 63)
-    m = np.clip(np.rint(np.divide(minimum, dmin[:, None], out=np.zeros_like(minimum), where=dmin[:, None] > 0)),
-                0, 63)
-    eff_scale, eff_min = (d[:, None] * sc)[..., None], (dmin[:, None] * m)[..., None]
-    q = np.divide(b + eff_min, eff_scale, out=np.zeros_like(b), where=eff_scale > 0)
-    q = np.clip(np.rint(q), 0, levels).astype(np.uint8)  # [n, 8, 32]
-    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    d_raw, dmin_raw, sc, m, q = _scale_min(_blocks(x).reshape(-1, 8, 32), levels, 63)
     scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
                              (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)], axis=1)
     return d_raw, dmin_raw, scales, q
@@ -116,18 +122,8 @@ def encode_q2_k(x: np.ndarray) -> np.ndarray:
     """float32 [rows, cols] -> uint8 [rows, cols / 256 * 84]: x ~ d * sc_j * q - dmin * m_j per 16-value block,
     q in [0, 3]: 16 bytes of 4-bit scales (low nibbles) and minimums, qs[64], d, dmin."""
     rows = np.asarray(x).shape[0]
-    b = _blocks(x).reshape(-1, 16, 16)
-    lo, hi = np.minimum(b.min(-1), 0.0), np.maximum(b.max(-1), 0.0)
-    scale, minimum = (hi - lo) / 3, -lo
-    d_raw, d = _f16(scale.max(-1) / 15.0)
-    dmin_raw, dmin = _f16(minimum.max(-1) / 15.0)
-    sc = np.clip(np.rint(np.divide(scale, d[:, None], out=np.zeros_like(scale), where=d[:, None] > 0)), 0, 15)
-    m = np.clip(np.rint(np.divide(minimum, dmin[:, None], out=np.zeros_like(minimum), where=dmin[:, None] > 0)),
-                0, 15)
-    eff_scale, eff_min = (d[:, None] * sc)[..., None], (dmin[:, None] * m)[..., None]
-    q = np.clip(np.rint(np.divide(b + eff_min, eff_scale, out=np.zeros_like(b), where=eff_scale > 0)), 0, 3)
-    scales = (sc.astype(np.uint8) | (m.astype(np.uint8) << 4))
-    return np.concatenate([scales, _two_bit_runs(q.astype(np.uint8).reshape(-1, 256)), d_raw, dmin_raw],
+    d_raw, dmin_raw, sc, m, q = _scale_min(_blocks(x).reshape(-1, 16, 16), 3, 15)
+    return np.concatenate([sc | (m << 4), _two_bit_runs(q.reshape(-1, 256)), d_raw, dmin_raw],
                           axis=1).reshape(rows, -1)
 
 
