@@ -9,7 +9,8 @@
 //     and 6 bits one 64-byte plane per further bit, whose 64-bit word j is a byte mask of vector j's bit.
 //   scales [G, K / block, 16]: the scale of row 16g + r in each block, float, float16 (where that is exact, as it is
 //     for GGUF's 32-blocks: 11% fewer bytes per 4-bit weight), or int8 times a float16 super-scale per 256 elements
-//     (GGUF's k-quants, exactly: 4.6 bits per Q4_K weight instead of 6 with float scales and minimums).
+//     (GGUF's k-quants, exactly: 4.6 bits per Q4_K weight instead of 6 with float scales and minimums); in blocks
+//     of 16 with sub-values 0..15 (Q2_K), those as nibbles [G, nc, 16], block 2c's low, 2c + 1's high.
 //   minimums (optional), like the scales: W = scale * code - minimum.
 //   codebook (attribute, optional, 4-bit codes without minimums): the 16 8-bit codes (zero point 128) the 4-bit ones
 //     index, looked up in registers (GGUF's IQ4_NL / IQ4_XS: its non-uniform values + 128).
@@ -114,6 +115,11 @@ __m512 load_block_values(const BlockValues& v, int64_t at, int64_t super_at) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(v.sub) + at));
   } else if constexpr (KIND == ScaleKind::kFloat) {
     return _mm512_loadu_ps(static_cast<const float*>(v.sub) + at * kRows);
+  } else if constexpr (KIND == ScaleKind::kTwoLevelNibbles) {  // block `at` of 16: nibble at % 2 of chunk at / 2
+    const __m128i both = _mm_loadu_si128(static_cast<const __m128i*>(v.sub) + at / 2);
+    const __m128i sub = _mm_and_si128(at % 2 ? _mm_srli_epi16(both, 4) : both, _mm_set1_epi8(0x0F));
+    const __m256i super = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.super) + super_at);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sub)), _mm512_cvtph_ps(super));
   } else {  // NOTE: int8 x float16 is exact in float32, and so equals the checkpoint's float32 scale
     const __m128i sub = _mm_loadu_si128(static_cast<const __m128i*>(v.sub) + at);
     const __m256i super = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.super) + super_at);
@@ -250,6 +256,9 @@ Task task_for(bool block16, bool mins) {
 
 template <int BITS>
 Task task_for(ScaleKind kind, bool block16, bool mins) {
+  if (kind == ScaleKind::kTwoLevelNibbles)  // blocks of 16 only (PackedTable::check)
+    return mins ? run_task<BITS, ScaleKind::kTwoLevelNibbles, true, true>
+                : run_task<BITS, ScaleKind::kTwoLevelNibbles, true, false>;
   return kind == ScaleKind::kFloat  ? task_for<BITS, ScaleKind::kFloat>(block16, mins)
          : kind == ScaleKind::kHalf ? task_for<BITS, ScaleKind::kHalf>(block16, mins)
                                     : task_for<BITS, ScaleKind::kTwoLevel>(block16, mins);
@@ -262,9 +271,10 @@ Task codebook_task(bool block16) {
 }
 
 Task codebook_task(ScaleKind kind, bool block16) {
-  return kind == ScaleKind::kFloat  ? codebook_task<ScaleKind::kFloat>(block16)
-         : kind == ScaleKind::kHalf ? codebook_task<ScaleKind::kHalf>(block16)
-                                    : codebook_task<ScaleKind::kTwoLevel>(block16);
+  return kind == ScaleKind::kFloat              ? codebook_task<ScaleKind::kFloat>(block16)
+         : kind == ScaleKind::kHalf             ? codebook_task<ScaleKind::kHalf>(block16)
+         : kind == ScaleKind::kTwoLevelNibbles ? run_task<4, ScaleKind::kTwoLevelNibbles, true, false, true>
+                                                : codebook_task<ScaleKind::kTwoLevel>(block16);
 }
 
 struct BlockQuantMatMulKernel {

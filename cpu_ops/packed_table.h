@@ -21,8 +21,12 @@ constexpr int64_t base_bytes(int64_t bits) { return kTableRows * kTableChunk * b
 inline int32_t zero_point(int64_t bits) { return 1 << (bits - 1); }
 
 // How a table's scales (and minimums) are stored: [G, K / block, 16] float, float16, or int8 sub-scales times a
-// float16 super-scale per row and super-block of 256 elements ([G, K / 256, 16]), as GGUF's k-quants keep them.
-enum class ScaleKind { kFloat, kHalf, kTwoLevel };
+// float16 super-scale per row and super-block of 256 elements ([G, K / 256, 16]), as GGUF's k-quants keep them; or,
+// for blocks of 16 whose sub-values are 0..15 (GGUF's Q2_K), those as nibbles: uint8 [G, K / 32, 16], the low
+// nibble block 2c's and the high one block 2c + 1's, times the float16 super-scales.
+enum class ScaleKind { kFloat, kHalf, kTwoLevel, kTwoLevelNibbles };
+
+constexpr bool two_level(ScaleKind kind) { return kind == ScaleKind::kTwoLevel || kind == ScaleKind::kTwoLevelNibbles; }
 
 inline float half_to_float(uint16_t h) {  // IEEE binary16, subnormals included
   const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
@@ -46,7 +50,7 @@ inline float half_to_float(uint16_t h) {  // IEEE binary16, subnormals included
 
 // One per-block quantity of a table (its scales, or its minimums), checked against the table's size.
 struct BlockValues {
-  const void* sub = nullptr;         // [G, K / block, 16]: float, float16 or int8
+  const void* sub = nullptr;         // [G, K / block, 16]: float, float16 or int8; or nibbles (ScaleKind)
   const uint16_t* super = nullptr;   // float16 [G, K / 256, 16] (two-level only)
 
   // The value of row 16g + lane in block `block` of the row (scalar: for the gather).
@@ -56,7 +60,12 @@ struct BlockValues {
     if (kind == ScaleKind::kFloat) return static_cast<const float*>(sub)[i];
     if (kind == ScaleKind::kHalf) return half_to_float(static_cast<const uint16_t*>(sub)[i]);
     const int64_t s = (g * supers + block * block_size / kSuperBlock) * kTableRows + lane;
-    return static_cast<float>(static_cast<const int8_t*>(sub)[i]) * half_to_float(super[s]);
+    const float value = kind == ScaleKind::kTwoLevel
+                            ? static_cast<float>(static_cast<const int8_t*>(sub)[i])
+                            : static_cast<float>((static_cast<const uint8_t*>(sub)[(g * blocks / 2 + block / 2) *
+                                                                                      kTableRows + lane] >>
+                                                  (4 * (block % 2))) & 0x0F);
+    return value * half_to_float(super[s]);
   }
 };
 
@@ -106,24 +115,27 @@ struct PackedTable {
   // minimums and super-minimums (plugins/README.md). Returns how they are stored.
   TableScales check(Ort::KernelContext& ctx, size_t b_index, size_t scales_index, size_t first_optional) const {
     const Ort::ConstValue b = ctx.GetInput(b_index), s = ctx.GetInput(scales_index);
-    const size_t per_block = static_cast<size_t>(groups() * blocks() * kTableRows);
-    if (b.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(groups() * k * kTableRows * bits / 8) ||
-        s.GetTensorTypeAndShapeInfo().GetElementCount() != per_block)
-      fail("B or scales do not hold ceil(N / 16) groups of 16 rows (plugins/block_quant_matmul.py: pack)");
     TableScales t;
     const ONNXTensorElementDataType type = s.GetTensorTypeAndShapeInfo().GetElementType();
     t.kind = type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT     ? ScaleKind::kFloat
              : type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? ScaleKind::kHalf
              : type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8    ? ScaleKind::kTwoLevel
+             : type == ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8   ? ScaleKind::kTwoLevelNibbles
                                                              : fail_kind();
+    if (t.kind == ScaleKind::kTwoLevelNibbles && block != 16) fail("nibble (uint8) scales need block_size 16");
+    // per block, or per pair of blocks (nibbles)
+    const size_t per_block = static_cast<size_t>(groups() * blocks() * kTableRows) /
+                             (t.kind == ScaleKind::kTwoLevelNibbles ? 2 : 1);
+    if (b.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(groups() * k * kTableRows * bits / 8) ||
+        s.GetTensorTypeAndShapeInfo().GetElementCount() != per_block)
+      fail("B or scales do not hold ceil(N / 16) groups of 16 rows (plugins/block_quant_matmul.py: pack)");
     t.scales.sub = s.GetTensorRawData();
     const Ort::ConstValue super = optional(ctx, first_optional), mins = optional(ctx, first_optional + 1),
                           super_mins = optional(ctx, first_optional + 2);
-    if ((t.kind == ScaleKind::kTwoLevel) != (present(super)))
-      fail("int8 scales need float16 super-scales, and only they do");
-    if (present(super_mins) && !(present(mins) && t.kind == ScaleKind::kTwoLevel))
-      fail("super-minimums come with int8 minimums and two-level scales");
-    if (t.kind == ScaleKind::kTwoLevel) {
+    if (two_level(t.kind) != present(super)) fail("int8 or uint8 scales need float16 super-scales, and only they do");
+    if (present(super_mins) && !(present(mins) && two_level(t.kind)))
+      fail("super-minimums come with int8 or uint8 minimums and two-level scales");
+    if (two_level(t.kind)) {
       if (k % kSuperBlock) fail("two-level scales need K a multiple of 256, got " + std::to_string(k));
       t.scales.super = super_values(super);
     }
@@ -133,8 +145,8 @@ struct PackedTable {
           mins.GetTensorTypeAndShapeInfo().GetElementCount() != per_block)
         fail("the minimums must have the scales' type and shape");
       t.mins.sub = mins.GetTensorRawData();
-      if (t.kind == ScaleKind::kTwoLevel) {
-        if (!present(super_mins)) fail("int8 minimums need float16 super-minimums");
+      if (two_level(t.kind)) {
+        if (!present(super_mins)) fail("int8 or uint8 minimums need float16 super-minimums");
         t.mins.super = super_values(super_mins);
       }
     }
@@ -142,7 +154,9 @@ struct PackedTable {
   }
 
  private:
-  [[noreturn]] ScaleKind fail_kind() const { fail("scales must be float, float16 or int8 (two-level)"); }
+  [[noreturn]] ScaleKind fail_kind() const {
+    fail("scales must be float, float16, int8 or uint8 (two-level; uint8: nibbles)");
+  }
 
   static std::vector<int64_t> optional_ints(const OrtKernelInfo* info, const char* name) {
     size_t size = 0;

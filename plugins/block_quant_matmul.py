@@ -14,7 +14,8 @@ sum of x as quantized. The weights are packed at build time, 16 rows interleaved
     and 6 bits): bit 64j + 4r + i is that of row 16g + r's element 32c + 4j + i.
   scales [G, K / block, 16]: S[g, b, r] is the scale of row 16g + r in block b, stored (`pack`) in the first form
     that holds every scale exactly: int8 times a float16 super-scale [G, K / 256, 16] per row and 256 elements
-    (GGUF's k-quants are such products: Q4_K then takes 4.6 bits a weight, not 6), float16 (GGUF's Q4_0 / Q8_0
+    (GGUF's k-quants are such products: Q4_K then takes 4.6 bits a weight, not 6; in blocks of 16 with sub-values
+    0..15, as Q2_K's, uint8 [G, K / 32, 16] nibbles, block 2c's low and 2c + 1's high), float16 (GGUF's Q4_0 / Q8_0
     scales: 11% fewer bytes per 4-bit weight than float32), else float32.
   mins (optional), in the scales' form: the minimums, recovered from the checkpoint's float zero points (zp * scale,
     to float32 rounding; a two-level or float16 form is taken when it matches them to 1e-6 relative, and then gives
@@ -246,6 +247,9 @@ def pack(codes: np.ndarray, scales: np.ndarray, bits: int, mins: np.ndarray | No
         split = [_two_level_by_rows(v, SUPER_BLOCK * blocks // k, tol)
                  for v, tol in zip(values, tolerances, strict=False)]
         if all(f is not None for f in split):
+            if blocks * BLOCK == 2 * k and all(sub.min() >= 0 and sub.max() < 16 for sub, _ in split):
+                # blocks of 16 whose sub-values are 0..15 (GGUF's Q2_K): two a byte, block 2c's in the low nibble
+                split = [((sub[:, 0::2] | (sub[:, 1::2] << 4)).view(np.uint8), sup) for sub, sup in split]
             (sub, sup), *rest = split
             return PackedTable(b, layout(sub), layout(sup), *(layout(t) for t in (rest[0] if rest else ())))
     halves = [_half(v, tol) for v, tol in zip(values, tolerances, strict=False)]

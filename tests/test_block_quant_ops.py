@@ -121,8 +121,9 @@ def test_block_quant_matmul_matches_its_reference(library, bits, block, scales_k
     codes, scales, mins = format_case(bits, block, scales_kind, mins_kind, k, n, seed=bits + block + k)
     table = pack(codes, scales, bits, mins)
     two = scales_kind == "k-quant" and k % 256 == 0
-    assert table.scales.dtype == (np.int8 if two else np.float32 if scales_kind == "k-quant" else
-                                  STORED[scales_kind])
+    nibbles = two and bits == 2  # Q2_K's sub-values 0..15 (format_case), two a byte
+    assert table.scales.dtype == (np.uint8 if nibbles else np.int8 if two else
+                                  np.float32 if scales_kind == "k-quant" else STORED[scales_kind])
     assert (table.super_scales is not None) == two and (table.mins is not None) == (mins is not None)
     sess = block_quant_session(library, OP_TYPE, k, n, bits, table, block)
     rng = np.random.default_rng(k)
@@ -259,9 +260,12 @@ def test_block_quant_matmul_refuses_what_it_cannot_run(library):
         run(48, PackedTable(np.zeros((1, 1, 256), np.uint8), np.ones((1, 1, 16), np.float32)))
     with pytest.raises(Exception, match=r"do not hold ceil\(N / 16\) groups of 16 rows"):
         run(64, PackedTable(np.zeros((8, 2, 16), np.uint8), np.ones(16, np.float32)))  # MatMulNBits' layout
-    with pytest.raises(Exception, match="scales must be float, float16 or int8"):
+    with pytest.raises(Exception, match="scales must be float, float16, int8 or uint8"):
         run(64, PackedTable(np.zeros((1, 2, 256), np.uint8), np.ones((1, 2, 16), np.int32)))
-    with pytest.raises(Exception, match="int8 scales need float16 super-scales"):
+    with pytest.raises(Exception, match="nibble \\(uint8\\) scales need block_size 16"):
+        run(256, PackedTable(np.zeros((1, 8, 256), np.uint8), np.ones((1, 8, 16), np.uint8),
+                             np.ones((1, 1, 16), np.float16)))
+    with pytest.raises(Exception, match="int8 or uint8 scales need float16 super-scales"):
         run(256, PackedTable(np.zeros((1, 8, 256), np.uint8), np.ones((1, 8, 16), np.int8)))
     with pytest.raises(Exception, match="two-level scales need K a multiple of 256"):
         run(64, PackedTable(np.zeros((1, 2, 256), np.uint8), np.ones((1, 2, 16), np.int8),

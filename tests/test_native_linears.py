@@ -234,7 +234,8 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, monkeypatch, qtype, b
             assert attrs["codebook"] == [v + 128 for v in (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
                                                           53, 69, 89, 113)]
         scales = numpy_helper.to_array(weights[node.input[2]])
-        assert scales.dtype == (np.int8 if two_level else np.float16)
+        nibbles = qtype == "Q2_K"  # its sub-scales and sub-minimums are 0..15: two a byte
+        assert scales.dtype == (np.uint8 if nibbles else np.int8 if two_level else np.float16)
         if two_level:
             supers = numpy_helper.to_array(weights[node.input[4]])
             assert supers.dtype == np.float16 and supers.shape == (-(-attrs["N"] // 16), attrs["K"] // 256, 16)
@@ -242,9 +243,9 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, monkeypatch, qtype, b
         if mins:  # in the scales' form
             assert numpy_helper.to_array(weights[node.input[5]]).dtype == scales.dtype
         # bits per weight: Q4_K 4 + (8 + 8) / 32 + (16 + 16) / 256 = 4.625; Q6_K 6 + 8 / 16 + 16 / 256 = 6.5625;
-        # Q5_1 5 + (16 + 16) / 32 = 6; Q3_K 3 + 8 / 16 + 16 / 256 = 3.5625; Q2_K 2 + 16 / 16 + 32 / 256 = 3.125;
+        # Q5_1 5 + (16 + 16) / 32 = 6; Q3_K 3 + 8 / 16 + 16 / 256 = 3.5625; Q2_K 2 + 8 / 16 + 32 / 256 = 2.625;
         # IQ4_NL 4 + 16 / 32 = 4.5; IQ4_XS 4 + 8 / 32 + 16 / 256 = 4.3125
-        per_block = 8 if two_level else 16
+        per_block = 4 if nibbles else 8 if two_level else 16
         per_weight = bits + per_block / attrs["block_size"] * (1 + mins) + two_level * 16 / 256 * (1 + mins)
         held = sum(numpy_helper.to_array(weights[i]).nbytes for j, i in enumerate(node.input) if i and j not in (0, 3))
         assert held == -(-attrs["N"] // 16) * 16 * attrs["K"] * per_weight / 8
