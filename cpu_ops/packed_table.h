@@ -19,6 +19,7 @@ constexpr int64_t kSuperBlock = 256;  // elements per super-block of two-level s
 constexpr int base_bits(int64_t bits) { return bits <= 3 ? 2 : bits <= 6 ? 4 : 8; }
 constexpr int64_t base_bytes(int64_t bits) { return kTableRows * kTableChunk * base_bits(bits) / 8; }
 inline int32_t zero_point(int64_t bits) { return 1 << (bits - 1); }
+constexpr int32_t kCodebookZeroPoint = 128;  // a codebook's entries are 8-bit codes
 
 // How a table's scales (and minimums) are stored: [G, K / block, 16] float, float16, or int8 sub-scales times a
 // float16 super-scale per row and super-block of 256 elements ([G, K / 256, 16]), as GGUF's k-quants keep them; or,
@@ -60,12 +61,11 @@ struct BlockValues {
     if (kind == ScaleKind::kFloat) return static_cast<const float*>(sub)[i];
     if (kind == ScaleKind::kHalf) return half_to_float(static_cast<const uint16_t*>(sub)[i]);
     const int64_t s = (g * supers + block * block_size / kSuperBlock) * kTableRows + lane;
-    const float value = kind == ScaleKind::kTwoLevel
-                            ? static_cast<float>(static_cast<const int8_t*>(sub)[i])
-                            : static_cast<float>((static_cast<const uint8_t*>(sub)[(g * blocks / 2 + block / 2) *
-                                                                                      kTableRows + lane] >>
-                                                  (4 * (block % 2))) & 0x0F);
-    return value * half_to_float(super[s]);
+    if (kind == ScaleKind::kTwoLevel)
+      return static_cast<float>(static_cast<const int8_t*>(sub)[i]) * half_to_float(super[s]);
+    // nibbles: block 2c's low, block 2c + 1's high
+    const uint8_t both = static_cast<const uint8_t*>(sub)[(g * blocks / 2 + block / 2) * kTableRows + lane];
+    return static_cast<float>((both >> (4 * (block % 2))) & 0x0F) * half_to_float(super[s]);
   }
 };
 
@@ -100,7 +100,7 @@ struct PackedTable {
 
   // The zero point of the codes the dot products see: none with minimums, 128 for a codebook's 8-bit codes.
   int32_t zero_point(const TableScales& scales) const {
-    return scales.has_mins() ? 0 : codebook.empty() ? trtbuild_cpu_ops::zero_point(bits) : 128;
+    return scales.has_mins() ? 0 : codebook.empty() ? trtbuild_cpu_ops::zero_point(bits) : kCodebookZeroPoint;
   }
 
   [[noreturn]] void fail(const std::string& what) const {
