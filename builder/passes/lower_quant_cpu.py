@@ -118,12 +118,16 @@ def _nbits_key(view: GraphView, node: onnx.NodeProto) -> tuple | None:
     return "nbits", node.input[0], a["K"], a["block_size"], a["bits"], zero_points, form
 
 
+def _nbits_weights(view: GraphView, node: onnx.NodeProto) -> tuple:
+    """(codes [N, ...], scales [N, blocks], zero points [N, blocks] or None) of a MatMulNBits with an `_nbits_key`."""
+    n = node_attrs(node)["N"]
+    zp = view.constant(node.input[3]).reshape(n, -1) if len(node.input) == 4 and node.input[3] else None
+    return view.constant(node.input[1]), view.constant(node.input[2]).reshape(n, -1), zp
+
+
 def _site(view: GraphView, node: onnx.NodeProto) -> tuple | None:
-    """(merge key, weights [N, ...] or [K, N], scales, zero points or None) of a linear to lower, or None."""
-    if (key := _nbits_key(view, node)) is not None:
-        n = node_attrs(node)["N"]
-        zp = view.constant(node.input[3]).reshape(n, -1) if len(node.input) == 4 and node.input[3] else None
-        return key, view.constant(node.input[1]), view.constant(node.input[2]).reshape(n, -1), zp
+    """(merge key, weights [N, ...] or [K, N], scales, zero points or None) of a Q/DQ linear to lower, or None
+    (a MatMulNBits the network wrote: `_nbits_key`, `_nbits_weights`)."""
     if node.op_type != "MatMul" or (found := _weight_dq(view, node)) is None:
         return None
     dq, elem = found
@@ -150,7 +154,9 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
               or nodes[0].op_type != "MatMulNBits"}
     new_nodes = []
     for key, nodes in groups.items():
-        members = [(node, *_site(view, node)[1:]) for node in nodes]
+        # NOTE: a MatMulNBits' key is not made again here (for 8-bit codes it counts their values)
+        members = [(node, *(_nbits_weights(view, node) if node.op_type == "MatMulNBits" else _site(view, node)[1:]))
+                   for node in nodes]
         names = [m[0].name for m in members]
         base = names[0] if len(names) == 1 else names[0] + "+" + "+".join(n.rsplit(".", 1)[-1] for n in names[1:])
         outs = [m[0].output[0] for m in members]
