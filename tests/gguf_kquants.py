@@ -9,6 +9,7 @@ of their output is the reference any reader must reproduce. Input: float32 [rows
 from __future__ import annotations
 
 import numpy as np
+from gguf.quants import IQ4_NL
 
 QK_K = 256
 
@@ -127,7 +128,7 @@ def encode_q2_k(x: np.ndarray) -> np.ndarray:
                           axis=1).reshape(rows, -1)
 
 
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+IQ4_VALUES = np.array(IQ4_NL.kvalues, dtype=np.float32)
 
 
 def _iq4_indices(x: np.ndarray, scale: np.ndarray) -> np.ndarray:

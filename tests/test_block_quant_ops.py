@@ -10,6 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild import cpu_ops
+from trtbuild.builder.convert import gguf_quants
 from trtbuild.plugins.block_quant_matmul import (
     GATHER_OP_TYPE,
     OP_TYPE,
@@ -150,7 +151,7 @@ def test_block_quant_gather_reads_rows_of_the_packed_table_exactly(library, bits
         sess.run(None, {"ids": np.array([37], dtype=np.int64)})
 
 
-IQ4_CODES = [v + 128 for v in (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)]
+IQ4_CODES = [int(c) for c in gguf_quants.IQ4_CODES]  # GGUF's IQ4_NL / IQ4_XS values + 128
 
 
 @pytest.mark.parametrize("block,scales_kind,k", [(32, "float16", 352), (32, "k-quant", 512), (16, "float32", 352)])

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import IQ4_NL
 
 from trtbuild.builder.convert.weight_only import NBitsWeight, pack_codes, row_chunks
 
@@ -168,13 +169,12 @@ def _q2_k(b: np.ndarray) -> Decoded:  # scales[16] (scale low nibble, minimum hi
     return _with_minimum(_two_bit_runs(b[:, 16:80]).reshape(-1, 16, 16), scale, minimum)
 
 
-# IQ4_NL / IQ4_XS's 16 values (ggml-common.h: kvalues_iq4nl) as 8-bit codes: value + 128
-_IQ4_CODES = (np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]) + 128
-              ).astype(np.uint8)
+# IQ4_NL / IQ4_XS's 16 values (ggml's kvalues_iq4nl, as gguf keeps them) as 8-bit codes: value + 128
+IQ4_CODES = (np.array(IQ4_NL.kvalues) + 128).astype(np.uint8)
 
 
 def _iq4_nl(b: np.ndarray) -> Decoded:  # d f16 | qs[16] as Q4_0's, indices into the values
-    return _IQ4_CODES[_nibbles(b[:, 2:])], _f16(b[:, :2]), None
+    return IQ4_CODES[_nibbles(b[:, 2:])], _f16(b[:, :2]), None
 
 
 def _iq4_xs(b: np.ndarray) -> Decoded:  # d f16 | scales_h uint16 | scales_l[4] | qs[128]: 8 runs of 16 as IQ4_NL's
@@ -182,7 +182,7 @@ def _iq4_xs(b: np.ndarray) -> Decoded:  # d f16 | scales_h uint16 | scales_l[4] 
     low = (b[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(-1, 8) & 0x0F
     high = (np.ascontiguousarray(b[:, 2:4]).view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & 0x03
     scale = _f16(b[:, :2]) * ((low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32)
-    return _IQ4_CODES[_nibbles(b[:, 8:].reshape(-1, 8, 16)).reshape(-1, 256)], scale, None
+    return IQ4_CODES[_nibbles(b[:, 8:].reshape(-1, 8, 16)).reshape(-1, 256)], scale, None
 
 
 _DECODERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Decoded]] = {
