@@ -43,17 +43,20 @@ def count_eligible(model: onnx.ModelProto) -> int:
 
 class Packed(NamedTuple):
     """A linear's weights in the native layout: one initializer per bq.PackedTable field (None where absent), the
-    bits the codes are packed in and the codebook they index (bq.compact), and its rows (N)."""
+    bits the codes are packed in and the codebook they index (bq.compact), its rows (N), and the power of two its
+    scales are stored divided by (bq.pack)."""
 
     tensors: tuple[onnx.TensorProto | None, ...]
     bits: int
     rows: int
     codebook: tuple[int, ...] | None = None
+    scale_exponent: int = 0
 
     def attributes(self, k: int, block: int) -> dict:
         """The op's attributes for this table, K columns in blocks of `block`."""
         codebook = {"codebook": list(self.codebook)} if self.codebook else {}
-        return {"K": k, "N": self.rows, "bits": self.bits, "block_size": block, **codebook}
+        exponent = {"scale_exponent": self.scale_exponent} if self.scale_exponent else {}
+        return {"K": k, "N": self.rows, "bits": self.bits, "block_size": block, **codebook, **exponent}
 
     def inputs(self, first: str, bias_slot: bool) -> list[str]:
         """The op's inputs: `first` (x or ids), B, scales, then the optional ones (BlockQuantMatMul's bias slot
@@ -179,13 +182,13 @@ def _pack(view: GraphView, inputs: tuple[str, ...], n: int, k: int, bits: int) -
     codes, bits, codebook = bq.compact(codes, bits, zero_point=mins is None)
     table = bq.pack(codes, scales, bits, mins)
     tensors = []
-    for field, value in zip(bq.PackedTable._fields, table, strict=True):  # in the op's input order
+    for field, value in zip(bq.TABLE_FIELDS, table.tensors(), strict=True):  # in the op's input order
         if value is not None:
             name = {"codes": f"{inputs[0]}.bq", "scales": f"{inputs[1]}.bq"}.get(field, f"{inputs[1]}.bq_{field}")
             view.add_initializer(name, value)
             value = view.initializers[name]
         tensors.append(value)
-    return Packed(tuple(tensors), bits, n, codebook)
+    return Packed(tuple(tensors), bits, n, codebook, table.scale_exponent)
 
 
 def _become(node: onnx.NodeProto, op_type: str, inputs: list[str], attrs: dict) -> None:

@@ -4,7 +4,7 @@
 //   inputs: ids int64 [T], B uint8 [G, K / 32, 16 * 32 * bits / 8], scales [G, K / block, 16], then optional
 //     super-scales, minimums and super-minimums, as BlockQuantMatMul's (packed_table.h: PackedTable::check)
 //   output: y float [T, K], y[t, k] = (code[ids[t], k] - zp) * scale[ids[t], k / block], or with minimums
-//     code * scale - minimum
+//     code * scale - minimum; times 2^scale_exponent (attribute, optional)
 #include "packed_table.h"
 
 #include <cstdint>
@@ -62,7 +62,7 @@ struct BlockQuantGatherKernel {
             for (int plane = 0; plane < bits - base; ++plane)
               code |= ((planes[plane * 64 + bit / 8] >> (bit % 8)) & 1) << (base + plane);
             if (!codebook.empty()) code = codebook[code];
-            out[4 * j + i] = static_cast<float>(code - zp) * scale[j / 4] - minimum[j / 4];
+            out[4 * j + i] = (static_cast<float>(code - zp) * scale[j / 4] - minimum[j / 4]) * table.weight_factor;
           }
         }
       }

@@ -12,8 +12,9 @@
 //     (GGUF's k-quants, exactly: 4.6 bits per Q4_K weight instead of 6 with float scales and minimums); in blocks
 //     of 16 with sub-values 0..15 (Q2_K), those as nibbles [G, nc, 16], block 2c's low, 2c + 1's high.
 //   minimums (optional), like the scales: W = scale * code - minimum.
-//   codebook (attribute, optional, 4-bit codes without minimums): the 16 8-bit codes (zero point 128) the 4-bit ones
-//     index, looked up in registers (GGUF's IQ4_NL / IQ4_XS: its non-uniform values + 128).
+//   scale_exponent (attribute, optional): W is 2^scale_exponent times that (scales and minimums stored smaller).
+//   codebook (attribute, optional, 2/3/4-bit codes without minimums): the 16 8-bit codes (zero point 128) the codes
+//     index, looked up in registers (GGUF's IQ4_NL / IQ4_XS: its non-uniform values + 128; IQ1-IQ3: a lattice's).
 // The way llama.cpp multiplies: x is quantized once per call to int8 in blocks of 32 (a float scale each); each
 // lane of a VNNI dot product (unsigned codes x 4 signed activation codes broadcast to all lanes) belongs to one
 // row, so a chunk of 16 rows is 8 dot products into int32 vectors, scaled per row and block, and no horizontal
@@ -104,7 +105,8 @@ struct Problem {
   int64_t m, n, k;
   int64_t task_tokens, group_tasks, groups_per_task;  // tasks: token chunk major, group chunk minor
   const float* bias;  // [N], or null
-  const uint8_t* codebook;  // 16 codes the 4-bit ones index (LUT), or null
+  const uint8_t* codebook;  // 16 codes the 2/3/4-bit ones index (LUT), or null
+  float weight_factor;  // 2^scale_exponent (PackedTable)
 };
 
 #ifndef TRTBUILD_NO_VNNI
@@ -211,8 +213,10 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
   const int64_t rows = std::min(kRows, p.n - g * kRows);
   const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
   const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(keep, p.bias + g * kRows) : _mm512_setzero_ps();
+  // NOTE: a power of two: y is what float32 scales (and minimums) 2^scale_exponent times larger give, bit for bit
+  const __m512 factor = _mm512_set1_ps(p.weight_factor);
   for (int t = 0; t < T; ++t)
-    _mm512_mask_storeu_ps(p.y + (t0 + t) * p.n + g * kRows, keep, _mm512_add_ps(acc[t], bias));
+    _mm512_mask_storeu_ps(p.y + (t0 + t) * p.n + g * kRows, keep, _mm512_fmadd_ps(acc[t], factor, bias));
 }
 
 template <int BITS, ScaleKind KIND, bool BLOCK16, bool MINS, bool LUT, int T>
@@ -264,17 +268,24 @@ Task task_for(ScaleKind kind, bool block16, bool mins) {
                                     : task_for<BITS, ScaleKind::kTwoLevel>(block16, mins);
 }
 
-// 4-bit indices into a codebook of 8-bit codes (GGUF's IQ4_NL / IQ4_XS), without minimums (PackedTable::check).
-template <ScaleKind KIND>
+// 2/3/4-bit indices into a codebook of 8-bit codes (GGUF's IQ types), without minimums (PackedTable::check).
+template <int BITS, ScaleKind KIND>
 Task codebook_task(bool block16) {
-  return block16 ? run_task<4, KIND, true, false, true> : run_task<4, KIND, false, false, true>;
+  return block16 ? run_task<BITS, KIND, true, false, true> : run_task<BITS, KIND, false, false, true>;
 }
 
+template <int BITS>
 Task codebook_task(ScaleKind kind, bool block16) {
-  return kind == ScaleKind::kFloat              ? codebook_task<ScaleKind::kFloat>(block16)
-         : kind == ScaleKind::kHalf             ? codebook_task<ScaleKind::kHalf>(block16)
-         : kind == ScaleKind::kTwoLevelNibbles ? run_task<4, ScaleKind::kTwoLevelNibbles, true, false, true>
-                                                : codebook_task<ScaleKind::kTwoLevel>(block16);
+  return kind == ScaleKind::kFloat              ? codebook_task<BITS, ScaleKind::kFloat>(block16)
+         : kind == ScaleKind::kHalf             ? codebook_task<BITS, ScaleKind::kHalf>(block16)
+         : kind == ScaleKind::kTwoLevelNibbles ? run_task<BITS, ScaleKind::kTwoLevelNibbles, true, false, true>
+                                                : codebook_task<BITS, ScaleKind::kTwoLevel>(block16);
+}
+
+Task codebook_task(int64_t bits, ScaleKind kind, bool block16) {
+  return bits == 2 ? codebook_task<2>(kind, block16)
+         : bits == 3 ? codebook_task<3>(kind, block16)
+                     : codebook_task<4>(kind, block16);
 }
 
 struct BlockQuantMatMulKernel {
@@ -311,10 +322,10 @@ struct BlockQuantMatMulKernel {
               &qx, m, n, k,
               task_tokens, (groups + per - 1) / per, per,
               bias(ctx, 3, n, [&](const std::string& what) { table.fail(what); }),
-              table.codebook.empty() ? nullptr : table.codebook.data()};
+              table.codebook.empty() ? nullptr : table.codebook.data(), table.weight_factor};
     const size_t tasks = static_cast<size_t>(token_tasks * p.group_tasks);
     const bool block16 = block == 16, mins = scales.has_mins();
-    const Task task = !table.codebook.empty() ? codebook_task(scales.kind, block16)
+    const Task task = !table.codebook.empty() ? codebook_task(bits, scales.kind, block16)
                       : bits == 2 ? task_for<2>(scales.kind, block16, mins)
                       : bits == 3 ? task_for<3>(scales.kind, block16, mins)
                       : bits == 4 ? task_for<4>(scales.kind, block16, mins)

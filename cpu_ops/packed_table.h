@@ -3,6 +3,7 @@
 #pragma once
 #include "cpu_ops.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -79,8 +80,12 @@ struct TableScales {
 struct PackedTable {
   std::string op;  // for error messages
   int64_t k, n, bits, block;
-  // Empty, or the 16 8-bit codes (zero point 128) that 4-bit codes index: GGUF's IQ4_NL / IQ4_XS values + 128.
+  // Empty, or the 16 8-bit codes (zero point 128) that 2/3/4-bit codes index: GGUF's IQ4_NL / IQ4_XS values + 128,
+  // or a lattice type's (IQ1, IQ2: 6 of them; IQ3: 16).
   std::vector<uint8_t> codebook;
+  // 2^scale_exponent multiplies every weight: the scales and minimums are stored times its inverse where their
+  // two-level form needs float16 super-scales below float16's normal range (GGUF's lattice types' d / 8).
+  float weight_factor = 1.0f;
 
   PackedTable(const char* op_name, const OrtKernelInfo* info) : op(op_name) {
     Ort::ConstKernelInfo ki(info);
@@ -95,7 +100,11 @@ struct PackedTable {
       if (code < 0 || code > 255) fail("codebook entries must be 8-bit codes (0 .. 255)");
       codebook.push_back(static_cast<uint8_t>(code));
     }
-    if (!codebook.empty() && (codebook.size() != 16 || bits != 4)) fail("a codebook holds 16 codes, for 4-bit ones");
+    if (!codebook.empty() && (codebook.size() != 16 || bits > 4))
+      fail("a codebook holds 16 codes, for 2-, 3- or 4-bit ones");
+    const int64_t exponent = optional_int(info, "scale_exponent", 0);
+    if (exponent < -64 || exponent > 64) fail("scale_exponent must lie in -64 .. 64");
+    weight_factor = std::ldexp(1.0f, static_cast<int>(exponent));
   }
 
   // The zero point of the codes the dot products see: none with minimums, 128 for a codebook's 8-bit codes.
@@ -167,6 +176,15 @@ struct PackedTable {
     std::vector<int64_t> values(size);
     Ort::ThrowOnError(Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, values.data(), &size));
     return values;
+  }
+
+  static int64_t optional_int(const OrtKernelInfo* info, const char* name, int64_t otherwise) {
+    int64_t value = otherwise;
+    if (OrtStatus* absent = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &value)) {
+      Ort::GetApi().ReleaseStatus(absent);
+      return otherwise;
+    }
+    return value;
   }
 
   static Ort::ConstValue optional(Ort::KernelContext& ctx, size_t index) {

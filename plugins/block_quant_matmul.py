@@ -20,9 +20,14 @@ sum of x as quantized. The weights are packed at build time, 16 rows interleaved
   mins (optional), in the scales' form: the minimums, recovered from the checkpoint's float zero points (zp * scale,
     to float32 rounding; a two-level or float16 form is taken when it matches them to 1e-6 relative, and then gives
     ggml's own products back).
-  codebook (attribute, optional; 4-bit codes without minimums): 16 8-bit codes (zero point 128) that the 4-bit
-    codes index: `compact` finds one where a checkpoint's 8-bit codes take 16 values or fewer, as GGUF's IQ4_NL and
-    IQ4_XS tensors are converted (their non-uniform values + 128), and so holds them in 4 bits a weight.
+  codebook (attribute, optional; 2/3/4-bit codes without minimums): 16 8-bit codes (zero point 128) that the
+    codes index: `compact` finds one where a checkpoint's 8-bit codes take 16 values or fewer (8, 4), as GGUF's
+    IQ4_NL / IQ4_XS tensors (their non-uniform values + 128) and lattice types (builder/convert/gguf_lattice.py:
+    IQ3's 16 values, IQ1's and IQ2's 6) are converted, and so holds them in 4 (3, 2) bits a weight.
+  scale_exponent (attribute, optional): the weights are 2^scale_exponent times what the scales and minimums say:
+    `pack` stores two-level values that much larger where their float16 super-scales would otherwise fall below
+    float16's normal range and lose bits (GGUF's lattice types: d / 8 with d near 1e-4), which the kernel undoes
+    exactly (a power of two).
 Rows past N (padding) have code zp and scale 0. 2-, 3-, 5- and 6-bit codes are not a checkpoint format (MatMulNBits
 has 4 and 8): `narrow` finds them among 8-bit ones, as GGUF's Q5_0 and Q6_K tensors are converted (code q - 16 + 128
 or q - 32 + 128) and Q5_K / Q5_1 ones (code q, with minimums), and among 4-bit ones, as Q3_K (code q - 4 + 8) and
@@ -49,13 +54,22 @@ MINS_TOLERANCE = 1e-6  # how near (relative) a compact form of the minimums must
 
 
 class PackedTable(NamedTuple):
-    """A linear's weights in the kernel's layout: the inputs B, scales and the optional ones (plugins/README.md)."""
+    """A linear's weights in the kernel's layout: the inputs B, scales and the optional ones (plugins/README.md),
+    and the `scale_exponent` attribute: the weights are 2^scale_exponent times what the inputs hold."""
 
     codes: np.ndarray
     scales: np.ndarray  # float32, float16, or int8 with super_scales
     super_scales: np.ndarray | None = None
     mins: np.ndarray | None = None  # like scales, with super_mins where scales are int8
     super_mins: np.ndarray | None = None
+    scale_exponent: int = 0
+
+    def tensors(self) -> tuple[np.ndarray | None, ...]:
+        """The op's table inputs, in order (None where absent)."""
+        return tuple(self)[:len(TABLE_FIELDS)]
+
+
+TABLE_FIELDS = PackedTable._fields[:-1]  # the tensors
 
 
 def unpack_nbits(b: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
@@ -78,34 +92,40 @@ class Compact(NamedTuple):
 
 
 CODEBOOK_SIZE = 16
+CODEBOOK_BITS = (2, 3, 4)  # the widths of indices into a codebook
 CODEBOOK_ZERO_POINT = 128
 
 
-def _codebook(codes: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
-    """(the codes used, the 16-entry codebook of them) where 8-bit codes take at most 16 values, else None."""
-    used = np.flatnonzero(np.bincount(codes.reshape(-1), minlength=256))
-    if not codes.size or len(used) > CODEBOOK_SIZE:
+def _codebook(codes: np.ndarray, bits: int, zero_point: bool,
+              narrow_bits: int) -> tuple[np.ndarray, int, tuple[int, ...]] | None:
+    """(the codes used, the bits of indices into them, the 16-entry codebook of them) where 8-bit codes with the
+    default zero point take so few values that indices need fewer bits than `narrow_bits`, else None."""
+    if bits != 8 or not zero_point or not codes.size:
         return None
-    return used, (*(int(c) for c in used), *[CODEBOOK_ZERO_POINT] * (CODEBOOK_SIZE - len(used)))
+    used = np.flatnonzero(np.bincount(codes.reshape(-1), minlength=256))
+    index_bits = next((b for b in CODEBOOK_BITS if len(used) <= 1 << b), None)
+    if index_bits is None or index_bits >= narrow_bits:
+        return None
+    return used, index_bits, (*(int(c) for c in used), *[CODEBOOK_ZERO_POINT] * (CODEBOOK_SIZE - len(used)))
 
 
 def compact(codes: np.ndarray, bits: int, zero_point: bool = True) -> Compact:
     """The fewest bits that hold a checkpoint's codes [N, K] exactly: `narrow`, or, for 8-bit codes with the default
-    zero point that take at most 16 values, 4-bit indices into a codebook of those codes."""
+    zero point that take at most 16 (8, 4) values, 4-bit (3-, 2-bit) indices into a codebook of those codes."""
     narrowed, narrow_bits = narrow(codes, bits, zero_point)
-    if narrow_bits == 8 and zero_point and (found := _codebook(codes)) is not None:
-        used, book = found
-        return Compact(np.searchsorted(used, codes).astype(np.uint8), 4, book)
-    return Compact(narrowed, narrow_bits)
+    if (found := _codebook(codes, bits, zero_point, narrow_bits)) is None:
+        return Compact(narrowed, narrow_bits)
+    used, index_bits, book = found
+    index = np.zeros(256, np.uint8)
+    index[used] = np.arange(len(used))  # NOTE: a lookup, not searchsorted: its int64 indices of a token table are GBs
+    return Compact(index[codes], index_bits, book)
 
 
 def compact_form(codes: np.ndarray, bits: int, zero_point: bool = True) -> tuple[int, tuple[int, ...] | None]:
     """`compact`'s bits and codebook, without making its codes."""
-    if (narrower := _narrower(codes, bits, zero_point)) is not None:
-        return narrower[0], None
-    if bits == 8 and zero_point and (found := _codebook(codes)) is not None:
-        return 4, found[1]
-    return bits, None
+    narrow_bits = narrower[0] if (narrower := _narrower(codes, bits, zero_point)) is not None else bits
+    found = _codebook(codes, bits, zero_point, narrow_bits)
+    return (narrow_bits, None) if found is None else (found[1], found[2])
 
 
 def narrow(codes: np.ndarray, bits: int, zero_point: bool = True) -> tuple[np.ndarray, int]:
@@ -172,6 +192,21 @@ def two_level(values: np.ndarray, per_super: int, tolerance: float = 0.0) -> tup
     if len(solve(todo[_SAMPLE:], _SUB_CANDIDATES[first:])):
         return None
     return sub.reshape(rows, blocks), sup.reshape(rows, blocks // per_super)
+
+
+_SMALLEST_NORMAL_HALF = 2.0 ** -14
+
+
+def _super_shifts(values: list[np.ndarray], per_super: int) -> tuple[int, ...]:
+    """The powers of two to try scaling the per-block values by before factoring them: 0, then, where some super-block
+    is so small that its super-scale would fall below float16's normal range (which holds fewer bits), the one that
+    lifts every super-scale into it (GGUF's lattice types: scales d * (1 + 2 s) / 8, d a float16 near 1e-4)."""
+    largest = np.concatenate([np.abs(v.reshape(-1, per_super)).max(axis=1) for v in values])
+    smallest = largest[largest > 0].min(initial=np.inf)
+    if not np.isfinite(smallest):
+        return (0,)
+    shift = int(np.ceil(np.log2(np.iinfo(np.int8).max * _SMALLEST_NORMAL_HALF / smallest)))
+    return (0, shift) if shift > 0 else (0,)
 
 
 def _half(values: np.ndarray, tolerance: float = 0.0) -> np.ndarray | None:
@@ -243,15 +278,17 @@ def pack(codes: np.ndarray, scales: np.ndarray, bits: int, mins: np.ndarray | No
     def layout(t: np.ndarray) -> np.ndarray:  # [G * 16, columns] -> [G, columns, 16]
         return np.ascontiguousarray(t.reshape(groups, ROWS, -1).transpose(0, 2, 1))
 
-    if k % SUPER_BLOCK == 0:
-        split = [_two_level_by_rows(v, SUPER_BLOCK * blocks // k, tol)
+    for shift in _super_shifts(values, SUPER_BLOCK * blocks // k) if k % SUPER_BLOCK == 0 else ():
+        split = [_two_level_by_rows(v * np.float32(2.0 ** shift), SUPER_BLOCK * blocks // k, tol)
                  for v, tol in zip(values, tolerances, strict=False)]
         if all(f is not None for f in split):
             if blocks * BLOCK == 2 * k and all(sub.min() >= 0 and sub.max() < 16 for sub, _ in split):
                 # blocks of 16 whose sub-values are 0..15 (GGUF's Q2_K): two a byte, block 2c's in the low nibble
                 split = [((sub[:, 0::2] | (sub[:, 1::2] << 4)).view(np.uint8), sup) for sub, sup in split]
             (sub, sup), *rest = split
-            return PackedTable(b, layout(sub), layout(sup), *(layout(t) for t in (rest[0] if rest else ())))
+            mins_tables = tuple(layout(t) for t in rest[0]) if rest else (None, None)
+            tables = (layout(sub), layout(sup), *mins_tables)
+            return PackedTable(b, *tables, scale_exponent=-shift)
     halves = [_half(v, tol) for v, tol in zip(values, tolerances, strict=False)]
     stored = halves if all(h is not None for h in halves) else values
     return PackedTable(b, layout(stored[0]), None, layout(stored[1]) if mins is not None else None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import gguf
@@ -144,7 +145,8 @@ def _add_bpe_vocab(w: gguf.GGUFWriter, hf_dir: Path, n_vocab: int) -> None:
 
 
 def _encode(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
-    """Raw GGUF blocks of `data` [rows, cols] in `qtype` (K-quants and IQ4 by tests/gguf_kquants.py, others by gguf)."""
+    """Raw GGUF blocks of `data` [rows, cols] in `qtype` (K-quants and IQ types by tests/gguf_kquants.py: the lattice
+    ones random blocks of data's magnitude; others by gguf)."""
     from gguf_kquants import (
         encode_iq4_nl,
         encode_iq4_xs,
@@ -153,11 +155,16 @@ def _encode(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
         encode_q4_k,
         encode_q5_k,
         encode_q6_k,
+        random_lattice_blocks,
     )
+
+    from trtbuild.builder.convert.gguf_lattice import LATTICE_TYPES
 
     Q = gguf.GGMLQuantizationType
     encoders = {Q.Q2_K: encode_q2_k, Q.Q3_K: encode_q3_k, Q.Q4_K: encode_q4_k, Q.Q5_K: encode_q5_k,
                 Q.Q6_K: encode_q6_k, Q.IQ4_NL: encode_iq4_nl, Q.IQ4_XS: encode_iq4_xs}
+    if qtype in LATTICE_TYPES:
+        return random_lattice_blocks(data, qtype, seed=zlib.crc32(np.ascontiguousarray(data).tobytes()))
     return encoders[qtype](data) if qtype in encoders else gguf.quants.quantize(data, qtype)
 
 

@@ -1,5 +1,5 @@
 """Round-to-nearest encoders for GGUF's Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS blocks, which the `gguf`
-package can read but not write.
+package can read but not write, and random valid blocks of its lattice types (IQ1-IQ3).
 
 They make valid files for tests and benchmarks (not llama.cpp's error-minimising search): `gguf.quants.dequantize`
 of their output is the reference any reader must reproduce. Input: float32 [rows, cols], cols a multiple of 256 (of
@@ -9,6 +9,7 @@ of their output is the reference any reader must reproduce. Input: float32 [rows
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import IQ4_NL
 
 QK_K = 256
@@ -166,3 +167,36 @@ def encode_iq4_xs(x: np.ndarray) -> np.ndarray:
     low = (u & 0x0F).astype(np.uint8)
     return np.concatenate([d_raw, high[:, None].view(np.uint8), low[:, 0::2] | (low[:, 1::2] << 4),
                            _iq4_nibbles(q).reshape(-1, 128)], axis=1).reshape(rows, -1)
+
+
+# The lattice types (IQ1-IQ3): where their float16 d sits in a block, and the largest |weight| / d a block can hold
+_LATTICE_D = {"IQ2_XXS": (0, 43 * 15.5 / 4), "IQ2_XS": (0, 43 * 15.5 / 4), "IQ2_S": (0, 43 * 15.5 / 4),
+              "IQ3_XXS": (0, 62 * 15.5 / 2), "IQ3_S": (0, 15 * 31), "IQ1_S": (0, 1.125 * 15),
+              "IQ1_M": (None, 1.125 * 15)}
+
+
+def random_lattice_blocks(x: np.ndarray, qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
+    """float32 [rows, cols] -> valid IQ1_S / IQ1_M / IQ2_XXS / IQ2_XS / IQ2_S / IQ3_XXS / IQ3_S blocks whose weights
+    span what x's do per 256 values, but are not x's: random grid entries, signs and sub-scales (llama.cpp's
+    lattice search is beyond a test helper). `gguf.quants.dequantize` of them is the reference."""
+    rows = np.asarray(x).shape[0]
+    b = _blocks(x)
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = np.random.default_rng(seed).integers(0, 256, (len(b), type_size), dtype=np.uint8)
+    at, reach = _LATTICE_D[qtype.name]
+    d_raw, _ = _f16(np.abs(b).max(-1) / reach)
+    if at is not None:
+        blocks[:, at:at + 2] = d_raw
+    else:
+        set_iq1_m_d(blocks, d_raw)
+    return blocks.reshape(rows, -1)
+
+
+def set_iq1_m_d(blocks: np.ndarray, d_raw: np.ndarray) -> None:
+    """Write float16 bytes d_raw [n, 2] into IQ1_M blocks [n, 56]: d's four nibbles are the top nibbles of the four
+    scale words (the block's last 8 bytes), low nibble first."""
+    words = blocks[:, -8:].copy().view("<u2")
+    d_bits = np.ascontiguousarray(d_raw).view("<u2")[:, 0]
+    for j in range(4):
+        words[:, j] = (words[:, j] & 0x0FFF) | (((d_bits >> (4 * j)) & 0x0F) << 12)
+    blocks[:, -8:] = words.view(np.uint8)

@@ -17,6 +17,7 @@ from trtbuild.plugins.block_quant_matmul import (
     ZERO_POINT,
     PackedTable,
     compact,
+    compact_form,
     narrow,
     pack,
     reference_block_quant_gather,
@@ -32,17 +33,19 @@ def block_quant_session(library: str, op: str, k: int, n: int, bits: int, table:
                         codebook: tuple[int, ...] | None = None) -> ort.InferenceSession:
     """A one-node model of `op` over the packed `table` (input x [M, K], or ids [T] for the gather)."""
     first = "ids" if op == GATHER_OP_TYPE else "x"
-    inputs = [first, *(name if value is not None else "" for name, value in zip(TABLE_INPUTS, table, strict=True))]
+    tensors = table.tensors()
+    inputs = [first, *(name if value is not None else "" for name, value in zip(TABLE_INPUTS, tensors, strict=True))]
     if op == OP_TYPE:
         inputs.insert(3, "")  # the bias
     while not inputs[-1]:
         inputs.pop()
     node = helper.make_node(op, inputs, ["y"], domain=cpu_ops.DOMAIN, K=k, N=n, bits=bits, block_size=block,
-                            **({"codebook": list(codebook)} if codebook is not None else {}))
+                            **({"codebook": list(codebook)} if codebook is not None else {}),
+                            **({"scale_exponent": table.scale_exponent} if table.scale_exponent else {}))
     x = helper.make_tensor_value_info("ids", TensorProto.INT64, ["T"]) if op == GATHER_OP_TYPE else \
         helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])
     graph = helper.make_graph([node], "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
-                              [numpy_helper.from_array(v, name) for name, v in zip(TABLE_INPUTS, table, strict=True)
+                              [numpy_helper.from_array(v, name) for name, v in zip(TABLE_INPUTS, tensors, strict=True)
                                if v is not None])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(cpu_ops.DOMAIN,
                                                                                                      1)])
@@ -90,7 +93,7 @@ FORMATS = [(bits, block, scales, None, 352) for bits in (2, 3, 4, 5, 6, 8) for b
     (4, 32, "float32", "float32", 352),  # float zero points from elsewhere
     (4, 32, "k-quant", "k-quant", 352),  # K not a multiple of 256: one-level float32 scales
 ]
-STORED = {"float32": np.float32, "float16": np.float16, "k-quant": np.int8}
+STORED = {"float32": np.float32, "float16": np.float16, "k-quant": np.int8, "lattice": np.int8}
 
 
 def format_case(bits: int, block: int, scales_kind: str, mins_kind: str | None, k: int, n: int, seed: int):
@@ -154,21 +157,43 @@ def test_block_quant_gather_reads_rows_of_the_packed_table_exactly(library, bits
 IQ4_CODES = [int(c) for c in gguf_quants.IQ4_CODES]  # GGUF's IQ4_NL / IQ4_XS values + 128
 
 
-@pytest.mark.parametrize("block,scales_kind,k", [(32, "float16", 352), (32, "k-quant", 512), (16, "float32", 352)])
-def test_4_bit_codes_into_a_codebook(library, block, scales_kind, k):
-    """8-bit codes that take 16 values (GGUF's IQ4_NL / IQ4_XS, as converted: their values + 128) are held as 4-bit
-    indices into a codebook of those codes (`compact`), and multiplied and gathered as the 8-bit codes are."""
-    rng = np.random.default_rng(k + block)
+# Codes of few values, as GGUF's IQ types convert (their integer values + 128): IQ4_NL / IQ4_XS's 16; IQ3_S's odd
+# -15 .. 15 (all within 16 of 128: `narrow` alone would take 5 bits); IQ2's +-{8, 25, 43}; IQ1's 8 g +- 1; and 4.
+IQ3_S_CODES = [128 + v for v in range(-15, 16, 2)]
+IQ2_CODES = [128 + s * v for v in (8, 25, 43) for s in (-1, 1)]
+IQ1_CODES = [128 + 8 * g + d for g in (-1, 0, 1) for d in (-1, 1)]
+# (codes, the bits of their indices, block, scales, K, the largest int8 sub-scale of two-level scales)
+CODEBOOK_CASES = [
+    (IQ4_CODES, 4, 32, "float16", 352, None),  # IQ4_NL
+    (IQ4_CODES, 4, 32, "k-quant", 512, -32),  # IQ4_XS: d * (sc - 32)
+    (IQ4_CODES, 4, 16, "float32", 352, None),
+    (IQ3_S_CODES, 4, 32, "k-quant", 512, 31),  # d * (1 + 2 s)
+    (IQ2_CODES, 3, 32, "lattice", 512, None),  # IQ2_XXS: d * (0.5 + s) * 0.25, d a float16 near 1e-4
+    (IQ2_CODES, 3, 16, "k-quant", 512, 31),
+    (IQ1_CODES, 3, 16, "float32", 352, None),
+    ([100, 128, 140, 200], 2, 32, "float16", 352, None),
+]
+
+
+@pytest.mark.parametrize("values,bits,block,scales_kind,k,largest", CODEBOOK_CASES)
+def test_codes_of_few_values_into_a_codebook(library, values, bits, block, scales_kind, k, largest):
+    """8-bit codes that take 16 values or fewer (8, 4) are held as 4-bit (3-, 2-bit) indices into a codebook of
+    those codes (`compact`), and multiplied and gathered as the 8-bit codes are."""
+    rng = np.random.default_rng(k + block + bits)
     n = 200
-    wide = np.array(IQ4_CODES, dtype=np.uint8)[rng.integers(0, 16, (n, k))]
-    codes, bits, codebook = compact(wide, 8)
-    assert bits == 4 and codebook == tuple(IQ4_CODES) and codes.max() == 15
+    wide = np.array(values, dtype=np.uint8)[rng.integers(0, len(values), (n, k))]
+    codes, got_bits, codebook = compact(wide, 8)
+    assert got_bits == bits and codebook[:len(values)] == tuple(sorted(values)) and codes.max() == len(values) - 1
     np.testing.assert_array_equal(np.array(codebook, np.uint8)[codes], wide)
     _, scales, _ = format_case(4, block, scales_kind, None, k, n, seed=k)
-    if scales_kind == "k-quant":  # IQ4_XS: d * (sc - 32), the largest -32
-        scales = k_quant_values(rng, n, k // block, 256 // block, -32, -32)
+    if scales_kind == "k-quant":
+        scales = k_quant_values(rng, n, k // block, 256 // block, largest, min(largest, 1))
+    if scales_kind == "lattice":  # d / 8 lies below float16's normal range: stored 2^-scale_exponent times larger
+        d = (rng.random((n, k // 256)) * 4e-4 + 1e-4).astype(np.float16).astype(np.float32)
+        scales = np.repeat(d, 256 // block, axis=1) * (0.5 + rng.integers(0, 16, (n, k // block))) * np.float32(0.25)
+        scales = scales.astype(np.float32)
     table = pack(codes, scales, bits)
-    assert table.scales.dtype == STORED[scales_kind]
+    assert table.scales.dtype == STORED[scales_kind] and (table.scale_exponent < 0) == (scales_kind == "lattice")
     sess = block_quant_session(library, OP_TYPE, k, n, bits, table, block, codebook)
     for m in (1, 9, 70):
         x = rng.standard_normal((m, k)).astype(np.float32)
@@ -181,15 +206,16 @@ def test_4_bit_codes_into_a_codebook(library, block, scales_kind, k):
                                   reference_block_quant_gather(ids, wide, scales, 8))
 
 
-def test_compact_takes_a_codebook_only_for_8_bit_codes_of_16_values_or_fewer():
+def test_compact_takes_a_codebook_only_where_it_holds_8_bit_codes_in_fewer_bits():
     rng = np.random.default_rng(3)
     assert compact(rng.integers(0, 256, (4, 64)).astype(np.uint8), 8).codebook is None  # Q8_0
     assert compact(rng.integers(112, 144, (4, 64)).astype(np.uint8), 8)[1:] == (5, None)  # Q5_0: narrowed
     few = np.array([[3, 200, 3, 77]], dtype=np.uint8)
     codes, bits, codebook = compact(few, 8)
-    assert bits == 4 and codebook[:3] == (3, 77, 200) and codes.tolist() == [[0, 2, 0, 1]]
+    assert bits == 2 and codebook[:3] == (3, 77, 200) and codes.tolist() == [[0, 2, 0, 1]]
     assert compact(few, 8, zero_point=False).codebook is None  # minimums: the codes are the weights' own
     assert compact(rng.integers(0, 16, (4, 64)).astype(np.uint8), 4).codebook is None
+    assert compact_form(np.array([IQ3_S_CODES], np.uint8), 8) == (4, tuple(IQ3_S_CODES))
 
 
 def test_two_level_factors_ggml_products_exactly_and_nothing_else():
@@ -281,9 +307,9 @@ def test_block_quant_matmul_refuses_what_it_cannot_run(library):
         block_quant_session(library, OP_TYPE, 64, 8, bits, table, codebook=codebook).run(
             None, {"x": np.zeros((1, 64), np.float32)})
 
-    with pytest.raises(Exception, match="a codebook holds 16 codes, for 4-bit ones"):
-        run_codebook(8, IQ4_CODES)
-    with pytest.raises(Exception, match="a codebook holds 16 codes, for 4-bit ones"):
+    with pytest.raises(Exception, match="a codebook holds 16 codes, for 2-, 3- or 4-bit ones"):
+        run_codebook(5, IQ4_CODES)
+    with pytest.raises(Exception, match="a codebook holds 16 codes, for 2-, 3- or 4-bit ones"):
         run_codebook(4, IQ4_CODES[:8])
     with pytest.raises(Exception, match="codebook entries must be 8-bit codes"):
         run_codebook(4, [256] * 16)
@@ -304,7 +330,9 @@ def test_packing_in_row_chunks_gives_the_same_tables(monkeypatch, bits, block, s
     codes, scales, mins = format_case(bits, block, scales_kind, mins_kind, k, 200, seed=5)
     whole = pack(codes, scales, bits, mins)
     monkeypatch.setattr(block_quant_matmul, "_PACK_GROUPS", 3)  # 48 rows a chunk: 5 chunks, the last one short
-    for got, want in zip(pack(codes, scales, bits, mins), whole, strict=True):
+    chunked = pack(codes, scales, bits, mins)
+    assert chunked.scale_exponent == whole.scale_exponent
+    for got, want in zip(chunked.tensors(), whole.tensors(), strict=True):
         assert (got is None) == (want is None)
         if want is not None:
             np.testing.assert_array_equal(got, want)

@@ -9,6 +9,7 @@ import onnxruntime as ort
 import pytest
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+from gguf_kquants import set_iq1_m_d
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild.builder.convert.gguf_quants import EXACT_NBITS, gguf_to_nbits
@@ -19,7 +20,9 @@ EPS = np.finfo(np.float32).eps
 # (byte offset of d, byte offset of the minimum or None) in each block
 D_OFFSETS = {Q.Q8_0: (0, None), Q.Q4_0: (0, None), Q.Q4_1: (0, 2), Q.Q5_0: (0, None), Q.Q5_1: (0, 2),
              Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None), Q.Q3_K: (108, None), Q.Q2_K: (80, 82),
-             Q.IQ4_NL: (0, None), Q.IQ4_XS: (0, None)}
+             Q.IQ4_NL: (0, None), Q.IQ4_XS: (0, None), Q.IQ2_XXS: (0, None), Q.IQ2_XS: (0, None),
+             Q.IQ2_S: (0, None), Q.IQ3_XXS: (0, None), Q.IQ3_S: (0, None), Q.IQ1_S: (0, None),
+             Q.IQ1_M: (None, None)}  # IQ1_M's d: the top nibbles of its scale words
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -40,13 +43,18 @@ def _raw_blocks(qtype: Q, rng: np.random.Generator) -> np.ndarray:
         for offset in D_OFFSETS[qtype]:
             if offset is not None:
                 blocks[:, offset:offset + 2] = _f16_bytes(rng.uniform(-0.05, 0.05, len(blocks)))
+        if qtype == Q.IQ1_M:
+            set_iq1_m_d(blocks, _f16_bytes(rng.uniform(-0.05, 0.05, len(blocks))))
         if qtype in (Q.Q4_K, Q.Q5_K):  # sub-block scale 0 (with a nonzero minimum): sub-blocks 0-3, every 3rd block
             blocks[::3, 4:8] &= 0xC0
         if qtype == Q.Q2_K:  # sub-blocks 0-3 of every 3rd block: scale 0 (low nibble), minimum kept
             blocks[::3, 0:4] &= 0xF0
     blocks = raw.reshape(-1, type_size)
     d = D_OFFSETS[qtype][0]
-    blocks[::5, d:d + 2] = 0
+    if qtype == Q.IQ1_M:
+        set_iq1_m_d(blocks[::5], np.zeros((len(blocks[::5]), 2), np.uint8))
+    else:
+        blocks[::5, d:d + 2] = 0
     return raw
 
 
@@ -90,7 +98,7 @@ def test_gguf_reader_layout(tmp_path) -> None:
                                    atol=1e-6)
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.F32, Q.BF16, Q.IQ2_XXS, Q.IQ3_S, Q.TQ2_0])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.F32, Q.BF16, Q.TQ1_0, Q.TQ2_0, Q.MXFP4])
 def test_gguf_without_exact_form(qtype: Q) -> None:
     assert qtype not in EXACT_NBITS
     assert gguf_to_nbits(np.zeros((OUT, 8), np.uint8), qtype, (OUT, IN)) is None

@@ -16,11 +16,13 @@ with numpy, row chunk by row chunk. What each type becomes (EXACT_NBITS):
   Q2_K  d * sc_j * q - dmin * m_j, 16 sub-blocks of 16 4-bit, g 16, code q, scale d * sc_j, zp dmin * m_j / scale
   IQ4_NL d * v[q], v: 16 non-uniform int8 values      8-bit, g 32, code v[q] + 128
   IQ4_XS d * (sc_j - 32) * v[q], 8 sub-blocks of 32   8-bit, g 32, code v[q] + 128, scale d * (sc_j - 32)
-Q8_0, Q4_0, Q5_0, Q6_K, Q3_K, IQ4_NL and IQ4_XS are bit-exact (the scale is the float32 product ggml's
-dequantization computes, times an integer). Types with a minimum go through a float zero point, so they equal
+  IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: a grid's small integers times a scale per 16 or 32
+                                                      8-bit, g 16 / 32, code value + 128 (gguf_lattice.py)
+Q8_0, Q4_0, Q5_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS and the lattice types are bit-exact (the scale is the float32 product
+ggml's dequantization computes, times an integer). Types with a minimum go through a float zero point, so they equal
 ggml's `d * q + m` to float32 rounding; a block whose scale is 0 (every value = the minimum) is stored exactly as
 scale = minimum, zero point -1, codes 0. (The CPU engine's native linears take 2/3/5/6-bit codes back from 4 or 8,
-IQ4's 4-bit indices and values back from 8-bit codes, and the minimums back from the zero points:
+IQ types' 3- or 4-bit indices and values back from 8-bit codes, and the minimums back from the zero points:
 plugins/block_quant_matmul.py.) Float types and every other type give None (the caller keeps them as float).
 """
 
@@ -32,6 +34,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import IQ4_NL
 
+from trtbuild.builder.convert.gguf_lattice import LATTICE_TYPES
 from trtbuild.builder.convert.weight_only import NBitsWeight, pack_codes, row_chunks
 
 Q = GGMLQuantizationType
@@ -50,6 +53,7 @@ EXACT_NBITS: dict[GGMLQuantizationType, tuple[int, int]] = {
     Q.Q2_K: (4, 16),
     Q.IQ4_NL: (8, 32),
     Q.IQ4_XS: (8, 32),
+    **{qtype: (8, group) for qtype, (group, _) in LATTICE_TYPES.items()},
 }
 _HAS_ZERO_POINT = {Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q2_K}
 
@@ -188,6 +192,7 @@ def _iq4_xs(b: np.ndarray) -> Decoded:  # d f16 | scales_h uint16 | scales_l[4] 
 _DECODERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Decoded]] = {
     Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
     Q.Q6_K: _q6_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
+    **{qtype: decode for qtype, (_, decode) in LATTICE_TYPES.items()},
 }
 
 

@@ -91,10 +91,12 @@ def _dequantize(path: Path, t: Any) -> np.ndarray:
         try:
             arr = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
+            from trtbuild.builder.convert.gguf_quants import EXACT_NBITS
+
+            types = "/".join(["F32", "F16", "BF16", *(q.name for q in EXACT_NBITS)])
             raise CheckpointError(
                 f"{path}: tensor {t.name} uses GGML type {t.tensor_type.name}, which this gguf package cannot "
-                "dequantize. Use a GGUF quantized as F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/"
-                "IQ4_NL/IQ4_XS, or upgrade gguf."
+                f"dequantize. Use a GGUF quantized as {types}, or upgrade gguf."
             ) from None
         except ValueError as exc:
             raise CheckpointError(f"{path}: tensor {t.name} is corrupt ({exc}). Re-download the file.") from None
