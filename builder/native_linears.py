@@ -43,8 +43,8 @@ def count_eligible(model: onnx.ModelProto) -> int:
 
 class Packed(NamedTuple):
     """A linear's weights in the native layout: one initializer per bq.PackedTable field (None where absent), the
-    bits the codes are packed in and the codebook they index (bq.compact), its rows (N), and the power of two its
-    scales are stored divided by (bq.pack)."""
+    bits the codes are packed in and the codebook they index (bq.compact), its rows (N), and its scale_exponent:
+    the weights are 2^scale_exponent times what its scales say (bq.pack)."""
 
     tensors: tuple[onnx.TensorProto | None, ...]
     bits: int

@@ -57,7 +57,8 @@ constexpr int64_t kTaskGroupsLong = 8;
 
 // x quantized for one call, in blocks of 32: int8 codes [M, K] in x's order; per token and block, the dot
 // products' start values for its two halves (-zp x the sum of the half's codes), the activation scale and (for
-// minimums) the sums of its two halves' codes: times the scale, the sums of x as quantized. NOTE: not x's exact
+// minimums) the sums of x as quantized: the scale times the sums of the halves' codes (made once here, not per
+// group of rows in the tiles). NOTE: not x's exact
 // sums: then y = sum (scale * code - min) * x_q, whose error is that of the weights times x's rounding, as
 // llama.cpp's; with the exact sum the error is scale * code times it, codes 0..15 where the weights center on 0 (a
 // small Q4_K Qwen2's logits were 4x further from the float model's: tests/test_native_linears.py, k-quants).
@@ -66,7 +67,8 @@ struct QuantizedX {
   std::vector<int8_t> codes;
   std::vector<int32_t> bias;  // [M, blocks, 2]
   std::vector<float> scale;
-  std::vector<int32_t> sum;  // [M, blocks, 2]
+  // for minimums, [M, blocks, 3]: the scale times the sum of the first half's codes, the second's, and all 32
+  std::vector<float> scaled_sum;
 };
 
 void quantize_x(const float* x, int64_t m, int64_t k, int32_t zp, bool sums, QuantizedX& q) {
@@ -74,7 +76,7 @@ void quantize_x(const float* x, int64_t m, int64_t k, int32_t zp, bool sums, Qua
   q.codes.resize(m * k);
   q.bias.resize(m * q.blocks * 2);
   q.scale.resize(m * q.blocks);
-  q.sum.resize(sums ? m * q.blocks * 2 : 0);
+  q.scaled_sum.resize(sums ? m * q.blocks * 3 : 0);
 #ifndef TRTBUILD_NO_VNNI
   for (int64_t i = 0; i < m * q.blocks; ++i) {
     const float* src = x + i * kBlock;
@@ -89,7 +91,12 @@ void quantize_x(const float* x, int64_t m, int64_t k, int32_t zp, bool sums, Qua
     q.bias[2 * i] = -zp * sum0;
     q.bias[2 * i + 1] = -zp * sum1;
     q.scale[i] = amax / 127.0f;
-    if (sums) q.sum[2 * i] = sum0, q.sum[2 * i + 1] = sum1;
+    if (sums) {
+      const float scale = q.scale[i];
+      q.scaled_sum[3 * i] = scale * static_cast<float>(sum0);
+      q.scaled_sum[3 * i + 1] = scale * static_cast<float>(sum1);
+      q.scaled_sum[3 * i + 2] = scale * (static_cast<float>(sum0) + static_cast<float>(sum1));
+    }
   }
 #else
   (void)x, (void)zp, (void)sums;
@@ -200,12 +207,12 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
         acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), _mm512_mul_ps(ws, xs), acc[t]);
       }
       if (MINS) {  // a minimum times the sum of its block of x as quantized
-        const float s0 = static_cast<float>(q.sum[2 * at]), s1 = static_cast<float>(q.sum[2 * at + 1]);
+        const float* scaled_sum = q.scaled_sum.data() + 3 * at;
         if (BLOCK16) {
-          acc[t] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(q.scale[at] * s0), acc[t]);
-          acc[t] = _mm512_fnmadd_ps(mins_hi, _mm512_set1_ps(q.scale[at] * s1), acc[t]);
+          acc[t] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(scaled_sum[0]), acc[t]);
+          acc[t] = _mm512_fnmadd_ps(mins_hi, _mm512_set1_ps(scaled_sum[1]), acc[t]);
         } else {
-          acc[t] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(q.scale[at] * (s0 + s1)), acc[t]);
+          acc[t] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(scaled_sum[2]), acc[t]);
         }
       }
     }

@@ -112,9 +112,8 @@ def _codebook(codes: np.ndarray, bits: int, zero_point: bool,
 def compact(codes: np.ndarray, bits: int, zero_point: bool = True) -> Compact:
     """The fewest bits that hold a checkpoint's codes [N, K] exactly: `narrow`, or, for 8-bit codes with the default
     zero point that take at most 16 (8, 4) values, 4-bit (3-, 2-bit) indices into a codebook of those codes."""
-    narrowed, narrow_bits = narrow(codes, bits, zero_point)
-    if (found := _codebook(codes, bits, zero_point, narrow_bits)) is None:
-        return Compact(narrowed, narrow_bits)
+    if (found := _codebook(codes, bits, zero_point, _narrow_bits(codes, bits, zero_point))) is None:
+        return Compact(*narrow(codes, bits, zero_point))
     used, index_bits, book = found
     index = np.zeros(256, np.uint8)
     index[used] = np.arange(len(used))  # NOTE: a lookup, not searchsorted: its int64 indices of a token table are GBs
@@ -123,7 +122,7 @@ def compact(codes: np.ndarray, bits: int, zero_point: bool = True) -> Compact:
 
 def compact_form(codes: np.ndarray, bits: int, zero_point: bool = True) -> tuple[int, tuple[int, ...] | None]:
     """`compact`'s bits and codebook, without making its codes."""
-    narrow_bits = narrower[0] if (narrower := _narrower(codes, bits, zero_point)) is not None else bits
+    narrow_bits = _narrow_bits(codes, bits, zero_point)
     found = _codebook(codes, bits, zero_point, narrow_bits)
     return (narrow_bits, None) if found is None else (found[1], found[2])
 
@@ -137,6 +136,11 @@ def narrow(codes: np.ndarray, bits: int, zero_point: bool = True) -> tuple[np.nd
         return codes, bits
     narrow_bits, offset = narrower
     return codes - np.uint8(offset), narrow_bits
+
+
+def _narrow_bits(codes: np.ndarray, bits: int, zero_point: bool) -> int:
+    """The bits `narrow` packs the codes in."""
+    return narrower[0] if (narrower := _narrower(codes, bits, zero_point)) is not None else bits
 
 
 def _narrower(codes: np.ndarray, bits: int, zero_point: bool) -> tuple[int, int] | None:
