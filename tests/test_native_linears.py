@@ -213,14 +213,15 @@ def test_q5_0_weights_are_packed_in_5_bits(tmp_path):
                                                        ("IQ4_NL", 4, False, False), ("IQ4_XS", 4, False, True),
                                                        ("IQ2_XXS", 3, False, True), ("IQ2_XS", 3, False, True),
                                                        ("IQ3_XXS", 4, False, True), ("IQ3_S", 4, False, True),
-                                                       ("IQ1_M", 3, False, True)])
+                                                       ("IQ1_M", 3, False, True), ("TQ1_0", 2, False, True),
+                                                       ("TQ2_0", 2, False, True)])
 def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, monkeypatch, qtype, bits, mins, two_level):
     """A GGUF whose linears are Q2_K / Q4_K / Q5_K / Q5_1 (converted as 4- or 8-bit codes with float zero points),
-    Q6_K (8-bit codes within 32 of 128), Q3_K (4-bit codes within 4 of 8) or IQ4_NL / IQ4_XS (8-bit codes taking 16
-    values): the native linears hold them as ggml does, codes in 2 to 6 bits (IQ4: 4-bit indices into the 16
-    values), k-quants' scales (and minimums) as int8 under a float16 per 256 weights, the others' as float16, and
-    compute what ONNX
-    Runtime's lowering (MatMulNBits, with the float zero points as a second GEMM) computes."""
+    Q6_K (8-bit codes within 32 of 128), Q3_K / TQ1_0 / TQ2_0 (4-bit codes within 4 / 1 of 8) or IQ types (8-bit
+    codes taking 16 values or 6): the native linears hold them as ggml does, codes in 2 to 6 bits (IQ types: 3- or
+    4-bit indices into their values), k-quants' scales (and minimums) as int8 under a float16 per 256 weights, the
+    others' as float16, and compute what ONNX Runtime's lowering (MatMulNBits, with the float zero points as a second
+    GEMM) computes."""
     from gguf import GGMLQuantizationType
     from onnx import numpy_helper
 
@@ -252,7 +253,7 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, monkeypatch, qtype, b
         # bits per weight: Q4_K 4 + (8 + 8) / 32 + (16 + 16) / 256 = 4.625; Q6_K 6 + 8 / 16 + 16 / 256 = 6.5625;
         # Q5_1 5 + (16 + 16) / 32 = 6; Q3_K 3 + 8 / 16 + 16 / 256 = 3.5625; Q2_K 2 + 8 / 16 + 32 / 256 = 2.625;
         # IQ4_NL 4 + 16 / 32 = 4.5; IQ4_XS and IQ3 4 + 8 / 32 + 16 / 256 = 4.3125; IQ2_XXS 3.3125; IQ2_XS, IQ1_M
-        # 3 + 8 / 16 + 16 / 256 = 3.5625
+        # 3 + 8 / 16 + 16 / 256 = 3.5625; TQ1_0 / TQ2_0 2 + 8 / 32 + 16 / 256 = 2.3125
         per_block = 4 if nibbles else 8 if two_level else 16
         per_weight = bits + per_block / attrs["block_size"] * (1 + mins) + two_level * 16 / 256 * (1 + mins)
         held = sum(numpy_helper.to_array(weights[i]).nbytes for j, i in enumerate(node.input) if i and j not in (0, 3))

@@ -16,15 +16,16 @@ with numpy, row chunk by row chunk. What each type becomes (EXACT_NBITS):
   Q2_K  d * sc_j * q - dmin * m_j, 16 sub-blocks of 16 4-bit, g 16, code q, scale d * sc_j, zp dmin * m_j / scale
   IQ4_NL d * v[q], v: 16 non-uniform int8 values      8-bit, g 32, code v[q] + 128
   IQ4_XS d * (sc_j - 32) * v[q], 8 sub-blocks of 32   8-bit, g 32, code v[q] + 128, scale d * (sc_j - 32)
+  TQ1_0, TQ2_0  d * q, q in -1..1, per 256 (TQ1_0: base-3 digits)  4-bit, g 32, code q + 8, scale d
   IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: a grid's small integers times a scale per 16 or 32
                                                       8-bit, g 16 / 32, code value + 128 (gguf_lattice.py)
-Q8_0, Q4_0, Q5_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS and the lattice types are bit-exact (the scale is the float32 product
-ggml's dequantization computes, times an integer). Types with a minimum go through a float zero point, so they equal
-ggml's `d * q + m` to float32 rounding; a block whose scale is 0 (every value = the minimum) is stored exactly as
-scale = minimum, zero point -1, codes 0. (The CPU engine's native linears take 2/3/5/6-bit codes back from 4 or 8,
-IQ types' 3- or 4-bit indices and values back from 8-bit codes, and the minimums back from the zero points:
-plugins/block_quant_matmul.py.) Float types and every other type give None (the caller keeps them as float).
-"""
+Q8_0, Q4_0, Q5_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0 and the lattice types are bit-exact (the scale is the
+float32 product ggml's dequantization computes, times an integer). Types with a minimum go through a float zero
+point, so they equal ggml's `d * q + m` to float32 rounding; a block whose scale is 0 (every value = the minimum) is
+stored exactly as scale = minimum, zero point -1, codes 0. (The CPU engine's native linears take 2/3/5/6-bit codes
+back from 4 or 8, IQ types' 3- or 4-bit indices and values back from 8-bit codes, and the minimums back from the
+zero points: plugins/block_quant_matmul.py.) Float types and every other type give None (the caller keeps them as
+float)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ EXACT_NBITS: dict[GGMLQuantizationType, tuple[int, int]] = {
     Q.Q2_K: (4, 16),
     Q.IQ4_NL: (8, 32),
     Q.IQ4_XS: (8, 32),
+    Q.TQ1_0: (4, 32),
+    Q.TQ2_0: (4, 32),
     **{qtype: (8, group) for qtype, (group, _) in LATTICE_TYPES.items()},
 }
 _HAS_ZERO_POINT = {Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q2_K}
@@ -189,9 +192,33 @@ def _iq4_xs(b: np.ndarray) -> Decoded:  # d f16 | scales_h uint16 | scales_l[4] 
     return IQ4_CODES[_nibbles(b[:, 8:].reshape(-1, 8, 16)).reshape(-1, 256)], scale, None
 
 
+def _ternary(q: np.ndarray, d: np.ndarray) -> Decoded:
+    """TQ1_0 / TQ2_0's weights d * q, q in -1..1 [n, 256], as 4-bit codes q + 8 under d in each group of 32."""
+    return (q + 8).astype(np.uint8), np.repeat(d, 256 // 32, axis=1), None
+
+
+def _tq2_0(b: np.ndarray) -> Decoded:  # qs[64]: 2-bit q + 1, in Q2_K's runs | d f16
+    return _ternary(_two_bit_runs(b[:, :64]).astype(np.int8) - 1, _f16(b[:, 64:66]))
+
+
+_POWERS_OF_3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
+
+
+def _tq1_0(b: np.ndarray) -> Decoded:  # qs[48] | qh[4] | d f16: base-3 digits held as fractions of 256
+    # byte times 3^j (mod 256) brings digit j to the top; (byte * 3) >> 8 reads it. qs[0:32] hold 5 digits of 32
+    # values each, qs[32:48] 5 of 16, qh 4 of 4.
+    n = len(b)
+    parts = [(b[:, :32, None] * _POWERS_OF_3).transpose(0, 2, 1).reshape(n, 160),
+             (b[:, 32:48, None] * _POWERS_OF_3).transpose(0, 2, 1).reshape(n, 80),
+             (b[:, 48:52, None] * _POWERS_OF_3[:4]).transpose(0, 2, 1).reshape(n, 16)]
+    digits = (np.concatenate(parts, axis=1).astype(np.uint16) * 3) >> 8
+    return _ternary(digits.astype(np.int8) - 1, _f16(b[:, 52:54]))
+
+
 _DECODERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Decoded]] = {
     Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
-    Q.Q6_K: _q6_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs,
+    Q.Q6_K: _q6_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs, Q.TQ1_0: _tq1_0,
+    Q.TQ2_0: _tq2_0,
     **{qtype: decode for qtype, (_, decode) in LATTICE_TYPES.items()},
 }
 
