@@ -193,7 +193,8 @@ def _iq4_xs(b: np.ndarray) -> Decoded:  # d f16 | scales_h uint16 | scales_l[4] 
 
 
 def _ternary(q: np.ndarray, d: np.ndarray) -> Decoded:
-    """TQ1_0 / TQ2_0's weights d * q, q in -1..1 [n, 256], as 4-bit codes q + 8 under d in each group of 32."""
+    """TQ1_0 / TQ2_0's weights d * q, q in -1..1 [n, 256] (TQ2_0's 2-bit field could also say 2: exact too), as
+    4-bit codes q + 8 under d in each group of 32."""
     return (q + 8).astype(np.uint8), np.repeat(d, 256 // 32, axis=1), None
 
 
