@@ -248,6 +248,10 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         build = dataclasses.replace(build, **{family: tactics[family]["chosen"] if tactics else options[0]
                                               for family, options in candidates.items()})
         applied += lowering(model, build)
+        if build.quant_linears == "native":
+            from trtbuild.builder.native_linears import describe_tables
+
+            log.info("packed linears and tables: %s", describe_tables(model) or "none")
         steps.set_postfix_str("saving"), steps.update()
         weight_bytes = save_engine_files(model, output / CPU_ENGINE_FILE, output / CPU_WEIGHTS_FILE)
         onnx.checker.check_model(str(output / CPU_ENGINE_FILE))  # by path: it reads the graph file, not the weights

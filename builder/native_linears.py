@@ -198,3 +198,33 @@ def _become(node: onnx.NodeProto, op_type: str, inputs: list[str], attrs: dict) 
     del node.attribute[:]
     node.attribute.extend(onnx.helper.make_attribute(k, v) for k, v in attrs.items())
     node.op_type, node.domain = op_type, bq.DOMAIN
+
+
+def describe_tables(model: onnx.ModelProto) -> str:
+    """The packed tables of a lowered `model` by form, for the build log: how many, their codes (bits, codebook,
+    scale block) and the bits a weight they hold, codes, scales and minimums together (a shared table once)."""
+    sizes = {t.name: t for t in model.graph.initializer}
+    forms: dict[str, list[int]] = {}  # form -> [tables, bits held, weights]
+    seen = set()
+    for node in model.graph.node:
+        if node.domain != bq.DOMAIN or node.op_type not in (bq.OP_TYPE, bq.GATHER_OP_TYPE) or node.input[1] in seen:
+            continue
+        seen.add(node.input[1])
+        a = node_attrs(node)
+        tables = [node.input[i] for i in range(1, len(node.input)) if node.input[i] and node.input[i] in sizes
+                  and not (node.op_type == bq.OP_TYPE and i == 3)]  # not the bias
+        held = sum(8 * _nbytes(sizes[name]) for name in tables)
+        mins = 5 if node.op_type == bq.OP_TYPE else 4  # the minimums' input
+        form = (f"{a['bits']}-bit{' codebook' if 'codebook' in a else ''}, blocks of {a['block_size']}"
+                f"{', minimums' if len(node.input) > mins and node.input[mins] else ''}")
+        entry = forms.setdefault(form, [0, 0, 0])
+        entry[0] += 1
+        entry[1] += held
+        entry[2] += -(-a["N"] // bq.ROWS) * bq.ROWS * a["K"]
+    return "; ".join(f"{n} x {form} ({bits / weights:.4g} bits a weight)"
+                     for form, (n, bits, weights) in sorted(forms.items(), key=lambda f: -f[1][2]))
+
+
+def _nbytes(t: onnx.TensorProto) -> int:
+    size = int(np.prod(t.dims)) if t.dims else 1
+    return size * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize

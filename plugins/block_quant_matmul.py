@@ -157,7 +157,11 @@ def _narrower(codes: np.ndarray, bits: int, zero_point: bool) -> tuple[int, int]
 # The int8 sub-value a super-block's largest value most likely has, first: ggml's Q4_K scales and minimums
 # (63), Q6_K scales (-128), Q3_K ones (-32) and Q2_K scales and minimums (15); the others are tried for what remains.
 _FIRST_CANDIDATES = (63, -128, -32, 15)
-_SUB_CANDIDATES = (*_FIRST_CANDIDATES, *(c for c in (*range(127, 0, -1), *range(-127, 0)) if c not in (63, -32, 15)))
+# NOTE: the others smallest first: a super-block's smallest exact sub-values (its largest float16 super-scale), which
+# fit nibbles where they can (a Q2_K super-block whose largest sub-scale is 13: 13 x d, not 104 x d / 8) and keep the
+# super-scale away from float16's subnormals
+_SUB_CANDIDATES = (*_FIRST_CANDIDATES,
+                   *(c for m in range(1, 129) for c in (m, -m) if -128 <= c <= 127 and c not in _FIRST_CANDIDATES))
 _SAMPLE = 64  # super-blocks tried with every candidate before all the rest are
 
 
@@ -195,7 +199,23 @@ def two_level(values: np.ndarray, per_super: int, tolerance: float = 0.0) -> tup
         return None
     if len(solve(todo[_SAMPLE:], _SUB_CANDIDATES[first:])):
         return None
+    sub, sup = _smallest_factors(sub, sup)
     return sub.reshape(rows, blocks), sup.reshape(rows, blocks // per_super)
+
+
+def _smallest_factors(sub: np.ndarray, sup: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each super-block's factors with the sub-values divided by their common divisor (and made positive where all
+    are <= 0), the super-scale multiplied by it where float16 holds that exactly: the same float32 products. (A
+    first candidate can fit in a multiple: an IQ1_M super-block whose sub-scales 1 + 2 s reach 7 factors as 63 =
+    9 x 7 first; divided back, sub-values of 0..15 fit nibbles.)"""
+    g = np.gcd.reduce(np.abs(sub.astype(np.int32)), axis=1)
+    negative = (sub <= 0).all(axis=1) & (sub.min(axis=1, initial=0) >= -127)
+    factor = np.where(g == 0, 1, g) * np.where(negative, -1, 1)
+    with np.errstate(over="ignore"):
+        bigger = (sup.astype(np.float32) * factor).astype(np.float16)
+    ok = bigger.astype(np.float32) == sup.astype(np.float32) * factor
+    factor = np.where(ok, factor, 1)
+    return (sub.astype(np.int32) // factor[:, None]).astype(np.int8), np.where(ok, bigger, sup)
 
 
 _SMALLEST_NORMAL_HALF = 2.0 ** -14

@@ -218,6 +218,22 @@ def test_compact_takes_a_codebook_only_where_it_holds_8_bit_codes_in_fewer_bits(
     assert compact_form(np.array([IQ3_S_CODES], np.uint8), 8) == (4, tuple(IQ3_S_CODES))
 
 
+def test_two_level_takes_each_super_blocks_smallest_sub_values():
+    """Sub-values as small as exact factors allow, so that 0..15 fit nibbles: a Q2_K-like super-block whose largest
+    sub-scale is 13 keeps 13 (not 8 x 13 under d / 8); multiples a first candidate fitted are divided back (63 = 9 x
+    7, an IQ1_M super-block's), and all-negative ones made positive."""
+    from trtbuild.plugins.block_quant_matmul import _smallest_factors
+
+    d = np.float32(2.0 ** -9)
+    sub, sup = two_level((d * np.array([[13, 1, 7, 0, 5, 9, 11, 3] * 2], np.float32)), 16)
+    assert sub.tolist() == [[13, 1, 7, 0, 5, 9, 11, 3] * 2] and sup.item() == d
+    sub, sup = two_level(-(d * np.array([[7, 21, 14, 0] * 4], np.float32)), 16)
+    assert sub.tolist() == [[1, 3, 2, 0] * 4] and sup.item() == -7 * d
+    sub, sup = _smallest_factors(np.array([[63, 9, 27, 45], [-4, -8, 0, -12]], np.int8),
+                                 np.array([2.0 ** -12, 2.0 ** -10], np.float16))
+    assert sub.tolist() == [[7, 1, 3, 5], [1, 2, 0, 3]] and sup.tolist() == [9 * 2.0 ** -12, -4 * 2.0 ** -10]
+
+
 def test_two_level_factors_ggml_products_exactly_and_nothing_else():
     rng = np.random.default_rng(0)
     q4_k = k_quant_values(rng, 48, 32, 8, 63, 0)

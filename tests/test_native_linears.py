@@ -4,6 +4,8 @@ with MatMulNBits' up to int8 activation rounding; the autotuner times both."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -242,7 +244,7 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, monkeypatch, qtype, b
             else:  # IQ1's and IQ2's 6 values in 3 bits, IQ3's 16 in 4 (none of them 0: code 128 is padding)
                 assert len(set(attrs["codebook"]) - {128}) == (16 if qtype.startswith("IQ3") else 6)
         scales = numpy_helper.to_array(weights[node.input[2]])
-        nibbles = qtype == "Q2_K"  # its sub-scales and sub-minimums are 0..15: two a byte
+        nibbles = qtype in ("Q2_K", "IQ1_M")  # sub-scales (and Q2_K's sub-minimums) 0..15 in blocks of 16: two a byte
         assert scales.dtype == (np.uint8 if nibbles else np.int8 if two_level else np.float16)
         if two_level:
             supers = numpy_helper.to_array(weights[node.input[4]])
@@ -252,8 +254,9 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, monkeypatch, qtype, b
             assert numpy_helper.to_array(weights[node.input[5]]).dtype == scales.dtype
         # bits per weight: Q4_K 4 + (8 + 8) / 32 + (16 + 16) / 256 = 4.625; Q6_K 6 + 8 / 16 + 16 / 256 = 6.5625;
         # Q5_1 5 + (16 + 16) / 32 = 6; Q3_K 3 + 8 / 16 + 16 / 256 = 3.5625; Q2_K 2 + 8 / 16 + 32 / 256 = 2.625;
-        # IQ4_NL 4 + 16 / 32 = 4.5; IQ4_XS and IQ3 4 + 8 / 32 + 16 / 256 = 4.3125; IQ2_XXS 3.3125; IQ2_XS, IQ1_M
-        # 3 + 8 / 16 + 16 / 256 = 3.5625; TQ1_0 / TQ2_0 2 + 8 / 32 + 16 / 256 = 2.3125
+        # IQ4_NL 4 + 16 / 32 = 4.5; IQ4_XS and IQ3 4 + 8 / 32 + 16 / 256 = 4.3125; IQ2_XXS 3.3125; IQ2_XS
+        # 3 + 8 / 16 + 16 / 256 = 3.5625; IQ1_M (1 + 2 s <= 15: nibbles) 3 + 4 / 16 + 16 / 256 = 3.3125; TQ1_0 / TQ2_0
+        # 2 + 8 / 32 + 16 / 256 = 2.3125
         per_block = 4 if nibbles else 8 if two_level else 16
         per_weight = bits + per_block / attrs["block_size"] * (1 + mins) + two_level * 16 / 256 * (1 + mins)
         held = sum(numpy_helper.to_array(weights[i]).nbytes for j, i in enumerate(node.input) if i and j not in (0, 3))
@@ -261,6 +264,13 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, monkeypatch, qtype, b
         assert (node.input[3:4] not in ([], [""])) == node.name.endswith("q+k+v")  # Qwen2's biases, folded in
     assert "MatMulNBits" not in ops(native) and "ReduceSum" not in ops(native)
     assert "MatMulNBits" in ops(ort)
+    # what the build log says it packed: the 9 linears' tables (the token table is the lm_head's)
+    from trtbuild.builder.native_linears import describe_tables
+
+    said = describe_tables(model)
+    form = rf"9 x {bits}-bit( codebook)?, blocks of (16|32){', minimums' if mins else ''} \(([\d.]+) bits a weight\)"
+    assert (found := re.fullmatch(form, said)) and ("codebook" in said) == qtype.startswith("IQ"), said
+    assert abs(float(found[3]) - per_weight) < 1e-3, said  # the held bits a weight the loop above checks
     # the token table is the lm_head's packed table (with float zero points too: the gather the network writes
     # for them becomes the same op)
     gathers = [n for n in model.graph.node if n.op_type == "BlockQuantGather"]
