@@ -366,6 +366,29 @@ def test_float_zero_points_are_rewritten_once_for_every_graph_copy(monkeypatch):
         np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-5)
 
 
+def test_a_llama_gguf_of_lattice_weights_computes_its_float_model(tmp_path):
+    """A `llama` GGUF (q and k rows permuted as llama.cpp writes them) whose weights are all IQ2_XS: the rows the
+    reader un-permutes carry their 3-bit codebook indices and scales along, so the engine computes what the same
+    file dequantized to float32 does, up to int8 activation rounding."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
+
+    class AllLinears(dict):
+        def get(self, name, default=None):
+            return Q.IQ2_XS if name.endswith(".weight") and "norm" not in name else default
+
+    hf = make_hf_folder("llama", tmp_path / "hf", overrides={"hidden_size": 256, "intermediate_size": 512})
+    gguf_file = write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "llama", AllLinears({"token_embd.weight": Q.IQ2_XS}))
+    convert(gguf_file, tmp_path / "ckpt")
+    convert(gguf_file, tmp_path / "float_ckpt", dequantize=True)
+    native = build_engine(tmp_path / "ckpt", tmp_path / "native", **LIMITS)
+    exact = build_engine(tmp_path / "float_ckpt", tmp_path / "float", **LIMITS)
+    assert "codebook" in str(onnx.load(str(native / CPU_ENGINE_FILE), load_external_data=False).graph)
+    for got, want in zip(steps(native), steps(exact), strict=True):
+        assert np.abs(got - want).max() < 2e-2 * np.abs(want).max()
+        assert (got.argmax(axis=-1) == want.argmax(axis=-1)).mean() >= 0.9
+
+
 def test_siblings_merge_only_where_their_codes_have_one_form(tmp_path):
     """llama.cpp's IQ4_XS files keep attn_v in Q5_K: each layer's q and k (4-bit indices into a codebook) run as one
     kernel and its v (5-bit codes with minimums) as another, not all three in 8 bits with float zero points."""
