@@ -302,12 +302,13 @@ def pack(codes: np.ndarray, scales: np.ndarray, bits: int, mins: np.ndarray | No
     def layout(t: np.ndarray) -> np.ndarray:  # [G * 16, columns] -> [G, columns, 16]
         return np.ascontiguousarray(t.reshape(groups, ROWS, -1).transpose(0, 2, 1))
 
-    for shift in _super_shifts(values, SUPER_BLOCK * blocks // k) if k % SUPER_BLOCK == 0 else ():
-        split = [_two_level_by_rows(v * np.float32(2.0 ** shift), SUPER_BLOCK * blocks // k, tol)
+    per_super = SUPER_BLOCK * blocks // k
+    for shift in _super_shifts(values, per_super) if k % SUPER_BLOCK == 0 else ():
+        split = [_two_level_by_rows(v * np.float32(2.0 ** shift), per_super, tol)
                  for v, tol in zip(values, tolerances, strict=False)]
         if all(f is not None for f in split):
             if blocks * BLOCK == 2 * k and all(sub.min() >= 0 and sub.max() < 16 for sub, _ in split):
-                # blocks of 16 whose sub-values are 0..15 (GGUF's Q2_K): two a byte, block 2c's in the low nibble
+                # blocks of 16 whose sub-values are 0..15 (GGUF's Q2_K, IQ1_M): two a byte, block 2c's low nibble
                 split = [((sub[:, 0::2] | (sub[:, 1::2] << 4)).view(np.uint8), sup) for sub, sup in split]
             (sub, sup), *rest = split
             mins_tables = tuple(layout(t) for t in rest[0]) if rest else (None, None)

@@ -169,10 +169,9 @@ def encode_iq4_xs(x: np.ndarray) -> np.ndarray:
                            _iq4_nibbles(q).reshape(-1, 128)], axis=1).reshape(rows, -1)
 
 
-# The lattice types (IQ1-IQ3): where their float16 d sits in a block, and the largest |weight| / d a block can hold
-_LATTICE_D = {"IQ2_XXS": (0, 43 * 15.5 / 4), "IQ2_XS": (0, 43 * 15.5 / 4), "IQ2_S": (0, 43 * 15.5 / 4),
-              "IQ3_XXS": (0, 62 * 15.5 / 2), "IQ3_S": (0, 15 * 31), "IQ1_S": (0, 1.125 * 15),
-              "IQ1_M": (None, 1.125 * 15)}
+# The lattice types (IQ1-IQ3): the largest |weight| / d a block can hold (d: the block's first two bytes, but IQ1_M's)
+_LATTICE_REACH = {"IQ2_XXS": 43 * 15.5 / 4, "IQ2_XS": 43 * 15.5 / 4, "IQ2_S": 43 * 15.5 / 4, "IQ3_XXS": 62 * 15.5 / 2,
+                  "IQ3_S": 15 * 31, "IQ1_S": 1.125 * 15, "IQ1_M": 1.125 * 15}
 
 
 def random_lattice_blocks(x: np.ndarray, qtype: GGMLQuantizationType, seed: int = 0) -> np.ndarray:
@@ -183,12 +182,11 @@ def random_lattice_blocks(x: np.ndarray, qtype: GGMLQuantizationType, seed: int 
     b = _blocks(x)
     _, type_size = GGML_QUANT_SIZES[qtype]
     blocks = np.random.default_rng(seed).integers(0, 256, (len(b), type_size), dtype=np.uint8)
-    at, reach = _LATTICE_D[qtype.name]
-    d_raw, _ = _f16(np.abs(b).max(-1) / reach)
-    if at is not None:
-        blocks[:, at:at + 2] = d_raw
-    else:
+    d_raw, _ = _f16(np.abs(b).max(-1) / _LATTICE_REACH[qtype.name])
+    if qtype.name == "IQ1_M":
         set_iq1_m_d(blocks, d_raw)
+    else:
+        blocks[:, :2] = d_raw
     return blocks.reshape(rows, -1)
 
 

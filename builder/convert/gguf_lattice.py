@@ -56,10 +56,14 @@ def _nibble_pairs(b: np.ndarray) -> np.ndarray:
     return np.stack([b & 0x0F, b >> 4], axis=-1).reshape(len(b), -1)
 
 
-def _codes(magnitudes: np.ndarray, negative: np.ndarray) -> np.ndarray:
-    """Signed integers (|v| and sign bits of one shape) as 8-bit codes v + 128 [n, 256]."""
-    values = np.where(negative.reshape(magnitudes.shape).astype(bool), -magnitudes, magnitudes)
+def _plus_128(values: np.ndarray) -> np.ndarray:
+    """Small signed integers [n, ...] as 8-bit codes v + 128 [n, 256]."""
     return (values.reshape(len(values), -1) + 128).astype(np.uint8)
+
+
+def _codes(magnitudes: np.ndarray, negative: np.ndarray) -> np.ndarray:
+    """Signed integers given as |v| and sign bits (of one size) as 8-bit codes v + 128 [n, 256]."""
+    return _plus_128(np.where(negative.reshape(magnitudes.shape).astype(bool), -magnitudes, magnitudes))
 
 
 def _half_step(d: np.ndarray, s: np.ndarray, step: float) -> np.ndarray:
@@ -107,8 +111,7 @@ def _iq3_s(b: np.ndarray) -> Decoded:  # d | qs[64] | qh[8]: index bit 8 | sign 
 
 def _eighths(g: np.ndarray, negative_delta: np.ndarray) -> np.ndarray:
     """IQ1's g ± 1/8 (g in -1, 0, 1), times 8: codes 8 g ± 1 + 128 [n, 256]."""
-    values = 8 * g + np.where(negative_delta, -1, 1).astype(np.int16)
-    return (values.reshape(len(values), -1) + 128).astype(np.uint8)
+    return _plus_128(8 * g + np.where(negative_delta, -1, 1).astype(np.int16))
 
 
 def _iq1_s(b: np.ndarray) -> Decoded:  # d | qs[32] | uint16[8]: 4 x 3 index bits, scale at 12, delta sign at 15
