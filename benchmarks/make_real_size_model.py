@@ -1,61 +1,128 @@
-"""Make a random-weight model with the real shape of Qwen2.5-1.5B (or -0.5B), as an HF folder (bf16 safetensors;
-`--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written with the `gguf` package, for
-measuring convert / build / load / decode at real sizes. No weights are downloaded: the weights are random (seeded)
-and the tokenizer is a small byte-level BPE trained here, padded to the model's vocabulary as Qwen's own tokenizer
-is.
+"""Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B or Llama-3.2-1B / Llama-3.1-8B, as an HF
+folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written with the
+`gguf` package, for measuring convert / build / load / decode at real sizes. No weights are downloaded: the weights
+are random (seeded) and the tokenizer is a small byte-level BPE trained here on this repository's docs, padded to the
+model's vocabulary as the real tokenizers are, with the family's special tokens and chat template.
 
-    python benchmarks/make_real_size_model.py --out /work/models/qwen2.5-1.5b-random [--shape 0.5b]
+    python benchmarks/make_real_size_model.py --out /work/models/qwen1p5b [--shape 0.5b|1.5b|llama-1b]
+    python benchmarks/make_real_size_model.py --out /work/models/llama8b --shape llama-8b --no-hf
+
+`--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
+would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
+tensor, so memory stays near the largest tensor whatever the model's size.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-SHAPES = {  # Qwen2.5 configs (hidden, layers, heads, kv heads, ffn, vocab, tied)
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=False),
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+
+@dataclass(frozen=True)
+class Family:
+    """What a model family's GGUF and tokenizer carry besides the weights."""
+
+    arch: str  # general.architecture
+    pre: str  # tokenizer.ggml.pre
+    digits: str  # the pre-tokenizer's digit group
+    specials: tuple[str, ...]
+    bos: str | None
+    eos: str
+    pad: str
+    chat_template: str
+
+
+QWEN2 = Family(
+    "qwen2", "qwen2", r"\p{N}", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>", "<|endoftext|>",
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA3 = Family(
+    "llama", "llama-bpe", r"\p{N}{1,3}",
+    ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>",
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
+    "<|end_header_id|>\n\n{% endif %}")
+LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+@dataclass(frozen=True)
+class Shape:
+    family: Family
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+SHAPES = {  # the released models' configs
+    "0.5b": Shape(QWEN2, 896, 24, 14, 2, 4864, 151936, True, 1e6),
+    "1.5b": Shape(QWEN2, 1536, 28, 12, 2, 8960, 151936, False, 1e6),
+    "llama-1b": Shape(LLAMA3, 2048, 16, 32, 8, 8192, 128256, True, 5e5, dict(LLAMA3_ROPE, factor=32.0), 131072, 1e-5),
+    "llama-8b": Shape(LLAMA3, 4096, 32, 32, 8, 14336, 128256, False, 5e5, dict(LLAMA3_ROPE, factor=8.0), 131072, 1e-5),
 }
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+ROWS_PER_CHUNK = 4096  # rows drawn and encoded at a time: bounds memory for the 128k-row token tables
 
 
-def make_tokenizer(out: Path):
-    """A byte-level BPE (Qwen2-style pre-tokenizer) trained on this repository's docs, with ChatML specials."""
+def make_tokenizer(out: Path, family: Family):
+    """A byte-level BPE (the family's pre-tokenizer regex) trained on this repository's docs, with its specials."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    split = Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-                  r"|\s+(?!\S)|\s+")
+    split = Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|" + family.digits +
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(split, "isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     text = [p.read_text() for p in sorted((REPO / "docs").glob("*.md"))] + [(REPO / "README.md").read_text()]
-    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=SPECIALS,
+    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=list(family.specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(text, trainer)
     tok.save(str(out / "tokenizer.json"))
+    cls = "Qwen2Tokenizer" if family is QWEN2 else "PreTrainedTokenizerFast"
     (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "bos_token": None, "chat_template": CHAT_TEMPLATE, "model_max_length": 32768}, indent=2))
+        "tokenizer_class": cls, "eos_token": family.eos, "pad_token": family.pad, "bos_token": family.bos,
+        "chat_template": family.chat_template, "model_max_length": 32768}, indent=2))
     return tok
 
 
-def make_hf(out: Path, shape: str, seed: int, dtype: str) -> None:
+def make_hf(out: Path, shape: Shape, tok, seed: int, dtype: str) -> None:
     import torch
     import transformers
 
-    cfg = transformers.Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1000000.0,
-                                   rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=None)
+    kwargs = {k: getattr(shape, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                             "num_key_value_heads", "intermediate_size", "vocab_size",
+                                             "tie_word_embeddings", "rope_theta", "rope_scaling",
+                                             "max_position_embeddings", "rms_norm_eps")}
+    config_cls = transformers.Qwen2Config if shape.family is QWEN2 else transformers.LlamaConfig
+    vocab = tok.get_vocab()
+    cfg = config_cls(**kwargs, eos_token_id=vocab[shape.family.eos], bos_token_id=vocab.get(shape.family.bos))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     with torch.no_grad():  # norms around 1 and small biases, as in a trained model
@@ -68,71 +135,179 @@ def make_hf(out: Path, shape: str, seed: int, dtype: str) -> None:
     del model
 
 
-def make_gguf(hf: Path, path: Path, tok, f32: bool = False) -> None:
-    """The HF folder as a qwen2 GGUF: Q6_K for output, attn_v and ffn_down, Q4_K elsewhere (as llama.cpp's
-    Q4_K_M gives its most sensitive tensors 6 bits; Q8_0 where rows are not a multiple of 256), F32 norms and
-    biases. `f32`: every tensor F32 (for llama.cpp's own `llama-quantize` to make Q8_0, Q4_0, Q4_K_M from)."""
+def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of every weight, in the order HF checkpoints list them per layer."""
+    h, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
+    yield "model.embed_tokens.weight", (shape.vocab_size, h)
+    for i in range(shape.num_hidden_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (h,)
+        for proj, rows in (("q_proj", h), ("k_proj", kv), ("v_proj", kv)):
+            yield p + f"self_attn.{proj}.weight", (rows, h)
+            if shape.family is QWEN2:
+                yield p + f"self_attn.{proj}.bias", (rows,)
+        yield p + "self_attn.o_proj.weight", (h, h)
+        yield p + "post_attention_layernorm.weight", (h,)
+        yield p + "mlp.gate_proj.weight", (shape.intermediate_size, h)
+        yield p + "mlp.up_proj.weight", (shape.intermediate_size, h)
+        yield p + "mlp.down_proj.weight", (h, shape.intermediate_size)
+    yield "model.norm.weight", (h,)
+    if not shape.tie_word_embeddings:
+        yield "lm_head.weight", (shape.vocab_size, h)
+
+
+def gguf_name(hf_name: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    _, _, i, rest = hf_name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{i}.{HF_TO_GGUF[module]}.{kind}"
+
+
+def random_rows(name: str, shape: tuple[int, ...], seed: int) -> Callable[[int, int], np.ndarray]:
+    """Rows [a, b) of a seeded random tensor, drawn as transformers initializes (normal, std 0.02), norms ~1 and
+    biases ~0.1 as in a trained model; each chunk of rows from its own stream, so any chunking gives the same."""
+    def rows(a: int, b: int) -> np.ndarray:
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode()), a])
+        x = rng.standard_normal((b - a, *shape[1:]), dtype=np.float32)
+        if name.endswith("norm.weight"):
+            return 1 + 0.1 * x
+        return (0.1 if name.endswith(".bias") else 0.02) * x
+    return rows
+
+
+def llama_permute(x: np.ndarray, heads: int) -> np.ndarray:
+    """HF's q/k rows in the order llama.cpp's convert_hf_to_gguf.py writes them (the two rotary halves interleaved)."""
+    return x.reshape(heads, 2, x.shape[0] // heads // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def llama3_rope_freqs(shape: Shape) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's converter writes it for rope_type llama3: each frequency's divisor."""
+    rs, dim = shape.rope_scaling, shape.head_dim
+    wavelen = 2 * np.pi * shape.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    low_wavelen = rs["original_max_position_embeddings"] / rs["low_freq_factor"]
+    high_wavelen = rs["original_max_position_embeddings"] / rs["high_freq_factor"]
+    smooth = (rs["original_max_position_embeddings"] / wavelen - rs["low_freq_factor"]) / (
+        rs["high_freq_factor"] - rs["low_freq_factor"])
+    mid = 1 / ((1 - smooth) / rs["factor"] + smooth)
+    return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, rs["factor"], mid)).astype(np.float32)
+
+
+def gguf_type(name: str, cols: int, f32: bool):
+    """Q6_K for output, attn_v and ffn_down, Q4_K elsewhere (llama.cpp's Q4_K_M gives its most sensitive tensors 6
+    bits; Q8_0 where rows are not a multiple of 256, as it falls back too); None: float32."""
+    from gguf import GGMLQuantizationType as Q
+
+    if f32 or name.endswith(("norm.weight", ".bias")):
+        return None
+    if cols % 256:
+        return Q.Q8_0
+    return Q.Q6_K if name.split(".")[-2] in ("output", "attn_v", "ffn_down") else Q.Q4_K
+
+
+def encode(x: np.ndarray, qtype) -> np.ndarray:
     import gguf
     from gguf_kquants import encode_q4_k, encode_q6_k
 
-    from trtbuild.builder.convert.safetensors_io import SafetensorsFile
+    if qtype is None:
+        return x
+    if qtype == gguf.GGMLQuantizationType.Q8_0:
+        return gguf.quants.quantize(x, qtype)
+    return (encode_q6_k if qtype == gguf.GGMLQuantizationType.Q6_K else encode_q4_k)(x)
 
-    cfg = json.loads((hf / "config.json").read_text())
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_name("qwen2.5-random")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+
+def write_metadata(w, shape: Shape, tok) -> None:
+    import gguf
+
+    fam = shape.family
+    w.add_name(f"{fam.arch}-random")
+    w.add_context_length(shape.max_position_embeddings)
+    w.add_embedding_length(shape.hidden_size)
+    w.add_block_count(shape.num_hidden_layers)
+    w.add_feed_forward_length(shape.intermediate_size)
+    w.add_head_count(shape.num_attention_heads)
+    w.add_head_count_kv(shape.num_key_value_heads)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_layer_norm_rms_eps(shape.rms_norm_eps)
+    if fam is LLAMA3:
+        w.add_rope_dimension_count(shape.head_dim)
+        w.add_vocab_size(shape.vocab_size)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     vocab = tok.get_vocab()
-    tokens = [f"[PAD{i}]" for i in range(cfg["vocab_size"])]
-    types = [gguf.TokenType.UNUSED] * cfg["vocab_size"]
+    tokens = [f"[PAD{i}]" for i in range(shape.vocab_size)]
+    types = [gguf.TokenType.UNUSED] * shape.vocab_size
     for t, i in vocab.items():
         tokens[i] = t
-        types[i] = gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL
+        types[i] = gguf.TokenType.CONTROL if t in fam.specials else gguf.TokenType.NORMAL
     merges = json.loads(tok.to_str())["model"]["merges"]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(fam.pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-    w.add_eos_token_id(vocab["<|im_end|>"])
-    w.add_pad_token_id(vocab["<|endoftext|>"])
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    layer = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-    files = [SafetensorsFile(f) for f in sorted(hf.glob("*.safetensors"))]
-    for st in files:
-        for name in st:
-            if name in names:
-                gname = names[name]
-            else:
-                _, _, i, rest = name.split(".", 3)
-                module, kind = rest.rsplit(".", 1)
-                gname = f"blk.{i}.{layer[module]}.{kind}"
-            x = st[name].float().numpy()
-            if x.ndim == 1 or f32:
-                w.add_tensor(gname, x)
-                continue
-            if x.shape[1] % 256:  # K-quants need rows of 256k values; llama.cpp's Q4_K_M falls back to Q8_0 too
-                w.add_tensor(gname, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
-                             raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-                continue
-            six = gname.split(".")[-2] in ("output", "attn_v", "ffn_down")
-            qtype = gguf.GGMLQuantizationType.Q6_K if six else gguf.GGMLQuantizationType.Q4_K
-            w.add_tensor(gname, encode_q6_k(x) if six else encode_q4_k(x), raw_dtype=qtype)
+    w.add_eos_token_id(vocab[fam.eos])
+    w.add_pad_token_id(vocab[fam.pad])
+    if fam.bos is not None:
+        w.add_bos_token_id(vocab[fam.bos])
+    w.add_add_bos_token(fam.bos is not None)
+    w.add_chat_template(fam.chat_template)
+
+
+def make_gguf(path: Path, shape: Shape, tok, hf: Path | None, seed: int, f32: bool = False) -> None:
+    """The model as a GGUF, tensor by tensor: from the HF folder `hf`, or random (`seed`) when it is None.
+    `f32`: every tensor F32 (for llama.cpp's own `llama-quantize` to make Q8_0, Q4_0, Q4_K_M ... from)."""
+    import gguf
+
+    from trtbuild.builder.convert.safetensors_io import SafetensorsFile
+
+    stored = {}
+    if hf is not None:
+        for f in sorted(hf.glob("*.safetensors")):
+            st = SafetensorsFile(f)
+            stored.update({name: st for name in st})
+
+    @functools.lru_cache(maxsize=1)  # the tensor being written, read once for all its chunks
+    def load(name: str) -> np.ndarray:
+        return stored[name][name].float().numpy()
+
+    heads = {"q_proj": shape.num_attention_heads, "k_proj": shape.num_key_value_heads}
+    w = gguf.GGUFWriter(str(path), shape.family.arch)
+    write_metadata(w, shape, tok)
+    plan = []
+    if shape.rope_scaling is not None:
+        freqs = llama3_rope_freqs(shape)
+        plan.append(("rope_freqs.weight", freqs.shape, None, lambda a, b, f=freqs: f[a:b]))
+    def source(name: str, dims: tuple[int, ...]) -> Callable[[int, int], np.ndarray]:
+        if hf is None:
+            rows = random_rows(name, dims, seed)
+        else:
+            def rows(a: int, b: int) -> np.ndarray:
+                return load(name)[a:b]
+        proj = name.split(".")[-2]
+        if shape.family is not LLAMA3 or proj not in heads:
+            return rows
+
+        def permuted(a: int, b: int) -> np.ndarray:  # llama GGUFs hold q / k rows permuted
+            return llama_permute(rows(0, dims[0]), heads[proj])[a:b]
+        return permuted
+
+    for name, dims in hf_tensors(shape):
+        plan.append((gguf_name(name), dims, gguf_type(gguf_name(name), dims[-1], f32), source(name, dims)))
+    for name, dims, qtype, _ in plan:
+        nbytes = int(np.prod(dims)) * 4
+        if qtype is not None:
+            block, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+            nbytes = int(np.prod(dims)) // block * type_bytes
+        w.add_tensor_info(name, dims, np.dtype(np.float32), nbytes, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file(progress=False)
+    w.write_ti_data_to_file()
+    for _, dims, qtype, rows in plan:
+        step = ROWS_PER_CHUNK if len(dims) == 2 else dims[0]
+        w.write_tensor_data(np.concatenate([encode(rows(a, min(a + step, dims[0])), qtype)
+                                            for a in range(0, dims[0], step)]))
     w.close()
 
 
@@ -146,17 +321,20 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="the HF weights' type: bfloat16 as released checkpoints are; float32 for weights that no "
                          "16-bit type holds exactly (as in a model trained and saved in float32)")
+    ap.add_argument("--no-hf", action="store_true", help="write only the GGUF, from seeded random tensors")
     args = ap.parse_args()
-    hf = args.out / "hf"
-    hf.mkdir(parents=True, exist_ok=True)
+    shape = SHAPES[args.shape]
+    hf = None if args.no_hf else args.out / "hf"
+    tok_dir = args.out / "tokenizer" if hf is None else hf
+    tok_dir.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    tok = make_tokenizer(hf)
-    if not (hf / "config.json").is_file():
-        make_hf(hf, args.shape, args.seed, args.dtype)
-    print(f"HF folder {hf}: {time.perf_counter() - t:.0f} s")
+    tok = make_tokenizer(tok_dir, shape.family)
+    if hf is not None and not (hf / "config.json").is_file():
+        make_hf(hf, shape, tok, args.seed, args.dtype)
+        print(f"HF folder {hf}: {time.perf_counter() - t:.0f} s")
     t = time.perf_counter()
     gguf_path = args.out / f"model-{args.gguf_type.upper()}.gguf"
-    make_gguf(hf, gguf_path, tok, f32=args.gguf_type == "f32")
+    make_gguf(gguf_path, shape, tok, hf, args.seed, f32=args.gguf_type == "f32")
     print(f"GGUF {gguf_path}: {time.perf_counter() - t:.0f} s")
 
 

@@ -1,0 +1,69 @@
+"""benchmarks/make_real_size_model.py: the GGUFs it writes convert to the model they were written from (llama q / k
+rows permuted as llama.cpp's converter does, llama3 RoPE factors as a rope_freqs tensor), and its random GGUFs
+without an HF folder are ones `convert` reads."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from trtbuild.builder.convert.convert import convert
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "make_real_size_model.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("make_real_size_model", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tiny(script, name: str):
+    return replace(script.SHAPES[name], hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=512, vocab_size=4096)
+
+
+@pytest.mark.parametrize("name", ["llama-8b", "1.5b"])
+def test_f32_gguf_converts_to_the_hf_model(script, tmp_path: Path, name: str):
+    shape = _tiny(script, name)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    tok = script.make_tokenizer(hf, shape.family)
+    script.make_hf(hf, shape, tok, seed=0, dtype="float32")
+    script.make_gguf(tmp_path / "model.gguf", shape, tok, hf, seed=0, f32=True)
+    convert(hf, tmp_path / "from_hf")
+    convert(tmp_path / "model.gguf", tmp_path / "from_gguf")
+
+    a = load_file(tmp_path / "from_hf" / "rank0.safetensors")
+    b = load_file(tmp_path / "from_gguf" / "rank0.safetensors")
+    assert sorted(a) == sorted(b)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    cfg_hf = json.loads((tmp_path / "from_hf" / "config.json").read_text())
+    cfg_gguf = json.loads((tmp_path / "from_gguf" / "config.json").read_text())
+    assert cfg_gguf == cfg_hf
+    if shape.rope_scaling is not None:
+        assert cfg_gguf["rotary_scaling"]["rope_type"] == "llama3"
+        assert cfg_gguf["rotary_scaling"]["factor"] == shape.rope_scaling["factor"]
+
+
+def test_random_gguf_without_hf_folder(script, tmp_path: Path):
+    shape = _tiny(script, "llama-8b")
+    tok = script.make_tokenizer(tmp_path, shape.family)
+    script.make_gguf(tmp_path / "model.gguf", shape, tok, None, seed=0)
+    cfg = convert(tmp_path / "model.gguf", tmp_path / "ckpt")
+    assert cfg.num_hidden_layers == 2
+    assert cfg.quantization.quant_algo is not None
+    again = tmp_path / "again.gguf"
+    script.make_gguf(again, shape, tok, None, seed=0)
+    assert again.read_bytes() == (tmp_path / "model.gguf").read_bytes()  # seeded: the same file every time
