@@ -100,13 +100,28 @@ def _codebook(codes: np.ndarray, bits: int, zero_point: bool,
               narrow_bits: int) -> tuple[np.ndarray, int, tuple[int, ...]] | None:
     """(the codes used, the bits of indices into them, the 16-entry codebook of them) where 8-bit codes with the
     default zero point take so few values that indices need fewer bits than `narrow_bits`, else None."""
-    if bits != 8 or not zero_point or not codes.size:
+    widest = max((b for b in CODEBOOK_BITS if b < narrow_bits), default=None)
+    if bits != 8 or not zero_point or not codes.size or widest is None:
         return None
-    used = np.flatnonzero(np.bincount(codes.reshape(-1), minlength=256))
-    index_bits = next((b for b in CODEBOOK_BITS if len(used) <= 1 << b), None)
-    if index_bits is None or index_bits >= narrow_bits:
+    if (used := _distinct(codes, 1 << widest)) is None:
         return None
+    index_bits = next(b for b in CODEBOOK_BITS if len(used) <= 1 << b)
     return used, index_bits, (*(int(c) for c in used), *[CODEBOOK_ZERO_POINT] * (CODEBOOK_SIZE - len(used)))
+
+
+_COUNT_CHUNK = 1 << 20
+
+
+def _distinct(codes: np.ndarray, limit: int) -> np.ndarray | None:
+    """The distinct uint8 codes, or None as soon as there are more than `limit`. NOTE: counted a chunk at a time, so
+    a table of many values stops after its first MB (and bincount's int64 copy of a token table is not GBs)."""
+    flat = codes.reshape(-1)
+    seen = np.zeros(256, dtype=bool)
+    for start in range(0, flat.size, _COUNT_CHUNK):
+        seen |= np.bincount(flat[start:start + _COUNT_CHUNK], minlength=256).astype(bool)
+        if np.count_nonzero(seen) > limit:
+            return None
+    return np.flatnonzero(seen)
 
 
 def compact(codes: np.ndarray, bits: int, zero_point: bool = True) -> Compact:
@@ -171,33 +186,42 @@ def two_level(values: np.ndarray, per_super: int, tolerance: float = 0.0) -> tup
     (relative) of them; None when some super-block has no such factors."""
     rows, blocks = values.shape
     want = values.reshape(-1, per_super).astype(np.float32)
-    v = want.astype(np.float64)
-    big = np.take_along_axis(v, np.abs(v).argmax(axis=1)[:, None], axis=1)[:, 0]
-    sub = np.zeros(v.shape, np.int8)
-    sup = np.zeros(len(v), np.float16)
+    largest_at = np.abs(want).argmax(axis=1)
+    big = want[np.arange(len(want)), largest_at].astype(np.float64)
+    sub = np.zeros(want.shape, np.int8)
+    sup = np.zeros(len(want), np.float16)
 
     def solve(todo: np.ndarray, candidates: tuple[int, ...]) -> np.ndarray:
         """Factor super-blocks `todo` with the first of `candidates` that works; returns those left."""
         for c in candidates:
             if not len(todo):
                 break
+            w = want[todo]
+            d = (big[todo] / c).astype(np.float16)
+            d32 = d.astype(np.float32)[:, None]
+            # NOTE: float32 is enough: where d * q gives w exactly, w / d is within an ulp of the integer q. A d of 0
+            # or inf gives q or products of inf / nan, which the checks below reject.
             with np.errstate(all="ignore"):
-                d = (big[todo] / c).astype(np.float16)
-                q = np.nan_to_num(np.rint(v[todo] / d.astype(np.float64)[:, None]), posinf=1e9, neginf=-1e9)
-                product = d.astype(np.float32)[:, None] * q.astype(np.float32)
-                close = product == want[todo] if not tolerance else \
-                    np.abs(product - want[todo]) <= tolerance * np.abs(want[todo])
+                q = np.rint(w / d32)
+                product = d32 * q
+            close = product == w if not tolerance else np.abs(product - w) <= tolerance * np.abs(w)
             ok = np.all((q >= -128) & (q <= 127) & close, axis=1)
             sub[todo[ok]], sup[todo[ok]] = q[ok].astype(np.int8), d[ok]
             todo = todo[~ok]
         return todo
 
     first = len(_FIRST_CANDIDATES)
-    todo = solve(np.flatnonzero(big != 0), _SUB_CANDIDATES[:first])  # an all-zero super-block is 0 x 0
+    todo = solve(np.flatnonzero(big != 0), _FIRST_CANDIDATES)  # an all-zero super-block is 0 x 0
     # NOTE: a float model's scales factor nowhere: a sample tells before ~250 passes over all of them
-    if len(todo) and len(solve(todo[:_SAMPLE], _SUB_CANDIDATES[first:])):
+    sample, todo = todo[:_SAMPLE], todo[_SAMPLE:]
+    if len(solve(sample, _SUB_CANDIDATES[first:])):
         return None
-    if len(solve(todo[_SAMPLE:], _SUB_CANDIDATES[first:])):
+    # NOTE: one quantizer's super-blocks share the sub-value of their largest (127 for a max / 127 convention): the
+    # sample's go first, so the rest take a pass or two, not one per candidate before it
+    found = np.unique(sub[sample, largest_at[sample]], return_counts=True)
+    learned = tuple(int(c) for c in found[0][np.argsort(-found[1], kind="stable")])
+    todo = solve(todo, learned)
+    if len(solve(todo, tuple(c for c in _SUB_CANDIDATES[first:] if c not in learned))):
         return None
     sub, sup = _smallest_factors(sub, sup)
     return sub.reshape(rows, blocks), sup.reshape(rows, blocks // per_super)

@@ -254,6 +254,34 @@ def test_two_level_factors_ggml_products_exactly_and_nothing_else():
     np.testing.assert_array_equal(np.repeat(sup.astype(np.float32), 8, axis=1) * sub.astype(np.float32), q4_k)
 
 
+def test_two_level_tries_the_samples_sub_values_first_and_the_rest_after():
+    """Past a sample, the sub-values its super-blocks' largest took are tried first (a max / 127 quantizer's 127,
+    ~250th in the candidates' order); super-blocks those miss still get every candidate, and one that factors
+    nowhere still fails the table."""
+    from trtbuild.plugins.block_quant_matmul import _SAMPLE
+
+    rng = np.random.default_rng(1)
+    table = k_quant_values(rng, 512, 32, 8, 127, 0)  # 4 super-blocks a row: the sample is the first 16 rows
+    table[128:] = k_quant_values(rng, 384, 32, 8, 100, 0)
+    sub, sup = two_level(table, 8)
+    np.testing.assert_array_equal(np.repeat(sup.astype(np.float32), 8, axis=1) * sub.astype(np.float32), table)
+    assert sub[:_SAMPLE // 4].max() == 127 and sub[128:].max() == 100
+    table[300, :8] = rng.random(8, dtype=np.float32)
+    assert two_level(table, 8) is None
+
+
+def test_distinct_codes_stop_counting_past_the_limit(monkeypatch):
+    from trtbuild.plugins import block_quant_matmul as bqm
+
+    monkeypatch.setattr(bqm, "_COUNT_CHUNK", 64)
+    few = np.array([[7, 130, 7, 9] * 64], dtype=np.uint8)
+    assert bqm._distinct(few, 4).tolist() == [7, 9, 130]
+    assert bqm._distinct(few, 2) is None
+    late = np.zeros((4, 256), dtype=np.uint8)
+    late[3, :20] = np.arange(20)  # the 20 values only in the last chunk
+    assert bqm._distinct(late, 16) is None and len(bqm._distinct(late, 32)) == 20
+
+
 def test_a_block_of_zero_codes_keeps_two_level_scales_with_minimums():
     """A GGUF Q4_K block whose scale rounded to 0 is converted as codes 0, scale = its minimum, zero point -1
     (builder/convert/gguf_quants.py): its scale is free, so it must not cost the linear its compact form."""
