@@ -7,6 +7,7 @@ group) catches both around every command and prints one `Error:` line, so comman
 
 from __future__ import annotations
 
+import errno
 import logging
 from typing import Any
 
@@ -47,3 +48,16 @@ class TrtbuildCommandGroup(click.Group):
         except ValueError as e:  # NOTE: UnicodeDecodeError is one too: commands read their text files themselves
             log.info("the error, with its traceback (shown with -v):", exc_info=True)
             raise TrtbuildError(str(e)) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            log.info("the error, with its traceback (shown with -v):", exc_info=True)
+            raise TrtbuildError(disk_full_message(e)) from None
+
+
+def disk_full_message(e: OSError) -> str:
+    where = f" writing {e.filename}" if e.filename else ""
+    return (f"the disk is full{where} ({e.strerror}). What this command wrote is removed. Free space and run it "
+            "again: a checkpoint or an engine takes about its weights' size (an 8B Q4_K_M GGUF: 7.3 GB of "
+            "checkpoint, 5.3 GB of engine), and `trtbuild verify` builds a second engine in the temporary "
+            "directory (set TMPDIR to put it elsewhere).")

@@ -197,14 +197,14 @@ def two_level(values: np.ndarray, per_super: int, tolerance: float = 0.0) -> tup
             if not len(todo):
                 break
             w = want[todo]
-            d = (big[todo] / c).astype(np.float16)
-            d32 = d.astype(np.float32)[:, None]
             # NOTE: float32 is enough: where d * q gives w exactly, w / d is within an ulp of the integer q. A d of 0
             # or inf gives q or products of inf / nan, which the checks below reject.
             with np.errstate(all="ignore"):
+                d = (big[todo] / c).astype(np.float16)
+                d32 = d.astype(np.float32)[:, None]
                 q = np.rint(w / d32)
                 product = d32 * q
-            close = product == w if not tolerance else np.abs(product - w) <= tolerance * np.abs(w)
+                close = product == w if not tolerance else np.abs(product - w) <= tolerance * np.abs(w)
             ok = np.all((q >= -128) & (q <= 127) & close, axis=1)
             sub[todo[ok]], sup[todo[ok]] = q[ok].astype(np.int8), d[ok]
             todo = todo[~ok]

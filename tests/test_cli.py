@@ -261,3 +261,19 @@ def test_bad_input_in_a_real_process_prints_no_traceback(stories, tmp_path):
                            LONG_PROMPT], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == "" and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("Error: prompt has ")
+
+
+def test_a_full_disk_is_a_user_error_and_leaves_no_partial_output(stories, tmp_path, monkeypatch):
+    import errno
+
+    import trtbuild.builder.build as build_module
+
+    def full(model, graph_path, weights_path):
+        weights_path.write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(weights_path))
+
+    monkeypatch.setattr(build_module, "save_engine_files", full)
+    assert_user_error(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e"),
+                      r"the disk is full writing .*rank0\.weights \(No space left on device\)\. What this command "
+                      r"wrote is removed\. Free space")
+    assert not (tmp_path / "e").exists()
