@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -175,13 +176,18 @@ def verify_engine(engine_dir: Path, checkpoint: Path | None, num_threads: int | 
                                       quant_linears="ort", float_linears="ort")
         reference = read_engine_config(build_engine(Path(checkpoint), Path(tmp) / "reference", build=unfused))
         echo("running the engine and the reference")
-        steps, outputs = _compare(info, reference, tolerances, num_threads)
+        steps, results = _run_engine_and_reference(info, reference, num_threads)
+        outputs = _judge(results, steps, tolerances)
         if tolerances is QUANTIZED_TOLERANCES and not all(o.passed for o in outputs):
+            # NOTE: the outputs are kept, so the reference's files go first: one engine at a time in `tmp` (an 8B
+            # engine's reference is GBs)
+            shutil.rmtree(reference.path)
             echo("building the checkpoint computed in fp32 (MatMulNBits at accuracy level 1) to measure both against")
-            exact = build_engine(Path(checkpoint), Path(tmp) / "exact",
-                                 build=dataclasses.replace(unfused, int4_accuracy_level=1))
-            steps, outputs = _compare(info, reference, tolerances, num_threads, read_engine_config(exact))
-    return VerifyReport(Path(engine_dir), precision, tuple(steps), tuple(outputs))
+            exact = read_engine_config(build_engine(Path(checkpoint), Path(tmp) / "exact",
+                                                    build=dataclasses.replace(unfused, int4_accuracy_level=1)))
+            results = _run(results, [_runner(exact, steps, num_threads, EXACT)], steps.data)
+            outputs = _judge(results, steps, tolerances)
+    return VerifyReport(Path(engine_dir), precision, tuple(steps.descriptions), tuple(outputs))
 
 
 def _nan_high(x: float) -> float:
@@ -200,18 +206,46 @@ class _Once:
         return session
 
 
-def _compare(info: EngineInfo, reference: EngineInfo, tolerances: dict[str, Tolerance], num_threads: int | None,
-             exact: EngineInfo | None = None) -> tuple[list[str], list[OutputError]]:
-    """(step descriptions, each output's errors over the steps) of the engine vs the reference, by polygraphy; with
-    `exact` (the checkpoint computed in fp32), an output that misses its tolerance passes where the engine is no
-    further from `exact` than EXACT_RATIO x the reference is."""
+REFERENCE, ENGINE, EXACT = "unfused-reference", "engine", "fp32-compute"  # polygraphy runner names
+
+
+@dataclass(frozen=True)
+class _Steps:
+    descriptions: list[str]
+    data: list[dict[str, np.ndarray]]  # each step's feeds, made by the reference's packing, its K/V pool included
+    num_blocks: int
+
+
+def _runner(info: EngineInfo, steps: _Steps, num_threads: int | None, name: str):
     from polygraphy.backend.onnxrt import OnnxrtRunner
-    from polygraphy.comparator import Comparator, SimpleCompareFunc
-    from polygraphy.logger import G_LOGGER
 
     from trtbuild.runtime.engine import CpuEngine
 
-    steps, feeds, num_blocks = _steps(info)
+    return OnnxrtRunner(lambda: CpuEngine(info, num_threads=num_threads, num_blocks=steps.num_blocks).session,
+                        name=name)
+
+
+def _run(results, runners: list, data: list[dict[str, np.ndarray]]):
+    """`results` (polygraphy RunResults, or None) with the outputs of `runners` on `data` added."""
+    from polygraphy.comparator import Comparator
+    from polygraphy.logger import G_LOGGER
+
+    with G_LOGGER.verbosity(G_LOGGER.INFO if log.isEnabledFor(logging.INFO) else G_LOGGER.CRITICAL):
+        new = Comparator.run(runners, data_loader=data)
+    if results is None:
+        return new
+    results.extend(new)
+    return results
+
+
+def _run_engine_and_reference(info: EngineInfo, reference: EngineInfo,
+                              num_threads: int | None) -> tuple[_Steps, object]:
+    """The verification steps, and the reference's and the engine's outputs on them (polygraphy RunResults)."""
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+
+    from trtbuild.runtime.engine import CpuEngine
+
+    descriptions, feeds, num_blocks = _step_chunks(info)
     ref = CpuEngine(reference, num_threads=num_threads, num_blocks=num_blocks)
     data = [dict(ref.feeds(feeds[0])[0], kv_cache=ref.kv.pool.copy())]
     if len(feeds) > 1:  # the decode step reads the K/V the reference's prefill wrote, and follows its greedy tokens
@@ -220,36 +254,40 @@ def _compare(info: EngineInfo, reference: EngineInfo, tolerances: dict[str, Tole
         decode = [dataclasses.replace(c, token_ids=[int(logits[i].argmax())]) for c, i in zip(feeds[1], last,
                                                                                                 strict=True)]
         data.append(dict(ref.feeds(decode)[0], kv_cache=ref.kv.pool.copy()))
-    runners = [OnnxrtRunner(_Once(ref.session), name="unfused-reference"),
-               OnnxrtRunner(lambda: CpuEngine(info, num_threads=num_threads, num_blocks=num_blocks).session,
-                            name="engine")]
-    if exact is not None:
-        runners.append(OnnxrtRunner(lambda: CpuEngine(exact, num_threads=num_threads, num_blocks=num_blocks).session,
-                                    name="fp32-compute"))
+    steps = _Steps(descriptions, data, num_blocks)
+    runners = [OnnxrtRunner(_Once(ref.session), name=REFERENCE), _runner(info, steps, num_threads, ENGINE)]
     del ref
-    with G_LOGGER.verbosity(G_LOGGER.INFO if log.isEnabledFor(logging.INFO) else G_LOGGER.CRITICAL):
-        results = Comparator.run(runners, data_loader=data)
-        ranges = {name: max(float(np.abs(it[name]).max(initial=0.0)) for it in results["unfused-reference"])
-                  for name in OUTPUTS}
-        atol = {name: tolerances[name].resolve(ranges[name]) for name in OUTPUTS}
-        compare = SimpleCompareFunc(atol=atol, rtol={name: t.rtol for name, t in tolerances.items()},
-                                    check_error_stat="elemwise")
-        # engine first: polygraphy's relative error is relative to the second runner's outputs, the reference's
-        accuracy = Comparator.compare_accuracy(results, comparisons=[(1, 0)], compare_func=compare)
-    per_step = accuracy[0][("engine", "unfused-reference")]  # [step] -> {output: OutputCompareResult}
+    return steps, _run(None, runners, data)
+
+
+def _judge(results, steps: _Steps, tolerances: dict[str, Tolerance]) -> list[OutputError]:
+    """Each output's errors over the steps, engine vs reference; where `results` hold the checkpoint computed in fp32
+    too, an output that misses its tolerance passes if the engine is no further from that than EXACT_RATIO x the
+    reference is."""
+    from polygraphy.comparator import Comparator, SimpleCompareFunc
+
+    ranges = {name: max(float(np.abs(it[name]).max(initial=0.0)) for it in results[REFERENCE]) for name in OUTPUTS}
+    atol = {name: tolerances[name].resolve(ranges[name]) for name in OUTPUTS}
+    compare = SimpleCompareFunc(atol=atol, rtol={name: t.rtol for name, t in tolerances.items()},
+                                check_error_stat="elemwise")
+    names = list(results.keys())
+    # engine first: polygraphy's relative error is relative to the second runner's outputs, the reference's
+    accuracy = Comparator.compare_accuracy(results, comparisons=[(names.index(ENGINE), names.index(REFERENCE))],
+                                           compare_func=compare)
+    per_step = accuracy[0][(ENGINE, REFERENCE)]  # [step] -> {output: OutputCompareResult}
     outputs = []
     for name in OUTPUTS:
-        errors = [(r[name], step) for r, step in zip(per_step, steps, strict=True)]
+        errors = [(r[name], step) for r, step in zip(per_step, steps.descriptions, strict=True)]
         worst = max(errors, key=lambda e: _nan_high(e[0].max_absdiff))
         passed, against_exact = all(bool(e) for e, _ in errors), None
-        if exact is not None and not passed:
-            against_exact = tuple(_max_abs_diff(results[runner], results["fp32-compute"], name)
-                                  for runner in ("engine", "unfused-reference"))
+        if EXACT in names and not passed:
+            against_exact = tuple(_max_abs_diff(results[runner], results[EXACT], name)
+                                  for runner in (ENGINE, REFERENCE))
             passed = against_exact[0] <= EXACT_RATIO * against_exact[1]
         outputs.append(OutputError(name, max(_nan_high(e.max_absdiff) for e, _ in errors),
                                    max(_nan_high(e.max_reldiff) for e, _ in errors),
                                    tolerances[name].describe(ranges[name]), passed, worst[1], against_exact))
-    return steps, outputs
+    return outputs
 
 
 def _max_abs_diff(ours, theirs, name: str) -> float:
@@ -257,7 +295,7 @@ def _max_abs_diff(ours, theirs, name: str) -> float:
     return max(_nan_high(float(np.abs(a[name] - b[name]).max(initial=0.0))) for a, b in zip(ours, theirs, strict=True))
 
 
-def _steps(info: EngineInfo):
+def _step_chunks(info: EngineInfo):
     """(descriptions, chunk lists, pool blocks) of the verification steps within the engine's build limits:
     a prefill of up to two sequences of different lengths with logits of every token, then one token each."""
     from trtbuild.runtime.engine import SequenceChunk

@@ -153,7 +153,17 @@ def test_a_quantized_engine_past_its_tolerance_is_measured_against_fp32_compute(
     convert(random_hf_model("llama"), tmp_path / "ckpt", weight_only=WeightOnly(4, 32))
     engine = build_engine(tmp_path / "ckpt", tmp_path / "engine", max_seq_len=64, tokens_per_block=8,
                           max_batch_size=4, max_num_tokens=64)
+    from trtbuild.builder import build as build_module
+
+    built_beside = []  # what the temporary directory holds when each engine is built
+
+    def recording_build(checkpoint, output, **kwargs):
+        built_beside.append((output.name, sorted(p.name for p in output.parent.iterdir())))
+        return build_engine(checkpoint, output, **kwargs)
+
+    monkeypatch.setattr(build_module, "build_engine", recording_build)
     report = verify_engine(engine, tmp_path / "ckpt", num_threads=1)
+    assert built_beside == [("reference", []), ("exact", [])]  # the reference's files go before the fp32 build
     assert report.passed, report.table()
     for o in report.outputs:  # the engine's error and the reference's, both measured, neither nothing
         assert o.exact is not None and 0 < o.exact[0] <= verify.EXACT_RATIO * o.exact[1], report.table()
