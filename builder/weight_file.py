@@ -4,8 +4,9 @@ While a network is built and rewritten, every initializer of at least INLINE_MAX
 beside the engine and the ModelProto holds only its name, type, shape and (file name, offset, length). The staging
 file's path is recorded in the model's metadata (STAGING_KEY), so every pass finds it through the model alone.
 Passes read such a constant when they need its values and append the tensors they make; the tensors they drop
-are left behind in the staging file. `save_engine_files` then copies the initializers the final graph uses into
-the engine's weight file, page-aligned so that ONNX Runtime can map them, and removes the staging file.
+are left behind in the staging file. `save_engine_files` then moves the initializers the final graph uses to the
+front of the staging file, page-aligned so that ONNX Runtime can map them, cuts off the rest, and renames it to
+the engine's weight file.
 """
 
 from __future__ import annotations
@@ -111,31 +112,44 @@ def read_external(tensor: TensorProto, base_dir: Path) -> np.ndarray:
 
 
 def save_engine_files(model: onnx.ModelProto, graph_path: Path, weights_path: Path) -> int:
-    """Write the graph to `graph_path` and the external initializers it uses to `weights_path` (beside it);
-    remove the staging file. Returns the weight file's size in bytes."""
+    """Write the graph to `graph_path` and the external initializers it uses to `weights_path` (on the staging
+    file's filesystem); the staging file becomes that file. Returns the weight file's size in bytes."""
     staging = StagingWeights.of(model)
     graph_path, weights_path = Path(graph_path), Path(weights_path)
-    if staging is None and any(is_external(t) for t in model.graph.initializer):
+    external = [t for t in model.graph.initializer if is_external(t)]
+    if staging is None and external:
         raise ValueError("the model has external initializers but no staging file")
-    offset = 0
-    with open(weights_path, "wb") as out:
-        for t in model.graph.initializer:
-            if not is_external(t):
-                continue
-            info = _external(t)
-            offset = _aligned(offset)
-            out.truncate(offset)
-            out.seek(offset)
-            length = int(info["length"])
-            with open(staging.path.parent / info["location"], "rb") as src:
-                src.seek(int(info.get("offset", 0)))
-                for start in range(0, length, _COPY_CHUNK):
-                    out.write(src.read(min(_COPY_CHUNK, length - start)))
-            _point_at(t, weights_path.name, offset, length)
-            offset += length
     for entry in [p for p in model.metadata_props if p.key == STAGING_KEY]:
         model.metadata_props.remove(entry)
+    if staging is None:
+        weights_path.write_bytes(b"")
+    else:
+        _compact(staging.path, external, weights_path.name)
+        os.replace(staging.path, weights_path)
     onnx.save_model(model, str(graph_path))
-    if staging is not None:
-        os.unlink(staging.path)
     return weights_path.stat().st_size
+
+
+def _compact(path: Path, tensors: list[TensorProto], location: str) -> None:
+    """Move the used initializers of staging file `path` to its front, in file order, page-aligned, and truncate it
+    there; point `tensors` at their new places in a file called `location`. NOTE: in place, not copied to a new
+    file: an 8B build's staging file (checkpoint-form weights, then the packed ones) is ~2.4x its engine, and a copy
+    would need the engine's size again on the disk. Each tensor moves towards the front (the ones before it take at
+    most the space they took), so a forward copy never overwrites what it has yet to read."""
+    moved: dict[int, int] = {}  # old offset -> new offset (two initializers may share one tensor's bytes)
+    end = 0
+    with open(path, "r+b") as f:
+        for t in sorted(tensors, key=lambda t: int(_external(t).get("offset", 0))):
+            source, length = int(_external(t).get("offset", 0)), int(_external(t)["length"])
+            if source not in moved:
+                moved[source] = dest = _aligned(end)
+                for start in range(0, length, _COPY_CHUNK):
+                    if dest == source:
+                        break
+                    f.seek(source + start)
+                    chunk = f.read(min(_COPY_CHUNK, length - start))
+                    f.seek(dest + start)
+                    f.write(chunk)
+                end = max(end, dest + length)
+            _point_at(t, location, moved[source], length)
+        f.truncate(end)
