@@ -58,6 +58,6 @@ class TrtbuildCommandGroup(click.Group):
 def disk_full_message(e: OSError) -> str:
     where = f" writing {e.filename}" if e.filename else ""
     return (f"the disk is full{where} ({e.strerror}). What this command wrote is removed. Free space and run it "
-            "again: a checkpoint or an engine takes about its weights' size (an 8B Q4_K_M GGUF: 7.3 GB of "
-            "checkpoint, 5.3 GB of engine), and `trtbuild verify` builds a second engine in the temporary "
-            "directory (set TMPDIR to put it elsewhere).")
+            "again: from an 8B Q4_K_M GGUF, `convert` writes a 7.3 GB checkpoint and `build` needs 16 GB while it "
+            "runs for a 5.3 GB engine; `trtbuild verify` builds its reference in the temporary directory (11 GB "
+            "there; set TMPDIR to put it elsewhere).")
