@@ -57,7 +57,8 @@ class TrtbuildCommandGroup(click.Group):
 
 def disk_full_message(e: OSError) -> str:
     where = f" writing {e.filename}" if e.filename else ""
-    return (f"the disk is full{where} ({e.strerror}). What this command wrote is removed. Free space and run it "
-            "again: from an 8B Q4_K_M GGUF, `convert` writes a 7.3 GB checkpoint and `build` needs 16 GB while it "
-            "runs for a 5.3 GB engine; `trtbuild verify` builds its reference in the temporary directory (11 GB "
-            "there; set TMPDIR to put it elsewhere).")
+    return (f"the disk is full{where} ({e.strerror}). `convert`, `quantize` and `build` remove their partial "
+            "output, `verify` its temporary directory. Free space and run the command again: from an 8B Q4_K_M "
+            "GGUF, `convert` writes a 7.3 GB checkpoint and `build` needs 16 GB while it runs for a 5.3 GB "
+            "engine; `trtbuild verify` builds its reference in the temporary directory (11 GB there; set TMPDIR "
+            "to put it elsewhere).")

@@ -119,6 +119,9 @@ def save_engine_files(model: onnx.ModelProto, graph_path: Path, weights_path: Pa
     external = [t for t in model.graph.initializer if is_external(t)]
     if staging is None and external:
         raise ValueError("the model has external initializers but no staging file")
+    if staging is not None and (elsewhere := [t.name for t in external
+                                              if _external(t)["location"] != staging.path.name]):
+        raise ValueError(f"initializers {elsewhere[:3]} are not in the staging file {staging.path.name}")
     for entry in [p for p in model.metadata_props if p.key == STAGING_KEY]:
         model.metadata_props.remove(entry)
     if staging is None:

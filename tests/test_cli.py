@@ -274,6 +274,6 @@ def test_a_full_disk_is_a_user_error_and_leaves_no_partial_output(stories, tmp_p
 
     monkeypatch.setattr(build_module, "save_engine_files", full)
     assert_user_error(invoke("build", "--checkpoint", stories["ckpt"], "--output", tmp_path / "e"),
-                      r"the disk is full writing .*rank0\.weights \(No space left on device\)\. What this command "
-                      r"wrote is removed\. Free space")
+                      r"the disk is full writing .*rank0\.weights \(No space left on device\)\. `convert`, "
+                      r"`quantize` and `build` remove their partial output.*Free space")
     assert not (tmp_path / "e").exists()
