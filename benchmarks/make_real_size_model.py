@@ -279,6 +279,7 @@ def make_gguf(path: Path, shape: Shape, tok, hf: Path | None, seed: int, f32: bo
     if shape.rope_scaling is not None:
         freqs = llama3_rope_freqs(shape)
         plan.append(("rope_freqs.weight", freqs.shape, None, lambda a, b, f=freqs: f[a:b]))
+
     def source(name: str, dims: tuple[int, ...]) -> Callable[[int, int], np.ndarray]:
         if hf is None:
             rows = random_rows(name, dims, seed)
