@@ -1,4 +1,5 @@
-"""Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B or Llama-3.2-1B / Llama-3.1-8B, as an HF
+"""Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B, Llama-3.2-1B / Llama-3.1-8B or
+Phi-3.5-mini (3.8B: fused q/k/v and gate/up, LongRoPE; with a byte-level BPE as Phi-4 has), as an HF
 folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written with the
 `gguf` package, for measuring convert / build / load / decode at real sizes. No weights are downloaded: the weights
 are random (seeded) and the tokenizer is a small byte-level BPE trained here on this repository's docs, padded to the
@@ -6,6 +7,7 @@ model's vocabulary as the real tokenizers are, with the family's special tokens 
 
     python benchmarks/make_real_size_model.py --out /work/models/qwen1p5b [--shape 0.5b|1.5b|llama-1b]
     python benchmarks/make_real_size_model.py --out /work/models/llama8b --shape llama-8b --no-hf
+    python benchmarks/make_real_size_model.py --out /work/models/phi3 --shape phi3-mini --no-hf --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
 would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import sys
 import time
 import zlib
@@ -55,6 +58,13 @@ LLAMA3 = Family(
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
     "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
     "<|end_header_id|>\n\n{% endif %}")
+# Phi-3.5-mini's layout (fused q/k/v and gate/up, LongRoPE) with a byte-level BPE, as Phi-4 pairs the phi3
+# architecture with one.
+PHI3 = Family(
+    "phi3", "llama-bpe", r"\p{N}{1,3}", ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+    None, "<|end|>", "<|endoftext|>",
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 
@@ -72,6 +82,7 @@ class Shape:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 32768
     rms_norm_eps: float = 1e-6
+    sliding_window: int | None = None  # Phi-3's, which llama.cpp ignores and engines are built within
 
     @property
     def head_dim(self) -> int:
@@ -83,10 +94,15 @@ SHAPES = {  # the released models' configs
     "1.5b": Shape(QWEN2, 1536, 28, 12, 2, 8960, 151936, False, 1e6),
     "llama-1b": Shape(LLAMA3, 2048, 16, 32, 8, 8192, 128256, True, 5e5, dict(LLAMA3_ROPE, factor=32.0), 131072, 1e-5),
     "llama-8b": Shape(LLAMA3, 4096, 32, 32, 8, 14336, 128256, False, 5e5, dict(LLAMA3_ROPE, factor=8.0), 131072, 1e-5),
+    # LongRoPE factors in the released ones' ranges (short 1-2, long 1-50), original context 4096
+    "phi3-mini": Shape(PHI3, 3072, 32, 32, 32, 8192, 32064, False, 1e4, dict(
+        rope_type="longrope", short_factor=[1 + i / 64 for i in range(48)], long_factor=[1 + i for i in range(48)],
+        original_max_position_embeddings=4096), 131072, 1e-5, 262144),
 }
 HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 ROWS_PER_CHUNK = 4096  # rows drawn and encoded at a time: bounds memory for the 128k-row token tables
 
 
@@ -120,9 +136,15 @@ def make_hf(out: Path, shape: Shape, tok, seed: int, dtype: str) -> None:
                                              "num_key_value_heads", "intermediate_size", "vocab_size",
                                              "tie_word_embeddings", "rope_theta", "rope_scaling",
                                              "max_position_embeddings", "rms_norm_eps")}
-    config_cls = transformers.Qwen2Config if shape.family is QWEN2 else transformers.LlamaConfig
+    if shape.sliding_window is not None:
+        kwargs["sliding_window"] = shape.sliding_window
+    config_cls = {QWEN2: transformers.Qwen2Config, PHI3: transformers.Phi3Config}.get(shape.family,
+                                                                                    transformers.LlamaConfig)
+    if shape.family is PHI3:
+        kwargs["original_max_position_embeddings"] = shape.rope_scaling["original_max_position_embeddings"]
     vocab = tok.get_vocab()
-    cfg = config_cls(**kwargs, eos_token_id=vocab[shape.family.eos], bos_token_id=vocab.get(shape.family.bos))
+    cfg = config_cls(**kwargs, eos_token_id=vocab[shape.family.eos], bos_token_id=vocab.get(shape.family.bos),
+                     pad_token_id=vocab[shape.family.pad])
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     with torch.no_grad():  # norms around 1 and small biases, as in a trained model
@@ -142,14 +164,19 @@ def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
     for i in range(shape.num_hidden_layers):
         p = f"model.layers.{i}."
         yield p + "input_layernorm.weight", (h,)
-        for proj, rows in (("q_proj", h), ("k_proj", kv), ("v_proj", kv)):
+        if shape.family is PHI3:  # fused, as Phi-3 holds them
+            yield p + "self_attn.qkv_proj.weight", (h + 2 * kv, h)
+        for proj, rows in (("q_proj", h), ("k_proj", kv), ("v_proj", kv)) if shape.family is not PHI3 else ():
             yield p + f"self_attn.{proj}.weight", (rows, h)
             if shape.family is QWEN2:
                 yield p + f"self_attn.{proj}.bias", (rows,)
         yield p + "self_attn.o_proj.weight", (h, h)
         yield p + "post_attention_layernorm.weight", (h,)
-        yield p + "mlp.gate_proj.weight", (shape.intermediate_size, h)
-        yield p + "mlp.up_proj.weight", (shape.intermediate_size, h)
+        if shape.family is PHI3:
+            yield p + "mlp.gate_up_proj.weight", (2 * shape.intermediate_size, h)
+        else:
+            yield p + "mlp.gate_proj.weight", (shape.intermediate_size, h)
+            yield p + "mlp.up_proj.weight", (shape.intermediate_size, h)
         yield p + "mlp.down_proj.weight", (h, shape.intermediate_size)
     yield "model.norm.weight", (h,)
     if not shape.tie_word_embeddings:
@@ -195,13 +222,18 @@ def llama3_rope_freqs(shape: Shape) -> np.ndarray:
     return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, rs["factor"], mid)).astype(np.float32)
 
 
-def gguf_type(name: str, cols: int, f32: bool):
-    """Q6_K for output, attn_v and ffn_down, Q4_K elsewhere (llama.cpp's Q4_K_M gives its most sensitive tensors 6
-    bits; Q8_0 where rows are not a multiple of 256, as it falls back too); None: float32."""
+def gguf_type(name: str, cols: int, form: str):
+    """Q6_K for output, attn_v and ffn_down, Q5_K for a fused attn_qkv, Q4_K elsewhere (llama.cpp's Q4_K_M gives its
+    most sensitive tensors more bits; Q8_0 where rows are not a multiple of 256, as it falls back too); None: float32.
+    `form` f32 / f16: every matrix in that type, for llama.cpp's own `llama-quantize` to make the others from."""
     from gguf import GGMLQuantizationType as Q
 
-    if f32 or name.endswith(("norm.weight", ".bias")):
+    if form == "f32" or name.endswith(("norm.weight", ".bias")):
         return None
+    if form == "f16":
+        return Q.F16
+    if name.endswith("attn_qkv.weight"):
+        return Q.Q5_K
     if cols % 256:
         return Q.Q8_0
     return Q.Q6_K if name.split(".")[-2] in ("output", "attn_v", "ffn_down") else Q.Q4_K
@@ -209,10 +241,14 @@ def gguf_type(name: str, cols: int, f32: bool):
 
 def encode(x: np.ndarray, qtype) -> np.ndarray:
     import gguf
-    from gguf_kquants import encode_q4_k, encode_q6_k
+    from gguf_kquants import encode_q4_k, encode_q5_k, encode_q6_k
 
     if qtype is None:
         return x
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return x.astype(np.float16).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q5_K:
+        return encode_q5_k(x)
     if qtype == gguf.GGMLQuantizationType.Q8_0:
         return gguf.quants.quantize(x, qtype)
     return (encode_q6_k if qtype == gguf.GGMLQuantizationType.Q6_K else encode_q4_k)(x)
@@ -234,6 +270,13 @@ def write_metadata(w, shape: Shape, tok) -> None:
     if fam is LLAMA3:
         w.add_rope_dimension_count(shape.head_dim)
         w.add_vocab_size(shape.vocab_size)
+    if fam is PHI3:  # Phi3MiniModel.set_gguf_parameters
+        orig = shape.rope_scaling["original_max_position_embeddings"]
+        scale = shape.max_position_embeddings / orig
+        w.add_rope_dimension_count(shape.head_dim)
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
+        w.add_sliding_window(shape.sliding_window or 0)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     vocab = tok.get_vocab()
     tokens = [f"[PAD{i}]" for i in range(shape.vocab_size)]
@@ -255,9 +298,10 @@ def write_metadata(w, shape: Shape, tok) -> None:
     w.add_chat_template(fam.chat_template)
 
 
-def make_gguf(path: Path, shape: Shape, tok, hf: Path | None, seed: int, f32: bool = False) -> None:
+def make_gguf(path: Path, shape: Shape, tok, hf: Path | None, seed: int, form: str = "q4_k_m") -> None:
     """The model as a GGUF, tensor by tensor: from the HF folder `hf`, or random (`seed`) when it is None.
-    `f32`: every tensor F32 (for llama.cpp's own `llama-quantize` to make Q8_0, Q4_0, Q4_K_M ... from)."""
+    `form` f32 / f16: every matrix in that type (for llama.cpp's own `llama-quantize` to make Q8_0, Q4_0, Q4_K_M ...
+    from); q4_k_m: gguf_type's mix."""
     import gguf
 
     from trtbuild.builder.convert.safetensors_io import SafetensorsFile
@@ -276,9 +320,14 @@ def make_gguf(path: Path, shape: Shape, tok, hf: Path | None, seed: int, f32: bo
     w = gguf.GGUFWriter(str(path), shape.family.arch)
     write_metadata(w, shape, tok)
     plan = []
-    if shape.rope_scaling is not None:
-        freqs = llama3_rope_freqs(shape)
-        plan.append(("rope_freqs.weight", freqs.shape, None, lambda a, b, f=freqs: f[a:b]))
+    factors = {}
+    if shape.family is LLAMA3:
+        factors["rope_freqs.weight"] = llama3_rope_freqs(shape)
+    elif shape.family is PHI3:  # LongRoPE's two sets, as llama.cpp's Phi3MiniModel writes them
+        factors = {f"rope_factors_{k}.weight": np.array(shape.rope_scaling[f"{k}_factor"], dtype=np.float32)
+                   for k in ("long", "short")}
+    for name, f in factors.items():
+        plan.append((name, f.shape, None, lambda a, b, f=f: f[a:b]))
 
     def source(name: str, dims: tuple[int, ...]) -> Callable[[int, int], np.ndarray]:
         if hf is None:
@@ -295,7 +344,7 @@ def make_gguf(path: Path, shape: Shape, tok, hf: Path | None, seed: int, f32: bo
         return permuted
 
     for name, dims in hf_tensors(shape):
-        plan.append((gguf_name(name), dims, gguf_type(gguf_name(name), dims[-1], f32), source(name, dims)))
+        plan.append((gguf_name(name), dims, gguf_type(gguf_name(name), dims[-1], form), source(name, dims)))
     for name, dims, qtype, _ in plan:
         nbytes = int(np.prod(dims)) * 4
         if qtype is not None:
@@ -317,8 +366,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gguf-type", choices=["q4_k_m", "f32"], default="q4_k_m",
-                    help="f32: for llama-quantize to make the other types from (benchmarks/peers.py)")
+    ap.add_argument("--gguf-type", choices=["q4_k_m", "f32", "f16"], default="q4_k_m",
+                    help="f32 / f16: for llama-quantize to make the other types from (benchmarks/peers.py)")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                     help="the HF weights' type: bfloat16 as released checkpoints are; float32 for weights that no "
                          "16-bit type holds exactly (as in a model trained and saved in float32)")
@@ -335,7 +384,7 @@ def main() -> None:
         print(f"HF folder {hf}: {time.perf_counter() - t:.0f} s")
     t = time.perf_counter()
     gguf_path = args.out / f"model-{args.gguf_type.upper()}.gguf"
-    make_gguf(gguf_path, shape, tok, hf, args.seed, f32=args.gguf_type == "f32")
+    make_gguf(gguf_path, shape, tok, hf, args.seed, args.gguf_type)
     print(f"GGUF {gguf_path}: {time.perf_counter() - t:.0f} s")
 
 

@@ -10,11 +10,19 @@ import torch
 from trtbuild.configs import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+def inverse_frequencies(config: ModelConfig, max_positions: int) -> torch.Tensor:
+    """The rotation speed of each pair of head dimensions, for an engine of `max_positions` positions."""
     dim = config.head_size
-    inv_freq = 1.0 / (config.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     scaling = config.rotary_scaling or {}
     kind = scaling.get("rope_type", "default")
+    if kind == "longrope":
+        # NOTE: HF picks the long factors per forward, once the sequence passes the original context; an engine's
+        # cache must hold one rotation, so the engine's length picks them, as llama.cpp's context size does.
+        long = max_positions > int(scaling["original_max_position_embeddings"])
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * config.rotary_base**exponents)
+    inv_freq = 1.0 / (config.rotary_base**exponents)
     if kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif kind == "llama3":
@@ -31,8 +39,26 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
+def attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by (LongRoPE's attention scaling; 1 for the other kinds)."""
+    scaling = config.rotary_scaling or {}
+    if scaling.get("rope_type") != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = int(scaling["original_max_position_embeddings"])
+    return longrope_attention_factor(float(scaling.get("factor") or config.max_position_embeddings / original),
+                                     original)
+
+
+def longrope_attention_factor(factor: float, original_context: int) -> float:
+    """LongRoPE's default attention scaling for a context `factor` times the one the model was trained for."""
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_context))
+
+
 def rope_tables(config: ModelConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin, each [max_positions, head_size / 2], float32."""
     positions = torch.arange(max_positions, dtype=torch.float32)
-    angles = positions[:, None] * inverse_frequencies(config)[None, :]
-    return angles.cos().numpy(), angles.sin().numpy()
+    angles = positions[:, None] * inverse_frequencies(config, max_positions)[None, :]
+    scale = attention_factor(config)
+    return (angles.cos() * scale).numpy(), (angles.sin() * scale).numpy()

@@ -23,7 +23,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "MistralForCausalLM": ("mistral", False, False),
     "Qwen2ForCausalLM": ("qwen2", True, False),
     "Qwen3ForCausalLM": ("qwen3", False, True),
+    # q/k/v and gate/up fused in the source (builder/convert/fused.py splits them); LongRoPE in the 128k variants
+    "Phi3ForCausalLM": ("phi3", False, False),
 }
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -280,6 +283,33 @@ def model_config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig
         raise CheckpointError(f"the model's config.json has an invalid value ({e}).") from None
 
 
+def _rope_scaling(hf: dict[str, Any], rope_params: dict[str, Any], head_size: int) -> dict[str, Any] | None:
+    """The checkpoint's `rotary_scaling`: None for plain RoPE, else the HF scaling parameters and their rope_type
+    (LongRoPE's: short_factor, long_factor, original_max_position_embeddings, and factor or attention_factor where
+    the model gives them)."""
+    scaling = hf.get("rope_scaling") or rope_params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(f"rope scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)} are).")
+    if float(scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise CheckpointError("partial rotary embeddings (partial_rotary_factor < 1, as in Phi-4-mini) are not "
+                              "supported: trtbuild rotates whole heads.")
+    if rope_type == "default":
+        return None
+    out = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
+    out["rope_type"] = rope_type
+    if rope_type == "longrope":
+        out["original_max_position_embeddings"] = int(
+            scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
+            or hf["max_position_embeddings"])
+        for key in ("short_factor", "long_factor"):
+            if len(out[key]) != head_size // 2:
+                raise CheckpointError(f"rope scaling {key} has {len(out[key])} values; LongRoPE needs one per "
+                                      f"rotated pair of the head ({head_size // 2}).")
+    return out
+
+
 def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
@@ -297,16 +327,9 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     heads = int(hf["num_attention_heads"])
     head_size = int(hf.get("head_dim") or hf["hidden_size"] // heads)
     rope_params = hf.get("rope_parameters") or {}
-    rope_scaling = hf.get("rope_scaling") or None
-    rope_type = (rope_scaling or rope_params).get("rope_type", (rope_scaling or {}).get("type", "default"))
-    if rope_type not in ("default", "llama3", "linear"):
-        raise CheckpointError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3 are).")
-    if rope_type != "default":
-        rope_scaling = {k: v for k, v in (rope_scaling or rope_params).items() if k != "rope_theta"}
-        rope_scaling["rope_type"] = rope_type
-    else:
-        rope_scaling = None
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", family == "mistral") else None
+    rope_scaling = _rope_scaling(hf, rope_params, head_size)
+    window_by_default = family in ("mistral", "phi3")  # the families whose HF attention honours sliding_window
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", window_by_default) else None
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     hf_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"

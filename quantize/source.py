@@ -107,6 +107,28 @@ def hf_config_from_model_config(c: Any) -> dict[str, Any]:
     return cfg
 
 
+# Families whose transformers model fuses q/k/v and gate/up: their torch model is the Llama model of the same
+# weights, whose separate linears the quantizer calibrates and exports one by one as the checkpoint holds them.
+FUSED_AS_LLAMA = ("Phi3ForCausalLM",)
+
+
+def _as_llama(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor]
+              ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The Llama config and HF tensors computing what a Phi-3 model computes: the same RoPE (LongRoPE included) and
+    no sliding window (NOTE: engines are built no longer than the window, where it changes nothing)."""
+    from trtbuild.builder.convert.fused import split_fused
+    from trtbuild.builder.convert.hf_reader import SourceTensor
+    from trtbuild.configs.model_config import model_config_from_hf
+
+    config = model_config_from_hf(hf_config)
+    llama = {k: v for k, v in hf_config.items() if k not in ("sliding_window", "rope_scaling", "rope_parameters")}
+    llama.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False)
+    llama["rope_parameters"] = {"rope_type": "default", **(config.rotary_scaling or {}),
+                                "rope_theta": config.rotary_base}
+    sources = {n: SourceTensor(tuple(t.shape), lambda t=t: t) for n, t in tensors.items()}
+    return llama, {n: s.load() for n, s in split_fused(sources, config).items()}
+
+
 def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
     """The fp32 transformers model of `source`, in eval mode (transformers' own GGUF loading needs accelerate).
     Consumes `source.hf_tensors`: each tensor leaves the dict once copied into the model, so that memory holds the
@@ -118,11 +140,14 @@ def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
     import transformers
     from transformers.initialization import no_init_weights
 
-    if source.kind == "hf":
+    config_dict = source.hf_config
+    if (config_dict.get("architectures") or [None])[0] in FUSED_AS_LLAMA:
+        config_dict, source.hf_tensors = _as_llama(config_dict, source.hf_tensors)
+    if source.kind == "hf" and config_dict is source.hf_config:
         hf_cfg = transformers.AutoConfig.from_pretrained(str(source.path), local_files_only=True)
     else:
-        kwargs = {k: v for k, v in source.hf_config.items() if k not in ("model_type", "torch_dtype")}
-        hf_cfg = transformers.AutoConfig.for_model(source.hf_config["model_type"], **kwargs)
+        kwargs = {k: v for k, v in config_dict.items() if k not in ("model_type", "torch_dtype")}
+        hf_cfg = transformers.AutoConfig.for_model(config_dict["model_type"], **kwargs)
     with no_init_weights():  # every weight is loaded below (a random init of 1.5B parameters takes ~18 s)
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     model.tie_weights()  # which no_init_weights skips

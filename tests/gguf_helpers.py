@@ -1,5 +1,6 @@
 """Test helpers (importable as `gguf_helpers`): HF model folders with tokenizers and chat templates, and a GGUF writer
-that does what llama.cpp's convert_hf_to_gguf.py does for Llama, Mistral, Qwen2 and Qwen3 (with --outtype f32)."""
+that does what llama.cpp's convert_hf_to_gguf.py does for Llama, Mistral, Qwen2, Qwen3 and Phi-3 (with --outtype
+f32)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,8 @@ FAMILIES = {
     "mistral": ("llama", "spm", "Mistral Tiny"),
     "qwen2": ("qwen2", "bpe", "Qwen2.5 Tiny"),
     "qwen3": ("qwen3", "bpe", "Qwen3 Tiny"),
+    "phi3": ("phi3", "spm", "Phi3 Tiny"),
+    "phi3_longrope": ("phi3", "spm", "Phi3 Tiny"),
 }
 
 
@@ -75,12 +78,19 @@ def qwen_tokenizer() -> object:
 
 def make_hf_folder(family: str, out_dir: Path, overrides: dict | None = None) -> Path:
     """A random `family` model with a tokenizer and a chat template: stories260K's SentencePiece tokenizer for
-    llama/mistral (vocab 512), the Qwen-style BPE of `qwen_tokenizer` for qwen2/qwen3 (vocab 320, so that unused
+    llama/mistral/phi3 (vocab 512), the Qwen-style BPE of `qwen_tokenizer` for qwen2/qwen3 (vocab 320, so that unused
     slots pad the GGUF's token list as in real Qwen files)."""
     if FAMILIES[family][1] == "spm":
         make_random_hf_model(family, out_dir, overrides={"vocab_size": 512, **(overrides or {})})
         for name in ("tokenizer.model", "tokenizer.json"):
             shutil.copy(STORIES260K / name, out_dir / name)
+        if family.startswith("phi3"):  # Phi-3's tokenizer.json: the prefix space from a normalizer, as llama.cpp
+            tok = json.loads((out_dir / "tokenizer.json").read_text())
+            tok["normalizer"] = {"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "\u2581"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+            tok["pre_tokenizer"] = None
+            (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
         cfg = json.loads((STORIES260K / "tokenizer_config.json").read_text()) | {"chat_template": LLAMA_TEMPLATE}
     else:
         tok = qwen_tokenizer()
@@ -168,6 +178,22 @@ def _encode(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
     return encoders[qtype](data) if qtype in encoders else gguf.quants.quantize(data, qtype)
 
 
+def _add_phi3_parameters(w: gguf.GGUFWriter, cfg: dict, head_dim: int) -> None:
+    """Phi3MiniModel.set_gguf_parameters / generate_extra_tensors (LongRoPE's factors as tensors)."""
+    import math
+
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    orig = rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
+    w.add_rope_scaling_orig_ctx_len(orig)
+    w.add_rope_dimension_count(head_dim)
+    w.add_sliding_window(cfg.get("sliding_window") or 0)
+    if rope.get("long_factor"):
+        scale = cfg["max_position_embeddings"] / orig
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+        for kind in ("long", "short"):
+            w.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
+
+
 def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
                               qtypes: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
     """Write the HF folder `hf_dir` of `family` as llama.cpp's converter does (f32 tensors, or the GGML type
@@ -195,6 +221,8 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     if arch == "llama":  # LlamaModel.set_gguf_parameters
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
+    if arch == "phi3":
+        _add_phi3_parameters(w, cfg, head_dim)
     (_add_spm_vocab if vocab_kind == "spm" else _add_bpe_vocab)(w, hf_dir, cfg["vocab_size"])
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, layers)

@@ -1,6 +1,6 @@
 """A GGUF converts to the same checkpoint as the HF folder it was made from: stories260K's real GGUF, and tiny random
-Llama / Mistral / Qwen2 / Qwen3 models written the way llama.cpp's converter writes them (tokenizer and chat template
-included)."""
+Llama / Mistral / Qwen2 / Qwen3 / Phi-3 models written the way llama.cpp's converter writes them (tokenizer and chat
+template included)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_gguf_and_safetensors_give_the_same_checkpoint(tmp_path):
     assert Tokenizer(tmp_path / "from_gguf").encode(text) == Tokenizer(tmp_path / "from_hf").encode(text)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope"])
 def test_llama_cpp_style_gguf_converts_like_its_hf_folder(tmp_path, family, monkeypatch):
     from transformers import AutoTokenizer
 
@@ -43,7 +43,7 @@ def test_llama_cpp_style_gguf_converts_like_its_hf_folder(tmp_path, family, monk
     hf = make_hf_folder(family, tmp_path / family)
     convert(hf, tmp_path / "from_hf")
     config = convert(write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", family), tmp_path / "from_gguf")
-    assert config.family == family
+    assert config.family == family.removesuffix("_longrope")
     assert_same_checkpoint(tmp_path / "from_hf", tmp_path / "from_gguf")
 
     ref, got = Tokenizer(tmp_path / "from_hf"), Tokenizer(tmp_path / "from_gguf")
@@ -122,6 +122,32 @@ def test_quantized_gguf_engine_equals_its_dequantized_checkpoint(tmp_path, famil
     # Q5_1 linears
     assert bits == [4] * 5 + [8] * 7
     assert sum(n.op_type == "DenseMatMul" and n.name.endswith("_zero_points") for n in model.graph.node) == 6
+
+
+def test_a_phi3_gguf_keeps_its_fused_tensors_quantized_row_by_row(tmp_path, monkeypatch):
+    """Phi-3's fused attn_qkv (Q4_K) and gate+up ffn_up (Q6_K) split into q, k, v, gate and up by rows of blocks:
+    every part stays kept exactly, and the engine gives the dequantized checkpoint's logits."""
+    import numpy as np
+    from test_weight_only import OPTIONS, run
+
+    from trtbuild.builder.build import build_engine
+
+    require_shared_models()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    shape = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 16, "num_key_value_heads": 4}
+    hf = make_hf_folder("phi3_longrope", tmp_path / "hf", overrides=shape)
+    qtypes = {f"blk.{i}.{n}.weight": t for i in range(2) for n, t in (("attn_qkv", Q.Q4_K), ("ffn_up", Q.Q6_K),
+                                                                         ("attn_output", Q.Q8_0), ("ffn_down", Q.Q4_0))}
+    gguf_path = write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "phi3_longrope", qtypes)
+    config = convert(gguf_path, tmp_path / "as_is")
+    assert config.quantization.exclude_modules == ("lm_head",)
+    tensors = load_file(str(tmp_path / "as_is" / "rank0.safetensors"))
+    for part in ("attention.q", "attention.k", "attention.v", "mlp.gate", "mlp.fc"):
+        assert tensors[f"transformer.layers.1.{part}.weight"].dtype == torch.uint8, part
+    convert(gguf_path, tmp_path / "float", dtype="float32", dequantize=True)
+    got = run(build_engine(tmp_path / "as_is", tmp_path / "e_as_is", **OPTIONS))
+    want = run(build_engine(tmp_path / "float", tmp_path / "e_float", **OPTIONS))
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
 # ---- F16 files: the checkpoint holds their 16-bit values ---------------------------------------------------------

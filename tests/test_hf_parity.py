@@ -16,7 +16,8 @@ from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 
 RTOL = 1e-4
-MODELS = ["stories260K", "tinystories-656K", "llama", "llama3_rope", "qwen2", "qwen3", "mistral"]
+MODELS = ["stories260K", "tinystories-656K", "llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3",
+          "phi3_longrope"]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """benchmarks/make_real_size_model.py: the GGUFs it writes convert to the model they were written from (llama q / k
-rows permuted as llama.cpp's converter does, llama3 RoPE factors as a rope_freqs tensor), and its random GGUFs
-without an HF folder are ones `convert` reads."""
+rows permuted as llama.cpp's converter does, llama3 RoPE factors as a rope_freqs tensor, Phi-3's fused projections
+and LongRoPE factor tensors), and its random GGUFs without an HF folder are ones `convert` reads."""
 
 from __future__ import annotations
 
@@ -29,18 +29,19 @@ def script():
 
 
 def _tiny(script, name: str):
-    return replace(script.SHAPES[name], hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+    hidden = 384 if name == "phi3-mini" else 256  # heads of 96, which phi3-mini's 48 LongRoPE factors rotate
+    return replace(script.SHAPES[name], hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, intermediate_size=512, vocab_size=4096)
 
 
-@pytest.mark.parametrize("name", ["llama-8b", "1.5b"])
+@pytest.mark.parametrize("name", ["llama-8b", "1.5b", "phi3-mini"])
 def test_f32_gguf_converts_to_the_hf_model(script, tmp_path: Path, name: str):
     shape = _tiny(script, name)
     hf = tmp_path / "hf"
     hf.mkdir()
     tok = script.make_tokenizer(hf, shape.family)
     script.make_hf(hf, shape, tok, seed=0, dtype="float32")
-    script.make_gguf(tmp_path / "model.gguf", shape, tok, hf, seed=0, f32=True)
+    script.make_gguf(tmp_path / "model.gguf", shape, tok, hf, seed=0, form="f32")
     convert(hf, tmp_path / "from_hf")
     convert(tmp_path / "model.gguf", tmp_path / "from_gguf")
 
@@ -53,8 +54,9 @@ def test_f32_gguf_converts_to_the_hf_model(script, tmp_path: Path, name: str):
     cfg_gguf = json.loads((tmp_path / "from_gguf" / "config.json").read_text())
     assert cfg_gguf == cfg_hf
     if shape.rope_scaling is not None:
-        assert cfg_gguf["rotary_scaling"]["rope_type"] == "llama3"
-        assert cfg_gguf["rotary_scaling"]["factor"] == shape.rope_scaling["factor"]
+        assert cfg_gguf["rotary_scaling"]["rope_type"] == shape.rope_scaling["rope_type"]
+        for key in ("factor", "long_factor", "short_factor"):
+            assert cfg_gguf["rotary_scaling"].get(key) == shape.rope_scaling.get(key), key
 
 
 def test_random_gguf_without_hf_folder(script, tmp_path: Path):

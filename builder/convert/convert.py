@@ -23,6 +23,7 @@ from trtbuild.builder.convert.checkpoint import (
     rank_file,
     remove_partial_output,
 )
+from trtbuild.builder.convert.fused import split_fused
 from trtbuild.builder.convert.hf_reader import SourceTensor
 from trtbuild.builder.convert.names import hf_to_checkpoint_name, is_linear, linear_prefixes
 from trtbuild.builder.convert.safetensors_io import SafetensorsWriter
@@ -48,7 +49,7 @@ class WeightOnly:
 def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:
     """Checkpoint name -> source tensor for every tensor the checkpoint needs; checks names and shapes first."""
     plan = {}
-    for hf_name, src in source.items():
+    for hf_name, src in split_fused(source, config).items():
         if (name := hf_to_checkpoint_name(hf_name)) is not None:
             plan[name] = src
     # Tied models store one of the two (which one depends on who saved them); the checkpoint holds both.

@@ -16,11 +16,15 @@ import numpy as np
 
 from trtbuild.errors import CheckpointError
 
-# Per-layer GGUF tensors (the part after `blk.N.`) every supported architecture has.
-COMMON_LAYER_TENSORS = (
-    *(f"{n}.weight" for n in ("attn_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "attn_output")),
-    *(f"attn_{p}.weight" for p in "qkv"),
-)
+# Per-layer GGUF tensors (the part after `blk.N.`) of the architectures with separate projections, and of those with
+# fused ones (Phi-3: attn_qkv, and ffn_up holding gate and up).
+_BASE_LAYER_TENSORS = tuple(f"{n}.weight" for n in ("attn_norm", "ffn_norm", "ffn_down", "attn_output"))
+SEPARATE_LAYER_TENSORS = (*_BASE_LAYER_TENSORS, *(f"attn_{p}.weight" for p in "qkv"), "ffn_gate.weight",
+                          "ffn_up.weight")
+FUSED_LAYER_TENSORS = (*_BASE_LAYER_TENSORS, "attn_qkv.weight", "ffn_up.weight")
+# Whole-model tensors that are RoPE parameters (they go into the config): llama 3's per-frequency divisors, Phi-3's
+# LongRoPE factors.
+ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _QKV_BIAS = tuple(f"attn_{p}.bias" for p in "qkv")
 _QK_NORM = ("attn_q_norm.weight", "attn_k_norm.weight")
 
@@ -31,11 +35,12 @@ class GgufArch:
 
     hf_architecture: str  # config.json `architectures[0]`
     model_type: str
-    # llama.cpp's converter permuted the q/k rows (LlamaModel.permute) for its interleaved RoPE; Qwen2/Qwen3 run
-    # NeoX-style RoPE in llama.cpp, so their rows are stored as in HF.
+    # llama.cpp's converter permuted the q/k rows (LlamaModel.permute) for its interleaved RoPE; Qwen2/Qwen3/Phi-3
+    # run NeoX-style RoPE in llama.cpp, so their rows are stored as in HF.
     permute_qk: bool
-    layer_tensors: tuple[str, ...] = ()  # required per-layer tensors beyond COMMON_LAYER_TENSORS
+    layer_tensors: tuple[str, ...] = SEPARATE_LAYER_TENSORS  # required per-layer tensors
     optional_layer_tensors: tuple[str, ...] = ()
+    fused: bool = False  # attn_qkv and a gate+up ffn_up, as HF's qkv_proj and gate_up_proj
 
 
 GGUF_ARCHITECTURES: dict[str, GgufArch] = {
@@ -43,8 +48,9 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     # llama.cpp writes MistralForCausalLM as general.architecture "llama" (see resolve_architecture); "mistral" is
     # also accepted as a literal architecture name.
     "mistral": GgufArch("MistralForCausalLM", "mistral", True),
-    "qwen2": GgufArch("Qwen2ForCausalLM", "qwen2", False, layer_tensors=_QKV_BIAS),
-    "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3", False, layer_tensors=_QK_NORM),
+    "qwen2": GgufArch("Qwen2ForCausalLM", "qwen2", False, (*SEPARATE_LAYER_TENSORS, *_QKV_BIAS)),
+    "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3", False, (*SEPARATE_LAYER_TENSORS, *_QK_NORM)),
+    "phi3": GgufArch("Phi3ForCausalLM", "phi3", False, FUSED_LAYER_TENSORS, fused=True),
 }
 
 
@@ -64,7 +70,8 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
     if arch not in GGUF_ARCHITECTURES:
         raise CheckpointError(
             f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
-            f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, TinyLlama, Qwen2/2.5, Qwen3 ...). "
+            f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, TinyLlama, Qwen2/2.5, Qwen3, Phi-3/3.5, "
+            "Phi-4 ...). "
             "Convert the HF checkpoint instead."
         )
     if arch == "llama" and _is_mistral(meta, arch):
@@ -86,12 +93,31 @@ def _llama3_factors(theta: float, dim: int, factor: float, low: float, high: flo
     return np.where(wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, out))
 
 
+def _longrope(meta: dict[str, Any], prefix: str, long: np.ndarray, short: np.ndarray, cfg: dict[str, Any]
+              ) -> dict[str, Any]:
+    """Phi-3's LongRoPE as HF's config holds it, from the factor tensors llama.cpp's converter writes."""
+    from trtbuild.builder.rope import longrope_attention_factor
+
+    orig = int(meta.get(f"{prefix}.rope.scaling.original_context_length") or cfg["max_position_embeddings"])
+    scaling = {"rope_type": "longrope", "long_factor": [_f32(x) for x in long.ravel()],
+               "short_factor": [_f32(x) for x in short.ravel()], "original_max_position_embeddings": orig}
+    attn = meta.get(f"{prefix}.rope.scaling.attn_factor")
+    default = longrope_attention_factor(cfg["max_position_embeddings"] / orig, orig)
+    if attn is not None and not math.isclose(attn, default, rel_tol=1e-6):  # else HF's default, to float32 rounding
+        scaling["attention_factor"] = _f32(attn)
+    return scaling
+
+
 def _rope_scaling(
-    meta: dict[str, Any], prefix: str, rope_freqs: np.ndarray | None, cfg: dict[str, Any]
+    meta: dict[str, Any], prefix: str, rope_tensors: dict[str, np.ndarray], cfg: dict[str, Any]
 ) -> dict[str, Any] | None:
     kind = str(meta.get(f"{prefix}.rope.scaling.type", "none")).lower()
     factor = meta.get(f"{prefix}.rope.scaling.factor", meta.get(f"{prefix}.rope.scale_linear"))
     orig = meta.get(f"{prefix}.rope.scaling.original_context_length")
+    long, short = (rope_tensors.get(f"rope_factors_{k}.weight") for k in ("long", "short"))
+    if long is not None and short is not None:
+        return _longrope(meta, prefix, long, short, cfg)
+    rope_freqs = rope_tensors.get("rope_freqs.weight")
     if rope_freqs is not None:  # llama 3.1+ : llama.cpp stores the llama3 frequency factors as a tensor
         rf = rope_freqs.astype(np.float64).ravel()
         scaling = {
@@ -134,9 +160,10 @@ def hf_config(
     prefix: str,
     arch: GgufArch,
     shapes: dict[str, tuple[int, ...]],
-    rope_freqs: np.ndarray | None,
+    rope_tensors: dict[str, np.ndarray],
 ) -> dict[str, Any]:
-    """The Hugging Face config.json dict of a GGUF whose metadata keys start with `prefix`."""
+    """The Hugging Face config.json dict of a GGUF whose metadata keys start with `prefix`; `rope_tensors` are the
+    file's RoPE factor tensors (ROPE_TENSORS) by name."""
 
     def need(key: str) -> Any:
         if f"{prefix}.{key}" not in meta:
@@ -148,7 +175,10 @@ def hf_config(
 
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     rope_dim = meta.get(f"{prefix}.rope.dimension_count")
+    kv_heads = first(meta.get(f"{prefix}.attention.head_count_kv", heads))
     q_rows = shapes["blk.0.attn_q.weight"][0] // heads if "blk.0.attn_q.weight" in shapes else None
+    if "blk.0.attn_qkv.weight" in shapes:  # fused: q, k and v heads
+        q_rows = shapes["blk.0.attn_qkv.weight"][0] // (heads + 2 * kv_heads)
     head_dim = int(meta.get(f"{prefix}.attention.key_length") or q_rows or rope_dim or hidden // heads)
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise CheckpointError(
@@ -165,7 +195,7 @@ def hf_config(
         "intermediate_size": first(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": first(meta.get(f"{prefix}.attention.head_count_kv", heads)),
+        "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "vocab_size": int(vocab),
         "max_position_embeddings": int(meta.get(f"{prefix}.context_length", 2048)),
@@ -175,7 +205,7 @@ def hf_config(
         "tie_word_embeddings": "output.weight" not in shapes,
         "attention_bias": "blk.0.attn_q.bias" in shapes,
         "mlp_bias": False,
-        "sliding_window": int(window) if window else None,  # only the mistral family uses it
+        "sliding_window": int(window) if window else None,  # only the mistral and phi3 families use it
         "torch_dtype": "float32",
     }
     for ours, theirs in (("bos", "bos"), ("pad", "padding")):
@@ -183,6 +213,6 @@ def hf_config(
             cfg[f"{ours}_token_id"] = int(meta[f"tokenizer.ggml.{theirs}_token_id"])
     if (eos := _eos_ids(meta)) is not None:
         cfg["eos_token_id"] = eos
-    if (scaling := _rope_scaling(meta, prefix, rope_freqs, cfg)) is not None:
+    if (scaling := _rope_scaling(meta, prefix, rope_tensors, cfg)) is not None:
         cfg["rope_scaling"] = scaling
     return cfg

@@ -1,4 +1,4 @@
-"""Read a GGUF file (llama, mistral, qwen2, qwen3) into Hugging Face form: an HF config dict and an HF-named
+"""Read a GGUF file (llama, mistral, qwen2, qwen3, phi3) into Hugging Face form: an HF config dict and an HF-named
 float32 state dict.
 
 The rest of the converter only deals with HF names. This module opens the file, reads its metadata and maps tensors to
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from trtbuild.builder.convert.gguf_config import COMMON_LAYER_TENSORS, hf_config, resolve_architecture
+from trtbuild.builder.convert.gguf_config import ROPE_TENSORS, hf_config, resolve_architecture
 from trtbuild.builder.convert.hf_reader import SourceTensor
 from trtbuild.errors import CheckpointError
 
@@ -33,6 +33,8 @@ _LAYER_NAMES = {
     **{f"attn_{p}.{w}": f"self_attn.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")},
     **{f"attn_{p}_norm.weight": f"self_attn.{p}_norm.weight" for p in "qk"},
 }
+_FUSED_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv.weight": "self_attn.qkv_proj.weight",
+                      "ffn_up.weight": "mlp.gate_up_proj.weight"}  # Phi-3 (builder/convert/fused.py splits them)
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -144,7 +146,7 @@ def _storage_dtype(path: Path, reader: Any) -> str:
         return "float32"
     np_type = np.float16 if kind == Q.F16 else ml_dtypes.bfloat16
     for t in reader.tensors:
-        if t.tensor_type == Q.F32 and t.name != "rope_freqs.weight":  # rope_freqs goes into the config, not here
+        if t.tensor_type == Q.F32 and t.name not in ROPE_TENSORS:  # they go into the config, not here
             values = _dequantize(path, t)
             if not np.array_equal(values.astype(np_type).astype(np.float32), values):
                 return "float32"
@@ -152,7 +154,7 @@ def _storage_dtype(path: Path, reader: Any) -> str:
 
 
 def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any], dict[str, SourceTensor]]:
-    """(hf_config_dict, HF name -> SourceTensor) of a llama/mistral/qwen2/qwen3 GGUF; a tensor is decoded when
+    """(hf_config_dict, HF name -> SourceTensor) of a llama/mistral/qwen2/qwen3/phi3 GGUF; a tensor is decoded when
     loaded. Names follow transformers' *ForCausalLM (model.layers.{i}.self_attn.q_proj.weight, ...); Linear weights
     are [out, in]; lm_head.weight is absent when the embeddings are tied. With `keep_quantization`, 2-D tensors whose
     GGML type has an exact low-bit form (gguf_quants.EXACT_NBITS) load as NBitsWeight, the rest as float32. The
@@ -164,13 +166,12 @@ def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any
     meta = _fields(reader)
     prefix, arch = resolve_architecture(meta, path)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
-    rope_freqs = None
-    if "rope_freqs.weight" in shapes:
-        rope_freqs = _dequantize(path, next(t for t in reader.tensors if t.name == "rope_freqs.weight"))
-    cfg = hf_config(meta, prefix, arch, shapes, rope_freqs)
+    rope_tensors = {t.name: _dequantize(path, t) for t in reader.tensors if t.name in ROPE_TENSORS}
+    cfg = hf_config(meta, prefix, arch, shapes, rope_tensors)
     cfg["torch_dtype"] = _storage_dtype(path, reader)
     n_layers = cfg["num_hidden_layers"]
-    required = (*COMMON_LAYER_TENSORS, *arch.layer_tensors)
+    required = arch.layer_tensors
+    layer_names = _FUSED_LAYER_NAMES if arch.fused else _LAYER_NAMES
     allowed = {*required, *arch.optional_layer_tensors}
     permuted = ("attn_q.", "attn_k.") if arch.permute_qk else ()
     missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in shapes]
@@ -183,13 +184,13 @@ def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any
     sources: dict[str, SourceTensor] = {}
     forms: dict[str, list[str]] = {}  # GGML type name -> what its tensors become, for the per-type report
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name in ROPE_TENSORS:
             continue
         m = _BLOCK_RE.fullmatch(t.name)
         if t.name in _GLOBAL_NAMES:
             hf = _GLOBAL_NAMES[t.name]
         elif m and m.group(2) in allowed and int(m.group(1)) < n_layers:
-            hf = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+            hf = f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
         else:
             raise CheckpointError(
                 f"{path}: unexpected tensor {t.name!r} for a {arch.model_type} model; this GGUF variant is not "

@@ -1,0 +1,67 @@
+"""Fused projections split into the separate ones every other family has.
+
+Phi-3 stores each layer's q, k and v projections as one `qkv_proj` (rows q, then k, then v) and gate and up as one
+`gate_up_proj` (rows gate, then up); its GGUF files do the same (`attn_qkv`, and `ffn_up` twice as tall). Splitting
+them here, by rows and without reading anything, lets the converter, the quantizer and the engine see one layout
+(the engine fuses q/k/v and gate/up again itself: builder/passes/fuse_gemms.py). A row range of a GGUF tensor kept
+quantized is a row range of its blocks, so it stays exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from trtbuild.builder.convert.hf_reader import SourceTensor
+from trtbuild.configs import ModelConfig
+
+_FUSED_LAYER = re.compile(r"^(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
+
+
+def fused_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Fused module -> its parts (module name, rows), in row order."""
+    return {
+        "self_attn.qkv_proj": (("self_attn.q_proj", config.q_size), ("self_attn.k_proj", config.kv_size),
+                               ("self_attn.v_proj", config.kv_size)),
+        "mlp.gate_up_proj": (("mlp.gate_proj", config.intermediate_size),
+                             ("mlp.up_proj", config.intermediate_size)),
+    }
+
+
+def take_rows(value: Any, start: int, stop: int) -> Any:
+    """Rows [start, stop) of a weight: a torch tensor, a numpy array or a kept-quantized NBitsWeight."""
+    from trtbuild.builder.convert.weight_only import NBitsWeight
+
+    if isinstance(value, NBitsWeight):
+        zp = value.zero_points
+        return dataclasses.replace(value, codes=value.codes[start:stop].copy(),
+                                   scales=value.scales[start:stop].copy(),
+                                   zero_points=None if zp is None else zp[start:stop].copy())
+    return value[start:stop].clone() if hasattr(value, "clone") else value[start:stop].copy()
+
+
+def split_fused(sources: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:
+    """`sources` with every fused projection replaced by its parts (each loads the fused tensor and keeps its
+    rows); a fused tensor whose rows are not the parts' sum is a CheckpointError."""
+    from trtbuild.errors import CheckpointError
+
+    parts = fused_parts(config)
+    out: dict[str, SourceTensor] = {}
+    for name, src in sources.items():
+        m = _FUSED_LAYER.match(name)
+        if m is None:
+            out[name] = src
+            continue
+        layer, fused = m.groups()
+        rows = sum(n for _, n in parts[fused])
+        if len(src.shape) != 2 or src.shape[0] != rows:
+            raise CheckpointError(f"{name} has shape {list(src.shape)}; the config makes it [{rows}, ...] "
+                                  f"({' + '.join(f'{p}: {n}' for p, n in parts[fused])}). The weights do not fit "
+                                  "the config.")
+        start = 0
+        for part, n in parts[fused]:
+            out[f"{layer}.{part}.weight"] = SourceTensor(
+                (n, src.shape[1]), lambda src=src, a=start, b=start + n: take_rows(src.load(), a, b), src.nbits)
+            start += n
+    return out
