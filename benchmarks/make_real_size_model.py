@@ -59,9 +59,10 @@ LLAMA3 = Family(
     "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
     "<|end_header_id|>\n\n{% endif %}")
 # Phi-3.5-mini's layout (fused q/k/v and gate/up, LongRoPE) with a byte-level BPE, as Phi-4 pairs the phi3
-# architecture with one.
+# architecture with one; Phi-3's specials (llama.cpp looks up <unk>, <s> and </s> in any model named phi3).
 PHI3 = Family(
-    "phi3", "llama-bpe", r"\p{N}{1,3}", ("<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+    "phi3", "llama-bpe", r"\p{N}{1,3}",
+    ("<unk>", "<s>", "</s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
     None, "<|end|>", "<|endoftext|>",
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

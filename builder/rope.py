@@ -1,8 +1,19 @@
-"""RoPE cos/sin tables, computed exactly as Hugging Face computes them (fp32), for positions 0..max_positions-1."""
+"""RoPE cos/sin tables, computed exactly as Hugging Face computes them (fp32), for positions 0..max_positions-1, and
+the q/k row order that lets partial rotary embeddings run on the engine's whole-head RoPE.
+
+The engine rotates the pairs (i, i + head_size / 2) of every head (NeoX / HF rotate_half layout). A model that
+rotates only its first `rotary_dim` dimensions pairs (i, i + rotary_dim / 2) and passes the rest through. q . k is the
+same under any one reordering of both q's and k's dimensions, so the builder reorders each q and k head's rows
+(`rotary_row_order`) to put the rotated pairs where the engine rotates and the others on pairs whose cos is 1 and sin
+0; v and the attention's output keep their order.
+"""
 
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -10,9 +21,13 @@ import torch
 from trtbuild.configs import ModelConfig
 
 
+def rotary_dim(config: ModelConfig) -> int:
+    return config.rotary_dim or config.head_size
+
+
 def inverse_frequencies(config: ModelConfig, max_positions: int) -> torch.Tensor:
-    """The rotation speed of each pair of head dimensions, for an engine of `max_positions` positions."""
-    dim = config.head_size
+    """The rotation speed of each rotated pair of head dimensions, for an engine of `max_positions` positions."""
+    dim = rotary_dim(config)
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     scaling = config.rotary_scaling or {}
     kind = scaling.get("rope_type", "default")
@@ -57,8 +72,61 @@ def longrope_attention_factor(factor: float, original_context: int) -> float:
 
 
 def rope_tables(config: ModelConfig, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin, each [max_positions, head_size / 2], float32."""
+    """cos and sin, each [max_positions, head_size / 2], float32; pairs past the rotated ones have cos 1, sin 0."""
     positions = torch.arange(max_positions, dtype=torch.float32)
     angles = positions[:, None] * inverse_frequencies(config, max_positions)[None, :]
     scale = attention_factor(config)
-    return (angles.cos() * scale).numpy(), (angles.sin() * scale).numpy()
+    passed = config.head_size // 2 - angles.shape[1]
+    cos = torch.cat([angles.cos() * scale, torch.ones(max_positions, passed)], dim=1)
+    sin = torch.cat([angles.sin() * scale, torch.zeros(max_positions, passed)], dim=1)
+    return cos.numpy(), sin.numpy()
+
+
+def rotary_row_order(head_size: int, rotary: int) -> np.ndarray:
+    """Engine dimension n of a head holds model dimension order[n]: the rotated pairs (i, i + rotary / 2) on the
+    engine's pairs (i, i + head_size / 2) for i < rotary / 2, the passed-through dimensions on the remaining pairs."""
+    half, r = head_size // 2, rotary // 2
+    passed = np.arange(rotary, head_size)
+    return np.concatenate([np.arange(r), passed[: half - r], np.arange(r, rotary), passed[half - r:]])
+
+
+_ROTATED = re.compile(r"^transformer\.layers\.\d+\.attention\.([qk])(_norm)?\.(weight|bias|weights_scaling_factor|"
+                      r"weights_zero_point)$")
+
+
+class PartialRotaryRows(Mapping):
+    """A checkpoint's tensors with every q and k head's output rows (and q / k norm weights) in `rotary_row_order`:
+    weights, biases and the per-row scales and zero points of quantized linears; their input-side scales keep
+    their order. Lazy: a tensor is reordered when it is looked up."""
+
+    def __init__(self, tensors: Mapping[str, Any], config: ModelConfig) -> None:
+        self.tensors, self.config = tensors, config
+        self.order = rotary_row_order(config.head_size, rotary_dim(config))
+
+    def __getitem__(self, name: str) -> Any:
+        t = self.tensors[name]
+        m = _ROTATED.match(name)
+        if m is None or t.ndim == 0:
+            return t
+        heads = self.config.num_attention_heads if m.group(1) == "q" else self.config.num_key_value_heads
+        d = self.config.head_size
+        if m.group(2):  # a per-head norm weight [head_size]
+            return t[torch.from_numpy(self.order)]
+        if t.shape[0] != heads * d:
+            return t
+        rows = (np.arange(heads)[:, None] * d + self.order[None, :]).ravel()
+        return t[torch.from_numpy(rows)]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def __getattr__(self, attr: str) -> Any:  # a lazy file's header lookups (dtype, shape): the order keeps them
+        if attr in ("tensors", "config", "order"):  # not yet set (copy, pickle)
+            raise AttributeError(attr)
+        return getattr(self.tensors, attr)

@@ -183,6 +183,7 @@ class ModelConfig:
     max_position_embeddings: int
     rotary_base: float = 10000.0
     rotary_scaling: dict[str, Any] | None = None
+    rotary_dim: int | None = None  # dimensions of each head RoPE rotates (partial rotary, Phi-4-mini); None: all
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -207,6 +208,11 @@ class ModelConfig:
         for name in ("architecture", "family", "dtype", "hidden_act"):
             if not isinstance(getattr(self, name), str):
                 raise CheckpointError(f"config.json: {name} must be a string, got {getattr(self, name)!r}")
+        rd = self.rotary_dim
+        if rd is not None and (not isinstance(rd, int) or isinstance(rd, bool) or not 0 < rd < self.head_size
+                               or rd % 2):
+            raise CheckpointError(f"config.json: rotary_dim must be null or an even number below head_size "
+                                  f"({self.head_size}), got {rd!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError(f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple "
                                   f"of num_key_value_heads ({self.num_key_value_heads})")
@@ -283,7 +289,20 @@ def model_config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig
         raise CheckpointError(f"the model's config.json has an invalid value ({e}).") from None
 
 
-def _rope_scaling(hf: dict[str, Any], rope_params: dict[str, Any], head_size: int) -> dict[str, Any] | None:
+def _rotary_dim(hf: dict[str, Any], rope_params: dict[str, Any], head_size: int) -> int | None:
+    """Dimensions RoPE rotates per head when fewer than all (HF: int(head_dim * partial_rotary_factor))."""
+    scaling = hf.get("rope_scaling") or rope_params
+    factor = float(scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    dim = int(round(head_size * factor, 6))  # HF: int(head_dim * factor), which 0.1-style factors can round down
+    if dim == head_size:
+        return None
+    if not 0 < dim < head_size or dim % 2:
+        raise CheckpointError(f"partial_rotary_factor {factor} rotates {dim} of {head_size} head dimensions; it "
+                              "must rotate an even number of them.")
+    return dim
+
+
+def _rope_scaling(hf: dict[str, Any], rope_params: dict[str, Any], rotary_dim: int) -> dict[str, Any] | None:
     """The checkpoint's `rotary_scaling`: None for plain RoPE, else the HF scaling parameters and their rope_type
     (LongRoPE's: short_factor, long_factor, original_max_position_embeddings, and factor or attention_factor where
     the model gives them)."""
@@ -292,9 +311,6 @@ def _rope_scaling(hf: dict[str, Any], rope_params: dict[str, Any], head_size: in
     rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
     if rope_type not in ROPE_TYPES:
         raise CheckpointError(f"rope scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)} are).")
-    if float(scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise CheckpointError("partial rotary embeddings (partial_rotary_factor < 1, as in Phi-4-mini) are not "
-                              "supported: trtbuild rotates whole heads.")
     if rope_type == "default":
         return None
     out = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
@@ -304,9 +320,9 @@ def _rope_scaling(hf: dict[str, Any], rope_params: dict[str, Any], head_size: in
             scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
             or hf["max_position_embeddings"])
         for key in ("short_factor", "long_factor"):
-            if len(out[key]) != head_size // 2:
+            if len(out[key]) != rotary_dim // 2:
                 raise CheckpointError(f"rope scaling {key} has {len(out[key])} values; LongRoPE needs one per "
-                                      f"rotated pair of the head ({head_size // 2}).")
+                                      f"rotated pair of the head ({rotary_dim // 2}).")
     return out
 
 
@@ -327,7 +343,8 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     heads = int(hf["num_attention_heads"])
     head_size = int(hf.get("head_dim") or hf["hidden_size"] // heads)
     rope_params = hf.get("rope_parameters") or {}
-    rope_scaling = _rope_scaling(hf, rope_params, head_size)
+    rotary_dim = _rotary_dim(hf, rope_params, head_size)
+    rope_scaling = _rope_scaling(hf, rope_params, rotary_dim or head_size)
     window_by_default = family in ("mistral", "phi3")  # the families whose HF attention honours sliding_window
     window = hf.get("sliding_window") if hf.get("use_sliding_window", window_by_default) else None
     eos = hf.get("eos_token_id")
@@ -352,6 +369,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         rotary_base=float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
         rotary_scaling=rope_scaling,
+        rotary_dim=rotary_dim,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,

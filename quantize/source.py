@@ -104,6 +104,8 @@ def hf_config_from_model_config(c: Any) -> dict[str, Any]:
         cfg["attention_bias"] = c.qkv_bias
     if c.rotary_scaling:
         cfg["rope_scaling"] = dict(c.rotary_scaling)
+    if c.rotary_dim is not None:
+        cfg["partial_rotary_factor"] = c.rotary_dim / c.head_size
     return cfg
 
 
@@ -121,6 +123,10 @@ def _as_llama(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor]
     from trtbuild.configs.model_config import model_config_from_hf
 
     config = model_config_from_hf(hf_config)
+    if config.rotary_dim is not None:
+        raise CheckpointError(f"`trtbuild quantize` cannot calibrate a model with partial rotary embeddings yet "
+                              f"(this one rotates {config.rotary_dim} of {config.head_size} head dimensions): use a "
+                              "quantized GGUF of it, or `trtbuild convert --weight-only int8|int4`.")
     llama = {k: v for k, v in hf_config.items() if k not in ("sliding_window", "rope_scaling", "rope_parameters")}
     llama.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False)
     llama["rope_parameters"] = {"rope_type": "default", **(config.rotary_scaling or {}),

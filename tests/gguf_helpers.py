@@ -43,6 +43,7 @@ FAMILIES = {
     "qwen3": ("qwen3", "bpe", "Qwen3 Tiny"),
     "phi3": ("phi3", "spm", "Phi3 Tiny"),
     "phi3_longrope": ("phi3", "spm", "Phi3 Tiny"),
+    "phi3_partial": ("phi3", "spm", "Phi3 Tiny"),
 }
 
 
@@ -185,7 +186,7 @@ def _add_phi3_parameters(w: gguf.GGUFWriter, cfg: dict, head_dim: int) -> None:
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     orig = rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
     w.add_rope_scaling_orig_ctx_len(orig)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     w.add_sliding_window(cfg.get("sliding_window") or 0)
     if rope.get("long_factor"):
         scale = cfg["max_position_embeddings"] / orig

@@ -1,6 +1,7 @@
 """Phi-3's differences from Llama, each against transformers or as a clear refusal: LongRoPE's two factor sets and
-attention scaling, the sliding window, fused projections, and partial rotary embeddings (Phi-4-mini), which the
-engine does not run. End-to-end parity is in test_hf_parity.py, GGUF files in test_gguf_convert.py."""
+attention scaling, the sliding window, fused projections, and partial rotary embeddings (Phi-4-mini), which run on the
+engine's whole-head RoPE with q / k rows reordered. End-to-end parity is in test_hf_parity.py, GGUF files in
+test_gguf_convert.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import torch
 
 from trtbuild.builder.convert.fused import split_fused
 from trtbuild.builder.convert.hf_reader import SourceTensor
-from trtbuild.builder.rope import attention_factor, inverse_frequencies
+from trtbuild.builder.rope import (
+    PartialRotaryRows,
+    attention_factor,
+    inverse_frequencies,
+    rope_tables,
+    rotary_row_order,
+)
 from trtbuild.configs.model_config import model_config_from_hf
 from trtbuild.errors import CheckpointError
 
@@ -48,7 +55,8 @@ def test_phi3_honours_its_sliding_window_and_phi4_has_none():
 
 
 @pytest.mark.parametrize(("edit", "message"), [
-    ({"partial_rotary_factor": 0.75}, "partial rotary embeddings"),
+    ({"partial_rotary_factor": 0.3125, "rope_scaling": None},
+     "partial_rotary_factor 0.3125 rotates 5 of 16 head dimensions; it must rotate an even number"),
     ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 8}},
      "short_factor has 4 values; LongRoPE needs one per rotated pair of the head \\(8\\)"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope scaling type 'dynamic' is not supported"),
@@ -74,3 +82,55 @@ def test_fused_projections_split_by_rows_and_a_wrong_shape_is_refused():
     assert split["model.layers.0.self_attn.v_proj.weight"].shape == (32, 64)
     with pytest.raises(CheckpointError, match=r"qkv_proj.weight has shape \[120, 64\]; the config makes it \[128"):
         split_fused({"model.layers.0.self_attn.qkv_proj.weight": SourceTensor((120, 64), lambda: qkv)}, config)
+
+
+def _rotate_half_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary: int) -> torch.Tensor:
+    """HF Phi-3: rotate_half on the first `rotary` dimensions, the rest passed through."""
+    rot, rest = x[..., :rotary], x[..., rotary:]
+    c, s = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    turned = torch.cat([-rot[..., rotary // 2:], rot[..., : rotary // 2]], -1)
+    return torch.cat([rot * c + turned * s, rest], -1)
+
+
+@pytest.mark.parametrize(("head", "rotary"), [(16, 8), (128, 96), (96, 64)])
+def test_reordered_rows_on_whole_head_rope_give_partial_rope_scores(head, rotary):
+    """q . k after the engine's RoPE (pairs (i, i + head / 2), the tables' cos 1 / sin 0 past the rotated pairs) on
+    reordered q / k rows equals HF's partial rotary q . k, for every pair of positions."""
+    config = model_config_from_hf({**PHI3, "hidden_size": 4 * head, "partial_rotary_factor": rotary / head,
+                                   "rope_scaling": None, "sliding_window": None})
+    assert config.rotary_dim == rotary
+    order = rotary_row_order(head, rotary)
+    assert sorted(order) == list(range(head))
+    cos, sin = (torch.from_numpy(t) for t in rope_tables(config, 64))
+    assert torch.equal(cos[:, rotary // 2:], torch.ones(64, (head - rotary) // 2))
+    inv = inverse_frequencies(config, 64)
+    angles = torch.arange(64.0)[:, None] * inv[None, :]
+    q, k = torch.randn(64, head, dtype=torch.float64), torch.randn(64, head, dtype=torch.float64)
+    want = _rotate_half_partial(q, angles.cos(), angles.sin(), rotary) @ \
+        _rotate_half_partial(k, angles.cos(), angles.sin(), rotary).T
+    got = _rotate_half_partial(q[:, order], cos, sin, head) @ _rotate_half_partial(k[:, order], cos, sin, head).T
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_partial_rotary_rows_reorder_q_k_outputs_only():
+    config = model_config_from_hf({**PHI3, "partial_rotary_factor": 0.5, "rope_scaling": None})  # 8 of 16 rotated
+    order = torch.from_numpy(rotary_row_order(16, 8))
+    t = {"transformer.layers.0.attention.q.weight": torch.arange(64 * 64.0).reshape(64, 64),
+         "transformer.layers.0.attention.k.weights_scaling_factor": torch.arange(32.0),
+         "transformer.layers.0.attention.k.prequant_scaling_factor": torch.arange(64.0),
+         "transformer.layers.0.attention.v.weight": torch.arange(32 * 64.0).reshape(32, 64)}
+    rows = PartialRotaryRows(t, config)
+    q = rows["transformer.layers.0.attention.q.weight"]
+    for h in range(4):
+        assert torch.equal(q[16 * h: 16 * h + 16], t["transformer.layers.0.attention.q.weight"][16 * h + order])
+    assert torch.equal(rows["transformer.layers.0.attention.k.weights_scaling_factor"][16:], 16 + order.float())
+    for same in ("transformer.layers.0.attention.k.prequant_scaling_factor", "transformer.layers.0.attention.v.weight"):
+        assert torch.equal(rows[same], t[same])
+    assert set(rows) == set(t) and len(rows) == 4
+
+
+def test_the_quantizer_refuses_partial_rotary_with_what_to_do():
+    from trtbuild.quantize.source import _as_llama
+
+    with pytest.raises(CheckpointError, match="partial rotary embeddings .* rotates 8 of 16 .* quantized GGUF"):
+        _as_llama({**PHI3, "partial_rotary_factor": 0.5, "rope_scaling": None}, {})

@@ -180,10 +180,11 @@ def hf_config(
     if "blk.0.attn_qkv.weight" in shapes:  # fused: q, k and v heads
         q_rows = shapes["blk.0.attn_qkv.weight"][0] // (heads + 2 * kv_heads)
     head_dim = int(meta.get(f"{prefix}.attention.key_length") or q_rows or rope_dim or hidden // heads)
-    if rope_dim is not None and int(rope_dim) != head_dim:
+    partial = rope_dim is not None and int(rope_dim) != head_dim
+    if partial and arch.permute_qk:
         raise CheckpointError(
-            f"GGUF rotates {rope_dim} of {head_dim} head dimensions ({prefix}.rope.dimension_count); "
-            "partial rotary embeddings are not supported."
+            f"GGUF rotates {rope_dim} of {head_dim} head dimensions ({prefix}.rope.dimension_count); partial rotary "
+            f"embeddings are supported for NeoX-style architectures (phi3), not {arch.model_type}."
         )
     vocab = shapes["token_embd.weight"][0] if "token_embd.weight" in shapes else None
     vocab = vocab or meta.get(f"{prefix}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
@@ -213,6 +214,8 @@ def hf_config(
             cfg[f"{ours}_token_id"] = int(meta[f"tokenizer.ggml.{theirs}_token_id"])
     if (eos := _eos_ids(meta)) is not None:
         cfg["eos_token_id"] = eos
+    if partial:  # Phi-4-mini
+        cfg["partial_rotary_factor"] = int(rope_dim) / head_dim
     if (scaling := _rope_scaling(meta, prefix, rope_tensors, cfg)) is not None:
         cfg["rope_scaling"] = scaling
     return cfg
