@@ -1,13 +1,15 @@
 """Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B, Llama-3.2-1B / Llama-3.1-8B or
-Phi-3.5-mini (3.8B: fused q/k/v and gate/up, LongRoPE; with a byte-level BPE as Phi-4 has), as an HF
-folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written with the
-`gguf` package, for measuring convert / build / load / decode at real sizes. No weights are downloaded: the weights
-are random (seeded) and the tokenizer is a small byte-level BPE trained here on this repository's docs, padded to the
-model's vocabulary as the real tokenizers are, with the family's special tokens and chat template.
+Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings; with a
+byte-level BPE as Phi-4 has), as an HF folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a GGUF
+with a Q4_K / Q6_K mix written with the `gguf` package, for measuring convert / build / load / decode at real sizes.
+No weights are downloaded: the weights are random (seeded) and the tokenizer is a small byte-level BPE trained here
+on this repository's docs, padded to the model's vocabulary as the real tokenizers are, with the family's special
+tokens and chat template.
 
     python benchmarks/make_real_size_model.py --out /work/models/qwen1p5b [--shape 0.5b|1.5b|llama-1b]
     python benchmarks/make_real_size_model.py --out /work/models/llama8b --shape llama-8b --no-hf
     python benchmarks/make_real_size_model.py --out /work/models/phi3 --shape phi3-mini --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/phi4 --shape phi4-mini --no-hf --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
 would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
@@ -84,10 +86,22 @@ class Shape:
     max_position_embeddings: int = 32768
     rms_norm_eps: float = 1e-6
     sliding_window: int | None = None  # Phi-3's, which llama.cpp ignores and engines are built within
+    partial_rotary_factor: float = 1.0  # Phi-4-mini rotates 3/4 of each head
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+def _longrope(pairs: int) -> dict:
+    """LongRoPE factors in the released ones' ranges (short 1-2, long 1-50; multiples of 1/64, which float32 holds),
+    original context 4096."""
+    return dict(rope_type="longrope", short_factor=[1 + i / 64 for i in range(pairs)],
+                long_factor=[1 + i for i in range(pairs)], original_max_position_embeddings=4096)
 
 
 SHAPES = {  # the released models' configs
@@ -95,10 +109,8 @@ SHAPES = {  # the released models' configs
     "1.5b": Shape(QWEN2, 1536, 28, 12, 2, 8960, 151936, False, 1e6),
     "llama-1b": Shape(LLAMA3, 2048, 16, 32, 8, 8192, 128256, True, 5e5, dict(LLAMA3_ROPE, factor=32.0), 131072, 1e-5),
     "llama-8b": Shape(LLAMA3, 4096, 32, 32, 8, 14336, 128256, False, 5e5, dict(LLAMA3_ROPE, factor=8.0), 131072, 1e-5),
-    # LongRoPE factors in the released ones' ranges (short 1-2, long 1-50), original context 4096
-    "phi3-mini": Shape(PHI3, 3072, 32, 32, 32, 8192, 32064, False, 1e4, dict(
-        rope_type="longrope", short_factor=[1 + i / 64 for i in range(48)], long_factor=[1 + i for i in range(48)],
-        original_max_position_embeddings=4096), 131072, 1e-5, 262144),
+    "phi3-mini": Shape(PHI3, 3072, 32, 32, 32, 8192, 32064, False, 1e4, _longrope(48), 131072, 1e-5, 262144),
+    "phi4-mini": Shape(PHI3, 3072, 32, 24, 8, 8192, 200064, True, 1e4, _longrope(48), 131072, 1e-5, None, 0.75),
 }
 HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -143,6 +155,7 @@ def make_hf(out: Path, shape: Shape, tok, seed: int, dtype: str) -> None:
                                                                                     transformers.LlamaConfig)
     if shape.family is PHI3:
         kwargs["original_max_position_embeddings"] = shape.rope_scaling["original_max_position_embeddings"]
+        kwargs["partial_rotary_factor"] = shape.partial_rotary_factor
     vocab = tok.get_vocab()
     cfg = config_cls(**kwargs, eos_token_id=vocab[shape.family.eos], bos_token_id=vocab.get(shape.family.bos),
                      pad_token_id=vocab[shape.family.pad])
@@ -274,7 +287,7 @@ def write_metadata(w, shape: Shape, tok) -> None:
     if fam is PHI3:  # Phi3MiniModel.set_gguf_parameters
         orig = shape.rope_scaling["original_max_position_embeddings"]
         scale = shape.max_position_embeddings / orig
-        w.add_rope_dimension_count(shape.head_dim)
+        w.add_rope_dimension_count(shape.rotary_dim)
         w.add_rope_scaling_orig_ctx_len(orig)
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
         w.add_sliding_window(shape.sliding_window or 0)

@@ -29,12 +29,13 @@ def script():
 
 
 def _tiny(script, name: str):
-    hidden = 384 if name == "phi3-mini" else 256  # heads of 96, which phi3-mini's 48 LongRoPE factors rotate
+    # heads of 96 (phi3-mini) and 128 of which 96 rotate (phi4-mini): what their 48 LongRoPE factors rotate
+    hidden = {"phi3-mini": 384, "phi4-mini": 512}.get(name, 256)
     return replace(script.SHAPES[name], hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, intermediate_size=512, vocab_size=4096)
 
 
-@pytest.mark.parametrize("name", ["llama-8b", "1.5b", "phi3-mini"])
+@pytest.mark.parametrize("name", ["llama-8b", "1.5b", "phi3-mini", "phi4-mini"])
 def test_f32_gguf_converts_to_the_hf_model(script, tmp_path: Path, name: str):
     shape = _tiny(script, name)
     hf = tmp_path / "hf"
