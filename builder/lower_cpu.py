@@ -47,6 +47,11 @@ def native_unavailable(model: onnx.ModelProto) -> str | None:
     return (half and float16_pool_unreadable({_attr(n, "head_size") for n in nodes})) or cpu_ops.unavailable_reason()
 
 
+def windowed(model: onnx.ModelProto) -> bool:
+    """Whether the network's attention has a sliding window (which only the native op implements)."""
+    return any(_attr(n, "window", 0) for n in model.graph.node if n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE)
+
+
 def float16_pool_unreadable(head_sizes: set[int]) -> str | None:
     """Why the native op cannot read a float16 KV pool with these head sizes on this CPU; None if it can (its
     vectorized path, cpu_ops/paged_attention.cc, is the only one that reads float16)."""
@@ -233,6 +238,8 @@ def lower_paged_attention(model: onnx.ModelProto, variant: str = "split") -> int
         if (reason := native_unavailable(model)) is not None:
             raise ConfigError("attention", f"native cannot be used: {reason}. Use --attention split.")
         return 0
+    if windowed(model):
+        raise ConfigError("attention", f"{variant} cannot apply this engine's sliding window; use --attention native.")
     view = GraphView(model)
     targets = [n for n in model.graph.node if n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE]
     g = GraphBuilder(StagingWeights.of(model))

@@ -154,6 +154,7 @@ class _NetworkWriter:
             x = g.op("Gather", [g.weight("transformer.vocab_embedding.weight",
                                          self.tensor("transformer.vocab_embedding.weight")), input_ids],
                      name="embedding")
+        window = {"window": c.sliding_window} if needs_window(c, self.build) else {}
         new_kv = []
         for i in range(c.num_hidden_layers):
             p = f"transformer.layers.{i}."
@@ -171,7 +172,7 @@ class _NetworkWriter:
                 pa.OP_TYPE, [q, k, v, kv_cache, block_tables, past_lengths, query_start], num_outputs=3,
                 domain=pa.DOMAIN, name=p + "attention.paged", layer_idx=i, num_heads=c.num_attention_heads,
                 num_kv_heads=c.num_key_value_heads, head_size=c.head_size, tokens_per_block=self.build.tokens_per_block,
-                scale=float(c.head_size**-0.5), rotary=0, **kv_quant,
+                scale=float(c.head_size**-0.5), rotary=0, **kv_quant, **window,
             )
             x = g.op("Add", [x, self.linear(attn, p + "attention.dense")], name=p + "attn_residual")
             h = self.rms_norm(x, p + "post_layernorm.weight")
@@ -204,6 +205,12 @@ class _NetworkWriter:
             entry = model.metadata_props.add()
             entry.key, entry.value = KV_SCALES_METADATA, json.dumps(self.kv_scales.tolist())
         return model
+
+
+def needs_window(config: ModelConfig, build: BuildConfig) -> bool:
+    """Whether the engine's attention must apply the model's sliding window: only where a sequence can outgrow it
+    (within it, full attention is the same thing)."""
+    return bool(config.sliding_window) and build.max_seq_len > config.sliding_window
 
 
 def build_network(config: ModelConfig, tensors: Mapping[str, torch.Tensor], build: BuildConfig,

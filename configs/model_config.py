@@ -188,7 +188,7 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     hidden_act: str = "silu"
-    sliding_window: int | None = None  # engines are built with max_seq_len <= sliding_window, where it is exact
+    sliding_window: int | None = None  # each token sees its last sliding_window tokens (builder/network.py)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     mapping: Mapping = field(default_factory=Mapping)

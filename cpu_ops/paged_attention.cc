@@ -67,15 +67,17 @@ struct Step {
   const int64_t* seq_of_token;
   float* out;  // [T, H, D]
   int64_t heads, kv_heads, d, bs, layers, layer, width;
+  int64_t window;  // a query sees its last `window` keys (itself included); 0: all of them
   float scale;
   int64_t heads_per_task;  // query heads of one KV head that one task computes, reading each key and value once
 };
 
 // What one task reads: new token t's query heads h0 .. h0 + nh - 1 of KV head g, and its visible keys and values
-// (the sequence's past ones in the pool, then its new ones up to t).
+// (the sequence's past ones in the pool, then its new ones up to t): keys first .. visible - 1, all but the oldest
+// ones with a sliding window.
 struct Task {
   const Step& s;
-  int64_t t, g, h0, nh, b, past, start, visible;
+  int64_t t, g, h0, nh, b, past, start, visible, first;
 
   Task(const Step& step, size_t task) : s(step) {
     const int64_t group = s.heads / s.kv_heads, chunks = (group + s.heads_per_task - 1) / s.heads_per_task;
@@ -85,6 +87,7 @@ struct Task {
     nh = std::min(s.heads_per_task, (g + 1) * group - h0);
     b = s.seq_of_token[t], past = s.past[b], start = s.starts[b];
     visible = past + t - start + 1;
+    first = s.window > 0 ? std::max<int64_t>(0, visible - s.window) : 0;
   }
 
   template <typename T>
@@ -148,7 +151,8 @@ inline void score16(const R* const* keys, const float* q, int64_t nh, __m512 sca
 template <typename T, int DV>
 void attend_vectorized(const Task& a) {
   constexpr int64_t kD = 16 * DV, kHeadsPerPass = 16 / DV;
-  const int64_t visible = a.visible, stride = (visible + 15) / 16 * 16;
+  // keys first .. a.visible - 1 as rows 0 .. visible - 1 here
+  const int64_t visible = a.visible - a.first, stride = (visible + 15) / 16 * 16;
   thread_local std::vector<float> probs;  // [nh, stride]: scores, then unnormalized probabilities
   thread_local std::vector<const T*> rows;  // keys, then values
   thread_local std::vector<float> inv;
@@ -158,9 +162,10 @@ void attend_vectorized(const Task& a) {
   alignas(64) static const T zeros[16 * DV] = {};
   const T** values = rows.data() + stride;
   for (int64_t j = 0; j < visible; ++j) {  // NOTE: one block-table lookup (and division) per block, not per row
-    const bool next_in_block = j > 0 && j < a.past && j % a.s.bs;
-    rows[j] = next_in_block ? rows[j - 1] + kD : a.row<T>(j, 0);
-    values[j] = next_in_block ? values[j - 1] + kD : a.row<T>(j, 1);
+    const int64_t key = a.first + j;
+    const bool next_in_block = j > 0 && key < a.past && key % a.s.bs;
+    rows[j] = next_in_block ? rows[j - 1] + kD : a.row<T>(key, 0);
+    values[j] = next_in_block ? values[j - 1] + kD : a.row<T>(key, 1);
   }
   for (int64_t j = visible; j < stride; ++j) rows[j] = zeros;
   const float* q = a.queries();
@@ -168,7 +173,7 @@ void attend_vectorized(const Task& a) {
   // NOTE: the pool's rows come from a pool far larger than the caches, a few KiB per block: while 16 keys are
   // scored, the next 16 are fetched and their values brought into L2 for the weighted sum (the step's own new rows
   // are in cache already)
-  const int64_t pooled = a.past;
+  const int64_t pooled = std::max<int64_t>(0, a.past - a.first);
   for (int64_t j = 0; j < std::min<int64_t>(16, pooled); ++j) prefetch<DV>(rows[j], _MM_HINT_T0);
   for (int64_t j0 = 0; j0 < visible; j0 += 16) {
     for (int64_t j = j0; j < std::min(j0 + 16, pooled); ++j) {
@@ -211,12 +216,12 @@ void attend_vectorized(const Task& a) {
 
 // A task of any head size, over a float32 pool.
 void attend_generic(const Task& a) {
-  const int64_t nh = a.nh, visible = a.visible, d = a.s.d;
+  const int64_t nh = a.nh, visible = a.visible - a.first, d = a.s.d;  // keys a.first .. as 0 ..
   thread_local std::vector<float> probs;  // [nh, visible]
   probs.resize(static_cast<size_t>(nh * visible));
   const float* q = a.queries();
   for (int64_t j = 0; j < visible; ++j) {
-    const float* k = a.row<float>(j, 0);
+    const float* k = a.row<float>(a.first + j, 0);
     for (int64_t h = 0; h < nh; ++h) probs[h * visible + j] = a.s.scale * dot(q + h * d, k, d);
   }
   for (int64_t h = 0; h < nh; ++h) {
@@ -230,7 +235,7 @@ void attend_generic(const Task& a) {
   float* out = a.out();
   std::fill(out, out + nh * d, 0.0f);
   for (int64_t j = 0; j < visible; ++j) {
-    const float* v = a.row<float>(j, 1);
+    const float* v = a.row<float>(a.first + j, 1);
     for (int64_t h = 0; h < nh; ++h) axpy(probs[h * visible + j], v, out + h * d, d);
   }
 }
@@ -283,7 +288,7 @@ void round_to_half(const float* x, int64_t n, std::vector<uint16_t>& out) {
 void fail(const std::string& what) { ORT_CXX_API_THROW("trtbuild::PagedAttention: " + what, ORT_INVALID_ARGUMENT); }
 
 struct PagedAttentionKernel {
-  int64_t layer, heads, kv_heads, d, bs, rotary;
+  int64_t layer, heads, kv_heads, d, bs, rotary, window = 0;
   float scale;
 
   PagedAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
@@ -295,6 +300,12 @@ struct PagedAttentionKernel {
     bs = ki.GetAttribute<int64_t>("tokens_per_block");
     scale = ki.GetAttribute<float>("scale");
     rotary = ki.GetAttribute<int64_t>("rotary");
+    try {  // optional: engines built before sliding windows lack it
+      window = ki.GetAttribute<int64_t>("window");
+    } catch (const Ort::Exception&) {
+      window = 0;
+    }
+    if (window < 0) fail("window must be 0 (none) or positive");
     if (kv_heads <= 0 || heads % kv_heads) fail("num_heads must be a multiple of num_kv_heads");
     if (rotary && d % 2) fail("rotary needs an even head_size");
   }
@@ -368,7 +379,7 @@ struct PagedAttentionKernel {
     Step step{q.data(), half ? static_cast<const void*>(k_half.data()) : k_new,
               half ? static_cast<const void*>(v_half.data()) : v_new, ctx.GetInput(3).GetTensorRawData(), half,
               tables, past, starts, seq_of_token.data(), out, heads, kv_heads, d, bs, pool_shape[1], layer, width,
-              scale, per_task};
+              window, scale, per_task};
     ctx.ParallelFor(attend, static_cast<size_t>(t_count * kv_heads * ((group + per_task - 1) / per_task)), 0, &step);
   }
 };

@@ -74,7 +74,7 @@ def _fake_quant_int8(x, scale):
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, tables_ptr, past_ptr, qsl_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr,
-    part_acc_ptr, part_max_ptr, part_sum_ptr, qk_scale, k_scale, v_scale, half, block_size, num_heads,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, qk_scale, k_scale, v_scale, half, block_size, num_heads, window,
     stride_qt, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
     stride_cb, stride_ckv, stride_ch, stride_cs, stride_tb, stride_cos, stride_sin,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -109,6 +109,9 @@ def _paged_attention_kernel(
         q1 = (x1 * c - x2 * s).to(q_ptr.dtype.element_ty)
         q2 = (x2 * c + x1 * s).to(q_ptr.dtype.element_ty)
 
+    # the oldest key position each row sees: with a sliding window, its last `window` keys (itself included)
+    lo = tl.where(window > 0, past + i + 1 - window, 0)
+
     # A finite floor instead of -inf keeps alpha = exp2(m - m_new) defined for rows that saw no key yet.
     m = tl.full([BLOCK_Q * GROUP_PAD], -1.0e38, dtype=tl.float32)
     denom = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
@@ -136,7 +139,7 @@ def _paged_attention_kernel(
             v1, v2 = v1.to(q1.dtype), v2.to(q1.dtype)
         scores = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
         scores = tl.dot(q2, tl.trans(k2), scores, input_precision=PRECISION) * qk_scale
-        scores = tl.where(j_ok[None, :], scores, float("-inf"))
+        scores = tl.where(j_ok[None, :] & (j[None, :] >= lo[:, None]), scores, float("-inf"))
         m, denom, acc1, acc2 = _online_softmax_step(scores, v1, v2, m, denom, acc1, acc2, PRECISION)
 
     # this step's keys (k_new, v), causal: new token i sees new tokens 0..i
@@ -156,7 +159,8 @@ def _paged_attention_kernel(
             v1, v2 = _fake_quant_int8(v1, v_scale).to(q1.dtype), _fake_quant_int8(v2, v_scale).to(q1.dtype)
         scores = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
         scores = tl.dot(q2, tl.trans(k2), scores, input_precision=PRECISION) * qk_scale
-        scores = tl.where(j_ok[None, :] & (j[None, :] <= i[:, None]), scores, float("-inf"))
+        visible = (j[None, :] <= i[:, None]) & (past + j[None, :] >= lo[:, None])
+        scores = tl.where(j_ok[None, :] & visible, scores, float("-inf"))
         m, denom, acc1, acc2 = _online_softmax_step(scores, v1, v2, m, denom, acc1, acc2, PRECISION)
 
     if KV_INT8:
@@ -232,7 +236,7 @@ def paged_attention(
     num_kv_heads: int, head_size: int, scale: float, position_ids: torch.Tensor | None = None,
     rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None, max_query_len: int | None = None,
     block_m: int = 16, block_n: int = 64, num_splits: int = 1, kv_cache_quant_algo: str | None = None,
-    kv_cache_scale: tuple[float, float] | None = None,
+    kv_cache_scale: tuple[float, float] | None = None, window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's semantics (plugins/README.md): -> attn_out [T, H*D], k_new [T, KVH, D] (after RoPE), v_new [T, KVH, D].
     v_new, and k_new when rotary=0, are the inputs viewed as [T, KVH, D] (no copy).
@@ -244,11 +248,13 @@ def paged_attention(
     with a float32 workspace of T x H x num_splits x (D + 2) and a second kernel that merges the splits.
     `kv_cache_quant_algo="int8"` with `kv_cache_scale=(K scale, V scale)`: an int8 pool (read = stored * scale), and
     this step's K/V quantized the same way before attention; k_new/v_new stay unquantized (the runtime quantizes
-    when it writes them)."""
+    when it writes them). `window` > 0: a sliding window, each query sees its last `window` keys only."""
     _check(q, k, v, kv_cache, layer_idx, num_heads, num_kv_heads, head_size, [position_ids, rope_cos, rope_sin],
            kv_cache_quant_algo, kv_cache_scale)
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    if window < 0:
+        raise ValueError(f"window must be 0 (none) or positive, got {window}")
     tokens, batch = q.shape[0], past_lengths.shape[0]
     if block_tables.ndim != 2 or block_tables.shape[0] != batch or query_start_loc.shape != (batch + 1,):
         raise ValueError(f"block_tables {list(block_tables.shape)} / query_start_loc {list(query_start_loc.shape)} "
@@ -292,6 +298,7 @@ def paged_attention(
     _paged_attention_kernel[grid](
         q, k_new, v_new, cache, block_tables, past_lengths, query_start_loc, *rope, out,
         part_acc, part_max, part_sum, scale * LOG2E * k_scale, k_scale, v_scale, half, cache.shape[3], num_heads,
+        window,
         q.stride(0), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), out.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), block_tables.stride(0),
         rope[1].stride(0), rope[2].stride(0),

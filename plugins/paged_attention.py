@@ -35,9 +35,10 @@ def reference_paged_attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_cache: np.ndarray, block_tables: np.ndarray,
     past_lengths: np.ndarray, query_start_loc: np.ndarray, *, layer_idx: int, num_heads: int, num_kv_heads: int,
     head_size: int, scale: float, position_ids: np.ndarray | None = None, rope_cos: np.ndarray | None = None,
-    rope_sin: np.ndarray | None = None,
+    rope_sin: np.ndarray | None = None, window: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Straightforward per-sequence loop; the lowered graphs and kernels are tested against it."""
+    """Straightforward per-sequence loop; the lowered graphs and kernels are tested against it. `window` > 0: each
+    query sees only its last `window` keys, itself included (a sliding window, as Mistral's and Phi-3's)."""
     num_tokens = q.shape[0]
     q = q.reshape(num_tokens, num_heads, head_size).astype(np.float64)
     k = k.reshape(num_tokens, num_kv_heads, head_size).astype(np.float64)
@@ -59,8 +60,9 @@ def reference_paged_attention(
         values = np.concatenate([flat[1][slots], v_stored[start:end]]) if past else v_stored[start:end]
         for t in range(end - start):
             visible = past + t + 1
+            first = max(0, visible - window) if window else 0
             for h in range(num_heads):
-                scores = keys[:visible, h // group] @ q[start + t, h] * scale
+                scores = keys[first:visible, h // group] @ q[start + t, h] * scale
                 p = np.exp(scores - scores.max())
-                out[start + t, h] = (p / p.sum()) @ values[:visible, h // group]
+                out[start + t, h] = (p / p.sum()) @ values[first:visible, h // group]
     return out.reshape(num_tokens, -1).astype(np.float32), k.astype(np.float32), v.astype(np.float32)

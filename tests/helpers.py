@@ -33,10 +33,12 @@ RANDOM_CONFIGS = {
     "qwen2": ("Qwen2Config", dict(_COMMON, rope_theta=1000000.0)),
     "qwen3": ("Qwen3Config", dict(_COMMON, head_dim=32, rope_theta=1000000.0)),
     "mistral": ("MistralConfig", dict(_COMMON, sliding_window=None)),
-    # fused qkv_proj / gate_up_proj; a sliding window no shorter than the engines; LongRoPE past an original context
-    # of 4, so that every test sequence runs on the long factors in HF too (its choice is per forward); the factors
-    # are multiples of 1/8, which a GGUF's float32 holds exactly
-    "phi3": ("Phi3Config", dict(_COMMON, rope_theta=10000.0, sliding_window=256, bos_token_id=1, eos_token_id=2,
+    # sliding windows far shorter than the engines (256): the attention applies them
+    "mistral_window": ("MistralConfig", dict(_COMMON, sliding_window=6)),
+    # fused qkv_proj / gate_up_proj; LongRoPE past an original context of 4, so that every test sequence runs on the
+    # long factors in HF too (its choice is per forward); the factors are multiples of 1/8, which a GGUF's float32
+    # holds exactly
+    "phi3": ("Phi3Config", dict(_COMMON, rope_theta=10000.0, sliding_window=24, bos_token_id=1, eos_token_id=2,
                                 pad_token_id=0)),
     "phi3_longrope": ("Phi3Config", dict(_COMMON, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                                          original_max_position_embeddings=4, rope_scaling={

@@ -60,7 +60,8 @@ def test_native_op_never_reads_unowned_slots(library, rotary):
 
 
 def real_shape_case(heads: int, kv_heads: int, head: int, block: int, seqs: list[tuple[int, int]], seed: int,
-                    pool_dtype: type = np.float32) -> tuple[ort.InferenceSession, dict[str, np.ndarray], dict]:
+                    pool_dtype: type = np.float32, window: int = 0
+                    ) -> tuple[ort.InferenceSession, dict[str, np.ndarray], dict]:
     """One PagedAttention node (layer 1 of a 2-layer pool of `pool_dtype`) of the given shape, a packed step of
     (past, new tokens) per sequence over shuffled blocks, and the reference's keyword arguments."""
     rng = np.random.default_rng(seed)
@@ -77,6 +78,8 @@ def real_shape_case(heads: int, kv_heads: int, head: int, block: int, seqs: list
             "position_ids": np.concatenate([np.arange(p, p + n) for p, n in seqs]).astype(np.int64),
             "rope_cos": np.cos(angles).astype(np.float32), "rope_sin": np.sin(angles).astype(np.float32)}
     attrs = dict(layer_idx=1, num_heads=heads, num_kv_heads=kv_heads, head_size=head, scale=head**-0.5)
+    if window:
+        attrs["window"] = window
     inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
               for n, a in data.items()]
     node = helper.make_node(pa.OP_TYPE, list(data), list(pa.OUTPUTS), domain=pa.DOMAIN, tokens_per_block=block,
@@ -119,6 +122,25 @@ def test_float16_pool_matches_reference(library, heads, kv_heads, head, block, s
     got = sess.run(None, data)
     for name, g, w in zip(pa.OUTPUTS, got, reference(data, attrs), strict=True):
         np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize(("head", "pool_dtype"), [(64, np.float32), (48, np.float16), (24, np.float32)],
+                         ids=["vectorized", "float16_pool", "generic"])
+@pytest.mark.parametrize("window", [1, 5, 16, 21, 200])
+def test_a_sliding_window_hides_the_oldest_keys(library, head, pool_dtype, window):
+    """Each query sees its last `window` keys only: windows inside a block, at a block, across the past / new
+    boundary, longer than any sequence (then as without one), over the vectorized, float16 and generic paths."""
+    seqs = [(37, 1), (0, 21), (16, 5), (15, 1), (100, 3)]
+    # NOTE: seed 16 makes one rotated key round to float16 differently in the reference (from float64) than in the
+    # op (from float32), 4e-5 off with or without a window; these seeds do not
+    sess, data, attrs = real_shape_case(8, 2, head, 16, seqs, seed=window + 100, pool_dtype=pool_dtype,
+                                        window=window)
+    got = sess.run(None, data)
+    for name, g, w in zip(pa.OUTPUTS, got, reference(data, attrs), strict=True):
+        np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
+    if window < 100:  # the window changed something
+        full = reference(data, {k: v for k, v in attrs.items() if k != "window"})[0]
+        assert not np.allclose(got[0].reshape(full.shape), full, atol=1e-3)
 
 
 def test_float16_pool_attends_new_rows_as_stored(library):

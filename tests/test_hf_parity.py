@@ -16,8 +16,8 @@ from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 
 RTOL = 1e-4
-MODELS = ["stories260K", "tinystories-656K", "llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3",
-          "phi3_longrope", "phi3_partial"]
+MODELS = ["stories260K", "tinystories-656K", "llama", "llama3_rope", "qwen2", "qwen3", "mistral", "mistral_window",
+          "phi3", "phi3_longrope", "phi3_partial"]
 
 
 @pytest.fixture(scope="module")

@@ -163,13 +163,15 @@ def attention_batch(seqs: list[tuple[int, int]], block: int, heads: int, kv_head
     }
 
 
-def check_attention(data: dict, heads: int, kv_heads: int, rotary: bool, dtype: torch.dtype, **blocks) -> None:
+def check_attention(data: dict, heads: int, kv_heads: int, rotary: bool, dtype: torch.dtype, window: int = 0,
+                    **blocks) -> None:
     floats = ("q", "k", "v", "kv_cache")
     t = {n: _dev(a).to(dtype) if n in floats else _dev(a) for n, a in data.items()}
     # the reference sees the very values the kernel gets (float16-rounded when testing float16)
     ref_in = {n: t[n].to(torch.float32).cpu().numpy() if n in floats else a for n, a in data.items()}
     rope = ("position_ids", "rope_cos", "rope_sin")
-    attrs = dict(layer_idx=1, num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD, scale=HEAD ** -0.5)
+    attrs = dict(layer_idx=1, num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD, scale=HEAD ** -0.5,
+                 window=window)
     pool = t["kv_cache"].clone()
     got = K["paged_attention"].paged_attention(
         *(t[n] for n in ("q", "k", "v", "kv_cache", "block_tables", "past_lengths", "query_start_loc")),
@@ -222,6 +224,15 @@ def test_paged_attention_split_k(splits, dtype):
     """Past keys shared among splits: some splits of short or empty pasts see no key at all."""
     data = attention_batch([(40, 1), (0, 3), (5, 2), (33, 6)], 8, 4, 2, seed=splits)
     check_attention(data, 4, 2, rotary=True, dtype=dtype, block_m=16, block_n=16, num_splits=splits)
+
+
+@pytest.mark.parametrize(("window", "splits"), [(1, 1), (6, 1), (9, 2), (30, 3)])
+def test_paged_attention_sliding_window(window, splits):
+    """Each query sees its last `window` keys: in the pool, across the pool / new-key boundary, among new keys only;
+    split-K shares whose keys all fall outside the window."""
+    data = attention_batch(MIXED, 8, 4, 2, seed=window)
+    check_attention(data, 4, 2, rotary=True, dtype=torch.float32, window=window, block_m=16, block_n=16,
+                    num_splits=splits)
 
 
 def int8_kv(x: np.ndarray, scale: float) -> np.ndarray:

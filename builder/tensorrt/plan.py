@@ -70,6 +70,10 @@ def check_tensorrt_buildable(config: ModelConfig, build: BuildConfig) -> None:
     if build.kv_pool_dtype != "float32":
         raise ConfigError("kv_pool_dtype", "the tensorrt target's KV pool is float32; leave --kv-pool-dtype at "
                                            "float32.")
+    if config.sliding_window and build.max_seq_len > config.sliding_window:
+        raise ConfigError("max_seq_len", f"{build.max_seq_len} exceeds the model's sliding window "
+                                         f"({config.sliding_window}), which the tensorrt plugins do not apply yet; "
+                                         f"pass {config.sliding_window} or less, or build for cpu or cuda.")
     if build.draft_tokens:
         raise ConfigError("speculative_decoding_mode", "draft-tokens engines need a SpeculativeAccept TensorRT "
                                                        "plugin, which is not written yet; build without "
