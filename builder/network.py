@@ -164,8 +164,9 @@ class _NetworkWriter:
             if c.qk_norm:
                 q = self.head_norm(q, p + "attention.q_norm.weight", c.num_attention_heads)
                 k = self.head_norm(k, p + "attention.k_norm.weight", c.num_key_value_heads)
-            q = self.rope(q, c.num_attention_heads, positions_2d, cos, sin)
-            k = self.rope(k, c.num_key_value_heads, positions_2d, cos, sin)
+            if i not in c.no_rope_layers:  # SmolLM3's NoPE layers attend without positions
+                q = self.rope(q, c.num_attention_heads, positions_2d, cos, sin)
+                k = self.rope(k, c.num_key_value_heads, positions_2d, cos, sin)
             kv_quant = {} if self.kv_scales is None else dict(kv_cache_quant_algo=c.quantization.kv_cache_quant_algo,
                                                               kv_cache_scale=[float(s) for s in self.kv_scales[i]])
             attn, k_new, v_new = g.op(

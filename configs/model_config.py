@@ -25,6 +25,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Qwen3ForCausalLM": ("qwen3", False, True),
     # q/k/v and gate/up fused in the source (builder/convert/fused.py splits them); LongRoPE in the 128k variants
     "Phi3ForCausalLM": ("phi3", False, False),
+    "SmolLM3ForCausalLM": ("smollm3", False, False),  # Llama with some layers' RoPE left out (NoPE)
 }
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -184,6 +185,7 @@ class ModelConfig:
     rotary_base: float = 10000.0
     rotary_scaling: dict[str, Any] | None = None
     rotary_dim: int | None = None  # dimensions of each head RoPE rotates (partial rotary, Phi-4-mini); None: all
+    no_rope_layers: tuple[int, ...] = ()  # layers whose attention applies no RoPE (SmolLM3: every fourth)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -213,6 +215,9 @@ class ModelConfig:
                                or rd % 2):
             raise CheckpointError(f"config.json: rotary_dim must be null or an even number below head_size "
                                   f"({self.head_size}), got {rd!r}")
+        if not all(isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in self.no_rope_layers):
+            raise CheckpointError(f"config.json: no_rope_layers must list layer indices below num_hidden_layers "
+                                  f"({self.num_hidden_layers}), got {list(self.no_rope_layers)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError(f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple "
                                   f"of num_key_value_heads ({self.num_key_value_heads})")
@@ -223,6 +228,7 @@ class ModelConfig:
         d["mapping"] = self.mapping.to_dict()
         d["quantization"]["exclude_modules"] = list(self.quantization.exclude_modules)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["no_rope_layers"] = list(self.no_rope_layers)
         return {"format_version": CHECKPOINT_FORMAT_VERSION, **d}
 
     @classmethod
@@ -243,6 +249,7 @@ class ModelConfig:
             raise CheckpointError(f"unknown fields in checkpoint config.json: {sorted(unknown)}; is this a checkpoint "
                                   "written by `trtbuild convert`?")
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        d["no_rope_layers"] = tuple(d.get("no_rope_layers") or ())
         try:
             return cls(
                 **d,
@@ -326,6 +333,18 @@ def _rope_scaling(hf: dict[str, Any], rope_params: dict[str, Any], rotary_dim: i
     return out
 
 
+def _no_rope_layers(hf: dict[str, Any], family: str) -> tuple[int, ...]:
+    """SmolLM3's `no_rope_layers` (1: the layer applies RoPE, 0: it does not) as the indices of the NoPE layers, or
+    every `no_rope_layer_interval`-th layer (4 by default) where the list is absent, as transformers makes it; a list
+    longer than the layers (a model cut to its first layers) is read up to them."""
+    layers = int(hf["num_hidden_layers"])
+    flags = hf.get("no_rope_layers")
+    if flags is None and family == "smollm3":
+        interval = int(hf.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    return tuple(i for i, use in enumerate((flags or [])[:layers]) if not use)
+
+
 def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
@@ -370,6 +389,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         rotary_base=float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
         rotary_scaling=rope_scaling,
         rotary_dim=rotary_dim,
+        no_rope_layers=_no_rope_layers(hf, family),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,

@@ -106,6 +106,8 @@ def hf_config_from_model_config(c: Any) -> dict[str, Any]:
         cfg["rope_scaling"] = dict(c.rotary_scaling)
     if c.rotary_dim is not None:
         cfg["partial_rotary_factor"] = c.rotary_dim / c.head_size
+    if c.family == "smollm3":
+        cfg["no_rope_layers"] = [int(i not in c.no_rope_layers) for i in range(c.num_hidden_layers)]
     return cfg
 
 

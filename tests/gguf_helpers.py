@@ -35,6 +35,7 @@ PROBE_TEXTS = (
     "<think>ok</think>",
     "<s>Once upon a time</s>",
 )
+PERMUTED = ("llama", "smollm3")  # the architectures llama.cpp's LlamaModel converts (q / k rows permuted)
 # HF family -> (GGUF architecture llama.cpp writes, vocabulary kind, general.name)
 FAMILIES = {
     "llama": ("llama", "spm", "Llama Tiny"),
@@ -44,6 +45,10 @@ FAMILIES = {
     "phi3": ("phi3", "spm", "Phi3 Tiny"),
     "phi3_longrope": ("phi3", "spm", "Phi3 Tiny"),
     "phi3_partial": ("phi3", "spm", "Phi3 Tiny"),
+    "smollm3": ("smollm3", "bpe", "SmolLM3 Tiny"),
+    # a SentencePiece vocabulary in an architecture transformers' GGUF loader does not know: only its tokenizer
+    # code reads it (builder/convert/gguf_tokenizer.py)
+    "smollm3_spm": ("smollm3", "spm", "SmolLM3 Tiny"),
 }
 
 
@@ -219,7 +224,7 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    if arch == "llama":  # LlamaModel.set_gguf_parameters
+    if arch in PERMUTED:  # LlamaModel.set_gguf_parameters
         w.add_vocab_size(cfg["vocab_size"])
         w.add_rope_dimension_count(head_dim)
     if arch == "phi3":
@@ -228,9 +233,9 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, layers)
     for hf_name, data in load_file(str(hf_dir / "model.safetensors")).items():
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):  # LlamaModel.undo_permute
+        if arch in PERMUTED and hf_name.endswith(("q_proj.weight", "q_proj.bias")):  # LlamaModel.undo_permute
             data = _permute(data, heads)
-        elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch in PERMUTED and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             data = _permute(data, kv_heads)
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         qtype = (qtypes or {}).get(gguf_name)

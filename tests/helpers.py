@@ -44,6 +44,11 @@ RANDOM_CONFIGS = {
                                          original_max_position_embeddings=4, rope_scaling={
                                              "rope_type": "longrope", "short_factor": [1 + i / 8 for i in range(8)],
                                              "long_factor": [1 + i for i in range(8)]})),
+    # NoPE: layer 3 of 4 applies no RoPE (SmolLM3's default every fourth layer, as llama.cpp fixes it)
+    "smollm3": ("SmolLM3Config", dict(_COMMON, rope_theta=5000000.0, num_hidden_layers=4, bos_token_id=1,
+                                      eos_token_id=2, pad_token_id=0)),
+    "smollm3_spm": ("SmolLM3Config", dict(_COMMON, rope_theta=5000000.0, num_hidden_layers=4, bos_token_id=1,
+                                          eos_token_id=2, pad_token_id=0)),
     # Phi-4-mini's partial rotary embeddings: the first half of each head rotated
     "phi3_partial": ("Phi3Config", dict(_COMMON, rope_theta=10000.0, partial_rotary_factor=0.5, bos_token_id=1,
                                         eos_token_id=2, pad_token_id=0)),

@@ -41,6 +41,7 @@ class GgufArch:
     layer_tensors: tuple[str, ...] = SEPARATE_LAYER_TENSORS  # required per-layer tensors
     optional_layer_tensors: tuple[str, ...] = ()
     fused: bool = False  # attn_qkv and a gate+up ffn_up, as HF's qkv_proj and gate_up_proj
+    no_rope_interval: int = 0  # every this-th layer applies no RoPE (llama.cpp fixes SmolLM3's at 4, unwritten)
 
 
 GGUF_ARCHITECTURES: dict[str, GgufArch] = {
@@ -51,6 +52,7 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     "qwen2": GgufArch("Qwen2ForCausalLM", "qwen2", False, (*SEPARATE_LAYER_TENSORS, *_QKV_BIAS)),
     "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3", False, (*SEPARATE_LAYER_TENSORS, *_QK_NORM)),
     "phi3": GgufArch("Phi3ForCausalLM", "phi3", False, FUSED_LAYER_TENSORS, fused=True),
+    "smollm3": GgufArch("SmolLM3ForCausalLM", "smollm3", True, no_rope_interval=4),
 }
 
 
@@ -70,8 +72,8 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
     if arch not in GGUF_ARCHITECTURES:
         raise CheckpointError(
             f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
-            f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, TinyLlama, Qwen2/2.5, Qwen3, Phi-3/3.5, "
-            "Phi-4 ...). "
+            f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, SmolLM3, TinyLlama, Qwen2/2.5, Qwen3, "
+            "Phi-3/3.5, Phi-4 ...). "
             "Convert the HF checkpoint instead."
         )
     if arch == "llama" and _is_mistral(meta, arch):
@@ -214,6 +216,8 @@ def hf_config(
             cfg[f"{ours}_token_id"] = int(meta[f"tokenizer.ggml.{theirs}_token_id"])
     if (eos := _eos_ids(meta)) is not None:
         cfg["eos_token_id"] = eos
+    if arch.no_rope_interval:
+        cfg["no_rope_layers"] = [int((i + 1) % arch.no_rope_interval != 0) for i in range(cfg["num_hidden_layers"])]
     if partial:  # Phi-4-mini
         cfg["partial_rotary_factor"] = int(rope_dim) / head_dim
     if (scaling := _rope_scaling(meta, prefix, rope_tensors, cfg)) is not None:

@@ -1,5 +1,5 @@
-"""Read a GGUF file (llama, mistral, qwen2, qwen3, phi3) into Hugging Face form: an HF config dict and an HF-named
-float32 state dict.
+"""Read a GGUF file (llama, mistral, qwen2, qwen3, phi3, smollm3) into Hugging Face form: an HF config dict and an
+HF-named float32 state dict.
 
 The rest of the converter only deals with HF names. This module opens the file, reads its metadata and maps tensors to
 HF names; `gguf_config.py` turns the metadata into the HF config and `gguf_tokenizer.py` rebuilds the tokenizer.
@@ -154,11 +154,12 @@ def _storage_dtype(path: Path, reader: Any) -> str:
 
 
 def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any], dict[str, SourceTensor]]:
-    """(hf_config_dict, HF name -> SourceTensor) of a llama/mistral/qwen2/qwen3/phi3 GGUF; a tensor is decoded when
-    loaded. Names follow transformers' *ForCausalLM (model.layers.{i}.self_attn.q_proj.weight, ...); Linear weights
-    are [out, in]; lm_head.weight is absent when the embeddings are tied. With `keep_quantization`, 2-D tensors whose
-    GGML type has an exact low-bit form (gguf_quants.EXACT_NBITS) load as NBitsWeight, the rest as float32. The
-    config's torch_dtype is the file's 16-bit type where that holds every value exactly (`_storage_dtype`).
+    """(hf_config_dict, HF name -> SourceTensor) of a GGUF of GGUF_ARCHITECTURES; a tensor is decoded when loaded.
+    Names follow transformers' *ForCausalLM (model.layers.{i}.self_attn.q_proj.weight, ...; Phi-3's fused qkv_proj
+    and gate_up_proj); Linear weights are [out, in]; lm_head.weight is absent when the embeddings are tied. With
+    `keep_quantization`, 2-D tensors whose GGML type has an exact low-bit form (gguf_quants.EXACT_NBITS) load as
+    NBitsWeight, the rest as float32. The config's torch_dtype is the file's 16-bit type where that holds every value
+    exactly (`_storage_dtype`).
     Raises CheckpointError on any bad input.
     """
     path = Path(path)

@@ -117,9 +117,15 @@ def _chat_template(meta: dict[str, Any]) -> str | list[dict[str, str]] | None:
 
 def _save_with_transformers(path: Path, out_dir: Path, meta: dict[str, Any]) -> None:
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        except ValueError as exc:  # NOTE: AutoTokenizer reads the model config too, and refuses architectures
+            if "architecture" not in str(exc):  # transformers does not run (smollm3); the tokenizer needs none
+                raise
+            tok = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                          local_files_only=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         tok.save_pretrained(str(out_dir))
     except Exception as exc:  # transformers raises many types for unsupported tokenizer models
