@@ -1,15 +1,16 @@
-"""Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B, Llama-3.2-1B / Llama-3.1-8B or
-Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings; with a
-byte-level BPE as Phi-4 has), as an HF folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a GGUF
-with a Q4_K / Q6_K mix written with the `gguf` package, for measuring convert / build / load / decode at real sizes.
-No weights are downloaded: the weights are random (seeded) and the tokenizer is a small byte-level BPE trained here
-on this repository's docs, padded to the model's vocabulary as the real tokenizers are, with the family's special
-tokens and chat template.
+"""Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B, Llama-3.2-1B / Llama-3.1-8B, SmolLM3-3B
+(NoPE layers) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary
+embeddings; with a byte-level BPE as Phi-4 has), as an HF folder (bf16 safetensors; `--dtype float32` for float32
+weights) and as a GGUF with a Q4_K / Q6_K mix written with the `gguf` package, for measuring convert / build / load /
+decode at real sizes. No weights are downloaded: the weights are random (seeded) and the tokenizer is a small
+byte-level BPE trained here on this repository's docs, padded to the model's vocabulary as the real tokenizers are,
+with the family's special tokens and chat template.
 
     python benchmarks/make_real_size_model.py --out /work/models/qwen1p5b [--shape 0.5b|1.5b|llama-1b]
     python benchmarks/make_real_size_model.py --out /work/models/llama8b --shape llama-8b --no-hf
     python benchmarks/make_real_size_model.py --out /work/models/phi3 --shape phi3-mini --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/phi4 --shape phi4-mini --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/smollm3 --shape smollm3-3b --no-hf --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
 would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
@@ -68,6 +69,10 @@ PHI3 = Family(
     None, "<|end|>", "<|endoftext|>",
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# SmolLM3: Llama 3's tokenizer and layout, every fourth layer without RoPE
+SMOLLM3 = Family("smollm3", LLAMA3.pre, LLAMA3.digits, LLAMA3.specials, LLAMA3.bos, LLAMA3.eos, LLAMA3.pad,
+                 LLAMA3.chat_template)
+PERMUTED = (LLAMA3, SMOLLM3)  # the families llama.cpp's LlamaModel converts: q / k rows permuted
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 
@@ -110,6 +115,7 @@ SHAPES = {  # the released models' configs
     "llama-1b": Shape(LLAMA3, 2048, 16, 32, 8, 8192, 128256, True, 5e5, dict(LLAMA3_ROPE, factor=32.0), 131072, 1e-5),
     "llama-8b": Shape(LLAMA3, 4096, 32, 32, 8, 14336, 128256, False, 5e5, dict(LLAMA3_ROPE, factor=8.0), 131072, 1e-5),
     "phi3-mini": Shape(PHI3, 3072, 32, 32, 32, 8192, 32064, False, 1e4, _longrope(48), 131072, 1e-5, 262144),
+    "smollm3-3b": Shape(SMOLLM3, 2048, 36, 16, 4, 11008, 128256, True, 5e6, None, 65536),
     "phi4-mini": Shape(PHI3, 3072, 32, 24, 8, 8192, 200064, True, 1e4, _longrope(48), 131072, 1e-5, None, 0.75),
 }
 HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
@@ -151,8 +157,8 @@ def make_hf(out: Path, shape: Shape, tok, seed: int, dtype: str) -> None:
                                              "max_position_embeddings", "rms_norm_eps")}
     if shape.sliding_window is not None:
         kwargs["sliding_window"] = shape.sliding_window
-    config_cls = {QWEN2: transformers.Qwen2Config, PHI3: transformers.Phi3Config}.get(shape.family,
-                                                                                    transformers.LlamaConfig)
+    config_cls = {QWEN2: transformers.Qwen2Config, PHI3: transformers.Phi3Config,
+                  SMOLLM3: transformers.SmolLM3Config}.get(shape.family, transformers.LlamaConfig)
     if shape.family is PHI3:
         kwargs["original_max_position_embeddings"] = shape.rope_scaling["original_max_position_embeddings"]
         kwargs["partial_rotary_factor"] = shape.partial_rotary_factor
@@ -281,7 +287,7 @@ def write_metadata(w, shape: Shape, tok) -> None:
     w.add_head_count_kv(shape.num_key_value_heads)
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(shape.rms_norm_eps)
-    if fam is LLAMA3:
+    if fam in PERMUTED:  # LlamaModel.set_gguf_parameters
         w.add_rope_dimension_count(shape.head_dim)
         w.add_vocab_size(shape.vocab_size)
     if fam is PHI3:  # Phi3MiniModel.set_gguf_parameters
@@ -350,7 +356,7 @@ def make_gguf(path: Path, shape: Shape, tok, hf: Path | None, seed: int, form: s
             def rows(a: int, b: int) -> np.ndarray:
                 return load(name)[a:b]
         proj = name.split(".")[-2]
-        if shape.family is not LLAMA3 or proj not in heads:
+        if shape.family not in PERMUTED or proj not in heads:
             return rows
 
         def permuted(a: int, b: int) -> np.ndarray:  # llama GGUFs hold q / k rows permuted

@@ -31,11 +31,12 @@ def script():
 def _tiny(script, name: str):
     # heads of 96 (phi3-mini) and 128 of which 96 rotate (phi4-mini): what their 48 LongRoPE factors rotate
     hidden = {"phi3-mini": 384, "phi4-mini": 512}.get(name, 256)
-    return replace(script.SHAPES[name], hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+    layers = 4 if name == "smollm3-3b" else 2  # with its fourth layer's RoPE left out
+    return replace(script.SHAPES[name], hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
                    num_key_value_heads=2, intermediate_size=512, vocab_size=4096)
 
 
-@pytest.mark.parametrize("name", ["llama-8b", "1.5b", "phi3-mini", "phi4-mini"])
+@pytest.mark.parametrize("name", ["llama-8b", "1.5b", "phi3-mini", "phi4-mini", "smollm3-3b"])
 def test_f32_gguf_converts_to_the_hf_model(script, tmp_path: Path, name: str):
     shape = _tiny(script, name)
     hf = tmp_path / "hf"
