@@ -111,15 +111,16 @@ def hf_config_from_model_config(c: Any) -> dict[str, Any]:
     return cfg
 
 
-# Families whose transformers model fuses q/k/v and gate/up: their torch model is the Llama model of the same
-# weights, whose separate linears the quantizer calibrates and exports one by one as the checkpoint holds them.
-FUSED_AS_LLAMA = ("Phi3ForCausalLM",)
+# Families whose transformers model fuses q/k/v and gate/up: their torch model is the Mistral model (Llama with a
+# sliding window) of the same weights, whose separate linears the quantizer calibrates and exports one by one as the
+# checkpoint holds them.
+FUSED_AS_MISTRAL = ("Phi3ForCausalLM",)
 
 
-def _as_llama(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor]
-              ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The Llama config and HF tensors computing what a Phi-3 model computes: the same RoPE (LongRoPE included) and
-    no sliding window (NOTE: engines are built no longer than the window, where it changes nothing)."""
+def _as_mistral(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor]
+                ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The Mistral config and HF tensors computing what a Phi-3 model computes: the same RoPE (LongRoPE included)
+    and sliding window."""
     from trtbuild.builder.convert.fused import split_fused
     from trtbuild.builder.convert.hf_reader import SourceTensor
     from trtbuild.configs.model_config import model_config_from_hf
@@ -129,12 +130,12 @@ def _as_llama(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor]
         raise CheckpointError(f"`trtbuild quantize` cannot calibrate a model with partial rotary embeddings yet "
                               f"(this one rotates {config.rotary_dim} of {config.head_size} head dimensions): use a "
                               "quantized GGUF of it, or `trtbuild convert --weight-only int8|int4`.")
-    llama = {k: v for k, v in hf_config.items() if k not in ("sliding_window", "rope_scaling", "rope_parameters")}
-    llama.update(architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False)
-    llama["rope_parameters"] = {"rope_type": "default", **(config.rotary_scaling or {}),
-                                "rope_theta": config.rotary_base}
+    mistral = {k: v for k, v in hf_config.items() if k not in ("rope_scaling", "rope_parameters")}
+    mistral.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=config.sliding_window)
+    mistral["rope_parameters"] = {"rope_type": "default", **(config.rotary_scaling or {}),
+                                  "rope_theta": config.rotary_base}
     sources = {n: SourceTensor(tuple(t.shape), lambda t=t: t) for n, t in tensors.items()}
-    return llama, {n: s.load() for n, s in split_fused(sources, config).items()}
+    return mistral, {n: s.load() for n, s in split_fused(sources, config).items()}
 
 
 def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
@@ -149,8 +150,8 @@ def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
     from transformers.initialization import no_init_weights
 
     config_dict = source.hf_config
-    if (config_dict.get("architectures") or [None])[0] in FUSED_AS_LLAMA:
-        config_dict, source.hf_tensors = _as_llama(config_dict, source.hf_tensors)
+    if (config_dict.get("architectures") or [None])[0] in FUSED_AS_MISTRAL:
+        config_dict, source.hf_tensors = _as_mistral(config_dict, source.hf_tensors)
     if source.kind == "hf" and config_dict is source.hf_config:
         hf_cfg = transformers.AutoConfig.from_pretrained(str(source.path), local_files_only=True)
     else:

@@ -130,7 +130,7 @@ def test_partial_rotary_rows_reorder_q_k_outputs_only():
 
 
 def test_the_quantizer_refuses_partial_rotary_with_what_to_do():
-    from trtbuild.quantize.source import _as_llama
+    from trtbuild.quantize.source import _as_mistral
 
     with pytest.raises(CheckpointError, match="partial rotary embeddings .* rotates 8 of 16 .* quantized GGUF"):
-        _as_llama({**PHI3, "partial_rotary_factor": 0.5, "rope_scaling": None}, {})
+        _as_mistral({**PHI3, "partial_rotary_factor": 0.5, "rope_scaling": None}, {})
