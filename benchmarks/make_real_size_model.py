@@ -27,97 +27,16 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+from real_shapes import LLAMA3, PERMUTED, PHI3, QWEN2, SHAPES, SMOLLM3, Family, Shape  # noqa: E402
 
-@dataclass(frozen=True)
-class Family:
-    """What a model family's GGUF and tokenizer carry besides the weights."""
-
-    arch: str  # general.architecture
-    pre: str  # tokenizer.ggml.pre
-    digits: str  # the pre-tokenizer's digit group
-    specials: tuple[str, ...]
-    bos: str | None
-    eos: str
-    pad: str
-    chat_template: str
-
-
-QWEN2 = Family(
-    "qwen2", "qwen2", r"\p{N}", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>", "<|endoftext|>",
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-LLAMA3 = Family(
-    "llama", "llama-bpe", r"\p{N}{1,3}",
-    ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-    "<|begin_of_text|>", "<|eot_id|>", "<|end_of_text|>",
-    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-    "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
-    "<|end_header_id|>\n\n{% endif %}")
-# Phi-3.5-mini's layout (fused q/k/v and gate/up, LongRoPE) with a byte-level BPE, as Phi-4 pairs the phi3
-# architecture with one; Phi-3's specials (llama.cpp looks up <unk>, <s> and </s> in any model named phi3).
-PHI3 = Family(
-    "phi3", "llama-bpe", r"\p{N}{1,3}",
-    ("<unk>", "<s>", "</s>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
-    None, "<|end|>", "<|endoftext|>",
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-# SmolLM3: Llama 3's tokenizer and layout, every fourth layer without RoPE
-SMOLLM3 = Family("smollm3", LLAMA3.pre, LLAMA3.digits, LLAMA3.specials, LLAMA3.bos, LLAMA3.eos, LLAMA3.pad,
-                 LLAMA3.chat_template)
-PERMUTED = (LLAMA3, SMOLLM3)  # the families llama.cpp's LlamaModel converts: q / k rows permuted
-LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
-
-
-@dataclass(frozen=True)
-class Shape:
-    family: Family
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    rope_theta: float
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 32768
-    rms_norm_eps: float = 1e-6
-    sliding_window: int | None = None  # Phi-3's, which llama.cpp ignores and engines are built within
-    partial_rotary_factor: float = 1.0  # Phi-4-mini rotates 3/4 of each head
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-
-def _longrope(pairs: int) -> dict:
-    """LongRoPE factors in the released ones' ranges (short 1-2, long 1-50; multiples of 1/64, which float32 holds),
-    original context 4096."""
-    return dict(rope_type="longrope", short_factor=[1 + i / 64 for i in range(pairs)],
-                long_factor=[1 + i for i in range(pairs)], original_max_position_embeddings=4096)
-
-
-SHAPES = {  # the released models' configs
-    "0.5b": Shape(QWEN2, 896, 24, 14, 2, 4864, 151936, True, 1e6),
-    "1.5b": Shape(QWEN2, 1536, 28, 12, 2, 8960, 151936, False, 1e6),
-    "llama-1b": Shape(LLAMA3, 2048, 16, 32, 8, 8192, 128256, True, 5e5, dict(LLAMA3_ROPE, factor=32.0), 131072, 1e-5),
-    "llama-8b": Shape(LLAMA3, 4096, 32, 32, 8, 14336, 128256, False, 5e5, dict(LLAMA3_ROPE, factor=8.0), 131072, 1e-5),
-    "phi3-mini": Shape(PHI3, 3072, 32, 32, 32, 8192, 32064, False, 1e4, _longrope(48), 131072, 1e-5, 262144),
-    "smollm3-3b": Shape(SMOLLM3, 2048, 36, 16, 4, 11008, 128256, True, 5e6, None, 65536),
-    "phi4-mini": Shape(PHI3, 3072, 32, 24, 8, 8192, 200064, True, 1e4, _longrope(48), 131072, 1e-5, None, 0.75),
-}
 HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
