@@ -34,6 +34,7 @@ PROBE_TEXTS = (
     "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
     "<think>ok</think>",
     "<s>Once upon a time</s>",
+    "a</s>\n  b</s> <s> c",
 )
 PERMUTED = ("llama", "smollm3")  # the architectures llama.cpp's LlamaModel converts (q / k rows permuted)
 # HF family -> (GGUF architecture llama.cpp writes, vocabulary kind, general.name)
@@ -90,12 +91,14 @@ def make_hf_folder(family: str, out_dir: Path, overrides: dict | None = None) ->
         make_random_hf_model(family, out_dir, overrides={"vocab_size": 512, **(overrides or {})})
         for name in ("tokenizer.model", "tokenizer.json"):
             shutil.copy(STORIES260K / name, out_dir / name)
-        if family.startswith("phi3"):  # Phi-3's tokenizer.json: the prefix space from a normalizer, as llama.cpp
-            tok = json.loads((out_dir / "tokenizer.json").read_text())
+        if family.startswith("phi3"):  # Phi-3's tokenizer.json: the prefix space from a normalizer, as llama.cpp,
+            tok = json.loads((out_dir / "tokenizer.json").read_text())  # and </s> strips the whitespace after it
             tok["normalizer"] = {"type": "Sequence", "normalizers": [
                 {"type": "Prepend", "prepend": "\u2581"},
                 {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
             tok["pre_tokenizer"] = None
+            for added in tok["added_tokens"]:
+                added["rstrip"] = added["content"] == "</s>"
             (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
         cfg = json.loads((STORIES260K / "tokenizer_config.json").read_text()) | {"chat_template": LLAMA_TEMPLATE}
     else:

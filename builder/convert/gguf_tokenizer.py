@@ -104,6 +104,24 @@ def _prefix_space_after_specials(tokenizer_json: Path, meta: dict[str, Any]) -> 
     tokenizer_json.write_text(json.dumps(data, ensure_ascii=False))
 
 
+# Phi-3's special tokens strip the whitespace after them ("<|user|>\nHi" reads as "<|user|>Hi"), save these three
+_PHI3_KEEP_WHITESPACE = ("<unk>", "<s>", "<|endoftext|>")
+
+
+def _phi3_rstrip(tokenizer_json: Path, meta: dict[str, Any]) -> None:
+    """A model named Phi-3: every special added token strips the whitespace that follows it, but for
+    _PHI3_KEEP_WHITESPACE, as Phi-3's own tokenizer.json says and llama.cpp gives such a model's tokens (it goes by
+    general.name too: a GGUF keeps no per-token flags)."""
+    name = str(meta.get("general.name") or "").lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return
+    data = json.loads(tokenizer_json.read_text())
+    for token in data.get("added_tokens") or []:
+        if token.get("special") or token.get("content") == "</s>":
+            token["rstrip"] = token.get("content") not in _PHI3_KEEP_WHITESPACE
+    tokenizer_json.write_text(json.dumps(data, ensure_ascii=False))
+
+
 def _chat_template(meta: dict[str, Any]) -> str | list[dict[str, str]] | None:
     """tokenizer.chat_template, or HF's list form when the GGUF also has named ones (tokenizer.chat_template.NAME)."""
     default = meta.get("tokenizer.chat_template")
@@ -165,6 +183,7 @@ def export_gguf_tokenizer(path: Path, out_dir: Path) -> None:
     add_bos = meta.get("tokenizer.ggml.add_bos_token", pre.add_bos if pre else False)
     eos = special("eos") if meta.get("tokenizer.ggml.add_eos_token", False) else None
     _ensure_post_processor(out_dir / "tokenizer.json", special("bos") if add_bos else None, eos)
+    _phi3_rstrip(out_dir / "tokenizer.json", meta)
 
     for key in ("is_local", "local_files_only"):  # artefacts of how transformers loaded it, not of the tokenizer
         cfg.pop(key, None)
