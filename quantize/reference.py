@@ -146,9 +146,11 @@ def _input_hook(pre: torch.Tensor | None, act: torch.Tensor | None, kind: str | 
 
 
 def _register_kv_attention() -> None:
-    """An sdpa attention that stores K (after RoPE) and V through the KV cache's quantization first."""
+    """An sdpa attention that stores K (after RoPE) and V through the KV cache's quantization first, with sdpa's
+    masks (NOTE: an attention without a registered mask gets none: causal, past any sliding window)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   *args: Any, **kwargs: Any) -> Any:
@@ -158,3 +160,4 @@ def _register_kv_attention() -> None:
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
     AttentionInterface.register(_ATTENTION, attention)
+    AttentionMaskInterface.register(_ATTENTION, sdpa_mask)
