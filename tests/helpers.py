@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -25,6 +26,7 @@ TINYSTORIES656K = MODELS / "tinystories-656K"
 # Small but structurally complete configs (GQA, several layers) for each supported family.
 _COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+_SMOLLM3 = dict(_COMMON, rope_theta=5000000.0, num_hidden_layers=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 RANDOM_CONFIGS = {
     "llama": ("LlamaConfig", dict(_COMMON, rope_theta=10000.0)),
     "llama3_rope": ("LlamaConfig", dict(_COMMON, rope_theta=500000.0, tie_word_embeddings=True, rope_scaling={
@@ -35,20 +37,19 @@ RANDOM_CONFIGS = {
     "mistral": ("MistralConfig", dict(_COMMON, sliding_window=None)),
     # sliding windows far shorter than the engines (256): the attention applies them
     "mistral_window": ("MistralConfig", dict(_COMMON, sliding_window=6)),
-    # fused qkv_proj / gate_up_proj; LongRoPE past an original context of 4, so that every test sequence runs on the
-    # long factors in HF too (its choice is per forward); the factors are multiples of 1/8, which a GGUF's float32
-    # holds exactly
+    # fused qkv_proj / gate_up_proj, and a sliding window
     "phi3": ("Phi3Config", dict(_COMMON, rope_theta=10000.0, sliding_window=24, bos_token_id=1, eos_token_id=2,
                                 pad_token_id=0)),
+    # LongRoPE past an original context of 4, so that every test sequence runs on the long factors in HF too (its
+    # choice is per forward); the factors are multiples of 1/8, which a GGUF's float32 holds exactly
     "phi3_longrope": ("Phi3Config", dict(_COMMON, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                                          original_max_position_embeddings=4, rope_scaling={
                                              "rope_type": "longrope", "short_factor": [1 + i / 8 for i in range(8)],
                                              "long_factor": [1 + i for i in range(8)]})),
-    # NoPE: layer 3 of 4 applies no RoPE (SmolLM3's default every fourth layer, as llama.cpp fixes it)
-    "smollm3": ("SmolLM3Config", dict(_COMMON, rope_theta=5000000.0, num_hidden_layers=4, bos_token_id=1,
-                                      eos_token_id=2, pad_token_id=0)),
-    "smollm3_spm": ("SmolLM3Config", dict(_COMMON, rope_theta=5000000.0, num_hidden_layers=4, bos_token_id=1,
-                                          eos_token_id=2, pad_token_id=0)),
+    # NoPE: layer 3 of 4 applies no RoPE (SmolLM3's default every fourth layer, as llama.cpp fixes it); _spm: the
+    # same model given a SentencePiece tokenizer (tests/gguf_helpers.py)
+    "smollm3": ("SmolLM3Config", _SMOLLM3),
+    "smollm3_spm": ("SmolLM3Config", _SMOLLM3),
     # Phi-4-mini's partial rotary embeddings: the first half of each head rotated
     "phi3_partial": ("Phi3Config", dict(_COMMON, rope_theta=10000.0, partial_rotary_factor=0.5, bos_token_id=1,
                                         eos_token_id=2, pad_token_id=0)),
@@ -64,7 +65,8 @@ def make_random_hf_model(family: str, out_dir: Path, seed: int = 0, overrides: d
     import transformers
 
     cls_name, kwargs = RANDOM_CONFIGS[family]
-    config = getattr(transformers, cls_name)(**{**kwargs, **(overrides or {})})
+    # NOTE: a copy: transformers fills in the rope dict it is given (rope_theta, partial_rotary_factor)
+    config = getattr(transformers, cls_name)(**copy.deepcopy({**kwargs, **(overrides or {})}))
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # make norms and biases non-trivial so that a mis-mapped tensor shows in the logits
