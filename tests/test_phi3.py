@@ -134,3 +134,14 @@ def test_the_quantizer_refuses_partial_rotary_with_what_to_do():
 
     with pytest.raises(CheckpointError, match="partial rotary embeddings .* rotates 8 of 16 .* quantized GGUF"):
         _as_mistral({**PHI3, "partial_rotary_factor": 0.5, "rope_scaling": None}, {})
+
+
+def test_a_gguf_with_one_longrope_factor_set_is_refused():
+    import numpy as np
+
+    from trtbuild.builder.convert.gguf_config import _rope_scaling
+
+    cfg = {"max_position_embeddings": 4096, "head_dim": 16, "rope_theta": 10000.0}
+    with pytest.raises(CheckpointError, match="rope_factors_long.weight and rope_factors_short.weight but not the "
+                                              "other; LongRoPE needs both"):
+        _rope_scaling({}, "phi3", {"rope_factors_long.weight": np.ones(8, np.float32)}, cfg)

@@ -117,6 +117,9 @@ def _rope_scaling(
     factor = meta.get(f"{prefix}.rope.scaling.factor", meta.get(f"{prefix}.rope.scale_linear"))
     orig = meta.get(f"{prefix}.rope.scaling.original_context_length")
     long, short = (rope_tensors.get(f"rope_factors_{k}.weight") for k in ("long", "short"))
+    if (long is None) != (short is None):
+        raise CheckpointError("This GGUF has one of rope_factors_long.weight and rope_factors_short.weight but not "
+                              "the other; LongRoPE needs both. The file is incomplete: re-export it.")
     if long is not None and short is not None:
         return _longrope(meta, prefix, long, short, cfg)
     rope_freqs = rope_tensors.get("rope_freqs.weight")
