@@ -18,7 +18,7 @@ from trtbuild.builder.convert.checkpoint import (
     remove_partial_output,
 )
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, CPU_WEIGHTS_FILE, cpu_fingerprint, write_engine_config
-from trtbuild.builder.network import build_network, engine_inputs, engine_outputs, needs_window
+from trtbuild.builder.network import build_network, engine_inputs, engine_outputs
 from trtbuild.builder.quantized import check_quantization
 from trtbuild.builder.rope import PartialRotaryRows
 from trtbuild.builder.tensorrt.plan import check_tensorrt_buildable
@@ -51,11 +51,6 @@ def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
         raise ConfigError("max_seq_len", f"{build.max_seq_len} exceeds the model's max_position_embeddings "
                                          f"({config.max_position_embeddings}); pass {config.max_position_embeddings} "
                                          "or less.")
-    if needs_window(config, build) and build.attention not in ("auto", "native"):
-        raise ConfigError("attention", f"max_seq_len {build.max_seq_len} exceeds the model's sliding window "
-                                       f"({config.sliding_window}), which only the native attention implements; "
-                                       f"use --attention native (or auto), or pass --max-seq-len "
-                                       f"{config.sliding_window} or less.")
     if build.max_num_tokens < build.max_batch_size:
         raise ConfigError("max_num_tokens", f"{build.max_num_tokens} is below max_batch_size {build.max_batch_size}: "
                                             "a decode step of a full batch would not fit.")
@@ -63,23 +58,16 @@ def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
 
 def default_build_config(config: ModelConfig, **overrides) -> BuildConfig:
     """Build limits with the model's context length (at most 4096) as max_seq_len, and `default_kv_pool_dtype`,
-    unless given. NOTE: the default stays within a sliding window where nothing here could apply it (the tensorrt
-    target, or a CPU without the native attention); a max_seq_len asked for past it is refused there instead."""
+    unless given. NOTE: the tensorrt target's default stays within a sliding window, which its plugins do not apply
+    (a max_seq_len asked for past it is refused there)."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    target, window = overrides.get("target", "cpu"), config.sliding_window
     limits = [config.max_position_embeddings, 4096]
-    if window and (target == "tensorrt" or (target == "cpu" and _native_attention_unavailable())):
-        limits.append(window)
+    if config.sliding_window and overrides.get("target") == "tensorrt":
+        limits.append(config.sliding_window)
     overrides.setdefault("max_seq_len", min(limits))
     if "kv_pool_dtype" not in overrides:
         overrides["kv_pool_dtype"] = default_kv_pool_dtype(config, overrides.get("target", "cpu"))
     return BuildConfig(**overrides)
-
-
-def _native_attention_unavailable() -> str | None:
-    from trtbuild import cpu_ops
-
-    return cpu_ops.unavailable_reason()
 
 
 def default_kv_pool_dtype(config: ModelConfig, target: str) -> str:
@@ -160,16 +148,11 @@ class TacticLowering:
 def attention_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple[str, ...]:
     """How this engine's attention may be computed, preferred first: the one asked for, or (auto) the native op
     where it runs here, then the standard-op lowerings. The autotuner times them all; without it the first wins."""
-    from trtbuild.builder.lower_cpu import ATTENTION_VARIANTS, NATIVE, native_unavailable, windowed
+    from trtbuild.builder.lower_cpu import ATTENTION_VARIANTS, NATIVE, native_unavailable
 
-    reason = native_unavailable(model)
-    if windowed(model):  # only the native op implements a sliding window
-        if reason is not None:
-            raise ConfigError("attention", f"this engine's sliding window needs the native attention, which cannot "
-                                           f"run here ({reason}); pass --max-seq-len no longer than the window.")
-        return (NATIVE,)
     if build.attention != "auto":
         return (build.attention,)
+    reason = native_unavailable(model)
     if reason is not None:
         log.info("attention: the standard-op lowering (native op unavailable: %s)", reason)
         return ATTENTION_VARIANTS

@@ -47,11 +47,6 @@ def native_unavailable(model: onnx.ModelProto) -> str | None:
     return (half and float16_pool_unreadable({_attr(n, "head_size") for n in nodes})) or cpu_ops.unavailable_reason()
 
 
-def windowed(model: onnx.ModelProto) -> bool:
-    """Whether the network's attention has a sliding window (which only the native op implements)."""
-    return any(_attr(n, "window", 0) for n in model.graph.node if n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE)
-
-
 def float16_pool_unreadable(head_sizes: set[int]) -> str | None:
     """Why the native op cannot read a float16 KV pool with these head sizes on this CPU; None if it can (its
     vectorized path, cpu_ops/paged_attention.cc, is the only one that reads float16)."""
@@ -76,10 +71,10 @@ class _Lowering:
     def c(self, value, hint: str = "c") -> str:
         return self.g.const(np.asarray(value), hint)
 
-    def metadata(self, node: onnx.NodeProto, block_size: int, group: int) -> dict[str, str]:
+    def metadata(self, node: onnx.NodeProto, block_size: int, group: int, window: int = 0) -> dict[str, str]:
         """Batch-layout indices shared by all layers (keyed by the metadata inputs they come from)."""
         key = (node.input[pa.KV_CACHE], node.input[pa.BLOCK_TABLES], node.input[pa.PAST_LENGTHS],
-               node.input[pa.QUERY_START_LOC], block_size, group)
+               node.input[pa.QUERY_START_LOC], block_size, group, window)
         if key in self.meta:
             return self.meta[key]
         g, op, c = self.g, self.g.op, self.c
@@ -113,11 +108,20 @@ class _Lowering:
         past_span = op("Mul", [num_past_blocks, c([block_size])])  # [1]: nb * BS key positions, the last masked
         j = op("Range", [c(0), op("Squeeze", [past_span]), c(1)])  # [nb * BS]
         past_valid = op("Less", [row(j), col(past)])  # [B, nb * BS]: positions past the end are masked
-        past_mask = op("Unsqueeze", [op("Where", [past_valid, zero, neg_inf]), c([1, 2])])  # [B, 1, 1, nb * BS]
         # new tokens: query i sees new token i2 iff i2 <= i and i2 < q_len[b] (padding rows still see token 0)
         i_row, i_col = op("Unsqueeze", [i, c([0, 1])]), op("Unsqueeze", [i, c([0, 2])])  # [1, 1, Sq], [1, Sq, 1]
         new_visible = op("And", [op("LessOrEqual", [i_row, i_col]),
                                  op("Less", [i_row, op("Unsqueeze", [q_lens, c([1, 2])])])])  # [B, Sq, Sq]
+        if window:  # query i (position past + i) sees keys from position past + i + 1 - window on: per query row
+            j_3d, past_3d = op("Unsqueeze", [j, c([0, 1])]), op("Unsqueeze", [past, c([1, 2])])  # [1,1,nbBS], [B,1,1]
+            oldest = op("Add", [past_3d, op("Sub", [i_col, c(window - 1)])])  # [B, Sq, 1]
+            past_valid = op("And", [op("Unsqueeze", [past_valid, c([1])]),
+                                    op("GreaterOrEqual", [j_3d, oldest])])  # [B, Sq, nb * BS]
+            new_visible = op("And", [new_visible, op("GreaterOrEqual", [op("Add", [past_3d, i_row]), oldest])])
+            past_mask = op("Tile", [op("Unsqueeze", [op("Where", [past_valid, zero, neg_inf]), c([1])]),
+                                    c([1, 1, group, 1])])  # [B, 1, G * Sq, nb * BS]
+        else:
+            past_mask = op("Unsqueeze", [op("Where", [past_valid, zero, neg_inf]), c([1, 2])])  # [B, 1, 1, nb * BS]
         # query rows are (group member g, token i) pairs, g-major: the [Sq, Sq] mask repeats for each g
         new_mask = op("Tile", [op("Unsqueeze", [op("Where", [new_visible, zero, neg_inf]), c([1])]),
                                c([1, 1, group, 1])])  # [B, 1, G * Sq, Sq]
@@ -131,7 +135,7 @@ class _Lowering:
         m = dict(q_index=q_index, head_blocks=head_blocks, past_mask=past_mask, new_mask=new_mask,
                  out_index=out_index, key_split=op("Concat", [past_span, max_q], axis=0))
         if self.variant == "concat":  # one mask over past | new keys, [B, 1, G * Sq, nb * BS + Sq], for every layer
-            rows = op("Slice", [op("Shape", [new_mask]), c([0]), c([3])])
+            rows = op("Slice", [op("Shape", [new_mask]), c([0]), c([3])])  # NOTE: a windowed past_mask has them
             m["mask"] = op("Concat", [op("Expand", [past_mask, op("Concat", [rows, past_span], axis=0)]), new_mask],
                            axis=-1)
         self.meta[key] = m
@@ -192,7 +196,7 @@ class _Lowering:
         layer, heads, kv_heads = _attr(node, "layer_idx"), _attr(node, "num_heads"), _attr(node, "num_kv_heads")
         d, block_size, scale = _attr(node, "head_size"), _attr(node, "tokens_per_block"), _attr(node, "scale")
         group = heads // kv_heads
-        m = self.metadata(node, block_size, group)
+        m = self.metadata(node, block_size, group, _attr(node, "window", 0))
         g.scope = node.name + "/"
         q, k, v = (node.input[i] for i in (pa.Q, pa.K, pa.V))
         if _attr(node, "rotary"):
@@ -238,8 +242,6 @@ def lower_paged_attention(model: onnx.ModelProto, variant: str = "split") -> int
         if (reason := native_unavailable(model)) is not None:
             raise ConfigError("attention", f"native cannot be used: {reason}. Use --attention split.")
         return 0
-    if windowed(model):
-        raise ConfigError("attention", f"{variant} cannot apply this engine's sliding window; use --attention native.")
     view = GraphView(model)
     targets = [n for n in model.graph.node if n.domain == pa.DOMAIN and n.op_type == pa.OP_TYPE]
     g = GraphBuilder(StagingWeights.of(model))

@@ -59,7 +59,8 @@ def batch(seed: int = 0) -> dict[str, np.ndarray]:
     }
 
 
-def paged_attention_model(layers: list[int], rotary: bool, max_pos: int = MAX_POS) -> onnx.ModelProto:
+def paged_attention_model(layers: list[int], rotary: bool, max_pos: int = MAX_POS, window: int = 0
+                          ) -> onnx.ModelProto:
     """PagedAttention node(s) alone, every input a graph input; layer l reads q{l}, k{l}, v{l}."""
     g = GraphBuilder()
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
@@ -74,17 +75,18 @@ def paged_attention_model(layers: list[int], rotary: bool, max_pos: int = MAX_PO
         outs = [f"{n}{layer}" for n in pa.OUTPUTS]
         g.op(pa.OP_TYPE, qkv + shared + rope, domain=pa.DOMAIN, outputs=outs, name=f"layers.{layer}.paged",
              layer_idx=layer, num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD, tokens_per_block=BLOCK,
-             scale=float(SCALE), rotary=int(rotary))
+             scale=float(SCALE), rotary=int(rotary), **({"window": window} if window else {}))
         g.output(outs[0], f32, ["T", HEADS * HEAD])
         g.output(outs[1], f32, ["T", KV_HEADS, HEAD])
         g.output(outs[2], f32, ["T", KV_HEADS, HEAD])
     return g.model("paged_attention", {pa.DOMAIN: pa.OPSET_VERSION})
 
 
-def lowered(layers: list[int], rotary: bool, max_pos: int = MAX_POS) -> onnx.ModelProto:
-    model = paged_attention_model(layers, rotary, max_pos)
+def lowered(layers: list[int], rotary: bool, max_pos: int = MAX_POS, window: int = 0, variant: str = "split"
+            ) -> onnx.ModelProto:
+    model = paged_attention_model(layers, rotary, max_pos, window)
     onnx.checker.check_model(model, full_check=True)
-    assert lower_paged_attention(model) == len(layers)
+    assert lower_paged_attention(model, variant) == len(layers)
     onnx.checker.check_model(model, full_check=True)
     assert not any(n.domain == pa.DOMAIN for n in model.graph.node)
     assert pa.DOMAIN not in {o.domain for o in model.opset_import}
@@ -102,16 +104,16 @@ def run(model: onnx.ModelProto, data: dict[str, np.ndarray], layers: list[int], 
     return dict(zip(names, session.run(names, feeds), strict=True))
 
 
-def reference(data: dict[str, np.ndarray], layer: int, rotary: bool):
+def reference(data: dict[str, np.ndarray], layer: int, rotary: bool, window: int = 0):
     rope = {n: data[n] for n in ("position_ids", "rope_cos", "rope_sin")} if rotary else {}
     return pa.reference_paged_attention(
         data["q"], data["k"], data["v"], data["kv_cache"], data["block_tables"], data["past_lengths"],
         data["query_start_loc"], layer_idx=layer, num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD,
-        scale=SCALE, **rope)
+        scale=SCALE, window=window, **rope)
 
 
-def assert_matches_reference(got: dict, data: dict, layer: int, rotary: bool) -> None:
-    for name, want in zip(pa.OUTPUTS, reference(data, layer, rotary), strict=True):
+def assert_matches_reference(got: dict, data: dict, layer: int, rotary: bool, window: int = 0) -> None:
+    for name, want in zip(pa.OUTPUTS, reference(data, layer, rotary, window), strict=True):
         np.testing.assert_allclose(got[f"{name}{layer}"], want, rtol=TOL, atol=TOL, err_msg=f"{name} of layer {layer}")
 
 
@@ -124,6 +126,17 @@ def test_lowering_matches_reference(rotary):
     # rope really rotates (position 0 is the identity, later positions are not)
     k_new = got["k_new1"].reshape(len(data["k"]), -1)
     assert np.allclose(k_new, data["k"]) != rotary
+
+
+@pytest.mark.parametrize("variant", ["split", "concat"])
+@pytest.mark.parametrize("window", [1, 3, 6, 40])
+def test_lowering_applies_a_sliding_window(variant, window):
+    """Each query sees its last `window` keys: within the pool, across the pool / new-key boundary, among new keys
+    only, and (40) all of them; two layers share the windowed masks."""
+    data = batch(window)
+    got = run(lowered([0, 1], True, window=window, variant=variant), data, [0, 1], True)
+    for layer in (0, 1):
+        assert_matches_reference(got, data, layer, True, window)
 
 
 def test_a_step_may_pack_more_tokens_than_the_rope_table_has_rows():

@@ -1,16 +1,14 @@
 """Sliding windows (Mistral, Phi-3): an engine longer than its model's window applies it in the attention, and what
-cannot apply it says so. Logits against transformers are in test_hf_parity.py (mistral_window, phi3), the native op
-in test_cpu_ops.py, the Triton kernel in test_kernels.py, the CUDA plan in test_cuda_target.py."""
+cannot apply it (the tensorrt target) says so. Logits against transformers are in test_hf_parity.py (mistral_window,
+phi3), the native op in test_cpu_ops.py, the lowering in test_paged_attention.py, the Triton kernel in
+test_kernels.py, the CUDA plan in test_cuda_target.py."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import onnx
 import pytest
 
-from trtbuild.builder import build as build_module
-from trtbuild.builder.build import build_engine, check_buildable, default_build_config
+from trtbuild.builder.build import build_engine, default_build_config
 from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
 from trtbuild.builder.tensorrt.plan import check_tensorrt_buildable
@@ -37,20 +35,28 @@ def test_the_window_is_applied_only_where_a_sequence_can_outgrow_it(checkpoint, 
     assert _windows(build_engine(checkpoint, tmp_path / "short", max_seq_len=6, tokens_per_block=4)) == {0}
 
 
-def test_what_cannot_apply_a_window_refuses_the_engine_with_what_to_do(checkpoint):
+def test_the_standard_op_lowering_applies_the_window_as_the_native_op(checkpoint, tmp_path):
+    """--attention split (ONNX Runtime's own ops, where the native library cannot be built) gives the native op's
+    logits on steps past the window: a 9-token prefill, then decode tokens beside a continuing chunk."""
+    import numpy as np
+
+    from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+
+    engines = [CpuEngine(build_engine(checkpoint, tmp_path / a, max_seq_len=64, tokens_per_block=4, attention=a),
+                         num_threads=1, num_blocks=16) for a in ("native", "split")]
+    steps = [[SequenceChunk(0, list(range(3, 12)), 0, 9, [0, 1, 2])],
+             [SequenceChunk(0, [20], 9, 1, [0, 1, 2]), SequenceChunk(1, list(range(30, 38)), 0, 8, [3, 4])],
+             [SequenceChunk(0, [21], 10, 1, [0, 1, 2]), SequenceChunk(1, [40, 41, 42], 8, 3, [3, 4, 5])]]
+    for chunks in steps:
+        native, split = (e.step(chunks) for e in engines)
+        np.testing.assert_allclose(split, native, rtol=1e-5, atol=1e-5 * np.abs(native).max())
+
+
+def test_the_tensorrt_target_refuses_a_window_and_stays_within_it_by_default(checkpoint):
     config = ModelConfig.load(checkpoint / "config.json")
-    long = default_build_config(config, max_seq_len=64, attention="split")
-    with pytest.raises(ConfigError, match="sliding window \\(6\\), which only the native attention implements; use "
-                                          "--attention native \\(or auto\\), or pass --max-seq-len 6 or less"):
-        check_buildable(config, long)
+    long = default_build_config(config, max_seq_len=64)
     with pytest.raises(ConfigError, match="tensorrt plugins do not apply yet; pass 6 or less"):
-        check_tensorrt_buildable(config, dataclasses.replace(long, attention="auto"))
-
-
-def test_the_default_length_stays_within_the_window_only_where_nothing_applies_it(checkpoint, monkeypatch):
-    config = ModelConfig.load(checkpoint / "config.json")
+        check_tensorrt_buildable(config, long)
     assert default_build_config(config).max_seq_len == 256
     assert default_build_config(config, target="tensorrt").max_seq_len == 6
-    monkeypatch.setattr(build_module, "_native_attention_unavailable", lambda: "no compiler")
-    assert default_build_config(config).max_seq_len == 6
-    assert default_build_config(config, max_seq_len=32).max_seq_len == 32  # what is asked for is kept
+    assert default_build_config(config, target="tensorrt", max_seq_len=32).max_seq_len == 32  # asked for: kept
