@@ -20,7 +20,6 @@ from trtbuild.builder.convert.checkpoint import (
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, CPU_WEIGHTS_FILE, cpu_fingerprint, write_engine_config
 from trtbuild.builder.network import build_network, engine_inputs, engine_outputs
 from trtbuild.builder.quantized import check_quantization
-from trtbuild.builder.rope import PartialRotaryRows
 from trtbuild.builder.tensorrt.plan import check_tensorrt_buildable
 from trtbuild.builder.weight_file import StagingWeights, save_engine_files
 from trtbuild.configs import BuildConfig, ModelConfig
@@ -228,8 +227,6 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
     steps = tqdm(total=5, desc="building engine", unit="step", leave=False)
     try:
         _, tensors = open_checkpoint(checkpoint, rank=0)
-        if config.rotary_dim is not None:
-            tensors = PartialRotaryRows(tensors, config)
         steps.set_postfix_str("network"), steps.update()
         staging = StagingWeights(output / (CPU_WEIGHTS_FILE + ".staging"))
         model = build_network(config, tensors, build, staging)

@@ -135,7 +135,7 @@ class _Lowering:
         m = dict(q_index=q_index, head_blocks=head_blocks, past_mask=past_mask, new_mask=new_mask,
                  out_index=out_index, key_split=op("Concat", [past_span, max_q], axis=0))
         if self.variant == "concat":  # one mask over past | new keys, [B, 1, G * Sq, nb * BS + Sq], for every layer
-            rows = op("Slice", [op("Shape", [new_mask]), c([0]), c([3])])  # NOTE: a windowed past_mask has them
+            rows = op("Slice", [op("Shape", [new_mask]), c([0]), c([3])])  # [B, 1, G * Sq], a windowed past_mask's own
             m["mask"] = op("Concat", [op("Expand", [past_mask, op("Concat", [rows, past_span], axis=0)]), new_mask],
                            axis=-1)
         self.meta[key] = m

@@ -36,7 +36,7 @@ from onnx import TensorProto
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
 from trtbuild.builder.quantized import QuantizedLinears, kv_cache_scales
-from trtbuild.builder.rope import rope_tables
+from trtbuild.builder.rope import PartialRotaryRows, rope_tables
 from trtbuild.builder.weight_file import StagingWeights
 from trtbuild.builder.weight_only_linear import emit_nbits_gather
 from trtbuild.configs import BuildConfig, ModelConfig
@@ -217,5 +217,8 @@ def needs_window(config: ModelConfig, build: BuildConfig) -> bool:
 def build_network(config: ModelConfig, tensors: Mapping[str, torch.Tensor], build: BuildConfig,
                   staging: StagingWeights | None = None) -> onnx.ModelProto:
     """The unfused network for one single-rank checkpoint. `tensors` may read each tensor lazily; with `staging`,
-    the weights go to that file one at a time as the network is written (otherwise they stay in the model)."""
+    the weights go to that file one at a time as the network is written (otherwise they stay in the model). A
+    partial-rotary model's q / k rows are reordered for the whole-head RoPE (builder/rope.py)."""
+    if config.rotary_dim is not None:
+        tensors = PartialRotaryRows(tensors, config)
     return _NetworkWriter(config, tensors, build, staging).write()
