@@ -26,6 +26,7 @@ it writes the pool. new_kv itself stays float32. An unquantized pool built with 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 
@@ -110,6 +111,35 @@ class _NetworkWriter:
         return self.g.op("RMSNormalization", [x, w], axis=-1, epsilon=self.c.norm_epsilon,
                          name=weight_name.removesuffix(".weight"))
 
+    def mlp_activation(self, gate: str, up: str, name: str) -> str:
+        """SwiGLU's silu(gate) * up, or GeGLU's gelu_tanh(gate) * up (Gemma)."""
+        g = self.g
+        if self.c.hidden_act == "gelu_pytorch_tanh":
+            return g.op("Mul", [g.op("Gelu", [gate], approximate="tanh"), up], name=name + "geglu")
+        return g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up], name=name + "swiglu")
+
+    def softcap(self, x: str, cap: float, name: str, outputs: list[str] | None = None) -> str:
+        """cap * tanh(x / cap) (Gemma 2's final logits)."""
+        g = self.g
+        scaled = g.op("Mul", [x, g.const(np.array(1.0 / cap, np.float32), name + "_inverse_cap")])
+        return g.op("Mul", [g.op("Tanh", [scaled]), g.const(np.array(cap, np.float32), name + "_cap")], name=name,
+                    outputs=outputs)
+
+    def rope_inputs(self) -> dict[bool, tuple[str, str]]:
+        """(cos, sin) tables by whether a layer is a sliding one: Gemma 3's sliding layers rotate with their own,
+        unscaled base; every other model's layers share one pair."""
+        c = self.c
+
+        def tables(config: ModelConfig, prefix: str) -> tuple[str, str]:
+            cos, sin = rope_tables(config, self.build.max_seq_len)
+            return self.g.weight(prefix + "cos", cos), self.g.weight(prefix + "sin", sin)
+
+        full = tables(c, "rope_")
+        if c.local_rotary_base is None:
+            return {False: full, True: full}
+        local = dataclasses.replace(c, rotary_base=c.local_rotary_base, rotary_scaling=None)
+        return {False: full, True: tables(local, "rope_local_")}
+
     def head_norm(self, x: str, weight_name: str, heads: int) -> str:
         """Qwen3's per-head RMSNorm of q or k, before RoPE."""
         per_head = self.g.op("Reshape", [x, self.g.const(np.array([0, heads, self.c.head_size]), "heads_shape")])
@@ -144,8 +174,7 @@ class _NetworkWriter:
         logits_indices = g.input("logits_indices", i64, ["num_logits"])
         kv_cache = g.input("kv_cache", kv_pool_elem_type(c, self.build), kv_cache_shape(c, self.build, "num_blocks"))
 
-        cos_np, sin_np = rope_tables(c, self.build.max_seq_len)
-        cos, sin = g.weight("rope_cos", cos_np), g.weight("rope_sin", sin_np)
+        rope = self.rope_inputs()
         positions_2d = g.op("Unsqueeze", [positions, g.const(np.array([0]), "axis0")], name="positions_2d")
 
         if c.quantization.embedding_weight_only:
@@ -154,7 +183,10 @@ class _NetworkWriter:
             x = g.op("Gather", [g.weight("transformer.vocab_embedding.weight",
                                          self.tensor("transformer.vocab_embedding.weight")), input_ids],
                      name="embedding")
-        window = {"window": c.sliding_window} if needs_window(c, self.build) else {}
+        if c.embedding_multiplier != 1.0:  # Gemma: sqrt(hidden_size)
+            x = g.op("Mul", [x, g.const(np.array(c.embedding_multiplier, np.float32), "embedding_multiplier")],
+                     name="embedding_scaled")
+        softcap = {"softcap": c.attn_logit_softcapping} if c.attn_logit_softcapping else {}
         new_kv = []
         for i in range(c.num_hidden_layers):
             p = f"transformer.layers.{i}."
@@ -164,31 +196,41 @@ class _NetworkWriter:
             if c.qk_norm:
                 q = self.head_norm(q, p + "attention.q_norm.weight", c.num_attention_heads)
                 k = self.head_norm(k, p + "attention.k_norm.weight", c.num_key_value_heads)
+            sliding = c.is_sliding(i)
             if i not in c.no_rope_layers:  # SmolLM3's NoPE layers attend without positions
-                q = self.rope(q, c.num_attention_heads, positions_2d, cos, sin)
-                k = self.rope(k, c.num_key_value_heads, positions_2d, cos, sin)
+                q = self.rope(q, c.num_attention_heads, positions_2d, *rope[sliding])
+                k = self.rope(k, c.num_key_value_heads, positions_2d, *rope[sliding])
+            window = {"window": c.sliding_window} if sliding and needs_window(c, self.build) else {}
             kv_quant = {} if self.kv_scales is None else dict(kv_cache_quant_algo=c.quantization.kv_cache_quant_algo,
                                                               kv_cache_scale=[float(s) for s in self.kv_scales[i]])
             attn, k_new, v_new = g.op(
                 pa.OP_TYPE, [q, k, v, kv_cache, block_tables, past_lengths, query_start], num_outputs=3,
                 domain=pa.DOMAIN, name=p + "attention.paged", layer_idx=i, num_heads=c.num_attention_heads,
                 num_kv_heads=c.num_key_value_heads, head_size=c.head_size, tokens_per_block=self.build.tokens_per_block,
-                scale=float(c.head_size**-0.5), rotary=0, **kv_quant, **window,
+                scale=float(c.score_scale), rotary=0, **kv_quant, **window, **softcap,
             )
-            x = g.op("Add", [x, self.linear(attn, p + "attention.dense")], name=p + "attn_residual")
+            attn = self.linear(attn, p + "attention.dense")
+            if c.sandwich_norms:
+                attn = self.rms_norm(attn, p + "attention.output_norm.weight")
+            x = g.op("Add", [x, attn], name=p + "attn_residual")
             h = self.rms_norm(x, p + "post_layernorm.weight")
             gate, up = self.linear(h, p + "mlp.gate"), self.linear(h, p + "mlp.fc")
-            act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up], name=p + "swiglu")
-            x = g.op("Add", [x, self.linear(act, p + "mlp.proj")], name=p + "mlp_residual")
+            mlp = self.linear(self.mlp_activation(gate, up, p), p + "mlp.proj")
+            if c.sandwich_norms:
+                mlp = self.rms_norm(mlp, p + "mlp.output_norm.weight")
+            x = g.op("Add", [x, mlp], name=p + "mlp_residual")
             new_kv += [k_new, v_new]
         g.scope = ""
         selected = g.op("Gather", [x, logits_indices], axis=0, name="select_logit_tokens")
         h = self.rms_norm(selected, "transformer.ln_f.weight")
-        if self.build.draft_tokens:
-            self.lm_head(h, "all_logits")
-            self.accept("all_logits")
+        logits = "all_logits" if self.build.draft_tokens else "logits"
+        if c.final_logit_softcapping:
+            self.lm_head(h, "uncapped_logits")
+            self.softcap("uncapped_logits", c.final_logit_softcapping, "final_logit_softcap", outputs=[logits])
         else:
-            self.lm_head(h, "logits")
+            self.lm_head(h, logits)
+        if self.build.draft_tokens:
+            self.accept("all_logits")
         # [K0; V0; K1; ...] stacked on the token axis is [L * 2 * T, KVH, D]: one copy, then a free reshape
         stacked = g.op("Concat", new_kv, axis=0, name="new_kv_stacked")
         g.op("Reshape", [stacked, g.const(np.array([c.num_hidden_layers, 2, -1, c.num_key_value_heads, c.head_size]),

@@ -26,7 +26,15 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     # q/k/v and gate/up fused in the source (builder/convert/fused.py splits them); LongRoPE in the 128k variants
     "Phi3ForCausalLM": ("phi3", False, False),
     "SmolLM3ForCausalLM": ("smollm3", False, False),  # Llama with some layers' RoPE left out (NoPE)
+    # GeGLU, (1 + w) RMSNorms, embeddings scaled by sqrt(hidden); Gemma 2 / 3 add sandwich norms and alternate
+    # sliding-window and full attention layers, Gemma 2 soft-caps logits, Gemma 3 normalizes q and k
+    "GemmaForCausalLM": ("gemma", False, False),
+    "Gemma2ForCausalLM": ("gemma2", False, False),
+    "Gemma3ForCausalLM": ("gemma3", False, True),
 }
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation: SwiGLU, or GeGLU with tanh-approximated GELU
+LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -189,8 +197,16 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
-    hidden_act: str = "silu"
+    hidden_act: str = "silu"  # HIDDEN_ACTS
     sliding_window: int | None = None  # each token sees its last sliding_window tokens (builder/network.py)
+    # per layer, LAYER_TYPES: only sliding_attention layers apply sliding_window (Gemma 2 / 3); empty: every layer
+    layer_types: tuple[str, ...] = ()
+    local_rotary_base: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3); None: as every layer
+    embedding_multiplier: float = 1.0  # the embedding rows are multiplied by this (Gemma: sqrt(hidden_size))
+    attention_scale: float | None = None  # what q.k is multiplied by; None: head_size ** -0.5
+    sandwich_norms: bool = False  # attention and MLP outputs are RMS-normalized before their residual adds
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     mapping: Mapping = field(default_factory=Mapping)
@@ -218,6 +234,18 @@ class ModelConfig:
         if not all(isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in self.no_rope_layers):
             raise CheckpointError(f"config.json: no_rope_layers must list layer indices below num_hidden_layers "
                                   f"({self.num_hidden_layers}), got {list(self.no_rope_layers)}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise CheckpointError(f"config.json: hidden_act must be one of {', '.join(HIDDEN_ACTS)}, got "
+                                  f"{self.hidden_act!r}")
+        if self.layer_types and (len(self.layer_types) != self.num_hidden_layers
+                                 or not set(self.layer_types) <= set(LAYER_TYPES)):
+            raise CheckpointError(f"config.json: layer_types must be empty or list one of {', '.join(LAYER_TYPES)} "
+                                  f"per layer ({self.num_hidden_layers}), got {list(self.layer_types)}")
+        for name in ("local_rotary_base", "attention_scale", "attn_logit_softcapping", "final_logit_softcapping",
+                     "embedding_multiplier"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or not value > 0):
+                raise CheckpointError(f"config.json: {name} must be null or a positive number, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError(f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple "
                                   f"of num_key_value_heads ({self.num_key_value_heads})")
@@ -229,6 +257,9 @@ class ModelConfig:
         d["quantization"]["exclude_modules"] = list(self.quantization.exclude_modules)
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["no_rope_layers"] = list(self.no_rope_layers)
+        d["layer_types"] = list(self.layer_types)
+        if not self.layer_types:  # NOTE: transformers (AutoTokenizer on a checkpoint folder) refuses an empty list
+            del d["layer_types"]
         return {"format_version": CHECKPOINT_FORMAT_VERSION, **d}
 
     @classmethod
@@ -250,6 +281,7 @@ class ModelConfig:
                                   "written by `trtbuild convert`?")
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         d["no_rope_layers"] = tuple(d.get("no_rope_layers") or ())
+        d["layer_types"] = tuple(d.get("layer_types") or ())
         try:
             return cls(
                 **d,
@@ -279,6 +311,14 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_size
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends within the sliding window (when the model has one)."""
+        return bool(self.sliding_window) and (not self.layer_types or self.layer_types[layer] == "sliding_attention")
+
+    @property
+    def score_scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_size**-0.5
 
     def with_mapping(self, mapping: Mapping) -> ModelConfig:
         return dataclasses.replace(self, mapping=mapping)
@@ -345,6 +385,68 @@ def _no_rope_layers(hf: dict[str, Any], family: str) -> tuple[int, ...]:
     return tuple(i for i, use in enumerate((flags or [])[:layers]) if not use)
 
 
+def _hidden_act(hf: dict[str, Any], family: str) -> str:
+    """The MLP activation: SwiGLU's silu, or Gemma's tanh-approximated GELU (Gemma 1 configs say "gelu" for it, as
+    transformers reads them)."""
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if family == "gemma" and act == "gelu":
+        return "gelu_pytorch_tanh"
+    if act not in HIDDEN_ACTS:
+        raise CheckpointError(f"hidden activation {act!r} is not supported; {', '.join(HIDDEN_ACTS)} are.")
+    return act
+
+
+def _round_to_dtype(value: float, dtype: str) -> float:
+    import torch
+
+    return float(torch.tensor(value, dtype=getattr(torch, dtype)).item())
+
+
+def _layer_types(hf: dict[str, Any], family: str) -> tuple[str, ...]:
+    """Gemma 2 / 3's per-layer attention kinds: `layer_types`, or every `sliding_window_pattern`-th layer full
+    (Gemma 2: 2, Gemma 3: 6 unless given), as transformers makes them."""
+    layers = int(hf["num_hidden_layers"])
+    if family not in ("gemma2", "gemma3") or not hf.get("sliding_window"):
+        return ()
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = int(hf.get("sliding_window_pattern") or (2 if family == "gemma2" else 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    return tuple(types[:layers])
+
+
+def _rope_parameters(hf: dict[str, Any], family: str) -> tuple[dict[str, Any], float | None]:
+    """(the RoPE parameters of the full-attention layers, the sliding layers' base when it differs: Gemma 3's)."""
+    params = hf.get("rope_parameters") or {}
+    if family != "gemma3":
+        return params, None
+    local = params.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise CheckpointError(f"Gemma 3 sliding-attention RoPE of type {local['rope_type']!r} is not supported.")
+    base = local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0
+    return params.get("full_attention") or {"rope_theta": hf.get("rope_theta") or 1_000_000.0}, float(base)
+
+
+def _gemma_fields(hf: dict[str, Any], family: str, dtype: str) -> dict[str, Any]:
+    """What Gemma models do differently from Llama, as ModelConfig fields."""
+    if family not in GEMMA_FAMILIES:
+        return {}
+    if hf.get("use_bidirectional_attention"):
+        raise CheckpointError("this Gemma attends bidirectionally (an embedding model); trtbuild builds decoders.")
+    # NOTE: transformers multiplies by sqrt(hidden) rounded to the weights' dtype (a bfloat16 Gemma 3 1B: 34.0,
+    # not 33.94); a GGUF's config gives llama.cpp's float32 value itself.
+    multiplier = hf.get("embedding_multiplier") or _round_to_dtype(int(hf["hidden_size"]) ** 0.5, dtype)
+    scalar = hf.get("query_pre_attn_scalar") if family != "gemma" else None
+    return {
+        "embedding_multiplier": float(multiplier),
+        "attention_scale": float(scalar) ** -0.5 if scalar else None,
+        "sandwich_norms": family != "gemma",
+        "attn_logit_softcapping": float(hf["attn_logit_softcapping"]) if hf.get("attn_logit_softcapping") else None,
+        "final_logit_softcapping": float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping")
+        else None,
+    }
+
+
 def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
@@ -353,18 +455,17 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
             f"unsupported architecture {arch!r}; trtbuild converts {', '.join(SUPPORTED_ARCHITECTURES)}."
         )
     family, qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-    if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported; only 'silu' (SwiGLU) is.")
     if family == "llama" and hf.get("attention_bias"):
         qkv_bias = True
     if hf.get("mlp_bias"):
         raise CheckpointError("mlp_bias=true is not supported.")
     heads = int(hf["num_attention_heads"])
     head_size = int(hf.get("head_dim") or hf["hidden_size"] // heads)
-    rope_params = hf.get("rope_parameters") or {}
+    rope_params, local_base = _rope_parameters(hf, family)
     rotary_dim = _rotary_dim(hf, rope_params, head_size)
     rope_scaling = _rope_scaling(hf, rope_params, rotary_dim or head_size)
-    window_by_default = family in ("mistral", "phi3")  # the families whose HF attention honours sliding_window
+    # the families whose HF attention honours sliding_window (Gemma 2 / 3 in their sliding layers)
+    window_by_default = family in ("mistral", "phi3", "gemma2", "gemma3")
     window = hf.get("sliding_window") if hf.get("use_sliding_window", window_by_default) else None
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -373,6 +474,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         dtype = hf_dtype if hf_dtype in DTYPES else "float32"
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}.")
+    layer_types = _layer_types(hf, family)
     return ModelConfig(
         architecture=arch,
         family=family,
@@ -390,10 +492,14 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         rotary_scaling=rope_scaling,
         rotary_dim=rotary_dim,
         no_rope_layers=_no_rope_layers(hf, family),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
         sliding_window=int(window) if window else None,
+        hidden_act=_hidden_act(hf, family),
+        layer_types=layer_types,
+        local_rotary_base=local_base if "sliding_attention" in layer_types else None,
+        **_gemma_fields(hf, family, hf_dtype if hf_dtype in DTYPES else "float32"),
     )

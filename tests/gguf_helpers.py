@@ -1,6 +1,6 @@
 """Test helpers (importable as `gguf_helpers`): HF model folders with tokenizers and chat templates, and a GGUF writer
-that does what llama.cpp's convert_hf_to_gguf.py does for Llama, Mistral, Qwen2, Qwen3 and Phi-3 (with --outtype
-f32)."""
+that does what llama.cpp's convert_hf_to_gguf.py does for Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3 and Gemma 1/2/3
+(with --outtype f32)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,10 @@ FAMILIES = {
     # a SentencePiece vocabulary in an architecture transformers' GGUF loader does not know: only its tokenizer
     # code reads it (builder/convert/gguf_tokenizer.py)
     "smollm3_spm": ("smollm3", "spm", "SmolLM3 Tiny"),
+    # a SentencePiece vocabulary without the prefix space, as Gemma's (tokenizer.ggml.add_space_prefix false)
+    "gemma": ("gemma", "spm", "Gemma Tiny"),
+    "gemma2": ("gemma2", "spm", "Gemma2 Tiny"),
+    "gemma3": ("gemma3", "spm", "Gemma3 Tiny"),
 }
 
 
@@ -99,6 +103,14 @@ def make_hf_folder(family: str, out_dir: Path, overrides: dict | None = None) ->
             tok["pre_tokenizer"] = None
             for added in tok["added_tokens"]:
                 added["rstrip"] = added["content"] == "</s>"
+            (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+        if family.startswith("gemma"):  # Gemma's tokenizer.json: spaces become "▁", none is prefixed
+            tok = json.loads((out_dir / "tokenizer.json").read_text())
+            tok["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+            tok["pre_tokenizer"] = None
+            tok["decoder"] = {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+                {"type": "Fuse"}]}
             (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
         cfg = json.loads((STORIES260K / "tokenizer_config.json").read_text()) | {"chat_template": LLAMA_TEMPLATE}
     else:
@@ -203,6 +215,27 @@ def _add_phi3_parameters(w: gguf.GGUFWriter, cfg: dict, head_dim: int) -> None:
             w.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
 
 
+def _add_gemma_parameters(w: gguf.GGUFWriter, cfg: dict, arch: str) -> None:
+    """Gemma2Model / Gemma3Model.set_gguf_parameters (GemmaModel adds only add_space_prefix). NOTE: llama.cpp's
+    converter writes no sliding_window_pattern for Gemma 3 (every released one has every sixth layer full, the
+    default it assumes); this writes the model's own layers, so that a tiny model's layers are what HF runs."""
+    w.add_add_space_prefix(False)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+    elif arch == "gemma3":
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+        full, local = cfg["rope_parameters"]["full_attention"], cfg["rope_parameters"]["sliding_attention"]
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
+        w.add_rope_freq_base_swa(local["rope_theta"])
+
+
 def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
                               qtypes: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
     """Write the HF folder `hf_dir` of `family` as llama.cpp's converter does (f32 tensors, or the GGML type
@@ -221,7 +254,8 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    rope = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(cfg.get("rope_theta") or rope.get("full_attention", rope)["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if "head_dim" in cfg:
         w.add_key_length(head_dim)
@@ -232,6 +266,8 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         w.add_rope_dimension_count(head_dim)
     if arch == "phi3":
         _add_phi3_parameters(w, cfg, head_dim)
+    if arch.startswith("gemma"):
+        _add_gemma_parameters(w, cfg, arch)
     (_add_spm_vocab if vocab_kind == "spm" else _add_bpe_vocab)(w, hf_dir, cfg["vocab_size"])
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, layers)
@@ -240,6 +276,8 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
             data = _permute(data, heads)
         elif arch in PERMUTED and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             data = _permute(data, kv_heads)
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):  # GemmaModel.modify_tensors
+            data = data + 1
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         qtype = (qtypes or {}).get(gguf_name)
         if qtype is None:

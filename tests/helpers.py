@@ -53,6 +53,23 @@ RANDOM_CONFIGS = {
     # Phi-4-mini's partial rotary embeddings: the first half of each head rotated
     "phi3_partial": ("Phi3Config", dict(_COMMON, rope_theta=10000.0, partial_rotary_factor=0.5, bos_token_id=1,
                                         eos_token_id=2, pad_token_id=0)),
+    # GeGLU, (1 + w) norms, sqrt(hidden)-scaled embeddings, tied
+    "gemma": ("GemmaConfig", dict(_COMMON, head_dim=16, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                                  pad_token_id=0)),
+    # + sandwich norms, windowed (6) layers 0 and 2, query_pre_attn_scalar 24 (not head_dim), soft-capped
+    # attention scores and logits (caps small enough that random weights reach them)
+    "gemma2": ("Gemma2Config", dict(_COMMON, head_dim=16, num_hidden_layers=3, tie_word_embeddings=True,
+                                    sliding_window=6, query_pre_attn_scalar=24, attn_logit_softcapping=0.05,
+                                    final_logit_softcapping=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # + q/k norms; layers 0, 1 and 3 sliding (window 6) with their own RoPE base, layer 2 full with linear scaling
+    "gemma3": ("Gemma3TextConfig", dict(_COMMON, head_dim=16, num_hidden_layers=4, sliding_window=6,
+                                        tie_word_embeddings=True, query_pre_attn_scalar=24, layer_types=[
+                                            "sliding_attention", "sliding_attention", "full_attention",
+                                            "sliding_attention"], rope_parameters={
+                                            "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                               "rope_theta": 1000000.0},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+                                        bos_token_id=1, eos_token_id=2, pad_token_id=0)),
 }
 
 

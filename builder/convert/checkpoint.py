@@ -35,6 +35,8 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
             names += [p + f"attention.{x}.bias" for x in "qkv"]
         if config.qk_norm:
             names += [p + "attention.q_norm.weight", p + "attention.k_norm.weight"]
+        if config.sandwich_norms:
+            names += [p + "attention.output_norm.weight", p + "mlp.output_norm.weight"]
         names += [p + f"mlp.{x}.weight" for x in ("gate", "fc", "proj")]
     if last_stage:
         names += ["transformer.ln_f.weight", "lm_head.weight"]
@@ -88,6 +90,8 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "transformer.ln_f.weight": (c.hidden_size,),
         "input_layernorm.weight": (c.hidden_size,),
         "post_layernorm.weight": (c.hidden_size,),
+        "attention.output_norm.weight": (c.hidden_size,),
+        "mlp.output_norm.weight": (c.hidden_size,),
         "attention.q.weight": (c.q_size, c.hidden_size),
         "attention.k.weight": (c.kv_size, c.hidden_size),
         "attention.v.weight": (c.kv_size, c.hidden_size),

@@ -29,7 +29,7 @@ from trtbuild.builder.convert.names import hf_to_checkpoint_name, is_linear, lin
 from trtbuild.builder.convert.safetensors_io import SafetensorsWriter
 from trtbuild.builder.convert.sharding import check_mapping, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig
-from trtbuild.configs.model_config import QuantConfig, model_config_from_hf
+from trtbuild.configs.model_config import GEMMA_FAMILIES, QuantConfig, model_config_from_hf
 from trtbuild.errors import CheckpointError, ConfigError
 from trtbuild.quantization import QuantAlgo
 
@@ -46,11 +46,25 @@ class WeightOnly:
     group_size: int | None
 
 
+def norm_multipliers(source: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:
+    """An HF Gemma's RMSNorm weights w as the multipliers 1 + w its RMSNorms apply (in float32): the checkpoint holds
+    those, as llama.cpp's Gemma GGUF files do, so every target's plain RMSNorm computes Gemma's."""
+    if config.family not in GEMMA_FAMILIES:
+        return source
+    return {name: SourceTensor(src.shape, lambda src=src: torch.as_tensor(src.load()).to(torch.float32) + 1.0)
+            if name.endswith("norm.weight") else src for name, src in source.items()}
+
+
+def keeps_float32(name: str, config: ModelConfig) -> bool:
+    """Gemma's norm multipliers stay float32 in a 16-bit checkpoint: 1 + w in bfloat16 would round w away."""
+    return config.family in GEMMA_FAMILIES and name.endswith("norm.weight")
+
+
 def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:
     """Checkpoint name -> source tensor for every tensor the checkpoint needs; checks names and shapes first."""
     plan = {}
     for hf_name, src in split_fused(source, config).items():
-        if (name := hf_to_checkpoint_name(hf_name)) is not None:
+        if (name := hf_to_checkpoint_name(hf_name, config.sandwich_norms)) is not None:
             plan[name] = src
     # Tied models store one of the two (which one depends on who saved them); the checkpoint holds both.
     embedding, lm_head = EMBEDDING, "lm_head.weight"
@@ -122,14 +136,15 @@ def checkpoint_tensors(name: str, src: SourceTensor, config: ModelConfig, weight
     if not isinstance(value, torch.Tensor | np.ndarray):  # a quantized GGUF tensor the engine reads in float
         value = value.dequantize()
     t = torch.from_numpy(np.ascontiguousarray(value)) if isinstance(value, np.ndarray) else value
-    return {name: t.to(_TORCH_DTYPES[config.dtype]).contiguous()}
+    dtype = torch.float32 if keeps_float32(name, config) else _TORCH_DTYPES[config.dtype]
+    return {name: t.to(dtype).contiguous()}
 
 
 def to_checkpoint_tensors(hf_tensors: dict, config: ModelConfig) -> dict[str, torch.Tensor]:
     """In-memory form of the conversion: HF-named tensors -> checkpoint tensors (names and shapes checked)."""
     source = {n: SourceTensor(tuple(t.shape), lambda t=t: t) for n, t in hf_tensors.items()}
     out: dict[str, torch.Tensor] = {}
-    for name, src in checkpoint_plan(source, config).items():
+    for name, src in checkpoint_plan(norm_multipliers(source, config), config).items():
         out.update(checkpoint_tensors(name, src, config, None))
     seen: set[int] = set()
     for name, t in out.items():  # a tied model's two tensors come from one source tensor: store two copies
@@ -186,7 +201,7 @@ def convert(model: Path, output: Path, dtype: str = "auto", tp_size: int = 1, pp
     try:
         config = model_config_from_hf(hf_config, dtype).with_mapping(Mapping(tp_size=tp_size, pp_size=pp_size))
         check_mapping(config, config.mapping)
-        plan = checkpoint_plan(source, config)
+        plan = checkpoint_plan(source if is_gguf else norm_multipliers(source, config), config)
         if weight_only is not None and weight_only.bits == 4 and weight_only.group_size is None:
             weight_only = dataclasses.replace(weight_only, group_size=default_group_size(config))
         config = with_weight_only(config, plan, weight_only)

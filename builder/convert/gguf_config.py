@@ -27,6 +27,7 @@ FUSED_LAYER_TENSORS = (*_BASE_LAYER_TENSORS, "attn_qkv.weight", "ffn_up.weight")
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _QKV_BIAS = tuple(f"attn_{p}.bias" for p in "qkv")
 _QK_NORM = ("attn_q_norm.weight", "attn_k_norm.weight")
+_SANDWICH_NORMS = ("post_attention_norm.weight", "post_ffw_norm.weight")  # Gemma 2 / 3 (ffn_norm: the pre-MLP one)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class GgufArch:
     optional_layer_tensors: tuple[str, ...] = ()
     fused: bool = False  # attn_qkv and a gate+up ffn_up, as HF's qkv_proj and gate_up_proj
     no_rope_interval: int = 0  # every this-th layer applies no RoPE (llama.cpp fixes SmolLM3's at 4, unwritten)
+    sandwich_norms: bool = False  # post_attention_norm and post_ffw_norm (Gemma 2 / 3)
 
 
 GGUF_ARCHITECTURES: dict[str, GgufArch] = {
@@ -53,7 +55,14 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3", False, (*SEPARATE_LAYER_TENSORS, *_QK_NORM)),
     "phi3": GgufArch("Phi3ForCausalLM", "phi3", False, FUSED_LAYER_TENSORS, fused=True),
     "smollm3": GgufArch("SmolLM3ForCausalLM", "smollm3", True, no_rope_interval=4),
+    "gemma": GgufArch("GemmaForCausalLM", "gemma", False),
+    "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", False, (*SEPARATE_LAYER_TENSORS, *_SANDWICH_NORMS),
+                       sandwich_norms=True),
+    "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3", False, (*SEPARATE_LAYER_TENSORS, *_SANDWICH_NORMS, *_QK_NORM),
+                       sandwich_norms=True),
 }
+# Layers llama.cpp gives the larger Gemmas (27B), whose attention scale it takes from hidden / heads, not head_dim
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def _is_mistral(meta: dict[str, Any], prefix: str) -> bool:
@@ -73,7 +82,7 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
         raise CheckpointError(
             f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
             f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, SmolLM3, TinyLlama, Qwen2/2.5, Qwen3, "
-            "Phi-3/3.5, Phi-4 ...). "
+            "Phi-3/3.5, Phi-4, Gemma 1/2/3 ...). "
             "Convert the HF checkpoint instead."
         )
     if arch == "llama" and _is_mistral(meta, arch):
@@ -225,4 +234,42 @@ def hf_config(
         cfg["partial_rotary_factor"] = int(rope_dim) / head_dim
     if (scaling := _rope_scaling(meta, prefix, rope_tensors, cfg)) is not None:
         cfg["rope_scaling"] = scaling
+    if arch.model_type.startswith("gemma"):
+        cfg.update(_gemma_config(meta, prefix, arch, cfg))
     return cfg
+
+
+def _gemma_config(meta: dict[str, Any], prefix: str, arch: GgufArch, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's HF config fields, with the values llama.cpp runs the file with (its defaults where keys are absent:
+    Gemma 2's window 4096 and soft-caps 50 / 30, every second layer sliding; Gemma 3's every sixth layer full and
+    its sliding layers' unscaled RoPE base 10000)."""
+    family, layers = arch.model_type, cfg["num_hidden_layers"]
+    out: dict[str, Any] = {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "embedding_multiplier": float(np.sqrt(np.float32(cfg["hidden_size"]))),  # llama.cpp: sqrtf(n_embd)
+    }
+    if family == "gemma":
+        return out
+    big = layers == _GEMMA_27B_LAYERS[family]
+    out["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"]
+    final_cap = meta.get(f"{prefix}.final_logit_softcapping", 30.0 if family == "gemma2" else None)
+    out["final_logit_softcapping"] = _f32(final_cap) if final_cap else None
+    if family == "gemma2":
+        out["attn_logit_softcapping"] = _f32(meta.get(f"{prefix}.attn_logit_softcapping", 50.0))
+        out["sliding_window"] = int(meta.get(f"{prefix}.attention.sliding_window", 4096))
+    if not out.get("sliding_window", cfg["sliding_window"]):
+        return out
+    pattern = meta.get(f"{prefix}.attention.sliding_window_pattern", 2 if family == "gemma2" else 6)
+    if isinstance(pattern, list):
+        out["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern[:layers]]
+    else:  # llama.cpp: layer i slides unless i % pattern == pattern - 1 (0: every layer slides)
+        out["layer_types"] = ["sliding_attention" if not pattern or i % pattern < pattern - 1 else "full_attention"
+                              for i in range(layers)]
+    local_base = meta.get(f"{prefix}.rope.freq_base_swa")
+    if family == "gemma3":
+        out["rope_local_base_freq"] = _f32(local_base) if local_base else 10000.0
+    elif local_base and _f32(local_base) != cfg["rope_theta"]:
+        raise CheckpointError(f"this Gemma 2 GGUF gives its sliding layers their own RoPE base ({local_base}), "
+                              "which trtbuild does not apply to Gemma 2.")
+    return out

@@ -104,6 +104,16 @@ def _prefix_space_after_specials(tokenizer_json: Path, meta: dict[str, Any]) -> 
     tokenizer_json.write_text(json.dumps(data, ensure_ascii=False))
 
 
+def _drop_tokens_past_vocabulary(tokenizer_json: Path, size: int) -> None:
+    """Remove added tokens numbered past the GGUF's own token list: transformers' tokenizer classes add their
+    defaults where a vocabulary lacks them (Gemma's <bos> <eos> <pad> <mask>), ids the model has no embedding for."""
+    data = json.loads(tokenizer_json.read_text())
+    added = data.get("added_tokens") or []
+    if any(t["id"] >= size for t in added):
+        data["added_tokens"] = [t for t in added if t["id"] < size]
+        tokenizer_json.write_text(json.dumps(data, ensure_ascii=False))
+
+
 # Phi-3's special tokens strip the whitespace after them ("<|user|>\nHi" reads as "<|user|>Hi"), save these three
 _PHI3_KEEP_WHITESPACE = ("<unk>", "<s>", "<|endoftext|>")
 
@@ -169,6 +179,7 @@ def export_gguf_tokenizer(path: Path, out_dir: Path) -> None:
         cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     else:
         _save_with_transformers(path, out_dir, meta)
+        _drop_tokens_past_vocabulary(out_dir / "tokenizer.json", len(tokens))
         if meta.get("tokenizer.ggml.model") == "llama":
             _prefix_space_after_specials(out_dir / "tokenizer.json", meta)
         cfg_path = out_dir / "tokenizer_config.json"

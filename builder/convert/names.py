@@ -10,6 +10,7 @@ layers it holds):
   transformer.layers.{i}.post_layernorm.weight               [hidden]                 replicated
   transformer.layers.{i}.mlp.{gate,fc}.weight                [inter, hidden]          split by rows
   transformer.layers.{i}.mlp.proj.weight                     [hidden, inter]          split by input columns
+  transformer.layers.{i}.{attention,mlp}.output_norm.weight   [hidden]                 replicated (Gemma 2 / 3)
   transformer.ln_f.weight                                    [hidden]                 replicated
   lm_head.weight                                             [vocab, hidden]          vocab-parallel
 
@@ -38,12 +39,21 @@ _LAYER_MAP = {
     "mlp.up_proj.weight": "mlp.fc.weight",
     "mlp.down_proj.weight": "mlp.proj.weight",
 }
+# Gemma 2 / 3's sandwich norms: their `post_attention_layernorm` normalizes the attention's output (Llama's is the
+# norm before the MLP, which they call `pre_feedforward_layernorm`).
+_SANDWICH_LAYER_MAP = {
+    **_LAYER_MAP,
+    "post_attention_layernorm.weight": "attention.output_norm.weight",
+    "pre_feedforward_layernorm.weight": "post_layernorm.weight",
+    "post_feedforward_layernorm.weight": "mlp.output_norm.weight",
+}
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "transformer.vocab_embedding.weight",
     "model.norm.weight": "transformer.ln_f.weight",
     "lm_head.weight": "lm_head.weight",
 }
 _CKPT_TO_HF_LAYER = {v: k for k, v in _LAYER_MAP.items()}
+_CKPT_TO_HF_SANDWICH_LAYER = {v: k for k, v in _SANDWICH_LAYER_MAP.items()}
 _CKPT_TO_HF_GLOBAL = {v: k for k, v in _GLOBAL_MAP.items()}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _CKPT_LAYER = re.compile(r"^transformer\.layers\.(\d+)\.(.+)$")
@@ -71,23 +81,26 @@ _SPLIT_AXIS = {
 }
 
 
-def hf_to_checkpoint_name(hf_name: str) -> str | None:
-    """The checkpoint name of an HF tensor, or None for tensors the engine does not use (e.g. rotary inv_freq)."""
+def hf_to_checkpoint_name(hf_name: str, sandwich_norms: bool = False) -> str | None:
+    """The checkpoint name of an HF tensor, or None for tensors the engine does not use (e.g. rotary inv_freq);
+    `sandwich_norms`: of a model with Gemma 2 / 3's layer norms."""
     if hf_name in _GLOBAL_MAP:
         return _GLOBAL_MAP[hf_name]
     m = _HF_LAYER.match(hf_name)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"transformer.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    layer_map = _SANDWICH_LAYER_MAP if sandwich_norms else _LAYER_MAP
+    if m and m.group(2) in layer_map:
+        return f"transformer.layers.{m.group(1)}.{layer_map[m.group(2)]}"
     return None
 
 
-def checkpoint_to_hf_name(name: str) -> str | None:
+def checkpoint_to_hf_name(name: str, sandwich_norms: bool = False) -> str | None:
     """The HF name of a checkpoint tensor (the inverse of `hf_to_checkpoint_name`), None for scale tensors."""
     if name in _CKPT_TO_HF_GLOBAL:
         return _CKPT_TO_HF_GLOBAL[name]
     m = _CKPT_LAYER.match(name)
-    if m and m.group(2) in _CKPT_TO_HF_LAYER:
-        return f"model.layers.{m.group(1)}.{_CKPT_TO_HF_LAYER[m.group(2)]}"
+    layer_map = _CKPT_TO_HF_SANDWICH_LAYER if sandwich_norms else _CKPT_TO_HF_LAYER
+    if m and m.group(2) in layer_map:
+        return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}"
     return None
 
 
