@@ -436,14 +436,19 @@ def _gemma_fields(hf: dict[str, Any], family: str, dtype: str) -> dict[str, Any]
     # NOTE: transformers multiplies by sqrt(hidden) rounded to the weights' dtype (a bfloat16 Gemma 3 1B: 34.0,
     # not 33.94); a GGUF's config gives llama.cpp's float32 value itself.
     multiplier = hf.get("embedding_multiplier") or _round_to_dtype(int(hf["hidden_size"]) ** 0.5, dtype)
-    scalar = hf.get("query_pre_attn_scalar") if family != "gemma" else None
+    if family == "gemma":
+        return {"embedding_multiplier": float(multiplier)}
+
+    def optional(key: str) -> float | None:
+        return float(hf[key]) if hf.get(key) else None
+
+    scalar = optional("query_pre_attn_scalar")
     return {
         "embedding_multiplier": float(multiplier),
-        "attention_scale": float(scalar) ** -0.5 if scalar else None,
-        "sandwich_norms": family != "gemma",
-        "attn_logit_softcapping": float(hf["attn_logit_softcapping"]) if hf.get("attn_logit_softcapping") else None,
-        "final_logit_softcapping": float(hf["final_logit_softcapping"]) if hf.get("final_logit_softcapping")
-        else None,
+        "attention_scale": scalar**-0.5 if scalar else None,
+        "sandwich_norms": True,
+        "attn_logit_softcapping": optional("attn_logit_softcapping"),
+        "final_logit_softcapping": optional("final_logit_softcapping"),
     }
 
 

@@ -57,7 +57,7 @@ def norm_multipliers(source: dict[str, SourceTensor], config: ModelConfig) -> di
 
 def keeps_float32(name: str, config: ModelConfig) -> bool:
     """Gemma's norm multipliers stay float32 in a 16-bit checkpoint: 1 + w in bfloat16 would round w away."""
-    return config.family in GEMMA_FAMILIES and name.endswith("norm.weight")
+    return config.family in GEMMA_FAMILIES and name.endswith(("norm.weight", "ln_f.weight"))
 
 
 def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:

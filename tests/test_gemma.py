@@ -1,0 +1,162 @@
+"""Gemma's differences from Llama as the converter reads them: the configs released on the Hub (their older keys
+and transformers' current ones), the norm multipliers, the embedding multiplier rounded as transformers rounds it,
+the GGUF files' defaults (llama.cpp's), and what is refused. End-to-end parity with transformers is in
+test_hf_parity.py (gemma, gemma2, gemma3), GGUF round trips in test_gguf_convert.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+import torch
+from helpers import make_random_hf_model
+
+from trtbuild.builder.convert.convert import convert
+from trtbuild.builder.convert.gguf_config import GGUF_ARCHITECTURES, hf_config
+from trtbuild.builder.convert.safetensors_io import SafetensorsFile
+from trtbuild.configs.model_config import ModelConfig, model_config_from_hf
+from trtbuild.errors import CheckpointError
+
+# google/gemma-3-1b-it's config.json as released (transformers 4.50 keys)
+GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attn_logit_softcapping": None,
+             "bos_token_id": 2, "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 256,
+             "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "intermediate_size": 6912,
+             "max_position_embeddings": 32768, "model_type": "gemma3_text", "num_attention_heads": 4,
+             "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+             "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
+             "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16", "vocab_size": 262144}
+# google/gemma-2-2b-it's (hidden_act and hidden_activation both given, as released)
+GEMMA2_2B = {"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0, "bos_token_id": 2,
+             "eos_token_id": [1, 107], "final_logit_softcapping": 30.0, "head_dim": 256,
+             "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 2304,
+             "intermediate_size": 9216, "max_position_embeddings": 8192, "model_type": "gemma2",
+             "num_attention_heads": 8, "num_hidden_layers": 26, "num_key_value_heads": 4, "pad_token_id": 0,
+             "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+             "torch_dtype": "float32", "vocab_size": 256000}
+
+
+def _transformers_view(cls_name: str, released: dict) -> dict:
+    """The config dict transformers itself makes of a released config.json (its current keys)."""
+    import transformers
+
+    return getattr(transformers, cls_name)(**copy.deepcopy(released)).to_dict()
+
+
+@pytest.mark.parametrize(("cls_name", "released"), [("Gemma3TextConfig", GEMMA3_1B), ("Gemma2Config", GEMMA2_2B)])
+def test_released_configs_read_as_transformers_reads_them(cls_name, released):
+    ours, theirs = model_config_from_hf(released), model_config_from_hf(_transformers_view(cls_name, released))
+    assert ours == theirs
+
+
+def test_gemma3_1b_layers_windows_and_rope_bases():
+    c = model_config_from_hf(GEMMA3_1B)
+    full = [i for i in range(c.num_hidden_layers) if not c.is_sliding(i)]
+    assert full == [5, 11, 17, 23] and c.sliding_window == 512
+    assert (c.rotary_base, c.local_rotary_base, c.rotary_scaling) == (1e6, 10000.0, None)
+    assert c.attention_scale == 256**-0.5 and c.sandwich_norms and c.qk_norm and c.tie_word_embeddings
+    assert c.hidden_act == "gelu_pytorch_tanh" and c.eos_token_ids == (1, 106)
+
+
+def test_gemma3_4b_scales_only_its_full_layers_rope():
+    c = model_config_from_hf({**GEMMA3_1B, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert c.rotary_scaling == {"rope_type": "linear", "factor": 8.0} and c.local_rotary_base == 10000.0
+
+
+def test_the_embedding_multiplier_is_rounded_to_the_weights_dtype_as_transformers_does():
+    """sqrt(1152) = 33.94 is 34.0 in bfloat16, what a bfloat16 Gemma 3 1B multiplies by in transformers."""
+    assert model_config_from_hf(GEMMA3_1B).embedding_multiplier == 34.0
+    f32 = model_config_from_hf({**GEMMA3_1B, "torch_dtype": "float32"}).embedding_multiplier
+    assert f32 == float(torch.tensor(1152**0.5, dtype=torch.float32)) != 34.0
+
+
+def test_gemma1_legacy_gelu_means_the_tanh_approximation():
+    gemma = {**GEMMA2_2B, "architectures": ["GemmaForCausalLM"], "hidden_act": "gelu", "hidden_activation": None}
+    c = model_config_from_hf(gemma)
+    assert c.hidden_act == "gelu_pytorch_tanh" and not c.sandwich_norms and c.attention_scale is None
+    assert c.attn_logit_softcapping is None and c.sliding_window is None and c.layer_types == ()
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ({"hidden_activation": "relu"}, "hidden activation 'relu' is not supported"),
+    ({"use_bidirectional_attention": True}, "attends bidirectionally"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "sliding-attention RoPE of type 'linear' is not supported"),
+])
+def test_what_the_engine_cannot_run_is_refused(edit, message):
+    with pytest.raises(CheckpointError, match=message):
+        model_config_from_hf({**GEMMA3_1B, **edit})
+
+
+def test_checkpoint_norms_are_the_multipliers_in_float32(tmp_path):
+    """1 + w, in float32 even in a bfloat16 checkpoint (where 1 + w would lose w's low bits)."""
+    hf = make_random_hf_model("gemma3", tmp_path / "hf")
+    config = convert(hf, tmp_path / "ckpt", dtype="bfloat16")
+    source, ckpt = SafetensorsFile(hf / "model.safetensors"), SafetensorsFile(tmp_path / "ckpt" / "rank0.safetensors")
+    pairs = {"model.layers.1.post_attention_layernorm.weight": "transformer.layers.1.attention.output_norm.weight",
+             "model.layers.1.pre_feedforward_layernorm.weight": "transformer.layers.1.post_layernorm.weight",
+             "model.layers.1.post_feedforward_layernorm.weight": "transformer.layers.1.mlp.output_norm.weight",
+             "model.layers.0.self_attn.q_norm.weight": "transformer.layers.0.attention.q_norm.weight",
+             "model.norm.weight": "transformer.ln_f.weight"}
+    for hf_name, name in pairs.items():
+        got = ckpt[name]
+        assert got.dtype == torch.float32 and torch.equal(got, source[hf_name].float() + 1), name
+    assert ckpt.dtype("transformer.layers.0.attention.q.weight") == torch.bfloat16
+    assert ModelConfig.load(tmp_path / "ckpt" / "config.json") == config
+
+
+def test_the_quantizer_refuses_gemma_with_what_to_do(tmp_path):
+    from trtbuild.quantize.options import QuantizeOptions
+    from trtbuild.quantize.quantize import quantize
+
+    hf = make_random_hf_model("gemma", tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="cannot calibrate GemmaForCausalLM .* quantized GGUF"):
+        quantize(QuantizeOptions(model=hf, output=tmp_path / "q", qformat="fp8"))
+    assert not (tmp_path / "q").exists()
+
+
+# ---- GGUF metadata as llama.cpp reads it ----------------------------------------------------------------------
+def _gguf_meta(arch: str, layers: int, **extra) -> dict:
+    return {f"{arch}.{k}": v for k, v in {"embedding_length": 1152, "attention.head_count": 4, "block_count": layers,
+                                          "attention.head_count_kv": 1, "feed_forward_length": 6912,
+                                          "attention.key_length": 256, "rope.freq_base": 1e6, **extra}.items()}
+
+
+def _gguf_config(arch: str, layers: int, **extra) -> ModelConfig:
+    shapes = {"token_embd.weight": (262144, 1152)}
+    return model_config_from_hf(hf_config(_gguf_meta(arch, layers, **extra), arch, GGUF_ARCHITECTURES[arch], shapes,
+                                          {}))
+
+
+def test_gemma3_gguf_defaults_are_llama_cpps():
+    """No sliding_window_pattern: every sixth layer full; no freq_base_swa: 10000; sqrt(hidden) in float32."""
+    c = _gguf_config("gemma3", 26, **{"attention.sliding_window": 512})
+    assert [i for i in range(26) if not c.is_sliding(i)] == [5, 11, 17, 23]
+    assert c.local_rotary_base == 10000.0 and c.attention_scale == 256**-0.5
+    assert c.embedding_multiplier == pytest.approx(1152**0.5, rel=1e-7) and c.final_logit_softcapping is None
+    explicit = _gguf_config("gemma3", 4, **{"attention.sliding_window": 512, "rope.freq_base_swa": 500.0,
+                                             "attention.sliding_window_pattern": [True, False, False, True]})
+    assert [explicit.is_sliding(i) for i in range(4)] == [True, False, False, True]
+    assert explicit.local_rotary_base == 500.0
+
+
+def test_gemma_27b_ggufs_scale_attention_by_hidden_over_heads():
+    """llama.cpp's rule for the 27B sizes (62 Gemma 3 layers, 46 Gemma 2 ones): 1 / sqrt(hidden / heads)."""
+    assert _gguf_config("gemma3", 62).attention_scale == (1152 // 4) ** -0.5
+    gemma2 = _gguf_config("gemma2", 46)
+    assert gemma2.attention_scale == (1152 // 4) ** -0.5
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping, gemma2.sliding_window) == (50.0, 30.0, 4096)
+    assert [gemma2.is_sliding(i) for i in range(4)] == [True, False, True, False]
+
+
+def test_a_checkpoint_config_without_layer_types_stays_readable_by_transformers(tmp_path):
+    """An empty layer_types is left out of config.json: transformers checks a listed one against the layers."""
+    hf = make_random_hf_model("llama", tmp_path / "hf")
+    convert(hf, tmp_path / "ckpt")
+    assert "layer_types" not in json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert ModelConfig.load(tmp_path / "ckpt" / "config.json").layer_types == ()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
