@@ -1,16 +1,17 @@
-"""Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B, Llama-3.2-1B / Llama-3.1-8B, SmolLM3-3B
-(NoPE layers) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary
-embeddings; with a byte-level BPE as Phi-4 has), as an HF folder (bf16 safetensors; `--dtype float32` for float32
-weights) and as a GGUF with a Q4_K / Q6_K mix written with the `gguf` package, for measuring convert / build / load /
-decode at real sizes. No weights are downloaded: the weights are random (seeded) and the tokenizer is a small
-byte-level BPE trained here on this repository's docs, padded to the model's vocabulary as the real tokenizers are,
-with the family's special tokens and chat template.
+"""Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B, Llama-3.2-1B / Llama-3.1-8B, SmolLM3-3B (NoPE
+layers), Gemma 3 1B / Gemma 2 2B (sandwich norms, sliding-window layers, soft-capping) or Phi-3.5-mini / Phi-4-mini
+(3.8B: fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings; with a byte-level BPE as Phi-4 has),
+as an HF folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written
+with the `gguf` package, for measuring convert / build / load / decode at real sizes. No weights are downloaded: the
+weights are random (seeded) and the tokenizer is a small byte-level BPE trained here on this repository's docs, padded
+to the model's vocabulary as the real tokenizers are, with the family's special tokens and chat template.
 
     python benchmarks/make_real_size_model.py --out /work/models/qwen1p5b [--shape 0.5b|1.5b|llama-1b]
     python benchmarks/make_real_size_model.py --out /work/models/llama8b --shape llama-8b --no-hf
     python benchmarks/make_real_size_model.py --out /work/models/phi3 --shape phi3-mini --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/phi4 --shape phi4-mini --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/smollm3 --shape smollm3-3b --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/gemma3 --shape gemma3-1b --no-hf --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
 would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
@@ -35,12 +36,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from real_shapes import LLAMA3, PERMUTED, PHI3, QWEN2, SHAPES, SMOLLM3, Family, Shape  # noqa: E402
+from real_shapes import GEMMA2, GEMMA3, GEMMAS, LLAMA3, PERMUTED, PHI3, QWEN2, SHAPES, SMOLLM3, Family, Shape  # noqa: E402
 
 HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "self_attn.q_norm": "attn_q_norm",
+              "self_attn.k_norm": "attn_k_norm"}
+# Gemma 2 / 3's four norms: their post_attention_layernorm normalizes the attention's output
+GEMMA_TO_GGUF = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
+                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 ROWS_PER_CHUNK = 4096  # rows drawn and encoded at a time: bounds memory for the 128k-row token tables
 
 
@@ -76,8 +81,11 @@ def make_hf(out: Path, shape: Shape, tok, seed: int, dtype: str) -> None:
                                              "max_position_embeddings", "rms_norm_eps")}
     if shape.sliding_window is not None:
         kwargs["sliding_window"] = shape.sliding_window
-    config_cls = {QWEN2: transformers.Qwen2Config, PHI3: transformers.Phi3Config,
-                  SMOLLM3: transformers.SmolLM3Config}.get(shape.family, transformers.LlamaConfig)
+    config_cls = {QWEN2: transformers.Qwen2Config, PHI3: transformers.Phi3Config, SMOLLM3: transformers.SmolLM3Config,
+                  GEMMA2: transformers.Gemma2Config, GEMMA3: transformers.Gemma3TextConfig,
+                  }.get(shape.family, transformers.LlamaConfig)
+    if shape.family in GEMMAS:  # query_pre_attn_scalar: the head size, as in the released ones
+        kwargs.update(head_dim=shape.head_dim, query_pre_attn_scalar=shape.head_dim)
     if shape.family is PHI3:
         kwargs["original_max_position_embeddings"] = shape.rope_scaling["original_max_position_embeddings"]
         kwargs["partial_rotary_factor"] = shape.partial_rotary_factor
@@ -88,8 +96,8 @@ def make_hf(out: Path, shape: Shape, tok, seed: int, dtype: str) -> None:
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     with torch.no_grad():  # norms around 1 and small biases, as in a trained model
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
+            if name.endswith("norm.weight"):  # Gemma's RMSNorm multiplies by 1 + weight
+                p.copy_((0 if shape.family in GEMMAS else 1) + 0.1 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(out, safe_serialization=True, max_shard_size="20GB")
@@ -99,37 +107,45 @@ def make_hf(out: Path, shape: Shape, tok, seed: int, dtype: str) -> None:
 def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every weight, in the order HF checkpoints list them per layer."""
     h, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
+    q = shape.num_attention_heads * shape.head_dim
     yield "model.embed_tokens.weight", (shape.vocab_size, h)
     for i in range(shape.num_hidden_layers):
         p = f"model.layers.{i}."
         yield p + "input_layernorm.weight", (h,)
         if shape.family is PHI3:  # fused, as Phi-3 holds them
-            yield p + "self_attn.qkv_proj.weight", (h + 2 * kv, h)
-        for proj, rows in (("q_proj", h), ("k_proj", kv), ("v_proj", kv)) if shape.family is not PHI3 else ():
+            yield p + "self_attn.qkv_proj.weight", (q + 2 * kv, h)
+        for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)) if shape.family is not PHI3 else ():
             yield p + f"self_attn.{proj}.weight", (rows, h)
             if shape.family is QWEN2:
                 yield p + f"self_attn.{proj}.bias", (rows,)
-        yield p + "self_attn.o_proj.weight", (h, h)
+        if shape.family is GEMMA3:
+            yield p + "self_attn.q_norm.weight", (shape.head_dim,)
+            yield p + "self_attn.k_norm.weight", (shape.head_dim,)
+        yield p + "self_attn.o_proj.weight", (h, q)
         yield p + "post_attention_layernorm.weight", (h,)
+        if shape.family in GEMMAS:
+            yield p + "pre_feedforward_layernorm.weight", (h,)
         if shape.family is PHI3:
             yield p + "mlp.gate_up_proj.weight", (2 * shape.intermediate_size, h)
         else:
             yield p + "mlp.gate_proj.weight", (shape.intermediate_size, h)
             yield p + "mlp.up_proj.weight", (shape.intermediate_size, h)
         yield p + "mlp.down_proj.weight", (h, shape.intermediate_size)
+        if shape.family in GEMMAS:
+            yield p + "post_feedforward_layernorm.weight", (h,)
     yield "model.norm.weight", (h,)
     if not shape.tie_word_embeddings:
         yield "lm_head.weight", (shape.vocab_size, h)
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, family: Family) -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     if hf_name in top:
         return top[hf_name]
     _, _, i, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{i}.{HF_TO_GGUF[module]}.{kind}"
+    return f"blk.{i}.{(GEMMA_TO_GGUF if family in GEMMAS else HF_TO_GGUF)[module]}.{kind}"
 
 
 def random_rows(name: str, shape: tuple[int, ...], seed: int) -> Callable[[int, int], np.ndarray]:
@@ -216,6 +232,15 @@ def write_metadata(w, shape: Shape, tok) -> None:
         w.add_rope_scaling_orig_ctx_len(orig)
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
         w.add_sliding_window(shape.sliding_window or 0)
+    if fam in GEMMAS:  # Gemma2Model / Gemma3Model.set_gguf_parameters
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
+        w.add_sliding_window(shape.sliding_window)
+        if fam is GEMMA2:
+            w.add_attn_logit_softcapping(50.0)
+            w.add_final_logit_softcapping(30.0)
+        else:
+            w.add_rope_freq_base_swa(10000.0)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     vocab = tok.get_vocab()
     tokens = [f"[PAD{i}]" for i in range(shape.vocab_size)]
@@ -272,8 +297,10 @@ def make_gguf(path: Path, shape: Shape, tok, hf: Path | None, seed: int, form: s
         if hf is None:
             rows = random_rows(name, dims, seed)
         else:
+            shift = 1.0 if shape.family in GEMMAS and name.endswith("norm.weight") else 0.0  # Gemma: 1 + weight
+
             def rows(a: int, b: int) -> np.ndarray:
-                return load(name)[a:b]
+                return load(name)[a:b] + shift
         proj = name.split(".")[-2]
         if shape.family not in PERMUTED or proj not in heads:
             return rows
@@ -283,7 +310,8 @@ def make_gguf(path: Path, shape: Shape, tok, hf: Path | None, seed: int, form: s
         return permuted
 
     for name, dims in hf_tensors(shape):
-        plan.append((gguf_name(name), dims, gguf_type(gguf_name(name), dims[-1], form), source(name, dims)))
+        gname = gguf_name(name, shape.family)
+        plan.append((gname, dims, gguf_type(gname, dims[-1], form), source(name, dims)))
     for name, dims, qtype, _ in plan:
         nbytes = int(np.prod(dims)) * 4
         if qtype is not None:

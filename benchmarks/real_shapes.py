@@ -42,6 +42,15 @@ PHI3 = Family(
 # SmolLM3: Llama 3's tokenizer and layout, every fourth layer without RoPE
 SMOLLM3 = Family("smollm3", LLAMA3.pre, LLAMA3.digits, LLAMA3.specials, LLAMA3.bos, LLAMA3.eos, LLAMA3.pad,
                  LLAMA3.chat_template)
+# Gemma 2 / 3: GeGLU, sandwich norms, sliding-window layers; with a byte-level BPE in place of Gemma's SentencePiece
+# vocabulary (the weights and the compute are the released models'), and Gemma's turn markers
+_GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+                   "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+GEMMA3 = Family("gemma3", LLAMA3.pre, LLAMA3.digits, ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"),
+                "<bos>", "<end_of_turn>", "<pad>", _GEMMA_TEMPLATE)
+GEMMA2 = Family("gemma2", *(getattr(GEMMA3, f) for f in ("pre", "digits", "specials", "bos", "eos", "pad",
+                                                           "chat_template")))
+GEMMAS = (GEMMA2, GEMMA3)
 PERMUTED = (LLAMA3, SMOLLM3)  # the families llama.cpp's LlamaModel converts: q / k rows permuted
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
@@ -62,10 +71,11 @@ class Shape:
     rms_norm_eps: float = 1e-6
     sliding_window: int | None = None  # Phi-3's, which llama.cpp ignores and engines are built within
     partial_rotary_factor: float = 1.0  # Phi-4-mini rotates 3/4 of each head
+    head_size: int | None = None  # where it is not hidden / heads (Gemma: 256)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.head_size or self.hidden_size // self.num_attention_heads
 
     @property
     def rotary_dim(self) -> int:
@@ -87,4 +97,7 @@ SHAPES = {  # the released models' configs
     "phi3-mini": Shape(PHI3, 3072, 32, 32, 32, 8192, 32064, False, 1e4, _longrope(48), 131072, 1e-5, 262144),
     "smollm3-3b": Shape(SMOLLM3, 2048, 36, 16, 4, 11008, 128256, True, 5e6, None, 65536),
     "phi4-mini": Shape(PHI3, 3072, 32, 24, 8, 8192, 200064, True, 1e4, _longrope(48), 131072, 1e-5, None, 0.75),
+    # Gemma 3 1B: every sixth layer full, the others windowed (512); Gemma 2 2B: every second (4096), soft-capped
+    "gemma3-1b": Shape(GEMMA3, 1152, 26, 4, 1, 6912, 262144, True, 1e6, None, 32768, 1e-6, 512, head_size=256),
+    "gemma2-2b": Shape(GEMMA2, 2304, 26, 8, 4, 9216, 256000, True, 1e4, None, 8192, 1e-6, 4096, head_size=256),
 }
