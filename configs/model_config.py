@@ -6,6 +6,7 @@ One `ModelConfig` describes every supported decoder family; the family only swit
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import fnmatch
 import json
@@ -33,6 +34,11 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Gemma3ForCausalLM": ("gemma3", False, True),
 }
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
+# Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> (the text
+# model's architecture, the transformers config class whose defaults complete the released, sparse `text_config`)
+TEXT_MODELS_OF: dict[str, tuple[str, str]] = {
+    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
+}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation: SwiGLU, or GeGLU with tanh-approximated GELU
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -452,12 +458,29 @@ def _gemma_fields(hf: dict[str, Any], family: str, dtype: str) -> dict[str, Any]
     }
 
 
+def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The HF config of a vision-language model's text decoder (TEXT_MODELS_OF): its `text_config` completed with
+    transformers' defaults, as transformers reads it; any other config as it is."""
+    arch = (hf.get("architectures") or [None])[0]
+    if arch not in TEXT_MODELS_OF:
+        return hf
+    import transformers
+
+    text_arch, config_class = TEXT_MODELS_OF[arch]
+    text = getattr(transformers, config_class)(**copy.deepcopy(hf.get("text_config") or {})).to_dict()
+    dtype = hf.get("torch_dtype") or hf.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+    eos = hf.get("eos_token_id", text.get("eos_token_id"))
+    return {**text, "architectures": [text_arch], "torch_dtype": dtype, "eos_token_id": eos}
+
+
 def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
+    hf = text_model_config(hf)
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
-            f"unsupported architecture {arch!r}; trtbuild converts {', '.join(SUPPORTED_ARCHITECTURES)}."
+            f"unsupported architecture {arch!r}; trtbuild converts {', '.join(SUPPORTED_ARCHITECTURES)} and the "
+            f"text models of {', '.join(TEXT_MODELS_OF)}."
         )
     family, qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
     if family == "llama" and hf.get("attention_bias"):

@@ -116,6 +116,41 @@ def test_the_quantizer_refuses_gemma_with_what_to_do(tmp_path):
     assert not (tmp_path / "q").exists()
 
 
+def test_gemma3_vision_language_folder_converts_its_text_decoder(tmp_path):
+    """Gemma 3 4B+ ship as Gemma3ForConditionalGeneration: its text decoder (`language_model.model.*`, a sparse
+    text_config completed with transformers' defaults) builds; the engine's logits are the HF model's on text."""
+    import numpy as np
+    import transformers
+
+    from trtbuild.builder.build import build_engine
+    from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+
+    text = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=6,
+                rope_scaling={"rope_type": "linear", "factor": 2.0})  # released: only what differs from defaults
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=16)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4,
+        architectures=["Gemma3ForConditionalGeneration"])).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path / "hf")
+    config = convert(tmp_path / "hf", tmp_path / "ckpt")
+    assert (config.architecture, config.local_rotary_base, config.rotary_scaling["factor"]) == \
+        ("Gemma3ForCausalLM", 1e4, 2.0)
+    assert [i for i in range(6) if not config.is_sliding(i)] == [5]
+    engine = build_engine(tmp_path / "ckpt", tmp_path / "engine", max_seq_len=64, tokens_per_block=8)
+    ids = np.random.default_rng(0).integers(3, 256, size=20).tolist()
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    got = CpuEngine(engine, num_threads=1, num_blocks=8).step([SequenceChunk(0, ids, 0, len(ids), list(range(8)))])
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
 # ---- GGUF metadata as llama.cpp reads it ----------------------------------------------------------------------
 def _gguf_meta(arch: str, layers: int, **extra) -> dict:
     return {f"{arch}.{k}": v for k, v in {"embedding_length": 1152, "attention.head_count": 4, "block_count": layers,

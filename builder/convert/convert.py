@@ -29,7 +29,7 @@ from trtbuild.builder.convert.names import hf_to_checkpoint_name, is_linear, lin
 from trtbuild.builder.convert.safetensors_io import SafetensorsWriter
 from trtbuild.builder.convert.sharding import check_mapping, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig
-from trtbuild.configs.model_config import GEMMA_FAMILIES, QuantConfig, model_config_from_hf
+from trtbuild.configs.model_config import GEMMA_FAMILIES, QuantConfig, model_config_from_hf, text_model_config
 from trtbuild.errors import CheckpointError, ConfigError
 from trtbuild.quantization import QuantAlgo
 
@@ -195,6 +195,7 @@ def convert(model: Path, output: Path, dtype: str = "auto", tp_size: int = 1, pp
             and weight_only.group_size % 16:
         raise ConfigError("group_size", f"{weight_only.group_size} is not a multiple of 16.")
     hf_config, source, is_gguf = _open_source(model, dequantize)
+    hf_config = text_model_config(hf_config)
     if num_layers is not None:
         hf_config = keep_first_layers(hf_config, num_layers)
     prepare_output_dir(output)  # fail before the slow part, never overwrite anything

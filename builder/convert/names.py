@@ -56,6 +56,9 @@ _CKPT_TO_HF_LAYER = {v: k for k, v in _LAYER_MAP.items()}
 _CKPT_TO_HF_SANDWICH_LAYER = {v: k for k, v in _SANDWICH_LAYER_MAP.items()}
 _CKPT_TO_HF_GLOBAL = {v: k for k, v in _GLOBAL_MAP.items()}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# A vision-language model's text decoder (Gemma 3 4B+): its tensors as the text model's
+_TEXT_MODEL_PREFIX = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")
+_TEXT_MODEL_HEAD = re.compile(r"^language_model\.lm_head\.")
 _CKPT_LAYER = re.compile(r"^transformer\.layers\.(\d+)\.(.+)$")
 
 # Linears of one layer, as checkpoint prefixes relative to `transformer.layers.{i}.` (q, k, v, gate, fc are
@@ -84,6 +87,7 @@ _SPLIT_AXIS = {
 def hf_to_checkpoint_name(hf_name: str, sandwich_norms: bool = False) -> str | None:
     """The checkpoint name of an HF tensor, or None for tensors the engine does not use (e.g. rotary inv_freq);
     `sandwich_norms`: of a model with Gemma 2 / 3's layer norms."""
+    hf_name = _TEXT_MODEL_HEAD.sub("lm_head.", _TEXT_MODEL_PREFIX.sub("model.", hf_name))
     if hf_name in _GLOBAL_MAP:
         return _GLOBAL_MAP[hf_name]
     m = _HF_LAYER.match(hf_name)
