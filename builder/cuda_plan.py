@@ -179,7 +179,7 @@ class _PlanWriter:
         if a.get("rotary"):
             inputs += [n.input[pa.POSITION_IDS]] + [self.weight(n.input[i], self.const(n.input[i]), torch.float32)
                                                      for i in (pa.ROPE_COS, pa.ROPE_SIN)]
-        keep = ("layer_idx", "num_heads", "num_kv_heads", "head_size", "scale", "tokens_per_block", "window")
+        keep = ("layer_idx", "num_heads", "num_kv_heads", "head_size", "scale", "tokens_per_block", "window", "softcap")
         self.emit("paged_attention", n, inputs, list(n.output), **{k: a[k] for k in keep if k in a})
         self.steps.append(PlanStep("kv_write", n.name + "/kv_write", ("kv_cache", n.output[1], n.output[2],
                                                                     "slot_mapping"), (), {"layer_idx": a["layer_idx"]}))

@@ -218,13 +218,18 @@ class _Lowering:
         new_kv = [op("Transpose", [op("Gather", [self.fake_quantize_kv(x, node, w), m["q_index"]], axis=0)],
                      perm=[0, 2, 1, 3]) for w, x in enumerate((k, v))]
         (_, k_scale), (v_algo, v_scale) = self.kv_quant(node, 0), self.kv_quant(node, 1)
-        alpha = float(np.float32(scale) * k_scale)
+        alpha, softcap = float(np.float32(scale) * k_scale), float(_attr(node, "softcap", 0.0))
+        cap = c(np.float32(softcap), "softcap") if softcap > 0 else None
+
+        def scores_of(keys: str) -> str:  # scale * q . k, soft-capped (cap * tanh(s / cap)) before any mask
+            s = op("FusedMatMul", [q, keys], domain=MS_DOMAIN, transB=1, alpha=alpha)
+            return s if cap is None else op("Mul", [op("Tanh", [op("Div", [s, cap])]), cap])
+
         if self.variant == "concat":  # past | new keys and values side by side: 6 nodes, copies the context
             keys, values = (op("Concat", [past, new], axis=2) for past, new in zip(past_kv, new_kv, strict=True))
-            scores = op("Add", [op("FusedMatMul", [q, keys], domain=MS_DOMAIN, transB=1, alpha=alpha), m["mask"]])
-            out = op("MatMul", [op("Softmax", [scores], axis=-1), values])
+            out = op("MatMul", [op("Softmax", [op("Add", [scores_of(keys), m["mask"]])], axis=-1), values])
         else:  # "split": past and new keys scored apart, one softmax over both: 10 nodes, no copy of the context
-            scores = [op("Add", [op("FusedMatMul", [q, key], domain=MS_DOMAIN, transB=1, alpha=alpha), mask])
+            scores = [op("Add", [scores_of(key), mask])
                       for key, mask in zip((past_kv[0], new_kv[0]), (m["past_mask"], m["new_mask"]), strict=True)]
             probs = op("Split", [op("Softmax", [op("Concat", scores, axis=-1)], axis=-1), m["key_split"]],
                        num_outputs=2, axis=-1)  # [B, KVH, G * Sq, past | Sq]

@@ -15,6 +15,16 @@ const OrtCustomOp* dense_matmul_op();
 const OrtCustomOp* dense_gather_op();
 const OrtCustomOp* swiglu_op();
 
+// An optional attribute's value, or `otherwise` when the node lacks it (engines built before it was added).
+template <typename T>
+T optional_attribute(const Ort::ConstKernelInfo& info, const char* name, T otherwise) {
+  try {
+    return info.GetAttribute<T>(name);
+  } catch (const Ort::Exception&) {
+    return otherwise;
+  }
+}
+
 // A linear's optional bias input `index` (N floats, added to every output row), or null when the node has none.
 template <typename Fail>
 const float* bias(Ort::KernelContext& ctx, size_t index, int64_t n, Fail fail) {

@@ -69,6 +69,7 @@ struct Step {
   int64_t heads, kv_heads, d, bs, layers, layer, width;
   int64_t window;  // a query sees its last `window` keys (itself included); 0: all of them
   float scale;
+  float softcap;  // > 0: scores become softcap * tanh(score / softcap) before softmax; 0: none
   int64_t heads_per_task;  // query heads of one KV head that one task computes, reading each key and value once
 };
 
@@ -170,6 +171,7 @@ void attend_vectorized(const Task& a) {
   for (int64_t j = visible; j < stride; ++j) rows[j] = zeros;
   const float* q = a.queries();
   const __m512 scale = _mm512_set1_ps(a.s.scale);
+  const float cap = a.s.softcap;
   // NOTE: the pool's rows come from a pool far larger than the caches, a few KiB per block: while 16 keys are
   // scored, the next 16 are fetched and their values brought into L2 for the weighted sum (the step's own new rows
   // are in cache already)
@@ -196,8 +198,14 @@ void attend_vectorized(const Task& a) {
   for (int64_t h = 0; h < a.nh; ++h) {
     float* p = probs.data() + h * stride;
     __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j0 = 0; j0 < visible; j0 += 16)
-      top = _mm512_mask_max_ps(top, first(visible - j0), top, _mm512_loadu_ps(p + j0));
+    for (int64_t j0 = 0; j0 < visible; j0 += 16) {
+      __m512 x = _mm512_loadu_ps(p + j0);
+      if (cap > 0.0f) {
+        x = _mm512_mul_ps(_mm512_set1_ps(cap), tanh16(_mm512_div_ps(x, _mm512_set1_ps(cap))));
+        _mm512_storeu_ps(p + j0, x);
+      }
+      top = _mm512_mask_max_ps(top, first(visible - j0), top, x);
+    }
     const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(top));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t j0 = 0; j0 < visible; j0 += 16) {
@@ -224,6 +232,8 @@ void attend_generic(const Task& a) {
     const float* k = a.row<float>(a.first + j, 0);
     for (int64_t h = 0; h < nh; ++h) probs[h * visible + j] = a.s.scale * dot(q + h * d, k, d);
   }
+  if (const float cap = a.s.softcap; cap > 0.0f)
+    for (float& p : probs) p = cap * std::tanh(p / cap);
   for (int64_t h = 0; h < nh; ++h) {
     float* p = probs.data() + h * visible;
     const float max_score = *std::max_element(p, p + visible);
@@ -288,8 +298,8 @@ void round_to_half(const float* x, int64_t n, std::vector<uint16_t>& out) {
 void fail(const std::string& what) { ORT_CXX_API_THROW("trtbuild::PagedAttention: " + what, ORT_INVALID_ARGUMENT); }
 
 struct PagedAttentionKernel {
-  int64_t layer, heads, kv_heads, d, bs, rotary, window = 0;
-  float scale;
+  int64_t layer, heads, kv_heads, d, bs, rotary, window;
+  float scale, softcap;
 
   PagedAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -300,12 +310,10 @@ struct PagedAttentionKernel {
     bs = ki.GetAttribute<int64_t>("tokens_per_block");
     scale = ki.GetAttribute<float>("scale");
     rotary = ki.GetAttribute<int64_t>("rotary");
-    try {  // optional: engines built before sliding windows lack it
-      window = ki.GetAttribute<int64_t>("window");
-    } catch (const Ort::Exception&) {
-      window = 0;
-    }
+    window = optional_attribute<int64_t>(ki, "window", 0);  // NOTE: both absent from older engines
+    softcap = optional_attribute<float>(ki, "softcap", 0.0f);
     if (window < 0) fail("window must be 0 (none) or positive");
+    if (!(softcap >= 0.0f)) fail("softcap must be 0 (none) or positive");
     if (kv_heads <= 0 || heads % kv_heads) fail("num_heads must be a multiple of num_kv_heads");
     if (rotary && d % 2) fail("rotary needs an even head_size");
   }
@@ -379,7 +387,7 @@ struct PagedAttentionKernel {
     Step step{q.data(), half ? static_cast<const void*>(k_half.data()) : k_new,
               half ? static_cast<const void*>(v_half.data()) : v_new, ctx.GetInput(3).GetTensorRawData(), half,
               tables, past, starts, seq_of_token.data(), out, heads, kv_heads, d, bs, pool_shape[1], layer, width,
-              window, scale, per_task};
+              window, scale, softcap, per_task};
     ctx.ParallelFor(attend, static_cast<size_t>(t_count * kv_heads * ((group + per_task - 1) / per_task)), 0, &step);
   }
 };

@@ -20,6 +20,19 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// tanh of 16 floats: 1 - 2 / (e^2x + 1), where exp16 caps e^2x at e^88 and flushes it to 0 far below, so the result
+// stays within [-1, 1] for any finite x. NOTE: near 0 that difference cancels (absolute error ~1e-7, a large
+// relative one), so |x| < 1/4 takes tanh's odd Taylor polynomial to x^9 instead (relative error < 1e-8 there).
+inline __m512 tanh16(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.0f), x2 = _mm512_mul_ps(x, x);
+  const __m512 e = exp16(_mm512_add_ps(x, x));
+  const __m512 far = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+  __m512 p = _mm512_set1_ps(62.0f / 2835.0f);
+  for (const float c : {-17.0f / 315.0f, 2.0f / 15.0f, -1.0f / 3.0f}) p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(c));
+  const __m512 near = _mm512_fmadd_ps(_mm512_mul_ps(x, x2), p, x);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(0.25f), _CMP_LT_OQ), far, near);
+}
+
 // Lane j of the result is the sum of v[j]'s 16 lanes: pairs, then quads, then 128-bit lanes are added in place of
 // a transpose, so 16 dot products cost 45 shuffles and adds instead of 16 horizontal sums.
 inline __m512 transpose_sum16(const __m512* v) {

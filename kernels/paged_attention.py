@@ -72,13 +72,25 @@ def _fake_quant_int8(x, scale):
 
 
 @triton.jit
+def _softcap(s, cap):
+    """cap * tanh(s / cap), tanh(x) = sign(x) (1 - e) / (1 + e) with e = e^-2|x| in (0, 1]: no overflow for any
+    score. Scores in base-2 units stay so when cap is in them too."""
+    x = s / cap
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, cache_ptr, tables_ptr, past_ptr, qsl_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, qk_scale, k_scale, v_scale, half, block_size, num_heads, window,
+    softcap,
     stride_qt, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
     stride_cb, stride_ckv, stride_ch, stride_cs, stride_tb, stride_cos, stride_sin,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF: tl.constexpr, ROTARY: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr, KV_INT8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -139,6 +151,8 @@ def _paged_attention_kernel(
             v1, v2 = v1.to(q1.dtype), v2.to(q1.dtype)
         scores = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
         scores = tl.dot(q2, tl.trans(k2), scores, input_precision=PRECISION) * qk_scale
+        if SOFTCAP:
+            scores = _softcap(scores, softcap)
         scores = tl.where(j_ok[None, :] & (j[None, :] >= lo[:, None]), scores, float("-inf"))
         m, denom, acc1, acc2 = _online_softmax_step(scores, v1, v2, m, denom, acc1, acc2, PRECISION)
 
@@ -159,6 +173,8 @@ def _paged_attention_kernel(
             v1, v2 = _fake_quant_int8(v1, v_scale).to(q1.dtype), _fake_quant_int8(v2, v_scale).to(q1.dtype)
         scores = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
         scores = tl.dot(q2, tl.trans(k2), scores, input_precision=PRECISION) * qk_scale
+        if SOFTCAP:
+            scores = _softcap(scores, softcap)
         visible = (j[None, :] <= i[:, None]) & (past + j[None, :] >= lo[:, None])
         scores = tl.where(j_ok[None, :] & visible, scores, float("-inf"))
         m, denom, acc1, acc2 = _online_softmax_step(scores, v1, v2, m, denom, acc1, acc2, PRECISION)
@@ -236,7 +252,7 @@ def paged_attention(
     num_kv_heads: int, head_size: int, scale: float, position_ids: torch.Tensor | None = None,
     rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None, max_query_len: int | None = None,
     block_m: int = 16, block_n: int = 64, num_splits: int = 1, kv_cache_quant_algo: str | None = None,
-    kv_cache_scale: tuple[float, float] | None = None, window: int = 0,
+    kv_cache_scale: tuple[float, float] | None = None, window: int = 0, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's semantics (plugins/README.md): -> attn_out [T, H*D], k_new [T, KVH, D] (after RoPE), v_new [T, KVH, D].
     v_new, and k_new when rotary=0, are the inputs viewed as [T, KVH, D] (no copy).
@@ -248,13 +264,16 @@ def paged_attention(
     with a float32 workspace of T x H x num_splits x (D + 2) and a second kernel that merges the splits.
     `kv_cache_quant_algo="int8"` with `kv_cache_scale=(K scale, V scale)`: an int8 pool (read = stored * scale), and
     this step's K/V quantized the same way before attention; k_new/v_new stay unquantized (the runtime quantizes
-    when it writes them). `window` > 0: a sliding window, each query sees its last `window` keys only."""
+    when it writes them). `window` > 0: a sliding window, each query sees its last `window` keys only. `softcap` > 0:
+    each score becomes softcap * tanh(score / softcap) before the masks and softmax (Gemma 2)."""
     _check(q, k, v, kv_cache, layer_idx, num_heads, num_kv_heads, head_size, [position_ids, rope_cos, rope_sin],
            kv_cache_quant_algo, kv_cache_scale)
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     if window < 0:
         raise ValueError(f"window must be 0 (none) or positive, got {window}")
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be 0 (none) or positive, got {softcap}")
     tokens, batch = q.shape[0], past_lengths.shape[0]
     if block_tables.ndim != 2 or block_tables.shape[0] != batch or query_start_loc.shape != (batch + 1,):
         raise ValueError(f"block_tables {list(block_tables.shape)} / query_start_loc {list(query_start_loc.shape)} "
@@ -298,13 +317,13 @@ def paged_attention(
     _paged_attention_kernel[grid](
         q, k_new, v_new, cache, block_tables, past_lengths, query_start_loc, *rope, out,
         part_acc, part_max, part_sum, scale * LOG2E * k_scale, k_scale, v_scale, half, cache.shape[3], num_heads,
-        window,
+        window, softcap * LOG2E,  # NOTE: scores are in base-2 units here, and cap * tanh(s / cap) scales with them
         q.stride(0), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), out.stride(0),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), block_tables.stride(0),
         rope[1].stride(0), rope[2].stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=max(MIN_DOT, block_n), HALF=half_pad,
         ROTARY=rotary, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=num_splits,
-        KV_INT8=kv_cache_quant_algo == "int8")
+        KV_INT8=kv_cache_quant_algo == "int8", SOFTCAP=softcap > 0)
     if num_splits > 1:
         _reduce_splits_kernel[(tokens, num_heads)](
             part_acc, part_max, part_sum, out, num_heads, head_size, out.stride(0), SPLITS=num_splits,

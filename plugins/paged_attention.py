@@ -35,10 +35,11 @@ def reference_paged_attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_cache: np.ndarray, block_tables: np.ndarray,
     past_lengths: np.ndarray, query_start_loc: np.ndarray, *, layer_idx: int, num_heads: int, num_kv_heads: int,
     head_size: int, scale: float, position_ids: np.ndarray | None = None, rope_cos: np.ndarray | None = None,
-    rope_sin: np.ndarray | None = None, window: int = 0,
+    rope_sin: np.ndarray | None = None, window: int = 0, softcap: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Straightforward per-sequence loop; the lowered graphs and kernels are tested against it. `window` > 0: each
-    query sees only its last `window` keys, itself included (a sliding window, as Mistral's and Phi-3's)."""
+    query sees only its last `window` keys, itself included (a sliding window, as Mistral's and Phi-3's).
+    `softcap` > 0: each score becomes softcap * tanh(score / softcap) before softmax (Gemma 2's logit soft-capping)."""
     num_tokens = q.shape[0]
     q = q.reshape(num_tokens, num_heads, head_size).astype(np.float64)
     k = k.reshape(num_tokens, num_kv_heads, head_size).astype(np.float64)
@@ -63,6 +64,8 @@ def reference_paged_attention(
             first = max(0, visible - window) if window else 0
             for h in range(num_heads):
                 scores = keys[first:visible, h // group] @ q[start + t, h] * scale
+                if softcap:
+                    scores = softcap * np.tanh(scores / softcap)
                 p = np.exp(scores - scores.max())
                 out[start + t, h] = (p / p.sum()) @ values[first:visible, h // group]
     return out.reshape(num_tokens, -1).astype(np.float32), k.astype(np.float32), v.astype(np.float32)

@@ -75,7 +75,7 @@ def paged_attention(k: Kernels, a: dict[str, Any], q: torch.Tensor, key: torch.T
         q, key, v, kv_cache, block_tables, past_lengths, query_start_loc, layer_idx=a["layer_idx"],
         num_heads=a["num_heads"], num_kv_heads=a["num_kv_heads"], head_size=a["head_size"], scale=a["scale"],
         position_ids=position_ids, rope_cos=rope_cos, rope_sin=rope_sin, max_query_len=a["max_query_len"],
-        window=a.get("window", 0), **a.get("tactics", {}))
+        window=a.get("window", 0), softcap=a.get("softcap", 0.0), **a.get("tactics", {}))
 
 
 def kv_write(k: Kernels, a: dict[str, Any], kv_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

@@ -60,16 +60,17 @@ def test_native_op_never_reads_unowned_slots(library, rotary):
 
 
 def real_shape_case(heads: int, kv_heads: int, head: int, block: int, seqs: list[tuple[int, int]], seed: int,
-                    pool_dtype: type = np.float32, window: int = 0
+                    pool_dtype: type = np.float32, window: int = 0, softcap: float = 0.0, q_gain: float = 1.0
                     ) -> tuple[ort.InferenceSession, dict[str, np.ndarray], dict]:
     """One PagedAttention node (layer 1 of a 2-layer pool of `pool_dtype`) of the given shape, a packed step of
-    (past, new tokens) per sequence over shuffled blocks, and the reference's keyword arguments."""
+    (past, new tokens) per sequence over shuffled blocks, and the reference's keyword arguments. Queries are
+    standard normal times `q_gain` (scores grow with it)."""
     rng = np.random.default_rng(seed)
     width = max(-(-(past + n) // block) for past, n in seqs)
     tables = rng.permutation(len(seqs) * width).reshape(len(seqs), width).astype(np.int64)
     tokens, max_pos = sum(n for _, n in seqs), 512
     angles = np.arange(max_pos)[:, None] * 10000.0 ** (-np.arange(0, head, 2) / head)[None, :]
-    data = {"q": rng.standard_normal((tokens, heads * head), dtype=np.float32),
+    data = {"q": rng.standard_normal((tokens, heads * head), dtype=np.float32) * np.float32(q_gain),
             "k": rng.standard_normal((tokens, kv_heads * head), dtype=np.float32),
             "v": rng.standard_normal((tokens, kv_heads * head), dtype=np.float32),
             "kv_cache": rng.standard_normal((tables.size, 2, 2, kv_heads, block, head)).astype(pool_dtype),
@@ -80,6 +81,8 @@ def real_shape_case(heads: int, kv_heads: int, head: int, block: int, seqs: list
     attrs = dict(layer_idx=1, num_heads=heads, num_kv_heads=kv_heads, head_size=head, scale=head**-0.5)
     if window:
         attrs["window"] = window
+    if softcap:
+        attrs["softcap"] = softcap
     inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
               for n, a in data.items()]
     node = helper.make_node(pa.OP_TYPE, list(data), list(pa.OUTPUTS), domain=pa.DOMAIN, tokens_per_block=block,
@@ -141,6 +144,26 @@ def test_a_sliding_window_hides_the_oldest_keys(library, head, pool_dtype, windo
     if window < 100:  # the window changed something
         full = reference(data, {k: v for k, v in attrs.items() if k != "window"})[0]
         assert not np.allclose(got[0].reshape(full.shape), full, atol=1e-3)
+
+
+@pytest.mark.parametrize(("head", "pool_dtype"), [(64, np.float32), (48, np.float16), (24, np.float32)],
+                         ids=["vectorized", "float16_pool", "generic"])
+@pytest.mark.parametrize(("softcap", "window", "q_gain"), [(0.5, 0, 1.0), (3.0, 0, 1.0), (50.0, 0, 4.0),
+                                                           (2.0, 5, 1.0), (5.0, 0, 40.0), (1.0, 21, 1000.0)],
+                         ids=["tight", "loose", "gemma2_cap", "windowed", "large_scores", "huge_scores_windowed"])
+def test_softcap_bends_the_scores(library, head, pool_dtype, softcap, window, q_gain):
+    """Scores become softcap * tanh(score / softcap) before the mask and softmax: small, saturated (|score / cap| up
+    to ~1e3: no overflow) and with a sliding window, over the vectorized, float16 and generic paths; the soft-cap
+    changes the output."""
+    seqs = [(37, 1), (0, 21), (16, 5), (15, 1), (100, 3)]
+    # NOTE: as above, seeds whose float16-rounded keys agree with the reference's (large scores magnify a tie)
+    sess, data, attrs = real_shape_case(8, 2, head, 16, seqs, seed=int(softcap * 10) + window + 300,
+                                        pool_dtype=pool_dtype, window=window, softcap=softcap, q_gain=q_gain)
+    got = sess.run(None, data)
+    for name, g, w in zip(pa.OUTPUTS, got, reference(data, attrs), strict=True):
+        np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
+    uncapped = reference(data, {k: v for k, v in attrs.items() if k != "softcap"})[0]
+    assert not np.allclose(got[0].reshape(uncapped.shape), uncapped, atol=1e-3)
 
 
 def test_float16_pool_attends_new_rows_as_stored(library):

@@ -164,14 +164,15 @@ def attention_batch(seqs: list[tuple[int, int]], block: int, heads: int, kv_head
 
 
 def check_attention(data: dict, heads: int, kv_heads: int, rotary: bool, dtype: torch.dtype, window: int = 0,
-                    **blocks) -> None:
+                    softcap: float = 0.0, **blocks) -> np.ndarray:
+    """The kernel against the reference (attn_out, k_new, v_new); returns the kernel's attn_out."""
     floats = ("q", "k", "v", "kv_cache")
     t = {n: _dev(a).to(dtype) if n in floats else _dev(a) for n, a in data.items()}
     # the reference sees the very values the kernel gets (float16-rounded when testing float16)
     ref_in = {n: t[n].to(torch.float32).cpu().numpy() if n in floats else a for n, a in data.items()}
     rope = ("position_ids", "rope_cos", "rope_sin")
     attrs = dict(layer_idx=1, num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD, scale=HEAD ** -0.5,
-                 window=window)
+                 window=window, softcap=softcap)
     pool = t["kv_cache"].clone()
     got = K["paged_attention"].paged_attention(
         *(t[n] for n in ("q", "k", "v", "kv_cache", "block_tables", "past_lengths", "query_start_loc")),
@@ -183,6 +184,7 @@ def check_attention(data: dict, heads: int, kv_heads: int, rotary: bool, dtype: 
         assert g.dtype == dtype and tuple(g.shape) == w.shape, name
         assert_close(g, w, dtype, name)
     assert torch.equal(t["kv_cache"], pool), "the op must not write the pool"
+    return got[0].to(torch.float32).cpu().numpy()
 
 
 # fresh prefill, decode, continuing chunk, decode at a block boundary, a chunk spanning several key tiles
@@ -233,6 +235,25 @@ def test_paged_attention_sliding_window(window, splits):
     data = attention_batch(MIXED, 8, 4, 2, seed=window)
     check_attention(data, 4, 2, rotary=True, dtype=torch.float32, window=window, block_m=16, block_n=16,
                     num_splits=splits)
+
+
+@DTYPES
+@pytest.mark.parametrize(("softcap", "window", "splits", "q_gain"),
+                         [(1.0, 0, 1, 1.0), (50.0, 0, 2, 20.0), (2.0, 6, 3, 1.0), (5.0, 9, 2, 100.0)],
+                         ids=["tight", "gemma2_cap", "windowed_split3", "huge_scores_windowed"])
+def test_paged_attention_softcap(dtype, softcap, window, splits, q_gain):
+    """Scores become softcap * tanh(score / softcap) before the masks: past and new keys, split-K, with a sliding
+    window, and scores far past the cap (e^2x overflowing to inf inside tanh); the soft-cap changes the output."""
+    data = attention_batch(MIXED, 8, 4, 2, seed=int(softcap))
+    data["q"] *= np.float32(q_gain)
+    got = check_attention(data, 4, 2, rotary=True, dtype=dtype, window=window, softcap=softcap, block_m=16,
+                          block_n=16, num_splits=splits)
+    floats = {n: _dev(a).to(dtype).to(torch.float32).cpu().numpy() if n in ("q", "k", "v", "kv_cache") else a
+              for n, a in data.items()}
+    uncapped = reference_paged_attention(*(floats[n] for n in list(data)[:7]), layer_idx=1, num_heads=4,
+                                         num_kv_heads=2, head_size=HEAD, scale=HEAD ** -0.5, window=window,
+                                         **{n: data[n] for n in ("position_ids", "rope_cos", "rope_sin")})[0]
+    assert not np.allclose(got, uncapped, atol=0.05)
 
 
 def int8_kv(x: np.ndarray, scale: float) -> np.ndarray:

@@ -59,8 +59,8 @@ def batch(seed: int = 0) -> dict[str, np.ndarray]:
     }
 
 
-def paged_attention_model(layers: list[int], rotary: bool, max_pos: int = MAX_POS, window: int = 0
-                          ) -> onnx.ModelProto:
+def paged_attention_model(layers: list[int], rotary: bool, max_pos: int = MAX_POS, window: int = 0,
+                          softcap: float = 0.0) -> onnx.ModelProto:
     """PagedAttention node(s) alone, every input a graph input; layer l reads q{l}, k{l}, v{l}."""
     g = GraphBuilder()
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
@@ -75,16 +75,17 @@ def paged_attention_model(layers: list[int], rotary: bool, max_pos: int = MAX_PO
         outs = [f"{n}{layer}" for n in pa.OUTPUTS]
         g.op(pa.OP_TYPE, qkv + shared + rope, domain=pa.DOMAIN, outputs=outs, name=f"layers.{layer}.paged",
              layer_idx=layer, num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD, tokens_per_block=BLOCK,
-             scale=float(SCALE), rotary=int(rotary), **({"window": window} if window else {}))
+             scale=float(SCALE), rotary=int(rotary), **({"window": window} if window else {}),
+             **({"softcap": softcap} if softcap else {}))
         g.output(outs[0], f32, ["T", HEADS * HEAD])
         g.output(outs[1], f32, ["T", KV_HEADS, HEAD])
         g.output(outs[2], f32, ["T", KV_HEADS, HEAD])
     return g.model("paged_attention", {pa.DOMAIN: pa.OPSET_VERSION})
 
 
-def lowered(layers: list[int], rotary: bool, max_pos: int = MAX_POS, window: int = 0, variant: str = "split"
-            ) -> onnx.ModelProto:
-    model = paged_attention_model(layers, rotary, max_pos, window)
+def lowered(layers: list[int], rotary: bool, max_pos: int = MAX_POS, window: int = 0, variant: str = "split",
+            softcap: float = 0.0) -> onnx.ModelProto:
+    model = paged_attention_model(layers, rotary, max_pos, window, softcap)
     onnx.checker.check_model(model, full_check=True)
     assert lower_paged_attention(model, variant) == len(layers)
     onnx.checker.check_model(model, full_check=True)
@@ -104,16 +105,17 @@ def run(model: onnx.ModelProto, data: dict[str, np.ndarray], layers: list[int], 
     return dict(zip(names, session.run(names, feeds), strict=True))
 
 
-def reference(data: dict[str, np.ndarray], layer: int, rotary: bool, window: int = 0):
+def reference(data: dict[str, np.ndarray], layer: int, rotary: bool, window: int = 0, softcap: float = 0.0):
     rope = {n: data[n] for n in ("position_ids", "rope_cos", "rope_sin")} if rotary else {}
     return pa.reference_paged_attention(
         data["q"], data["k"], data["v"], data["kv_cache"], data["block_tables"], data["past_lengths"],
         data["query_start_loc"], layer_idx=layer, num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD,
-        scale=SCALE, window=window, **rope)
+        scale=SCALE, window=window, softcap=softcap, **rope)
 
 
-def assert_matches_reference(got: dict, data: dict, layer: int, rotary: bool, window: int = 0) -> None:
-    for name, want in zip(pa.OUTPUTS, reference(data, layer, rotary, window), strict=True):
+def assert_matches_reference(got: dict, data: dict, layer: int, rotary: bool, window: int = 0,
+                             softcap: float = 0.0) -> None:
+    for name, want in zip(pa.OUTPUTS, reference(data, layer, rotary, window, softcap), strict=True):
         np.testing.assert_allclose(got[f"{name}{layer}"], want, rtol=TOL, atol=TOL, err_msg=f"{name} of layer {layer}")
 
 
@@ -137,6 +139,22 @@ def test_lowering_applies_a_sliding_window(variant, window):
     got = run(lowered([0, 1], True, window=window, variant=variant), data, [0, 1], True)
     for layer in (0, 1):
         assert_matches_reference(got, data, layer, True, window)
+
+
+@pytest.mark.parametrize("variant", ["split", "concat"])
+@pytest.mark.parametrize(("softcap", "window", "q_gain"), [(1.0, 0, 1.0), (50.0, 0, 20.0), (2.0, 3, 1.0),
+                                                           (5.0, 0, 1000.0)],
+                         ids=["tight", "gemma2_cap", "windowed", "huge_scores"])
+def test_lowering_soft_caps_the_scores(variant, softcap, window, q_gain):
+    """Scores become softcap * tanh(score / softcap) (Tanh between the scaled scores and the masks), in both
+    variants, with a sliding window, and with scores far past the cap; the soft-cap changes the output."""
+    data = batch(7)
+    data["q"] *= np.float32(q_gain)
+    got = run(lowered([0, 1], True, window=window, variant=variant, softcap=softcap), data, [0, 1], True)
+    for layer in (0, 1):
+        assert_matches_reference(got, data, layer, True, window, softcap)
+    uncapped = reference(data, 1, True, window)[0]
+    assert not np.allclose(got["attn_out1"], uncapped, atol=1e-3)
 
 
 def test_a_step_may_pack_more_tokens_than_the_rope_table_has_rows():

@@ -111,6 +111,15 @@ def test_refusals_name_what_is_missing(checkpoint):
     check_tensorrt_buildable(config, build)  # a float checkpoint is buildable
 
 
+def test_soft_capped_attention_is_refused_with_what_to_do(checkpoint):
+    model, _, _ = _fused(checkpoint)
+    check_tensorrt_graph(model)  # no softcap: accepted
+    node = next(n for n in model.graph.node if n.op_type == "PagedAttention")
+    node.attribute.append(onnx.helper.make_attribute("softcap", 50.0))
+    with pytest.raises(ConfigError, match="soft-caps its attention scores .*; build it for cpu or cuda"):
+        check_tensorrt_graph(model)
+
+
 def test_profiles_cover_decode_and_mixed_steps(checkpoint):
     _, config, build = _fused(checkpoint)
     profiles = optimization_profiles(build, config)

@@ -54,6 +54,9 @@ def check_tensorrt_graph(model: onnx.ModelProto) -> None:
                                                            "from logits rows) or for --target cpu.")
         if node.domain == pa.DOMAIN and node.op_type == pa.OP_TYPE and "kv_cache_quant_algo" in node_attrs(node):
             raise ConfigError("target", "tensorrt does not run a quantized KV cache yet; build it for cpu.")
+        if node.domain == pa.DOMAIN and node.op_type == pa.OP_TYPE and node_attrs(node).get("softcap", 0.0) > 0:
+            raise ConfigError("target", "this model soft-caps its attention scores (Gemma 2), which the tensorrt "
+                                        "plugins do not apply yet; build it for cpu or cuda.")
         if node.domain not in ("", "ai.onnx", pa.DOMAIN):
             raise ConfigError("target", f"tensorrt has no plugin for {node.domain}::{node.op_type} (node "
                                         f"{node.name!r}); build for --target cpu.")
