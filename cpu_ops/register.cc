@@ -15,6 +15,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     d->Add(trtbuild_cpu_ops::dense_matmul_op());
     d->Add(trtbuild_cpu_ops::dense_gather_op());
     d->Add(trtbuild_cpu_ops::swiglu_op());
+    d->Add(trtbuild_cpu_ops::geglu_op());
     return d;
   }();
   try {

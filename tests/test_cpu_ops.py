@@ -184,10 +184,12 @@ def test_float16_pool_with_an_unvectorized_head_size_is_refused(library):
         sess.run(None, data)
 
 
-def test_swiglu_matches_reference(library):
+@pytest.mark.parametrize(("op_type", "want"), [(sw.OP_TYPE, sw.reference_swiglu),
+                                               (sw.GEGLU_OP_TYPE, sw.reference_geglu)], ids=["swiglu", "geglu"])
+def test_gated_activations_match_reference(library, op_type, want):
     """Widths around the 16-lane vectors; a 3-D input; no rows; an odd width is an error."""
     def session() -> ort.InferenceSession:
-        graph = helper.make_graph([helper.make_node(sw.OP_TYPE, ["x"], ["y"], domain=sw.DOMAIN)], "swiglu",
+        graph = helper.make_graph([helper.make_node(op_type, ["x"], ["y"], domain=sw.DOMAIN)], "glu",
                                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
                                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(sw.DOMAIN, 1)])
@@ -203,7 +205,7 @@ def test_swiglu_matches_reference(library):
         x.flat[0], x.flat[-1] = -100.0, 100.0
         got = sess.run(None, {"x": x})[0]
         assert got.shape == (*shape[:-1], shape[-1] // 2)
-        np.testing.assert_allclose(got, sw.reference_swiglu(x), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got, want(x), rtol=1e-6, atol=1e-6)
     assert sess.run(None, {"x": np.zeros((0, 8), np.float32)})[0].shape == (0, 4)
     with pytest.raises(Exception, match="the last dimension of x must be even"):
         sess.run(None, {"x": np.zeros((2, 7), np.float32)})

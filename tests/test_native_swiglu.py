@@ -1,5 +1,6 @@
-"""The CPU lowering of the MLP's SwiGLU onto trtbuild::SwiGLU (builder/native_swiglu.py): which patterns it takes,
-what it leaves, and that an engine without native tactics keeps the standard ops (it must not need the library)."""
+"""The CPU lowering of the MLP's SwiGLU / GeGLU onto trtbuild::SwiGLU / trtbuild::GeGLU (builder/native_swiglu.py):
+which patterns it takes, what it leaves, and that an engine without native tactics keeps the standard ops (it must
+not need the library)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,22 @@ def mlp(extra_gate_use: bool = False, sizes: tuple[int, int] = (6, 6)) -> onnx.M
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
 
 
+def geglu_mlp(approximate: str | None = "tanh", extra_gate_use: bool = False, sizes: tuple[int, int] = (6, 6)
+              ) -> onnx.ModelProto:
+    """x [T, 12] -> Split -> Gelu(gate, approximate) * up (-> and gate * 2 when `extra_gate_use`), as Gemma's MLP."""
+    gelu = {"approximate": approximate} if approximate else {}
+    nodes = [helper.make_node("Split", ["x", "sizes"], ["gate", "up"], axis=-1),
+             helper.make_node("Gelu", ["gate"], ["act"], **gelu),
+             helper.make_node("Mul", ["act", "up"], ["y"])]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 6])]
+    if extra_gate_use:
+        nodes.append(helper.make_node("Add", ["gate", "gate"], ["twice"]))
+        outputs.append(helper.make_tensor_value_info("twice", TensorProto.FLOAT, ["T", 6]))
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 12])],
+                              outputs, [numpy_helper.from_array(np.array(sizes, np.int64), "sizes")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+
+
 def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(cpu_ops.library_path()))
@@ -52,6 +69,28 @@ def test_the_pattern_becomes_one_node_with_the_same_output():
 
 @pytest.mark.parametrize("model", [mlp(extra_gate_use=True), mlp(sizes=(4, 8))], ids=["gate_used_twice", "unequal"])
 def test_what_is_not_exactly_swiglu_is_left_alone(model):
+    before = collections.Counter(n.op_type for n in model.graph.node)
+    assert lower_swiglu(model) == 0
+    assert collections.Counter(n.op_type for n in model.graph.node) == before
+
+
+def test_a_tanh_gelu_gated_mlp_becomes_one_geglu_node_with_the_same_output():
+    x = (np.random.default_rng(1).standard_normal((5, 12)) * 4).astype(np.float32)
+    x[0, 0], x[1, 1] = -30.0, 30.0  # the gelu's tails
+    model = geglu_mlp()
+    want = run(model, x)
+    np.testing.assert_allclose(want, sw.reference_geglu(x), rtol=1e-5, atol=1e-5)  # ORT's Gelu is the tanh form
+    assert lower_swiglu(model) == 1
+    onnx.checker.check_model(model)
+    assert [(n.op_type, n.domain) for n in model.graph.node] == [(sw.GEGLU_OP_TYPE, sw.DOMAIN)]
+    assert not model.graph.initializer
+    np.testing.assert_allclose(run(model, x), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("model", [geglu_mlp(None), geglu_mlp("none"), geglu_mlp(extra_gate_use=True),
+                                   geglu_mlp(sizes=(4, 8))], ids=["erf_gelu", "none_gelu", "gate_used_twice",
+                                                                  "unequal"])
+def test_what_is_not_exactly_geglu_is_left_alone(model):
     before = collections.Counter(n.op_type for n in model.graph.node)
     assert lower_swiglu(model) == 0
     assert collections.Counter(n.op_type for n in model.graph.node) == before
