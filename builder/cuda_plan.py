@@ -10,6 +10,11 @@ Each node maps to one kernel (kernels/ for the Triton ones, torch for the rest):
   MatMulNBits (weight-only int8/int4)     weight_only_linear   kernels/weight_only_gemm.py on the checkpoint codes
   Split -> silu(gate) * up (fused gate|up) swiglu              kernels/swiglu.py on the Split's input
   silu(gate) * up (separate GEMMs)        silu_mul             torch (weight-only gate and up stay two GEMMs)
+  Split -> Gelu(gate, tanh) * up (fused)  geglu                kernels/swiglu.py (Gemma's MLP)
+  Gelu(gate) * up (otherwise)             gelu_mul             torch, with the Gelu's approximate
+  Gelu, Tanh (alone)                      gelu, tanh           torch
+  Mul(x, constant scalar)                 scale                torch (Gemma's embedding multiplier; with Tanh,
+                                                               its final-logit soft-cap c2 * tanh(c1 * x))
   Add, Split, Reshape                     add, split, reshape  torch
   trtbuild::PagedAttention                paged_attention      kernels/paged_attention.py, then kv_write: this
                                                                layer's K/V scattered into the pool (torch)
@@ -32,7 +37,7 @@ import onnx
 import torch
 from onnx import helper
 
-from trtbuild.builder.graph import GraphView
+from trtbuild.builder.graph import GraphView, other_input
 from trtbuild.builder.network import ACCEPT_INPUTS
 from trtbuild.errors import TrtbuildError
 from trtbuild.plugins import paged_attention as pa
@@ -108,24 +113,49 @@ class _PlanWriter:
     def emit(self, kernel: str, node: onnx.NodeProto, inputs: list[str], outputs: list[str], **attrs) -> None:
         self.steps.append(PlanStep(kernel, node.name, tuple(inputs), tuple(outputs), attrs))
 
-    def find_swiglus(self) -> dict[str, tuple[str, ...]]:
-        """Final Mul of silu(gate) * up -> its kernel's inputs: ("swiglu", gate|up) when gate and up are the two
-        halves of the fused gate|up GEMM's Split (the Split is skipped too), else ("silu_mul", gate, up)."""
+    def find_glus(self) -> dict[str, tuple[str, list[str], dict[str, Any]]]:
+        """Final Mul of act(gate) * up -> (kernel, inputs, attributes). silu (Sigmoid and Mul): ("swiglu", [gate|up])
+        when gate and up are the two halves of the fused gate|up GEMM's Split (the Split is skipped too), else
+        ("silu_mul", [gate, up]). Gelu: ("geglu", [gate|up]) likewise when its approximate is "tanh" (the kernel's
+        form), else ("gelu_mul", [gate, up], approximate)."""
         v, found = self.view, {}
-        for sig in [n for n in v.graph.node if n.op_type == "Sigmoid"]:
-            gate = sig.input[0]
+        for act in [n for n in v.graph.node if n.op_type in ("Sigmoid", "Gelu") and n.domain in ("", "ai.onnx")]:
+            gate = act.input[0]
             users = v.consumers.get(gate, [])
-            inner = next((n for n in users if n.op_type == "Mul" and set(n.input) == {gate, sig.output[0]}), None)
-            final = v.consumers.get(inner.output[0], []) if inner is not None else []
-            if inner is None or len(users) != 2 or len(final) != 1 or final[0].op_type != "Mul":
+            if act.op_type == "Sigmoid":
+                inner = next((n for n in users if n.op_type == "Mul" and set(n.input) == {gate, act.output[0]}),
+                             None)
+                if inner is None or len(users) != 2:
+                    continue
+                nodes, out = {act.name, inner.name}, inner.output[0]
+            else:
+                if len(users) != 1:
+                    continue
+                nodes, out = {act.name}, act.output[0]
+            final = v.consumers.get(out, [])
+            if len(final) != 1 or final[0].op_type != "Mul" or out in v.graph_outputs:
                 continue
-            up = next((i for i in final[0].input if i != inner.output[0]), None)
+            up = next((i for i in final[0].input if i != out), None)
             split = v.producer.get(gate)
             fused = (split is not None and split.op_type == "Split" and list(split.output) == [gate, up]
                      and len(v.consumers.get(up, [])) == 1)
-            found[final[0].name] = ("swiglu", split.input[0]) if fused else ("silu_mul", gate, up)
-            self.skip.update({sig.name, inner.name} | ({split.name} if fused else set()))
+            approximate = _attrs(act).get("approximate", "none")
+            if act.op_type == "Sigmoid":
+                found[final[0].name] = ("swiglu", [split.input[0]], {}) if fused else ("silu_mul", [gate, up], {})
+            elif fused and approximate == "tanh":
+                found[final[0].name] = ("geglu", [split.input[0]], {})
+            else:
+                fused = False
+                found[final[0].name] = ("gelu_mul", [gate, up], {"approximate": approximate})
+            self.skip.update(nodes | ({split.name} if fused else set()))
         return found
+
+    def scalar(self, name: str) -> float | None:
+        """The value of a float initializer of one element (a scalar or [1]), else None."""
+        value = self.view.constant(name) if name in self.view.initializers else None
+        if value is None or value.size != 1 or not np.issubdtype(value.dtype, np.floating):
+            return None
+        return float(value.reshape(()))
 
     def node(self, n: onnx.NodeProto) -> None:
         v, op, a = self.view, n.op_type, _attrs(n)
@@ -154,9 +184,15 @@ class _PlanWriter:
         elif op == "Add":
             inputs = [self.weight(i, self.const(i)) if i in v.initializers else i for i in n.input]
             self.emit("add", n, inputs, list(n.output))
-        elif n.name in self.swiglus:
-            kernel, *inputs = self.swiglus[n.name]
-            self.emit(kernel, n, inputs, list(n.output))
+        elif n.name in self.glus:
+            kernel, inputs, attrs = self.glus[n.name]
+            self.emit(kernel, n, inputs, list(n.output), **attrs)
+        elif op == "Mul" and len(scalars := [i for i in n.input if self.scalar(i) is not None]) == 1:
+            self.emit("scale", n, [other_input(n, scalars[0])], list(n.output), value=self.scalar(scalars[0]))
+        elif op == "Gelu" and n.domain in ("", "ai.onnx"):
+            self.emit("gelu", n, [n.input[0]], list(n.output), approximate=a.get("approximate", "none"))
+        elif op == "Tanh":
+            self.emit("tanh", n, [n.input[0]], list(n.output))
         elif op == "Split":
             sizes = self.const(n.input[1]).tolist() if len(n.input) > 1 else None
             self.emit("split", n, [n.input[0]], list(n.output), sizes=sizes, axis=int(a.get("axis", 0)))
@@ -217,7 +253,7 @@ class _PlanWriter:
 
     def write(self) -> Plan:
         self.skip |= self.new_kv_nodes()
-        self.swiglus = self.find_swiglus()
+        self.glus = self.find_glus()
         for n in self.view.graph.node:
             if n.name not in self.skip:
                 self.node(n)

@@ -65,6 +65,27 @@ def silu_mul(k: Kernels, a: dict[str, Any], gate: torch.Tensor, up: torch.Tensor
     return (F.silu(gate) * up,)
 
 
+def geglu(k: Kernels, a: dict[str, Any], gate_up: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (k["swiglu"].geglu(gate_up),)
+
+
+def gelu_mul(k: Kernels, a: dict[str, Any], gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (F.gelu(gate, approximate=a["approximate"]) * up,)
+
+
+def gelu(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (F.gelu(x, approximate=a["approximate"]),)
+
+
+def tanh(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.tanh(x),)
+
+
+def scale(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x times a constant scalar: Gemma's embedding multiplier, and the two around its final-logit Tanh."""
+    return (x * a["value"],)
+
+
 def paged_attention(k: Kernels, a: dict[str, Any], q: torch.Tensor, key: torch.Tensor, v: torch.Tensor,
                     kv_cache: torch.Tensor, block_tables: torch.Tensor, past_lengths: torch.Tensor,
                     query_start_loc: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -97,6 +118,6 @@ def speculative_accept(k: Kernels, a: dict[str, Any], logits: torch.Tensor, acce
 
 
 OPS: dict[str, Op] = {f.__name__: f for f in (gather_rows, rmsnorm, add_rmsnorm, linear, weight_only_linear, add,
-                                              split, reshape, swiglu, silu_mul, paged_attention, kv_write,
-                                              speculative_accept)}
+                                              split, reshape, swiglu, silu_mul, geglu, gelu_mul, gelu, tanh,
+                                              scale, paged_attention, kv_write, speculative_accept)}
 OPS["embedding"] = gather_rows

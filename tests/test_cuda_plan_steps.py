@@ -20,6 +20,7 @@ from triton.runtime import interpreter  # noqa: E402
 
 from trtbuild.builder.cuda_plan import Plan, emit_plan  # noqa: E402
 from trtbuild.builder.graph import GraphBuilder  # noqa: E402
+from trtbuild.errors import TrtbuildError  # noqa: E402
 from trtbuild.kernels.load import load_kernels  # noqa: E402
 from trtbuild.plugins import paged_attention as pa  # noqa: E402
 from trtbuild.runtime.cuda_plan_ops import OPS  # noqa: E402
@@ -114,3 +115,66 @@ def test_soft_capped_attention_plan_matches_ort(library, softcap, window, q_gain
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     uncapped = run_ort(attention_graph(0.0, window), feeds, library)
     assert not np.allclose(got, uncapped, atol=1e-2)
+
+
+# ---- Gemma's MLP and scalings: geglu / gelu_mul / gelu, scale, tanh ------------------------------------------------
+HIDDEN, INTER = 16, 24
+
+
+def gemma_graph(fused: bool, approximate: str = "tanh") -> onnx.ModelProto:
+    """input_ids -> embedding * sqrt(hidden) -> Gelu(gate, approximate) * up (gate|up one GEMM and a Split when
+    `fused`, else two GEMMs) -> down, plus an exact Gelu of the embedding (no GLU) -> lm_head -> the final-logit
+    soft-cap cap * tanh(logits / cap) as Mul(Tanh(Mul(logits, 1 / cap)), cap)."""
+    rng = np.random.default_rng(3)
+
+    def w(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    g = GraphBuilder()
+    ids = g.input("input_ids", I64, ["T"])
+    x = g.op("Gather", [g.const(w(VOCAB, HIDDEN), "embedding"), ids], name="embedding")
+    x = g.op("Mul", [x, g.const(np.float32(HIDDEN**0.5), "normalizer")], name="embedding_scale")  # a 0-d scalar
+    if fused:
+        gate, up = g.op("Split", [g.op("MatMul", [x, g.const(w(HIDDEN, 2 * INTER), "gate_up")], name="gate_up"),
+                                  g.const(np.array([INTER, INTER], np.int64), "sizes")], num_outputs=2, axis=-1,
+                        name="split")
+    else:
+        gate, up = (g.op("MatMul", [x, g.const(w(HIDDEN, INTER), n)], name=n) for n in ("gate", "up"))
+    act = g.op("Mul", [g.op("Gelu", [gate], name="gelu", approximate=approximate), up], name="glu")
+    h = g.op("Add", [g.op("MatMul", [act, g.const(w(INTER, HIDDEN) * 0.2, "down")], name="down"),
+                     g.op("Gelu", [x], name="exact_gelu")], name="residual")
+    logits = g.op("MatMul", [h, g.const(w(HIDDEN, VOCAB), "lm_head")], name="lm_head")
+    cap = np.float32(30.0)
+    capped = g.op("Tanh", [g.op("Mul", [logits, g.const(np.array([1 / cap], np.float32), "inv_cap")],
+                                name="cap_in")], name="cap_tanh")
+    g.op("Mul", [g.const(np.array([cap], np.float32), "cap"), capped], outputs=["logits"], name="cap_out")
+    g.output("logits", F32, ["T", VOCAB])
+    return g.model("gemma")
+
+
+@pytest.mark.parametrize(("fused", "approximate", "glu"), [(True, "tanh", ["geglu"]),
+                                                          (False, "tanh", ["linear", "gelu_mul"]),
+                                                          (True, "none", ["split", "gelu_mul"])],
+                         ids=["fused_geglu", "separate_gemms", "exact_gelu_glu"])
+def test_gemma_steps_match_ort(fused, approximate, glu):
+    """The steps of each form, and the plan's logits against ONNX Runtime's: the soft-cap saturates some of them."""
+    ids = np.array([3, 0, 7, 23, 11, 3], np.int64)
+    want = run_ort(gemma_graph(fused, approximate), {"input_ids": ids})
+    got, plan = run_plan(gemma_graph(fused, approximate), {"input_ids": ids})
+    assert [s.kernel for s in plan.steps] == ["embedding", "scale", "linear", *glu, "linear", "gelu", "add",
+                                              "linear", "scale", "tanh", "scale"]
+    assert plan.steps[1].attrs["value"] == pytest.approx(HIDDEN**0.5)
+    assert plan.steps[-1].attrs["value"] == 30.0 and plan.steps[-3].attrs["value"] == pytest.approx(1 / 30)
+    gelus = [s.attrs["approximate"] for s in plan.steps if s.kernel in ("gelu", "gelu_mul")]
+    assert gelus == ([approximate] if "gelu_mul" in glu else []) + ["none"]
+    assert np.abs(want).max() > 25  # near the cap: tanh saturating
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_mul_of_a_non_scalar_constant_is_refused():
+    g = GraphBuilder()
+    x = g.input("x", F32, ["T", 4])
+    g.op("Mul", [x, g.const(np.ones(4, np.float32), "per_channel")], outputs=["logits"], name="per_channel")
+    g.output("logits", F32, ["T", 4])
+    with pytest.raises(TrtbuildError, match="no kernel for ai.onnx::Mul \\(node per_channel\\)"):
+        emit_plan(g.model("mul"), "float32")

@@ -20,6 +20,7 @@ from triton.runtime import interpreter  # noqa: E402
 
 from trtbuild.kernels.load import load_kernels  # noqa: E402
 from trtbuild.plugins import speculative_accept as sa  # noqa: E402
+from trtbuild.plugins import swiglu as sw  # noqa: E402
 from trtbuild.plugins.paged_attention import apply_rope, reference_paged_attention  # noqa: E402
 from trtbuild.quantization import pack_int4, unpack_int4  # noqa: E402
 
@@ -71,6 +72,17 @@ def test_swiglu_splits_the_fused_gate_up_output_gate_first(dtype):
     g, u = gate_up.double().cpu().numpy()[:, :40], gate_up.double().cpu().numpy()[:, 40:]
     assert out.shape == (3, 40) and out.dtype == dtype
     assert_close(out, g / (1 + np.exp(-g)) * u, dtype, "swiglu")
+
+
+@DTYPES
+def test_geglu_splits_the_fused_gate_up_output_gate_first(dtype):
+    """gelu_tanh(gate) * up, with the gelu's tails (-30, 30) and 3 column tiles, the last one partial."""
+    x = np.random.default_rng(3).standard_normal((3, 2 * 40)).astype(np.float32) * 3
+    x[0, 0], x[1, 1] = -30.0, 30.0
+    gate_up = _dev(x).to(dtype)
+    out = K["swiglu"].geglu(gate_up, block=16)
+    assert out.shape == (3, 40) and out.dtype == dtype
+    assert_close(out, sw.reference_geglu(gate_up.double().cpu().numpy()), dtype, "geglu")
 
 
 # ---- weight-only GEMM ------------------------------------------------------------------------------------------
