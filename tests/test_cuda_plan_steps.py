@@ -70,8 +70,7 @@ def attention_graph(softcap: float, window: int) -> onnx.ModelProto:
            g.input("block_tables", I64, ["B", WIDTH]), g.input("past_lengths", I64, ["B"]),
            g.input("query_start_loc", I64, ["B1"]), g.input("position_ids", I64, ["T"])]
     angles = np.arange(MAX_POS)[:, None] * 10000.0 ** (-np.arange(0, HEAD, 2) / HEAD)[None, :]
-    rope = [g.const(np.cos(angles).astype(np.float32), "rope_cos"), g.const(np.sin(angles).astype(np.float32),
-                                                                           "rope_sin")]
+    rope = [g.const(f(angles).astype(np.float32), n) for f, n in ((np.cos, "rope_cos"), (np.sin, "rope_sin"))]
     extra = {**({"softcap": softcap} if softcap else {}), **({"window": window} if window else {})}
     attn = g.op(pa.OP_TYPE, ins + rope, num_outputs=3, domain=pa.DOMAIN, name="attention", layer_idx=0,
                 num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD, tokens_per_block=BLOCK, scale=HEAD**-0.5,
