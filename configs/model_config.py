@@ -205,7 +205,8 @@ class ModelConfig:
     qk_norm: bool = False
     hidden_act: str = "silu"  # HIDDEN_ACTS
     sliding_window: int | None = None  # each token sees its last sliding_window tokens (builder/network.py)
-    # per layer, LAYER_TYPES: only sliding_attention layers apply sliding_window (Gemma 2 / 3); empty: every layer
+    # per layer, LAYER_TYPES: only sliding_attention layers apply sliding_window (Gemma 2 / 3). Not given: every
+    # layer alike (sliding_attention where the model has a window), filled in on creation so config.json says it
     layer_types: tuple[str, ...] = ()
     local_rotary_base: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3); None: as every layer
     embedding_multiplier: float = 1.0  # the embedding rows are multiplied by this (Gemma: sqrt(hidden_size))
@@ -243,10 +244,12 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTS:
             raise CheckpointError(f"config.json: hidden_act must be one of {', '.join(HIDDEN_ACTS)}, got "
                                   f"{self.hidden_act!r}")
-        if self.layer_types and (len(self.layer_types) != self.num_hidden_layers
-                                 or not set(self.layer_types) <= set(LAYER_TYPES)):
-            raise CheckpointError(f"config.json: layer_types must be empty or list one of {', '.join(LAYER_TYPES)} "
-                                  f"per layer ({self.num_hidden_layers}), got {list(self.layer_types)}")
+        if not self.layer_types:
+            kind = "sliding_attention" if self.sliding_window else "full_attention"
+            object.__setattr__(self, "layer_types", (kind,) * self.num_hidden_layers)  # frozen: set once, here
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise CheckpointError(f"config.json: layer_types must list one of {', '.join(LAYER_TYPES)} per layer "
+                                  f"({self.num_hidden_layers}), got {list(self.layer_types)}")
         for name in ("local_rotary_base", "attention_scale", "attn_logit_softcapping", "final_logit_softcapping",
                      "embedding_multiplier"):
             value = getattr(self, name)
@@ -264,8 +267,6 @@ class ModelConfig:
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["no_rope_layers"] = list(self.no_rope_layers)
         d["layer_types"] = list(self.layer_types)
-        if not self.layer_types:  # NOTE: transformers (AutoTokenizer on a checkpoint folder) refuses an empty list
-            del d["layer_types"]
         return {"format_version": CHECKPOINT_FORMAT_VERSION, **d}
 
     @classmethod
@@ -320,7 +321,7 @@ class ModelConfig:
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends within the sliding window (when the model has one)."""
-        return bool(self.sliding_window) and (not self.layer_types or self.layer_types[layer] == "sliding_attention")
+        return bool(self.sliding_window) and self.layer_types[layer] == "sliding_attention"
 
     @property
     def score_scale(self) -> float:
@@ -398,7 +399,7 @@ def _hidden_act(hf: dict[str, Any], family: str) -> str:
     if family == "gemma" and act == "gelu":
         return "gelu_pytorch_tanh"
     if act not in HIDDEN_ACTS:
-        raise CheckpointError(f"hidden activation {act!r} is not supported; {', '.join(HIDDEN_ACTS)} are.")
+        raise CheckpointError(f"hidden_act {act!r} is not supported; {', '.join(HIDDEN_ACTS)} are.")
     return act
 
 
@@ -461,13 +462,16 @@ def _gemma_fields(hf: dict[str, Any], family: str, dtype: str) -> dict[str, Any]
 def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
     """The HF config of a vision-language model's text decoder (TEXT_MODELS_OF): its `text_config` completed with
     transformers' defaults, as transformers reads it; any other config as it is."""
-    arch = (hf.get("architectures") or [None])[0]
-    if arch not in TEXT_MODELS_OF:
+    archs = hf.get("architectures") if isinstance(hf, dict) else None
+    if not isinstance(archs, list) or not archs or archs[0] not in TEXT_MODELS_OF:
         return hf
     import transformers
 
-    text_arch, config_class = TEXT_MODELS_OF[arch]
-    text = getattr(transformers, config_class)(**copy.deepcopy(hf.get("text_config") or {})).to_dict()
+    text_arch, config_class = TEXT_MODELS_OF[archs[0]]
+    try:
+        text = getattr(transformers, config_class)(**copy.deepcopy(hf.get("text_config") or {})).to_dict()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"the model's config.json has an invalid text_config ({e}).") from None
     dtype = hf.get("torch_dtype") or hf.get("dtype") or text.get("torch_dtype") or text.get("dtype")
     eos = hf.get("eos_token_id", text.get("eos_token_id"))
     return {**text, "architectures": [text_arch], "torch_dtype": dtype, "eos_token_id": eos}
@@ -528,6 +532,6 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         sliding_window=int(window) if window else None,
         hidden_act=_hidden_act(hf, family),
         layer_types=layer_types,
-        local_rotary_base=local_base if "sliding_attention" in layer_types else None,
+        local_rotary_base=local_base if window and "sliding_attention" in layer_types else None,
         **_gemma_fields(hf, family, hf_dtype if hf_dtype in DTYPES else "float32"),
     )

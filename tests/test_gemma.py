@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import make_random_hf_model
+from helpers import make_random_hf_model, require_shared_models
 
 from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.convert.gguf_config import GGUF_ARCHITECTURES, hf_config
@@ -75,11 +75,12 @@ def test_gemma1_legacy_gelu_means_the_tanh_approximation():
     gemma = {**GEMMA2_2B, "architectures": ["GemmaForCausalLM"], "hidden_act": "gelu", "hidden_activation": None}
     c = model_config_from_hf(gemma)
     assert c.hidden_act == "gelu_pytorch_tanh" and not c.sandwich_norms and c.attention_scale is None
-    assert c.attn_logit_softcapping is None and c.sliding_window is None and c.layer_types == ()
+    assert c.attn_logit_softcapping is None and c.sliding_window is None
+    assert c.layer_types == ("full_attention",) * 26
 
 
 @pytest.mark.parametrize(("edit", "message"), [
-    ({"hidden_activation": "relu"}, "hidden activation 'relu' is not supported"),
+    ({"hidden_activation": "relu"}, "hidden_act 'relu' is not supported"),
     ({"use_bidirectional_attention": True}, "attends bidirectionally"),
     ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
      "sliding-attention RoPE of type 'linear' is not supported"),
@@ -185,12 +186,21 @@ def test_gemma_27b_ggufs_scale_attention_by_hidden_over_heads():
     assert [gemma2.is_sliding(i) for i in range(4)] == [True, False, True, False]
 
 
-def test_a_checkpoint_config_without_layer_types_stays_readable_by_transformers(tmp_path):
-    """An empty layer_types is left out of config.json: transformers checks a listed one against the layers."""
-    hf = make_random_hf_model("llama", tmp_path / "hf")
-    convert(hf, tmp_path / "ckpt")
-    assert "layer_types" not in json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    assert ModelConfig.load(tmp_path / "ckpt" / "config.json").layer_types == ()
+def test_config_json_lists_every_layers_attention_and_older_ones_still_load(tmp_path):
+    """layer_types is always written in full (transformers checks a config.json's list against its layers, and
+    AutoTokenizer reads a checkpoint's); a config.json from before it gets every layer alike."""
+    from gguf_helpers import make_hf_folder
+
+    require_shared_models()
+    convert(make_hf_folder("mistral", tmp_path / "hf", {"sliding_window": 6}), tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    doc = json.loads(path.read_text())
+    assert doc["layer_types"] == ["sliding_attention"] * 2
+    del doc["layer_types"]
+    assert ModelConfig.from_dict(doc) == ModelConfig.load(path)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(tmp_path / "ckpt")  # reads the checkpoint's config.json too
 
 
 if __name__ == "__main__":
