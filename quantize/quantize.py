@@ -24,8 +24,8 @@ from trtbuild.builder.convert.convert import to_checkpoint_tensors
 from trtbuild.builder.convert.names import linear_prefixes
 from trtbuild.builder.convert.sharding import check_mapping, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig, QuantConfig
-from trtbuild.configs.model_config import GEMMA_FAMILIES, model_config_from_hf
-from trtbuild.errors import CheckpointError, ConfigError, TrtbuildError
+from trtbuild.configs.model_config import model_config_from_hf
+from trtbuild.errors import ConfigError, TrtbuildError
 from trtbuild.quantization import QuantAlgo
 from trtbuild.quantize.options import QuantizeOptions
 
@@ -141,9 +141,6 @@ def _quantize(options: QuantizeOptions, qconfig: QuantConfig, texts: list[str]) 
     output = options.output
     source = read_source(options.model)
     config = model_config_from_hf(source.hf_config, options.dtype)
-    if config.family in GEMMA_FAMILIES:
-        raise CheckpointError(f"`trtbuild quantize` cannot calibrate {config.architecture} models yet: use a "
-                              "quantized GGUF of it (llama-quantize), or `trtbuild convert --weight-only int8|int4`.")
     config = dataclasses.replace(config, mapping=Mapping(tp_size=options.tp_size, pp_size=options.pp_size),
                                  quantization=qconfig)
     quantized, excluded = split_linears(config)

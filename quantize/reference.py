@@ -88,14 +88,18 @@ def reference_model(ckpt_dir: Path, activations: bool = True, kv_cache: bool = T
     `activations=False` skips the activation fake quantization (the prequant scales still apply) and
     `kv_cache=False` the KV-cache one: what `weights_only(simulated)` computes.
     """
-    from trtbuild.builder.convert.names import checkpoint_to_hf_name
     from trtbuild.quantize.calibrate import linear_modules
-    from trtbuild.quantize.source import Source, build_torch_model, hf_config_from_model_config
+    from trtbuild.quantize.source import (
+        Source,
+        build_torch_model,
+        hf_config_from_model_config,
+        hf_tensors_of_checkpoint,
+    )
 
     config = ModelConfig.load(Path(ckpt_dir) / "config.json")
     tensors = dequantize_checkpoint(ckpt_dir)
-    hf_tensors = {hf: t for n, t in tensors.items() if (hf := checkpoint_to_hf_name(n)) is not None}
-    source = Source("checkpoint", Path(ckpt_dir), hf_config_from_model_config(config), hf_tensors)
+    source = Source("checkpoint", Path(ckpt_dir), hf_config_from_model_config(config),
+                    hf_tensors_of_checkpoint(tensors, config))
     model = build_torch_model(source, untie=True)  # a quantized lm_head differs from the embedding
     kind = activation_kind(config.quantization.quant_algo or "")
     per_token = config.quantization.per_token_activations and activations
@@ -106,6 +110,8 @@ def reference_model(ckpt_dir: Path, activations: bool = True, kv_cache: bool = T
         if pre is not None or act is not None or dynamic:
             model.get_submodule(name).register_forward_pre_hook(_input_hook(pre, act, kind, dynamic))
     kv = config.quantization.kv_cache_quant_algo
+    if kv is not None and kv_cache and config.attn_logit_softcapping:
+        raise NotImplementedError("the KV-cache reference attention (sdpa) does not soft-cap scores (Gemma 2)")
     if kv is not None and kv_cache:
         scales = [tensors[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"]
                   for i in range(config.num_hidden_layers)]

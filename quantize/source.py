@@ -45,7 +45,8 @@ def read_source(model: Path) -> Source:
         from trtbuild.builder.convert.gguf_reader import read_gguf
 
         cfg, arrays = read_gguf(model)
-        return Source("gguf", model, cfg, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()})
+        tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+        return Source("gguf", model, cfg, hf_norm_weights(tensors, cfg))
     if _is_trtbuild_checkpoint(model):
         return _read_checkpoint(model)
     from trtbuild.builder.convert.hf_reader import read_hf
@@ -63,7 +64,6 @@ def _is_trtbuild_checkpoint(folder: Path) -> bool:
 
 def _read_checkpoint(folder: Path) -> Source:
     from trtbuild.builder.convert.checkpoint import load_checkpoint
-    from trtbuild.builder.convert.names import checkpoint_to_hf_name
     from trtbuild.builder.convert.sharding import merge_shards
 
     config, first = load_checkpoint(folder, 0)
@@ -72,16 +72,33 @@ def _read_checkpoint(folder: Path) -> Source:
         raise CheckpointError(f"{folder} is already quantized ({quantized}); quantize "
                               "the original model or its unquantized `trtbuild convert` checkpoint.")
     shards = [first] + [load_checkpoint(folder, r)[1] for r in range(1, config.mapping.world_size)]
-    tensors = merge_shards(shards, config, config.mapping)
-    hf_tensors = {hf: t for name, t in tensors.items() if (hf := checkpoint_to_hf_name(name)) is not None}
-    return Source("checkpoint", folder, hf_config_from_model_config(config), hf_tensors)
+    return Source("checkpoint", folder, hf_config_from_model_config(config),
+                  hf_tensors_of_checkpoint(merge_shards(shards, config, config.mapping), config))
+
+
+def hf_tensors_of_checkpoint(tensors: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under their HF names, with HF's values (Gemma's norms as the w of its 1 + w)."""
+    from trtbuild.builder.convert.names import checkpoint_to_hf_name
+
+    hf = {h: t for name, t in tensors.items() if (h := checkpoint_to_hf_name(name, config.sandwich_norms)) is not None}
+    return hf_norm_weights(hf, hf_config_from_model_config(config))
+
+
+def hf_norm_weights(tensors: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """HF-named tensors holding RMSNorm multipliers (a GGUF's, a checkpoint's) with Gemma's norms as transformers
+    holds them: w where its RMSNorm multiplies by 1 + w (the inverse of convert.py's norm_multipliers)."""
+    from trtbuild.configs.model_config import GEMMA_FAMILIES, model_config_from_hf
+
+    if model_config_from_hf(hf_config).family not in GEMMA_FAMILIES:
+        return tensors
+    return {n: t.float() - 1.0 if n.endswith("norm.weight") else t for n, t in tensors.items()}
 
 
 def hf_config_from_model_config(c: Any) -> dict[str, Any]:
     """A Hugging Face config dict that `model_config_from_hf` maps back to the same model (mapping aside)."""
     cfg: dict[str, Any] = {
         "architectures": [c.architecture],
-        "model_type": c.family,
+        "model_type": _MODEL_TYPES.get(c.family, c.family),
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
         "num_hidden_layers": c.num_hidden_layers,
@@ -108,7 +125,19 @@ def hf_config_from_model_config(c: Any) -> dict[str, Any]:
         cfg["partial_rotary_factor"] = c.rotary_dim / c.head_size
     if c.family == "smollm3":
         cfg["no_rope_layers"] = [int(i not in c.no_rope_layers) for i in range(c.num_hidden_layers)]
+    if c.family in ("gemma", "gemma2", "gemma3"):
+        cfg.update(hidden_activation=c.hidden_act, embedding_multiplier=c.embedding_multiplier)
+    if c.family in ("gemma2", "gemma3"):
+        scalar = round(c.score_scale**-2, 6)  # transformers wants an int where it is one
+        cfg.update(query_pre_attn_scalar=int(scalar) if scalar.is_integer() else scalar,
+                   layer_types=list(c.layer_types), attn_logit_softcapping=c.attn_logit_softcapping,
+                   final_logit_softcapping=c.final_logit_softcapping)
+    if c.local_rotary_base is not None:
+        cfg["rope_local_base_freq"] = c.local_rotary_base
     return cfg
+
+
+_MODEL_TYPES = {"gemma3": "gemma3_text"}  # transformers' model_type where it is not the family's name
 
 
 # Families whose transformers model fuses q/k/v and gate/up: their torch model is the Mistral model (Llama with a
@@ -149,7 +178,12 @@ def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
     import transformers
     from transformers.initialization import no_init_weights
 
+    from trtbuild.configs.model_config import TEXT_MODELS_OF, model_config_from_hf
+
     config_dict = source.hf_config
+    if (arch := (config_dict.get("architectures") or [None])[0]) in TEXT_MODELS_OF:
+        raise CheckpointError(f"`trtbuild quantize` reads the text decoder of a {arch} from its trtbuild checkpoint: "
+                              f"run `trtbuild convert --model {source.path} --output CKPT` first, then quantize CKPT.")
     if (config_dict.get("architectures") or [None])[0] in FUSED_AS_MISTRAL:
         config_dict, source.hf_tensors = _as_mistral(config_dict, source.hf_tensors)
     if source.kind == "hf" and config_dict is source.hf_config:
@@ -160,6 +194,9 @@ def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
     with no_init_weights():  # every weight is loaded below (a random init of 1.5B parameters takes ~18 s)
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     model.tie_weights()  # which no_init_weights skips
+    embedding_scale = getattr(model.get_input_embeddings(), "embed_scale", None)
+    if embedding_scale is not None:  # Gemma: the checkpoint's multiplier (transformers' sqrt(hidden) in the
+        embedding_scale.fill_(model_config_from_hf(config_dict).embedding_multiplier)  # source dtype), not fp32's
     embedding, head = "model.embed_tokens.weight", "lm_head.weight"
     state = source.hf_tensors
     tied = model.lm_head.weight is model.get_input_embeddings().weight

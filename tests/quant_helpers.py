@@ -212,3 +212,21 @@ class Reference:
 
     def step(self, chunks) -> np.ndarray:
         return np.concatenate([self.chunk(c.seq_id, c.token_ids, c.start, c.num_logits) for c in chunks])
+
+
+def compare_logits(result, ckpt: Path, source: Path, ids: torch.Tensor) -> tuple[float, float, float]:
+    """(weights-path error, full error / quantization error (max), same (mean)) of the checkpoint's reference model
+    against modelopt's simulated model."""
+    from trtbuild.quantize.reference import reference_model, weights_only
+    from trtbuild.quantize.source import build_torch_model, read_source
+
+    sim = result.model
+    with torch.no_grad():
+        with weights_only(sim):
+            sim_w = sim(ids).logits
+        ref_w = reference_model(ckpt, activations=False, kv_cache=False)(ids).logits
+        sim_full, ref_full = sim(ids).logits, reference_model(ckpt)(ids).logits
+        fp32 = build_torch_model(read_source(source))(ids).logits
+    weights = ((sim_w - ref_w).abs().max() / sim_w.abs().max()).item()
+    d, qerr = (sim_full - ref_full).abs(), (sim_full - fp32).abs()
+    return weights, (d.max() / qerr.max()).item(), (d.mean() / qerr.mean()).item()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,14 +108,111 @@ def test_checkpoint_norms_are_the_multipliers_in_float32(tmp_path):
     assert ModelConfig.load(tmp_path / "ckpt" / "config.json") == config
 
 
-def test_the_quantizer_refuses_gemma_with_what_to_do(tmp_path):
+@pytest.fixture(scope="module")
+def quantized_gemma(tmp_path_factory):
+    """factory(family, qformat, kv, source="hf"|"checkpoint") -> (QuantizeResult, checkpoint, HF folder), cached:
+    a tiny random Gemma with stories260K's tokenizer, quantized from its HF folder or its trtbuild checkpoint."""
+    import shutil
+
+    from helpers import STORIES260K
+
     from trtbuild.quantize.options import QuantizeOptions
     from trtbuild.quantize.quantize import quantize
 
-    hf = make_random_hf_model("gemma", tmp_path / "hf")
-    with pytest.raises(CheckpointError, match="cannot calibrate GemmaForCausalLM .* quantized GGUF"):
-        quantize(QuantizeOptions(model=hf, output=tmp_path / "q", qformat="fp8"))
-    assert not (tmp_path / "q").exists()
+    require_shared_models()
+    cache: dict = {}
+
+    def get(family: str, qformat: str, kv: str | None, source: str = "hf"):
+        key = (family, qformat, kv, source)
+        if key not in cache:
+            work = tmp_path_factory.mktemp(f"q_{family}")
+            hf = make_random_hf_model(family, work / "hf", overrides={"vocab_size": 512})
+            shutil.copy(STORIES260K / "tokenizer.json", hf / "tokenizer.json")
+            if source == "checkpoint":
+                convert(hf, work / "plain")
+            model = hf if source == "hf" else work / "plain"
+            result = quantize(QuantizeOptions(model, work / "ckpt", qformat, kv_cache_qformat=kv, calib_size=8,
+                                              calib_max_seq_len=64, awq_block_size=32))
+            cache[key] = (result, work / "ckpt", hf)
+        return cache[key]
+
+    return get
+
+
+IDS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize(("family", "qformat", "kv"), [("gemma3", "int4_awq", "int8"), ("gemma2", "fp8", None),
+                                                       ("gemma", "int8_sq", "fp8")])
+def test_quantized_gemma_checkpoint_computes_modelopts_simulation(quantized_gemma, family, qformat, kv):
+    """Calibrated on transformers' Gemma (its 1 + w norms, GeGLU, sandwich norms, windows, soft-caps); the checkpoint
+    holds the norm multipliers and, rebuilt from it alone, computes modelopt's simulated model. (Gemma 2's KV cache
+    is not quantized here: the reference's KV attention is sdpa, which does not soft-cap.)"""
+    from quant_helpers import compare_logits
+
+    result, ckpt, hf = quantized_gemma(family, qformat, kv)
+    config = ModelConfig.load(ckpt / "config.json")
+    assert config.family == family and config.quantization.quant_algo == qformat
+    plain = tmp_convert(hf)
+    got = SafetensorsFile(ckpt / "rank0.safetensors")
+    for name in ("transformer.ln_f.weight", "transformer.layers.1.post_layernorm.weight"):
+        assert torch.equal(got[name], plain[name]) and got[name].dtype == torch.float32, name
+    weights, full_max, full_mean = compare_logits(result, ckpt, hf, IDS)
+    assert weights <= 1e-4 and full_max <= 0.3 and full_mean <= 0.15, (weights, full_max, full_mean)
+
+
+def tmp_convert(hf):
+    import tempfile
+
+    out = Path(tempfile.mkdtemp()) / "ckpt"
+    convert(hf, out)
+    return SafetensorsFile(out / "rank0.safetensors")
+
+
+def test_gemma_quantized_from_its_checkpoint_equals_from_its_hf_folder(quantized_gemma):
+    """The checkpoint's norm multipliers go back to transformers' w (1 + w in float32 is the multiplier again)."""
+    a = SafetensorsFile(quantized_gemma("gemma3", "int4_awq", "int8")[1] / "rank0.safetensors")
+    b = SafetensorsFile(quantized_gemma("gemma3", "int4_awq", "int8", source="checkpoint")[1] / "rank0.safetensors")
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_a_gemma_gguf_quantizes_like_its_hf_folder(tmp_path):
+    """A GGUF's norms hold the multipliers already: read back as transformers' w for calibration, written as the
+    same multipliers: the checkpoint is the HF folder's, bit for bit (the calibration model computes the same)."""
+    from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
+
+    from trtbuild.quantize.options import QuantizeOptions
+    from trtbuild.quantize.quantize import quantize
+
+    require_shared_models()
+    hf = make_hf_folder("gemma3", tmp_path / "hf", {"query_pre_attn_scalar": 16})
+    gguf = write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "gemma3")
+    for name, model in (("from_hf", hf), ("from_gguf", gguf)):
+        quantize(QuantizeOptions(model, tmp_path / name, "fp8", calib_size=8, calib_max_seq_len=64))
+    a, b = (SafetensorsFile(tmp_path / n / "rank0.safetensors") for n in ("from_hf", "from_gguf"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_weight_only_gemma_engine_matches_the_checkpoints_reference(quantized_gemma, tmp_path):
+    """int4_awq without a quantized KV cache rounds nothing at run time: the engine computes the format's math."""
+    import numpy as np
+
+    from trtbuild.builder.build import build_engine
+    from trtbuild.quantize.reference import reference_model
+    from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+
+    result, ckpt, _ = quantized_gemma("gemma3", "int4_awq", None)
+    engine = build_engine(ckpt, tmp_path / "engine", max_seq_len=64, tokens_per_block=8, int4_accuracy_level=1,
+                          kv_pool_dtype="float32")
+    ids = IDS[0].tolist()
+    with torch.no_grad():
+        want = reference_model(ckpt)(IDS[:1]).logits[0].numpy()
+    got = CpuEngine(engine, num_threads=1, num_blocks=8).step([SequenceChunk(0, ids, 0, len(ids), list(range(8)))])
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
 def test_gemma3_vision_language_folder_converts_its_text_decoder(tmp_path):

@@ -16,6 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from helpers import STORIES260K, make_random_hf_model, require_shared_models
+from quant_helpers import compare_logits
 from safetensors.torch import load_file
 
 from trtbuild.builder.convert.checkpoint import expected_tensors, load_checkpoint
@@ -41,7 +42,6 @@ from trtbuild.quantize.quantize import quantize
 from trtbuild.quantize.reference import (
     dequantize_checkpoint,
     reference_model,
-    weights_only,
     write_dequantized_checkpoint,
 )
 
@@ -250,23 +250,6 @@ def test_per_token_activations(model, runs, tiny):
         fp32 = build_torch_model(read_source(path))(ids).logits
         err = [(m(ids).logits - fp32).abs().mean().item() for m in (result.model, static.model)]
     assert err[0] < err[1], err
-
-
-def compare_logits(result, ckpt: Path, source: Path, ids: torch.Tensor) -> tuple[float, float, float]:
-    """(weights-path error, full error / quantization error (max), same (mean)) of the checkpoint's reference model
-    against modelopt's simulated model."""
-    sim = result.model
-    with torch.no_grad():
-        with weights_only(sim):
-            sim_w = sim(ids).logits
-        ref_w = reference_model(ckpt, activations=False, kv_cache=False)(ids).logits
-        sim_full, ref_full = sim(ids).logits, reference_model(ckpt)(ids).logits
-        from trtbuild.quantize.source import build_torch_model, read_source
-
-        fp32 = build_torch_model(read_source(source))(ids).logits
-    weights = ((sim_w - ref_w).abs().max() / sim_w.abs().max()).item()
-    d, qerr = (sim_full - ref_full).abs(), (sim_full - fp32).abs()
-    return weights, (d.max() / qerr.max()).item(), (d.mean() / qerr.mean()).item()
 
 
 # stories260K's mlp.proj has 172 inputs: no int4 group fits. Its lm_head (tied to the embedding) is quantized here.

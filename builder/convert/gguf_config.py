@@ -58,8 +58,8 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     "gemma": GgufArch("GemmaForCausalLM", "gemma", False),
     "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", False, (*SEPARATE_LAYER_TENSORS, *_SANDWICH_NORMS),
                        sandwich_norms=True),
-    "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3", False, (*SEPARATE_LAYER_TENSORS, *_SANDWICH_NORMS, *_QK_NORM),
-                       sandwich_norms=True),
+    "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", False,
+                       (*SEPARATE_LAYER_TENSORS, *_SANDWICH_NORMS, *_QK_NORM), sandwich_norms=True),
 }
 # Layers llama.cpp gives the larger Gemmas (27B), whose attention scale it takes from hidden / heads, not head_dim
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -243,7 +243,7 @@ def _gemma_config(meta: dict[str, Any], prefix: str, arch: GgufArch, cfg: dict[s
     """Gemma's HF config fields, with the values llama.cpp runs the file with (its defaults where keys are absent:
     Gemma 2's window 4096 and soft-caps 50 / 30, every second layer sliding; Gemma 3's every sixth layer full and
     its sliding layers' unscaled RoPE base 10000)."""
-    family, layers = arch.model_type, cfg["num_hidden_layers"]
+    family, layers = prefix, cfg["num_hidden_layers"]  # the GGUF architecture
     out: dict[str, Any] = {
         "hidden_act": "gelu_pytorch_tanh",
         "hidden_activation": "gelu_pytorch_tanh",
