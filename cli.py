@@ -66,7 +66,7 @@ def main(verbose: bool) -> None:
 @click.option("--num-layers", type=int, help="Keep the first N layers, the final norm and head: a self-draft model.")
 def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, weight_only: str | None,
             group_size: str | None, dequantize: bool, num_layers: int | None) -> None:
-    """Convert a Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / SmolLM3 / Gemma model into a trtbuild checkpoint."""
+    """Convert a Llama / Qwen2 / Qwen3 / Mistral / Phi-3 / SmolLM3 / Gemma / Granite model into a checkpoint."""
     from trtbuild.builder.convert.convert import WEIGHT_ONLY_BITS, WeightOnly
     from trtbuild.builder.convert.convert import convert as run_convert
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnx
@@ -118,12 +118,31 @@ class _NetworkWriter:
             return g.op("Mul", [g.op("Gelu", [gate], approximate="tanh"), up], name=name + "geglu")
         return g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up], name=name + "swiglu")
 
-    def softcap(self, x: str, cap: float, name: str, outputs: list[str] | None = None) -> str:
-        """cap * tanh(x / cap) (Gemma 2's final logits)."""
-        g = self.g
-        scaled = g.op("Mul", [x, g.const(np.array(1.0 / cap, np.float32), name + "_inverse_cap")])
-        return g.op("Mul", [g.op("Tanh", [scaled]), g.const(np.array(cap, np.float32), name + "_cap")], name=name,
-                    outputs=outputs)
+    def branch_output(self, y: str, prefix: str) -> str:
+        """What an attention or MLP block adds to the residual stream: its output, RMS-normalized (Gemma 2 / 3's
+        sandwich norms) or multiplied (Granite's residual multiplier)."""
+        if self.c.sandwich_norms:
+            y = self.rms_norm(y, prefix + "output_norm.weight")
+        if self.c.residual_multiplier != 1.0:
+            y = self.g.op("Mul", [y, self.g.const(np.array(self.c.residual_multiplier, np.float32),
+                                                  "residual_multiplier")], name=prefix + "residual_scaled")
+        return y
+
+    def logit_transforms(self) -> list[Callable[[str, list[str] | None], str]]:
+        """What the lm_head's output goes through, in order: Granite's division by logits_scaling (as a product),
+        Gemma 2's soft-cap cap * tanh(x / cap). Each takes its input and, for the last, the graph output to write."""
+        c, g = self.c, self.g
+
+        def scale(x: str, value: float, name: str, outputs: list[str] | None) -> str:
+            return g.op("Mul", [x, g.const(np.array(value, np.float32), name + "_factor")], name=name, outputs=outputs)
+
+        out = []
+        if c.logits_scaling != 1.0:
+            out.append(lambda x, o: scale(x, 1.0 / c.logits_scaling, "logits_scaled", o))
+        if cap := c.final_logit_softcapping:
+            out.append(lambda x, o: scale(g.op("Tanh", [scale(x, 1.0 / cap, "logits_over_cap", None)]), cap,
+                                          "logits_softcapped", o))
+        return out
 
     def rope_inputs(self) -> dict[bool, tuple[str, str]]:
         """(cos, sin) tables by whether a layer is a sliding one: Gemma 3's sliding layers rotate with their own,
@@ -209,26 +228,22 @@ class _NetworkWriter:
                 num_kv_heads=c.num_key_value_heads, head_size=c.head_size, tokens_per_block=self.build.tokens_per_block,
                 scale=float(c.score_scale), rotary=0, **kv_quant, **window, **softcap,
             )
-            attn = self.linear(attn, p + "attention.dense")
-            if c.sandwich_norms:
-                attn = self.rms_norm(attn, p + "attention.output_norm.weight")
+            attn = self.branch_output(self.linear(attn, p + "attention.dense"), p + "attention.")
             x = g.op("Add", [x, attn], name=p + "attn_residual")
             h = self.rms_norm(x, p + "post_layernorm.weight")
             gate, up = self.linear(h, p + "mlp.gate"), self.linear(h, p + "mlp.fc")
-            mlp = self.linear(self.mlp_activation(gate, up, p), p + "mlp.proj")
-            if c.sandwich_norms:
-                mlp = self.rms_norm(mlp, p + "mlp.output_norm.weight")
+            mlp = self.branch_output(self.linear(self.mlp_activation(gate, up, p), p + "mlp.proj"), p + "mlp.")
             x = g.op("Add", [x, mlp], name=p + "mlp_residual")
             new_kv += [k_new, v_new]
         g.scope = ""
         selected = g.op("Gather", [x, logits_indices], axis=0, name="select_logit_tokens")
         h = self.rms_norm(selected, "transformer.ln_f.weight")
         logits = "all_logits" if self.build.draft_tokens else "logits"
-        if c.final_logit_softcapping:
-            self.lm_head(h, "uncapped_logits")
-            self.softcap("uncapped_logits", c.final_logit_softcapping, "final_logit_softcap", outputs=[logits])
-        else:
-            self.lm_head(h, logits)
+        transforms = self.logit_transforms()  # the last one writes the logits themselves
+        y = "head_logits" if transforms else logits
+        self.lm_head(h, y)
+        for i, transform in enumerate(transforms):
+            y = transform(y, [logits] if i == len(transforms) - 1 else None)
         if self.build.draft_tokens:
             self.accept("all_logits")
         # [K0; V0; K1; ...] stacked on the token axis is [L * 2 * T, KVH, D]: one copy, then a free reshape

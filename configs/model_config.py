@@ -32,6 +32,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "GemmaForCausalLM": ("gemma", False, False),
     "Gemma2ForCausalLM": ("gemma2", False, False),
     "Gemma3ForCausalLM": ("gemma3", False, True),
+    # Llama with multipliers: of the embeddings, attention scores, residual branches and (dividing) the logits
+    "GraniteForCausalLM": ("granite", False, False),
 }
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> (the text
@@ -214,6 +216,8 @@ class ModelConfig:
     sandwich_norms: bool = False  # attention and MLP outputs are RMS-normalized before their residual adds
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    residual_multiplier: float = 1.0  # attention and MLP outputs are multiplied by this before their adds (Granite)
+    logits_scaling: float = 1.0  # the logits are divided by this (Granite)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     mapping: Mapping = field(default_factory=Mapping)
@@ -251,7 +255,7 @@ class ModelConfig:
             raise CheckpointError(f"config.json: layer_types must list one of {', '.join(LAYER_TYPES)} per layer "
                                   f"({self.num_hidden_layers}), got {list(self.layer_types)}")
         for name in ("local_rotary_base", "attention_scale", "attn_logit_softcapping", "final_logit_softcapping",
-                     "embedding_multiplier"):
+                     "embedding_multiplier", "residual_multiplier", "logits_scaling"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or not value > 0):
                 raise CheckpointError(f"config.json: {name} must be null or a positive number, got {value!r}")
@@ -477,6 +481,16 @@ def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
     return {**text, "architectures": [text_arch], "torch_dtype": dtype, "eos_token_id": eos}
 
 
+def _granite_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """Granite's multipliers as ModelConfig fields (1 where a config leaves one out, as transformers defaults it)."""
+    if family != "granite":
+        return {}
+    return {"embedding_multiplier": float(hf.get("embedding_multiplier") or 1.0),
+            "attention_scale": float(hf.get("attention_multiplier") or 1.0),
+            "residual_multiplier": float(hf.get("residual_multiplier") or 1.0),
+            "logits_scaling": float(hf.get("logits_scaling") or 1.0)}
+
+
 def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     hf = text_model_config(hf)
     archs = hf.get("architectures") or []
@@ -487,7 +501,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
             f"text models of {', '.join(TEXT_MODELS_OF)}."
         )
     family, qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-    if family == "llama" and hf.get("attention_bias"):
+    if family in ("llama", "granite") and hf.get("attention_bias"):
         qkv_bias = True
     if hf.get("mlp_bias"):
         raise CheckpointError("mlp_bias=true is not supported.")
@@ -534,4 +548,5 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         layer_types=layer_types,
         local_rotary_base=local_base if window and "sliding_attention" in layer_types else None,
         **_gemma_fields(hf, family, hf_dtype if hf_dtype in DTYPES else "float32"),
+        **_granite_fields(hf, family),
     )

@@ -134,6 +134,10 @@ def hf_config_from_model_config(c: Any) -> dict[str, Any]:
                    final_logit_softcapping=c.final_logit_softcapping)
     if c.local_rotary_base is not None:
         cfg["rope_local_base_freq"] = c.local_rotary_base
+    if c.family == "granite":
+        cfg.update(embedding_multiplier=c.embedding_multiplier, attention_multiplier=c.score_scale,
+                   residual_multiplier=c.residual_multiplier, logits_scaling=c.logits_scaling,
+                   attention_bias=c.qkv_bias)
     return cfg
 
 

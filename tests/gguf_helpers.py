@@ -36,7 +36,7 @@ PROBE_TEXTS = (
     "<s>Once upon a time</s>",
     "a</s>\n  b</s> <s> c",
 )
-PERMUTED = ("llama", "smollm3")  # the architectures llama.cpp's LlamaModel converts (q / k rows permuted)
+PERMUTED = ("llama", "smollm3", "granite")  # the architectures llama.cpp's LlamaModel converts (q / k rows permuted)
 # HF family -> (GGUF architecture llama.cpp writes, vocabulary kind, general.name)
 FAMILIES = {
     "llama": ("llama", "spm", "Llama Tiny"),
@@ -54,6 +54,7 @@ FAMILIES = {
     "gemma": ("gemma", "spm", "Gemma Tiny"),
     "gemma2": ("gemma2", "spm", "Gemma2 Tiny"),
     "gemma3": ("gemma3", "spm", "Gemma3 Tiny"),
+    "granite": ("granite", "spm", "Granite Tiny"),
 }
 
 
@@ -268,6 +269,11 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         _add_phi3_parameters(w, cfg, head_dim)
     if arch.startswith("gemma"):
         _add_gemma_parameters(w, cfg, arch)
+    if arch == "granite":  # GraniteModel.set_gguf_parameters
+        w.add_attention_scale(cfg["attention_multiplier"])
+        w.add_embedding_scale(cfg["embedding_multiplier"])
+        w.add_residual_scale(cfg["residual_multiplier"])
+        w.add_logit_scale(cfg["logits_scaling"])
     (_add_spm_vocab if vocab_kind == "spm" else _add_bpe_vocab)(w, hf_dir, cfg["vocab_size"])
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, layers)

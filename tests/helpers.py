@@ -70,6 +70,11 @@ RANDOM_CONFIGS = {
                                                                "rope_theta": 1000000.0},
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
                                         bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # Llama with multipliers: embeddings x12, attention scores x0.05 (not 1/sqrt(16)), residual branches x0.22,
+    # logits / 8
+    "granite": ("GraniteConfig", dict(_COMMON, rope_theta=10000.0, embedding_multiplier=12.0,
+                                      attention_multiplier=0.05, residual_multiplier=0.22, logits_scaling=8.0,
+                                      bos_token_id=1, eos_token_id=2, pad_token_id=0)),
 }
 
 

@@ -55,6 +55,7 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     "qwen3": GgufArch("Qwen3ForCausalLM", "qwen3", False, (*SEPARATE_LAYER_TENSORS, *_QK_NORM)),
     "phi3": GgufArch("Phi3ForCausalLM", "phi3", False, FUSED_LAYER_TENSORS, fused=True),
     "smollm3": GgufArch("SmolLM3ForCausalLM", "smollm3", True, no_rope_interval=4),
+    "granite": GgufArch("GraniteForCausalLM", "granite", True, optional_layer_tensors=_QKV_BIAS),
     "gemma": GgufArch("GemmaForCausalLM", "gemma", False),
     "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", False, (*SEPARATE_LAYER_TENSORS, *_SANDWICH_NORMS),
                        sandwich_norms=True),
@@ -82,7 +83,7 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
         raise CheckpointError(
             f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
             f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, SmolLM3, TinyLlama, Qwen2/2.5, Qwen3, "
-            "Phi-3/3.5, Phi-4, Gemma 1/2/3 ...). "
+            "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3 ...). "
             "Convert the HF checkpoint instead."
         )
     if arch == "llama" and _is_mistral(meta, arch):
@@ -236,6 +237,11 @@ def hf_config(
         cfg["rope_scaling"] = scaling
     if arch.model_type.startswith("gemma"):
         cfg.update(_gemma_config(meta, prefix, arch, cfg))
+    if arch.model_type == "granite":  # llama.cpp's names for Granite's multipliers
+        for theirs, ours in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                             ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
+            if (value := meta.get(f"{prefix}.{theirs}")) is not None:
+                cfg[ours] = _f32(value)
     return cfg
 
 
