@@ -1,10 +1,11 @@
 """Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B, Llama-3.2-1B / Llama-3.1-8B, SmolLM3-3B (NoPE
-layers), Gemma 3 1B / Gemma 2 2B (sandwich norms, sliding-window layers, soft-capping) or Phi-3.5-mini / Phi-4-mini
-(3.8B: fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings; with a byte-level BPE as Phi-4 has),
-as an HF folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written
-with the `gguf` package, for measuring convert / build / load / decode at real sizes. No weights are downloaded: the
-weights are random (seeded) and the tokenizer is a small byte-level BPE trained here on this repository's docs, padded
-to the model's vocabulary as the real tokenizers are, with the family's special tokens and chat template.
+layers), Granite 3.3 2B (Granite's multipliers), Gemma 3 1B / Gemma 2 2B (sandwich norms, sliding-window layers, soft-
+capping) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings;
+with a byte-level BPE as Phi-4 has), as an HF folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a
+GGUF with a Q4_K / Q6_K mix written with the `gguf` package, for measuring convert / build / load / decode at real
+sizes. No weights are downloaded: the weights are random (seeded) and the tokenizer is a small byte-level BPE trained
+here on this repository's docs, padded to the model's vocabulary as the real tokenizers are, with the family's special
+tokens and chat template.
 
     python benchmarks/make_real_size_model.py --out /work/models/qwen1p5b [--shape 0.5b|1.5b|llama-1b]
     python benchmarks/make_real_size_model.py --out /work/models/llama8b --shape llama-8b --no-hf
@@ -12,6 +13,7 @@ to the model's vocabulary as the real tokenizers are, with the family's special 
     python benchmarks/make_real_size_model.py --out /work/models/phi4 --shape phi4-mini --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/smollm3 --shape smollm3-3b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/gemma3 --shape gemma3-1b --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/granite --shape granite-2b --no-hf --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
 would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
@@ -36,7 +38,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from real_shapes import GEMMA2, GEMMA3, GEMMAS, LLAMA3, PERMUTED, PHI3, QWEN2, SHAPES, SMOLLM3, Family, Shape  # noqa: E402
+from real_shapes import (  # noqa: E402
+    GEMMA2,
+    GEMMA3,
+    GEMMAS,
+    GRANITE,
+    LLAMA3,
+    PERMUTED,
+    PHI3,
+    QWEN2,
+    SHAPES,
+    SMOLLM3,
+    Family,
+    Shape,
+)
 
 HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -83,7 +98,8 @@ def make_hf(out: Path, shape: Shape, tok, seed: int, dtype: str) -> None:
         kwargs["sliding_window"] = shape.sliding_window
     config_cls = {QWEN2: transformers.Qwen2Config, PHI3: transformers.Phi3Config, SMOLLM3: transformers.SmolLM3Config,
                   GEMMA2: transformers.Gemma2Config, GEMMA3: transformers.Gemma3TextConfig,
-                  }.get(shape.family, transformers.LlamaConfig)
+                  GRANITE: transformers.GraniteConfig}.get(shape.family, transformers.LlamaConfig)
+    kwargs.update(shape.multipliers or {})
     if shape.family in GEMMAS:  # query_pre_attn_scalar: the head size, as in the released ones
         kwargs.update(head_dim=shape.head_dim, query_pre_attn_scalar=shape.head_dim)
     if shape.family is PHI3:
@@ -232,6 +248,12 @@ def write_metadata(w, shape: Shape, tok) -> None:
         w.add_rope_scaling_orig_ctx_len(orig)
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
         w.add_sliding_window(shape.sliding_window or 0)
+    if fam is GRANITE:  # GraniteModel.set_gguf_parameters
+        m = shape.multipliers
+        w.add_attention_scale(m["attention_multiplier"])
+        w.add_embedding_scale(m["embedding_multiplier"])
+        w.add_residual_scale(m["residual_multiplier"])
+        w.add_logit_scale(m["logits_scaling"])
     if fam in GEMMAS:  # Gemma2Model / Gemma3Model.set_gguf_parameters
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)

@@ -51,7 +51,13 @@ GEMMA3 = Family("gemma3", LLAMA3.pre, LLAMA3.digits, ("<pad>", "<eos>", "<bos>",
 GEMMA2 = Family("gemma2", *(getattr(GEMMA3, f) for f in ("pre", "digits", "specials", "bos", "eos", "pad",
                                                            "chat_template")))
 GEMMAS = (GEMMA2, GEMMA3)
-PERMUTED = (LLAMA3, SMOLLM3)  # the families llama.cpp's LlamaModel converts: q / k rows permuted
+# Granite 3: Llama's layout and llama.cpp's permuted q / k, with its multipliers (Shape.multipliers)
+GRANITE = Family("granite", LLAMA3.pre, LLAMA3.digits, ("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>"),
+                 None, "<|end_of_text|>", "<|end_of_text|>",
+                 "{% for m in messages %}<|start_of_role|>{{ m['role'] }}<|end_of_role|>{{ m['content'] }}"
+                 "<|end_of_text|>\n{% endfor %}{% if add_generation_prompt %}<|start_of_role|>assistant"
+                 "<|end_of_role|>{% endif %}")
+PERMUTED = (LLAMA3, SMOLLM3, GRANITE)  # the families llama.cpp's LlamaModel converts: q / k rows permuted
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 
@@ -72,6 +78,7 @@ class Shape:
     sliding_window: int | None = None  # Phi-3's, which llama.cpp ignores and engines are built within
     partial_rotary_factor: float = 1.0  # Phi-4-mini rotates 3/4 of each head
     head_size: int | None = None  # where it is not hidden / heads (Gemma: 256)
+    multipliers: dict | None = None  # Granite's, under their HF config names
 
     @property
     def head_dim(self) -> int:
@@ -100,4 +107,6 @@ SHAPES = {  # the released models' configs
     # Gemma 3 1B: every sixth layer full, the others windowed (512); Gemma 2 2B: every second (4096), soft-capped
     "gemma3-1b": Shape(GEMMA3, 1152, 26, 4, 1, 6912, 262144, True, 1e6, None, 32768, 1e-6, 512, head_size=256),
     "gemma2-2b": Shape(GEMMA2, 2304, 26, 8, 4, 9216, 256000, True, 1e4, None, 8192, 1e-6, 4096, head_size=256),
+    "granite-2b": Shape(GRANITE, 2048, 40, 32, 8, 8192, 49159, True, 1e7, None, 131072, 1e-5, multipliers=dict(
+        embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)),
 }

@@ -38,7 +38,8 @@ def _tiny(script, name: str):
                    sliding_window=script.SHAPES[name].sliding_window and 8)
 
 
-@pytest.mark.parametrize("name", ["llama-8b", "1.5b", "phi3-mini", "phi4-mini", "smollm3-3b", "gemma3-1b", "gemma2-2b"])
+@pytest.mark.parametrize("name", ["llama-8b", "1.5b", "phi3-mini", "phi4-mini", "smollm3-3b", "gemma3-1b", "gemma2-2b",
+                                  "granite-2b"])
 def test_f32_gguf_converts_to_the_hf_model(script, tmp_path: Path, name: str):
     shape = _tiny(script, name)
     hf = tmp_path / "hf"
