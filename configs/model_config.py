@@ -1,4 +1,5 @@
-"""The unified checkpoint's `config.json` schema (see docs/checkpoint.md) and its mapping from Hugging Face configs.
+"""The unified checkpoint's `config.json` schema (see docs/checkpoint.md); configs/from_hf.py maps Hugging Face configs
+to it.
 
 One `ModelConfig` describes every supported decoder family; the family only switches features
 (`qkv_bias` for Qwen2, `qk_norm` for Qwen3). Nothing reads global state: every consumer gets this object.
@@ -6,7 +7,6 @@ One `ModelConfig` describes every supported decoder family; the family only swit
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import fnmatch
 import json
@@ -18,32 +18,9 @@ from trtbuild import CHECKPOINT_FORMAT_VERSION
 from trtbuild.errors import CheckpointError
 from trtbuild.quantization import LM_HEAD_QUANT_ALGOS, QUANT_ALGOS, KVCacheQuantAlgo, QuantAlgo
 
-# HF `architectures[0]` -> (family, qkv_bias, qk_norm)
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
-    "LlamaForCausalLM": ("llama", False, False),
-    "MistralForCausalLM": ("mistral", False, False),
-    "Qwen2ForCausalLM": ("qwen2", True, False),
-    "Qwen3ForCausalLM": ("qwen3", False, True),
-    # q/k/v and gate/up fused in the source (builder/convert/fused.py splits them); LongRoPE in the 128k variants
-    "Phi3ForCausalLM": ("phi3", False, False),
-    "SmolLM3ForCausalLM": ("smollm3", False, False),  # Llama with some layers' RoPE left out (NoPE)
-    # GeGLU, (1 + w) RMSNorms, embeddings scaled by sqrt(hidden); Gemma 2 / 3 add sandwich norms and alternate
-    # sliding-window and full attention layers, Gemma 2 soft-caps logits, Gemma 3 normalizes q and k
-    "GemmaForCausalLM": ("gemma", False, False),
-    "Gemma2ForCausalLM": ("gemma2", False, False),
-    "Gemma3ForCausalLM": ("gemma3", False, True),
-    # Llama with multipliers: of the embeddings, attention scores, residual branches and (dividing) the logits
-    "GraniteForCausalLM": ("granite", False, False),
-}
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
-# Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> (the text
-# model's architecture, the transformers config class whose defaults complete the released, sparse `text_config`)
-TEXT_MODELS_OF: dict[str, tuple[str, str]] = {
-    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
-}
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation: SwiGLU, or GeGLU with tanh-approximated GELU
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -333,220 +310,3 @@ class ModelConfig:
 
     def with_mapping(self, mapping: Mapping) -> ModelConfig:
         return dataclasses.replace(self, mapping=mapping)
-
-
-def model_config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig:
-    """Map a Hugging Face `config.json` dict to a ModelConfig, refusing what the engine cannot run faithfully."""
-    if not isinstance(hf, dict):
-        raise CheckpointError("the model's config.json is not a JSON object.")
-    try:
-        return _model_config_from_hf(hf, dtype)
-    except KeyError as e:
-        raise CheckpointError(f"the model's config.json lacks the field {e}; it is incomplete.") from None
-    except (TypeError, ValueError, ZeroDivisionError) as e:
-        raise CheckpointError(f"the model's config.json has an invalid value ({e}).") from None
-
-
-def _rotary_dim(hf: dict[str, Any], rope_params: dict[str, Any], head_size: int) -> int | None:
-    """Dimensions RoPE rotates per head when fewer than all (HF: int(head_dim * partial_rotary_factor))."""
-    scaling = hf.get("rope_scaling") or rope_params
-    factor = float(scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
-    dim = int(round(head_size * factor, 6))  # HF: int(head_dim * factor), which 0.1-style factors can round down
-    if dim == head_size:
-        return None
-    if not 0 < dim < head_size or dim % 2:
-        raise CheckpointError(f"partial_rotary_factor {factor} rotates {dim} of {head_size} head dimensions; it "
-                              "must rotate an even number of them.")
-    return dim
-
-
-def _rope_scaling(hf: dict[str, Any], rope_params: dict[str, Any], rotary_dim: int) -> dict[str, Any] | None:
-    """The checkpoint's `rotary_scaling`: None for plain RoPE, else the HF scaling parameters and their rope_type
-    (LongRoPE's: short_factor, long_factor, original_max_position_embeddings, and factor or attention_factor where
-    the model gives them)."""
-    scaling = hf.get("rope_scaling") or rope_params
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
-    if rope_type not in ROPE_TYPES:
-        raise CheckpointError(f"rope scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)} are).")
-    if rope_type == "default":
-        return None
-    out = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
-    out["rope_type"] = rope_type
-    if rope_type == "longrope":
-        out["original_max_position_embeddings"] = int(
-            scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings")
-            or hf["max_position_embeddings"])
-        for key in ("short_factor", "long_factor"):
-            if len(out[key]) != rotary_dim // 2:
-                raise CheckpointError(f"rope scaling {key} has {len(out[key])} values; LongRoPE needs one per "
-                                      f"rotated pair of the head ({rotary_dim // 2}).")
-    return out
-
-
-def _no_rope_layers(hf: dict[str, Any], family: str) -> tuple[int, ...]:
-    """SmolLM3's `no_rope_layers` (1: the layer applies RoPE, 0: it does not) as the indices of the NoPE layers, or
-    every `no_rope_layer_interval`-th layer (4 by default) where the list is absent, as transformers makes it; a list
-    longer than the layers (a model cut to its first layers) is read up to them."""
-    layers = int(hf["num_hidden_layers"])
-    flags = hf.get("no_rope_layers")
-    if flags is None and family == "smollm3":
-        interval = int(hf.get("no_rope_layer_interval") or 4)
-        flags = [int((i + 1) % interval != 0) for i in range(layers)]
-    return tuple(i for i, use in enumerate((flags or [])[:layers]) if not use)
-
-
-def _hidden_act(hf: dict[str, Any], family: str) -> str:
-    """The MLP activation: SwiGLU's silu, or Gemma's tanh-approximated GELU (Gemma 1 configs say "gelu" for it, as
-    transformers reads them)."""
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-    if family == "gemma" and act == "gelu":
-        return "gelu_pytorch_tanh"
-    if act not in HIDDEN_ACTS:
-        raise CheckpointError(f"hidden_act {act!r} is not supported; {', '.join(HIDDEN_ACTS)} are.")
-    return act
-
-
-def _round_to_dtype(value: float, dtype: str) -> float:
-    import torch
-
-    return float(torch.tensor(value, dtype=getattr(torch, dtype)).item())
-
-
-def _layer_types(hf: dict[str, Any], family: str) -> tuple[str, ...]:
-    """Gemma 2 / 3's per-layer attention kinds: `layer_types`, or every `sliding_window_pattern`-th layer full
-    (Gemma 2: 2, Gemma 3: 6 unless given), as transformers makes them."""
-    layers = int(hf["num_hidden_layers"])
-    if family not in ("gemma2", "gemma3") or not hf.get("sliding_window"):
-        return ()
-    types = hf.get("layer_types")
-    if types is None:
-        pattern = int(hf.get("sliding_window_pattern") or (2 if family == "gemma2" else 6))
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    return tuple(types[:layers])
-
-
-def _rope_parameters(hf: dict[str, Any], family: str) -> tuple[dict[str, Any], float | None]:
-    """(the RoPE parameters of the full-attention layers, the sliding layers' base when it differs: Gemma 3's)."""
-    params = hf.get("rope_parameters") or {}
-    if family != "gemma3":
-        return params, None
-    local = params.get("sliding_attention") or {}
-    if local.get("rope_type", "default") != "default":
-        raise CheckpointError(f"Gemma 3 sliding-attention RoPE of type {local['rope_type']!r} is not supported.")
-    base = local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0
-    return params.get("full_attention") or {"rope_theta": hf.get("rope_theta") or 1_000_000.0}, float(base)
-
-
-def _gemma_fields(hf: dict[str, Any], family: str, dtype: str) -> dict[str, Any]:
-    """What Gemma models do differently from Llama, as ModelConfig fields."""
-    if family not in GEMMA_FAMILIES:
-        return {}
-    if hf.get("use_bidirectional_attention"):
-        raise CheckpointError("this Gemma attends bidirectionally (an embedding model); trtbuild builds decoders.")
-    # NOTE: transformers multiplies by sqrt(hidden) rounded to the weights' dtype (a bfloat16 Gemma 3 1B: 34.0,
-    # not 33.94); a GGUF's config gives llama.cpp's float32 value itself.
-    multiplier = hf.get("embedding_multiplier") or _round_to_dtype(int(hf["hidden_size"]) ** 0.5, dtype)
-    if family == "gemma":
-        return {"embedding_multiplier": float(multiplier)}
-
-    def optional(key: str) -> float | None:
-        return float(hf[key]) if hf.get(key) else None
-
-    scalar = optional("query_pre_attn_scalar")
-    return {
-        "embedding_multiplier": float(multiplier),
-        "attention_scale": scalar**-0.5 if scalar else None,
-        "sandwich_norms": True,
-        "attn_logit_softcapping": optional("attn_logit_softcapping"),
-        "final_logit_softcapping": optional("final_logit_softcapping"),
-    }
-
-
-def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
-    """The HF config of a vision-language model's text decoder (TEXT_MODELS_OF): its `text_config` completed with
-    transformers' defaults, as transformers reads it; any other config as it is."""
-    archs = hf.get("architectures") if isinstance(hf, dict) else None
-    if not isinstance(archs, list) or not archs or archs[0] not in TEXT_MODELS_OF:
-        return hf
-    import transformers
-
-    text_arch, config_class = TEXT_MODELS_OF[archs[0]]
-    try:
-        text = getattr(transformers, config_class)(**copy.deepcopy(hf.get("text_config") or {})).to_dict()
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"the model's config.json has an invalid text_config ({e}).") from None
-    dtype = hf.get("torch_dtype") or hf.get("dtype") or text.get("torch_dtype") or text.get("dtype")
-    eos = hf.get("eos_token_id", text.get("eos_token_id"))
-    return {**text, "architectures": [text_arch], "torch_dtype": dtype, "eos_token_id": eos}
-
-
-def _granite_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
-    """Granite's multipliers as ModelConfig fields (1 where a config leaves one out, as transformers defaults it)."""
-    if family != "granite":
-        return {}
-    return {"embedding_multiplier": float(hf.get("embedding_multiplier") or 1.0),
-            "attention_scale": float(hf.get("attention_multiplier") or 1.0),
-            "residual_multiplier": float(hf.get("residual_multiplier") or 1.0),
-            "logits_scaling": float(hf.get("logits_scaling") or 1.0)}
-
-
-def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
-    hf = text_model_config(hf)
-    archs = hf.get("architectures") or []
-    arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(
-            f"unsupported architecture {arch!r}; trtbuild converts {', '.join(SUPPORTED_ARCHITECTURES)} and the "
-            f"text models of {', '.join(TEXT_MODELS_OF)}."
-        )
-    family, qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-    if family in ("llama", "granite") and hf.get("attention_bias"):
-        qkv_bias = True
-    if hf.get("mlp_bias"):
-        raise CheckpointError("mlp_bias=true is not supported.")
-    heads = int(hf["num_attention_heads"])
-    head_size = int(hf.get("head_dim") or hf["hidden_size"] // heads)
-    rope_params, local_base = _rope_parameters(hf, family)
-    rotary_dim = _rotary_dim(hf, rope_params, head_size)
-    rope_scaling = _rope_scaling(hf, rope_params, rotary_dim or head_size)
-    # the families whose HF attention honours sliding_window (Gemma 2 / 3 in their sliding layers)
-    window_by_default = family in ("mistral", "phi3", "gemma2", "gemma3")
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", window_by_default) else None
-    eos = hf.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    hf_dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-    if dtype == "auto":
-        dtype = hf_dtype if hf_dtype in DTYPES else "float32"
-    if dtype not in DTYPES:
-        raise CheckpointError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}.")
-    layer_types = _layer_types(hf, family)
-    return ModelConfig(
-        architecture=arch,
-        family=family,
-        dtype=dtype,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_hidden_layers=int(hf["num_hidden_layers"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-        head_size=head_size,
-        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-        rotary_base=float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
-        rotary_scaling=rope_scaling,
-        rotary_dim=rotary_dim,
-        no_rope_layers=_no_rope_layers(hf, family),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
-        qkv_bias=qkv_bias,
-        qk_norm=qk_norm,
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        sliding_window=int(window) if window else None,
-        hidden_act=_hidden_act(hf, family),
-        layer_types=layer_types,
-        local_rotary_base=local_base if window and "sliding_attention" in layer_types else None,
-        **_gemma_fields(hf, family, hf_dtype if hf_dtype in DTYPES else "float32"),
-        **_granite_fields(hf, family),
-    )

@@ -24,7 +24,7 @@ from trtbuild.builder.convert.convert import to_checkpoint_tensors
 from trtbuild.builder.convert.names import linear_prefixes
 from trtbuild.builder.convert.sharding import check_mapping, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig, QuantConfig
-from trtbuild.configs.model_config import model_config_from_hf
+from trtbuild.configs.from_hf import model_config_from_hf
 from trtbuild.errors import ConfigError, TrtbuildError
 from trtbuild.quantization import QuantAlgo
 from trtbuild.quantize.options import QuantizeOptions

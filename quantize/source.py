@@ -87,7 +87,8 @@ def hf_tensors_of_checkpoint(tensors: dict[str, torch.Tensor], config: Any) -> d
 def hf_norm_weights(tensors: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """HF-named tensors holding RMSNorm multipliers (a GGUF's, a checkpoint's) with Gemma's norms as transformers
     holds them: w where its RMSNorm multiplies by 1 + w (the inverse of convert.py's norm_multipliers)."""
-    from trtbuild.configs.model_config import GEMMA_FAMILIES, model_config_from_hf
+    from trtbuild.configs.from_hf import model_config_from_hf
+    from trtbuild.configs.model_config import GEMMA_FAMILIES
 
     if model_config_from_hf(hf_config).family not in GEMMA_FAMILIES:
         return tensors
@@ -156,7 +157,7 @@ def _as_mistral(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor]
     and sliding window."""
     from trtbuild.builder.convert.fused import split_fused
     from trtbuild.builder.convert.hf_reader import SourceTensor
-    from trtbuild.configs.model_config import model_config_from_hf
+    from trtbuild.configs.from_hf import model_config_from_hf
 
     config = model_config_from_hf(hf_config)
     if config.rotary_dim is not None:
@@ -182,7 +183,7 @@ def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
     import transformers
     from transformers.initialization import no_init_weights
 
-    from trtbuild.configs.model_config import TEXT_MODELS_OF, model_config_from_hf
+    from trtbuild.configs.from_hf import TEXT_MODELS_OF, model_config_from_hf
 
     config_dict = source.hf_config
     if (arch := (config_dict.get("architectures") or [None])[0]) in TEXT_MODELS_OF:

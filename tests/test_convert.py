@@ -33,7 +33,8 @@ from trtbuild.builder.convert.names import hf_to_checkpoint_name, layer_of
 from trtbuild.builder.convert.sharding import merge_shards
 from trtbuild.builder.engine_dir import _CPU_FLAGS, cpu_features, read_engine_config
 from trtbuild.configs import Mapping, ModelConfig
-from trtbuild.configs.model_config import SUPPORTED_ARCHITECTURES, QuantConfig
+from trtbuild.configs.from_hf import SUPPORTED_ARCHITECTURES
+from trtbuild.configs.model_config import QuantConfig
 from trtbuild.errors import CheckpointError, ConfigError, EngineCompatibilityError, TrtbuildError
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 

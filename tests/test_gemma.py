@@ -17,7 +17,8 @@ from helpers import make_random_hf_model, require_shared_models
 from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.convert.gguf_config import GGUF_ARCHITECTURES, hf_config
 from trtbuild.builder.convert.safetensors_io import SafetensorsFile
-from trtbuild.configs.model_config import ModelConfig, model_config_from_hf
+from trtbuild.configs.from_hf import model_config_from_hf
+from trtbuild.configs.model_config import ModelConfig
 from trtbuild.errors import CheckpointError
 
 # google/gemma-3-1b-it's config.json as released (transformers 4.50 keys)

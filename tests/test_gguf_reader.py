@@ -268,7 +268,7 @@ _QK_NORMS = {f"blk.0.attn_{p}_norm.weight": RNG.standard_normal(HIDDEN // HEADS)
 )
 def test_architectures(tmp_path: Path, arch: str, meta: dict, extra: dict, family: str, window: int | None) -> None:
     """Each architecture maps to its HF family; q/k rows are un-permuted only where llama.cpp permuted them."""
-    from trtbuild.configs.model_config import model_config_from_hf
+    from trtbuild.configs.from_hf import model_config_from_hf
 
     written = _write_llama(tmp_path / "m.gguf", extra, arch=arch, meta=meta)
     cfg, sd = read_gguf(tmp_path / "m.gguf")

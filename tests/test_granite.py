@@ -12,7 +12,7 @@ from helpers import STORIES260K, make_random_hf_model, require_shared_models
 from quant_helpers import compare_logits
 
 from trtbuild.builder.convert.gguf_config import GGUF_ARCHITECTURES, hf_config
-from trtbuild.configs.model_config import model_config_from_hf
+from trtbuild.configs.from_hf import model_config_from_hf
 
 # ibm-granite/granite-3.3-2b-instruct's config.json as released
 GRANITE_2B = {"architectures": ["GraniteForCausalLM"], "attention_bias": False, "attention_multiplier": 0.015625,

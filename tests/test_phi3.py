@@ -19,7 +19,7 @@ from trtbuild.builder.rope import (
     rope_tables,
     rotary_row_order,
 )
-from trtbuild.configs.model_config import model_config_from_hf
+from trtbuild.configs.from_hf import model_config_from_hf
 from trtbuild.errors import CheckpointError
 
 PHI3 = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 512, "hidden_size": 64,

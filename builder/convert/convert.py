@@ -29,7 +29,8 @@ from trtbuild.builder.convert.names import hf_to_checkpoint_name, is_linear, lin
 from trtbuild.builder.convert.safetensors_io import SafetensorsWriter
 from trtbuild.builder.convert.sharding import check_mapping, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig
-from trtbuild.configs.model_config import GEMMA_FAMILIES, QuantConfig, model_config_from_hf, text_model_config
+from trtbuild.configs.from_hf import model_config_from_hf, text_model_config
+from trtbuild.configs.model_config import GEMMA_FAMILIES, QuantConfig
 from trtbuild.errors import CheckpointError, ConfigError
 from trtbuild.quantization import QuantAlgo
 

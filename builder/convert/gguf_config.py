@@ -2,7 +2,7 @@
 
 llama.cpp prefixes each hyper-parameter with the architecture name (`qwen2.embedding_length`, `llama.rope.freq_base`),
 so one reader serves all of them; `GGUF_ARCHITECTURES` holds what differs. The dict returned is what
-`configs/model_config.py: model_config_from_hf` accepts for the family.
+`configs/from_hf.py: model_config_from_hf` accepts for the family.
 """
 
 from __future__ import annotations
