@@ -13,8 +13,8 @@ Each node maps to one kernel (kernels/ for the Triton ones, torch for the rest):
   Split -> Gelu(gate, tanh) * up (fused)  geglu                kernels/swiglu.py (Gemma's MLP)
   Gelu(gate) * up (otherwise)             gelu_mul             torch, with the Gelu's approximate
   Gelu, Tanh (alone)                      gelu, tanh           torch
-  Mul(x, constant scalar)                 scale                torch (Gemma's embedding multiplier; with Tanh,
-                                                               its final-logit soft-cap c2 * tanh(c1 * x))
+  Mul(x, constant scalar)                 scale                torch (embedding and residual multipliers, logits
+                                                               scaling; with Tanh, the soft-cap c2 * tanh(c1 * x))
   Add, Split, Reshape                     add, split, reshape  torch
   trtbuild::PagedAttention                paged_attention      kernels/paged_attention.py, then kv_write: this
                                                                layer's K/V scattered into the pool (torch)

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trtbuild.configs.model_config import GEMMA_FAMILIES
 from trtbuild.errors import CheckpointError, ConfigError
 
 
@@ -88,7 +89,6 @@ def hf_norm_weights(tensors: dict[str, torch.Tensor], hf_config: dict[str, Any])
     """HF-named tensors holding RMSNorm multipliers (a GGUF's, a checkpoint's) with Gemma's norms as transformers
     holds them: w where its RMSNorm multiplies by 1 + w (the inverse of convert.py's norm_multipliers)."""
     from trtbuild.configs.from_hf import model_config_from_hf
-    from trtbuild.configs.model_config import GEMMA_FAMILIES
 
     if model_config_from_hf(hf_config).family not in GEMMA_FAMILIES:
         return tensors
@@ -126,7 +126,7 @@ def hf_config_from_model_config(c: Any) -> dict[str, Any]:
         cfg["partial_rotary_factor"] = c.rotary_dim / c.head_size
     if c.family == "smollm3":
         cfg["no_rope_layers"] = [int(i not in c.no_rope_layers) for i in range(c.num_hidden_layers)]
-    if c.family in ("gemma", "gemma2", "gemma3"):
+    if c.family in GEMMA_FAMILIES:
         cfg.update(hidden_activation=c.hidden_act, embedding_multiplier=c.embedding_multiplier)
     if c.family in ("gemma2", "gemma3"):
         scalar = round(c.score_scale**-2, 6)  # transformers wants an int where it is one

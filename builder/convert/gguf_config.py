@@ -236,7 +236,7 @@ def hf_config(
     if (scaling := _rope_scaling(meta, prefix, rope_tensors, cfg)) is not None:
         cfg["rope_scaling"] = scaling
     if arch.model_type.startswith("gemma"):
-        cfg.update(_gemma_config(meta, prefix, arch, cfg))
+        cfg.update(_gemma_config(meta, prefix, cfg))
     if arch.model_type == "granite":  # llama.cpp's names for Granite's multipliers
         for theirs, ours in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
                              ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
@@ -245,7 +245,7 @@ def hf_config(
     return cfg
 
 
-def _gemma_config(meta: dict[str, Any], prefix: str, arch: GgufArch, cfg: dict[str, Any]) -> dict[str, Any]:
+def _gemma_config(meta: dict[str, Any], prefix: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Gemma's HF config fields, with the values llama.cpp runs the file with (its defaults where keys are absent:
     Gemma 2's window 4096 and soft-caps 50 / 30, every second layer sliding; Gemma 3's every sixth layer full and
     its sliding layers' unscaled RoPE base 10000)."""
