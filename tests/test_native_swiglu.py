@@ -18,35 +18,32 @@ from trtbuild.builder.native_swiglu import lower_swiglu
 from trtbuild.plugins import swiglu as sw
 
 
-def mlp(extra_gate_use: bool = False, sizes: tuple[int, int] = (6, 6)) -> onnx.ModelProto:
-    """x [T, 12] -> Split -> silu(gate) * up (-> and gate * 2 when `extra_gate_use`)."""
-    nodes = [helper.make_node("Split", ["x", "sizes"], ["gate", "up"], axis=-1),
-             helper.make_node("Sigmoid", ["gate"], ["sig"]),
-             helper.make_node("Mul", ["sig", "gate"], ["silu"]),  # either operand order
-             helper.make_node("Mul", ["up", "silu"], ["y"])]
+def _gated_mlp(activation: list[onnx.NodeProto], act: str, extra_gate_use: bool, sizes: tuple[int, int],
+               opset: int) -> onnx.ModelProto:
+    """x [T, 12] -> Split -> `activation` nodes (gate -> act) -> act * up (-> and gate * 2 when `extra_gate_use`)."""
+    nodes = [helper.make_node("Split", ["x", "sizes"], ["gate", "up"], axis=-1), *activation,
+             helper.make_node("Mul", ["up", act] if act == "silu" else [act, "up"], ["y"])]
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 6])]
     if extra_gate_use:
         nodes.append(helper.make_node("Add", ["gate", "gate"], ["twice"]))
         outputs.append(helper.make_tensor_value_info("twice", TensorProto.FLOAT, ["T", 6]))
     graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 12])],
                               outputs, [numpy_helper.from_array(np.array(sizes, np.int64), "sizes")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def mlp(extra_gate_use: bool = False, sizes: tuple[int, int] = (6, 6)) -> onnx.ModelProto:
+    """x [T, 12] -> Split -> silu(gate) * up (-> and gate * 2 when `extra_gate_use`)."""
+    silu = [helper.make_node("Sigmoid", ["gate"], ["sig"]),
+            helper.make_node("Mul", ["sig", "gate"], ["silu"])]  # either operand order
+    return _gated_mlp(silu, "silu", extra_gate_use, sizes, 18)
 
 
 def geglu_mlp(approximate: str | None = "tanh", extra_gate_use: bool = False, sizes: tuple[int, int] = (6, 6)
               ) -> onnx.ModelProto:
     """x [T, 12] -> Split -> Gelu(gate, approximate) * up (-> and gate * 2 when `extra_gate_use`), as Gemma's MLP."""
-    gelu = {"approximate": approximate} if approximate else {}
-    nodes = [helper.make_node("Split", ["x", "sizes"], ["gate", "up"], axis=-1),
-             helper.make_node("Gelu", ["gate"], ["act"], **gelu),
-             helper.make_node("Mul", ["act", "up"], ["y"])]
-    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", 6])]
-    if extra_gate_use:
-        nodes.append(helper.make_node("Add", ["gate", "gate"], ["twice"]))
-        outputs.append(helper.make_tensor_value_info("twice", TensorProto.FLOAT, ["T", 6]))
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", 12])],
-                              outputs, [numpy_helper.from_array(np.array(sizes, np.int64), "sizes")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    gelu = helper.make_node("Gelu", ["gate"], ["act"], **({"approximate": approximate} if approximate else {}))
+    return _gated_mlp([gelu], "act", extra_gate_use, sizes, 23)
 
 
 def run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
