@@ -13,6 +13,7 @@ tokens and chat template.
     python benchmarks/make_real_size_model.py --out /work/models/phi4 --shape phi4-mini --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/smollm3 --shape smollm3-3b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/gemma3 --shape gemma3-1b --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/gemma3-4b --shape gemma3-4b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/granite --shape granite-2b --no-hf --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
@@ -263,6 +264,9 @@ def write_metadata(w, shape: Shape, tok) -> None:
             w.add_final_logit_softcapping(30.0)
         else:
             w.add_rope_freq_base_swa(10000.0)
+            if shape.rope_scaling and shape.rope_scaling["rope_type"] == "linear":  # the full layers' (4B and up)
+                w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+                w.add_rope_scaling_factor(shape.rope_scaling["factor"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     vocab = tok.get_vocab()
     tokens = [f"[PAD{i}]" for i in range(shape.vocab_size)]

@@ -106,6 +106,8 @@ SHAPES = {  # the released models' configs
     "phi4-mini": Shape(PHI3, 3072, 32, 24, 8, 8192, 200064, True, 1e4, _longrope(48), 131072, 1e-5, None, 0.75),
     # Gemma 3 1B: every sixth layer full, the others windowed (512); Gemma 2 2B: every second (4096), soft-capped
     "gemma3-1b": Shape(GEMMA3, 1152, 26, 4, 1, 6912, 262144, True, 1e6, None, 32768, 1e-6, 512, head_size=256),
+    "gemma3-4b": Shape(GEMMA3, 2560, 34, 8, 4, 10240, 262144, True, 1e6, dict(rope_type="linear", factor=8.0), 131072,
+                       1e-6, 1024, head_size=256),
     "gemma2-2b": Shape(GEMMA2, 2304, 26, 8, 4, 9216, 256000, True, 1e4, None, 8192, 1e-6, 4096, head_size=256),
     "granite-2b": Shape(GRANITE, 2048, 40, 32, 8, 8192, 49159, True, 1e7, None, 131072, 1e-5, multipliers=dict(
         embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)),

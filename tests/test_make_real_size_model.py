@@ -31,15 +31,15 @@ def script():
 def _tiny(script, name: str):
     # heads of 96 (phi3-mini) and 128 of which 96 rotate (phi4-mini): what their 48 LongRoPE factors rotate
     hidden = {"phi3-mini": 384, "phi4-mini": 512}.get(name, 256)
-    layers = 4 if name == "smollm3-3b" else 7 if name == "gemma3-1b" else 2  # SmolLM3's fourth layer: no RoPE;
+    layers = 4 if name == "smollm3-3b" else 7 if name.startswith("gemma3") else 2  # SmolLM3's fourth layer: no RoPE;
     head_size = 32 if name.startswith("gemma") else None  # Gemma 3's sixth: full attention; Gemma's heads > hidden
     return replace(script.SHAPES[name], hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
                    num_key_value_heads=2, intermediate_size=512, vocab_size=4096, head_size=head_size,
                    sliding_window=script.SHAPES[name].sliding_window and 8)
 
 
-@pytest.mark.parametrize("name", ["llama-8b", "1.5b", "phi3-mini", "phi4-mini", "smollm3-3b", "gemma3-1b", "gemma2-2b",
-                                  "granite-2b"])
+@pytest.mark.parametrize("name", ["llama-8b", "1.5b", "phi3-mini", "phi4-mini", "smollm3-3b", "gemma3-1b", "gemma3-4b",
+                                  "gemma2-2b", "granite-2b"])
 def test_f32_gguf_converts_to_the_hf_model(script, tmp_path: Path, name: str):
     shape = _tiny(script, name)
     hf = tmp_path / "hf"
