@@ -121,7 +121,7 @@ class _NetworkWriter:
     def branch_output(self, y: str, prefix: str) -> str:
         """What an attention or MLP block adds to the residual stream: its output, RMS-normalized (Gemma 2 / 3's
         sandwich norms) or multiplied (Granite's residual multiplier)."""
-        if self.c.sandwich_norms:
+        if self.c.output_norms:
             y = self.rms_norm(y, prefix + "output_norm.weight")
         if self.c.residual_multiplier != 1.0:
             y = self.g.op("Mul", [y, self.g.const(np.array(self.c.residual_multiplier, np.float32),
@@ -160,7 +160,9 @@ class _NetworkWriter:
         return {False: full, True: tables(local, "rope_local_")}
 
     def head_norm(self, x: str, weight_name: str, heads: int) -> str:
-        """Qwen3's per-head RMSNorm of q or k, before RoPE."""
+        """Qwen3's per-head RMSNorm of q or k, before RoPE; OLMo 2's spans the whole projection."""
+        if self.c.qk_norm_full:
+            return self.rms_norm(x, weight_name)
         per_head = self.g.op("Reshape", [x, self.g.const(np.array([0, heads, self.c.head_size]), "heads_shape")])
         normed = self.rms_norm(per_head, weight_name)
         return self.g.op("Reshape", [normed, self.g.const(np.array([0, heads * self.c.head_size]), "flat_shape")])
@@ -210,7 +212,7 @@ class _NetworkWriter:
         for i in range(c.num_hidden_layers):
             p = f"transformer.layers.{i}."
             g.scope = p
-            h = self.rms_norm(x, p + "input_layernorm.weight")
+            h = self.rms_norm(x, p + "input_layernorm.weight") if c.input_norms else x
             q, k, v = (self.linear(h, p + f"attention.{n}", bias=c.qkv_bias) for n in "qkv")
             if c.qk_norm:
                 q = self.head_norm(q, p + "attention.q_norm.weight", c.num_attention_heads)
@@ -230,7 +232,7 @@ class _NetworkWriter:
             )
             attn = self.branch_output(self.linear(attn, p + "attention.dense"), p + "attention.")
             x = g.op("Add", [x, attn], name=p + "attn_residual")
-            h = self.rms_norm(x, p + "post_layernorm.weight")
+            h = self.rms_norm(x, p + "post_layernorm.weight") if c.input_norms else x
             gate, up = self.linear(h, p + "mlp.gate"), self.linear(h, p + "mlp.fc")
             mlp = self.branch_output(self.linear(self.mlp_activation(gate, up, p), p + "mlp.proj"), p + "mlp.")
             x = g.op("Add", [x, mlp], name=p + "mlp_residual")

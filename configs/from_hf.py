@@ -26,6 +26,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Gemma3ForCausalLM": ("gemma3", False, True),
     # Llama with multipliers: of the embeddings, attention scores, residual branches and (dividing) the logits
     "GraniteForCausalLM": ("granite", False, False),
+    # norms after the attention and the MLP (none before), q / k norms over the whole projections
+    "Olmo2ForCausalLM": ("olmo2", False, True),
+    "Olmo3ForCausalLM": ("olmo3", False, True),  # OLMo 2 with sliding-window layers (every fourth one full)
 }
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> (the text
 # model's architecture, the transformers config class whose defaults complete the released, sparse `text_config`)
@@ -113,29 +116,36 @@ def _round_to_dtype(value: float, dtype: str) -> float:
     return float(torch.tensor(value, dtype=getattr(torch, dtype)).item())
 
 
+# families whose layers alternate sliding-window and full attention -> the pattern's default period (every n-th full)
+_LAYER_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo3": 4}
+
+
 def _layer_types(hf: dict[str, Any], family: str) -> tuple[str, ...]:
-    """Gemma 2 / 3's per-layer attention kinds: `layer_types`, or every `sliding_window_pattern`-th layer full
-    (Gemma 2: 2, Gemma 3: 6 unless given), as transformers makes them."""
+    """Per-layer attention kinds (Gemma 2 / 3, OLMo 3): `layer_types`, or every `sliding_window_pattern`-th layer
+    full (the family's default period unless given), as transformers makes them."""
     layers = int(hf["num_hidden_layers"])
-    if family not in ("gemma2", "gemma3") or not hf.get("sliding_window"):
+    if family not in _LAYER_PATTERNS or not hf.get("sliding_window"):
         return ()
     types = hf.get("layer_types")
     if types is None:
-        pattern = int(hf.get("sliding_window_pattern") or (2 if family == "gemma2" else 6))
+        pattern = int(hf.get("sliding_window_pattern") or _LAYER_PATTERNS[family])
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     return tuple(types[:layers])
 
 
 def _rope_parameters(hf: dict[str, Any], family: str) -> tuple[dict[str, Any], float | None]:
-    """(the RoPE parameters of the full-attention layers, the sliding layers' base when it differs: Gemma 3's)."""
+    """(the RoPE parameters of the full-attention layers, the sliding layers' base where it differs: Gemma 3's).
+    Per-layer-type `rope_parameters` (transformers' current form) or Gemma 3's older `rope_local_base_freq`."""
     params = hf.get("rope_parameters") or {}
-    if family != "gemma3":
+    if "full_attention" not in params and family != "gemma3":
         return params, None
     local = params.get("sliding_attention") or {}
     if local.get("rope_type", "default") != "default":
-        raise CheckpointError(f"Gemma 3 sliding-attention RoPE of type {local['rope_type']!r} is not supported.")
-    base = local.get("rope_theta") or hf.get("rope_local_base_freq") or 10000.0
-    return params.get("full_attention") or {"rope_theta": hf.get("rope_theta") or 1_000_000.0}, float(base)
+        raise CheckpointError(f"sliding-attention RoPE of type {local['rope_type']!r} is not supported.")
+    full = params.get("full_attention") or {"rope_theta": hf.get("rope_theta") or 1_000_000.0}
+    base = local.get("rope_theta") or hf.get("rope_local_base_freq") or (10000.0 if family == "gemma3" else None)
+    same = base is None or (base == full.get("rope_theta") and full.get("rope_type", "default") == "default")
+    return full, None if same else float(base)
 
 
 def _gemma_fields(hf: dict[str, Any], family: str, dtype: str) -> dict[str, Any]:
@@ -157,7 +167,7 @@ def _gemma_fields(hf: dict[str, Any], family: str, dtype: str) -> dict[str, Any]
     return {
         "embedding_multiplier": float(multiplier),
         "attention_scale": scalar**-0.5 if scalar else None,
-        "sandwich_norms": True,
+        "output_norms": True,
         "attn_logit_softcapping": optional("attn_logit_softcapping"),
         "final_logit_softcapping": optional("final_logit_softcapping"),
     }
@@ -211,7 +221,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     rotary_dim = _rotary_dim(hf, rope_params, head_size)
     rope_scaling = _rope_scaling(hf, rope_params, rotary_dim or head_size)
     # the families whose HF attention honours sliding_window (Gemma 2 / 3 in their sliding layers)
-    window_by_default = family in ("mistral", "phi3", "gemma2", "gemma3")
+    window_by_default = family in ("mistral", "phi3", *_LAYER_PATTERNS)
     window = hf.get("sliding_window") if hf.get("use_sliding_window", window_by_default) else None
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -249,4 +259,5 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         local_rotary_base=local_base if window and "sliding_attention" in layer_types else None,
         **_gemma_fields(hf, family, hf_dtype if hf_dtype in DTYPES else "float32"),
         **_granite_fields(hf, family),
+        **({"output_norms": True, "input_norms": False, "qk_norm_full": True} if family.startswith("olmo") else {}),
     )

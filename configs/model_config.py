@@ -190,7 +190,9 @@ class ModelConfig:
     local_rotary_base: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3); None: as every layer
     embedding_multiplier: float = 1.0  # the embedding rows are multiplied by this (Gemma: sqrt(hidden_size))
     attention_scale: float | None = None  # what q.k is multiplied by; None: head_size ** -0.5
-    sandwich_norms: bool = False  # attention and MLP outputs are RMS-normalized before their residual adds
+    output_norms: bool = False  # attention and MLP outputs are RMS-normalized before their adds (Gemma 2 / 3, OLMo 2)
+    input_norms: bool = True  # attention and MLP inputs are RMS-normalized (every family but OLMo 2)
+    qk_norm_full: bool = False  # qk_norm spans the whole q / k projection (OLMo 2), not each head (Qwen3, Gemma 3)
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     residual_multiplier: float = 1.0  # attention and MLP outputs are multiplied by this before their adds (Granite)

@@ -81,7 +81,7 @@ def hf_tensors_of_checkpoint(tensors: dict[str, torch.Tensor], config: Any) -> d
     """A checkpoint's tensors under their HF names, with HF's values (Gemma's norms as the w of its 1 + w)."""
     from trtbuild.builder.convert.names import checkpoint_to_hf_name
 
-    hf = {h: t for name, t in tensors.items() if (h := checkpoint_to_hf_name(name, config.sandwich_norms)) is not None}
+    hf = {h: t for name, t in tensors.items() if (h := checkpoint_to_hf_name(name, config.output_norms)) is not None}
     return hf_norm_weights(hf, hf_config_from_model_config(config))
 
 
@@ -128,11 +128,12 @@ def hf_config_from_model_config(c: Any) -> dict[str, Any]:
         cfg["no_rope_layers"] = [int(i not in c.no_rope_layers) for i in range(c.num_hidden_layers)]
     if c.family in GEMMA_FAMILIES:
         cfg.update(hidden_activation=c.hidden_act, embedding_multiplier=c.embedding_multiplier)
+    if c.family in ("gemma2", "gemma3", "olmo3"):
+        cfg["layer_types"] = list(c.layer_types)
     if c.family in ("gemma2", "gemma3"):
         scalar = round(c.score_scale**-2, 6)  # transformers wants an int where it is one
         cfg.update(query_pre_attn_scalar=int(scalar) if scalar.is_integer() else scalar,
-                   layer_types=list(c.layer_types), attn_logit_softcapping=c.attn_logit_softcapping,
-                   final_logit_softcapping=c.final_logit_softcapping)
+                   attn_logit_softcapping=c.attn_logit_softcapping, final_logit_softcapping=c.final_logit_softcapping)
     if c.local_rotary_base is not None:
         cfg["rope_local_base_freq"] = c.local_rotary_base
     if c.family == "granite":

@@ -55,6 +55,8 @@ FAMILIES = {
     "gemma2": ("gemma2", "spm", "Gemma2 Tiny"),
     "gemma3": ("gemma3", "spm", "Gemma3 Tiny"),
     "granite": ("granite", "spm", "Granite Tiny"),
+    "olmo2": ("olmo2", "spm", "OLMo2 Tiny"),
+    "olmo3": ("olmo2", "spm", "OLMo3 Tiny"),  # llama.cpp's Olmo2Model writes OLMo 3 too
 }
 
 
@@ -269,6 +271,9 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         _add_phi3_parameters(w, cfg, head_dim)
     if arch.startswith("gemma"):
         _add_gemma_parameters(w, cfg, arch)
+    if cfg["model_type"] == "olmo3":  # Olmo2Model.set_gguf_parameters
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     if arch == "granite":  # GraniteModel.set_gguf_parameters
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])

@@ -75,6 +75,11 @@ RANDOM_CONFIGS = {
     "granite": ("GraniteConfig", dict(_COMMON, rope_theta=10000.0, embedding_multiplier=12.0,
                                       attention_multiplier=0.05, residual_multiplier=0.22, logits_scaling=8.0,
                                       bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # no norms before attention and MLP, one after each; q / k norms over the whole projections
+    "olmo2": ("Olmo2Config", dict(_COMMON, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # + layers 0-2 windowed (6), layer 3 full
+    "olmo3": ("Olmo3Config", dict(_COMMON, num_hidden_layers=4, sliding_window=6, bos_token_id=1, eos_token_id=2,
+                                  pad_token_id=0)),
 }
 
 

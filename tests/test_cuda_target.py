@@ -58,7 +58,7 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("model", ["stories260K", "qwen2", "mistral_window", "gemma2", "gemma3", "granite"])
+@pytest.mark.parametrize("model", ["stories260K", "qwen2", "mistral_window", "gemma2", "gemma3", "granite", "olmo3"])
 def test_cuda_plan_matches_cpu_engine(engine_pair, model):
     cpu_dir, cuda_dir = engine_pair(model)
     cpu, cuda = CpuEngine(cpu_dir, num_blocks=8), CudaEngine(cuda_dir, num_blocks=8)

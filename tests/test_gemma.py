@@ -57,7 +57,7 @@ def test_gemma3_1b_layers_windows_and_rope_bases():
     full = [i for i in range(c.num_hidden_layers) if not c.is_sliding(i)]
     assert full == [5, 11, 17, 23] and c.sliding_window == 512
     assert (c.rotary_base, c.local_rotary_base, c.rotary_scaling) == (1e6, 10000.0, None)
-    assert c.attention_scale == 256**-0.5 and c.sandwich_norms and c.qk_norm and c.tie_word_embeddings
+    assert c.attention_scale == 256**-0.5 and c.output_norms and c.qk_norm and c.tie_word_embeddings
     assert c.hidden_act == "gelu_pytorch_tanh" and c.eos_token_ids == (1, 106)
 
 
@@ -76,7 +76,7 @@ def test_the_embedding_multiplier_is_rounded_to_the_weights_dtype_as_transformer
 def test_gemma1_legacy_gelu_means_the_tanh_approximation():
     gemma = {**GEMMA2_2B, "architectures": ["GemmaForCausalLM"], "hidden_act": "gelu", "hidden_activation": None}
     c = model_config_from_hf(gemma)
-    assert c.hidden_act == "gelu_pytorch_tanh" and not c.sandwich_norms and c.attention_scale is None
+    assert c.hidden_act == "gelu_pytorch_tanh" and not c.output_norms and c.attention_scale is None
     assert c.attn_logit_softcapping is None and c.sliding_window is None
     assert c.layer_types == ("full_attention",) * 26
 

@@ -29,13 +29,15 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
     names = ["transformer.vocab_embedding.weight"] if first_stage else []
     for i in layers:
         p = f"transformer.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_layernorm.weight", p + "attention.dense.weight"]
+        if config.input_norms:
+            names += [p + "input_layernorm.weight", p + "post_layernorm.weight"]
+        names += [p + "attention.dense.weight"]
         names += [p + f"attention.{x}.weight" for x in "qkv"]
         if config.qkv_bias:
             names += [p + f"attention.{x}.bias" for x in "qkv"]
         if config.qk_norm:
             names += [p + "attention.q_norm.weight", p + "attention.k_norm.weight"]
-        if config.sandwich_norms:
+        if config.output_norms:
             names += [p + "attention.output_norm.weight", p + "mlp.output_norm.weight"]
         names += [p + f"mlp.{x}.weight" for x in ("gate", "fc", "proj")]
     if last_stage:
@@ -98,8 +100,8 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "attention.q.bias": (c.q_size,),
         "attention.k.bias": (c.kv_size,),
         "attention.v.bias": (c.kv_size,),
-        "attention.q_norm.weight": (c.head_size,),
-        "attention.k_norm.weight": (c.head_size,),
+        "attention.q_norm.weight": (c.q_size if c.qk_norm_full else c.head_size,),
+        "attention.k_norm.weight": (c.kv_size if c.qk_norm_full else c.head_size,),
         "attention.dense.weight": (c.hidden_size, c.q_size),
         "mlp.gate.weight": (c.intermediate_size, c.hidden_size),
         "mlp.fc.weight": (c.intermediate_size, c.hidden_size),

@@ -28,6 +28,9 @@ ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_s
 _QKV_BIAS = tuple(f"attn_{p}.bias" for p in "qkv")
 _QK_NORM = ("attn_q_norm.weight", "attn_k_norm.weight")
 _SANDWICH_NORMS = ("post_attention_norm.weight", "post_ffw_norm.weight")  # Gemma 2 / 3 (ffn_norm: the pre-MLP one)
+# OLMo 2: no norms before the attention and the MLP, one after each; q / k norms
+_OLMO2_LAYER_TENSORS = (*(f"attn_{p}.weight" for p in "qkv"), "attn_output.weight", *_QK_NORM, *_SANDWICH_NORMS,
+                        *(f"ffn_{p}.weight" for p in ("gate", "up", "down")))
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,7 @@ class GgufArch:
     optional_layer_tensors: tuple[str, ...] = ()
     fused: bool = False  # attn_qkv and a gate+up ffn_up, as HF's qkv_proj and gate_up_proj
     no_rope_interval: int = 0  # every this-th layer applies no RoPE (llama.cpp fixes SmolLM3's at 4, unwritten)
-    sandwich_norms: bool = False  # post_attention_norm and post_ffw_norm (Gemma 2 / 3)
+    output_norms: bool = False  # post_attention_norm and post_ffw_norm (Gemma 2 / 3)
 
 
 GGUF_ARCHITECTURES: dict[str, GgufArch] = {
@@ -56,11 +59,14 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     "phi3": GgufArch("Phi3ForCausalLM", "phi3", False, FUSED_LAYER_TENSORS, fused=True),
     "smollm3": GgufArch("SmolLM3ForCausalLM", "smollm3", True, no_rope_interval=4),
     "granite": GgufArch("GraniteForCausalLM", "granite", True, optional_layer_tensors=_QKV_BIAS),
+    "olmo2": GgufArch("Olmo2ForCausalLM", "olmo2", False, _OLMO2_LAYER_TENSORS, output_norms=True),
+    # llama.cpp writes OLMo 3 as olmo2 with a sliding window (see resolve_architecture)
+    "olmo3": GgufArch("Olmo3ForCausalLM", "olmo3", False, _OLMO2_LAYER_TENSORS, output_norms=True),
     "gemma": GgufArch("GemmaForCausalLM", "gemma", False),
     "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", False, (*SEPARATE_LAYER_TENSORS, *_SANDWICH_NORMS),
-                       sandwich_norms=True),
+                       output_norms=True),
     "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", False,
-                       (*SEPARATE_LAYER_TENSORS, *_SANDWICH_NORMS, *_QK_NORM), sandwich_norms=True),
+                       (*SEPARATE_LAYER_TENSORS, *_SANDWICH_NORMS, *_QK_NORM), output_norms=True),
 }
 # Layers llama.cpp gives the larger Gemmas (27B), whose attention scale it takes from hidden / heads, not head_dim
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -83,11 +89,13 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
         raise CheckpointError(
             f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
             f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, SmolLM3, TinyLlama, Qwen2/2.5, Qwen3, "
-            "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3 ...). "
+            "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3 ...). "
             "Convert the HF checkpoint instead."
         )
     if arch == "llama" and _is_mistral(meta, arch):
         return arch, GGUF_ARCHITECTURES["mistral"]
+    if arch == "olmo2" and meta.get("olmo2.attention.sliding_window"):
+        return arch, GGUF_ARCHITECTURES["olmo3"]
     return arch, GGUF_ARCHITECTURES[arch]
 
 
@@ -237,6 +245,9 @@ def hf_config(
         cfg["rope_scaling"] = scaling
     if arch.model_type.startswith("gemma"):
         cfg.update(_gemma_config(meta, prefix, cfg))
+    pattern = meta.get(f"{prefix}.attention.sliding_window_pattern")
+    if arch.model_type == "olmo3" and isinstance(pattern, list):
+        cfg["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
     if arch.model_type == "granite":  # llama.cpp's names for Granite's multipliers
         for theirs, ours in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
                              ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):

@@ -84,25 +84,25 @@ _SPLIT_AXIS = {
 }
 
 
-def hf_to_checkpoint_name(hf_name: str, sandwich_norms: bool = False) -> str | None:
+def hf_to_checkpoint_name(hf_name: str, output_norms: bool = False) -> str | None:
     """The checkpoint name of an HF tensor, or None for tensors the engine does not use (e.g. rotary inv_freq);
-    `sandwich_norms`: of a model with Gemma 2 / 3's layer norms."""
+    `output_norms`: of a model with Gemma 2 / 3's layer norms."""
     hf_name = _TEXT_MODEL_HEAD.sub("lm_head.", _TEXT_MODEL_PREFIX.sub("model.", hf_name))
     if hf_name in _GLOBAL_MAP:
         return _GLOBAL_MAP[hf_name]
     m = _HF_LAYER.match(hf_name)
-    layer_map = _SANDWICH_LAYER_MAP if sandwich_norms else _LAYER_MAP
+    layer_map = _SANDWICH_LAYER_MAP if output_norms else _LAYER_MAP
     if m and m.group(2) in layer_map:
         return f"transformer.layers.{m.group(1)}.{layer_map[m.group(2)]}"
     return None
 
 
-def checkpoint_to_hf_name(name: str, sandwich_norms: bool = False) -> str | None:
+def checkpoint_to_hf_name(name: str, output_norms: bool = False) -> str | None:
     """The HF name of a checkpoint tensor (the inverse of `hf_to_checkpoint_name`), None for scale tensors."""
     if name in _CKPT_TO_HF_GLOBAL:
         return _CKPT_TO_HF_GLOBAL[name]
     m = _CKPT_LAYER.match(name)
-    layer_map = _CKPT_TO_HF_SANDWICH_LAYER if sandwich_norms else _CKPT_TO_HF_LAYER
+    layer_map = _CKPT_TO_HF_SANDWICH_LAYER if output_norms else _CKPT_TO_HF_LAYER
     if m and m.group(2) in layer_map:
         return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}"
     return None

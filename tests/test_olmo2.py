@@ -1,0 +1,63 @@
+"""OLMo 2 / 3: norms after the attention and the MLP only, q / k norms over the whole projections, and OLMo 3's
+sliding-window layers (every fourth one full). Read from HF configs as released and from llama.cpp's GGUF files,
+refused where a split cannot compute them, quantized through transformers' model. End-to-end parity with transformers
+is in test_hf_parity.py (olmo2, olmo3), GGUF round trips in test_gguf_convert.py."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from helpers import STORIES260K, make_random_hf_model, require_shared_models
+from quant_helpers import compare_logits
+
+from trtbuild.builder.convert.convert import convert
+from trtbuild.configs.from_hf import model_config_from_hf
+from trtbuild.errors import ConfigError
+
+# allenai/OLMo-2-0425-1B's config.json as released
+OLMO2_1B = {"architectures": ["Olmo2ForCausalLM"], "attention_bias": False, "bos_token_id": None,
+            "eos_token_id": 100257, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 8192,
+            "max_position_embeddings": 4096, "model_type": "olmo2", "num_attention_heads": 16,
+            "num_hidden_layers": 16, "num_key_value_heads": 16, "pad_token_id": 100277, "rms_norm_eps": 1e-06,
+            "rope_scaling": None, "rope_theta": 500000, "tie_word_embeddings": False, "torch_dtype": "float32",
+            "vocab_size": 100352}
+
+
+def test_released_config_reads_as_post_norms_and_whole_projection_qk_norms():
+    c = model_config_from_hf(OLMO2_1B)
+    assert (c.family, c.input_norms, c.output_norms, c.qk_norm, c.qk_norm_full) == ("olmo2", False, True, True, True)
+    assert c.sliding_window is None and set(c.layer_types) == {"full_attention"}
+
+
+def test_olmo3_slides_but_every_fourth_layer():
+    c = model_config_from_hf({**OLMO2_1B, "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
+                              "sliding_window": 4096})
+    assert [i for i in range(16) if not c.is_sliding(i)] == [3, 7, 11, 15] and c.local_rotary_base is None
+
+
+def test_tensor_parallel_split_is_refused_with_the_reason(tmp_path):
+    hf = make_random_hf_model("olmo2", tmp_path / "hf")
+    with pytest.raises(ConfigError, match="normalizes q and k over all heads.*--tp-size 1"):
+        convert(hf, tmp_path / "ckpt", tp_size=2)
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+@pytest.mark.parametrize("family", ["olmo2", "olmo3"])
+def test_quantized_olmo_computes_modelopts_simulation(family, tmp_path):
+    from trtbuild.quantize.options import QuantizeOptions
+    from trtbuild.quantize.quantize import quantize
+
+    require_shared_models()
+    hf = make_random_hf_model(family, tmp_path / "hf", overrides={"vocab_size": 512})
+    shutil.copy(STORIES260K / "tokenizer.json", hf / "tokenizer.json")
+    result = quantize(QuantizeOptions(hf, tmp_path / "ckpt", "fp8", kv_cache_qformat="fp8", calib_size=8,
+                                      calib_max_seq_len=64))
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(2))
+    weights, full_max, full_mean = compare_logits(result, tmp_path / "ckpt", hf, ids)
+    assert weights <= 1e-4 and full_max <= 0.3 and full_mean <= 0.15, (weights, full_max, full_mean)
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
