@@ -15,6 +15,7 @@ tokens and chat template.
     python benchmarks/make_real_size_model.py --out /work/models/gemma3 --shape gemma3-1b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/gemma3-4b --shape gemma3-4b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/granite --shape granite-2b --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/olmo2 --shape olmo2-1b --no-hf --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
 would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
@@ -45,8 +46,10 @@ from real_shapes import (  # noqa: E402
     GEMMAS,
     GRANITE,
     LLAMA3,
+    OLMO2,
     PERMUTED,
     PHI3,
+    POST_NORMED,
     QWEN2,
     SHAPES,
     SMOLLM3,
@@ -99,7 +102,8 @@ def make_hf(out: Path, shape: Shape, tok, seed: int, dtype: str) -> None:
         kwargs["sliding_window"] = shape.sliding_window
     config_cls = {QWEN2: transformers.Qwen2Config, PHI3: transformers.Phi3Config, SMOLLM3: transformers.SmolLM3Config,
                   GEMMA2: transformers.Gemma2Config, GEMMA3: transformers.Gemma3TextConfig,
-                  GRANITE: transformers.GraniteConfig}.get(shape.family, transformers.LlamaConfig)
+                  GRANITE: transformers.GraniteConfig, OLMO2: transformers.Olmo2Config,
+                  }.get(shape.family, transformers.LlamaConfig)
     kwargs.update(shape.multipliers or {})
     if shape.family in GEMMAS:  # query_pre_attn_scalar: the head size, as in the released ones
         kwargs.update(head_dim=shape.head_dim, query_pre_attn_scalar=shape.head_dim)
@@ -128,16 +132,17 @@ def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "model.embed_tokens.weight", (shape.vocab_size, h)
     for i in range(shape.num_hidden_layers):
         p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", (h,)
+        if shape.family is not OLMO2:  # OLMo 2 normalizes the attention's and the MLP's outputs, not their inputs
+            yield p + "input_layernorm.weight", (h,)
         if shape.family is PHI3:  # fused, as Phi-3 holds them
             yield p + "self_attn.qkv_proj.weight", (q + 2 * kv, h)
         for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)) if shape.family is not PHI3 else ():
             yield p + f"self_attn.{proj}.weight", (rows, h)
             if shape.family is QWEN2:
                 yield p + f"self_attn.{proj}.bias", (rows,)
-        if shape.family is GEMMA3:
-            yield p + "self_attn.q_norm.weight", (shape.head_dim,)
-            yield p + "self_attn.k_norm.weight", (shape.head_dim,)
+        if shape.family in (GEMMA3, OLMO2):  # per head, or (OLMo 2) over the whole projection
+            yield p + "self_attn.q_norm.weight", (q if shape.family is OLMO2 else shape.head_dim,)
+            yield p + "self_attn.k_norm.weight", (kv if shape.family is OLMO2 else shape.head_dim,)
         yield p + "self_attn.o_proj.weight", (h, q)
         yield p + "post_attention_layernorm.weight", (h,)
         if shape.family in GEMMAS:
@@ -148,7 +153,7 @@ def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield p + "mlp.gate_proj.weight", (shape.intermediate_size, h)
             yield p + "mlp.up_proj.weight", (shape.intermediate_size, h)
         yield p + "mlp.down_proj.weight", (h, shape.intermediate_size)
-        if shape.family in GEMMAS:
+        if shape.family in POST_NORMED:
             yield p + "post_feedforward_layernorm.weight", (h,)
     yield "model.norm.weight", (h,)
     if not shape.tie_word_embeddings:
@@ -162,7 +167,7 @@ def gguf_name(hf_name: str, family: Family) -> str:
         return top[hf_name]
     _, _, i, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{i}.{(GEMMA_TO_GGUF if family in GEMMAS else HF_TO_GGUF)[module]}.{kind}"
+    return f"blk.{i}.{(GEMMA_TO_GGUF if family in POST_NORMED else HF_TO_GGUF)[module]}.{kind}"
 
 
 def random_rows(name: str, shape: tuple[int, ...], seed: int) -> Callable[[int, int], np.ndarray]:

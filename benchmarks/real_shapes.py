@@ -57,6 +57,10 @@ GRANITE = Family("granite", LLAMA3.pre, LLAMA3.digits, ("<|end_of_text|>", "<|st
                  "{% for m in messages %}<|start_of_role|>{{ m['role'] }}<|end_of_role|>{{ m['content'] }}"
                  "<|end_of_text|>\n{% endfor %}{% if add_generation_prompt %}<|start_of_role|>assistant"
                  "<|end_of_role|>{% endif %}")
+# OLMo 2: norms after the attention and the MLP only, q / k norms over the whole projections
+OLMO2 = Family("olmo2", LLAMA3.pre, LLAMA3.digits, ("<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"), None,
+               "<|endoftext|>", "<|pad|>", QWEN2.chat_template)
+POST_NORMED = (GEMMA2, GEMMA3, OLMO2)  # the families whose GGUF names the norms after attention / MLP as Gemma's
 PERMUTED = (LLAMA3, SMOLLM3, GRANITE)  # the families llama.cpp's LlamaModel converts: q / k rows permuted
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
@@ -109,6 +113,7 @@ SHAPES = {  # the released models' configs
     "gemma3-4b": Shape(GEMMA3, 2560, 34, 8, 4, 10240, 262144, True, 1e6, dict(rope_type="linear", factor=8.0), 131072,
                        1e-6, 1024, head_size=256),
     "gemma2-2b": Shape(GEMMA2, 2304, 26, 8, 4, 9216, 256000, True, 1e4, None, 8192, 1e-6, 4096, head_size=256),
+    "olmo2-1b": Shape(OLMO2, 2048, 16, 16, 16, 8192, 100352, False, 5e5, None, 4096),
     "granite-2b": Shape(GRANITE, 2048, 40, 32, 8, 8192, 49159, True, 1e7, None, 131072, 1e-5, multipliers=dict(
         embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)),
 }

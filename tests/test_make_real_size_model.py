@@ -39,7 +39,7 @@ def _tiny(script, name: str):
 
 
 @pytest.mark.parametrize("name", ["llama-8b", "1.5b", "phi3-mini", "phi4-mini", "smollm3-3b", "gemma3-1b", "gemma3-4b",
-                                  "gemma2-2b", "granite-2b"])
+                                  "gemma2-2b", "granite-2b", "olmo2-1b"])
 def test_f32_gguf_converts_to_the_hf_model(script, tmp_path: Path, name: str):
     shape = _tiny(script, name)
     hf = tmp_path / "hf"
