@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -145,7 +144,7 @@ IDS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(2))
 
 @pytest.mark.parametrize(("family", "qformat", "kv"), [("gemma3", "int4_awq", "int8"), ("gemma2", "fp8", None),
                                                        ("gemma", "int8_sq", "fp8")])
-def test_quantized_gemma_checkpoint_computes_modelopts_simulation(quantized_gemma, family, qformat, kv):
+def test_quantized_gemma_checkpoint_computes_modelopts_simulation(quantized_gemma, family, qformat, kv, tmp_path):
     """Calibrated on transformers' Gemma (its 1 + w norms, GeGLU, sandwich norms, windows, soft-caps); the checkpoint
     holds the norm multipliers and, rebuilt from it alone, computes modelopt's simulated model. (Gemma 2's KV cache
     is not quantized here: the reference's KV attention is sdpa, which does not soft-cap.)"""
@@ -154,20 +153,13 @@ def test_quantized_gemma_checkpoint_computes_modelopts_simulation(quantized_gemm
     result, ckpt, hf = quantized_gemma(family, qformat, kv)
     config = ModelConfig.load(ckpt / "config.json")
     assert config.family == family and config.quantization.quant_algo == qformat
-    plain = tmp_convert(hf)
+    convert(hf, tmp_path / "plain")
+    plain = SafetensorsFile(tmp_path / "plain" / "rank0.safetensors")
     got = SafetensorsFile(ckpt / "rank0.safetensors")
     for name in ("transformer.ln_f.weight", "transformer.layers.1.post_layernorm.weight"):
         assert torch.equal(got[name], plain[name]) and got[name].dtype == torch.float32, name
     weights, full_max, full_mean = compare_logits(result, ckpt, hf, IDS)
     assert weights <= 1e-4 and full_max <= 0.3 and full_mean <= 0.15, (weights, full_max, full_mean)
-
-
-def tmp_convert(hf):
-    import tempfile
-
-    out = Path(tempfile.mkdtemp()) / "ckpt"
-    convert(hf, out)
-    return SafetensorsFile(out / "rank0.safetensors")
 
 
 def test_gemma_quantized_from_its_checkpoint_equals_from_its_hf_folder(quantized_gemma):
