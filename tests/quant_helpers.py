@@ -230,3 +230,32 @@ def compare_logits(result, ckpt: Path, source: Path, ids: torch.Tensor) -> tuple
     weights = ((sim_w - ref_w).abs().max() / sim_w.abs().max()).item()
     d, qerr = (sim_full - ref_full).abs(), (sim_full - fp32).abs()
     return weights, (d.max() / qerr.max()).item(), (d.mean() / qerr.mean()).item()
+
+
+def quantize_random(family: str, work: Path, qformat: str, kv: str | None = None, from_checkpoint: bool = False,
+                    **options) -> tuple:
+    """A tiny random `family` model (tests/helpers.py, vocab 512, stories260K's tokenizer) quantized by `trtbuild
+    quantize` from its HF folder, or from its `trtbuild convert` checkpoint: (QuantizeResult, checkpoint, HF folder)."""
+    import shutil
+
+    from helpers import STORIES260K, make_random_hf_model, require_shared_models
+
+    from trtbuild.builder.convert.convert import convert
+    from trtbuild.quantize.options import QuantizeOptions
+    from trtbuild.quantize.quantize import quantize
+
+    require_shared_models()
+    hf = make_random_hf_model(family, work / "hf", overrides={"vocab_size": 512})
+    shutil.copy(STORIES260K / "tokenizer.json", hf / "tokenizer.json")
+    if from_checkpoint:
+        convert(hf, work / "plain")
+    result = quantize(QuantizeOptions(work / "plain" if from_checkpoint else hf, work / "ckpt", qformat,
+                                      kv_cache_qformat=kv, calib_size=8, calib_max_seq_len=64, **options))
+    return result, work / "ckpt", hf
+
+
+def assert_computes_simulation(result, ckpt: Path, hf: Path) -> None:
+    """The checkpoint, rebuilt from itself alone, computes modelopt's simulated model (test_quantize's bounds)."""
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(2))
+    weights, full_max, full_mean = compare_logits(result, ckpt, hf, ids)
+    assert weights <= 1e-4 and full_max <= 0.3 and full_mean <= 0.15, (weights, full_max, full_mean)

@@ -4,12 +4,8 @@ and quantized through transformers' Granite model. End-to-end parity with transf
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-import torch
-from helpers import STORIES260K, make_random_hf_model, require_shared_models
-from quant_helpers import compare_logits
+from quant_helpers import assert_computes_simulation, quantize_random
 
 from trtbuild.builder.convert.gguf_config import GGUF_ARCHITECTURES, hf_config
 from trtbuild.configs.from_hf import model_config_from_hf
@@ -44,17 +40,7 @@ def test_gguf_keys_are_llama_cpps_names_for_them():
 
 
 def test_quantized_granite_computes_modelopts_simulation(tmp_path):
-    from trtbuild.quantize.options import QuantizeOptions
-    from trtbuild.quantize.quantize import quantize
-
-    require_shared_models()
-    hf = make_random_hf_model("granite", tmp_path / "hf", overrides={"vocab_size": 512})
-    shutil.copy(STORIES260K / "tokenizer.json", hf / "tokenizer.json")
-    result = quantize(QuantizeOptions(hf, tmp_path / "ckpt", "int8_sq", kv_cache_qformat="int8", calib_size=8,
-                                      calib_max_seq_len=64))
-    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(2))
-    weights, full_max, full_mean = compare_logits(result, tmp_path / "ckpt", hf, ids)
-    assert weights <= 1e-4 and full_max <= 0.3 and full_mean <= 0.15, (weights, full_max, full_mean)
+    assert_computes_simulation(*quantize_random("granite", tmp_path, "int8_sq", "int8"))
 
 
 if __name__ == "__main__":
