@@ -194,6 +194,29 @@ def test_weight_only_gemma_engine_matches_the_checkpoints_reference(quantized_ge
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
+def test_gemma2_engine_verifying_drafts_gives_plain_greedy_tokens(random_hf_model, engine_from_hf):
+    """Draft-tokens mode: the engine's SpeculativeAccept verifies drafts on the soft-capped logits (the cap comes
+    before it), and greedy decoding gives plain decoding's tokens."""
+    from conftest import RUNTIME_ENGINE_OPTIONS
+    from helpers import drive
+
+    from trtbuild.runtime.config import RuntimeConfig
+    from trtbuild.runtime.engine_core import EngineCore
+    from trtbuild.runtime.sampling import SamplingParams
+    from trtbuild.runtime.speculative import SpeculativeConfig
+
+    hf = random_hf_model("gemma2")
+    plain = engine_from_hf(hf, **RUNTIME_ENGINE_OPTIONS)
+    accept = engine_from_hf(hf, **RUNTIME_ENGINE_OPTIONS, speculative_decoding_mode="draft-tokens", max_draft_len=4)
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11, 12, 9, 10, 11], [40, 41]]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    want = drive(EngineCore(plain, RuntimeConfig(num_threads=1)), prompts, params)[0]
+    got, finals, _ = drive(EngineCore(accept, RuntimeConfig(num_threads=1, speculative=SpeculativeConfig(4))),
+                           prompts, params)
+    assert got == want
+    assert sum(f.metrics.num_accepted_draft_tokens for f in finals) > 0
+
+
 def test_gemma3_vision_language_folder_converts_its_text_decoder(tmp_path):
     """Gemma 3 4B+ ship as Gemma3ForConditionalGeneration: its text decoder (`language_model.model.*`, a sparse
     text_config completed with transformers' defaults) builds; the engine's logits are the HF model's on text."""
