@@ -16,7 +16,7 @@ from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.detokenizer import IncrementalDetokenizer
 from trtbuild.runtime.engine import CpuEngine, DraftAccept, SequenceChunk, StepOutput
 from trtbuild.runtime.engine_accept import advance, draft_accept, engine_can_verify
-from trtbuild.runtime.kv_cache_manager import KVCacheManager
+from trtbuild.runtime.kv_cache_manager import KVCacheManager, releasable_window
 from trtbuild.runtime.memory import gpu_memory_for_kv, kv_cache_blocks
 from trtbuild.runtime.request import FinishReason, Request, RequestMetrics
 from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
@@ -87,7 +87,8 @@ class EngineCore:
             self.engine = CpuEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
         # seconds spent starting: the ONNX Runtime session, then the KV pool faulted in + the warm-up step
         self.start_seconds = {"session": time.perf_counter() - start, "warm_up": 0.0}
-        self.kv = KVCacheManager(num_blocks, build.tokens_per_block, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, build.tokens_per_block, config.enable_prefix_caching,
+                                 window=releasable_window(model, build))
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_tokens=config.max_num_tokens, max_batch_size=config.max_batch_size,
                             max_seq_len=build.max_seq_len, policy=config.policy,

@@ -1,18 +1,27 @@
-"""Per-request block tables over a BlockPool, with prefix reuse of full blocks identified by chained hashes."""
+"""Per-request block tables over a BlockPool, with prefix reuse of full blocks identified by chained hashes, and the
+release of blocks no query can see again when every layer attends within a sliding window."""
 
 from __future__ import annotations
 
+from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.runtime.block_pool import BlockPool, hash_block
 from trtbuild.runtime.request import Request
 
+RELEASED = -1  # a table entry whose block went back to the pool (every later query is past it: `window`)
+
 
 class KVCacheManager:
-    """Owns which blocks each request holds. A request holding n computed tokens owns >= ceil(n / block_size)
-    blocks; its first `num_cached[request]` full blocks are registered in the pool's content index."""
+    """Owns which blocks each request holds. A request holding n computed tokens has a table of >= ceil(n /
+    block_size) entries, one per block of its positions; its first `num_cached[request]` full blocks are registered
+    in the pool's content index. With `window` (every layer attends to its last `window` tokens only), the entries of
+    blocks that no later query sees are RELEASED and their blocks back in the pool; the engine is given block 0 in
+    their place, which its windowed attention never reads (or masks out)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None) -> None:
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.block_size = block_size
+        self.window = window
         self.blocks: dict[str, list[int]] = {}
         self.num_cached: dict[str, int] = {}
 
@@ -66,11 +75,35 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i])
         self.num_cached[request.request_id] = len(hashes)
 
+    def release_outside_window(self, request: Request) -> None:
+        """Give back the blocks wholly before the window of the request's next query (position n =
+        num_computed_tokens sees keys n - window + 1 .. n): no later query of it reads them. They stay cached
+        (a later request with the same prefix can revive them)."""
+        table = self.blocks.get(request.request_id)
+        if not self.window or not table:
+            return
+        dead = min(max(request.num_computed_tokens - self.window + 1, 0) // self.block_size, len(table))
+        old = [b for b in table[:dead] if b != RELEASED]
+        if old:
+            self.pool.free(old)
+            table[:dead] = [RELEASED] * dead
+
     def free(self, request: Request) -> None:
         """Return the request's blocks; tail blocks go first in the free queue so shared prefixes live longest."""
         table = self.blocks.pop(request.request_id, [])
         self.num_cached.pop(request.request_id, None)
-        self.pool.free(list(reversed(table)))
+        self.pool.free([b for b in reversed(table) if b != RELEASED])
 
     def block_table(self, request: Request) -> list[int]:
-        return self.blocks.get(request.request_id, [])
+        """The request's block ids by position, for the engine (block 0 where one was released)."""
+        return [0 if b == RELEASED else b for b in self.blocks.get(request.request_id, [])]
+
+
+def releasable_window(model: ModelConfig, build: BuildConfig) -> int | None:
+    """The window past which an engine's blocks can go back to the pool: when its attention applies the model's
+    sliding window in every layer (Mistral, Phi-3). None where some layer reads every block (Gemma 2 / 3 and OLMo 3's
+    full layers) or the engine is no longer than the window."""
+    from trtbuild.builder.network import needs_window
+
+    every_layer = all(model.is_sliding(i) for i in range(model.num_hidden_layers))
+    return model.sliding_window if every_layer and needs_window(model, build) else None

@@ -176,6 +176,7 @@ class Scheduler:
             # NOTE: a stop among the accepted drafts leaves computed K/V past the last kept token; it is dropped.
             request.num_computed_tokens = min(request.num_computed_tokens, len(request.token_ids))
             self.kv.cache_full_blocks(request)
+            self.kv.release_outside_window(request)  # after caching: released blocks stay revivable
             if appended:
                 if request.metrics.first_token_time is None:
                     request.metrics.first_token_time = time.monotonic()

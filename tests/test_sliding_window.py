@@ -60,3 +60,62 @@ def test_the_tensorrt_target_refuses_a_window_and_stays_within_it_by_default(che
     assert default_build_config(config).max_seq_len == 256
     assert default_build_config(config, target="tensorrt").max_seq_len == 6
     assert default_build_config(config, target="tensorrt", max_seq_len=32).max_seq_len == 32  # asked for: kept
+
+
+# ---- blocks outside the window go back to the pool (every layer windowed) ----------------------------------------
+def test_blocks_before_the_next_querys_window_are_released_and_stay_revivable():
+    """Window 6, blocks of 4: with 13 tokens computed, the next query (position 13) sees keys 8..13, so blocks 0 and
+    1 (positions 0..7) go back to the pool, still cached; the engine is given block 0 in their places."""
+    from trtbuild.runtime.kv_cache_manager import RELEASED, KVCacheManager
+    from trtbuild.runtime.request import Request
+    from trtbuild.runtime.sampling import SamplingParams
+
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, window=6)
+    r = Request("a", list(range(100, 113)), SamplingParams())
+    assert kv.allocate(r, 16)
+    r.num_computed_tokens = 13
+    kv.cache_full_blocks(r)
+    kv.release_outside_window(r)
+    assert kv.blocks["a"] == [RELEASED, RELEASED, 2, 3] and kv.block_table(r) == [0, 0, 2, 3]
+    assert kv.pool.num_free == 6 and kv.pool.lookup(r.block_hashes[0]) == 0  # back in the pool, still cached
+    kv.release_outside_window(r)  # idempotent
+    assert kv.pool.num_free == 6
+    twin = Request("b", list(range(100, 113)), SamplingParams())
+    assert kv.computed_prefix(twin) == [0, 1, 2]  # a later request with the same prefix revives them
+    kv.free(r)
+    assert kv.pool.num_free == 8 and not kv.blocks
+
+
+def test_an_engine_windowed_in_every_layer_holds_about_a_window_of_blocks(random_hf_model, engine_from_hf):
+    """Mistral (window 6, every layer): a 100-token sequence keeps at most ceil(6 / 8) + 1 blocks besides released
+    ones, and decodes what an engine that keeps every block decodes. Gemma 3 (a full layer) releases nothing."""
+    from conftest import RUNTIME_ENGINE_OPTIONS
+    from helpers import assert_pool_full, drive
+
+    from trtbuild.runtime.config import RuntimeConfig
+    from trtbuild.runtime.engine_core import EngineCore
+    from trtbuild.runtime.kv_cache_manager import RELEASED
+    from trtbuild.runtime.sampling import SamplingParams
+
+    engine = engine_from_hf(random_hf_model("mistral_window"), **RUNTIME_ENGINE_OPTIONS)
+    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=64, ignore_eos=True)
+    core = EngineCore(engine, RuntimeConfig(num_threads=1, max_prefill_chunk=8))
+    assert core.kv.window == 6
+    held = []
+    step = core.scheduler.update
+
+    def recording(output, sampled):
+        out = step(output, sampled)
+        held.extend(sum(b != RELEASED for b in t) for t in core.kv.blocks.values())
+        return out
+
+    core.scheduler.update = recording
+    tokens = drive(core, [prompt], params)[0]
+    assert_pool_full(core)
+    assert max(held) <= 2 and len(held) > 60
+    keep_all = EngineCore(engine, RuntimeConfig(num_threads=1, max_prefill_chunk=8))
+    keep_all.kv.window = None
+    assert drive(keep_all, [prompt], params)[0] == tokens
+    gemma3 = EngineCore(engine_from_hf(random_hf_model("gemma3"), **RUNTIME_ENGINE_OPTIONS),
+                        RuntimeConfig(num_threads=1))
+    assert gemma3.kv.window is None
