@@ -221,7 +221,7 @@ class _NetworkWriter:
             if i not in c.no_rope_layers:  # SmolLM3's NoPE layers attend without positions
                 q = self.rope(q, c.num_attention_heads, positions_2d, *rope[sliding])
                 k = self.rope(k, c.num_key_value_heads, positions_2d, *rope[sliding])
-            window = {"window": c.sliding_window} if sliding and needs_window(c, self.build) else {}
+            window = {"window": c.sliding_window} if sliding and c.window_applies(self.build.max_seq_len) else {}
             kv_quant = {} if self.kv_scales is None else dict(kv_cache_quant_algo=c.quantization.kv_cache_quant_algo,
                                                               kv_cache_scale=[float(s) for s in self.kv_scales[i]])
             attn, k_new, v_new = g.op(
@@ -265,12 +265,6 @@ class _NetworkWriter:
             entry = model.metadata_props.add()
             entry.key, entry.value = KV_SCALES_METADATA, json.dumps(self.kv_scales.tolist())
         return model
-
-
-def needs_window(config: ModelConfig, build: BuildConfig) -> bool:
-    """Whether the engine's attention must apply the model's sliding window: only where a sequence can outgrow it
-    (within it, full attention is the same thing)."""
-    return bool(config.sliding_window) and build.max_seq_len > config.sliding_window
 
 
 def build_network(config: ModelConfig, tensors: Mapping[str, torch.Tensor], build: BuildConfig,

@@ -302,6 +302,11 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_size
 
+    def window_applies(self, max_seq_len: int) -> bool:
+        """Whether an engine of `max_seq_len` positions must apply the sliding window: only where a sequence can
+        outgrow it (within it, full attention is the same thing)."""
+        return bool(self.sliding_window) and max_seq_len > self.sliding_window
+
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends within the sliding window (when the model has one)."""
         return bool(self.sliding_window) and self.layer_types[layer] == "sliding_attention"

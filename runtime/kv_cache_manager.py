@@ -102,8 +102,7 @@ class KVCacheManager:
 def releasable_window(model: ModelConfig, build: BuildConfig) -> int | None:
     """The window past which an engine's blocks can go back to the pool: when its attention applies the model's
     sliding window in every layer (Mistral, Phi-3). None where some layer reads every block (Gemma 2 / 3 and OLMo 3's
-    full layers) or the engine is no longer than the window."""
-    from trtbuild.builder.network import needs_window
-
+    full layers) or the engine is no longer than the window. NOTE: no builder import here: the Triton backend's
+    Python stub runs the runtime without onnx."""
     every_layer = all(model.is_sliding(i) for i in range(model.num_hidden_layers))
-    return model.sliding_window if every_layer and needs_window(model, build) else None
+    return model.sliding_window if every_layer and model.window_applies(build.max_seq_len) else None

@@ -20,7 +20,6 @@ import onnx
 from onnx import helper, numpy_helper
 
 from trtbuild.builder.graph import node_attrs, use_opset
-from trtbuild.builder.network import needs_window
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.errors import ConfigError
 from trtbuild.plugins import paged_attention as pa
@@ -74,7 +73,7 @@ def check_tensorrt_buildable(config: ModelConfig, build: BuildConfig) -> None:
     if build.kv_pool_dtype != "float32":
         raise ConfigError("kv_pool_dtype", "the tensorrt target's KV pool is float32; leave --kv-pool-dtype at "
                                            "float32.")
-    if needs_window(config, build):
+    if config.window_applies(build.max_seq_len):
         raise ConfigError("max_seq_len", f"{build.max_seq_len} exceeds the model's sliding window "
                                          f"({config.sliding_window}), which the tensorrt plugins do not apply yet; "
                                          f"pass {config.sliding_window} or less, or build for cpu or cuda.")
