@@ -23,6 +23,7 @@ from trtbuild.configs import Mapping, ModelConfig, QuantConfig
 from trtbuild.quantize.formats import activation_kind, dequantize_weight, fake_quant, per_token_scale
 
 _ATTENTION = "trtbuild_kv_fake_quant"
+_SOFTCAP_ATTENTION = "trtbuild_kv_fake_quant_softcap"
 
 
 def simulated_model(model: Path, qformat: str, **options: Any) -> torch.nn.Module:
@@ -110,15 +111,13 @@ def reference_model(ckpt_dir: Path, activations: bool = True, kv_cache: bool = T
         if pre is not None or act is not None or dynamic:
             model.get_submodule(name).register_forward_pre_hook(_input_hook(pre, act, kind, dynamic))
     kv = config.quantization.kv_cache_quant_algo
-    if kv is not None and kv_cache and config.attn_logit_softcapping:
-        raise NotImplementedError("the KV-cache reference attention (sdpa) does not soft-cap scores (Gemma 2)")
     if kv is not None and kv_cache:
         scales = [tensors[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"]
                   for i in range(config.num_hidden_layers)]
         _register_kv_attention()
         for i, block in enumerate(model.get_submodule("model.layers")):
             block.self_attn.trtbuild_kv = (kv, scales[i])
-        model.set_attn_implementation(_ATTENTION)
+        model.set_attn_implementation(_SOFTCAP_ATTENTION if config.attn_logit_softcapping else _ATTENTION)
     return model.eval()
 
 
@@ -152,18 +151,25 @@ def _input_hook(pre: torch.Tensor | None, act: torch.Tensor | None, kind: str | 
 
 
 def _register_kv_attention() -> None:
-    """An sdpa attention that stores K (after RoPE) and V through the KV cache's quantization first, with sdpa's
-    masks (NOTE: an attention without a registered mask gets none: causal, past any sliding window)."""
+    """Attentions that store K (after RoPE) and V through the KV cache's quantization first: sdpa's, and (for
+    soft-capped scores, which sdpa does not compute: Gemma 2) Gemma 2's eager one, each with its masks (NOTE: an
+    attention without a registered mask gets none: causal, past any sliding window)."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
 
-    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  *args: Any, **kwargs: Any) -> Any:
-        kind, scales = module.trtbuild_kv
-        key = fake_quant(key, scales[0], kind, narrow=True)
-        value = fake_quant(value, scales[1], kind, narrow=True)
-        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+    def kv_fake_quant(forward: Any) -> Any:
+        def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      *args: Any, **kwargs: Any) -> Any:
+            kind, scales = module.trtbuild_kv
+            key = fake_quant(key, scales[0], kind, narrow=True)
+            value = fake_quant(value, scales[1], kind, narrow=True)
+            return forward(module, query, key, value, *args, **kwargs)
 
-    AttentionInterface.register(_ATTENTION, attention)
+        return attention
+
+    AttentionInterface.register(_ATTENTION, kv_fake_quant(sdpa_attention_forward))
     AttentionMaskInterface.register(_ATTENTION, sdpa_mask)
+    AttentionInterface.register(_SOFTCAP_ATTENTION, kv_fake_quant(eager_attention_forward))
+    AttentionMaskInterface.register(_SOFTCAP_ATTENTION, eager_mask)

@@ -130,11 +130,11 @@ IDS = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(2))
 
 
 @pytest.mark.parametrize(("family", "qformat", "kv"), [("gemma3", "int4_awq", "int8"), ("gemma2", "fp8", None),
-                                                       ("gemma", "int8_sq", "fp8")])
+                                                       ("gemma2", "int4_awq", "int8"), ("gemma", "int8_sq", "fp8")])
 def test_quantized_gemma_checkpoint_computes_modelopts_simulation(quantized_gemma, family, qformat, kv, tmp_path):
     """Calibrated on transformers' Gemma (its 1 + w norms, GeGLU, sandwich norms, windows, soft-caps); the checkpoint
-    holds the norm multipliers and, rebuilt from it alone, computes modelopt's simulated model. (Gemma 2's KV cache
-    is not quantized here: the reference's KV attention is sdpa, which does not soft-cap.)"""
+    holds the norm multipliers and, rebuilt from it alone, computes modelopt's simulated model (Gemma 2's quantized
+    KV cache through the reference's eager, soft-capping attention)."""
     from quant_helpers import assert_computes_simulation
 
     result, ckpt, hf = quantized_gemma(family, qformat, kv)
