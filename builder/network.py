@@ -120,7 +120,7 @@ class _NetworkWriter:
 
     def branch_output(self, y: str, prefix: str) -> str:
         """What an attention or MLP block adds to the residual stream: its output, RMS-normalized (Gemma 2 / 3's
-        sandwich norms) or multiplied (Granite's residual multiplier)."""
+        sandwich norms, OLMo 2 / 3's only norms) or multiplied (Granite's residual multiplier)."""
         if self.c.output_norms:
             y = self.rms_norm(y, prefix + "output_norm.weight")
         if self.c.residual_multiplier != 1.0:
