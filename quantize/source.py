@@ -46,8 +46,10 @@ def read_source(model: Path) -> Source:
         from trtbuild.builder.convert.gguf_reader import read_gguf
 
         cfg, arrays = read_gguf(model)
+        from trtbuild.configs.from_hf import model_config_from_hf
+
         tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
-        return Source("gguf", model, cfg, hf_norm_weights(tensors, cfg))
+        return Source("gguf", model, cfg, hf_norm_weights(tensors, model_config_from_hf(cfg).family))
     if _is_trtbuild_checkpoint(model):
         return _read_checkpoint(model)
     from trtbuild.builder.convert.hf_reader import read_hf
@@ -82,15 +84,13 @@ def hf_tensors_of_checkpoint(tensors: dict[str, torch.Tensor], config: Any) -> d
     from trtbuild.builder.convert.names import checkpoint_to_hf_name
 
     hf = {h: t for name, t in tensors.items() if (h := checkpoint_to_hf_name(name, config.output_norms)) is not None}
-    return hf_norm_weights(hf, hf_config_from_model_config(config))
+    return hf_norm_weights(hf, config.family)
 
 
-def hf_norm_weights(tensors: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> dict[str, torch.Tensor]:
+def hf_norm_weights(tensors: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
     """HF-named tensors holding RMSNorm multipliers (a GGUF's, a checkpoint's) with Gemma's norms as transformers
     holds them: w where its RMSNorm multiplies by 1 + w (the inverse of convert.py's norm_multipliers)."""
-    from trtbuild.configs.from_hf import model_config_from_hf
-
-    if model_config_from_hf(hf_config).family not in GEMMA_FAMILIES:
+    if family not in GEMMA_FAMILIES:
         return tensors
     return {n: t.float() - 1.0 if n.endswith("norm.weight") else t for n, t in tensors.items()}
 

@@ -27,9 +27,10 @@ FUSED_LAYER_TENSORS = (*_BASE_LAYER_TENSORS, "attn_qkv.weight", "ffn_up.weight")
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _QKV_BIAS = tuple(f"attn_{p}.bias" for p in "qkv")
 _QK_NORM = ("attn_q_norm.weight", "attn_k_norm.weight")
-_SANDWICH_NORMS = ("post_attention_norm.weight", "post_ffw_norm.weight")  # Gemma 2 / 3 (ffn_norm: the pre-MLP one)
+# the norms after attention and MLP (Gemma 2 / 3, OLMo 2; Gemma's ffn_norm is the pre-MLP one)
+_OUTPUT_NORMS = ("post_attention_norm.weight", "post_ffw_norm.weight")
 # OLMo 2: no norms before the attention and the MLP, one after each; q / k norms
-_OLMO2_LAYER_TENSORS = (*(f"attn_{p}.weight" for p in "qkv"), "attn_output.weight", *_QK_NORM, *_SANDWICH_NORMS,
+_OLMO2_LAYER_TENSORS = (*(f"attn_{p}.weight" for p in "qkv"), "attn_output.weight", *_QK_NORM, *_OUTPUT_NORMS,
                         *(f"ffn_{p}.weight" for p in ("gate", "up", "down")))
 
 
@@ -63,10 +64,10 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     # llama.cpp writes OLMo 3 as olmo2 with a sliding window (see resolve_architecture)
     "olmo3": GgufArch("Olmo3ForCausalLM", "olmo3", False, _OLMO2_LAYER_TENSORS, output_norms=True),
     "gemma": GgufArch("GemmaForCausalLM", "gemma", False),
-    "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", False, (*SEPARATE_LAYER_TENSORS, *_SANDWICH_NORMS),
+    "gemma2": GgufArch("Gemma2ForCausalLM", "gemma2", False, (*SEPARATE_LAYER_TENSORS, *_OUTPUT_NORMS),
                        output_norms=True),
     "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", False,
-                       (*SEPARATE_LAYER_TENSORS, *_SANDWICH_NORMS, *_QK_NORM), output_norms=True),
+                       (*SEPARATE_LAYER_TENSORS, *_OUTPUT_NORMS, *_QK_NORM), output_norms=True),
 }
 # Layers llama.cpp gives the larger Gemmas (27B), whose attention scale it takes from hidden / heads, not head_dim
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}

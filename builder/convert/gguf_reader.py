@@ -33,9 +33,10 @@ _LAYER_NAMES = {
     **{f"attn_{p}.{w}": f"self_attn.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")},
     **{f"attn_{p}_norm.weight": f"self_attn.{p}_norm.weight" for p in "qk"},
 }
-_SANDWICH_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm.weight": "post_attention_layernorm.weight",
-                         "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-                         "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}  # Gemma 2 / 3's four norms
+# Gemma 2 / 3's four norms (OLMo 2 has the two after attention and MLP)
+_OUTPUT_NORM_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm.weight": "post_attention_layernorm.weight",
+                            "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                            "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 _FUSED_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv.weight": "self_attn.qkv_proj.weight",
                       "ffn_up.weight": "mlp.gate_up_proj.weight"}  # Phi-3 (builder/convert/fused.py splits them)
 _GLOBAL_NAMES = {
@@ -175,7 +176,7 @@ def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any
     cfg["torch_dtype"] = _storage_dtype(path, reader)
     n_layers = cfg["num_hidden_layers"]
     required = arch.layer_tensors
-    layer_names = _FUSED_LAYER_NAMES if arch.fused else _SANDWICH_LAYER_NAMES if arch.output_norms else _LAYER_NAMES
+    layer_names = _FUSED_LAYER_NAMES if arch.fused else _OUTPUT_NORM_LAYER_NAMES if arch.output_norms else _LAYER_NAMES
     allowed = {*required, *arch.optional_layer_tensors}
     permuted = ("attn_q.", "attn_k.") if arch.permute_qk else ()
     missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in shapes]

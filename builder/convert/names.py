@@ -39,9 +39,9 @@ _LAYER_MAP = {
     "mlp.up_proj.weight": "mlp.fc.weight",
     "mlp.down_proj.weight": "mlp.proj.weight",
 }
-# Gemma 2 / 3's sandwich norms: their `post_attention_layernorm` normalizes the attention's output (Llama's is the
-# norm before the MLP, which they call `pre_feedforward_layernorm`).
-_SANDWICH_LAYER_MAP = {
+# Gemma 2 / 3's and OLMo 2 / 3's output norms: their `post_attention_layernorm` normalizes the attention's output
+# (Llama's is the norm before the MLP, which Gemma calls `pre_feedforward_layernorm`).
+_OUTPUT_NORM_LAYER_MAP = {
     **_LAYER_MAP,
     "post_attention_layernorm.weight": "attention.output_norm.weight",
     "pre_feedforward_layernorm.weight": "post_layernorm.weight",
@@ -53,7 +53,7 @@ _GLOBAL_MAP = {
     "lm_head.weight": "lm_head.weight",
 }
 _CKPT_TO_HF_LAYER = {v: k for k, v in _LAYER_MAP.items()}
-_CKPT_TO_HF_SANDWICH_LAYER = {v: k for k, v in _SANDWICH_LAYER_MAP.items()}
+_CKPT_TO_HF_OUTPUT_NORM_LAYER = {v: k for k, v in _OUTPUT_NORM_LAYER_MAP.items()}
 _CKPT_TO_HF_GLOBAL = {v: k for k, v in _GLOBAL_MAP.items()}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # A vision-language model's text decoder (Gemma 3 4B+): its tensors as the text model's
@@ -86,12 +86,12 @@ _SPLIT_AXIS = {
 
 def hf_to_checkpoint_name(hf_name: str, output_norms: bool = False) -> str | None:
     """The checkpoint name of an HF tensor, or None for tensors the engine does not use (e.g. rotary inv_freq);
-    `output_norms`: of a model with Gemma 2 / 3's layer norms."""
+    `output_norms`: of a model with Gemma 2 / 3's or OLMo 2 / 3's layer norms."""
     hf_name = _TEXT_MODEL_HEAD.sub("lm_head.", _TEXT_MODEL_PREFIX.sub("model.", hf_name))
     if hf_name in _GLOBAL_MAP:
         return _GLOBAL_MAP[hf_name]
     m = _HF_LAYER.match(hf_name)
-    layer_map = _SANDWICH_LAYER_MAP if output_norms else _LAYER_MAP
+    layer_map = _OUTPUT_NORM_LAYER_MAP if output_norms else _LAYER_MAP
     if m and m.group(2) in layer_map:
         return f"transformer.layers.{m.group(1)}.{layer_map[m.group(2)]}"
     return None
@@ -102,7 +102,7 @@ def checkpoint_to_hf_name(name: str, output_norms: bool = False) -> str | None:
     if name in _CKPT_TO_HF_GLOBAL:
         return _CKPT_TO_HF_GLOBAL[name]
     m = _CKPT_LAYER.match(name)
-    layer_map = _CKPT_TO_HF_SANDWICH_LAYER if output_norms else _CKPT_TO_HF_LAYER
+    layer_map = _CKPT_TO_HF_OUTPUT_NORM_LAYER if output_norms else _CKPT_TO_HF_LAYER
     if m and m.group(2) in layer_map:
         return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}"
     return None
