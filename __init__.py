@@ -10,5 +10,5 @@ __version__ = "0.1.0"
 # 6-bit codes, two-level scales and minimums (GGUF k-quants as ggml holds them); 10: their 2/3-bit codes, minimums
 # in blocks of 16 and codebooks (GGUF Q2_K, Q3_K, IQ4_NL, IQ4_XS); 11: sub-scales as nibbles (uint8, Q2_K's);
 # 12: codebooks for 2/3-bit codes and scale_exponent (GGUF's IQ1-IQ3 lattice types)
-ENGINE_FORMAT_VERSION = 12
+ENGINE_FORMAT_VERSION = 13
 CHECKPOINT_FORMAT_VERSION = 1

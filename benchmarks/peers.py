@@ -71,21 +71,26 @@ def measure_trtbuild(engine: Path, part: str, args: argparse.Namespace) -> dict[
     llama-batched-bench)."""
     from trtbuild.bench.run import BenchOptions, run_bench
     from trtbuild.builder.engine_dir import read_engine_config
+    from trtbuild.configs import batch_blocks_needed
     from trtbuild.runtime.config import RuntimeConfig
     from trtbuild.runtime.engine_core import EngineCore
     from trtbuild.runtime.sampling import SamplingParams
 
     # NOTE: the KV pools hold what llama.cpp's contexts hold (llama-bench: one prompt + its output; the batched run:
-    # `batched_context`), so that peak RSS compares like with like; the runtime's default pool is twice a full batch
-    per_block = read_engine_config(engine).build.tokens_per_block
-    blocks = lambda tokens: -(-tokens // per_block)  # noqa: E731
+    # `batched_context`), so that peak RSS compares like with like; the runtime's default pool is twice a full batch.
+    # Models mixing sliding and full layers hold, as llama.cpp's, only the window of their sliding layers' K/V.
+    info = read_engine_config(engine)
+    windows, per_block = [g.window for g in info.kv_cache_groups], info.build.tokens_per_block
+    chunk = max(args.prompt, 256)  # the build's max_num_tokens (build_trtbuild)
+    blocks = lambda tokens, seqs: batch_blocks_needed(windows, per_block, seqs, tokens, chunk)  # noqa: E731
     if part == "parallel":
+        slack = -(-(batched_context(args) - args.parallel * (args.prompt + args.gen)) // per_block)
         parallel = run_bench(BenchOptions(engine=engine, num_requests=args.parallel, input_len=args.prompt,
                                           output_len=args.gen, concurrency=args.parallel, threads=args.threads,
-                                          kv_cache_blocks=blocks(batched_context(args))))
+                                          kv_cache_blocks=blocks(args.prompt + args.gen, args.parallel) + slack))
         return {"parallel_output_tok_s": parallel["output_throughput"]}
     core = EngineCore(engine, RuntimeConfig(num_threads=args.threads, max_batch_size=1, enable_prefix_caching=False,
-                                            kv_cache_blocks=blocks(args.prompt + args.gen)))
+                                            kv_cache_blocks=blocks(args.prompt + args.gen, 1)))
     vocab = core.vocab_size
     prompt = [(7 * i + 3) % (vocab - 10) + 5 for i in range(args.prompt)]
     core.add_request(core.make_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True)))

@@ -257,7 +257,7 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         onnx.checker.check_model(str(output / CPU_ENGINE_FILE))  # by path: it reads the graph file, not the weights
         copy_tokenizer_files(checkpoint, output)
         io = io_spec(model)
-        assert [i["name"] for i in io["inputs"]] == list(engine_inputs(build))
+        assert [i["name"] for i in io["inputs"]] == list(engine_inputs(config, build))
         assert [o["name"] for o in io["outputs"]] == list(engine_outputs(build))
         write_engine_config(output, config, build, cpu_fingerprint(), io, applied, {CPU_WEIGHTS_FILE: weight_bytes},
                             tactics)

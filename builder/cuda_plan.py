@@ -46,7 +46,8 @@ from trtbuild.quantization import unpack_int4
 
 PLAN_FORMAT = 1
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# what the engine feeds the plan each step (the CPU engine's inputs, less the pool, plus where new K/V go)
+# what the engine feeds the plan each step (the CPU engine's inputs, less the pool, plus where new K/V go); an engine
+# of several KV cache groups adds each other group's block_tables_<g> and slot_mapping_<g>
 PLAN_INPUTS = ("input_ids", "position_ids", "query_start_loc", "past_lengths", "block_tables", "logits_indices",
                "slot_mapping")
 
@@ -96,6 +97,7 @@ class _PlanWriter:
         self.steps: list[PlanStep] = []
         self.weights: dict[str, torch.Tensor] = {}
         self.skip: set[str] = set()  # node names folded into an earlier step
+        self.group_inputs: set[str] = set()  # block tables and slot mappings of KV cache groups after the first
 
     def weight(self, name: str, value: np.ndarray, dtype: torch.dtype | None = None, key: str | None = None) -> str:
         key = key or name
@@ -217,8 +219,13 @@ class _PlanWriter:
                                                      for i in (pa.ROPE_COS, pa.ROPE_SIN)]
         keep = ("layer_idx", "num_heads", "num_kv_heads", "head_size", "scale", "tokens_per_block", "window", "softcap")
         self.emit("paged_attention", n, inputs, list(n.output), **{k: a[k] for k in keep if k in a})
-        self.steps.append(PlanStep("kv_write", n.name + "/kv_write", ("kv_cache", n.output[1], n.output[2],
-                                                                    "slot_mapping"), (), {"layer_idx": a["layer_idx"]}))
+        # NOTE: a KV cache group's K/V go to the slots of its own table (configs/kv_groups.py: group_input)
+        table = n.input[pa.BLOCK_TABLES]
+        slots = table.replace("block_tables", "slot_mapping", 1)
+        if table != "block_tables":
+            self.group_inputs |= {table, slots}
+        self.steps.append(PlanStep("kv_write", n.name + "/kv_write", ("kv_cache", n.output[1], n.output[2], slots),
+                                   (), {"layer_idx": a["layer_idx"]}))
 
     def weight_only(self, n: onnx.NodeProto, a: dict[str, Any]) -> None:
         """MatMulNBits' tensors as weight_only_gemm reads them: codes [N, K * bits / 8], scales [N, K / block],
@@ -258,9 +265,10 @@ class _PlanWriter:
             if n.name not in self.skip:
                 self.node(n)
         dtype = next(k for k, t in TORCH_DTYPES.items() if t == self.dtype)
+        inputs = PLAN_INPUTS + tuple(sorted(self.group_inputs))
         if any(s.kernel == "speculative_accept" for s in self.steps):
-            return Plan(dtype, tuple(self.steps), ("logits", *sa.OUTPUTS), PLAN_INPUTS + ACCEPT_INPUTS)
-        return Plan(dtype, tuple(self.steps))
+            return Plan(dtype, tuple(self.steps), ("logits", *sa.OUTPUTS), inputs + ACCEPT_INPUTS)
+        return Plan(dtype, tuple(self.steps), inputs=inputs)
 
 
 def emit_plan(model: onnx.ModelProto, dtype: str) -> tuple[Plan, dict[str, torch.Tensor]]:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from trtbuild import ENGINE_FORMAT_VERSION, __version__
-from trtbuild.configs import BuildConfig, ModelConfig
+from trtbuild.configs import BuildConfig, KVCacheGroup, ModelConfig, group_input, kv_cache_groups, slots_per_block
 from trtbuild.errors import EngineCompatibilityError, TrtbuildError
 
 ENGINE_CONFIG = "config.json"
@@ -73,9 +73,14 @@ class EngineInfo:
 
     @property
     def kv_cache_input(self) -> dict[str, Any]:
-        """The engine's `kv_cache` input: {"name", "dtype", "shape": [num_blocks, layers, 2, kv_heads,
+        """The engine's `kv_cache` input: {"name", "dtype", "shape": [num_blocks, slots, 2, kv_heads,
         tokens_per_block, head_size]} (checked when config.json is read)."""
         return next(i for i in self.io["inputs"] if i["name"] == "kv_cache")
+
+    @property
+    def kv_cache_groups(self) -> tuple[KVCacheGroup, ...]:
+        """Which layers each of the pool's blocks holds (configs/kv_groups.py; checked against the I/O on reading)."""
+        return kv_cache_groups(self.model, self.build)
 
     @property
     def kv_cache_bytes_per_block(self) -> int:
@@ -193,7 +198,7 @@ def _engine_info(engine_dir: Path, doc: dict[str, Any]) -> EngineInfo:
         # stub's numpy 1.x environment cannot import ml_dtypes
         import ml_dtypes  # noqa: F401
     np.dtype(kv[0]["dtype"])  # TypeError for a dtype numpy does not know
-    return EngineInfo(
+    info = EngineInfo(
         path=engine_dir,
         model=ModelConfig.from_dict(doc["model_config"]),
         build=BuildConfig.from_dict(doc["build_config"]),
@@ -204,6 +209,19 @@ def _engine_info(engine_dir: Path, doc: dict[str, Any]) -> EngineInfo:
         weight_files={str(k): int(v) for k, v in doc["weight_files"].items()},
         tactics=_tactics(doc.get("tactics", {})),
     )
+    _check_kv_groups(info)
+    return info
+
+
+def _check_kv_groups(info: EngineInfo) -> None:
+    """The pool's block layout and block table inputs are those of the model's KV cache groups (kv_groups.py)."""
+    groups = info.kv_cache_groups
+    names = {i.get("name") for i in info.io.get("inputs", []) if isinstance(i, dict)}
+    tables = [group_input("block_tables", g) for g in range(1, len(groups))]
+    if info.kv_cache_input["shape"][1] != slots_per_block(groups) or not names.issuperset(tables):
+        raise ValueError(f"its KV pool holds {info.kv_cache_input['shape'][1]} layers per block, where the model's "
+                         f"{len(groups)} KV cache group(s) need {slots_per_block(groups)} and block table inputs "
+                         f"{', '.join(tables) or 'none'} beside block_tables")
 
 
 def _tactics(tactics: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ each fusion pass in builder/passes/ has something real to fuse and can be tested
 Engine I/O (T = packed tokens of this step, B = sequences, N = tokens whose logits are wanted):
   input_ids [T] int64, position_ids [T] int64, query_start_loc [B+1] int64, past_lengths [B] int64,
   block_tables [B, max_blocks_per_seq] int64, logits_indices [N] int64,
-  kv_cache [num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, head_size]
+  kv_cache [num_blocks, slots, 2, num_kv_heads, tokens_per_block, head_size]
   -> logits [N, vocab] float32, new_kv [num_layers, 2, T, num_kv_heads, head_size] (K after RoPE, V)
 
 Built with speculative_decoding_mode draft-tokens (K = max_draft_len, A = sequences whose drafts the engine verifies),
@@ -22,6 +22,9 @@ attributes `kv_cache_quant_algo` and `kv_cache_scale` [K scale, V scale], and th
 the per-layer scales (`trtbuild.kv_cache_scales`, JSON [[k, v], ...]) for the runtime, which quantizes new_kv when
 it writes the pool. new_kv itself stays float32. An unquantized pool built with `kv_pool_dtype: float16` makes
 `kv_cache` float16 (the runtime rounds new_kv to it when it writes, and attention reads it back as float32).
+
+A block holds `slots` layers: all of them, or, where sliding and full layers mix, one KV cache group's
+(configs/kv_groups.py); each group after the first adds its own block table input, `block_tables_<group>`.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from trtbuild.builder.quantized import QuantizedLinears, kv_cache_scales
 from trtbuild.builder.rope import PartialRotaryRows, rope_tables
 from trtbuild.builder.weight_file import StagingWeights
 from trtbuild.builder.weight_only_linear import emit_nbits_gather
-from trtbuild.configs import BuildConfig, ModelConfig
+from trtbuild.configs import BuildConfig, ModelConfig, group_input, kv_cache_groups, layer_slot, slots_per_block
 from trtbuild.plugins import paged_attention as pa
 from trtbuild.plugins import speculative_accept as sa
 from trtbuild.quantization import kv_pool_elem_type
@@ -52,8 +55,9 @@ ACCEPT_INPUTS = ("logits_out_rows",) + sa.INPUTS[1:]  # the accept op's inputs b
 KV_SCALES_METADATA = "trtbuild.kv_cache_scales"
 
 
-def engine_inputs(build: BuildConfig) -> tuple[str, ...]:
-    return ENGINE_INPUTS + (ACCEPT_INPUTS if build.draft_tokens else ())
+def engine_inputs(config: ModelConfig, build: BuildConfig) -> tuple[str, ...]:
+    groups = [group_input("block_tables", g) for g in range(1, len(kv_cache_groups(config, build)))]
+    return ENGINE_INPUTS + tuple(groups) + (ACCEPT_INPUTS if build.draft_tokens else ())
 
 
 def engine_outputs(build: BuildConfig) -> tuple[str, ...]:
@@ -61,12 +65,13 @@ def engine_outputs(build: BuildConfig) -> tuple[str, ...]:
 
 
 def kv_cache_shape(config: ModelConfig, build: BuildConfig, num_blocks: int | str) -> list:
-    """[blocks, layers, K|V, kv_heads, tokens_per_block, head_size]: block-major, so a block is one contiguous run
+    """[blocks, slots, K|V, kv_heads, tokens_per_block, head_size] (slots: the layers a block holds, all of them
+    unless KV cache groups split them): block-major, so a block is one contiguous run
     of memory that the runtime's lazily mapped pool faults in at once. NOTE: head-major ([layers, K|V, heads,
     blocks, ...]) spread each block over layers x 2 x heads places, and every new block faulted a page in each
     (0.25 s of a batch-16 SmolLM2 run). A gather of one head's past tokens still reads rows of head_size values."""
-    return [num_blocks, config.num_hidden_layers, 2, config.num_key_value_heads, build.tokens_per_block,
-            config.head_size]
+    return [num_blocks, slots_per_block(kv_cache_groups(config, build)), 2, config.num_key_value_heads,
+            build.tokens_per_block, config.head_size]
 
 
 class _NetworkWriter:
@@ -191,9 +196,12 @@ class _NetworkWriter:
         positions = g.input("position_ids", i64, ["num_tokens"])
         query_start = g.input("query_start_loc", i64, ["batch_plus_1"])
         past_lengths = g.input("past_lengths", i64, ["batch"])
-        block_tables = g.input("block_tables", i64, ["batch", self.build.max_blocks_per_seq])
+        block_tables = [g.input("block_tables", i64, ["batch", self.build.max_blocks_per_seq])]
         logits_indices = g.input("logits_indices", i64, ["num_logits"])
         kv_cache = g.input("kv_cache", kv_pool_elem_type(c, self.build), kv_cache_shape(c, self.build, "num_blocks"))
+        groups = kv_cache_groups(c, self.build)
+        block_tables += [g.input(group_input("block_tables", i), i64, ["batch", self.build.max_blocks_per_seq])
+                         for i in range(1, len(groups))]
 
         rope = self.rope_inputs()
         positions_2d = g.op("Unsqueeze", [positions, g.const(np.array([0]), "axis0")], name="positions_2d")
@@ -218,15 +226,16 @@ class _NetworkWriter:
                 q = self.head_norm(q, p + "attention.q_norm.weight", c.num_attention_heads)
                 k = self.head_norm(k, p + "attention.k_norm.weight", c.num_key_value_heads)
             sliding = c.is_sliding(i)
+            group, slot = layer_slot(groups, i)
             if i not in c.no_rope_layers:  # SmolLM3's NoPE layers attend without positions
                 q = self.rope(q, c.num_attention_heads, positions_2d, *rope[sliding])
                 k = self.rope(k, c.num_key_value_heads, positions_2d, *rope[sliding])
-            window = {"window": c.sliding_window} if sliding and c.window_applies(self.build.max_seq_len) else {}
+            window = {"window": groups[group].window} if groups[group].window else {}
             kv_quant = {} if self.kv_scales is None else dict(kv_cache_quant_algo=c.quantization.kv_cache_quant_algo,
                                                               kv_cache_scale=[float(s) for s in self.kv_scales[i]])
             attn, k_new, v_new = g.op(
-                pa.OP_TYPE, [q, k, v, kv_cache, block_tables, past_lengths, query_start], num_outputs=3,
-                domain=pa.DOMAIN, name=p + "attention.paged", layer_idx=i, num_heads=c.num_attention_heads,
+                pa.OP_TYPE, [q, k, v, kv_cache, block_tables[group], past_lengths, query_start], num_outputs=3,
+                domain=pa.DOMAIN, name=p + "attention.paged", layer_idx=slot, num_heads=c.num_attention_heads,
                 num_kv_heads=c.num_key_value_heads, head_size=c.head_size, tokens_per_block=self.build.tokens_per_block,
                 scale=float(c.score_scale), rotary=0, **kv_quant, **window, **softcap,
             )

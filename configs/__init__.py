@@ -1,6 +1,16 @@
 """Frozen, typed configuration: one class per concept (model, mapping, quantization, build)."""
 
 from trtbuild.configs.build_config import BuildConfig
+from trtbuild.configs.kv_groups import (
+    KVCacheGroup,
+    batch_blocks_needed,
+    group_input,
+    kv_cache_groups,
+    layer_slot,
+    max_blocks_held,
+    slots_per_block,
+)
 from trtbuild.configs.model_config import Mapping, ModelConfig, QuantConfig
 
-__all__ = ["BuildConfig", "Mapping", "ModelConfig", "QuantConfig"]
+__all__ = ["BuildConfig", "KVCacheGroup", "Mapping", "ModelConfig", "QuantConfig", "batch_blocks_needed", "group_input",
+           "kv_cache_groups", "layer_slot", "max_blocks_held", "slots_per_block"]

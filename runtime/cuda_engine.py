@@ -16,6 +16,7 @@ import torch
 
 from trtbuild.builder.cuda_plan import TORCH_DTYPES, Plan
 from trtbuild.builder.engine_dir import EngineInfo, read_engine_config
+from trtbuild.configs import KVCacheGroup, group_input
 from trtbuild.errors import EngineCompatibilityError, TrtbuildError
 from trtbuild.kernels.load import load_kernels
 from trtbuild.runtime.cuda_plan_ops import OPS
@@ -23,11 +24,14 @@ from trtbuild.runtime.engine import SequenceChunk, StepOutput, accept_feeds, che
 
 
 class TorchKVPool:
-    """pool[block, layer, K|V, kv_head, offset, :] on the device, plus one scratch block past `num_blocks` that no
-    sequence owns: padded rows of a CUDA-graph decode batch write their K/V there."""
+    """pool[block, slot, K|V, kv_head, offset, :] on the device (a slot holds a layer of the block's KV cache group),
+    plus one scratch block past `num_blocks` that no sequence owns: padded rows of a CUDA-graph decode batch write
+    their K/V there."""
 
-    def __init__(self, shape: list[int], num_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, shape: list[int], num_blocks: int, dtype: torch.dtype, device: torch.device,
+                 groups: tuple[KVCacheGroup, ...]) -> None:
         _, layers, _, kv_heads, tokens_per_block, head_size = shape
+        self.groups = groups
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
         # NOTE: zeros, not empty: the kernel never reads unwritten slots, but a pool of finite values keeps any
@@ -101,7 +105,8 @@ class CudaEngine:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)create the KV pool with `num_blocks` blocks; its previous contents and captured graphs are dropped."""
         self.graphs.clear()
-        self.kv = TorchKVPool(self.info.kv_cache_input["shape"], num_blocks, self.dtype, self.device)
+        self.kv = TorchKVPool(self.info.kv_cache_input["shape"], num_blocks, self.dtype, self.device,
+                              self.info.kv_cache_groups)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -119,8 +124,9 @@ class CudaEngine:
         b = self.info.build
         num_seqs = max(1, min(max_batch_size, max_num_tokens))
         per_seq = min(max_num_tokens // num_seqs, b.max_seq_len)
-        blocks = [0] * -(-per_seq // b.tokens_per_block)
-        self.step([SequenceChunk(i, [0] * per_seq, 0, 1, blocks) for i in range(num_seqs)])
+        blocks = (0,) * -(-per_seq // b.tokens_per_block)
+        others = (blocks,) * (len(self.kv.groups) - 1)
+        self.step([SequenceChunk(i, [0] * per_seq, 0, 1, blocks, group_block_ids=others) for i in range(num_seqs)])
         if self.use_cuda_graphs:
             from trtbuild.runtime.cuda_graphs import batch_buckets
 
@@ -133,7 +139,7 @@ class CudaEngine:
     def execute(self, chunks: list[SequenceChunk]) -> StepOutput:
         """One packed step: logits rows of every chunk without `accept`, in order, and the accept results of those
         with it (only those rows and results leave the device)."""
-        check_chunks(self.info.build, chunks, self.max_draft_len)
+        check_chunks(self.info.build, chunks, self.max_draft_len, len(self.kv.groups))
         start = time.perf_counter()
         rows = sum(c.num_logits for c in chunks)
         decode = all(len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks)
@@ -165,18 +171,21 @@ class CudaEngine:
     def inputs(self, chunks: list[SequenceChunk], pad_to: int | None = None) -> dict[str, torch.Tensor]:
         """The plan's inputs (plan.inputs) of checked chunks, on the device. `pad_to`: a decode batch padded with
         one-token sequences in the scratch block (for a CUDA graph of that batch size)."""
-        host, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots)
+        groups = range(len(self.kv.groups))
+        host, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots, len(groups))
         pad = 0 if pad_to is None else pad_to - len(chunks)
-        if pad:  # one-token sequences at position 0 whose only block is the scratch block
+        if pad:  # one-token sequences at position 0 whose only block (in every group) is the scratch block
             scratch, tokens = self.kv.scratch_block, len(host["input_ids"])
             padded_tables = np.full((pad, self.max_blocks_per_seq), scratch, dtype=np.int64)
-            host["block_tables"] = np.concatenate([host["block_tables"], padded_tables])
+            for g in groups:
+                name = group_input("block_tables", g)
+                host[name] = np.concatenate([host[name], padded_tables])
+                slots[g] = np.concatenate([slots[g], np.full(pad, scratch * self.kv.tokens_per_block, dtype=np.int64)])
             host["query_start_loc"] = np.concatenate([host["query_start_loc"], tokens + np.arange(1, pad + 1)])
             for name in ("input_ids", "position_ids", "past_lengths"):
                 host[name] = np.concatenate([host[name], np.zeros(pad, dtype=np.int64)])
             host["logits_indices"] = np.concatenate([host["logits_indices"], tokens + np.arange(pad)])
-            slots = np.concatenate([slots, np.full(pad, scratch * self.kv.tokens_per_block, dtype=np.int64)])
-        host["slot_mapping"] = slots
+        host.update((group_input("slot_mapping", g), slots[g]) for g in groups)
         if self.max_draft_len:
             host.update(accept_feeds(chunks, self.max_draft_len))
         return {name: torch.from_numpy(host[name]).to(self.device, non_blocking=True) for name in self.plan.inputs}

@@ -101,7 +101,7 @@ class DraftModelProposer(Proposer):
         # NOTE: its threads do not spin between calls: spinning draft threads took the cores from the target's
         # calls (SmolLM2 batch 1 on 2 cores: the target's engine time 1.8x, the whole run 40% slower)
         self.engine = CpuEngine(draft, num_threads=num_threads, num_blocks=num_blocks, spinning=False)
-        self.kv = KVCacheManager(num_blocks, draft.build.tokens_per_block, enable_prefix_caching=True)
+        self.kv = KVCacheManager.for_groups(draft.kv_cache_groups, num_blocks, draft.build.tokens_per_block)
         self.max_drafts = config.num_speculative_tokens
         self.seqs: dict[str, _DraftSeq] = {}
         self.num_steps = 0  # draft engine steps run (each may be several engine calls)
@@ -179,6 +179,7 @@ class DraftModelProposer(Proposer):
                 drafts[i].append(int(np.argmax(row)))
             for i in feeds:
                 self.kv.cache_full_blocks(seqs[i])
+                self.kv.release_outside_window(seqs[i])
             active = [i for i in feeds if len(drafts[i]) < want[i]]
         return drafts
 
@@ -200,7 +201,7 @@ class DraftModelProposer(Proposer):
             batch, used = [], 0
 
         for i, (start, tokens) in feeds.items():
-            block_ids = self.kv.block_table(seqs[i])
+            block_ids, *others = self.kv.block_tables(seqs[i])
             done = 0
             while done < len(tokens):
                 if used == build.max_num_tokens or len(batch) == build.max_batch_size:
@@ -208,7 +209,7 @@ class DraftModelProposer(Proposer):
                 take = min(len(tokens) - done, build.max_num_tokens - used)
                 last = done + take == len(tokens)
                 batch.append((i, SequenceChunk(seqs[i].request_id, tokens[done : done + take], start + done,
-                                               int(last), block_ids)))
+                                               int(last), block_ids, group_block_ids=tuple(others))))
                 used += take
                 done += take
                 if not last:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, EngineInfo, read_engine_config
-from trtbuild.configs import BuildConfig
+from trtbuild.configs import BuildConfig, group_input
 from trtbuild.cpu_ops import library_for_engine
 from trtbuild.errors import EngineCompatibilityError
 from trtbuild.quantization import kv_pool_dtype
@@ -53,6 +53,13 @@ class SequenceChunk:
     num_logits: int
     block_ids: tuple[int, ...] | list[int]  # the sequence's block table, covering at least start + len(token_ids)
     accept: DraftAccept | None = None  # its drafts verified by the engine, its logits rows kept there
+    # the tables of the engine's other KV cache groups (configs/kv_groups.py), each as long as block_ids: one per
+    # group after the first; empty for an engine of one group
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
+
+    def tables(self) -> tuple[Sequence[int], ...]:
+        """The block table of every KV cache group, the first group's first."""
+        return (self.block_ids, *self.group_block_ids)
 
 
 # NOTE: the CPU attention lowering pads every sequence's queries to the step's longest chunk. Beside a long prefill
@@ -73,8 +80,9 @@ def attention_groups(chunks: list[SequenceChunk]) -> list[list[int]]:
     return [[i for i, c in enumerate(chunks) if 4 * len(c.token_ids) > longest], short]
 
 
-def check_chunks(b: BuildConfig, chunks: list[SequenceChunk], max_draft_len: int) -> None:
-    """Refuse a step the engine's build limits do not cover, before anything writes the pool (every engine)."""
+def check_chunks(b: BuildConfig, chunks: list[SequenceChunk], max_draft_len: int, num_groups: int = 1) -> None:
+    """Refuse a step the engine's build limits do not cover, before anything writes the pool (every engine of
+    `num_groups` KV cache groups)."""
     if not chunks:
         raise ValueError("a step needs at least one sequence chunk")
     if len(chunks) > b.max_batch_size:
@@ -88,8 +96,12 @@ def check_chunks(b: BuildConfig, chunks: list[SequenceChunk], max_draft_len: int
             raise ValueError(f"num_logits {c.num_logits} is outside 0..{len(c.token_ids)} for sequence {c.seq_id}")
         if end > b.max_seq_len:
             raise ValueError(f"sequence {c.seq_id} reaches {end} tokens, beyond max_seq_len {b.max_seq_len}")
-        if len(c.block_ids) * b.tokens_per_block < end:
-            raise ValueError(f"sequence {c.seq_id} has {len(c.block_ids)} blocks, too few for {end} tokens")
+        if len(c.group_block_ids) != num_groups - 1:
+            raise ValueError(f"sequence {c.seq_id} has {1 + len(c.group_block_ids)} block tables; this engine's KV "
+                             f"cache has {num_groups} groups, one table each")
+        for table in c.tables():
+            if len(table) * b.tokens_per_block < end:
+                raise ValueError(f"sequence {c.seq_id} has {len(table)} blocks, too few for {end} tokens")
         if c.accept is not None:
             _check_accept(c, max_draft_len)
 
@@ -113,29 +125,32 @@ def default_threads(tuned: int | None = None) -> int:
 
 
 def pack_chunks(chunks: list[SequenceChunk], max_blocks_per_seq: int,
-                slots_of: Callable[[Sequence[int], int, int], np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """The step inputs every target takes (input_ids, position_ids, query_start_loc, past_lengths, block_tables,
-    logits_indices) for checked chunks, packed sequence after sequence, and the pool slots of their new K/V
-    (`slots_of(block_ids, start, end)`)."""
-    block_tables = np.zeros((len(chunks), max_blocks_per_seq), dtype=np.int64)
+                slots_of: Callable[[Sequence[int], int, int], np.ndarray],
+                num_groups: int = 1) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+    """The step inputs every target takes (input_ids, position_ids, query_start_loc, past_lengths, block_tables and
+    one more table per KV cache group after the first, logits_indices) for checked chunks, packed sequence after
+    sequence, and per group the pool slots of their new K/V (`slots_of(block_ids, start, end)`)."""
+    block_tables = np.zeros((num_groups, len(chunks), max_blocks_per_seq), dtype=np.int64)
     query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
     query_start[1:] = np.cumsum([len(c.token_ids) for c in chunks])
-    positions, slots, logits_rows = [], [], []
+    positions, logits_rows = [], []
+    slots: list[list[np.ndarray]] = [[] for _ in range(num_groups)]
     for i, c in enumerate(chunks):
         end = c.start + len(c.token_ids)
-        block_tables[i, : len(c.block_ids)] = c.block_ids
+        for g, table in enumerate(c.tables()):
+            block_tables[g, i, : len(table)] = table
+            slots[g].append(slots_of(table, c.start, end))
         positions.append(np.arange(c.start, end, dtype=np.int64))
-        slots.append(slots_of(c.block_ids, c.start, end))
         logits_rows.extend(range(query_start[i + 1] - c.num_logits, query_start[i + 1]))
     inputs = {
         "input_ids": np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=query_start[-1]),
         "position_ids": np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64),
         "query_start_loc": query_start,
         "past_lengths": np.array([c.start for c in chunks], dtype=np.int64),
-        "block_tables": block_tables,
+        **{group_input("block_tables", g): block_tables[g] for g in range(num_groups)},
         "logits_indices": np.array(logits_rows, dtype=np.int64),
     }
-    return inputs, np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+    return inputs, [np.concatenate(s) if s else np.zeros(0, dtype=np.int64) for s in slots]
 
 
 def accept_feeds(chunks: list[SequenceChunk], max_draft_len: int) -> dict[str, np.ndarray]:
@@ -218,13 +233,14 @@ class CpuEngine:
         """(Re)create the KV pool with `num_blocks` blocks, as the engine's kv_cache input describes it; its
         previous contents are dropped."""
         spec = self.info.kv_cache_input
-        _, layers, _, kv_heads, tokens_per_block, head_size = spec["shape"]
+        _, _, _, kv_heads, tokens_per_block, head_size = spec["shape"]
         dtype = np.dtype(spec["dtype"])
         if dtype != (expected := kv_pool_dtype(self.info.model, self.info.build)):
             raise EngineCompatibilityError(f"{self.info.path}'s kv_cache input is {dtype} but its model and build "
                                            f"configs give a {expected} KV pool; rebuild the engine.")
-        self.kv = KVCacheStorage(layers, kv_heads, head_size, tokens_per_block, num_blocks, dtype=dtype,
-                                 quant_algo=self.kv_quant_algo, scales=self.kv_scales)
+        self.kv = KVCacheStorage(self.info.model.num_hidden_layers, kv_heads, head_size, tokens_per_block, num_blocks,
+                                 dtype=dtype, quant_algo=self.kv_quant_algo, scales=self.kv_scales,
+                                 groups=self.info.kv_cache_groups)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -239,8 +255,9 @@ class CpuEngine:
         b = self.info.build
         num_seqs = max(1, min(max_batch_size, max_num_tokens))
         per_seq = min(max_num_tokens // num_seqs, b.max_seq_len)
-        blocks = [0] * -(-per_seq // b.tokens_per_block)
-        self.step([SequenceChunk(i, [0] * per_seq, 0, 1, blocks) for i in range(num_seqs)])
+        blocks = (0,) * -(-per_seq // b.tokens_per_block)
+        others = (blocks,) * (len(self.kv.groups) - 1)
+        self.step([SequenceChunk(i, [0] * per_seq, 0, 1, blocks, group_block_ids=others) for i in range(num_seqs)])
 
     @property
     def max_draft_len(self) -> int:
@@ -255,7 +272,7 @@ class CpuEngine:
     def execute(self, chunks: list[SequenceChunk]) -> StepOutput:
         """Execute one packed step. A step that mixes short and long chunks may run as two engine calls
         (`attention_groups`); the results are the same."""
-        check_chunks(self.info.build, chunks, self.max_draft_len)
+        check_chunks(self.info.build, chunks, self.max_draft_len, len(self.kv.groups))
         groups = attention_groups(chunks)
         if len(groups) == 1:
             return self._run(chunks)
@@ -284,7 +301,7 @@ class CpuEngine:
     def feeds(self, chunks: list[SequenceChunk]) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """The engine inputs of one call over checked chunks (the pool itself as `kv_cache`), and the pool slots
         their new K/V go to."""
-        feeds, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots)
+        feeds, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots, len(self.kv.groups))
         feeds["kv_cache"] = self.kv.pool
         if self.max_draft_len:
             feeds.update(accept_feeds(chunks, self.max_draft_len))

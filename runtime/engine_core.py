@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trtbuild.builder.engine_dir import engine_target, read_engine_config
+from trtbuild.configs import batch_blocks_needed
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.detokenizer import IncrementalDetokenizer
 from trtbuild.runtime.engine import CpuEngine, DraftAccept, SequenceChunk, StepOutput
 from trtbuild.runtime.engine_accept import advance, draft_accept, engine_can_verify
-from trtbuild.runtime.kv_cache_manager import KVCacheManager, releasable_window
+from trtbuild.runtime.kv_cache_manager import KVCacheManager
 from trtbuild.runtime.memory import gpu_memory_for_kv, kv_cache_blocks
 from trtbuild.runtime.request import FinishReason, Request, RequestMetrics
 from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
@@ -71,8 +72,10 @@ class EngineCore:
         build, model = info.build, info.model
         self.config = config = (config or RuntimeConfig()).resolve(build)
         device = gpu_memory_for_kv(info.weight_bytes) if target != "cpu" and config.kv_cache_blocks is None else None
+        full_batch = batch_blocks_needed([g.window for g in info.kv_cache_groups], build.tokens_per_block,
+                                         config.max_batch_size, build.max_seq_len, config.max_num_tokens)
         num_blocks = kv_cache_blocks(info.kv_cache_bytes_per_block, build, config.kv_cache_memory,
-                                     config.kv_cache_blocks, available=device)
+                                     config.kv_cache_blocks, available=device, batch_blocks=full_batch)
         if target == "cuda":
             from trtbuild.runtime.cuda_engine import CudaEngine
 
@@ -87,8 +90,8 @@ class EngineCore:
             self.engine = CpuEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
         # seconds spent starting: the ONNX Runtime session, then the KV pool faulted in + the warm-up step
         self.start_seconds = {"session": time.perf_counter() - start, "warm_up": 0.0}
-        self.kv = KVCacheManager(num_blocks, build.tokens_per_block, config.enable_prefix_caching,
-                                 window=releasable_window(model, build))
+        self.kv = KVCacheManager.for_groups(info.kv_cache_groups, num_blocks, build.tokens_per_block,
+                                            config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_tokens=config.max_num_tokens, max_batch_size=config.max_batch_size,
                             max_seq_len=build.max_seq_len, policy=config.policy,
@@ -240,7 +243,8 @@ class EngineCore:
             return []
         chunks = [SequenceChunk(c.request.request_id,
                                 (c.request.token_ids + c.request.spec_token_ids)[c.start : c.start + c.num_tokens],
-                                c.start, c.num_logits, c.block_ids, self._engine_accept(c)) for c in scheduled.chunks]
+                                c.start, c.num_logits, c.block_ids, self._engine_accept(c), c.group_block_ids)
+                  for c in scheduled.chunks]
         run_before = self.engine.run_seconds
         tokens, logprobs = self._sample(scheduled, self.engine.execute(chunks))
         outputs = [self._output(self.tracked[request.request_id], new_tokens, logprobs[request.request_id])

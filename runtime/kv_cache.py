@@ -1,4 +1,5 @@
-"""The paged KV pool's storage: one array of fixed-size blocks for every layer, K and V, with O(new tokens) writes.
+"""The paged KV pool's storage: one array of fixed-size blocks, K and V, with O(new tokens) writes. A block holds
+every layer's K/V of its positions, or one KV cache group's layers (configs/kv_groups.py).
 
 Which blocks a sequence owns is decided elsewhere (kv_cache_manager.py); this class only holds the numbers.
 
@@ -15,6 +16,7 @@ import sys
 
 import numpy as np
 
+from trtbuild.configs import KVCacheGroup, slots_per_block
 from trtbuild.quantization import FP8_E4M3_MAX, INT8_MAX, KVCacheQuantAlgo, fp8_e4m3_values
 
 HUGE_PAGE = 2 << 20
@@ -60,14 +62,17 @@ def dequantize_kv(q: np.ndarray, scale: np.ndarray | float, algo: str) -> np.nda
 
 
 class KVCacheStorage:
-    """pool[block, layer, 0 | 1 (K | V), kv_head, offset in block, :] (see builder/network.py: kv_cache_shape)."""
+    """pool[block, slot, 0 | 1 (K | V), kv_head, offset in block, :] (see builder/network.py: kv_cache_shape); the
+    layer in a slot is that of the group the block belongs to."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_size: int, tokens_per_block: int, num_blocks: int,
                  dtype: np.dtype = np.float32, quant_algo: str | None = None,
-                 scales: np.ndarray | None = None) -> None:
+                 scales: np.ndarray | None = None, groups: tuple[KVCacheGroup, ...] | None = None) -> None:
         """`dtype` is the pool's element type (`trtbuild.quantization.kv_pool_dtype`); `quant_algo` int8 | fp8 stores
-        1-byte values (int8, or uint8 fp8 bit patterns) with `scales` [num_layers, 2] (K, V scale per layer)."""
-        self.shape = (num_blocks, num_layers, 2, num_kv_heads, tokens_per_block, head_size)
+        1-byte values (int8, or uint8 fp8 bit patterns) with `scales` [num_layers, 2] (K, V scale per layer).
+        `groups`: the engine's KV cache groups [None: one group of every layer]."""
+        self.groups = groups or (KVCacheGroup(tuple(range(num_layers)), None),)
+        self.shape = (num_blocks, slots_per_block(self.groups), 2, num_kv_heads, tokens_per_block, head_size)
         self.quant_algo = quant_algo
         self.dtype = np.dtype(dtype)
         self.scales = None
@@ -115,13 +120,14 @@ class KVCacheStorage:
         return self.shape[4]
 
     @property
-    def bytes_per_token(self) -> int:
-        _, layers, _, heads, _, size = self.shape
-        return layers * 2 * heads * size * self.dtype.itemsize
+    def bytes_per_block(self) -> int:
+        _, slots, _, heads, tokens, size = self.shape
+        return slots * 2 * heads * tokens * size * self.dtype.itemsize
 
     @property
-    def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.tokens_per_block
+    def bytes_per_token(self) -> int:
+        """Pool bytes a token holds while every group keeps it (within every window): one block slot per group."""
+        return self.bytes_per_block * len(self.groups) // self.tokens_per_block
 
     def slots(self, block_ids: list[int] | tuple[int, ...], start: int, end: int) -> np.ndarray:
         """Flat slot ids (block * tokens_per_block + offset) of token positions start..end-1 of a sequence."""
@@ -129,17 +135,24 @@ class KVCacheStorage:
         table = np.asarray(block_ids, dtype=np.int64)
         return table[positions // self.tokens_per_block] * self.tokens_per_block + positions % self.tokens_per_block
 
-    def write(self, new_kv: np.ndarray, slot_mapping: np.ndarray) -> None:
-        """Store a step's new K/V, new_kv [layers, 2, T, kv_heads, head], at their slots: O(T), no pool copy.
-        A quantized pool stores quantize_kv(new_kv, layer scale)."""
+    def write(self, new_kv: np.ndarray, slot_mappings: list[np.ndarray]) -> None:
+        """Store a step's new K/V, new_kv [layers, 2, T, kv_heads, head], at their slots, one slot array per group
+        (in the blocks of that group's table): O(T), no pool copy. A quantized pool stores quantize_kv(new_kv, layer
+        scale)."""
         if self.quant_algo:
             new_kv = quantize_kv(new_kv, self.scales, self.quant_algo)
         block_size = self.tokens_per_block
-        # pool[block, :, :, :, offset] is token t's [layers, 2, heads, head] (indexed in place, not copied)
-        self.pool[slot_mapping // block_size, :, :, :, slot_mapping % block_size] = new_kv.transpose(2, 0, 1, 3, 4)
+        for group, slots in zip(self.groups, slot_mappings, strict=True):
+            layers = new_kv if len(self.groups) == 1 else new_kv[list(group.layers)]
+            # pool[block, :n, :, :, offset] is token t's [n group layers, 2, heads, head] (indexed in place)
+            rows = layers.transpose(2, 0, 1, 3, 4)
+            self.pool[slots // block_size, : len(group.layers), :, :, slots % block_size] = rows
 
     def dequantized(self) -> np.ndarray:
-        """The pool as float32 values (for tests and debugging; O(pool))."""
+        """The pool as float32 values (for tests and debugging; O(pool)). A quantized pool's scales are per layer, so
+        only a one-group pool knows which scales a slot has."""
         if not self.quant_algo:
             return self.pool.astype(np.float32)
+        if len(self.groups) > 1:
+            raise ValueError("a quantized pool of several KV cache groups has no single scale per slot")
         return dequantize_kv(self.pool, self.scales[None], self.quant_algo)  # scales [1, layers, 2, 1, 1, 1]

@@ -1,29 +1,66 @@
-"""Per-request block tables over a BlockPool, with prefix reuse of full blocks identified by chained hashes, and the
-release of blocks no query can see again when every layer attends within a sliding window."""
+"""Per-request block tables over a BlockPool, one table per KV cache group (configs/kv_groups.py), with prefix reuse
+of full blocks identified by chained hashes, and the release of the blocks a sliding-window group no longer reads."""
 
 from __future__ import annotations
 
-from trtbuild.configs import BuildConfig, ModelConfig
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from trtbuild.configs import KVCacheGroup, max_blocks_held
 from trtbuild.runtime.block_pool import BlockPool, hash_block
 from trtbuild.runtime.request import Request
 
 RELEASED = -1  # a table entry whose block went back to the pool (every later query is past it: `window`)
 
 
+@dataclass(frozen=True)
+class CachedPrefix:
+    """Cached blocks for a request's leading full blocks: one table per group, each `len(self)` entries long (a
+    sliding group's entries before its window are RELEASED)."""
+
+    tables: tuple[tuple[int, ...], ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.tables[0]) if self.tables else 0
+
+
+NO_PREFIX = CachedPrefix()
+
+
 class KVCacheManager:
-    """Owns which blocks each request holds. A request holding n computed tokens has a table of >= ceil(n /
-    block_size) entries, one per block of its positions; its first `num_cached[request]` full blocks are registered
-    in the pool's content index. With `window` (every layer attends to its last `window` tokens only), the entries of
-    blocks that no later query sees are RELEASED and their blocks back in the pool; the engine is given block 0 in
-    their place, which its windowed attention never reads (or masks out)."""
+    """Owns which blocks each request holds. A request holding n computed tokens has, per group, a table of >=
+    ceil(n / block_size) entries, one per block of its positions; its first `num_cached[request]` full blocks are
+    registered in the pool's content index (per group: a block holds its group's layers only). A group with a window
+    (its layers attend to their last `window` tokens only) RELEASES the entries of blocks no later query reads and
+    gives their blocks back to the pool; the engine is given block 0 in their place, which its windowed attention
+    never reads (or masks out). All groups draw from one pool, so memory goes where the requests need it."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None) -> None:
+                 windows: Sequence[int | None] = (None,)) -> None:
+        """`windows`: one per KV cache group, its layers' sliding window (None: they read every position)."""
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.block_size = block_size
-        self.window = window
-        self.blocks: dict[str, list[int]] = {}
+        self.windows = tuple(windows)
+        self.blocks: dict[str, list[list[int]]] = {}
         self.num_cached: dict[str, int] = {}
+
+    @classmethod
+    def for_groups(cls, groups: Sequence[KVCacheGroup], num_blocks: int, block_size: int,
+                   enable_prefix_caching: bool = True) -> KVCacheManager:
+        return cls(num_blocks, block_size, enable_prefix_caching, [g.window for g in groups])
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def _key(self, group: int, block_hash: int) -> int:
+        """A block's key in the content index: its group's blocks hold other layers of the same tokens."""
+        return block_hash if group == 0 else hash((group, block_hash))
+
+    def window_start(self, group: int, position: int) -> int:
+        """The first block of `group` that a query at `position` reads (0 for a group without a window)."""
+        window = self.windows[group]
+        return max(position - window + 1, 0) // self.block_size if window else 0
 
     def _extend_hashes(self, request: Request, num_tokens: int) -> list[int]:
         """Hashes of the full blocks among the first num_tokens tokens (computed once, then reused)."""
@@ -33,76 +70,96 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs : (i + 1) * bs]))
         return hashes[: num_tokens // bs]
 
-    def computed_prefix(self, request: Request) -> list[int]:
-        """Cached blocks matching the request's leading full blocks. The last known token is never taken from the
-        cache: it must be computed to produce the next token's logits."""
+    def computed_prefix(self, request: Request) -> CachedPrefix:
+        """The longest run of leading full blocks whose K/V are cached for every group: all of them for a group
+        without a window, those inside the window of the first query after them for a sliding one. The last known
+        token is never taken from the cache: it must be computed to produce the next token's logits."""
         if not self.pool.enable_caching:
-            return []
-        found = []
-        for h in self._extend_hashes(request, len(request.token_ids) - 1):
-            block = self.pool.lookup(h)
-            if block is None:
-                break
-            found.append(block)
-        return found
+            return NO_PREFIX
+        hashes = self._extend_hashes(request, len(request.token_ids) - 1)
 
-    def blocks_needed(self, request: Request, num_tokens: int, prefix: list[int] = ()) -> int:
+        def cached(group: int, first: int, end: int) -> bool:
+            return all(self.pool.lookup(self._key(group, h)) is not None for h in hashes[first:end])
+
+        n = len(hashes)
+        for g, window in enumerate(self.windows):
+            if window is None:
+                n = next((i for i in range(n) if not cached(g, i, i + 1)), n)
+        while n and not all(cached(g, self.window_start(g, n * self.block_size), n)
+                            for g, window in enumerate(self.windows) if window):
+            n -= 1
+        if not n:
+            return NO_PREFIX
+        starts = [self.window_start(g, n * self.block_size) for g in range(self.num_groups)]
+        return CachedPrefix(tuple((RELEASED,) * s + tuple(self.pool.lookup(self._key(g, h)) for h in hashes[s:n])
+                                  for g, s in enumerate(starts)))
+
+    def blocks_needed(self, request: Request, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> int:
         """Free blocks that allocate(request, num_tokens, prefix) would consume."""
-        have = len(self.blocks.get(request.request_id, ())) + len(prefix)
-        revived = sum(1 for b in prefix if self.pool.ref_counts[b] == 0)
-        return max(-(-num_tokens // self.block_size) - have, 0) + revived
+        tables = self.blocks.get(request.request_id, [[]] * self.num_groups)
+        total = -(-num_tokens // self.block_size)
+        needed = sum(max(total - len(table) - len(prefix), 0) for table in tables)
+        revived = sum(1 for table in prefix.tables for b in table if b != RELEASED and self.pool.ref_counts[b] == 0)
+        return needed + revived
 
-    def allocate(self, request: Request, num_tokens: int, prefix: list[int] = ()) -> bool:
-        """Make the request hold blocks for its first num_tokens tokens (taking `prefix` blocks first).
-        Returns False, changing nothing, when the pool lacks free blocks."""
+    def allocate(self, request: Request, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> bool:
+        """Make the request hold, in every group, blocks for its first num_tokens tokens (taking `prefix` blocks
+        first). Returns False, changing nothing, when the pool lacks free blocks."""
         if self.blocks_needed(request, num_tokens, prefix) > self.pool.num_free:
             return False
-        table = self.blocks.setdefault(request.request_id, [])
+        tables = self.blocks.setdefault(request.request_id, [[] for _ in self.windows])
         if prefix:
-            self.pool.touch(prefix)
-            table.extend(prefix)
+            for table, cached in zip(tables, prefix.tables, strict=True):
+                self.pool.touch([b for b in cached if b != RELEASED])
+                table.extend(cached)
             self.num_cached[request.request_id] = len(prefix)
-        table.extend(self.pool.allocate(max(-(-num_tokens // self.block_size) - len(table), 0)))
+        total = -(-num_tokens // self.block_size)
+        for table in tables:
+            table.extend(self.pool.allocate(max(total - len(table), 0)))
         return True
+
+    def max_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks a request of num_tokens tokens holds at once, computing at most chunk_tokens per step."""
+        return max_blocks_held(self.windows, self.block_size, num_tokens, chunk_tokens)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly completed blocks (all tokens computed) for reuse by later requests."""
         if not self.pool.enable_caching:
             return
         hashes = self._extend_hashes(request, request.num_computed_tokens)
-        table, start = self.blocks[request.request_id], self.num_cached.get(request.request_id, 0)
-        for i in range(start, len(hashes)):
-            self.pool.cache(table[i], hashes[i])
+        start = self.num_cached.get(request.request_id, 0)
+        for g, table in enumerate(self.blocks[request.request_id]):
+            for i in range(start, len(hashes)):
+                if table[i] != RELEASED:
+                    self.pool.cache(table[i], self._key(g, hashes[i]))
         self.num_cached[request.request_id] = len(hashes)
 
     def release_outside_window(self, request: Request) -> None:
-        """Give back the blocks wholly before the window of the request's next query (position n =
+        """Give back each sliding group's blocks wholly before the window of the request's next query (position n =
         num_computed_tokens sees keys n - window + 1 .. n): no later query of it reads them. They stay cached
         (a later request with the same prefix can revive them)."""
-        table = self.blocks.get(request.request_id)
-        if not self.window or not table:
-            return
-        dead = min(max(request.num_computed_tokens - self.window + 1, 0) // self.block_size, len(table))
-        old = [b for b in table[:dead] if b != RELEASED]
-        if old:
-            self.pool.free(old)
-            table[:dead] = [RELEASED] * dead
+        for g, table in enumerate(self.blocks.get(request.request_id, ())):
+            if not self.windows[g]:
+                continue
+            dead = min(self.window_start(g, request.num_computed_tokens), len(table))
+            old = [b for b in table[:dead] if b != RELEASED]
+            if old:
+                self.pool.free(old)
+                table[:dead] = [RELEASED] * dead
 
     def free(self, request: Request) -> None:
         """Return the request's blocks; tail blocks go first in the free queue so shared prefixes live longest."""
-        table = self.blocks.pop(request.request_id, [])
+        tables = self.blocks.pop(request.request_id, [])
         self.num_cached.pop(request.request_id, None)
-        self.pool.free([b for b in reversed(table) if b != RELEASED])
+        for table in tables:
+            self.pool.free([b for b in reversed(table) if b != RELEASED])
+
+    def block_tables(self, request: Request) -> tuple[tuple[int, ...], ...]:
+        """The request's block ids by position, one table per group, for the engine (block 0 where one was
+        released)."""
+        return tuple(tuple(0 if b == RELEASED else b for b in table)
+                     for table in self.blocks.get(request.request_id, [[]] * self.num_groups))
 
     def block_table(self, request: Request) -> list[int]:
-        """The request's block ids by position, for the engine (block 0 where one was released)."""
-        return [0 if b == RELEASED else b for b in self.blocks.get(request.request_id, [])]
-
-
-def releasable_window(model: ModelConfig, build: BuildConfig) -> int | None:
-    """The window past which an engine's blocks can go back to the pool: when its attention applies the model's
-    sliding window in every layer (Mistral, Phi-3). None where some layer reads every block (Gemma 2 / 3 and OLMo 3's
-    full layers) or the engine is no longer than the window. NOTE: no builder import here: the Triton backend's
-    Python stub runs the runtime without onnx."""
-    every_layer = all(model.is_sliding(i) for i in range(model.num_hidden_layers))
-    return model.sliding_window if every_layer and model.window_applies(build.max_seq_len) else None
+        """The first group's table (the only one of most engines)."""
+        return list(self.block_tables(request)[0])

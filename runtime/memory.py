@@ -39,12 +39,14 @@ def gpu_memory_for_kv(weight_bytes: int) -> tuple[int, str] | None:
 
 
 def kv_cache_blocks(bytes_per_block: int, build: BuildConfig, memory: float | None = None,
-                    blocks: int | None = None, available: tuple[int, str] | None = None) -> int:
+                    blocks: int | None = None, available: tuple[int, str] | None = None,
+                    batch_blocks: int | None = None) -> int:
     """Number of KV blocks: `blocks` if given, else `memory` bytes (> 1) or that fraction of available memory.
     `available`: (bytes, what they are) of the memory the pool lives in [None: host memory, MemAvailable].
 
     With no budget at all, the pool is the smaller of DEFAULT_FRACTION of available memory and what a full batch of
-    full-length sequences needs, plus as much again for prefix reuse.
+    full-length sequences needs (`batch_blocks` [None: max_blocks_per_seq each]), plus as much again for prefix
+    reuse.
     """
     if blocks is not None:  # NOTE: RuntimeConfig checked blocks >= 1 and memory > 0
         return blocks
@@ -58,5 +60,5 @@ def kv_cache_blocks(bytes_per_block: int, build: BuildConfig, memory: float | No
             raise ConfigError("kv_cache_memory", f"{memory:g} holds no KV block ({bytes_per_block} bytes each); "
                                                  "give more memory")
         return n
-    full_batch = 2 * build.max_batch_size * build.max_blocks_per_seq
+    full_batch = 2 * (batch_blocks or build.max_batch_size * build.max_blocks_per_seq)
     return max(1, min(int(DEFAULT_FRACTION * free // bytes_per_block), full_batch))

@@ -46,6 +46,7 @@ class ScheduledChunk:
     num_logits: int  # 1 + num_drafts when the chunk reaches the request's newest known token, else 0
     block_ids: tuple[int, ...]
     num_drafts: int = 0  # the chunk's last num_drafts tokens are speculative drafts
+    group_block_ids: tuple[tuple[int, ...], ...] = ()  # the tables of the other KV cache groups, if any
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,11 @@ class Scheduler:
         if n >= limit:
             raise ValueError(f"prompt has {n} tokens; the engine's max_seq_len is {limit} (prompt + output), "
                              "so shorten the prompt or rebuild the engine with a larger --max-seq-len")
-        blocks = -(-self.lifetime_tokens(request) // self.kv.block_size)
+        lifetime = self.lifetime_tokens(request)
+        if self.config.policy == "guaranteed_no_evict":  # reserved up front, in every group
+            blocks = -(-lifetime // self.kv.block_size) * self.kv.num_groups
+        else:
+            blocks = self.kv.max_blocks(lifetime, self.config.max_num_tokens)
         if blocks > self.kv.pool.num_blocks:
             raise ValueError(f"request needs {blocks} KV blocks but the whole cache holds {self.kv.pool.num_blocks}; "
                              "lower max_tokens or give the server more --kv-cache-memory")
@@ -149,8 +154,9 @@ class Scheduler:
         for request, num_new in scheduled:
             start, drafts = request.num_computed_tokens, len(request.spec_token_ids)
             reaches_end = start + num_new == len(request.token_ids) + drafts
-            chunks.append(ScheduledChunk(request, start, num_new, (1 + drafts) * reaches_end,
-                                         tuple(self.kv.block_table(request)), drafts))
+            first, *others = self.kv.block_tables(request)
+            chunks.append(ScheduledChunk(request, start, num_new, (1 + drafts) * reaches_end, first, drafts,
+                                         tuple(others)))
         return SchedulerOutput(chunks, preempted)
 
     # ---- after the engine ran ----------------------------------------------------------------------------------

@@ -64,7 +64,8 @@ class TensorRTEngine:
         if num_blocks > cap:
             raise ValueError(f"a KV pool of {num_blocks} blocks exceeds the engine's profile maximum {cap} "
                              "(max_batch_size x max_blocks_per_seq)")
-        self.kv = TorchKVPool(self.info.kv_cache_input["shape"], num_blocks, torch.float32, self.device)
+        self.kv = TorchKVPool(self.info.kv_cache_input["shape"], num_blocks, torch.float32, self.device,
+                              self.info.kv_cache_groups)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -88,7 +89,8 @@ class TensorRTEngine:
 
     def execute(self, chunks: list[SequenceChunk]) -> StepOutput:
         check_chunks(self.info.build, chunks, self.max_draft_len)
-        host, slots = self.feeds(chunks)
+        # NOTE: one KV cache group: the tensorrt target refuses sliding windows shorter than the engine
+        host, (slots,) = self.feeds(chunks)
         start = time.perf_counter()
         logits, new_kv = self.run(host)
         # new_kv [L, 2, T, KVH, D] -> pool[block, L, K|V, KVH, offset, :]
@@ -99,7 +101,7 @@ class TensorRTEngine:
         self.run_seconds += time.perf_counter() - start
         return StepOutput(out, {})
 
-    def feeds(self, chunks: list[SequenceChunk]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def feeds(self, chunks: list[SequenceChunk]) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
         """The engine inputs of one step (CpuEngine's, less the pool) and the pool slots of its new K/V."""
         return pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots)
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import STORIES260K, drive, require_shared_models
+from helpers import STORIES260K, drive, in_every_group, require_shared_models
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e .[dev]); the cuda target needs it")
 
@@ -61,8 +61,10 @@ STEPS = [
 @pytest.mark.parametrize("model", ["stories260K", "qwen2", "mistral_window", "gemma2", "gemma3", "granite", "olmo3"])
 def test_cuda_plan_matches_cpu_engine(engine_pair, model):
     cpu_dir, cuda_dir = engine_pair(model)
-    cpu, cuda = CpuEngine(cpu_dir, num_blocks=8), CudaEngine(cuda_dir, num_blocks=8)
+    groups = len(read_engine_config(cpu_dir).kv_cache_groups)  # Gemma 2 / 3, OLMo 3: a table per group
+    cpu, cuda = CpuEngine(cpu_dir, num_blocks=8 * groups), CudaEngine(cuda_dir, num_blocks=8 * groups)
     for i, chunks in enumerate(STEPS):
+        chunks = in_every_group(chunks, groups, 8)
         want, got = cpu.step(chunks), cuda.step(chunks)
         assert got.shape == want.shape == (sum(c.num_logits for c in chunks), cpu.info.model.vocab_size)
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=f"step {i}")

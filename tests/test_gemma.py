@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import make_random_hf_model, require_shared_models
+from helpers import make_random_hf_model, prefill_logits, require_shared_models
 
 from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.convert.gguf_config import GGUF_ARCHITECTURES, hf_config
@@ -182,7 +182,6 @@ def test_weight_only_gemma_engine_matches_the_checkpoints_reference(quantized_ge
 
     from trtbuild.builder.build import build_engine
     from trtbuild.quantize.reference import reference_model
-    from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 
     result, ckpt, _ = quantized_gemma("gemma3", "int4_awq", None)
     engine = build_engine(ckpt, tmp_path / "engine", max_seq_len=64, tokens_per_block=8, int4_accuracy_level=1,
@@ -190,7 +189,7 @@ def test_weight_only_gemma_engine_matches_the_checkpoints_reference(quantized_ge
     ids = IDS[0].tolist()
     with torch.no_grad():
         want = reference_model(ckpt)(IDS[:1]).logits[0].numpy()
-    got = CpuEngine(engine, num_threads=1, num_blocks=8).step([SequenceChunk(0, ids, 0, len(ids), list(range(8)))])
+    got = prefill_logits(engine, ids)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
@@ -224,7 +223,6 @@ def test_gemma3_vision_language_folder_converts_its_text_decoder(tmp_path):
     import transformers
 
     from trtbuild.builder.build import build_engine
-    from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 
     text = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, sliding_window=6,
@@ -248,7 +246,7 @@ def test_gemma3_vision_language_folder_converts_its_text_decoder(tmp_path):
     ids = np.random.default_rng(0).integers(3, 256, size=20).tolist()
     with torch.no_grad():
         want = model(input_ids=torch.tensor([ids])).logits[0].numpy()
-    got = CpuEngine(engine, num_threads=1, num_blocks=8).step([SequenceChunk(0, ids, 0, len(ids), list(range(8)))])
+    got = prefill_logits(engine, ids)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 

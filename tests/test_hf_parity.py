@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import STORIES260K, TINYSTORIES656K, require_shared_models
+from helpers import STORIES260K, TINYSTORIES656K, in_every_group, require_shared_models
 
+from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 from trtbuild.runtime.llm import LLM
@@ -51,9 +52,17 @@ def assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
     assert err <= RTOL, f"relative logit error {err:.2e} > {RTOL}"
 
 
-def chunk(seq: int, ids: list[int], start: int, num_logits: int = 1) -> SequenceChunk:
-    """A chunk of test sequence `seq`, which owns blocks seq*32 .. seq*32+31 (enough for 256 tokens of 8)."""
-    return SequenceChunk(seq, ids, start, num_logits, list(range(seq * 32, seq * 32 + 32)))
+def chunk(seq: int, ids: list[int], start: int, num_logits: int = 1, groups: int = 1) -> SequenceChunk:
+    """A chunk of test sequence `seq` (of at most 3), which owns blocks seq*32 .. seq*32+31 (enough for 256 tokens of
+    8), and as many 96 blocks further for each other KV cache group (Gemma 2 / 3, OLMo 3)."""
+    return in_every_group([SequenceChunk(seq, ids, start, num_logits, list(range(seq * 32, seq * 32 + 32)))],
+                          groups, 96)[0]
+
+
+def engine_of(engine_dir) -> tuple[CpuEngine, int]:
+    """A CPU engine with blocks for 3 test sequences (`chunk`) in each of its KV cache groups, and their number."""
+    groups = len(read_engine_config(engine_dir).kv_cache_groups)
+    return CpuEngine(engine_dir, num_threads=1, num_blocks=96 * groups), groups
 
 
 def prompt(vocab: int, length: int, seed: int) -> list[int]:
@@ -63,15 +72,15 @@ def prompt(vocab: int, length: int, seed: int) -> list[int]:
 @pytest.mark.parametrize("name", MODELS)
 def test_prefill_and_32_decode_steps(name, hf_and_engine):
     hf, engine_dir = hf_and_engine(name)
-    engine = CpuEngine(engine_dir, num_threads=1, num_blocks=32)
+    engine, groups = engine_of(engine_dir)
     ids = prompt(hf.config.vocab_size, 13, seed=1)
     with torch.no_grad():
         full = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0].tolist()
     expected = hf_logits(hf, full)
-    got = engine.step([chunk(0, ids, 0, num_logits=len(ids))])
+    got = engine.step([chunk(0, ids, 0, num_logits=len(ids), groups=groups)])
     assert_close(got, expected[: len(ids)])
     for pos in range(len(ids), len(full)):  # 32 decode steps fed with HF's greedy tokens
-        got = engine.step([chunk(0, [full[pos]], pos)])
+        got = engine.step([chunk(0, [full[pos]], pos, groups=groups)])
         assert_close(got[0], expected[pos])
 
 
@@ -79,13 +88,13 @@ def test_prefill_and_32_decode_steps(name, hf_and_engine):
 def test_mixed_batch_and_chunked_prefill(name, hf_and_engine):
     """One step holding a decode token, a first prefill chunk and a continuing prefill chunk of different lengths."""
     hf, engine_dir = hf_and_engine(name)
-    engine = CpuEngine(engine_dir, num_threads=1, num_blocks=96)
+    engine, groups = engine_of(engine_dir)
     a, b, c = (prompt(hf.config.vocab_size, n, seed=s) for n, s in ((21, 2), (7, 3), (17, 4)))
-    engine.step([chunk(0, a[:20], 0, num_logits=0), chunk(2, c[:9], 0, num_logits=0)])
+    engine.step([chunk(0, a[:20], 0, num_logits=0, groups=groups), chunk(2, c[:9], 0, num_logits=0, groups=groups)])
     got = engine.step([
-        chunk(0, a[20:], 20),  # decode: past 20
-        chunk(1, b, 0, num_logits=len(b)),  # whole prompt
-        chunk(2, c[9:], 9, num_logits=len(c) - 9),  # second chunk of a split prefill
+        chunk(0, a[20:], 20, groups=groups),  # decode: past 20
+        chunk(1, b, 0, num_logits=len(b), groups=groups),  # whole prompt
+        chunk(2, c[9:], 9, num_logits=len(c) - 9, groups=groups),  # second chunk of a split prefill
     ])
     assert got.shape[0] == 1 + len(b) + len(c) - 9
     assert_close(got[0], hf_logits(hf, a)[-1])

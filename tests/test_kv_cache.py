@@ -13,7 +13,7 @@ from trtbuild.configs import BuildConfig, ModelConfig, QuantConfig
 from trtbuild.quantization import FP8_E4M3_MAX, INT8_MAX, fp8_e4m3_values, kv_pool_dtype, kv_pool_elem_type
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 from trtbuild.runtime.kv_cache import KVCacheStorage, dequantize_kv, quantize_kv
-from trtbuild.runtime.kv_cache_manager import KVCacheManager
+from trtbuild.runtime.kv_cache_manager import RELEASED, KVCacheManager
 from trtbuild.runtime.request import Request
 from trtbuild.runtime.sampling import SamplingParams
 
@@ -100,7 +100,7 @@ def test_write_touches_exactly_the_given_slots():
     before = pool.copy()
     slots = np.array([23, 8, 9, 28, 0])
     new_kv = rng.standard_normal((LAYERS, 2, len(slots), KV_HEADS, HEAD)).astype(np.float32)
-    storage.write(new_kv, slots)
+    storage.write(new_kv, [slots])
     assert storage.pool is pool and storage.pool.__array_interface__["data"][0] == data  # in place
     expected = before.copy()
     for t, s in enumerate(slots):
@@ -127,7 +127,7 @@ def test_pool_is_backed_by_huge_pages_where_the_kernel_offers_them():
     storage = KVCacheStorage(LAYERS, KV_HEADS, 64, 16, 4096)  # 32 KiB blocks, 128 MiB in all
     assert storage.huge_pages
     tokens = 16 * 16  # blocks 2000..2015
-    storage.write(np.ones((LAYERS, 2, tokens, KV_HEADS, 64), np.float32), np.arange(tokens) + 16 * 2000)
+    storage.write(np.ones((LAYERS, 2, tokens, KV_HEADS, 64), np.float32), [np.arange(tokens) + 16 * 2000])
 
     start, end = storage.pool.ctypes.data, storage.pool.ctypes.data + storage.pool.nbytes
     huge_kb, inside = 0, False
@@ -163,28 +163,39 @@ def test_reserve_makes_the_whole_pool_resident_and_keeps_it_zero():
 
 
 def assert_ownership(kv: KVCacheManager, requests: dict[str, Request]) -> None:
-    """Every block is free (ref 0, in the free queue once) or held (ref = number of tables holding it), never both;
-    a table never holds a block twice; the content index and the blocks' hashes agree; a table's registered blocks
-    carry its own hashes."""
+    """Every block is free (ref 0, in the free queue once) or held (ref = number of tables holding it, over every
+    group), never both; a table never holds a block twice; the content index and the blocks' hashes agree; a table's
+    registered blocks carry its own hashes (keyed by group); a windowed group released exactly the blocks before its
+    window."""
     pool = kv.pool
-    held = [b for table in kv.blocks.values() for b in table]
-    for table in kv.blocks.values():
-        assert len(set(table)) == len(table), table
+    held = [b for tables in kv.blocks.values() for table in tables for b in table if b != RELEASED]
+    for tables in kv.blocks.values():
+        assert len(tables) == kv.num_groups
+        live = [b for table in tables for b in table if b != RELEASED]
+        assert len(set(live)) == len(live), tables
     for block in range(pool.num_blocks):
         assert pool.ref_counts[block] == held.count(block), (block, kv.blocks)
         assert (pool.ref_counts[block] == 0) == (block in pool.free_queue), block
     assert len(pool.free_queue) == pool.num_blocks - len(set(held))
     assert {h: b for b, h in enumerate(pool.block_hash) if h is not None} == pool.cached
-    for rid, table in kv.blocks.items():
-        for i in range(kv.num_cached.get(rid, 0)):
-            assert pool.block_hash[table[i]] in (None, requests[rid].block_hashes[i])
+    for rid, tables in kv.blocks.items():
+        r = requests[rid]
+        for g, table in enumerate(tables):
+            for i in range(kv.num_cached.get(rid, 0)):
+                if table[i] != RELEASED:
+                    assert pool.block_hash[table[i]] in (None, kv._key(g, r.block_hashes[i]))
+            start = kv.window_start(g, r.num_computed_tokens)
+            assert all(b == RELEASED for b in table[:start]) and RELEASED not in table[start:], (g, table)
 
 
+@pytest.mark.parametrize("windows", [(None,), (6,), (None, 6, 6)], ids=["full", "sliding", "hybrid"])
 @pytest.mark.parametrize("caching", [True, False])
-def test_ownership_invariants_under_random_admit_grow_free(caching):
-    """Random traffic with shared prefixes: allocate (with prefix reuse), grow, register full blocks, free."""
+def test_ownership_invariants_under_random_admit_grow_free(caching, windows):
+    """Random traffic with shared prefixes: allocate (with prefix reuse), grow, register full blocks, release what
+    fell out of a window, free; for one group of full layers, one of sliding layers and a hybrid of both."""
     rng = np.random.default_rng(0)
-    kv = KVCacheManager(num_blocks=12, block_size=BLOCK, enable_prefix_caching=caching)
+    num_blocks = 12 * len(windows)
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=BLOCK, enable_prefix_caching=caching, windows=windows)
     live: dict[str, Request] = {}
     prefixes = [rng.integers(0, 5, size=8).tolist() for _ in range(3)]
     hits = refused = 0
@@ -200,7 +211,8 @@ def test_ownership_invariants_under_random_admit_grow_free(caching):
                 live[r.request_id] = r
                 r.num_computed_tokens = n
                 kv.cache_full_blocks(r)
-                assert len(kv.block_table(r)) == ceil_blocks(n)
+                kv.release_outside_window(r)
+                assert all(len(t) == ceil_blocks(n) for t in kv.block_tables(r))
             else:
                 refused += 1
                 assert r.request_id not in kv.blocks
@@ -210,16 +222,17 @@ def test_ownership_invariants_under_random_admit_grow_free(caching):
             if kv.allocate(r, len(r.token_ids)):
                 r.num_computed_tokens = len(r.token_ids)
                 kv.cache_full_blocks(r)
+                kv.release_outside_window(r)
             else:
                 r.token_ids.pop()
-            assert len(kv.block_table(r)) == ceil_blocks(r.num_computed_tokens)
+            assert all(len(t) == ceil_blocks(r.num_computed_tokens) for t in kv.block_tables(r))
         else:
             kv.free(live.pop(list(live)[rng.integers(len(live))]))
         assert_ownership(kv, live)
     assert refused and (hits if caching else not hits)
     for r in live.values():
         kv.free(r)
-    assert kv.pool.num_free == 12 and not kv.blocks
+    assert kv.pool.num_free == num_blocks and not kv.blocks
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 4, 5, 8, 9, 31])
@@ -243,15 +256,15 @@ def test_a_full_pool_refuses_and_changes_nothing():
     kv.cache_full_blocks(a)
     table_a, free = list(kv.block_table(a)), list(kv.pool.free_queue)
     assert not kv.allocate(b, 2 * BLOCK)  # needs 2 blocks, 1 is free
-    assert kv.blocks == {"a": table_a} and list(kv.pool.free_queue) == free  # no partial table
+    assert kv.blocks == {"a": [table_a]} and list(kv.pool.free_queue) == free  # no partial table
     assert not kv.allocate(a, 5 * BLOCK)
-    assert kv.blocks == {"a": table_a} and list(kv.pool.free_queue) == free
+    assert kv.blocks == {"a": [table_a]} and list(kv.pool.free_queue) == free
     # a prefix hit that would still need too many fresh blocks takes no reference on the shared blocks
     d = req("d", list(range(2 * BLOCK)) + [99] * (2 * BLOCK + 1))
     prefix = kv.computed_prefix(d)
-    assert prefix == table_a[:2]
+    assert prefix.tables == (tuple(table_a[:2]),)
     assert not kv.allocate(d, len(d.token_ids), prefix)
-    assert kv.pool.ref_counts[prefix[0]] == 1 and "d" not in kv.blocks and "d" not in kv.num_cached
+    assert kv.pool.ref_counts[table_a[0]] == 1 and "d" not in kv.blocks and "d" not in kv.num_cached
     assert kv.allocate(b, BLOCK)  # what does fit still works
     assert not kv.allocate(c, 1)
     kv.free(a)

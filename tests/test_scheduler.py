@@ -35,13 +35,13 @@ def test_block_pool_allocates_in_order_and_frees_to_the_back():
 def test_prefix_reuse_shares_full_blocks_and_lru_eviction():
     kv = KVCacheManager(num_blocks=6, block_size=BS)
     a = req("a", list(range(10, 20)))  # 10 tokens: 2 full blocks + 2 tokens
-    assert kv.computed_prefix(a) == []
+    assert not kv.computed_prefix(a)
     assert kv.allocate(a, 10)
     assert kv.block_table(a) == [0, 1, 2]
     a.num_computed_tokens = 10
     kv.cache_full_blocks(a)
     b = req("b", list(range(10, 18)) + [99, 98, 97])  # shares a's first two blocks
-    assert kv.computed_prefix(b) == [0, 1]
+    assert kv.computed_prefix(b).tables == ((0, 1),)
     assert kv.allocate(b, 11, kv.computed_prefix(b))
     assert kv.block_table(b) == [0, 1, 3]
     assert kv.pool.ref_counts[:4] == [2, 2, 1, 1]
@@ -50,11 +50,11 @@ def test_prefix_reuse_shares_full_blocks_and_lru_eviction():
     # free queue: uncached 3 and 2 go to the front; cached blocks follow in eviction order (tails first)
     assert list(kv.pool.free_queue) == [3, 2, 4, 5, 1, 0]
     c = req("c", list(range(10, 14)) + [7, 7, 7, 7, 7])  # matches block 0 only
-    assert kv.computed_prefix(c) == [0]
+    assert kv.computed_prefix(c).tables == ((0,),)
     d = req("d", [5] * 23)  # needs all 6 blocks: evicts cached ones LRU-first
     assert kv.allocate(d, 23)
     assert kv.block_table(d) == [3, 2, 4, 5, 1, 0]
-    assert kv.computed_prefix(c) == []
+    assert not kv.computed_prefix(c)
 
 
 def test_whole_prompt_cached_still_computes_the_last_token():
@@ -64,7 +64,7 @@ def test_whole_prompt_cached_still_computes_the_last_token():
     a.num_computed_tokens = 8
     kv.cache_full_blocks(a)
     b = req("b", list(range(8)))
-    assert kv.computed_prefix(b) == [0]  # block 1 holds the last token, which must be recomputed
+    assert kv.computed_prefix(b).tables == ((0,),)  # block 1 holds the last token, which must be recomputed
 
 
 def make_scheduler(num_blocks=16, policy="max_utilization", max_num_tokens=16, max_batch_size=4, chunk=None,

@@ -15,6 +15,7 @@ from trtbuild.builder.tensorrt.plan import check_tensorrt_buildable
 from trtbuild.configs import ModelConfig
 from trtbuild.errors import ConfigError
 from trtbuild.plugins import paged_attention as pa
+from trtbuild.runtime.kv_cache_manager import NO_PREFIX, RELEASED
 
 
 @pytest.fixture(scope="module")
@@ -70,52 +71,92 @@ def test_blocks_before_the_next_querys_window_are_released_and_stay_revivable():
     from trtbuild.runtime.request import Request
     from trtbuild.runtime.sampling import SamplingParams
 
-    kv = KVCacheManager(8, 4, enable_prefix_caching=True, window=6)
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True, windows=(6,))
     r = Request("a", list(range(100, 113)), SamplingParams())
     assert kv.allocate(r, 16)
     r.num_computed_tokens = 13
     kv.cache_full_blocks(r)
     kv.release_outside_window(r)
-    assert kv.blocks["a"] == [RELEASED, RELEASED, 2, 3] and kv.block_table(r) == [0, 0, 2, 3]
+    assert kv.blocks["a"] == [[RELEASED, RELEASED, 2, 3]] and kv.block_table(r) == [0, 0, 2, 3]
     assert kv.pool.num_free == 6 and kv.pool.lookup(r.block_hashes[0]) == 0  # back in the pool, still cached
     kv.release_outside_window(r)  # idempotent
     assert kv.pool.num_free == 6
     twin = Request("b", list(range(100, 113)), SamplingParams())
-    assert kv.computed_prefix(twin) == [0, 1, 2]  # a later request with the same prefix revives them
+    # a later request with the same prefix revives those its first query (position 12, keys 7..12) reads
+    assert kv.computed_prefix(twin).tables == ((RELEASED, 1, 2),)
     kv.free(r)
     assert kv.pool.num_free == 8 and not kv.blocks
 
 
+def _record_held(core) -> list[tuple[int, ...]]:
+    """Per request and step, the blocks each KV cache group holds (released entries not counted)."""
+    from trtbuild.runtime.kv_cache_manager import RELEASED
+
+    held, step = [], core.scheduler.update
+
+    def recording(output, sampled):
+        out = step(output, sampled)
+        held.extend(tuple(sum(b != RELEASED for b in t) for t in tables) for tables in core.kv.blocks.values())
+        return out
+
+    core.scheduler.update = recording
+    return held
+
+
 def test_an_engine_windowed_in_every_layer_holds_about_a_window_of_blocks(random_hf_model, engine_from_hf):
     """Mistral (window 6, every layer): a 100-token sequence keeps at most ceil(6 / 8) + 1 blocks besides released
-    ones, and decodes what an engine that keeps every block decodes. Gemma 3 (a full layer) releases nothing."""
+    ones, and decodes what an engine that keeps every block decodes."""
     from conftest import RUNTIME_ENGINE_OPTIONS
     from helpers import assert_pool_full, drive
 
     from trtbuild.runtime.config import RuntimeConfig
     from trtbuild.runtime.engine_core import EngineCore
-    from trtbuild.runtime.kv_cache_manager import RELEASED
     from trtbuild.runtime.sampling import SamplingParams
 
     engine = engine_from_hf(random_hf_model("mistral_window"), **RUNTIME_ENGINE_OPTIONS)
     prompt, params = list(range(3, 40)), SamplingParams(max_tokens=64, ignore_eos=True)
     core = EngineCore(engine, RuntimeConfig(num_threads=1, max_prefill_chunk=8))
-    assert core.kv.window == 6
-    held = []
-    step = core.scheduler.update
-
-    def recording(output, sampled):
-        out = step(output, sampled)
-        held.extend(sum(b != RELEASED for b in t) for t in core.kv.blocks.values())
-        return out
-
-    core.scheduler.update = recording
+    assert core.kv.windows == (6,)
+    held = _record_held(core)
     tokens = drive(core, [prompt], params)[0]
     assert_pool_full(core)
-    assert max(held) <= 2 and len(held) > 60
+    assert max(n for (n,) in held) <= 2 and len(held) > 60
     keep_all = EngineCore(engine, RuntimeConfig(num_threads=1, max_prefill_chunk=8))
-    keep_all.kv.window = None
+    keep_all.kv.windows = (None,)
     assert drive(keep_all, [prompt], params)[0] == tokens
-    gemma3 = EngineCore(engine_from_hf(random_hf_model("gemma3"), **RUNTIME_ENGINE_OPTIONS),
-                        RuntimeConfig(num_threads=1))
-    assert gemma3.kv.window is None
+
+
+@pytest.mark.parametrize("family, windows", [("gemma3", (None, 6, 6, 6)), ("gemma2", (None, 6, 6)),
+                                             ("olmo3", (None, 6, 6, 6))])
+def test_sliding_layers_of_a_hybrid_model_hold_a_window_of_blocks(random_hf_model, engine_from_hf, family, windows):
+    """Gemma 3 (layer 2 of 4 full), Gemma 2 (every 2nd of 3), OLMo 3 (every 4th of 4): a KV cache group per full and
+    per sliding layer (groups of min(#full, #sliding) = 1 layer, blocks of 1 slot). Over a 100-token sequence, the
+    full group keeps every block, each sliding group at most 2 beside released ones, and the tokens are those of the
+    same engine keeping every block of every group; prefix reuse then revives only blocks inside the windows."""
+    from conftest import RUNTIME_ENGINE_OPTIONS
+    from helpers import assert_pool_full, drive
+
+    from trtbuild.runtime.config import RuntimeConfig
+    from trtbuild.runtime.engine_core import EngineCore
+    from trtbuild.runtime.sampling import SamplingParams
+
+    engine = engine_from_hf(random_hf_model(family), **RUNTIME_ENGINE_OPTIONS)
+    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=64, ignore_eos=True)
+    core = EngineCore(engine, RuntimeConfig(num_threads=1, max_prefill_chunk=8))
+    assert core.kv.windows == windows and core.engine.kv.pool.shape[1] == 1
+    held = _record_held(core)
+    tokens = drive(core, [prompt], params)[0]
+    assert_pool_full(core)
+    assert [max(h[g] for h in held) for g in range(len(windows))] == [13] + [2] * (len(windows) - 1)
+    keep_all = EngineCore(engine, RuntimeConfig(num_threads=1, max_prefill_chunk=8))
+    keep_all.kv.windows = (None,) * len(windows)
+    assert drive(keep_all, [prompt], params)[0] == tokens
+    # the same prompt again: its first 4 blocks (32 of 37 tokens) come from the cache: all 4 of the full group, and
+    # of each sliding group only block 3, which the first query after them (position 32, keys 27..32) reads
+    taken = []
+    allocate = core.kv.allocate
+    core.kv.allocate = lambda r, n, prefix=NO_PREFIX: taken.append(prefix) or allocate(r, n, prefix)
+    again, finals, _ = drive(core, [prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert again[0] == tokens[0][:4] and finals[0].metrics.num_prefix_cached_tokens == 32
+    assert [[b != RELEASED for b in t] for t in taken[0].tables] == [[True] * 4] + [[False] * 3 + [True]] * (
+        len(windows) - 1)
