@@ -52,8 +52,8 @@ def float16_pool_unreadable(head_sizes: set[int]) -> str | None:
     vectorized path, cpu_ops/paged_attention.cc, is the only one that reads float16)."""
     from trtbuild import cpu_ops
 
-    if not cpu_ops.has_avx512() or not all(16 <= d <= 128 and d % 16 == 0 for d in head_sizes):
-        return (f"the native op reads a float16 KV pool with AVX-512 and head sizes 16-128 in steps of 16 only "
+    if not cpu_ops.has_avx512() or not all((16 <= d <= 128 and d % 16 == 0) or d == 256 for d in head_sizes):
+        return (f"the native op reads a float16 KV pool with AVX-512 and head sizes 16-128 in steps of 16 or 256 only "
                 f"(this CPU {'has' if cpu_ops.has_avx512() else 'lacks'} AVX-512; head size "
                 f"{', '.join(map(str, sorted(head_sizes)))})")
     return None

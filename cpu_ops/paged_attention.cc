@@ -4,8 +4,8 @@
 // keys are rotated once, then each (new token, KV head, some of its query heads) is one task: scores against the
 // sequence's past keys, read in place from the pool through its block table, and against its own new keys up to
 // itself; softmax; the weighted sum of the values. Tasks run on ONNX Runtime's intra-op threads.
-// Head sizes of 16 to 128 in steps of 16 (all the supported models' but the tiny ones) take the vectorized path:
-// 16 keys' scores at once (one accumulator per key, summed across lanes by one transpose), exp of 16 scores at a
+// Head sizes of 16 to 128 in steps of 16, and 256 (all the supported models' but the tiny ones) take the vectorized
+// path: 16 keys' scores at once (one accumulator per key, summed across lanes by one transpose), exp of 16 scores at a
 // time, and the weighted sum of the values kept in registers for up to 16 / (head size / 16) query heads.
 // A float16 pool (--kv-pool-dtype float16) takes that path only: its rows are widened to float32 as they are loaded,
 // and the step's own keys and values are rounded to float16 first, as the runtime rounds them when it writes them,
@@ -131,18 +131,27 @@ void weighted_values(const T* const* values, int64_t visible, int64_t pooled, co
       _mm512_storeu_ps(out + h * 16 * DV + 16 * i, _mm512_mul_ps(acc[h][i], _mm512_set1_ps(inv[h])));
 }
 
-// scores[h * stride + j] = scale * (query h . key j) for 16 keys of R (float, or float16 bits) and nh query heads
+// scores[h * stride + j] = scale * (query h . key j) for 16 keys of R (float, or float16 bits) and nh query heads.
+// NOTE: at most 8 registers of the query are held at once (beside 16 accumulators): a 256-wide head (Gemma) is
+// scored in two passes over its halves, where holding all 16 would spill the accumulators.
 template <typename R, int DV>
 inline void score16(const R* const* keys, const float* q, int64_t nh, __m512 scale, float* scores, int64_t stride) {
+  constexpr int kQ = DV < 8 ? DV : 8;
+  static_assert(DV % kQ == 0, "head sizes past 128 are multiples of 128");
   for (int64_t h = 0; h < nh; ++h) {
-    __m512 qv[DV], acc[16];
+    __m512 acc[16];
+#pragma GCC unroll 2
+    for (int i0 = 0; i0 < DV; i0 += kQ) {
+      __m512 qv[kQ];
 #pragma GCC unroll 8
-    for (int i = 0; i < DV; ++i) qv[i] = _mm512_loadu_ps(q + h * 16 * DV + 16 * i);
+      for (int i = 0; i < kQ; ++i) qv[i] = _mm512_loadu_ps(q + h * 16 * DV + 16 * (i0 + i));
 #pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j) {
-      acc[j] = _mm512_mul_ps(qv[0], widen16(keys[j]));
+      for (int j = 0; j < 16; ++j) {
+        int i = 0;
+        if (i0 == 0) acc[j] = _mm512_mul_ps(qv[i++], widen16(keys[j]));
 #pragma GCC unroll 8
-      for (int i = 1; i < DV; ++i) acc[j] = _mm512_fmadd_ps(qv[i], widen16(keys[j] + 16 * i), acc[j]);
+        for (; i < kQ; ++i) acc[j] = _mm512_fmadd_ps(qv[i], widen16(keys[j] + 16 * (i0 + i)), acc[j]);
+      }
     }
     _mm512_storeu_ps(scores + h * stride, _mm512_mul_ps(scale, transpose_sum16(acc)));
   }
@@ -250,10 +259,11 @@ void attend_generic(const Task& a) {
   }
 }
 
-// Whether head size d takes the vectorized path (the only one that reads a float16 pool).
+// Whether head size d takes the vectorized path (the only one that reads a float16 pool): 16 to 128 in steps of 16,
+// and Gemma's 256.
 bool vectorized(int64_t d) {
 #if defined(__AVX512F__)
-  return d >= 16 && d <= 128 && d % 16 == 0;
+  return (d >= 16 && d <= 128 && d % 16 == 0) || d == 256;
 #else
   (void)d;
   return false;
@@ -271,7 +281,8 @@ void attend_vectorized(const Task& a) {
     case 80: return attend_vectorized<T, 5>(a);
     case 96: return attend_vectorized<T, 6>(a);
     case 112: return attend_vectorized<T, 7>(a);
-    default: return attend_vectorized<T, 8>(a);
+    case 128: return attend_vectorized<T, 8>(a);
+    default: return attend_vectorized<T, 16>(a);
   }
 }
 #endif
@@ -326,7 +337,7 @@ struct PagedAttentionKernel {
     const bool half = pool_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
     if (!half && pool_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail("kv_cache must be float32 or float16");
     if (half && !vectorized(d))
-      fail("a float16 kv_cache needs AVX-512 and a head_size of 16 to 128 in steps of 16; build with "
+      fail("a float16 kv_cache needs AVX-512 and a head_size of 16 to 128 in steps of 16, or 256; build with "
            "--kv-pool-dtype float32 or --attention split");
     const std::vector<int64_t> table_shape = ctx.GetInput(4).GetTensorTypeAndShapeInfo().GetShape();
     if (pool_shape.size() != 6 || pool_shape[3] != kv_heads || pool_shape[4] != bs || pool_shape[5] != d)

@@ -60,7 +60,7 @@ def test_attention_variants_compute_the_same_attention(checkpoint, tmp_path):
 def test_an_unbuilt_build_picks_native_attention_where_the_library_builds(checkpoint, tmp_path):
     assert read_engine_config(build_engine(checkpoint, tmp_path / "e", **LIMITS)).build.attention == "native"
     fp16_pool = build_engine(checkpoint, tmp_path / "f", kv_pool_dtype="float16", **LIMITS)
-    assert read_engine_config(fp16_pool).build.attention == "split"  # float16 pools: head sizes 16-128 only
+    assert read_engine_config(fp16_pool).build.attention == "split"  # float16 pools: head sizes 16-128 and 256 only
     with pytest.raises(ConfigError, match="native cannot be used: the native op reads a float16 KV pool .* head "
                                           "size 8"):
         build_engine(checkpoint, tmp_path / "g", kv_pool_dtype="float16", attention="native", **LIMITS)

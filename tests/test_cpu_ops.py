@@ -102,20 +102,22 @@ def reference(data: dict[str, np.ndarray], attrs: dict) -> tuple[np.ndarray, np.
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head", "block"),
-                         [(14, 2, 64, 16), (8, 2, 128, 4), (6, 3, 48, 16), (4, 4, 32, 8), (4, 1, 16, 16)])
+                         [(14, 2, 64, 16), (8, 2, 128, 4), (6, 3, 48, 16), (4, 4, 32, 8), (4, 1, 16, 16),
+                          (4, 1, 256, 16)])
 @pytest.mark.parametrize("seqs", [[(37, 1), (0, 21), (16, 5), (15, 1), (100, 3)], [(129, 1)]],
                          ids=["mixed", "one_decode_token"])
 def test_real_head_sizes_match_reference(library, heads, kv_heads, head, block, seqs):
-    """Head sizes of 16..128 take the vectorized path (16 keys at a time, registers for the weighted values): past
-    lengths inside, at and across 16-key groups and blocks, prefill chunks, and one decode token whose query heads
-    are split over tasks."""
+    """Head sizes of 16..128 and 256 (Gemma's, scored in two halves) take the vectorized path (16 keys at a time,
+    registers for the weighted values): past lengths inside, at and across 16-key groups and blocks, prefill chunks,
+    and one decode token whose query heads are split over tasks."""
     sess, data, attrs = real_shape_case(heads, kv_heads, head, block, seqs, seed=head + block)
     got = sess.run(None, data)
     for name, g, w in zip(pa.OUTPUTS, got, reference(data, attrs), strict=True):
         np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head", "block"), [(14, 2, 64, 16), (8, 2, 128, 4), (6, 3, 48, 16)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head", "block"), [(14, 2, 64, 16), (8, 2, 128, 4), (6, 3, 48, 16),
+                                                                  (8, 2, 256, 16)])
 @pytest.mark.parametrize("seqs", [[(37, 1), (0, 21), (16, 5), (15, 1), (100, 3)], [(129, 1)]],
                          ids=["mixed", "one_decode_token"])
 def test_float16_pool_matches_reference(library, heads, kv_heads, head, block, seqs):
@@ -180,7 +182,8 @@ def test_float16_pool_attends_new_rows_as_stored(library):
 
 def test_float16_pool_with_an_unvectorized_head_size_is_refused(library):
     sess, data, _ = real_shape_case(4, 2, 8, 16, [(5, 1)], seed=0, pool_dtype=np.float16)
-    with pytest.raises(Exception, match="float16 kv_cache needs AVX-512 and a head_size of 16 to 128"):
+    with pytest.raises(Exception, match="float16 kv_cache needs AVX-512 and a head_size of 16 to 128 in steps of 16, "
+                                        "or 256"):
         sess.run(None, data)
 
 
