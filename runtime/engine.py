@@ -202,6 +202,10 @@ class CpuEngine:
         options.intra_op_num_threads = num_threads or default_threads(self.info.tuned_threads)
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        # NOTE: no memory pattern: the pattern ONNX Runtime records in a step is one block allocated beside the arena
+        # that already holds the first such step's tensors, so every step shape's working memory was held twice
+        # (Gemma 3 1B, 2048-token chunks: peak RSS 1722 -> 1398 MiB, prefill and decode speed unchanged).
+        options.enable_mem_pattern = False
         options.log_severity_level = 3
         if profile_prefix is not None:
             options.enable_profiling, options.profile_file_prefix = True, profile_prefix
