@@ -2,7 +2,8 @@
 `llama-batched-bench`) and ONNX Runtime GenAI (its model builder on the HF folder, when it is installed).
 
     python benchmarks/peers.py --gguf model.gguf [--hf-dir hf/] [--llama-bin ~/.cache/trtbuild-peers/llama-build/bin]
-        [--threads 2] [--rounds 3] [--prompt 128] [--gen 128] [--parallel 16] [--work /tmp/peers] [--json out.json]
+        [--threads 2] [--rounds 3] [--prompt 128] [--gen 128] [--parallel 16] [--ubatch 512] [--work /tmp/peers]
+        [--json out.json]
 
 Measured, like llama-bench: prefill of one `--prompt`-token prompt (tok/s; its time is the TTFT), batch-1 decode of
 `--gen` tokens (tok/s), and `--parallel` concurrent requests of `--prompt` + `--gen` tokens (output tok/s over the
@@ -10,7 +11,8 @@ whole run, prefill included), plus each system's peak RSS. trtbuild runs the eng
 (its quantized tensors stay quantized, its build options the defaults), with KV pools of the tokens llama.cpp's
 contexts hold. Every system runs in its own process, one after another; rounds alternate the systems (this VM's
 speed drifts) and the table gives medians and trtbuild / peer ratios. A peer that is not there is reported as
-missing. `--smoke` is a seconds-long run for CI (tiny lengths, one round).
+missing. Both run steps of at most `--ubatch` tokens (llama.cpp's n_ubatch). `--smoke` is a seconds-long run for CI
+(tiny lengths, one round).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def build_trtbuild(gguf: Path, work: Path, args: argparse.Namespace) -> Path:
     for cmd in (["convert", "--model", str(gguf), "--output", str(ckpt)],
                 ["build", "--checkpoint", str(ckpt), "--output", str(engine), "--max-batch-size", str(args.parallel),
                  "--max-seq-len", str(max(256, args.prompt + args.gen)),
-                 "--max-num-tokens", str(max(args.prompt, 256))]):
+                 "--max-num-tokens", str(step_tokens(args))]):
         run_timed(["trtbuild", *cmd])
     shutil.rmtree(ckpt)
     # NOTE: write the build's gigabytes back now, not during the first measured round: that round was the slowest
@@ -81,8 +83,8 @@ def measure_trtbuild(engine: Path, part: str, args: argparse.Namespace) -> dict[
     # Models mixing sliding and full layers hold, as llama.cpp's, only the window of their sliding layers' K/V.
     info = read_engine_config(engine)
     windows, per_block = [g.window for g in info.kv_cache_groups], info.build.tokens_per_block
-    chunk = max(args.prompt, 256)  # the build's max_num_tokens (build_trtbuild)
-    blocks = lambda tokens, seqs: batch_blocks_needed(windows, per_block, seqs, tokens, chunk)  # noqa: E731
+    blocks = lambda tokens, seqs: batch_blocks_needed(windows, per_block, seqs, tokens,  # noqa: E731
+                                                      info.build.max_num_tokens)
     if part == "parallel":
         slack = -(-(batched_context(args) - args.parallel * (args.prompt + args.gen)) // per_block)
         parallel = run_bench(BenchOptions(engine=engine, num_requests=args.parallel, input_len=args.prompt,
@@ -120,6 +122,13 @@ def trtbuild_round(engine: Path, args: argparse.Namespace) -> dict[str, float]:
     return {**result, "peak_rss_mib": peak / 2**20}
 
 
+def step_tokens(args: argparse.Namespace) -> int:
+    """The engine's max_num_tokens: the prompt in one step (at least 256 tokens), but no more than `--ubatch`, the
+    tokens of llama.cpp's steps. NOTE: a step's working memory grows with its tokens (Gemma 3 1B: peak RSS 1016
+    MiB in 512-token steps, 1332 MiB in 2048-token ones, prefill 4% faster), so the two compare at equal steps."""
+    return min(max(args.prompt, 256), args.ubatch)
+
+
 # ---- llama.cpp ------------------------------------------------------------------------------------------------------
 def batched_context(args: argparse.Namespace) -> int:
     """KV tokens of the concurrent run: every request's prompt and output, and a little slack."""
@@ -127,7 +136,7 @@ def batched_context(args: argparse.Namespace) -> int:
 
 
 def llama_round(gguf: Path, bin_dir: Path, args: argparse.Namespace) -> dict[str, float]:
-    threads = ["-t", str(args.threads)]
+    threads = ["-t", str(args.threads), "-ub", str(args.ubatch)]
     out, rss = run_timed([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", str(args.prompt), "-n", str(args.gen),
                           "-r", "1", "-o", "json", *threads])
     tests = json.loads(out)
@@ -220,7 +229,8 @@ def table(medians: dict[str, dict[str, float]], missing: dict[str, str], args: a
     for peer, why in missing.items():
         lines.append(f"missing: {peer} ({why})")
     lines.append(f"({args.rounds} round(s), medians; {args.threads} threads; prompt {args.prompt}, generate "
-                 f"{args.gen}, {args.parallel} concurrent; ratios > 1: trtbuild better)")
+                 f"{args.gen}, {args.parallel} concurrent, steps of at most {step_tokens(args)} tokens; ratios > 1: "
+                 "trtbuild better)")
     return "\n".join(lines)
 
 
@@ -234,6 +244,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--parallel", type=int, default=16)
+    p.add_argument("--ubatch", type=int, default=512,
+                   help="Most tokens per step: llama.cpp's -ub (its default), the trtbuild engine's max_num_tokens.")
     p.add_argument("--work", type=Path, default=None, help="Where the engine is built [a temporary folder].")
     p.add_argument("--json", type=Path, default=None, help="Also write every round and the medians here.")
     p.add_argument("--smoke", action="store_true", help="Seconds-long run for CI: tiny lengths, one round.")

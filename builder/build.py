@@ -90,9 +90,11 @@ def default_kv_pool_dtype(config: ModelConfig, target: str) -> str:
 
 
 def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
-    """Fusion passes (unless disabled), the quantized linears' lowering and the accept op's, in place; returns the
-    passes applied. The attention and the native linears are lowered last (TacticLowering), as the tactics say."""
+    """Fusion passes (unless disabled), the quantized linears' lowering, the accept op's and new_kv's float16 cast
+    (builder/new_kv_dtype.py), in place; returns the passes applied. The attention and the native linears are
+    lowered last (TacticLowering), as the tactics say."""
     from trtbuild.builder.lower_accept import lower_speculative_accept
+    from trtbuild.builder.new_kv_dtype import new_kv_in_pool_dtype
     from trtbuild.builder.passes import run_passes
     from trtbuild.builder.passes.lower_quant_cpu import lower_quantized_linears
 
@@ -107,6 +109,8 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
     accept = lower_speculative_accept(model)
     if accept:
         applied.append(f"lower_speculative_accept:{accept}")
+    if casts := new_kv_in_pool_dtype(model):
+        applied.append(f"new_kv_float16:{casts}")
     return applied
 
 
