@@ -296,6 +296,9 @@ def main() -> None:
                 if name == "trtbuild":
                     raise
                 missing[name] = str(e)  # a peer that cannot run this model is reported, not fatal
+                if name == "llama.cpp" and "(exit 132)" in missing[name]:  # SIGILL
+                    missing[name] += ("; a native build may use instructions (AMX) this VM does not enable: rebuild "
+                                      "it without AMX (docs/performance.md, \"Float16 KV pools read in place\")")
                 del systems[name], rounds[name]
                 continue
             print(f"round {n + 1}/{args.rounds} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in

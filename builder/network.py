@@ -20,8 +20,9 @@ Quantized checkpoints: linears take the standard Q/DQ form of their format (buil
 cache makes `kv_cache` int8 (or uint8 holding float8 e4m3fn bits); each PagedAttention node then carries the
 attributes `kv_cache_quant_algo` and `kv_cache_scale` [K scale, V scale], and the model's metadata_props carry
 the per-layer scales (`trtbuild.kv_cache_scales`, JSON [[k, v], ...]) for the runtime, which quantizes new_kv when
-it writes the pool. new_kv itself stays float32. An unquantized pool built with `kv_pool_dtype: float16` makes
-`kv_cache` float16 (the runtime rounds new_kv to it when it writes, and attention reads it back as float32).
+it writes the pool. new_kv itself is float32 here. An unquantized pool built with `kv_pool_dtype: float16` makes
+`kv_cache` float16 (attention reads it back as float32); the CPU lowering then casts new_kv to float16
+(builder/new_kv_dtype.py), the values the runtime would have rounded it to when it writes.
 
 A block holds `slots` layers: all of them, or, where sliding and full layers mix, one KV cache group's
 (configs/kv_groups.py); each group after the first adds its own block table input, `block_tables_<group>`.

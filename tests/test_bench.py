@@ -283,15 +283,25 @@ def test_speculative_decoding_reports_accepted_drafts(engine, tmp_path):
     assert steps["accepted_draft_tokens"] == steps["draft_tokens"] and steps["steps"] == 1 + 59 // 5 + 1
 
 
-def test_peers_benchmark_smoke_reports_trtbuild_and_a_missing_peer(tmp_path):
-    """benchmarks/peers.py in its CI mode: trtbuild measured from the GGUF file, llama.cpp reported missing."""
+@pytest.mark.parametrize(("llama", "why"), [("absent", "missing: llama.cpp (no llama-bench"),
+                                            ("sigill", "(exit 132)")])
+def test_peers_benchmark_smoke_reports_trtbuild_and_a_missing_peer(llama, why, tmp_path):
+    """benchmarks/peers.py in its CI mode: trtbuild measured from the GGUF file, llama.cpp reported missing: absent,
+    or dying on an illegal instruction (a native build using AMX where the VM does not enable it), with what to do."""
     require_shared_models()
     gguf = STORIES260K / "stories260K-f32.gguf"
+    bin_dir = tmp_path / "bin"
+    if llama == "sigill":
+        bin_dir.mkdir()
+        for tool in ("llama-bench", "llama-batched-bench"):
+            (bin_dir / tool).write_text("#!/bin/sh\nkill -ILL $$\n")
+            (bin_dir / tool).chmod(0o755)
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "peers.py"), "--gguf", str(gguf), "--smoke",
-                          "--threads", "1", "--llama-bin", str(tmp_path / "nowhere"), "--work", str(tmp_path / "w"),
+                          "--threads", "1", "--llama-bin", str(bin_dir), "--work", str(tmp_path / "w"),
                           "--json", str(tmp_path / "peers.json")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "| decode_tok_s |" in out.stdout and "missing: llama.cpp (no llama-bench" in out.stdout
+    assert "| decode_tok_s |" in out.stdout and why in out.stdout
+    assert (llama == "sigill") == ("rebuild it without AMX" in out.stdout)
     medians = json.loads((tmp_path / "peers.json").read_text())["medians"]
     assert set(medians) == {"trtbuild"}
     assert all(value > 0 for value in medians["trtbuild"].values()), medians
