@@ -99,9 +99,12 @@ class PartialRotaryRows(Mapping):
     weights, biases and the per-row scales and zero points of quantized linears; their input-side scales keep
     their order. Lazy: a tensor is reordered when it is looked up."""
 
-    def __init__(self, tensors: Mapping[str, Any], config: ModelConfig) -> None:
+    def __init__(self, tensors: Mapping[str, Any], config: ModelConfig, inverse: bool = False) -> None:
+        """`inverse`: the other way, from the engine's row order back to the model's (tensors computed on
+        reordered rows, as the quantizer's)."""
         self.tensors, self.config = tensors, config
-        self.order = rotary_row_order(config.head_size, rotary_dim(config))
+        order = rotary_row_order(config.head_size, rotary_dim(config))
+        self.order = np.argsort(order) if inverse else order
 
     def __getitem__(self, name: str) -> Any:
         t = self.tensors[name]

@@ -123,6 +123,7 @@ def quantize(options: QuantizeOptions) -> QuantizeResult:
 
 
 def _quantize(options: QuantizeOptions, qconfig: QuantConfig, texts: list[str]) -> QuantizeResult:
+    from trtbuild.builder.rope import PartialRotaryRows
     from trtbuild.quantize.awq import DEFAULT_GRID_POINTS
     from trtbuild.quantize.calib import calibration_samples
     from trtbuild.quantize.calibrate import (
@@ -134,7 +135,7 @@ def _quantize(options: QuantizeOptions, qconfig: QuantConfig, texts: list[str]) 
         unify_shared_inputs,
     )
     from trtbuild.quantize.export import export_quantized, export_weight_only_int8
-    from trtbuild.quantize.source import build_torch_model, read_source
+    from trtbuild.quantize.source import EngineRotaryEmbedding, build_torch_model, read_source
 
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -183,8 +184,11 @@ def _quantize(options: QuantizeOptions, qconfig: QuantConfig, texts: list[str]) 
     seconds["calibrate"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    tensors.update(export_quantized(torch_model, qconfig.quant_algo or "", hf_quantized, qconfig.weight_group_size,
-                                    qconfig.kv_cache_quant_algo, qconfig.per_token_activations))
+    exported = export_quantized(torch_model, qconfig.quant_algo or "", hf_quantized, qconfig.weight_group_size,
+                                qconfig.kv_cache_quant_algo, qconfig.per_token_activations)
+    if isinstance(getattr(torch_model.model, "rotary_emb", None), EngineRotaryEmbedding):
+        exported = dict(PartialRotaryRows(exported, config, inverse=True))  # its q / k rows were the engine's
+    tensors.update(exported)
     if own_head:
         tensors.update(export_weight_only_int8("lm_head", torch_model.get_submodule(modules["lm_head"])))
     needed = expected_tensors(config, range(config.num_hidden_layers), first_stage=True, last_stage=True)

@@ -4,6 +4,7 @@ fp32 transformers model built from them."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trtbuild.configs.model_config import GEMMA_FAMILIES
+from trtbuild.configs.model_config import GEMMA_FAMILIES, ModelConfig
 from trtbuild.errors import CheckpointError, ConfigError
 
 
@@ -161,16 +162,42 @@ def _as_mistral(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor]
     from trtbuild.configs.from_hf import model_config_from_hf
 
     config = model_config_from_hf(hf_config)
-    if config.rotary_dim is not None:
-        raise CheckpointError(f"`trtbuild quantize` cannot calibrate a model with partial rotary embeddings yet "
-                              f"(this one rotates {config.rotary_dim} of {config.head_size} head dimensions): use a "
-                              "quantized GGUF of it, or `trtbuild convert --weight-only int8|int4`.")
-    mistral = {k: v for k, v in hf_config.items() if k not in ("rope_scaling", "rope_parameters")}
+    mistral = {k: v for k, v in hf_config.items() if k not in ("rope_scaling", "rope_parameters",
+                                                               "partial_rotary_factor")}
     mistral.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=config.sliding_window)
-    mistral["rope_parameters"] = {"rope_type": "default", **(config.rotary_scaling or {}),
+    # NOTE: a partial rotary model's RoPE is the engine's (build_torch_model swaps it in): its own is never used
+    mistral["rope_parameters"] = {"rope_type": "default", **({} if config.rotary_dim else config.rotary_scaling or {}),
                                   "rope_theta": config.rotary_base}
     sources = {n: SourceTensor(tuple(t.shape), lambda t=t: t) for n, t in tensors.items()}
-    return mistral, {n: s.load() for n, s in split_fused(sources, config).items()}
+    split = {n: s.load() for n, s in split_fused(sources, config).items()}
+    return mistral, _in_engine_row_order(split, config) if config.rotary_dim else split
+
+
+def _in_engine_row_order(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF tensors with q / k rows in the engine's order (builder/rope.py), for a Mistral model on whole-head RoPE."""
+    from trtbuild.builder.rope import PartialRotaryRows
+
+    names = {n: re.sub(r"^model\.layers\.(\d+)\.self_attn\.([qk])_proj\.weight$",
+                       r"transformer.layers.\1.attention.\2.weight", n) for n in tensors}
+    rows = PartialRotaryRows({names[n]: t for n, t in tensors.items()}, config)
+    return {n: rows[names[n]] for n in tensors}
+
+
+class EngineRotaryEmbedding(torch.nn.Module):
+    """The engine's RoPE (builder/rope.py: whole-head pairs, cos 1 / sin 0 past the rotated ones) as a transformers
+    rotary module: a model on rows in the engine's order computes the partial rotary model's attention. As HF's
+    LongRoPE, the longest position of the forward picks the factors."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from trtbuild.builder.rope import rope_tables
+
+        cos, sin = (torch.from_numpy(t) for t in rope_tables(self.config, int(position_ids.max()) + 1))
+        cos, sin = (torch.cat([t, t], dim=-1)[position_ids] for t in (cos, sin))
+        return cos.to(x.dtype), sin.to(x.dtype)
 
 
 def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
@@ -190,7 +217,7 @@ def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
     if (arch := (config_dict.get("architectures") or [None])[0]) in TEXT_MODELS_OF:
         raise CheckpointError(f"`trtbuild quantize` reads the text decoder of a {arch} from its trtbuild checkpoint: "
                               f"run `trtbuild convert --model {source.path} --output CKPT` first, then quantize CKPT.")
-    if (config_dict.get("architectures") or [None])[0] in FUSED_AS_MISTRAL:
+    if arch in FUSED_AS_MISTRAL:
         config_dict, source.hf_tensors = _as_mistral(config_dict, source.hf_tensors)
     if source.kind == "hf" and config_dict is source.hf_config:
         hf_cfg = transformers.AutoConfig.from_pretrained(str(source.path), local_files_only=True)
@@ -200,6 +227,8 @@ def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
     with no_init_weights():  # every weight is loaded below (a random init of 1.5B parameters takes ~18 s)
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     model.tie_weights()  # which no_init_weights skips
+    if arch in FUSED_AS_MISTRAL and (partial := model_config_from_hf(source.hf_config)).rotary_dim:
+        model.model.rotary_emb = EngineRotaryEmbedding(partial)  # on _as_mistral's reordered q / k rows
     embedding_scale = getattr(model.get_input_embeddings(), "embed_scale", None)
     if embedding_scale is not None:  # Gemma: the checkpoint's multiplier (transformers' sqrt(hidden) in the
         embedding_scale.fill_(model_config_from_hf(config_dict).embedding_multiplier)  # source dtype), not fp32's

@@ -129,11 +129,23 @@ def test_partial_rotary_rows_reorder_q_k_outputs_only():
     assert set(rows) == set(t) and len(rows) == 4
 
 
-def test_the_quantizer_refuses_partial_rotary_with_what_to_do():
+def test_the_quantizers_mistral_form_holds_partial_rotary_q_k_rows_in_the_engines_order():
+    """Only q and k rows move, per head, as the builder moves them; the Mistral config gets no partial rotary."""
     from trtbuild.quantize.source import _as_mistral
 
-    with pytest.raises(CheckpointError, match="partial rotary embeddings .* rotates 8 of 16 .* quantized GGUF"):
-        _as_mistral({**PHI3, "partial_rotary_factor": 0.5, "rope_scaling": None}, {})
+    hf = {**PHI3, "partial_rotary_factor": 0.5, "rope_scaling": None}  # 4 heads of 16 over 2, 8 dims rotated
+    qkv, gate_up = torch.randn(128, 64), torch.randn(192, 64)
+    mistral, split = _as_mistral(hf, {"model.layers.0.self_attn.qkv_proj.weight": qkv,
+                                      "model.layers.0.mlp.gate_up_proj.weight": gate_up})
+    order = torch.from_numpy(rotary_row_order(16, 8))
+    assert "partial_rotary_factor" not in mistral and mistral["rope_parameters"]["rope_type"] == "default"
+    for h in range(4):
+        assert torch.equal(split["model.layers.0.self_attn.q_proj.weight"][16 * h: 16 * h + 16], qkv[16 * h + order])
+    for h in range(2):
+        assert torch.equal(split["model.layers.0.self_attn.k_proj.weight"][16 * h: 16 * h + 16],
+                           qkv[64 + 16 * h + order])
+    assert torch.equal(split["model.layers.0.self_attn.v_proj.weight"], qkv[96:])
+    assert torch.equal(split["model.layers.0.mlp.gate_proj.weight"], gate_up[:96])
 
 
 def test_a_gguf_with_one_longrope_factor_set_is_refused():

@@ -549,15 +549,19 @@ def test_other_families_in_bfloat16(family, runs, tmp_path):
     assert weights <= 1e-4 and full_max <= 0.3 and full_mean <= 0.15, (weights, full_max, full_mean)
 
 
-def test_phi3_quantizes_through_its_mistral_form(runs, tmp_path):
-    """Phi-3 (fused q/k/v and gate/up, LongRoPE, a sliding window): the quantizer's torch model is the Mistral model
-    of its split weights, which computes the HF Phi-3 model's logits; the checkpoint computes modelopt's simulation."""
+@pytest.mark.parametrize(("family", "qformat", "kv"), [
+    ("phi3_longrope", "int4_awq", "int8"), ("phi3_partial", "int4_awq", "int8"), ("phi3_partial", "fp8", "fp8")])
+def test_phi3_quantizes_through_its_mistral_form(family, qformat, kv, runs, tmp_path):
+    """Phi-3 (fused q/k/v and gate/up, LongRoPE, a sliding window) and Phi-4-mini (partial rotary embeddings): the
+    quantizer's torch model is the Mistral model of its split weights (Phi-4-mini's: q / k rows in the engine's
+    order, on the engine's RoPE), which computes the HF model's logits; the checkpoint computes modelopt's
+    simulation."""
     import transformers
 
     from trtbuild.quantize.source import build_torch_model, read_source
 
     ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(2))
-    hf = make_random_hf_model("phi3_longrope", tmp_path / "hf", overrides={"vocab_size": 512, "sliding_window": 12})
+    hf = make_random_hf_model(family, tmp_path / "hf", overrides={"vocab_size": 512, "sliding_window": 12})
     shutil.copy(STORIES260K / "tokenizer.json", hf / "tokenizer.json")
     with torch.no_grad():
         want = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)(ids).logits
@@ -565,10 +569,13 @@ def test_phi3_quantizes_through_its_mistral_form(runs, tmp_path):
         assert type(mistral).__name__ == "MistralForCausalLM"
         assert ((mistral(ids).logits - want).abs().max() / want.abs().max()).item() <= 1e-5
     # the int8 KV cache's reference attention keeps the window (it came 3.3x the quantization error off without it)
-    result, ckpt = runs("int4_awq", "int8", model=hf)
+    result, ckpt = runs(qformat, kv, model=hf)
     config, tensors = load_checkpoint(ckpt)
-    assert config.family == "phi3" and config.rotary_scaling["rope_type"] == "longrope"
-    assert tensors["transformer.layers.0.attention.k.weight"].dtype == torch.uint8  # int4 pairs packed
+    assert config.family == "phi3"
+    assert (config.rotary_scaling or {}).get("rope_type") == ("longrope" if family == "phi3_longrope" else None)
+    assert config.rotary_dim == (8 if family == "phi3_partial" else None)
+    assert tensors["transformer.layers.0.attention.k.weight"].dtype == {"int4_awq": torch.uint8,  # int4 pairs
+                                                                        "fp8": torch.float8_e4m3fn}[qformat]
     weights, full_max, full_mean = compare_logits(result, ckpt, hf, ids)
     assert weights <= 1e-4 and full_max <= 0.3 and full_mean <= 0.15, (weights, full_max, full_mean)
 
