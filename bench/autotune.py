@@ -22,18 +22,20 @@ def time_graph(graph: Path, model: ModelConfig, build: BuildConfig, threads: int
     import onnx
 
     from trtbuild.builder.build import io_spec
-    from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+    from trtbuild.runtime.engine import CpuEngine, SequenceChunk, in_every_group
 
     io = io_spec(onnx.load(str(graph), load_external_data=False))
     info = EngineInfo(path=graph.parent, model=model, build=build, target=cpu_fingerprint(), io=io, passes=(),
                       trtbuild_version="tuning", weight_files={})
     per_seq = max(-(-(s.context + s.new_tokens) // build.tokens_per_block) for s in shapes)
     batch = max(s.batch for s in shapes)
-    engine = CpuEngine(info, num_threads=threads, num_blocks=batch * per_seq, graph=graph)
+    groups = len(info.kv_cache_groups)
+    engine = CpuEngine(info, num_threads=threads, num_blocks=groups * batch * per_seq, graph=graph)
     timings = {}
     for shape in shapes:
         chunks = [SequenceChunk(i, [1] * shape.new_tokens, shape.context, 1,
                                 list(range(i * per_seq, (i + 1) * per_seq))) for i in range(shape.batch)]
+        chunks = in_every_group(chunks, groups, batch * per_seq)
         samples = []
         for n in range(WARM_UP_CALLS + TIMED_CALLS[build.autotune]):
             start = time.perf_counter()

@@ -19,7 +19,7 @@ import numpy as np
 
 from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.errors import ConfigError
-from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+from trtbuild.runtime.engine import CpuEngine, SequenceChunk, in_every_group
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,13 @@ def window_logits(engine: CpuEngine, token_ids: Sequence[int], window: Window, c
     feed = list(token_ids[window.begin : window.end - 1])  # the logit at position p predicts token p + 1
     first_logit = window.first_target - 1 - window.begin
     blocks = list(range(-(-len(feed) // b.tokens_per_block)))
+    groups = len(engine.kv.groups)  # _open gave each KV cache group an equal share of the pool
     out = []
     for start in range(0, len(feed), step):
         stop = min(start + step, len(feed))
         wanted = max(0, stop - max(start, first_logit))
-        logits = engine.step([SequenceChunk("eval", feed[start:stop], start, wanted, blocks)])
+        logits = engine.step(in_every_group([SequenceChunk("eval", feed[start:stop], start, wanted, blocks)],
+                                            groups, engine.kv.num_blocks // groups))
         if wanted:
             out.append(logits)
     return np.concatenate(out)
@@ -96,7 +98,8 @@ def _open(engine_dir: Path, max_seq_len: int, num_threads: int | None) -> CpuEng
     if max_seq_len > b.max_seq_len:
         raise ConfigError("max_seq_len", f"{max_seq_len} exceeds the engine's build limit {b.max_seq_len} "
                                          f"({engine_dir}); ask for {b.max_seq_len} or less")
-    return CpuEngine(info, num_threads=num_threads, num_blocks=-(-max_seq_len // b.tokens_per_block))
+    return CpuEngine(info, num_threads=num_threads,
+                     num_blocks=len(info.kv_cache_groups) * -(-max_seq_len // b.tokens_per_block))
 
 
 def evaluate(engine_dir: Path, token_ids: Sequence[int], max_seq_len: int | None = None, stride: int | None = None,

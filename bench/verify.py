@@ -298,7 +298,7 @@ def _max_abs_diff(ours, theirs, name: str) -> float:
 def _step_chunks(info: EngineInfo):
     """(descriptions, chunk lists, pool blocks) of the verification steps within the engine's build limits:
     a prefill of up to two sequences of different lengths with logits of every token, then one token each."""
-    from trtbuild.runtime.engine import SequenceChunk
+    from trtbuild.runtime.engine import SequenceChunk, in_every_group
 
     b, vocab = info.build, info.model.vocab_size
     rng = np.random.default_rng(SEED)
@@ -316,4 +316,5 @@ def _step_chunks(info: EngineInfo):
     if decode:
         chunks.append([SequenceChunk(i, [0], n, 1, tables[i]) for i, n in enumerate(lengths)])
         steps.append("decode of 1 token per sequence, on the reference prefill's K/V")
-    return steps, chunks, sum(blocks_per_seq)
+    groups, per_group = len(info.kv_cache_groups), sum(blocks_per_seq)
+    return steps, [in_every_group(c, groups, per_group) for c in chunks], groups * per_group

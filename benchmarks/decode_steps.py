@@ -13,15 +13,16 @@ import argparse
 import statistics
 import time
 
-from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+from trtbuild.builder.engine_dir import read_engine_config
+from trtbuild.runtime.engine import CpuEngine, SequenceChunk, in_every_group
 
 
 def ms_per_step(engine: CpuEngine, steps: int = 30) -> float:
-    blocks = list(range(16))
-    engine.step([SequenceChunk(0, list(range(1, 129)), 0, 1, blocks)])
+    blocks, groups = list(range(16)), len(engine.kv.groups)  # the pool: 16 blocks per KV cache group (main)
+    engine.step(in_every_group([SequenceChunk(0, list(range(1, 129)), 0, 1, blocks)], groups, 16))
     start = time.perf_counter()
     for i in range(steps):
-        engine.step([SequenceChunk(0, [5], 128 + i, 1, blocks)])
+        engine.step(in_every_group([SequenceChunk(0, [5], 128 + i, 1, blocks)], groups, 16))
     return (time.perf_counter() - start) / steps * 1e3
 
 
@@ -31,7 +32,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args()
-    engines = {d: CpuEngine(d, num_threads=args.threads, num_blocks=64) for d in args.engines}
+    engines = {d: CpuEngine(info, num_threads=args.threads, num_blocks=max(64, 16 * len(info.kv_cache_groups)))
+               for d, info in ((d, read_engine_config(d)) for d in args.engines)}
     times: dict[str, list[float]] = {d: [] for d in engines}
     order = list(engines)
     for r in range(args.rounds):  # each round starts with the next engine

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from trtbuild.builder.engine_dir import read_engine_config
-from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+from trtbuild.runtime.engine import CpuEngine, SequenceChunk, in_every_group
 
 
 def main() -> None:
@@ -34,15 +34,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         info = read_engine_config(args.engine)
         blocks = -(-(args.context + args.steps) // info.build.tokens_per_block)
-        engine = CpuEngine(info, num_threads=args.threads, num_blocks=args.batch * blocks,
+        groups, per_group = len(info.kv_cache_groups), args.batch * blocks
+        engine = CpuEngine(info, num_threads=args.threads, num_blocks=groups * per_group,
                            profile_prefix=str(Path(tmp) / "step"))
         tables = [list(range(b * blocks, (b + 1) * blocks)) for b in range(args.batch)]
         prompt = [(7 * i + 3) % 1000 + 5 for i in range(args.context)]
         for b in range(args.batch):
-            engine.step([SequenceChunk(b, prompt, 0, 1, tables[b])])
+            engine.step(in_every_group([SequenceChunk(b, prompt, 0, 1, tables[b])], groups, per_group))
         start = time.perf_counter()
         for i in range(args.steps):
-            engine.step([SequenceChunk(b, [7], args.context + i, 1, tables[b]) for b in range(args.batch)])
+            engine.step(in_every_group([SequenceChunk(b, [7], args.context + i, 1, tables[b])
+                                        for b in range(args.batch)], groups, per_group))
         wall = (time.perf_counter() - start) / args.steps
         events = json.loads(Path(engine.session.end_profiling()).read_text())
     runs = [e for e in events if e.get("name") == "model_run"][-args.steps:]

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from trtbuild.builder.engine_dir import read_engine_config
-from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+from trtbuild.runtime.engine import CpuEngine, SequenceChunk, in_every_group
 
 
 def main() -> None:
@@ -26,20 +26,24 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    per_block = read_engine_config(args.engine).build.tokens_per_block
-    blocks = -(-(args.prompt + args.decode) // per_block)
-    engine = CpuEngine(args.engine, num_threads=args.threads, num_blocks=blocks)
+    info = read_engine_config(args.engine)
+    blocks, groups = -(-(args.prompt + args.decode) // info.build.tokens_per_block), len(info.kv_cache_groups)
+    engine = CpuEngine(info, num_threads=args.threads, num_blocks=groups * blocks)
     table = list(range(blocks))
+
+    def step(tokens: list[int], start: int) -> None:
+        engine.step(in_every_group([SequenceChunk(0, tokens, start, 1, table)], groups, blocks))
+
     prompt = [(7 * i + 3) % 1000 + 5 for i in range(args.prompt)]
     prefill, decode = [], []
     for repeat in range(args.repeats):
         start = time.perf_counter()
-        engine.step([SequenceChunk(0, prompt, 0, 1, table)])
+        step(prompt, 0)
         if repeat:
             prefill.append(time.perf_counter() - start)
         for s in range(args.decode):
             start = time.perf_counter()
-            engine.step([SequenceChunk(0, [11 + s], args.prompt + s, 1, table)])
+            step([11 + s], args.prompt + s)
             if repeat:
                 decode.append(time.perf_counter() - start)
     print(f"{args.engine}: prefill {args.prompt} tokens {statistics.median(prefill) * 1e3:.1f} ms, "

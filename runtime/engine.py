@@ -6,7 +6,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -60,6 +60,14 @@ class SequenceChunk:
     def tables(self) -> tuple[Sequence[int], ...]:
         """The block table of every KV cache group, the first group's first."""
         return (self.block_ids, *self.group_block_ids)
+
+
+def in_every_group(chunks: list[SequenceChunk], num_groups: int, stride: int) -> list[SequenceChunk]:
+    """Chunks laid out by a caller that owns the pool (verify, autotune, perplexity, tests), given their first
+    group's block tables, with one table per other KV cache group (configs/kv_groups.py): group g's blocks are the
+    first group's plus g * stride, so that a pool of num_groups * stride blocks holds the groups apart."""
+    return [replace(c, group_block_ids=tuple(tuple(b + g * stride for b in c.block_ids)
+                                          for g in range(1, num_groups))) for c in chunks]
 
 
 # NOTE: the CPU attention lowering pads every sequence's queries to the step's longest chunk. Beside a long prefill
@@ -302,7 +310,7 @@ class CpuEngine:
         results = zip(outputs[2].tolist(), outputs[3].tolist(), strict=True)
         return StepOutput(outputs[0], dict(zip(verifying, results, strict=True)))
 
-    def feeds(self, chunks: list[SequenceChunk]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def feeds(self, chunks: list[SequenceChunk]) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
         """The engine inputs of one call over checked chunks (the pool itself as `kv_cache`), and the pool slots
         their new K/V go to."""
         feeds, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots, len(self.kv.groups))

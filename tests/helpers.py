@@ -148,20 +148,11 @@ def assert_pool_full(core: EngineCore) -> None:
     assert core.kv.pool.num_free == core.kv.pool.num_blocks and not core.kv.blocks and not core.tracked
 
 
-def in_every_group(chunks: list, num_groups: int, stride: int) -> list:
-    """Hand-made SequenceChunks given a block table per KV cache group (configs/kv_groups.py): group g's blocks are
-    group 0's plus g * stride, so that a pool of num_groups * stride blocks holds them apart."""
-    import dataclasses
-
-    return [dataclasses.replace(c, group_block_ids=tuple(tuple(b + g * stride for b in c.block_ids)
-                                                         for g in range(1, num_groups))) for c in chunks]
-
-
 def prefill_logits(engine_dir: Path, ids: list[int]):
     """Every position's logits of one prompt, in one step of a fresh CPU engine (blocks for it in every KV cache
     group)."""
     from trtbuild.builder.engine_dir import read_engine_config
-    from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+    from trtbuild.runtime.engine import CpuEngine, SequenceChunk, in_every_group
 
     info = read_engine_config(engine_dir)
     groups, blocks = len(info.kv_cache_groups), -(-len(ids) // info.build.tokens_per_block)

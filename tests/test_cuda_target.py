@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from helpers import STORIES260K, drive, in_every_group, require_shared_models
+from helpers import STORIES260K, drive, require_shared_models
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -e .[dev]); the cuda target needs it")
 
@@ -20,7 +20,7 @@ from trtbuild.cli import main  # noqa: E402
 from trtbuild.errors import EngineCompatibilityError  # noqa: E402
 from trtbuild.runtime.config import RuntimeConfig  # noqa: E402
 from trtbuild.runtime.cuda_engine import CudaEngine  # noqa: E402
-from trtbuild.runtime.engine import CpuEngine, DraftAccept, SequenceChunk  # noqa: E402
+from trtbuild.runtime.engine import CpuEngine, DraftAccept, SequenceChunk, in_every_group  # noqa: E402
 from trtbuild.runtime.engine_core import EngineCore  # noqa: E402
 from trtbuild.runtime.sampling import SamplingParams  # noqa: E402
 from trtbuild.runtime.speculative import SpeculativeConfig  # noqa: E402

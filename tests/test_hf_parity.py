@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import STORIES260K, TINYSTORIES656K, in_every_group, require_shared_models
+from helpers import STORIES260K, TINYSTORIES656K, require_shared_models
 
 from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.runtime.config import RuntimeConfig
-from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+from trtbuild.runtime.engine import CpuEngine, SequenceChunk, in_every_group
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 

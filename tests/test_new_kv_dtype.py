@@ -9,13 +9,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from tests.helpers import in_every_group
 from trtbuild.builder import new_kv_dtype
 from trtbuild.builder.build import build_engine
 from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.builder.new_kv_dtype import new_kv_in_pool_dtype
-from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+from trtbuild.runtime.engine import CpuEngine, SequenceChunk, in_every_group
 
 
 def two_layer_graph(pool_type: int) -> onnx.ModelProto:

@@ -160,3 +160,22 @@ def test_sliding_layers_of_a_hybrid_model_hold_a_window_of_blocks(random_hf_mode
     assert again[0] == tokens[0][:4] and finals[0].metrics.num_prefix_cached_tokens == 32
     assert [[b != RELEASED for b in t] for t in taken[0].tables] == [[True] * 4] + [[False] * 3 + [True]] * (
         len(windows) - 1)
+
+
+def test_tools_that_lay_out_their_own_blocks_run_hybrid_engines(random_hf_model, tmp_path):
+    """verify, eval (perplexity) and the autotuner give every KV cache group its own blocks (in_every_group): on a
+    Gemma 3 engine of 4 groups each ran into "has 1 block tables" before."""
+    from trtbuild.bench.autotune import time_graph
+    from trtbuild.bench.perplexity import evaluate
+    from trtbuild.bench.verify import verify_engine
+    from trtbuild.builder.engine_dir import read_engine_config
+
+    convert(random_hf_model("gemma3"), tmp_path / "ckpt")
+    engine = build_engine(tmp_path / "ckpt", tmp_path / "engine", timer=time_graph, max_seq_len=64, max_batch_size=2,
+                          max_num_tokens=64, autotune="fast")
+    info = read_engine_config(engine)
+    assert len(info.kv_cache_groups) == 4 and "attention" in info.tactics  # the autotuner timed its candidates
+    report = verify_engine(engine, tmp_path / "ckpt", num_threads=1)
+    assert report.passed, report.table()
+    result = evaluate(engine, [(7 * i + 3) % 300 + 5 for i in range(150)], max_seq_len=64, num_threads=1)
+    assert result.num_windows == 5 and result.num_tokens == 149 and result.perplexity > 1
