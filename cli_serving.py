@@ -12,6 +12,7 @@ import click
 from trtbuild.cli_chat import chat_messages, chat_template
 from trtbuild.cli_options import existing, out, runtime_config, sampling_options, serving_options
 from trtbuild.errors import TrtbuildError
+from trtbuild.serving.openai.tool_calls import FORMATS as TOOL_CALL_FORMATS
 
 
 @click.command()
@@ -26,15 +27,18 @@ from trtbuild.errors import TrtbuildError
                    "[env: TRTBUILD_API_KEY].")
 @click.option("--served-model-name", default=None, help="The model name of the OpenAI API [default: the engine's "
                                                         "folder name].")
+@click.option("--tool-call-parser", type=click.Choice(["auto", *TOOL_CALL_FORMATS]), default="auto",
+              show_default=True, help="How the OpenAI API finds tool calls in answers to tool_choice \"auto\" "
+                                      "requests: auto (the format the chat template's markers name) or a format.")
 @serving_options
 def serve(engine: Path, host: str, port: int, http_port: int | None, api_key: str | None,
-          served_model_name: str | None, **serving) -> None:
+          served_model_name: str | None, tool_call_parser: str, **serving) -> None:
     """Serve an engine over gRPC (trtbuild.v1.Generation, health, reflection), and the OpenAI API with --http-port,
     until SIGTERM / Ctrl-C."""
     from trtbuild.serving.grpc.server import serve as run_server
 
     run_server(engine, host=host, port=port, config=runtime_config(**serving), http_port=http_port, api_key=api_key,
-               model_name=served_model_name)
+               model_name=served_model_name, tool_call_parser=tool_call_parser)
 
 
 @click.command()

@@ -8,6 +8,7 @@ without adding special tokens again (`ChatTemplate.encode`).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,21 +21,36 @@ from trtbuild.errors import TrtbuildError
 if TYPE_CHECKING:
     from trtbuild.runtime.tokenizer import Tokenizer
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 # The assistant's answer in the probe conversation that finds the end-of-turn token: text no template writes itself.
 _PROBE_ANSWER = "trtbuild-probe-answer-7f3a"
+_PROBE_TOOL = "trtbuild_probe_tool_7f3a"  # a function name no template writes itself
 
 
 @dataclass(frozen=True)
 class ChatMessage:
-    role: str  # "system" | "user" | "assistant"
+    role: str  # "system" | "user" | "assistant" | "tool" (a tool's result)
     content: str
+    # an assistant's calls, as transformers' templates read them: {"type": "function", "function": {"name": ...,
+    # "arguments": {...}}}, arguments a dict where they are a JSON object (templates write them with tojson)
+    tool_calls: tuple[Mapping[str, Any], ...] = ()
+    tool_call_id: str | None = None  # a tool message's answer to this call
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"message role {self.role!r} is not supported; use one of {', '.join(ROLES)}")
         if not isinstance(self.content, str):
             raise ValueError(f"message content must be a string, got {type(self.content).__name__}")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role!r} ones")
+
+    def for_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [dict(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 def as_message(message: ChatMessage | Mapping[str, Any]) -> ChatMessage:
@@ -42,7 +58,8 @@ def as_message(message: ChatMessage | Mapping[str, Any]) -> ChatMessage:
         return message
     if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
         raise ValueError(f"a message must have a role and a content, got {message!r}")
-    return ChatMessage(message["role"], message["content"])
+    return ChatMessage(message["role"], message["content"], tuple(message.get("tool_calls") or ()),
+                       message.get("tool_call_id"))
 
 
 class ChatTemplate:
@@ -75,19 +92,33 @@ class ChatTemplate:
         tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").is_file() else None
         return cls(source, special, tokenizer)
 
-    def render(self, messages: Sequence[ChatMessage | dict], add_generation_prompt: bool = True) -> str:
-        """The conversation as the model's prompt text; ValueError for a bad message or a template error."""
-        chat = [{"role": m.role, "content": m.content} for m in map(as_message, messages)]
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the template writes the `tools` it is given into the prompt (transformers' `tools` variable).
+        NOTE: found by rendering, not by reading the source: Phi-4-mini's template names "tools" but reads them from
+        the system message, where OpenAI clients never put them."""
+        probe = [{"type": "function", "function": {"name": _PROBE_TOOL, "parameters": {"type": "object"}}}]
+        try:
+            return _PROBE_TOOL in self.render([{"role": "user", "content": "x"}], tools=probe)
+        except ValueError:
+            return False
+
+    def render(self, messages: Sequence[ChatMessage | dict], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The conversation as the model's prompt text; ValueError for a bad message or a template error. `tools`:
+        the functions the model may call, as the OpenAI API lists them ({"type": "function", "function": {...}})."""
+        chat = [m.for_template() for m in map(as_message, messages)]
+        extra = {"tools": [dict(t) for t in tools]} if tools else {}
         try:
             return self._template.render(messages=chat, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens)
+                                         **self.special_tokens, **extra)
         except Exception as e:  # NOTE: a template is code: any error in it (TemplateError, TypeError) is the model's
             raise ValueError(f"chat template: {_one_line(e)}") from None
 
-    def encode(self, tokenizer: Tokenizer, messages: Sequence[ChatMessage | dict],
-               add_generation_prompt: bool = True) -> list[int]:
+    def encode(self, tokenizer: Tokenizer, messages: Sequence[ChatMessage | dict], add_generation_prompt: bool = True,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Prompt token ids of the conversation: the rendered text, without adding special tokens (BOS) again."""
-        return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
+        return tokenizer.encode(self.render(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     @property
     def end_of_turn_token_ids(self) -> tuple[int, ...]:

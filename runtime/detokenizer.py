@@ -27,7 +27,8 @@ class IncrementalDetokenizer:
 
     The deltas concatenate to decode(prompt + output) minus decode(prompt), cut at the first stop string. Text is
     held back while it may still change: it ends in U+FFFD (an incomplete UTF-8 sequence) or in an unfinished run of
-    byte-fallback tokens, or its end could be the start of a stop string. Special tokens are skipped.
+    byte-fallback tokens, or its end could be the start of a stop string. Special tokens are skipped unless the
+    request's `skip_special_tokens` is False.
     """
 
     def __init__(self, tokenizer: DecodingTokenizer, prompt_ids: Sequence[int], params: SamplingParams) -> None:
@@ -35,7 +36,8 @@ class IncrementalDetokenizer:
         self.params = params
         # NOTE: skipped special tokens are dropped up front: a window prefix of only such tokens would decode to ""
         # and let the decoder strip the next token's leading space, which the full decode keeps.
-        self._ids = [i for i in prompt_ids if i not in tokenizer.special_ids]
+        self._skipped = tokenizer.special_ids if params.skip_special_tokens else frozenset()
+        self._ids = [i for i in prompt_ids if i not in self._skipped]
         self._prefix_offset = max(len(self._ids) - PROMPT_CONTEXT_TOKENS, 0)
         self._read_offset = len(self._ids)
         self._text = ""  # output text decoded so far, cut at a stop string
@@ -55,7 +57,7 @@ class IncrementalDetokenizer:
         """
         if self.finished_by_stop is not None:
             return ""
-        if token_id in self.tokenizer.special_ids:
+        if token_id in self._skipped:
             return ""
         self._ids.append(token_id)
         return self._emit(self._decode_window(final=False), final=False)
@@ -67,8 +69,9 @@ class IncrementalDetokenizer:
         return self._emit(self._decode_window(final=True), final=True)
 
     def _decode_window(self, final: bool) -> str:
-        prefix = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
-        text = self.tokenizer.decode(self._ids[self._prefix_offset :])
+        skip = self.params.skip_special_tokens
+        prefix = self.tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        text = self.tokenizer.decode(self._ids[self._prefix_offset :], skip_special_tokens=skip)
         unfinished = text.endswith("\ufffd") or (self._ids and self._ids[-1] in self.tokenizer.byte_fallback_ids)
         if len(text) <= len(prefix) or (unfinished and not final):
             return ""

@@ -65,6 +65,7 @@ _RULES = {
     "logprobs": (f"None or an integer in [0, {MAX_LOGPROBS}]",
                  lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS)),
     "include_stop_str_in_output": ("a bool", lambda v: isinstance(v, bool)),
+    "skip_special_tokens": ("a bool", lambda v: isinstance(v, bool)),
     "json_schema": ("None or a JSON schema as text", lambda v: v is None or isinstance(v, str)),
     "logit_bias": ("(token id >= 0, bias in [-100, 100]) pairs",
                    lambda v: isinstance(v, tuple) and all(isinstance(p, tuple) and len(p) == 2 and _is_int(p[0])
@@ -97,6 +98,7 @@ class SamplingParams:
     ignore_eos: bool = False  # EOS is an ordinary token: it does not stop the request and is never masked
     logprobs: int | None = None  # top-n log probs per generated token (plus the chosen token's); None: none
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # False: special tokens' text is in the output (e.g. a tool call's marker)
     # OpenAI: added to the token's logit before sampling (-100 bans it, 100 all but forces it); a dict works too
     logit_bias: tuple[tuple[int, float], ...] = ()
     json_schema: str | None = None  # the output is JSON valid under this schema (runtime/guided.py); None: free

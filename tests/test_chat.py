@@ -107,10 +107,12 @@ def test_errors_are_one_line_value_errors(tmp_path):
     with pytest.raises(ValueError, match=r"^chat template: .*\S") as e:
         ChatTemplate("{% for m in messages %}{{ m.content }}")  # no endfor
     assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match=r"message role 'tool' is not supported"):
-        chat.render([{"role": "tool", "content": "x"}])
-    with pytest.raises(ValueError, match=r"message role 'tool' is not supported"):
-        ChatMessage("tool", "x")
+    with pytest.raises(ValueError, match=r"message role 'robot' is not supported"):
+        chat.render([{"role": "robot", "content": "x"}])
+    with pytest.raises(ValueError, match=r"message role 'function' is not supported"):
+        ChatMessage("function", "x")
+    with pytest.raises(ValueError, match=r"only assistant messages carry tool_calls"):
+        ChatMessage("user", "x", ({"type": "function", "function": {"name": "f", "arguments": {}}},))
     with pytest.raises(ValueError, match=r"must have a role and a content"):
         chat.render([{"role": "user"}])
     (tmp_path / "tokenizer_config.json").write_text("{")

@@ -27,6 +27,8 @@ from trtbuild.runtime.engine_core import RequestOutput
 from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
 from trtbuild.serving.openai import protocol as api
 from trtbuild.serving.openai.metrics import ServingMetrics
+from trtbuild.serving.openai.tool_calls import FORMATS, ToolCallFormat, format_of_template
+from trtbuild.serving.openai.tool_use import NO_TOOLS, AnswerSplitter, ToolUse, tool_use
 from trtbuild.serving.requests import Accumulated, ErrorKind, error_kind, follow, sampling_params
 
 POLL_S = 0.5  # how often a waiting worker thread looks up, so that shutdown is never stuck behind it
@@ -48,20 +50,27 @@ def _error(e: Exception) -> OpenAIError:
 
 
 class OpenAIServer:
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None,
+                 tool_call_parser: str = "auto") -> None:
+        """`tool_call_parser`: how "auto" tool choices parse answers: a name of tool_calls.FORMATS, or "auto" (the
+        format the chat template's markers name)."""
         from trtbuild.runtime.chat import ChatTemplate
 
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         core = engine.core
         self.tokenizer, self.max_seq_len = core.tokenizer, core.scheduler.config.max_seq_len
         self.template = ChatTemplate.from_engine_dir(core.engine.info.path) if self.tokenizer else None
+        self.tool_format: ToolCallFormat | None = (
+            FORMATS[tool_call_parser] if tool_call_parser != "auto"
+            else format_of_template(self.template.source) if self.template else None)
         self.metrics = ServingMetrics(engine, model_name)
         self.workers = ThreadPoolExecutor(max_workers=engine.max_queue_size + 8, thread_name_prefix="openai")
         self.app = self._routes()
 
     # ---- requests -> engine ------------------------------------------------------------------------------------------
     def _params(self, r: api.ChatCompletionRequest | api.CompletionRequest, prompt_len: int, default_max: int,
-                logprobs: int | None, extra_stop_ids: tuple[int, ...] = ()) -> SamplingParams:
+                logprobs: int | None, extra_stop_ids: tuple[int, ...] = (),
+                tools: ToolUse = NO_TOOLS) -> SamplingParams:
         if bad := r.unsupported():
             raise OpenAIError(400, f"not supported: {', '.join(bad)}", param=bad[0].split()[0])
         if r.n < 1:
@@ -85,7 +94,9 @@ class OpenAIServer:
             min_p=r.min_p, seed=r.seed, stop=r.stop, presence_penalty=r.presence_penalty,
             frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty, min_tokens=r.min_tokens,
             ignore_eos=r.ignore_eos, logprobs=logprobs, logit_bias=bias or None,
-            json_schema=r.response_format.schema() if getattr(r, "response_format", None) else None,
+            json_schema=tools.json_schema or (r.response_format.schema() if getattr(r, "response_format", None)
+                                              else None),
+            skip_special_tokens=_first_set(r.skip_special_tokens, False if tools.keep_special_tokens else None),
             stop_token_ids=tuple(r.stop_token_ids or ()) + extra_stop_ids or None).items() if v is not None}
         return sampling_params(fields)
 
@@ -176,18 +187,23 @@ class OpenAIServer:
     async def chat(self, request: Request, r: api.ChatCompletionRequest) -> Any:
         if self.template is None:
             raise OpenAIError(400, "this model has no chat template: use /v1/completions", param="messages")
-        prompt = self.template.encode(self.tokenizer, [m.model_dump(exclude={"name"}) for m in r.messages])
+        messages = [m.for_template(i) for i, m in enumerate(r.messages)]
+        tools = tool_use(r, self.template.renders_tools, self.tool_format, frozenset(self.tokenizer.special_tokens))
+        prompt = self.template.encode(self.tokenizer, messages, tools=tools.tools)
         top = r.top_logprobs or 0
         params = self._params(r, len(prompt), self.max_seq_len, top if r.logprobs else None,
-                              self.template.end_of_turn_token_ids)
+                              self.template.end_of_turn_token_ids, tools)
         streams = self._submit(prompt, params, r.n)
         rid = api.new_id("chatcmpl")
         if r.stream:
-            return self._stream(streams, rid, len(prompt), r, chat=True)
+            return self._stream(streams, rid, len(prompt), r, chat=True, tools=tools)
         wholes = await self._collect(request, streams)
-        choices = [api.ChatChoice(index=i, message={"role": "assistant", "content": w.text},
-                                  logprobs=self._chat_logprobs(w.logprobs, top) if r.logprobs else None,
-                                  finish_reason=w.finish_reason) for i, w in enumerate(wholes)]
+        choices = []
+        for i, w in enumerate(wholes):
+            message, called = tools.message(w.text)
+            choices.append(api.ChatChoice(index=i, message=message,
+                                          logprobs=self._chat_logprobs(w.logprobs, top) if r.logprobs else None,
+                                          finish_reason=_finish(w.finish_reason, called)))
         return api.ChatCompletion(id=rid, model=self.model_name, choices=choices, usage=_usage(len(prompt), wholes))
 
     async def completion(self, request: Request, r: api.CompletionRequest) -> Any:
@@ -209,8 +225,10 @@ class OpenAIServer:
         return api.Completion(id=rid, model=self.model_name, choices=choices, usage=_usage(len(prompt), wholes))
 
     def _stream(self, streams: list[RequestStream], rid: str, prompt_len: int,
-                r: api.ChatCompletionRequest | api.CompletionRequest, chat: bool) -> StreamingResponse:
+                r: api.ChatCompletionRequest | api.CompletionRequest, chat: bool,
+                tools: ToolUse = NO_TOOLS) -> StreamingResponse:
         include_usage = bool(r.stream_options and r.stream_options.include_usage)
+        splitters = [tools.splitter() for _ in streams] if tools.active else None
 
         async def events() -> AsyncIterator[str]:
             wholes = [Accumulated() for _ in streams]
@@ -224,9 +242,9 @@ class OpenAIServer:
                     wholes[i].add(out)
                     if chat:
                         lp = self._chat_logprobs(out.logprobs, r.top_logprobs or 0) if r.logprobs else None
+                        delta, called = _chat_delta(out, tools, splitters[i] if splitters else None)
                         chunk = api.ChatCompletionChunk(id=rid, model=self.model_name, choices=[api.ChatChunkChoice(
-                            index=i, delta={"content": out.new_text} if out.new_text or not out.finished else {},
-                            logprobs=lp, finish_reason=out.finish_reason)])
+                            index=i, delta=delta, logprobs=lp, finish_reason=_finish(out.finish_reason, called))])
                     else:
                         lp = self._completion_logprobs(out.logprobs, offset) if r.logprobs is not None else None
                         chunk = api.Completion(id=rid, model=self.model_name, choices=[api.CompletionChoice(
@@ -298,6 +316,29 @@ class OpenAIServer:
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         return app
+
+
+def _chat_delta(out: RequestOutput, tools: ToolUse, splitter: AnswerSplitter | None) -> tuple[dict[str, Any], bool]:
+    """A chat chunk's delta for one engine output (whether the answer so far holds tool calls): its text, or with
+    tools, the user's part of it and the calls it completed."""
+    if splitter is None:
+        return ({"content": out.new_text} if out.new_text or not out.finished else {}), False
+    before = len(splitter.calls)
+    content, calls = splitter.feed(out.new_text, out.finished)
+    calls = [c for j, c in enumerate(calls) if tools.parallel or before + j == 0]
+    delta: dict[str, Any] = {"content": content} if content or (not out.finished and not calls) else {}
+    if calls:
+        delta["tool_calls"] = [{"index": before + j, **c.as_openai()} for j, c in enumerate(calls)]
+    return delta, bool(splitter.calls)
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" for an answer with calls that ended by itself."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _first_set(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
 
 
 def _sse(model: Any) -> str:

@@ -32,6 +32,7 @@ class _Request(BaseModel):
     repetition_penalty: float | None = None  # vLLM's extension
     min_tokens: int | None = None  # vLLM's extension
     ignore_eos: bool | None = None  # vLLM's extension
+    skip_special_tokens: bool | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -46,12 +47,86 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # image_url / input_audio parts: refused by name, not by pydantic
+
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallIn(BaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        """The message as runtime.chat reads it (ValueError naming messages[index] when it cannot be one): text
+        parts joined by newlines, as vLLM joins them; a call's arguments parsed, since templates write them with
+        tojson; OpenAI's "developer" role is the system prompt."""
+        where = f"messages[{index}]"
+        if isinstance(self.content, list):
+            if bad := sorted({p.type for p in self.content if p.type != "text" or p.text is None}):
+                raise ValueError(f"{where}: only text content parts are served, not {', '.join(bad)}")
+            content = "\n".join(p.text for p in self.content)
+        elif self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"{where}: content is required (it may be null only in an assistant's tool call)")
+        else:
+            content = self.content or ""
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"{where}: only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError(f"{where}: a tool message needs the tool_call_id of the call it answers")
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ResponseFormat(BaseModel):
@@ -75,6 +150,9 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
@@ -82,6 +160,12 @@ class ChatCompletionRequest(_Request):
                                                                                   "json_schema"):
             bad.append(f"response_format {self.response_format.type!r} (text, json_object and json_schema are served)")
         return bad
+
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(whether the answer must be tool calls, the function it must call or None for any), from tool_choice."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return True, self.tool_choice.function.name
+        return self.tool_choice == "required", None
 
 
 class CompletionRequest(_Request):
