@@ -113,6 +113,10 @@ def evaluate(engine_dir: Path, token_ids: Sequence[int], max_seq_len: int | None
     stride = stride or max(1, length // 2)
     windows = sliding_windows(len(token_ids), length, stride)
     engine = _open(engine_dir, length, num_threads)
+    vocab = engine.info.model.vocab_size
+    if bad := [t for t in token_ids if not 0 <= t < vocab]:
+        raise ValueError(f"token id {bad[0]} is outside the engine's vocabulary (0 .. {vocab - 1}); its tokenizer "
+                         "does not belong to this model, or the ids were made for another one")
     scored = list(_score_engine(engine, token_ids, windows, chunk_size))
     nll = float(np.concatenate([s[0] for s in scored]).mean())
     result = dict(num_tokens=len(token_ids) - 1, nll=nll, perplexity=math.exp(nll), num_windows=len(windows),

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
     """Refuse, before any work, what the chosen target cannot build."""
+    if config.is_moe and build.target != "cpu":
+        raise TrtbuildError(f"{config.architecture} is a mixture of experts, which the {build.target} target has no "
+                            "kernel for yet; build it with --target cpu.")
     if build.target in ("cuda", "tensorrt"):  # NOTE: imported here: they bring torch, which a cpu build never needs
         from trtbuild.builder.build_cuda import check_cuda_buildable, check_tensorrt_available
 

@@ -124,6 +124,26 @@ class _NetworkWriter:
             return g.op("Mul", [g.op("Gelu", [gate], approximate="tanh"), up], name=name + "geglu")
         return g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up], name=name + "swiglu")
 
+    def mlp(self, h: str, layer: str) -> str:
+        """The MLP of one layer (`layer`: its `transformer.layers.{i}.`): gate and up, the activation, down."""
+        gate, up = self.linear(h, layer + "mlp.gate"), self.linear(h, layer + "mlp.fc")
+        return self.linear(self.mlp_activation(gate, up, layer), layer + "mlp.proj")
+
+    def experts(self, h: str, layer: str) -> str:
+        """A mixture of experts' MLP: the router's logits, then ONNX Runtime's MoE over the experts (softmax over
+        the logits, the top num_experts_per_tok, renormalized where the model does; each chosen expert's SwiGLU,
+        weighted and summed), which reads gate and up as one matrix with their rows interleaved."""
+        c, g, prefix = self.c, self.g, layer + "mlp."
+        logits = self.linear(h, prefix + "router")
+        gate, up = self.tensor(prefix + "experts.gate.weight"), self.tensor(prefix + "experts.fc.weight")
+        gate_up = np.stack([gate, up], axis=2).reshape(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size)
+        fc1 = g.weight(prefix + "experts.gate_up.weight", gate_up)
+        fc2 = g.weight(prefix + "experts.proj.weight", self.tensor(prefix + "experts.proj.weight"))
+        return g.op("MoE", [h, logits, fc1, "", fc2], domain=MS_DOMAIN, name=prefix + "experts",
+                    k=c.num_experts_per_tok, normalize_routing_weights=int(c.moe_normalize_topk),
+                    activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+                    swiglu_limit=float("inf"))
+
     def branch_output(self, y: str, prefix: str) -> str:
         """What an attention or MLP block adds to the residual stream: its output, RMS-normalized (Gemma 2 / 3's
         sandwich norms, OLMo 2 / 3's only norms) or multiplied (Granite's residual multiplier)."""
@@ -243,8 +263,7 @@ class _NetworkWriter:
             attn = self.branch_output(self.linear(attn, p + "attention.dense"), p + "attention.")
             x = g.op("Add", [x, attn], name=p + "attn_residual")
             h = self.rms_norm(x, p + "post_layernorm.weight") if c.input_norms else x
-            gate, up = self.linear(h, p + "mlp.gate"), self.linear(h, p + "mlp.fc")
-            mlp = self.branch_output(self.linear(self.mlp_activation(gate, up, p), p + "mlp.proj"), p + "mlp.")
+            mlp = self.branch_output((self.experts if c.is_moe else self.mlp)(h, p), p + "mlp.")
             x = g.op("Add", [x, mlp], name=p + "mlp_residual")
             new_kv += [k_new, v_new]
         g.scope = ""
@@ -268,7 +287,7 @@ class _NetworkWriter:
             for name in sa.OUTPUTS:
                 g.output(name, i64, ["num_accepting"])
         opsets = {pa.DOMAIN: pa.OPSET_VERSION}
-        if any(n.domain == MS_DOMAIN for n in g.nodes):  # weight_only linears (MatMulNBits)
+        if any(n.domain == MS_DOMAIN for n in g.nodes):  # weight_only linears (MatMulNBits), experts (MoE)
             opsets[MS_DOMAIN] = 1
         model = g.model("trtbuild_decoder", opsets)
         if self.kv_scales is not None:

@@ -29,6 +29,11 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     # norms after the attention and the MLP (none before), q / k norms over the whole projections
     "Olmo2ForCausalLM": ("olmo2", False, True),
     "Olmo3ForCausalLM": ("olmo3", False, True),  # OLMo 2 with sliding-window layers (every fourth one full)
+    # mixtures of experts (_moe_fields): Qwen3 with expert MLPs; Mistral with them; OLMoE: q / k norms over the
+    # whole projections, norms before attention and MLP as Llama's
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
+    "MixtralForCausalLM": ("mixtral", False, False),
+    "OlmoeForCausalLM": ("olmoe", False, True),
 }
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> (the text
 # model's architecture, the transformers config class whose defaults complete the released, sparse `text_config`)
@@ -201,6 +206,30 @@ def _granite_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
             "logits_scaling": float(hf.get("logits_scaling") or 1.0)}
 
 
+# family -> (the config's field with an expert's features, whether the router's weights are renormalized over the
+# chosen experts unless norm_topk_prob says otherwise)
+_MOE_FAMILIES = {"qwen3_moe": ("moe_intermediate_size", False), "mixtral": ("intermediate_size", True),
+                 "olmoe": ("intermediate_size", False)}
+
+
+def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """A mixture of experts' ModelConfig fields, refusing the variants the engine does not build: dense layers among
+    the expert ones (Qwen3-MoE's mlp_only_layers / decoder_sparse_step) and OLMoE's clipped q / k / v."""
+    if family not in _MOE_FAMILIES:
+        return {}
+    features_key, normalize = _MOE_FAMILIES[family]
+    experts = hf.get("num_experts") or hf["num_local_experts"]  # NOTE: transformers 5 saves Qwen3-MoE's as the latter
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step") or 1) != 1:
+        raise CheckpointError("this mixture of experts has dense MLP layers among its expert layers "
+                              "(mlp_only_layers / decoder_sparse_step); trtbuild builds models whose every layer "
+                              "has experts.")
+    if hf.get("clip_qkv"):
+        raise CheckpointError(f"clip_qkv={hf['clip_qkv']} (q / k / v clipped) is not supported.")
+    return {"num_experts": int(experts), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
+            "moe_intermediate_size": int(hf[features_key]),
+            "moe_normalize_topk": bool(hf.get("norm_topk_prob", normalize))}
+
+
 def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     hf = text_model_config(hf)
     archs = hf.get("architectures") or []
@@ -221,7 +250,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     rotary_dim = _rotary_dim(hf, rope_params, head_size)
     rope_scaling = _rope_scaling(hf, rope_params, rotary_dim or head_size)
     # the families whose HF attention honours sliding_window (Gemma 2 / 3 in their sliding layers)
-    window_by_default = family in ("mistral", "phi3", *_LAYER_PATTERNS)
+    window_by_default = family in ("mistral", "mixtral", "phi3", *_LAYER_PATTERNS)
     window = hf.get("sliding_window") if hf.get("use_sliding_window", window_by_default) else None
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -259,5 +288,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         local_rotary_base=local_base if window and "sliding_attention" in layer_types else None,
         **_gemma_fields(hf, family, hf_dtype if hf_dtype in DTYPES else "float32"),
         **_granite_fields(hf, family),
-        **({"output_norms": True, "input_norms": False, "qk_norm_full": True} if family.startswith("olmo") else {}),
+        **_moe_fields(hf, family),
+        **({"output_norms": True, "input_norms": False, "qk_norm_full": True} if family in ("olmo2", "olmo3") else {}),
+        **({"qk_norm_full": True} if family == "olmoe" else {}),
     )

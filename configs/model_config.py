@@ -197,6 +197,13 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     residual_multiplier: float = 1.0  # attention and MLP outputs are multiplied by this before their adds (Granite)
     logits_scaling: float = 1.0  # the logits are divided by this (Granite)
+    # mixture of experts (Qwen3-MoE, Mixtral, OLMoE): every layer's MLP is num_experts SwiGLU experts of
+    # moe_intermediate_size, of which a router picks num_experts_per_tok per token, weighted by the softmax of its
+    # logits (renormalized over the chosen ones where moe_normalize_topk). 0 experts: a dense MLP
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_normalize_topk: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     mapping: Mapping = field(default_factory=Mapping)
@@ -238,6 +245,14 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or not value > 0):
                 raise CheckpointError(f"config.json: {name} must be null or a positive number, got {value!r}")
+        moe = (self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in moe) or (
+                self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts
+                                          and self.moe_intermediate_size >= 1)):
+            raise CheckpointError(f"config.json: num_experts ({self.num_experts}), num_experts_per_tok "
+                                  f"({self.num_experts_per_tok}) and moe_intermediate_size "
+                                  f"({self.moe_intermediate_size}) must be 0, or a mixture of experts picking 1 to "
+                                  "num_experts experts of at least one feature")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError(f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple "
                                   f"of num_key_value_heads ({self.num_key_value_heads})")
@@ -294,6 +309,10 @@ class ModelConfig:
             raise CheckpointError(f"{path} is not valid JSON ({e}); re-run `trtbuild convert`.") from None
 
     # ---- derived sizes -------------------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_size

@@ -142,6 +142,10 @@ def _quantize(options: QuantizeOptions, qconfig: QuantConfig, texts: list[str]) 
     output = options.output
     source = read_source(options.model)
     config = model_config_from_hf(source.hf_config, options.dtype)
+    if config.is_moe:
+        raise ConfigError("model", f"{config.architecture} is a mixture of experts, which `trtbuild quantize` does "
+                                   "not calibrate yet; build it with `trtbuild convert` (a GGUF file keeps its "
+                                   "attention's quantization).")
     config = dataclasses.replace(config, mapping=Mapping(tp_size=options.tp_size, pp_size=options.pp_size),
                                  quantization=qconfig)
     quantized, excluded = split_linears(config)

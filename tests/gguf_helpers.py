@@ -1,10 +1,11 @@
 """Test helpers (importable as `gguf_helpers`): HF model folders with tokenizers and chat templates, and a GGUF writer
-that does what llama.cpp's convert_hf_to_gguf.py does for Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3 and Gemma 1/2/3
-(with --outtype f32)."""
+that does what llama.cpp's convert_hf_to_gguf.py does for Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 1/2/3,
+Granite, OLMo 2 / 3 and the mixtures of experts Qwen3-MoE, Mixtral and OLMoE (with --outtype f32)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -57,7 +58,26 @@ FAMILIES = {
     "granite": ("granite", "spm", "Granite Tiny"),
     "olmo2": ("olmo2", "spm", "OLMo2 Tiny"),
     "olmo3": ("olmo2", "spm", "OLMo3 Tiny"),  # llama.cpp's Olmo2Model writes OLMo 3 too
+    # mixtures of experts, their experts stacked per layer (llama.cpp writes Mixtral as llama)
+    "qwen3_moe": ("qwen3moe", "bpe", "Qwen3 MoE Tiny"),
+    "mixtral": ("llama", "spm", "Mixtral Tiny"),
+    "olmoe": ("olmoe", "spm", "OLMoE Tiny"),
 }
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)$")
+
+
+def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each layer's per-expert tensors as one [experts, out, in] tensor per projection, as llama.cpp's converters
+    merge them (`model.layers.{i}.mlp.experts.gate_proj.weight`, Mixtral's `...block_sparse_moe.experts.w1.weight`)."""
+    out, experts = {}, {}
+    for name, data in tensors.items():
+        if m := _EXPERT.match(name):
+            experts.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = data
+        else:
+            out[name] = data
+    for name, parts in experts.items():
+        out[name] = np.stack([parts[e] for e in sorted(parts)])
+    return out
 
 
 def qwen_tokenizer() -> object:
@@ -274,6 +294,11 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     if cfg["model_type"] == "olmo3":  # Olmo2Model.set_gguf_parameters
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    if experts := cfg.get("num_experts") or cfg.get("num_local_experts"):  # TextModel.set_gguf_parameters
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if "moe_intermediate_size" in cfg:  # Qwen3MoeModel
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if arch == "granite":  # GraniteModel.set_gguf_parameters
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
@@ -282,7 +307,7 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     (_add_spm_vocab if vocab_kind == "spm" else _add_bpe_vocab)(w, hf_dir, cfg["vocab_size"])
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, layers)
-    for hf_name, data in load_file(str(hf_dir / "model.safetensors")).items():
+    for hf_name, data in _stack_experts(load_file(str(hf_dir / "model.safetensors"))).items():
         if arch in PERMUTED and hf_name.endswith(("q_proj.weight", "q_proj.bias")):  # LlamaModel.undo_permute
             data = _permute(data, heads)
         elif arch in PERMUTED and hf_name.endswith(("k_proj.weight", "k_proj.bias")):

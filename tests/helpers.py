@@ -80,6 +80,13 @@ RANDOM_CONFIGS = {
     # + layers 0-2 windowed (6), layer 3 full
     "olmo3": ("Olmo3Config", dict(_COMMON, num_hidden_layers=4, sliding_window=6, bos_token_id=1, eos_token_id=2,
                                   pad_token_id=0)),
+    # mixtures of experts: 8 experts of 32 features, 2 per token, renormalized (Qwen3-MoE, Mixtral) or not (OLMoE)
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, head_dim=32, rope_theta=1000000.0, moe_intermediate_size=32,
+                                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(_COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                                      sliding_window=None)),
+    "olmoe": ("OlmoeConfig", dict(_COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                                  norm_topk_prob=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
 }
 
 

@@ -93,6 +93,12 @@ def test_reference_engine_agreement(stories):
     assert 0.7 <= q.argmax_agreement < 1.0
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_by_name(stories):
+    _, engine, _, ids, _, _ = stories
+    with pytest.raises(ValueError, match=r"token id 512 is outside the engine's vocabulary \(0 \.\. 511\)"):
+        evaluate(engine, [*ids[:10], 512, *ids[10:]], max_seq_len=48, num_threads=1)
+
+
 def test_perplexity_does_not_depend_on_chunking(stories):
     """Windows fed in chunks (later chunks read earlier ones from the pool) score as windows fed whole, also with an
     int8 KV cache: attention reads every K/V as the cache stores it, this step's own included."""

@@ -39,11 +39,14 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
             names += [p + "attention.q_norm.weight", p + "attention.k_norm.weight"]
         if config.output_norms:
             names += [p + "attention.output_norm.weight", p + "mlp.output_norm.weight"]
-        names += [p + f"mlp.{x}.weight" for x in ("gate", "fc", "proj")]
+        if config.is_moe:
+            names += [p + "mlp.router.weight"] + [p + f"mlp.experts.{x}.weight" for x in ("gate", "fc", "proj")]
+        else:
+            names += [p + f"mlp.{x}.weight" for x in ("gate", "fc", "proj")]
     if last_stage:
         names += ["transformer.ln_f.weight", "lm_head.weight"]
     q = config.quantization
-    for prefix in linear_prefixes(layers, last_stage):
+    for prefix in linear_prefixes(layers, last_stage, config.is_moe):
         names += q.scale_names(prefix)
     if q.embedding_weight_only and first_stage:
         names.append("transformer.vocab_embedding.weights_scaling_factor")
@@ -106,6 +109,10 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "mlp.gate.weight": (c.intermediate_size, c.hidden_size),
         "mlp.fc.weight": (c.intermediate_size, c.hidden_size),
         "mlp.proj.weight": (c.hidden_size, c.intermediate_size),
+        "mlp.router.weight": (c.num_experts, c.hidden_size),
+        "mlp.experts.gate.weight": (c.num_experts, c.moe_intermediate_size, c.hidden_size),
+        "mlp.experts.fc.weight": (c.num_experts, c.moe_intermediate_size, c.hidden_size),
+        "mlp.experts.proj.weight": (c.num_experts, c.hidden_size, c.moe_intermediate_size),
     }.get(suffix)
 
 

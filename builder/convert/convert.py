@@ -23,6 +23,7 @@ from trtbuild.builder.convert.checkpoint import (
     rank_file,
     remove_partial_output,
 )
+from trtbuild.builder.convert.experts import stack_experts
 from trtbuild.builder.convert.fused import split_fused
 from trtbuild.builder.convert.hf_reader import SourceTensor
 from trtbuild.builder.convert.names import hf_to_checkpoint_name, is_linear, linear_prefixes
@@ -64,8 +65,8 @@ def keeps_float32(name: str, config: ModelConfig) -> bool:
 def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:
     """Checkpoint name -> source tensor for every tensor the checkpoint needs; checks names and shapes first."""
     plan = {}
-    for hf_name, src in split_fused(source, config).items():
-        if (name := hf_to_checkpoint_name(hf_name, config.output_norms)) is not None:
+    for hf_name, src in stack_experts(split_fused(source, config), config).items():
+        if (name := hf_to_checkpoint_name(hf_name, config.output_norms, config.is_moe)) is not None:
             plan[name] = src
     # Tied models store one of the two (which one depends on who saved them); the checkpoint holds both.
     embedding, lm_head = EMBEDDING, "lm_head.weight"
@@ -99,7 +100,7 @@ def with_weight_only(config: ModelConfig, plan: dict[str, SourceTensor], weight_
                      ) -> ModelConfig:
     """The config's quantization: every linear whose source is quantized (a GGUF tensor kept as it is) or that
     `weight_only` quantizes is a weight_only linear; the rest are listed in exclude_modules."""
-    prefixes = linear_prefixes(range(config.num_hidden_layers), last_stage=True)
+    prefixes = linear_prefixes(range(config.num_hidden_layers), last_stage=True, moe=config.is_moe)
     forms = {p: plan[p + ".weight"].nbits or (weight_only and (weight_only.bits, weight_only.group_size, False))
              for p in prefixes}
     quantized = {p: f for p, f in forms.items() if f}
@@ -203,6 +204,10 @@ def convert(model: Path, output: Path, dtype: str = "auto", tp_size: int = 1, pp
     try:
         config = model_config_from_hf(hf_config, dtype).with_mapping(Mapping(tp_size=tp_size, pp_size=pp_size))
         check_mapping(config, config.mapping)
+        if config.is_moe and weight_only is not None:
+            raise ConfigError("weight_only", "quantizes dense linears only; this mixture of experts' experts would "
+                                             "stay in float. Convert it without --weight-only (a GGUF file keeps "
+                                             "its attention's quantization).")
         plan = checkpoint_plan(source if is_gguf else norm_multipliers(source, config), config)
         if weight_only is not None and weight_only.bits == 4 and weight_only.group_size is None:
             weight_only = dataclasses.replace(weight_only, group_size=default_group_size(config))
@@ -233,7 +238,7 @@ def _check_groups(config: ModelConfig, weight_only: WeightOnly | None) -> None:
     """--group-size must divide the input features of every linear it quantizes."""
     if weight_only is None or weight_only.group_size is None:
         return
-    for prefix in linear_prefixes(range(config.num_hidden_layers), last_stage=True):
+    for prefix in linear_prefixes(range(config.num_hidden_layers), last_stage=True, moe=config.is_moe):
         k = expected_shape(prefix + ".weight", config)[1]
         if config.quantization.algo_of(prefix) == QuantAlgo.WEIGHT_ONLY and k % weight_only.group_size:
             raise ConfigError("group_size", f"{weight_only.group_size} does not divide the {k} input features of "

@@ -33,6 +33,12 @@ _OUTPUT_NORMS = ("post_attention_norm.weight", "post_ffw_norm.weight")
 _OLMO2_LAYER_TENSORS = (*(f"attn_{p}.weight" for p in "qkv"), "attn_output.weight", *_QK_NORM, *_OUTPUT_NORMS,
                         *(f"ffn_{p}.weight" for p in ("gate", "up", "down")))
 
+# A mixture of experts' layer: attention as usual, then the router and the experts stacked ([experts, out, in])
+_ATTENTION_LAYER_TENSORS = (*(f"{n}.weight" for n in ("attn_norm", "ffn_norm", "attn_output")),
+                            *(f"attn_{p}.weight" for p in "qkv"))
+_MOE_LAYER_TENSORS = (*_ATTENTION_LAYER_TENSORS,
+                      *(f"ffn_{p}.weight" for p in ("gate_inp", "gate_exps", "up_exps", "down_exps")))
+
 
 @dataclass(frozen=True)
 class GgufArch:
@@ -48,6 +54,9 @@ class GgufArch:
     fused: bool = False  # attn_qkv and a gate+up ffn_up, as HF's qkv_proj and gate_up_proj
     no_rope_interval: int = 0  # every this-th layer applies no RoPE (llama.cpp fixes SmolLM3's at 4, unwritten)
     output_norms: bool = False  # post_attention_norm and post_ffw_norm (Gemma 2 / 3)
+    # a mixture of experts: whether llama.cpp renormalizes the router's weights over the chosen experts (its
+    # build_moe_ffn's norm_w, fixed per architecture); None: a dense model
+    moe_normalize: bool | None = None
 
 
 GGUF_ARCHITECTURES: dict[str, GgufArch] = {
@@ -68,6 +77,11 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
                        output_norms=True),
     "gemma3": GgufArch("Gemma3ForCausalLM", "gemma3_text", False,
                        (*SEPARATE_LAYER_TENSORS, *_OUTPUT_NORMS, *_QK_NORM), output_norms=True),
+    "qwen3moe": GgufArch("Qwen3MoeForCausalLM", "qwen3_moe", False, (*_MOE_LAYER_TENSORS, *_QK_NORM),
+                         moe_normalize=True),
+    "olmoe": GgufArch("OlmoeForCausalLM", "olmoe", False, (*_MOE_LAYER_TENSORS, *_QK_NORM), moe_normalize=False),
+    # llama.cpp writes Mixtral as general.architecture "llama" with experts (see resolve_architecture)
+    "mixtral": GgufArch("MixtralForCausalLM", "mixtral", True, _MOE_LAYER_TENSORS, moe_normalize=True),
 }
 # Layers llama.cpp gives the larger Gemmas (27B), whose attention scale it takes from hidden / heads, not head_dim
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -93,6 +107,8 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
             "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3 ...). "
             "Convert the HF checkpoint instead."
         )
+    if arch == "llama" and meta.get("llama.expert_count"):
+        return arch, GGUF_ARCHITECTURES["mixtral"]
     if arch == "llama" and _is_mistral(meta, arch):
         return arch, GGUF_ARCHITECTURES["mistral"]
     if arch == "olmo2" and meta.get("olmo2.attention.sliding_window"):
@@ -213,11 +229,14 @@ def hf_config(
     vocab = shapes["token_embd.weight"][0] if "token_embd.weight" in shapes else None
     vocab = vocab or meta.get(f"{prefix}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
     window = meta.get(f"{prefix}.attention.sliding_window")
+    experts_features = meta.get(f"{prefix}.expert_feed_forward_length")
     cfg: dict[str, Any] = {
         "architectures": [arch.hf_architecture],
         "model_type": arch.model_type,
         "hidden_size": hidden,
-        "intermediate_size": first(need("feed_forward_length")),
+        # NOTE: a Qwen3-MoE file may give only its experts' size
+        "intermediate_size": first(meta.get(f"{prefix}.feed_forward_length") or experts_features
+                                   or need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -246,6 +265,10 @@ def hf_config(
         cfg["rope_scaling"] = scaling
     if arch.model_type.startswith("gemma"):
         cfg.update(_gemma_config(meta, prefix, cfg))
+    if arch.moe_normalize is not None:
+        cfg.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+                   moe_intermediate_size=int(experts_features or cfg["intermediate_size"]),
+                   norm_topk_prob=arch.moe_normalize)
     pattern = meta.get(f"{prefix}.attention.sliding_window_pattern")
     if arch.model_type == "olmo3" and isinstance(pattern, list):
         cfg["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]

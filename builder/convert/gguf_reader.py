@@ -32,6 +32,9 @@ _LAYER_NAMES = {
     "attn_output.bias": "self_attn.o_proj.bias",
     **{f"attn_{p}.{w}": f"self_attn.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")},
     **{f"attn_{p}_norm.weight": f"self_attn.{p}_norm.weight" for p in "qk"},
+    # a mixture of experts' router, and its experts stacked as builder/convert/experts.py names them
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_proj.weight" for p in ("gate", "up", "down")},
 }
 # Gemma 2 / 3's four norms (OLMo 2 has the two after attention and MLP)
 _OUTPUT_NORM_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm.weight": "post_attention_layernorm.weight",

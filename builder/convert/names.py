@@ -11,6 +11,10 @@ layers it holds):
   transformer.layers.{i}.mlp.{gate,fc}.weight                [inter, hidden]          split by rows
   transformer.layers.{i}.mlp.proj.weight                     [hidden, inter]          split by input columns
   transformer.layers.{i}.{attention,mlp}.output_norm.weight   [hidden]                 replicated (Gemma 2 / 3)
+  a mixture of experts' layers hold, instead of mlp.{gate,fc,proj} (one tensor-parallel rank only):
+  transformer.layers.{i}.mlp.router.weight                   [experts, hidden]
+  transformer.layers.{i}.mlp.experts.{gate,fc}.weight        [experts, expert inter, hidden]
+  transformer.layers.{i}.mlp.experts.proj.weight             [experts, hidden, expert inter]
   transformer.ln_f.weight                                    [hidden]                 replicated
   lm_head.weight                                             [vocab, hidden]          vocab-parallel
 
@@ -46,6 +50,14 @@ _OUTPUT_NORM_LAYER_MAP = {
     "post_attention_layernorm.weight": "attention.output_norm.weight",
     "pre_feedforward_layernorm.weight": "post_layernorm.weight",
     "post_feedforward_layernorm.weight": "mlp.output_norm.weight",
+}
+# A mixture of experts' MLP, its experts stacked by builder/convert/experts.py
+_MOE_LAYER_MAP = {
+    **{k: v for k, v in _LAYER_MAP.items() if not k.startswith("mlp.")},
+    "mlp.gate.weight": "mlp.router.weight",
+    "mlp.experts.gate_proj.weight": "mlp.experts.gate.weight",
+    "mlp.experts.up_proj.weight": "mlp.experts.fc.weight",
+    "mlp.experts.down_proj.weight": "mlp.experts.proj.weight",
 }
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "transformer.vocab_embedding.weight",
@@ -84,14 +96,15 @@ _SPLIT_AXIS = {
 }
 
 
-def hf_to_checkpoint_name(hf_name: str, output_norms: bool = False) -> str | None:
+def hf_to_checkpoint_name(hf_name: str, output_norms: bool = False, moe: bool = False) -> str | None:
     """The checkpoint name of an HF tensor, or None for tensors the engine does not use (e.g. rotary inv_freq);
-    `output_norms`: of a model with Gemma 2 / 3's or OLMo 2 / 3's layer norms."""
+    `output_norms`: of a model with Gemma 2 / 3's or OLMo 2 / 3's layer norms; `moe`: of a mixture of experts, its
+    experts stacked (builder/convert/experts.py)."""
     hf_name = _TEXT_MODEL_HEAD.sub("lm_head.", _TEXT_MODEL_PREFIX.sub("model.", hf_name))
     if hf_name in _GLOBAL_MAP:
         return _GLOBAL_MAP[hf_name]
     m = _HF_LAYER.match(hf_name)
-    layer_map = _OUTPUT_NORM_LAYER_MAP if output_norms else _LAYER_MAP
+    layer_map = _OUTPUT_NORM_LAYER_MAP if output_norms else _MOE_LAYER_MAP if moe else _LAYER_MAP
     if m and m.group(2) in layer_map:
         return f"transformer.layers.{m.group(1)}.{layer_map[m.group(2)]}"
     return None
@@ -108,9 +121,11 @@ def checkpoint_to_hf_name(name: str, output_norms: bool = False) -> str | None:
     return None
 
 
-def linear_prefixes(layers: Iterable[int], last_stage: bool) -> list[str]:
-    """Checkpoint prefixes of the linears a quantizer may quantize (`P.weight` is [out, in]), in checkpoint order."""
-    out = [f"transformer.layers.{i}.{s}" for i in layers for s in LAYER_LINEARS]
+def linear_prefixes(layers: Iterable[int], last_stage: bool, moe: bool = False) -> list[str]:
+    """Checkpoint prefixes of the linears a quantizer may quantize (`P.weight` is [out, in]), in checkpoint order; a
+    mixture of experts' (`moe`) MLPs have none (routers and experts stay in float)."""
+    linears = [s for s in LAYER_LINEARS if not (moe and s.startswith("mlp."))]
+    out = [f"transformer.layers.{i}.{s}" for i in layers for s in linears]
     return out + (["lm_head"] if last_stage else [])
 
 

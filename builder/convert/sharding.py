@@ -26,6 +26,9 @@ def check_mapping(config: ModelConfig, mapping: Mapping) -> None:
             raise ConfigError("tp_size", f"{tp} does not divide {what}={n}; choose a TP size that divides it.")
     if pp > config.num_hidden_layers:
         raise ConfigError("pp_size", f"{pp} exceeds the {config.num_hidden_layers} layers of the model.")
+    if tp > 1 and config.is_moe:
+        raise ConfigError("tp_size", f"{config.architecture}'s experts are not split over tensor-parallel ranks; use "
+                                     "--tp-size 1 (--pp-size splits its layers).")
     if tp > 1 and config.qk_norm_full:  # each rank would normalize its own heads' share of the projection
         raise ConfigError("tp_size", f"{config.architecture} normalizes q and k over all heads, which a tensor-"
                                      "parallel split cannot; use --tp-size 1.")
