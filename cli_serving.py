@@ -30,15 +30,18 @@ from trtbuild.serving.openai.tool_calls import FORMATS as TOOL_CALL_FORMATS
 @click.option("--tool-call-parser", type=click.Choice(["auto", *TOOL_CALL_FORMATS]), default="auto",
               show_default=True, help="How the OpenAI API finds tool calls in answers to tool_choice \"auto\" "
                                       "requests: auto (the format the chat template's markers name) or a format.")
+@click.option("--reasoning-parser", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
+              help="auto: a model whose chat template knows <think> / </think> answers its thinking as "
+                   "reasoning_content, apart from the content; none: the thinking stays in the content.")
 @serving_options
 def serve(engine: Path, host: str, port: int, http_port: int | None, api_key: str | None,
-          served_model_name: str | None, tool_call_parser: str, **serving) -> None:
+          served_model_name: str | None, tool_call_parser: str, reasoning_parser: str, **serving) -> None:
     """Serve an engine over gRPC (trtbuild.v1.Generation, health, reflection), and the OpenAI API with --http-port,
     until SIGTERM / Ctrl-C."""
     from trtbuild.serving.grpc.server import serve as run_server
 
     run_server(engine, host=host, port=port, config=runtime_config(**serving), http_port=http_port, api_key=api_key,
-               model_name=served_model_name, tool_call_parser=tool_call_parser)
+               model_name=served_model_name, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
 
 
 @click.command()

@@ -104,14 +104,18 @@ class ChatTemplate:
             return False
 
     def render(self, messages: Sequence[ChatMessage | dict], add_generation_prompt: bool = True,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+               tools: Sequence[Mapping[str, Any]] | None = None, variables: Mapping[str, Any] | None = None) -> str:
         """The conversation as the model's prompt text; ValueError for a bad message or a template error. `tools`:
-        the functions the model may call, as the OpenAI API lists them ({"type": "function", "function": {...}})."""
+        the functions the model may call, as the OpenAI API lists them ({"type": "function", "function": {...}});
+        `variables`: more of the template's variables (e.g. Qwen3's enable_thinking), none of those set here."""
         chat = [m.for_template() for m in map(as_message, messages)]
         extra = {"tools": [dict(t) for t in tools]} if tools else {}
+        reserved = {"messages", "tools", "add_generation_prompt", *self.special_tokens}
+        if clash := sorted(reserved & set(variables or {})):
+            raise ValueError(f"chat template variables {clash} are set from the request itself; leave them out")
         try:
             return self._template.render(messages=chat, add_generation_prompt=add_generation_prompt,
-                                         **self.special_tokens, **extra)
+                                         **self.special_tokens, **extra, **(variables or {}))
         except Exception as e:  # NOTE: a template is code: any error in it (TemplateError, TypeError) is the model's
             raise ValueError(f"chat template: {_one_line(e)}") from None
 

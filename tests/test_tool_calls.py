@@ -17,12 +17,12 @@ from trtbuild.errors import ConfigError
 from trtbuild.runtime.chat import ChatTemplate
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.detokenizer import IncrementalDetokenizer
-from trtbuild.runtime.engine_core import RequestOutput
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.runtime.tokenizer import Tokenizer
 from trtbuild.serving.openai import protocol as api
-from trtbuild.serving.openai.app import _chat_delta, _finish
+from trtbuild.serving.openai.answer import ChatAnswer
+from trtbuild.serving.openai.app import _finish
 from trtbuild.serving.openai.tool_calls import FORMATS, ToolCallParser, format_of_template
 from trtbuild.serving.openai.tool_use import tool_use
 
@@ -171,20 +171,18 @@ def test_tool_use_of_each_tool_choice_and_what_is_refused():
 
 def test_stream_deltas_carry_text_then_indexed_calls_and_finish_with_tool_calls():
     use = tool_use(_request(tools=[WEATHER, TIME], parallel_tool_calls=False), True, FORMATS["hermes"], frozenset())
-    splitter = use.splitter()
+    answer = ChatAnswer(use, reasoning_inside=None)
     pieces = ["Ok. <tool_", 'call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call><tool_call>',
               '{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>']
-    deltas = []
-    for i, piece in enumerate(pieces):
-        out = RequestOutput("r", [1], piece, finished=i == len(pieces) - 1, finish_reason="stop" if i == 2 else None)
-        delta, called = _chat_delta(out, use, splitter)
-        deltas.append((delta, _finish(out.finish_reason, called)))
-    assert deltas[0] == ({"content": "Ok. "}, None)
-    calls = deltas[1][0]["tool_calls"]
+    deltas = [answer.delta(piece, final=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+    assert deltas[0] == {"content": "Ok. "}
+    calls = deltas[1]["tool_calls"]
     assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         (0, "get_time", {"zone": "UTC"})]
-    assert deltas[2] == ({}, "tool_calls")  # parallel_tool_calls false: the second call is dropped
-    assert use.message('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')[0]["content"] is None
+    assert deltas[2] == {} and answer.called  # parallel_tool_calls false: the second call is dropped
+    assert _finish("stop", answer.called) == "tool_calls" and _finish("length", answer.called) == "length"
+    message = ChatAnswer(use, None).message('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_time"
 
 
 def test_special_tokens_stay_in_the_text_when_asked(stories_engine):

@@ -305,9 +305,9 @@ class GenerationServer:
 
 def serve(engine_dir: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT, config: RuntimeConfig | None = None,
           grace: float = 5.0, http_port: int | None = None, api_key: str | None = None,
-          model_name: str | None = None, tool_call_parser: str = "auto") -> None:
+          model_name: str | None = None, tool_call_parser: str = "auto", reasoning_parser: str = "auto") -> None:
     """Serve until SIGTERM or SIGINT (from the main thread). Binds loopback unless told otherwise.
-    `tool_call_parser`: the OpenAI API's (serving/openai/tool_calls.py)."""
+    `tool_call_parser`, `reasoning_parser`: the OpenAI API's (serving/openai/app.py)."""
     config = config or RuntimeConfig()
     max_queue_size = config.max_queue_size
     stop = threading.Event()
@@ -328,10 +328,10 @@ def serve(engine_dir: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT, c
                 from trtbuild.serving.openai.server import HttpServer
 
                 http = HttpServer(server.servicer.engine, host, http_port, model_name or Path(engine_dir).name,
-                                  api_key, tool_call_parser)
+                                  api_key, tool_call_parser, reasoning_parser)
                 tools = http.openai.tool_format.name if http.openai.tool_format else "none"
                 print(f"trtbuild serve: OpenAI API on {http.address}/v1 (model {http.openai.model_name}, tool "
-                      f"calls: {tools})", flush=True)
+                      f"calls: {tools}, reasoning split: {'yes' if http.openai.reasoning else 'no'})", flush=True)
             while not stop.wait(0.5):
                 pass
             print("trtbuild serve: shutting down", flush=True)

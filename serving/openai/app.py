@@ -26,9 +26,11 @@ from trtbuild.runtime.async_engine import AsyncEngine, RequestStream
 from trtbuild.runtime.engine_core import RequestOutput
 from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
 from trtbuild.serving.openai import protocol as api
+from trtbuild.serving.openai.answer import ChatAnswer
 from trtbuild.serving.openai.metrics import ServingMetrics
+from trtbuild.serving.openai.reasoning import opens_thinking, teaches_reasoning
 from trtbuild.serving.openai.tool_calls import FORMATS, ToolCallFormat, format_of_template
-from trtbuild.serving.openai.tool_use import NO_TOOLS, AnswerSplitter, ToolUse, tool_use
+from trtbuild.serving.openai.tool_use import NO_TOOLS, ToolUse, tool_use
 from trtbuild.serving.requests import Accumulated, ErrorKind, error_kind, follow, sampling_params
 
 POLL_S = 0.5  # how often a waiting worker thread looks up, so that shutdown is never stuck behind it
@@ -51,9 +53,10 @@ def _error(e: Exception) -> OpenAIError:
 
 class OpenAIServer:
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None,
-                 tool_call_parser: str = "auto") -> None:
+                 tool_call_parser: str = "auto", reasoning_parser: str = "auto") -> None:
         """`tool_call_parser`: how "auto" tool choices parse answers: a name of tool_calls.FORMATS, or "auto" (the
-        format the chat template's markers name)."""
+        format the chat template's markers name). `reasoning_parser`: "auto" splits the thinking off the answers of
+        a model whose template knows the thinking tags (reasoning.py), "none" never does."""
         from trtbuild.runtime.chat import ChatTemplate
 
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
@@ -63,6 +66,8 @@ class OpenAIServer:
         self.tool_format: ToolCallFormat | None = (
             FORMATS[tool_call_parser] if tool_call_parser != "auto"
             else format_of_template(self.template.source) if self.template else None)
+        self.reasoning = reasoning_parser == "auto" and self.template is not None and teaches_reasoning(
+            self.template.source)
         self.metrics = ServingMetrics(engine, model_name)
         self.workers = ThreadPoolExecutor(max_workers=engine.max_queue_size + 8, thread_name_prefix="openai")
         self.app = self._routes()
@@ -189,21 +194,25 @@ class OpenAIServer:
             raise OpenAIError(400, "this model has no chat template: use /v1/completions", param="messages")
         messages = [m.for_template(i) for i, m in enumerate(r.messages)]
         tools = tool_use(r, self.template.renders_tools, self.tool_format, frozenset(self.tokenizer.special_tokens))
-        prompt = self.template.encode(self.tokenizer, messages, tools=tools.tools)
+        text = self.template.render(messages, tools=tools.tools, variables=r.chat_template_kwargs)
+        prompt = self.tokenizer.encode(text, add_special_tokens=False)
         top = r.top_logprobs or 0
         params = self._params(r, len(prompt), self.max_seq_len, top if r.logprobs else None,
                               self.template.end_of_turn_token_ids, tools)
+        # NOTE: an answer constrained to JSON from its first token has no thinking to split off
+        inside = opens_thinking(text) if self.reasoning and params.json_schema is None else None
         streams = self._submit(prompt, params, r.n)
         rid = api.new_id("chatcmpl")
         if r.stream:
-            return self._stream(streams, rid, len(prompt), r, chat=True, tools=tools)
+            return self._stream(streams, rid, len(prompt), r, chat=True, answers=[
+                ChatAnswer(tools, inside) for _ in streams])
         wholes = await self._collect(request, streams)
         choices = []
         for i, w in enumerate(wholes):
-            message, called = tools.message(w.text)
-            choices.append(api.ChatChoice(index=i, message=message,
+            answer = ChatAnswer(tools, inside)
+            choices.append(api.ChatChoice(index=i, message=answer.message(w.text),
                                           logprobs=self._chat_logprobs(w.logprobs, top) if r.logprobs else None,
-                                          finish_reason=_finish(w.finish_reason, called)))
+                                          finish_reason=_finish(w.finish_reason, answer.called)))
         return api.ChatCompletion(id=rid, model=self.model_name, choices=choices, usage=_usage(len(prompt), wholes))
 
     async def completion(self, request: Request, r: api.CompletionRequest) -> Any:
@@ -226,9 +235,9 @@ class OpenAIServer:
 
     def _stream(self, streams: list[RequestStream], rid: str, prompt_len: int,
                 r: api.ChatCompletionRequest | api.CompletionRequest, chat: bool,
-                tools: ToolUse = NO_TOOLS) -> StreamingResponse:
+                answers: list[ChatAnswer] | None = None) -> StreamingResponse:
+        """`answers`: chat only, each choice's answer."""
         include_usage = bool(r.stream_options and r.stream_options.include_usage)
-        splitters = [tools.splitter() for _ in streams] if tools.active else None
 
         async def events() -> AsyncIterator[str]:
             wholes = [Accumulated() for _ in streams]
@@ -242,9 +251,10 @@ class OpenAIServer:
                     wholes[i].add(out)
                     if chat:
                         lp = self._chat_logprobs(out.logprobs, r.top_logprobs or 0) if r.logprobs else None
-                        delta, called = _chat_delta(out, tools, splitters[i] if splitters else None)
+                        delta = answers[i].delta(out.new_text, out.finished)
                         chunk = api.ChatCompletionChunk(id=rid, model=self.model_name, choices=[api.ChatChunkChoice(
-                            index=i, delta=delta, logprobs=lp, finish_reason=_finish(out.finish_reason, called))])
+                            index=i, delta=delta, logprobs=lp,
+                            finish_reason=_finish(out.finish_reason, answers[i].called))])
                     else:
                         lp = self._completion_logprobs(out.logprobs, offset) if r.logprobs is not None else None
                         chunk = api.Completion(id=rid, model=self.model_name, choices=[api.CompletionChoice(
@@ -316,20 +326,6 @@ class OpenAIServer:
             return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         return app
-
-
-def _chat_delta(out: RequestOutput, tools: ToolUse, splitter: AnswerSplitter | None) -> tuple[dict[str, Any], bool]:
-    """A chat chunk's delta for one engine output (whether the answer so far holds tool calls): its text, or with
-    tools, the user's part of it and the calls it completed."""
-    if splitter is None:
-        return ({"content": out.new_text} if out.new_text or not out.finished else {}), False
-    before = len(splitter.calls)
-    content, calls = splitter.feed(out.new_text, out.finished)
-    calls = [c for j, c in enumerate(calls) if tools.parallel or before + j == 0]
-    delta: dict[str, Any] = {"content": content} if content or (not out.finished and not calls) else {}
-    if calls:
-        delta["tool_calls"] = [{"index": before + j, **c.as_openai()} for j, c in enumerate(calls)]
-    return delta, bool(splitter.calls)
 
 
 def _finish(reason: str | None, called: bool) -> str | None:

@@ -153,6 +153,7 @@ class ChatCompletionRequest(_Request):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: more variables of the chat template
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()

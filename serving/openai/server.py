@@ -13,12 +13,12 @@ class HttpServer:
     """uvicorn serving the OpenAI API over `engine` on host:port until `stop()` (port 0 picks one: see `.port`)."""
 
     def __init__(self, engine: AsyncEngine, host: str, port: int, model_name: str, api_key: str | None = None,
-                 tool_call_parser: str = "auto", ready_timeout: float = 30.0) -> None:
+                 tool_call_parser: str = "auto", reasoning_parser: str = "auto", ready_timeout: float = 30.0) -> None:
         import uvicorn
 
         from trtbuild.serving.openai.app import OpenAIServer
 
-        self.openai = OpenAIServer(engine, model_name, api_key, tool_call_parser)
+        self.openai = OpenAIServer(engine, model_name, api_key, tool_call_parser, reasoning_parser)
         self._server = uvicorn.Server(uvicorn.Config(self.openai.app, host=host, port=port, log_level="warning",
                                                      timeout_graceful_shutdown=5))
         self._thread = threading.Thread(target=self._server.run, name="trtbuild-http", daemon=True)

@@ -70,17 +70,6 @@ class ToolUse:
             return ForcedAnswer(self.function)
         return ToolCallParser(self.format)
 
-    def message(self, text: str) -> tuple[dict[str, Any], bool]:
-        """A whole answer as the assistant message (whether it holds calls)."""
-        if not self.active:
-            return {"role": "assistant", "content": text}, False
-        content, calls = self.splitter().feed(text, final=True)
-        calls = calls if self.parallel else calls[:1]
-        if not calls:
-            return {"role": "assistant", "content": content}, False
-        return {"role": "assistant", "content": content or None,
-                "tool_calls": [c.as_openai() for c in calls]}, True
-
 
 NO_TOOLS = ToolUse()
 
