@@ -1,11 +1,11 @@
 """Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B, Llama-3.2-1B / Llama-3.1-8B, SmolLM3-3B (NoPE
 layers), Granite 3.3 2B (Granite's multipliers), Gemma 3 1B / Gemma 2 2B (sandwich norms, sliding-window layers, soft-
-capping) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings;
-with a byte-level BPE as Phi-4 has), as an HF folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a
-GGUF with a Q4_K / Q6_K mix written with the `gguf` package, for measuring convert / build / load / decode at real
-sizes. No weights are downloaded: the weights are random (seeded) and the tokenizer is a small byte-level BPE trained
-here on this repository's docs, padded to the model's vocabulary as the real tokenizers are, with the family's special
-tokens and chat template.
+capping), OLMoE-1B-7B (a mixture of experts; GGUF only) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up,
+LongRoPE, Phi-4-mini's partial rotary embeddings; with a byte-level BPE as Phi-4 has), as an HF folder (bf16
+safetensors; `--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written with the `gguf`
+package, for measuring convert / build / load / decode at real sizes. No weights are downloaded: the weights are
+random (seeded) and the tokenizer is a small byte-level BPE trained here on this repository's docs, padded to the
+model's vocabulary as the real tokenizers are, with the family's special tokens and chat template.
 
     python benchmarks/make_real_size_model.py --out /work/models/qwen1p5b [--shape 0.5b|1.5b|llama-1b]
     python benchmarks/make_real_size_model.py --out /work/models/llama8b --shape llama-8b --no-hf
@@ -16,6 +16,7 @@ tokens and chat template.
     python benchmarks/make_real_size_model.py --out /work/models/gemma3-4b --shape gemma3-4b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/granite --shape granite-2b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/olmo2 --shape olmo2-1b --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/olmoe --shape olmoe-1b-7b --no-hf --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
 would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
@@ -47,6 +48,7 @@ from real_shapes import (  # noqa: E402
     GRANITE,
     LLAMA3,
     OLMO2,
+    OLMOE,
     PERMUTED,
     PHI3,
     POST_NORMED,
@@ -61,7 +63,8 @@ HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm"}
+              "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+              **{f"mlp.experts.{p}_proj": f"ffn_{p}_exps" for p in ("gate", "up", "down")}}
 # Gemma 2 / 3's four norms: their post_attention_layernorm normalizes the attention's output
 GEMMA_TO_GGUF = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
@@ -140,19 +143,25 @@ def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield p + f"self_attn.{proj}.weight", (rows, h)
             if shape.family is QWEN2:
                 yield p + f"self_attn.{proj}.bias", (rows,)
-        if shape.family in (GEMMA3, OLMO2):  # per head, or (OLMo 2) over the whole projection
-            yield p + "self_attn.q_norm.weight", (q if shape.family is OLMO2 else shape.head_dim,)
-            yield p + "self_attn.k_norm.weight", (kv if shape.family is OLMO2 else shape.head_dim,)
+        if shape.family in (GEMMA3, OLMO2, OLMOE):  # per head, or (OLMo 2, OLMoE) over the whole projection
+            yield p + "self_attn.q_norm.weight", (shape.head_dim if shape.family is GEMMA3 else q,)
+            yield p + "self_attn.k_norm.weight", (shape.head_dim if shape.family is GEMMA3 else kv,)
         yield p + "self_attn.o_proj.weight", (h, q)
         yield p + "post_attention_layernorm.weight", (h,)
         if shape.family in GEMMAS:
             yield p + "pre_feedforward_layernorm.weight", (h,)
-        if shape.family is PHI3:
+        if shape.experts:  # the router, and the experts stacked as llama.cpp's converters write them
+            e, f = shape.experts, shape.intermediate_size
+            yield p + "mlp.gate.weight", (e, h)
+            yield from ((p + f"mlp.experts.{x}_proj.weight", (e, f, h)) for x in ("gate", "up"))
+            yield p + "mlp.experts.down_proj.weight", (e, h, f)
+        elif shape.family is PHI3:
             yield p + "mlp.gate_up_proj.weight", (2 * shape.intermediate_size, h)
         else:
             yield p + "mlp.gate_proj.weight", (shape.intermediate_size, h)
             yield p + "mlp.up_proj.weight", (shape.intermediate_size, h)
-        yield p + "mlp.down_proj.weight", (h, shape.intermediate_size)
+        if not shape.experts:
+            yield p + "mlp.down_proj.weight", (h, shape.intermediate_size)
         if shape.family in POST_NORMED:
             yield p + "post_feedforward_layernorm.weight", (h,)
     yield "model.norm.weight", (h,)
@@ -222,6 +231,8 @@ def encode(x: np.ndarray, qtype) -> np.ndarray:
 
     if qtype is None:
         return x
+    if x.ndim == 3 and qtype != gguf.GGMLQuantizationType.F16:  # stacked experts: their rows one after the other
+        return encode(x.reshape(-1, x.shape[-1]), qtype)
     if qtype == gguf.GGMLQuantizationType.F16:
         return x.astype(np.float16).view(np.uint8)
     if qtype == gguf.GGMLQuantizationType.Q5_K:
@@ -254,6 +265,9 @@ def write_metadata(w, shape: Shape, tok) -> None:
         w.add_rope_scaling_orig_ctx_len(orig)
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
         w.add_sliding_window(shape.sliding_window or 0)
+    if shape.experts:  # TextModel.set_gguf_parameters
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.experts_per_tok)
     if fam is GRANITE:  # GraniteModel.set_gguf_parameters
         m = shape.multipliers
         w.add_attention_scale(m["attention_multiplier"])
@@ -372,6 +386,8 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="write only the GGUF, from seeded random tensors")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
+    if shape.experts and not args.no_hf:
+        ap.error(f"{args.shape} is written as a GGUF only: pass --no-hf")
     hf = None if args.no_hf else args.out / "hf"
     tok_dir = args.out / "tokenizer" if hf is None else hf
     tok_dir.mkdir(parents=True, exist_ok=True)

@@ -179,11 +179,12 @@ def quant_linear_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple
     """How this engine's 4/8-bit linears may be computed, preferred first (builder/native_linears.py): the one asked
     for, or (auto) native where it applies and runs here, then MatMulNBits. The autotuner times them all."""
     from trtbuild import cpu_ops
-    from trtbuild.builder.native_linears import count_eligible
+    from trtbuild.builder.native_linears import count_eligible, count_native
 
     if build.quant_linears == "ort":
         return ("ort",)
-    problem = ("no linear has 4/8-bit blocks of 16 or 32 (of 32 with zero points)" if not count_eligible(model) else
+    problem = ("no linear has 4/8-bit blocks of 16 or 32 (of 32 with zero points)" if not count_eligible(model)
+               and not count_native(model) else
                "int4_accuracy_level 1 asks for fp32 compute" if build.int4_accuracy_level != 4 else
                "this CPU has no AVX-512 VNNI" if not cpu_ops.has_vnni() else cpu_ops.unavailable_reason())
     return _native_then_ort("quant_linears", build.quant_linears, problem, "MatMulNBits")
@@ -225,6 +226,10 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         raise TrtbuildError(f"checkpoint folder {checkpoint} does not exist; create it with `trtbuild convert`.")
     build = build or default_build_config(config, **build_overrides)
     check_buildable(config, build)
+    if build.target == "cpu":
+        from trtbuild.builder.moe_experts import resolve_expert_tactic
+
+        build = resolve_expert_tactic(config, build)
     if build.autotune != "off" and timer is None and build.target == "cpu":
         raise ConfigError("autotune", f"{build.autotune} needs a timer to run candidate graphs with "
                                       "(trtbuild.bench.autotune.time_graph)")

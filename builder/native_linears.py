@@ -41,6 +41,11 @@ def count_eligible(model: onnx.ModelProto) -> int:
     return sum(eligible(n) for n in model.graph.node)
 
 
+def count_native(model: onnx.ModelProto) -> int:
+    """BlockQuantMatMul nodes the network wrote itself (a mixture of experts' tables of experts)."""
+    return sum(n.op_type == bq.OP_TYPE and n.domain == bq.DOMAIN for n in model.graph.node)
+
+
 class Packed(NamedTuple):
     """A linear's weights in the native layout: one initializer per bq.PackedTable field (None where absent), the
     bits the codes are packed in and the codebook they index (bq.compact), its rows (N), and its scale_exponent:
@@ -171,16 +176,24 @@ class NativeLinears:
         return len([n for n in model.graph.node if n.op_type == bq.OP_TYPE and n.domain == bq.DOMAIN])
 
 
+def pack_nbits(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, n: int, k: int, bits: int
+               ) -> tuple[bq.PackedTable, int, tuple[int, ...] | None]:
+    """MatMulNBits-form weights (codes, scales and optional float zero points) in the native layout: (the table,
+    the bits its codes are packed in, the codebook they index or None)."""
+    codes = bq.unpack_nbits(codes, n, k, bits)
+    scales = scales.reshape(n, -1)
+    mins = None
+    if zero_points is not None:  # (code - zp) * scale = code * scale - zp * scale
+        mins = (zero_points.reshape(n, -1).astype(np.float64) * scales).astype(np.float32)
+    codes, bits, codebook = bq.compact(codes, bits, zero_point=mins is None)
+    return bq.pack(codes, scales, bits, mins), bits, codebook
+
+
 def _pack(view: GraphView, inputs: tuple[str, ...], n: int, k: int, bits: int) -> Packed:
     """Pack a linear's or table's MatMulNBits-form weights (`inputs`: codes, scales and, if any, float zero points)
     into new initializers named after them."""
-    codes = bq.unpack_nbits(view.constant(inputs[0]), n, k, bits)
-    scales = view.constant(inputs[1]).reshape(n, -1)
-    mins = None
-    if len(inputs) == 3:  # (code - zp) * scale = code * scale - zp * scale
-        mins = (view.constant(inputs[2]).reshape(n, -1).astype(np.float64) * scales).astype(np.float32)
-    codes, bits, codebook = bq.compact(codes, bits, zero_point=mins is None)
-    table = bq.pack(codes, scales, bits, mins)
+    table, bits, codebook = pack_nbits(view.constant(inputs[0]), view.constant(inputs[1]),
+                                       view.constant(inputs[2]) if len(inputs) == 3 else None, n, k, bits)
     tensors = []
     for field, value in zip(bq.TABLE_FIELDS, table.tensors(), strict=True):  # in the op's input order
         if value is not None:

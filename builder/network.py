@@ -40,6 +40,7 @@ import torch
 from onnx import TensorProto
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
+from trtbuild.builder.moe_experts import Experts
 from trtbuild.builder.quantized import QuantizedLinears, kv_cache_scales
 from trtbuild.builder.rope import PartialRotaryRows, rope_tables
 from trtbuild.builder.weight_file import StagingWeights
@@ -82,6 +83,7 @@ class _NetworkWriter:
         self.tensors = tensors
         self.np_dtype = np.float32  # the CPU target computes in fp32 (ORT's CPU kernels are fastest there)
         self.quant = QuantizedLinears(self.g, config, tensors, build.int4_accuracy_level)
+        self.moe = Experts(self.g, config, tensors, self.quant, native=build.quant_linears == "native")
         self.kv_scales = kv_cache_scales(config, tensors)
 
     def tensor(self, name: str) -> np.ndarray:
@@ -130,19 +132,9 @@ class _NetworkWriter:
         return self.linear(self.mlp_activation(gate, up, layer), layer + "mlp.proj")
 
     def experts(self, h: str, layer: str) -> str:
-        """A mixture of experts' MLP: the router's logits, then ONNX Runtime's MoE over the experts (softmax over
-        the logits, the top num_experts_per_tok, renormalized where the model does; each chosen expert's SwiGLU,
-        weighted and summed), which reads gate and up as one matrix with their rows interleaved."""
-        c, g, prefix = self.c, self.g, layer + "mlp."
-        logits = self.linear(h, prefix + "router")
-        gate, up = self.tensor(prefix + "experts.gate.weight"), self.tensor(prefix + "experts.fc.weight")
-        gate_up = np.stack([gate, up], axis=2).reshape(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size)
-        fc1 = g.weight(prefix + "experts.gate_up.weight", gate_up)
-        fc2 = g.weight(prefix + "experts.proj.weight", self.tensor(prefix + "experts.proj.weight"))
-        return g.op("MoE", [h, logits, fc1, "", fc2], domain=MS_DOMAIN, name=prefix + "experts",
-                    k=c.num_experts_per_tok, normalize_routing_weights=int(c.moe_normalize_topk),
-                    activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
-                    swiglu_limit=float("inf"))
+        """A mixture of experts' MLP: the router's logits, then the experts (builder/moe_experts.py)."""
+        prefix = layer + "mlp."
+        return self.moe.emit(h, self.linear(h, prefix + "router"), prefix)
 
     def branch_output(self, y: str, prefix: str) -> str:
         """What an attention or MLP block adds to the residual stream: its output, RMS-normalized (Gemma 2 / 3's

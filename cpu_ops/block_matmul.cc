@@ -114,6 +114,8 @@ struct Problem {
   const float* bias;  // [N], or null
   const uint8_t* codebook;  // 16 codes the 2/3/4-bit ones index (LUT), or null
   float weight_factor;  // 2^scale_exponent (PackedTable)
+  // grouped (experts): the table's first group and qx's first token of this problem's rows and tokens
+  int64_t group_base = 0, token_base = 0;
 };
 
 #ifndef TRTBUILD_NO_VNNI
@@ -142,7 +144,8 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
   constexpr int64_t kBytes = kRows * kBlock * BITS / 8;  // one block of one group
   const QuantizedX& q = *p.qx;
   const int64_t nb = q.blocks;
-  const uint8_t* codes = p.b + g * nb * kBytes;
+  const int64_t gt = p.group_base + g;  // the table's group (g: the output's)
+  const uint8_t* codes = p.b + gt * nb * kBytes;
   constexpr int kBase = base_bits(BITS);
   const __m512i low = _mm512_set1_epi8(static_cast<char>((1 << kBase) - 1));
   // NOTE: shuffle_epi8 looks up within each 128-bit lane: the 16 codes in every lane
@@ -177,14 +180,15 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
     if constexpr (LUT)
       for (int j = 0; j < 8; ++j) w[j] = _mm512_shuffle_epi8(codebook, w[j]);
     // NOTE: a 16-block chunk has two scale vectors, one per half
-    const int64_t super_at = g * p.supers + b * kBlock / kSuperBlock;
-    const __m512 ws = load_block_values<KIND>(p.table.scales, (g * nb + b) * (BLOCK16 ? 2 : 1), super_at);
-    const __m512 ws_hi = BLOCK16 ? load_block_values<KIND>(p.table.scales, (g * nb + b) * 2 + 1, super_at) : ws;
-    const __m512 mins = MINS ? load_block_values<KIND>(p.table.mins, (g * nb + b) * (BLOCK16 ? 2 : 1), super_at) : ws;
+    const int64_t super_at = gt * p.supers + b * kBlock / kSuperBlock;
+    const __m512 ws = load_block_values<KIND>(p.table.scales, (gt * nb + b) * (BLOCK16 ? 2 : 1), super_at);
+    const __m512 ws_hi = BLOCK16 ? load_block_values<KIND>(p.table.scales, (gt * nb + b) * 2 + 1, super_at) : ws;
+    const __m512 mins = MINS ? load_block_values<KIND>(p.table.mins, (gt * nb + b) * (BLOCK16 ? 2 : 1), super_at)
+                             : ws;
     const __m512 mins_hi =
-        MINS && BLOCK16 ? load_block_values<KIND>(p.table.mins, (g * nb + b) * 2 + 1, super_at) : mins;
+        MINS && BLOCK16 ? load_block_values<KIND>(p.table.mins, (gt * nb + b) * 2 + 1, super_at) : mins;
     for (int t = 0; t < T; ++t) {
-      const int64_t at = (t0 + t) * nb + b;
+      const int64_t at = (p.token_base + t0 + t) * nb + b;
       const int32_t* x4 = reinterpret_cast<const int32_t*>(q.codes.data() + at * kBlock);
       // four short dependency chains: two per half (4-bit: vectors 4..7 are the high nibbles, elements
       // 16 + 4(j - 4) = 4j, so they take the same activation codes)
@@ -295,16 +299,64 @@ Task codebook_task(int64_t bits, ScaleKind kind, bool block16) {
                      : codebook_task<4>(kind, block16);
 }
 
+// Problems of several experts run as one ParallelFor: task i belongs to the problem whose first task is the last
+// one <= i.
+struct Grouped {
+  Task task;
+  std::vector<Problem> problems;
+  std::vector<size_t> first_task;
+};
+
+void run_grouped(void* data, size_t task) {
+  const Grouped& g = *static_cast<const Grouped*>(data);
+  const size_t i = std::upper_bound(g.first_task.begin(), g.first_task.end(), task) - g.first_task.begin() - 1;
+  g.task(const_cast<Problem*>(&g.problems[i]), task - g.first_task[i]);
+}
+
 struct BlockQuantMatMulKernel {
   static constexpr size_t kFirstOptional = 4;  // after the bias: super-scales, minimums, super-minimums
+  static constexpr size_t kExpertOffsets = 7;
   PackedTable table;
   const int64_t k, n, bits, block;
+  // grouped: the table holds `experts` tables of n / experts rows each, one after the other (plugins/README.md)
+  const int64_t experts;
 
   BlockQuantMatMulKernel(const OrtApi&, const OrtKernelInfo* info)
-      : table("BlockQuantMatMul", info), k(table.k), n(table.n), bits(table.bits), block(table.block) {
+      : table("BlockQuantMatMul", info), k(table.k), n(table.n), bits(table.bits), block(table.block),
+        experts(optional_attribute<int64_t>(Ort::ConstKernelInfo(info), "experts", 0)) {
 #ifdef TRTBUILD_NO_VNNI
     table.fail("this CPU has no AVX-512 VNNI; rebuild the engine with `--quant-linears ort`");
 #endif
+    if (experts < 0 || (experts && n % (experts * kRows)))
+      table.fail("experts must divide N into tables of whole groups of 16 rows");
+  }
+
+  Task task(const TableScales& scales) const {
+    const bool block16 = block == 16, mins = scales.has_mins();
+    const ScaleKind kind = scales.kind;
+    return !table.codebook.empty() ? codebook_task(bits, kind, block16)
+           : bits == 2 ? task_for<2>(kind, block16, mins)
+           : bits == 3 ? task_for<3>(kind, block16, mins)
+           : bits == 4 ? task_for<4>(kind, block16, mins)
+           : bits == 5 ? task_for<5>(kind, block16, mins)
+           : bits == 6 ? task_for<6>(kind, block16, mins)
+                       : task_for<8>(kind, block16, mins);
+  }
+
+  // The problem of m tokens times `rows` rows of the table (tasks: token chunks x group chunks).
+  static Problem problem(Problem p, int64_t m, int64_t rows) {
+    const int64_t groups = (rows + kRows - 1) / kRows;
+    p.m = m;
+    p.n = rows;
+    p.task_tokens = std::max<int64_t>(64, kTaskCodeBytes / p.k / kTokens * kTokens);
+    const int64_t per = (m + p.task_tokens - 1) / p.task_tokens > 1 ? kTaskGroupsLong : kTaskGroupsShort;
+    p.group_tasks = (groups + per - 1) / per;
+    p.groups_per_task = per;
+    return p;
+  }
+
+  static size_t tasks(const Problem& p) {
+    return static_cast<size_t>((p.m + p.task_tokens - 1) / p.task_tokens * p.group_tasks);
   }
 
   void Compute(OrtKernelContext* context) {
@@ -312,34 +364,46 @@ struct BlockQuantMatMulKernel {
     const Ort::ConstValue x = ctx.GetInput(0);
     const std::vector<int64_t> shape = x.GetTensorTypeAndShapeInfo().GetShape();
     if (shape.empty() || shape.back() != k) table.fail("the last dimension of x is not K");
-    const int64_t groups = table.groups();
     const TableScales scales = table.check(ctx, 1, 2, kFirstOptional);
     int64_t m = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) m *= shape[i];
+    const int64_t rows = experts ? n / experts : n;
     std::vector<int64_t> out_shape = shape;
-    out_shape.back() = n;
+    out_shape.back() = rows;
     Ort::UnownedValue y = ctx.GetOutput(0, out_shape);
     if (m == 0) return;
     thread_local QuantizedX qx;  // NOTE: reused across calls: no allocation per linear
     quantize_x(x.GetTensorData<float>(), m, k, table.zero_point(scales), scales.has_mins(), qx);
-    const int64_t task_tokens = std::max<int64_t>(64, kTaskCodeBytes / k / kTokens * kTokens);
-    const int64_t token_tasks = (m + task_tokens - 1) / task_tokens;
-    const int64_t per = token_tasks > 1 ? kTaskGroupsLong : kTaskGroupsShort;
-    Problem p{ctx.GetInput(1).GetTensorData<uint8_t>(), scales, table.supers(), y.GetTensorMutableData<float>(),
-              &qx, m, n, k,
-              task_tokens, (groups + per - 1) / per, per,
-              bias(ctx, 3, n, [&](const std::string& what) { table.fail(what); }),
-              table.codebook.empty() ? nullptr : table.codebook.data(), table.weight_factor};
-    const size_t tasks = static_cast<size_t>(token_tasks * p.group_tasks);
-    const bool block16 = block == 16, mins = scales.has_mins();
-    const Task task = !table.codebook.empty() ? codebook_task(bits, scales.kind, block16)
-                      : bits == 2 ? task_for<2>(scales.kind, block16, mins)
-                      : bits == 3 ? task_for<3>(scales.kind, block16, mins)
-                      : bits == 4 ? task_for<4>(scales.kind, block16, mins)
-                      : bits == 5 ? task_for<5>(scales.kind, block16, mins)
-                      : bits == 6 ? task_for<6>(scales.kind, block16, mins)
-                                  : task_for<8>(scales.kind, block16, mins);
-    ctx.ParallelFor(task, tasks, 0, &p);
+    Problem base{ctx.GetInput(1).GetTensorData<uint8_t>(), scales, table.supers(), y.GetTensorMutableData<float>(),
+                 &qx, m, n, k, 0, 0, 0,
+                 bias(ctx, 3, n, [&](const std::string& what) { table.fail(what); }),
+                 table.codebook.empty() ? nullptr : table.codebook.data(), table.weight_factor};
+    if (!experts) {
+      const Problem p = problem(base, m, n);
+      ctx.ParallelFor(task(scales), tasks(p), 0, const_cast<Problem*>(&p));
+      return;
+    }
+    // grouped: rows offsets[e] .. offsets[e + 1] of x are expert e's tokens
+    if (ctx.GetInputCount() <= kExpertOffsets || ctx.GetInput(kExpertOffsets).GetTensorTypeAndShapeInfo()
+                                                         .GetElementCount() != static_cast<size_t>(experts + 1))
+      table.fail("a table of experts needs the offsets of their tokens, experts + 1 of them");
+    const int64_t* offsets = ctx.GetInput(kExpertOffsets).GetTensorData<int64_t>();
+    if (base.bias) table.fail("a table of experts takes no bias");
+    Grouped grouped{task(scales), {}, {}};
+    size_t total = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t first = offsets[e], count = offsets[e + 1] - offsets[e];
+      if (first < 0 || count < 0 || first + count > m) table.fail("the expert offsets must rise from 0 to at most M");
+      if (count == 0) continue;
+      Problem p = problem(base, count, rows);
+      p.group_base = e * rows / kRows;
+      p.token_base = first;
+      p.y = base.y + first * rows;
+      grouped.first_task.push_back(total);
+      total += tasks(p);
+      grouped.problems.push_back(p);
+    }
+    if (total) ctx.ParallelFor(run_grouped, total, 0, &grouped);
   }
 };
 
@@ -348,12 +412,13 @@ struct BlockQuantMatMulOp : Ort::CustomOpBase<BlockQuantMatMulOp, BlockQuantMatM
     return new BlockQuantMatMulKernel(api, info);
   }
   const char* GetName() const { return "BlockQuantMatMul"; }
-  // x, B, scales, bias, super-scales, minimums, super-minimums (the last four optional)
-  size_t GetInputTypeCount() const { return 7; }
+  // x, B, scales, bias, super-scales, minimums, super-minimums, expert offsets (the last five optional)
+  size_t GetInputTypeCount() const { return 8; }
   ONNXTensorElementDataType GetInputType(size_t i) const {  // scales and minimums: checked in Compute
     return i == 0 || i == 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
            : i == 1         ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8
            : i == 4 || i == 6 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
+           : i == 7           ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
                             : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {

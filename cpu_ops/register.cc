@@ -16,6 +16,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     d->Add(trtbuild_cpu_ops::dense_gather_op());
     d->Add(trtbuild_cpu_ops::swiglu_op());
     d->Add(trtbuild_cpu_ops::geglu_op());
+    d->Add(trtbuild_cpu_ops::moe_route_op());
     return d;
   }();
   try {

@@ -214,6 +214,8 @@ def _encode(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
 
     from trtbuild.builder.convert.gguf_lattice import LATTICE_TYPES
 
+    if data.ndim == 3:  # stacked experts: their rows one after the other
+        return _encode(data.reshape(-1, data.shape[-1]), qtype).reshape(*data.shape[:-1], -1)
     Q = gguf.GGMLQuantizationType
     encoders = {Q.Q2_K: encode_q2_k, Q.Q3_K: encode_q3_k, Q.Q4_K: encode_q4_k, Q.Q5_K: encode_q5_k,
                 Q.Q6_K: encode_q6_k, Q.IQ4_NL: encode_iq4_nl, Q.IQ4_XS: encode_iq4_xs}

@@ -9,9 +9,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from test_openai import Server, greedy
 from test_tool_calls import WEATHER, _request
+
 from trtbuild.runtime.chat import ChatTemplate
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.llm import LLM

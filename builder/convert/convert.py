@@ -89,7 +89,8 @@ def default_group_size(config: ModelConfig) -> int:
     from trtbuild.builder.convert.weight_only import GROUP_SIZES
     from trtbuild.builder.convert.weight_only import default_group_size as largest
 
-    features = (config.hidden_size, config.q_size, config.intermediate_size)
+    features = (config.hidden_size, config.q_size, config.moe_intermediate_size if config.is_moe
+                else config.intermediate_size)
     if (g := largest(features)) is None:
         raise CheckpointError(f"no group size of {', '.join(map(str, GROUP_SIZES))} divides the input features "
                               f"{features} of this model's linears; use --weight-only int8 (per channel).")
@@ -128,8 +129,8 @@ def checkpoint_tensors(name: str, src: SourceTensor, config: ModelConfig, weight
             name.endswith(".weight") and is_linear(prefix) and q.algo_of(prefix) == QuantAlgo.WEIGHT_ONLY):
         from trtbuild.builder.convert.weight_only import NBitsWeight, quantize_rtn
 
-        if not isinstance(value, NBitsWeight):
-            value = quantize_rtn(value, weight_only.bits, weight_only.group_size)
+        if not isinstance(value, NBitsWeight):  # stacked experts [experts, out, in] as [experts * out, in]
+            value = quantize_rtn(value.reshape(-1, value.shape[-1]), weight_only.bits, weight_only.group_size)
         out = {name: torch.from_numpy(value.codes),
                prefix + ".weights_scaling_factor": torch.from_numpy(value.scales)}
         if value.zero_points is not None:
@@ -204,10 +205,6 @@ def convert(model: Path, output: Path, dtype: str = "auto", tp_size: int = 1, pp
     try:
         config = model_config_from_hf(hf_config, dtype).with_mapping(Mapping(tp_size=tp_size, pp_size=pp_size))
         check_mapping(config, config.mapping)
-        if config.is_moe and weight_only is not None:
-            raise ConfigError("weight_only", "quantizes dense linears only; this mixture of experts' experts would "
-                                             "stay in float. Convert it without --weight-only (a GGUF file keeps "
-                                             "its attention's quantization).")
         plan = checkpoint_plan(source if is_gguf else norm_multipliers(source, config), config)
         if weight_only is not None and weight_only.bits == 4 and weight_only.group_size is None:
             weight_only = dataclasses.replace(weight_only, group_size=default_group_size(config))
@@ -239,7 +236,7 @@ def _check_groups(config: ModelConfig, weight_only: WeightOnly | None) -> None:
     if weight_only is None or weight_only.group_size is None:
         return
     for prefix in linear_prefixes(range(config.num_hidden_layers), last_stage=True, moe=config.is_moe):
-        k = expected_shape(prefix + ".weight", config)[1]
+        k = expected_shape(prefix + ".weight", config)[-1]
         if config.quantization.algo_of(prefix) == QuantAlgo.WEIGHT_ONLY and k % weight_only.group_size:
             raise ConfigError("group_size", f"{weight_only.group_size} does not divide the {k} input features of "
                                             f"{prefix}; choose one of 32, 64 or 128 that does.")

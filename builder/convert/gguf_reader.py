@@ -208,8 +208,10 @@ def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any
         if m and m.group(2).startswith(permuted):
             n_head = cfg["num_attention_heads"] if m.group(2).startswith("attn_q.") else cfg["num_key_value_heads"]
         shape = shapes[t.name]
-        nbits = _nbits_form(t, shape) if keep_quantization else None
-        sources[hf] = SourceTensor(shape, lambda t=t, s=shape, h=n_head, q=nbits is not None: _load(path, t, s, h, q),
+        # NOTE: stacked experts [experts, out, in] load as the weight-only linear [experts * out, in] of their rows
+        rows = (int(np.prod(shape[:-1])), shape[-1]) if len(shape) == 3 and "_exps." in t.name else shape
+        nbits = _nbits_form(t, rows) if keep_quantization else None
+        sources[hf] = SourceTensor(shape, lambda t=t, s=rows, h=n_head, q=nbits is not None: _load(path, t, s, h, q),
                                    nbits)
         forms.setdefault(t.tensor_type.name, []).append(hf)
     if keep_quantization:

@@ -76,6 +76,9 @@ _CKPT_LAYER = re.compile(r"^transformer\.layers\.(\d+)\.(.+)$")
 # Linears of one layer, as checkpoint prefixes relative to `transformer.layers.{i}.` (q, k, v, gate, fc are
 # column-parallel: split by output rows; dense and proj are row-parallel: split by input columns).
 LAYER_LINEARS = ("attention.q", "attention.k", "attention.v", "attention.dense", "mlp.gate", "mlp.fc", "mlp.proj")
+# A mixture of experts' stacked experts [experts, out, in]: as weight-only linears, [experts * out, in] (each expert's
+# rows one after the other)
+EXPERT_LINEARS = ("mlp.experts.gate", "mlp.experts.fc", "mlp.experts.proj")
 _SCALE_SUFFIXES = ("weights_scaling_factor", "activation_scaling_factor", "prequant_scaling_factor",
                    "kv_cache_scaling_factor")
 
@@ -123,8 +126,8 @@ def checkpoint_to_hf_name(name: str, output_norms: bool = False) -> str | None:
 
 def linear_prefixes(layers: Iterable[int], last_stage: bool, moe: bool = False) -> list[str]:
     """Checkpoint prefixes of the linears a quantizer may quantize (`P.weight` is [out, in]), in checkpoint order; a
-    mixture of experts' (`moe`) MLPs have none (routers and experts stay in float)."""
-    linears = [s for s in LAYER_LINEARS if not (moe and s.startswith("mlp."))]
+    mixture of experts' (`moe`) MLPs are its stacked experts (its routers stay in float)."""
+    linears = [s for s in LAYER_LINEARS if not (moe and s.startswith("mlp."))] + list(EXPERT_LINEARS if moe else ())
     out = [f"transformer.layers.{i}.{s}" for i in layers for s in linears]
     return out + (["lm_head"] if last_stage else [])
 
@@ -132,7 +135,7 @@ def linear_prefixes(layers: Iterable[int], last_stage: bool, moe: bool = False) 
 def is_linear(prefix: str) -> bool:
     """Whether checkpoint prefix `prefix` (a tensor name without `.weight`) is a linear layer."""
     m = _CKPT_LAYER.match(prefix)
-    return prefix == "lm_head" or (m is not None and m.group(2) in LAYER_LINEARS)
+    return prefix == "lm_head" or (m is not None and m.group(2) in (*LAYER_LINEARS, *EXPERT_LINEARS))
 
 
 def layer_of(name: str) -> int | None:

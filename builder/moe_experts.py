@@ -1,0 +1,160 @@
+"""A mixture of experts' experts in the network (builder/network.py: `experts`), in one of two forms:
+
+- native (weight-only experts: a GGUF's as the file holds them, or `convert --weight-only`): trtbuild::MoERoute sorts
+  the step's (token, chosen expert) pairs by expert; the tokens, gathered in that order, go through the stacked
+  experts as tables of experts (trtbuild::BlockQuantMatMul with `experts`: each expert's run of rows multiplies its
+  own rows of the table, packed as llama.cpp's blocks); trtbuild::SwiGLU between; each row is weighted by its
+  routing weight and every token sums its k rows back in its own order.
+- float: ONNX Runtime's MoE over float32 experts (softmax, top k, SwiGLU experts, weighted sum), weight-only ones
+  dequantized: where the native ops cannot run (`--quant-linears ort`, no AVX-512 VNNI, no library).
+
+Gate and up are one table of 2 x moe_intermediate rows per expert where their codes have one form, as their fused
+SwiGLU reads them (gate | up); else two tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from trtbuild.builder.convert.weight_only import NBitsWeight
+from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
+from trtbuild.builder.native_linears import pack_nbits
+from trtbuild.builder.quantized import QuantizedLinears
+from trtbuild.builder.weight_only_linear import nbits_layout
+from trtbuild.configs import BuildConfig, ModelConfig
+from trtbuild.plugins import block_quant_matmul as bq
+from trtbuild.plugins import moe_route as mr
+from trtbuild.plugins import swiglu as sw
+from trtbuild.quantization import QuantAlgo
+
+log = logging.getLogger(__name__)
+PROJECTIONS = ("gate", "fc", "proj")  # the stacked experts' gate, up, down
+
+
+def quantized_experts(config: ModelConfig) -> bool:
+    """Whether the checkpoint holds weight-only experts (a GGUF's kept, or `convert --weight-only`)."""
+    return config.is_moe and config.quantization.algo_of("transformer.layers.0.mlp.experts.gate") == \
+        QuantAlgo.WEIGHT_ONLY
+
+
+def resolve_expert_tactic(config: ModelConfig, build: BuildConfig) -> BuildConfig:
+    """`build` with quant_linears decided before the network for weight-only experts, which the network writes in
+    their final form: native where the native ops run here (auto), else ort (float experts)."""
+    from trtbuild import cpu_ops
+
+    if not quantized_experts(config) or build.quant_linears != "auto":
+        return build
+    problem = ("int4_accuracy_level 1 asks for fp32 compute" if build.int4_accuracy_level != 4 else
+               "this CPU has no AVX-512 VNNI" if not cpu_ops.has_vnni() else cpu_ops.unavailable_reason())
+    if problem is not None:
+        log.info("experts: float32 through ONNX Runtime's MoE (%s)", problem)
+    return dataclasses.replace(build, quant_linears="ort" if problem else "native")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Table:
+    """One projection's weight-only tensors, [experts * rows, in] in MatMulNBits' form."""
+
+    codes: np.ndarray
+    scales: np.ndarray  # [experts * rows, in / group]
+    zero_points: np.ndarray | None
+    bits: int
+    group: int
+
+    def form(self) -> tuple:
+        return self.bits, self.group, self.zero_points is not None
+
+
+class Experts:
+    def __init__(self, g: GraphBuilder, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
+                 quant: QuantizedLinears, native: bool) -> None:
+        self.g, self.c, self.tensors, self.quant, self.native = g, config, tensors, quant, native
+
+    def emit(self, h: str, logits: str, prefix: str) -> str:
+        """The experts' output for the normalized hidden states `h` and the router's `logits` (`prefix`: the
+        layer's `...mlp.`)."""
+        names = [f"{prefix}experts.{p}" for p in PROJECTIONS]
+        if self.native and all(self.quant.is_quantized(n) for n in names):
+            tables = [self._table(n) for n in names]
+            if all(t.group % bq.BLOCK == 0 or t.group == 16 for t in tables):
+                return self._native(h, logits, prefix, tables)
+        return self._float(h, logits, prefix, names)
+
+    # ---- float ---------------------------------------------------------------------------------------------------
+    def _float_weight(self, name: str) -> np.ndarray:
+        """[experts, out, in] float32, a weight-only one dequantized."""
+        c = self.c
+        if self.quant.is_quantized(name):
+            t = self._table(name)
+            w = NBitsWeight(t.bits, t.group, t.codes, t.scales, t.zero_points).dequantize()
+            return w.reshape(c.num_experts, -1, w.shape[-1])
+        return self.tensors[name + ".weight"].to(torch.float32).numpy()
+
+    def _float(self, h: str, logits: str, prefix: str, names: list[str]) -> str:
+        c, g = self.c, self.g
+        gate, up, down = (self._float_weight(n) for n in names)
+        gate_up = np.stack([gate, up], axis=2).reshape(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size)
+        fc1 = g.weight(prefix + "experts.gate_up.weight", gate_up)
+        fc2 = g.weight(prefix + "experts.proj.weight", down)
+        return g.op("MoE", [h, logits, fc1, "", fc2], domain=MS_DOMAIN, name=prefix + "experts",
+                    k=c.num_experts_per_tok, normalize_routing_weights=int(c.moe_normalize_topk),
+                    activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+                    swiglu_limit=float("inf"))
+
+    # ---- native --------------------------------------------------------------------------------------------------
+    def _table(self, name: str) -> _Table:
+        codes = self.tensors[name + ".weight"].numpy()
+        scales = self.tensors[name + ".weights_scaling_factor"].to(torch.float32).numpy()
+        zp_name = name + ".weights_zero_point"
+        zero_points = self.tensors[zp_name].to(torch.float32).numpy() if zp_name in self.tensors else None
+        k = self.c.hidden_size if not name.endswith("proj") else self.c.moe_intermediate_size
+        layout = nbits_layout(name, k, codes.shape, scales.shape, zero_points is not None)
+        return _Table(codes, scales, zero_points, layout.bits, layout.group_size)
+
+    def _native(self, h: str, logits: str, prefix: str, tables: list[_Table]) -> str:
+        c, g = self.c, self.g
+        rows, weights, offsets, inverse = g.op(
+            mr.OP_TYPE, [logits], num_outputs=4, domain=mr.DOMAIN, name=prefix + "route", k=c.num_experts_per_tok,
+            normalize=int(c.moe_normalize_topk))
+        xs = g.op("Gather", [h, rows], axis=0, name=prefix + "expert_inputs")
+        gate, up, down = tables
+        if gate.form() == up.form():  # one table: each expert's gate rows, then its up rows
+            both = _Table(*(None if a is None else np.concatenate([
+                a.reshape(c.num_experts, c.moe_intermediate_size, -1), b.reshape(c.num_experts,
+                                                                                  c.moe_intermediate_size, -1)],
+                axis=1).reshape(2 * c.num_experts * c.moe_intermediate_size, -1)
+                for a, b in ((gate.codes, up.codes), (gate.scales, up.scales), (gate.zero_points, up.zero_points))),
+                gate.bits, gate.group)
+            act = g.op(sw.OP_TYPE, [self._matmul(xs, both, offsets, prefix + "experts.gate_up", c.hidden_size)],
+                       domain=sw.DOMAIN, name=prefix + "experts.swiglu")
+        else:
+            gate_out, up_out = (self._matmul(xs, t, offsets, prefix + f"experts.{p}", c.hidden_size)
+                                for t, p in ((gate, "gate"), (up, "fc")))
+            act = g.op("Mul", [g.op("Mul", [gate_out, g.op("Sigmoid", [gate_out])]), up_out],
+                       name=prefix + "experts.swiglu")
+        out = self._matmul(act, down, offsets, prefix + "experts.proj", c.moe_intermediate_size)
+        weighted = g.op("Mul", [out, weights], name=prefix + "experts.weighted")
+        per_token = g.op("Reshape", [g.op("Gather", [weighted, inverse], axis=0, name=prefix + "experts.by_token"),
+                                     g.const(np.array([-1, c.num_experts_per_tok, c.hidden_size]), "per_token")])
+        return g.op("ReduceSum", [per_token, g.const(np.array([1]), "axis1")], keepdims=0, name=prefix + "experts")
+
+    def _matmul(self, x: str, t: _Table, offsets: str, name: str, k: int) -> str:
+        """x's rows times their experts' rows of table `t` (a BlockQuantMatMul with `experts`)."""
+        n = t.codes.shape[0]
+        block = 16 if t.group == 16 else bq.BLOCK
+        repeat = t.group // block  # NOTE: a group of 64 or 128 is 2 or 4 blocks of 32 with one scale: exact
+        scales, zero_points = (None if a is None else np.repeat(a, repeat, axis=1) for a in (t.scales, t.zero_points))
+        table, bits, codebook = pack_nbits(t.codes, scales, zero_points, n, k, t.bits)
+        inputs = [self.g.weight(f"{name}.bq_{field}", value) if value is not None else ""
+                  for field, value in zip(bq.TABLE_FIELDS, table.tensors(), strict=True)]
+        codes, scales_name, *optional = inputs
+        attrs = {"K": k, "N": n, "bits": bits, "block_size": block, "experts": self.c.num_experts,
+                 **({"codebook": list(codebook)} if codebook else {}),
+                 **({"scale_exponent": table.scale_exponent} if table.scale_exponent else {})}
+        return self.g.op(bq.OP_TYPE, [x, codes, scales_name, "", *optional, offsets], domain=bq.DOMAIN, name=name,
+                         **attrs)
