@@ -5,6 +5,7 @@ float32, float16 and two-level (int8 x float16 per 256) scales, with and without
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -47,6 +48,11 @@ def block_quant_session(library: str, op: str, k: int, n: int, bits: int, table:
     graph = helper.make_graph([node], "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
                               [numpy_helper.from_array(v, name) for name, v in zip(TABLE_INPUTS, tensors, strict=True)
                                if v is not None])
+    return custom_op_session(library, graph)
+
+
+def custom_op_session(library: str, graph: onnx.GraphProto) -> ort.InferenceSession:
+    """A session of `graph` with the native CPU ops, on 2 threads."""
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(cpu_ops.DOMAIN,
                                                                                                      1)])
     options = ort.SessionOptions()

@@ -117,6 +117,20 @@ def test_weight_only_experts_run_as_tables_of_experts_or_in_float(tmp_path, fami
     assert error.mean() <= 0.01 and error.max() <= 0.1, (error.mean(), error.max())
 
 
+def test_weight_only_experts_fall_back_to_float_where_the_native_ops_cannot_run(tmp_path, monkeypatch):
+    from trtbuild import cpu_ops
+    from trtbuild.builder.engine_dir import read_engine_config
+
+    hf = make_random_hf_model("olmoe", tmp_path / "hf")
+    convert(hf, tmp_path / "ckpt", weight_only=WeightOnly(8, 32))
+    monkeypatch.setattr(cpu_ops, "has_vnni", lambda: False)
+    engine = build_engine(tmp_path / "ckpt", tmp_path / "engine", **OPTIONS)
+    ops = {n.op_type for n in onnx.load(str(engine / CPU_ENGINE_FILE), load_external_data=False).graph.node}
+    assert "MoE" in ops and "MoERoute" not in ops and read_engine_config(engine).build.quant_linears == "ort"
+    assert len(LLM(engine, RuntimeConfig(num_threads=1)).generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0]
+               .token_ids) == 4
+
+
 def test_what_a_mixture_of_experts_cannot_be_given_is_refused(tmp_path):
     hf = make_random_hf_model("qwen3_moe", tmp_path / "hf")
     with pytest.raises(ConfigError, match="experts are not split over tensor-parallel ranks"):

@@ -7,7 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from test_block_quant_ops import TABLE_INPUTS, format_case
+from test_block_quant_ops import TABLE_INPUTS, custom_op_session, format_case
 
 from trtbuild import cpu_ops
 from trtbuild.plugins.block_quant_matmul import OP_TYPE, pack, reference_block_quant_matmul
@@ -16,13 +16,7 @@ from trtbuild.plugins.moe_route import reference_moe_route
 
 
 def _session(library: str, nodes, inputs, outputs, initializers=()) -> ort.InferenceSession:
-    graph = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(cpu_ops.DOMAIN,
-                                                                                                     1)])
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(library)
-    options.intra_op_num_threads = 2
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return custom_op_session(library, helper.make_graph(nodes, "g", inputs, outputs, list(initializers)))
 
 
 def route_session(library: str, experts: int, k: int, normalize: bool) -> ort.InferenceSession:

@@ -31,16 +31,20 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['conten
 TIMEOUT = 60
 
 
+def with_template(engine: Path, copy: Path, template: str) -> Path:
+    """A copy of the stories260K `engine` at `copy` with the chat `template`, whose turns end with </s> (its
+    vocabulary has no <|im_end|>)."""
+    shutil.copytree(engine, copy)
+    config_file = copy / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    config.update(chat_template=template, bos_token="<s>", eos_token="</s>")
+    config_file.write_text(json.dumps(config))
+    return copy
+
+
 @pytest.fixture(scope="module")
 def chat_engine(stories_engine, tmp_path_factory) -> Path:
-    """stories260K with a chat template whose turns end with </s> (its vocabulary has no <|im_end|>)."""
-    engine = tmp_path_factory.mktemp("openai") / "engine"
-    shutil.copytree(stories_engine, engine)
-    config_file = engine / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
-    config.update(chat_template=TEMPLATE, bos_token="<s>", eos_token="</s>")
-    config_file.write_text(json.dumps(config))
-    return engine
+    return with_template(stories_engine, tmp_path_factory.mktemp("openai") / "engine", TEMPLATE)
 
 
 def _free_port() -> int:

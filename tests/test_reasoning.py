@@ -4,12 +4,10 @@ reasoning_content (stories260K with a template of our own that opens the thinkin
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
-from test_openai import Server, greedy
+from test_openai import Server, greedy, with_template
 from test_tool_calls import WEATHER, _request
 
 from trtbuild.runtime.chat import ChatTemplate
@@ -76,13 +74,7 @@ def test_template_variables_may_not_replace_the_request_s_own():
 
 @pytest.fixture(scope="module")
 def think_engine(stories_engine, tmp_path_factory) -> Path:
-    engine = tmp_path_factory.mktemp("think") / "engine"
-    shutil.copytree(stories_engine, engine)
-    config_file = engine / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
-    config.update(chat_template=THINK_TEMPLATE, bos_token="<s>", eos_token="</s>")
-    config_file.write_text(json.dumps(config))
-    return engine
+    return with_template(stories_engine, tmp_path_factory.mktemp("think") / "engine", THINK_TEMPLATE)
 
 
 def test_a_server_answers_the_thinking_as_reasoning_content(think_engine):

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 from helpers import STORIES260K, require_shared_models
-from test_openai import Server, greedy
+from test_openai import Server, greedy, with_template
 
 from trtbuild.errors import ConfigError
 from trtbuild.runtime.chat import ChatTemplate
@@ -201,13 +200,8 @@ def test_special_tokens_stay_in_the_text_when_asked(stories_engine):
 def tools_engine(engine_from_hf, tmp_path_factory) -> Path:
     """stories260K with TOOLS_TEMPLATE, 512 tokens long (its vocabulary spells JSON a few characters a token)."""
     require_shared_models()
-    engine = tmp_path_factory.mktemp("tools") / "engine"
-    shutil.copytree(engine_from_hf(STORIES260K, max_batch_size=8, max_num_tokens=128, max_seq_len=512), engine)
-    config_file = engine / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
-    config.update(chat_template=TOOLS_TEMPLATE, bos_token="<s>", eos_token="</s>")
-    config_file.write_text(json.dumps(config))
-    return engine
+    return with_template(engine_from_hf(STORIES260K, max_batch_size=8, max_num_tokens=128, max_seq_len=512),
+                         tmp_path_factory.mktemp("tools") / "engine", TOOLS_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
