@@ -44,16 +44,23 @@ def quantized_experts(config: ModelConfig) -> bool:
 
 def resolve_expert_tactic(config: ModelConfig, build: BuildConfig) -> BuildConfig:
     """`build` with quant_linears decided before the network for weight-only experts, which the network writes in
-    their final form: native where the native ops run here (auto), else ort (float experts)."""
+    their final form: native where the native ops run here (auto), else ort (float experts, with a warning of their
+    size); native asked for where they cannot run is a ConfigError, before any work."""
     from trtbuild import cpu_ops
+    from trtbuild.errors import ConfigError
 
-    if not quantized_experts(config) or build.quant_linears != "auto":
+    if not quantized_experts(config):
         return build
     problem = ("int4_accuracy_level 1 asks for fp32 compute" if build.int4_accuracy_level != 4 else
                "this CPU has no AVX-512 VNNI" if not cpu_ops.has_vnni() else cpu_ops.unavailable_reason())
-    if problem is not None:
-        log.info("experts: float32 through ONNX Runtime's MoE (%s)", problem)
-    return dataclasses.replace(build, quant_linears="ort" if problem else "native")
+    if build.quant_linears == "native" and problem:
+        raise ConfigError("quant_linears", f"native cannot be used: {problem}. Use --quant-linears ort.")
+    chosen = build.quant_linears if build.quant_linears != "auto" else "ort" if problem else "native"
+    if chosen == "ort":
+        size = 3 * config.num_hidden_layers * config.num_experts * config.hidden_size * config.moe_intermediate_size
+        log.warning("experts: dequantized to float32 for ONNX Runtime's MoE, %.1f GB of them (%s)", 4 * size / 1e9,
+                    problem or "--quant-linears ort")
+    return dataclasses.replace(build, quant_linears=chosen)
 
 
 @dataclasses.dataclass(frozen=True)

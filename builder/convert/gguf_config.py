@@ -104,7 +104,7 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
         raise CheckpointError(
             f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
             f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, SmolLM3, TinyLlama, Qwen2/2.5, Qwen3, "
-            "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3 ...). "
+            "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3, Qwen3-MoE, OLMoE, Mixtral ...). "
             "Convert the HF checkpoint instead."
         )
     if arch == "llama" and meta.get("llama.expert_count"):
