@@ -1,11 +1,11 @@
 """Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B, Llama-3.2-1B / Llama-3.1-8B, SmolLM3-3B (NoPE
 layers), Granite 3.3 2B (Granite's multipliers), Gemma 3 1B / Gemma 2 2B (sandwich norms, sliding-window layers, soft-
-capping), OLMoE-1B-7B (a mixture of experts; GGUF only) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up,
-LongRoPE, Phi-4-mini's partial rotary embeddings; with a byte-level BPE as Phi-4 has), as an HF folder (bf16
-safetensors; `--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written with the `gguf`
-package, for measuring convert / build / load / decode at real sizes. No weights are downloaded: the weights are
-random (seeded) and the tokenizer is a small byte-level BPE trained here on this repository's docs, padded to the
-model's vocabulary as the real tokenizers are, with the family's special tokens and chat template.
+capping), OLMoE-1B-7B / Granite 3.1 3B-A800M (mixtures of experts; GGUF only) or Phi-3.5-mini / Phi-4-mini (3.8B:
+fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings; with a byte-level BPE as Phi-4 has), as an
+HF folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written with
+the `gguf` package, for measuring convert / build / load / decode at real sizes. No weights are downloaded: the
+weights are random (seeded) and the tokenizer is a small byte-level BPE trained here on this repository's docs,
+padded to the model's vocabulary as the real tokenizers are, with the family's special tokens and chat template.
 
     python benchmarks/make_real_size_model.py --out /work/models/qwen1p5b [--shape 0.5b|1.5b|llama-1b]
     python benchmarks/make_real_size_model.py --out /work/models/llama8b --shape llama-8b --no-hf
@@ -17,6 +17,7 @@ model's vocabulary as the real tokenizers are, with the family's special tokens 
     python benchmarks/make_real_size_model.py --out /work/models/granite --shape granite-2b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/olmo2 --shape olmo2-1b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/olmoe --shape olmoe-1b-7b --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/gmoe --shape granite-moe-3b --no-hf --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
 would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
@@ -46,6 +47,7 @@ from real_shapes import (  # noqa: E402
     GEMMA3,
     GEMMAS,
     GRANITE,
+    GRANITEMOE,
     LLAMA3,
     OLMO2,
     OLMOE,
@@ -268,7 +270,7 @@ def write_metadata(w, shape: Shape, tok) -> None:
     if shape.experts:  # TextModel.set_gguf_parameters
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_per_tok)
-    if fam is GRANITE:  # GraniteModel.set_gguf_parameters
+    if fam in (GRANITE, GRANITEMOE):  # GraniteModel.set_gguf_parameters
         m = shape.multipliers
         w.add_attention_scale(m["attention_multiplier"])
         w.add_embedding_scale(m["embedding_multiplier"])

@@ -63,8 +63,11 @@ OLMO2 = Family("olmo2", LLAMA3.pre, LLAMA3.digits, ("<|endoftext|>", "<|pad|>", 
 # OLMoE: a mixture of experts (64 of 1024 features, 8 a token, not renormalized); q / k norms over the whole
 # projections, norms before attention and MLP
 OLMOE = Family("olmoe", LLAMA3.pre, LLAMA3.digits, OLMO2.specials, None, OLMO2.eos, OLMO2.pad, QWEN2.chat_template)
+# Granite MoE: Granite's multipliers and layout, its MLPs mixtures of experts (its GGUF: experts stacked, as OLMoE's)
+GRANITEMOE = Family("granitemoe", *(getattr(GRANITE, f) for f in ("pre", "digits", "specials", "bos", "eos", "pad",
+                                                                   "chat_template")))
 POST_NORMED = (GEMMA2, GEMMA3, OLMO2)  # the families whose GGUF names the norms after attention / MLP as Gemma's
-PERMUTED = (LLAMA3, SMOLLM3, GRANITE)  # the families llama.cpp's LlamaModel converts: q / k rows permuted
+PERMUTED = (LLAMA3, SMOLLM3, GRANITE, GRANITEMOE)  # the families llama.cpp's LlamaModel converts: q / k rows permuted
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 
@@ -119,6 +122,10 @@ SHAPES = {  # the released models' configs
                        1e-6, 1024, head_size=256),
     "gemma2-2b": Shape(GEMMA2, 2304, 26, 8, 4, 9216, 256000, True, 1e4, None, 8192, 1e-6, 4096, head_size=256),
     "olmo2-1b": Shape(OLMO2, 2048, 16, 16, 16, 8192, 100352, False, 5e5, None, 4096),
+    "granite-moe-3b": Shape(GRANITEMOE, 1536, 32, 24, 8, 512, 49155, True, 1e7, None, 131072, 1e-6,
+                            multipliers=dict(embedding_multiplier=12.0, attention_multiplier=0.015625,
+                                             residual_multiplier=0.22, logits_scaling=6.0), experts=40,
+                            experts_per_tok=8),
     "olmoe-1b-7b": Shape(OLMOE, 2048, 16, 16, 16, 1024, 50304, False, 1e4, None, 4096, 1e-5, experts=64,
                          experts_per_tok=8),
     "granite-2b": Shape(GRANITE, 2048, 40, 32, 8, 8192, 49159, True, 1e7, None, 131072, 1e-5, multipliers=dict(

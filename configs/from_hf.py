@@ -34,6 +34,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", False, True),
     "MixtralForCausalLM": ("mixtral", False, False),
     "OlmoeForCausalLM": ("olmoe", False, True),
+    "GraniteMoeForCausalLM": ("granitemoe", False, False),  # Granite's multipliers, its experts' gate and up fused
 }
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> (the text
 # model's architecture, the transformers config class whose defaults complete the released, sparse `text_config`)
@@ -198,7 +199,7 @@ def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _granite_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """Granite's multipliers as ModelConfig fields (1 where a config leaves one out, as transformers defaults it)."""
-    if family != "granite":
+    if family not in ("granite", "granitemoe"):
         return {}
     return {"embedding_multiplier": float(hf.get("embedding_multiplier") or 1.0),
             "attention_scale": float(hf.get("attention_multiplier") or 1.0),
@@ -208,8 +209,9 @@ def _granite_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
 
 # family -> (the config's field with an expert's features, whether the router's weights are renormalized over the
 # chosen experts unless norm_topk_prob says otherwise)
+# (Granite MoE takes the softmax of the chosen experts' logits: the renormalized one)
 _MOE_FAMILIES = {"qwen3_moe": ("moe_intermediate_size", False), "mixtral": ("intermediate_size", True),
-                 "olmoe": ("intermediate_size", False)}
+                 "olmoe": ("intermediate_size", False), "granitemoe": ("intermediate_size", True)}
 
 
 def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
@@ -240,7 +242,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
             f"text models of {', '.join(TEXT_MODELS_OF)}."
         )
     family, qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-    if family in ("llama", "granite") and hf.get("attention_bias"):
+    if family in ("llama", "granite", "granitemoe") and hf.get("attention_bias"):
         qkv_bias = True
     if hf.get("mlp_bias"):
         raise CheckpointError("mlp_bias=true is not supported.")

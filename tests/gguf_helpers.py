@@ -1,6 +1,7 @@
 """Test helpers (importable as `gguf_helpers`): HF model folders with tokenizers and chat templates, and a GGUF writer
 that does what llama.cpp's convert_hf_to_gguf.py does for Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 1/2/3,
-Granite, OLMo 2 / 3 and the mixtures of experts Qwen3-MoE, Mixtral and OLMoE (with --outtype f32)."""
+Granite, OLMo 2 / 3 and the mixtures of experts Qwen3-MoE, Mixtral, OLMoE and Granite MoE (with --outtype
+f32)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ PROBE_TEXTS = (
     "<s>Once upon a time</s>",
     "a</s>\n  b</s> <s> c",
 )
-PERMUTED = ("llama", "smollm3", "granite")  # the architectures llama.cpp's LlamaModel converts (q / k rows permuted)
+# the architectures llama.cpp's LlamaModel converts (q / k rows permuted)
+PERMUTED = ("llama", "smollm3", "granite", "granitemoe")
 # HF family -> (GGUF architecture llama.cpp writes, vocabulary kind, general.name)
 FAMILIES = {
     "llama": ("llama", "spm", "Llama Tiny"),
@@ -62,6 +64,7 @@ FAMILIES = {
     "qwen3_moe": ("qwen3moe", "bpe", "Qwen3 MoE Tiny"),
     "mixtral": ("llama", "spm", "Mixtral Tiny"),
     "olmoe": ("olmoe", "spm", "OLMoE Tiny"),
+    "granitemoe": ("granitemoe", "spm", "Granite MoE Tiny"),
 }
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)$")
 
@@ -77,6 +80,10 @@ def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             out[name] = data
     for name, parts in experts.items():
         out[name] = np.stack([parts[e] for e in sorted(parts)])
+    for name in [n for n in out if n.endswith("block_sparse_moe.input_linear.weight")]:  # GraniteMoeModel: split
+        gate, up = np.split(out.pop(name), 2, axis=1)
+        layer = name.removesuffix(".block_sparse_moe.input_linear.weight")
+        out[f"{layer}.mlp.experts.gate_proj.weight"], out[f"{layer}.mlp.experts.up_proj.weight"] = gate, up
     return out
 
 
@@ -301,7 +308,7 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         if "moe_intermediate_size" in cfg:  # Qwen3MoeModel
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    if arch == "granite":  # GraniteModel.set_gguf_parameters
+    if arch in ("granite", "granitemoe"):  # GraniteModel.set_gguf_parameters
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])

@@ -24,7 +24,7 @@ from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 
-MOE = ["qwen3_moe", "mixtral", "olmoe"]
+MOE = ["qwen3_moe", "mixtral", "olmoe", "granitemoe"]
 Q = gguf.GGMLQuantizationType
 OPTIONS = dict(max_batch_size=4, max_num_tokens=64, max_seq_len=128, tokens_per_block=8)
 
@@ -37,16 +37,21 @@ def test_the_checkpoint_holds_each_layer_s_router_and_stacked_experts(tmp_path, 
             config.moe_normalize_topk) == (family, 8, 2, 32, family != "olmoe")
     ckpt = SafetensorsFile(tmp_path / "ckpt" / "rank0.safetensors")
     source = SafetensorsFile(hf / "model.safetensors")
-    p, expert = "transformer.layers.1.mlp.", "mixtral" if family == "mixtral" else "other"
-    names = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{}.w1", "block_sparse_moe.experts.{}.w3",
-                         "block_sparse_moe.experts.{}.w2"),
-             "other": ("mlp.gate", "mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj", "mlp.experts.{}.down_proj")}
-    router, gate, up, down = (f"model.layers.1.{n}.weight" for n in names[expert])
-    assert np.array_equal(ckpt[p + "router.weight"].numpy(), source[router].numpy())
-    for ours, theirs, shape in (("gate", gate, (8, 32, 64)), ("fc", up, (8, 32, 64)), ("proj", down, (8, 64, 32))):
+    p, hf_p = "transformer.layers.1.mlp.", "model.layers.1."
+    if family == "granitemoe":  # every expert's gate and up rows in one tensor
+        router = source[hf_p + "block_sparse_moe.router.layer.weight"].numpy()
+        gate_up = source[hf_p + "block_sparse_moe.input_linear.weight"].numpy()
+        fifth = (gate_up[5, :32], gate_up[5, 32:], source[hf_p + "block_sparse_moe.output_linear.weight"].numpy()[5])
+    else:
+        names = (("block_sparse_moe.gate", "block_sparse_moe.experts.5.w1", "block_sparse_moe.experts.5.w3",
+                  "block_sparse_moe.experts.5.w2") if family == "mixtral" else
+                 ("mlp.gate", "mlp.experts.5.gate_proj", "mlp.experts.5.up_proj", "mlp.experts.5.down_proj"))
+        router, *fifth = (source[f"{hf_p}{n}.weight"].numpy() for n in names)
+    assert np.array_equal(ckpt[p + "router.weight"].numpy(), router)
+    for ours, theirs, shape in zip(("gate", "fc", "proj"), fifth, ((8, 32, 64), (8, 32, 64), (8, 64, 32)),
+                                   strict=True):
         stacked = ckpt[p + f"experts.{ours}.weight"].numpy()
-        assert stacked.shape == shape
-        assert np.array_equal(stacked[5], source[theirs.format(5)].numpy())
+        assert stacked.shape == shape and np.array_equal(stacked[5], theirs)
     assert not any(n.startswith(tuple(p + x for x in ("gate", "fc", "proj"))) for n in ckpt)
 
 

@@ -82,6 +82,8 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     "olmoe": GgufArch("OlmoeForCausalLM", "olmoe", False, (*_MOE_LAYER_TENSORS, *_QK_NORM), moe_normalize=False),
     # llama.cpp writes Mixtral as general.architecture "llama" with experts (see resolve_architecture)
     "mixtral": GgufArch("MixtralForCausalLM", "mixtral", True, _MOE_LAYER_TENSORS, moe_normalize=True),
+    "granitemoe": GgufArch("GraniteMoeForCausalLM", "granitemoe", True, _MOE_LAYER_TENSORS,
+                           optional_layer_tensors=_QKV_BIAS, moe_normalize=True),
 }
 # Layers llama.cpp gives the larger Gemmas (27B), whose attention scale it takes from hidden / heads, not head_dim
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -104,7 +106,7 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
         raise CheckpointError(
             f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
             f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, SmolLM3, TinyLlama, Qwen2/2.5, Qwen3, "
-            "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3, Qwen3-MoE, OLMoE, Mixtral ...). "
+            "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3, Qwen3-MoE, OLMoE, Mixtral, Granite MoE ...). "
             "Convert the HF checkpoint instead."
         )
     if arch == "llama" and meta.get("llama.expert_count"):
@@ -272,7 +274,7 @@ def hf_config(
     pattern = meta.get(f"{prefix}.attention.sliding_window_pattern")
     if arch.model_type == "olmo3" and isinstance(pattern, list):
         cfg["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
-    if arch.model_type == "granite":  # llama.cpp's names for Granite's multipliers
+    if arch.model_type in ("granite", "granitemoe"):  # llama.cpp's names for Granite's multipliers
         for theirs, ours in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
                              ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
             if (value := meta.get(f"{prefix}.{theirs}")) is not None:
