@@ -74,3 +74,17 @@ def test_random_gguf_without_hf_folder(script, tmp_path: Path):
     again = tmp_path / "again.gguf"
     script.make_gguf(again, shape, tok, None, seed=0)
     assert again.read_bytes() == (tmp_path / "model.gguf").read_bytes()  # seeded: the same file every time
+
+
+@pytest.mark.parametrize("name", ["olmoe-1b-7b", "granite-moe-3b"])
+def test_a_mixture_of_experts_gguf_keeps_its_experts(script, tmp_path: Path, name: str):
+    """The MoE shapes are written as GGUFs only: stacked Q4_K / Q6_K experts, which convert keeps as they are."""
+    shape = replace(_tiny(script, name), experts=4, experts_per_tok=2)
+    tok = script.make_tokenizer(tmp_path, shape.family)
+    script.make_gguf(tmp_path / "model.gguf", shape, tok, None, seed=0)
+    cfg = convert(tmp_path / "model.gguf", tmp_path / "ckpt")
+    assert (cfg.family, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+        shape.family.arch, 4, 2, 512)
+    assert not cfg.quantization.is_excluded("transformer.layers.1.mlp.experts.proj")
+    codes = load_file(tmp_path / "ckpt" / "rank0.safetensors")["transformer.layers.1.mlp.experts.gate.weight"]
+    assert codes.dtype == np.uint8 and codes.shape == (4 * 512, 256 // 2)  # Q4_K: 4-bit codes of [experts x out, in]
