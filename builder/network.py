@@ -126,15 +126,21 @@ class _NetworkWriter:
             return g.op("Mul", [g.op("Gelu", [gate], approximate="tanh"), up], name=name + "geglu")
         return g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up], name=name + "swiglu")
 
-    def mlp(self, h: str, layer: str) -> str:
+    def mlp(self, h: str, layer: str, module: str = "mlp.") -> str:
         """The MLP of one layer (`layer`: its `transformer.layers.{i}.`): gate and up, the activation, down."""
-        gate, up = self.linear(h, layer + "mlp.gate"), self.linear(h, layer + "mlp.fc")
-        return self.linear(self.mlp_activation(gate, up, layer), layer + "mlp.proj")
+        gate, up = self.linear(h, layer + module + "gate"), self.linear(h, layer + module + "fc")
+        return self.linear(self.mlp_activation(gate, up, layer + module.removeprefix("mlp.")), layer + module + "proj")
 
     def experts(self, h: str, layer: str) -> str:
-        """A mixture of experts' MLP: the router's logits, then the experts (builder/moe_experts.py)."""
-        prefix = layer + "mlp."
-        return self.moe.emit(h, self.linear(h, prefix + "router"), prefix)
+        """A mixture of experts' MLP: the router's logits, then the experts (builder/moe_experts.py), plus Qwen2-MoE's
+        shared expert scaled by the sigmoid of its gate's logit."""
+        prefix, g = layer + "mlp.", self.g
+        y = self.moe.emit(h, self.linear(h, prefix + "router"), prefix)
+        if not self.c.shared_expert_intermediate_size:
+            return y
+        scale = g.op("Sigmoid", [self.linear(h, prefix + "shared_gate")], name=prefix + "shared_scale")
+        shared = g.op("Mul", [self.mlp(h, layer, "mlp.shared."), scale], name=prefix + "shared_scaled")
+        return g.op("Add", [y, shared], name=prefix + "with_shared")
 
     def branch_output(self, y: str, prefix: str) -> str:
         """What an attention or MLP block adds to the residual stream: its output, RMS-normalized (Gemma 2 / 3's

@@ -35,6 +35,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "MixtralForCausalLM": ("mixtral", False, False),
     "OlmoeForCausalLM": ("olmoe", False, True),
     "GraniteMoeForCausalLM": ("granitemoe", False, False),  # Granite's multipliers, its experts' gate and up fused
+    "Qwen2MoeForCausalLM": ("qwen2_moe", True, False),  # Qwen2 with experts and a gated shared expert
 }
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> (the text
 # model's architecture, the transformers config class whose defaults complete the released, sparse `text_config`)
@@ -211,7 +212,8 @@ def _granite_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
 # chosen experts unless norm_topk_prob says otherwise)
 # (Granite MoE takes the softmax of the chosen experts' logits: the renormalized one)
 _MOE_FAMILIES = {"qwen3_moe": ("moe_intermediate_size", False), "mixtral": ("intermediate_size", True),
-                 "olmoe": ("intermediate_size", False), "granitemoe": ("intermediate_size", True)}
+                 "olmoe": ("intermediate_size", False), "granitemoe": ("intermediate_size", True),
+                 "qwen2_moe": ("moe_intermediate_size", False)}
 
 
 def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
@@ -229,7 +231,8 @@ def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
         raise CheckpointError(f"clip_qkv={hf['clip_qkv']} (q / k / v clipped) is not supported.")
     return {"num_experts": int(experts), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
             "moe_intermediate_size": int(hf[features_key]),
-            "moe_normalize_topk": bool(hf.get("norm_topk_prob", normalize))}
+            "moe_normalize_topk": bool(hf.get("norm_topk_prob", normalize)),
+            "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size") or 0)}
 
 
 def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:

@@ -204,6 +204,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     moe_normalize_topk: bool = True
+    # Qwen2-MoE: a shared expert (a SwiGLU MLP of this many features every token takes, scaled by the sigmoid of its
+    # gate's logit) beside the routed ones; 0: none
+    shared_expert_intermediate_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     mapping: Mapping = field(default_factory=Mapping)
@@ -245,7 +248,8 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or not value > 0):
                 raise CheckpointError(f"config.json: {name} must be null or a positive number, got {value!r}")
-        moe = (self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size)
+        moe = (self.num_experts, self.num_experts_per_tok, self.moe_intermediate_size,
+               self.shared_expert_intermediate_size)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in moe) or (
                 self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts
                                           and self.moe_intermediate_size >= 1)):

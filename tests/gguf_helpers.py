@@ -65,6 +65,7 @@ FAMILIES = {
     "mixtral": ("llama", "spm", "Mixtral Tiny"),
     "olmoe": ("olmoe", "spm", "OLMoE Tiny"),
     "granitemoe": ("granitemoe", "spm", "Granite MoE Tiny"),
+    "qwen2_moe": ("qwen2moe", "bpe", "Qwen2 MoE Tiny"),
 }
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)$")
 
@@ -306,8 +307,10 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     if experts := cfg.get("num_experts") or cfg.get("num_local_experts"):  # TextModel.set_gguf_parameters
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
-        if "moe_intermediate_size" in cfg:  # Qwen3MoeModel
+        if "moe_intermediate_size" in cfg:  # Qwen2MoeModel, Qwen3MoeModel
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if arch in ("granite", "granitemoe"):  # GraniteModel.set_gguf_parameters
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])

@@ -87,6 +87,10 @@ RANDOM_CONFIGS = {
                                       sliding_window=None)),
     "olmoe": ("OlmoeConfig", dict(_COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                                   norm_topk_prob=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # + a shared expert of 48 features beside the routed ones, scaled by its sigmoid gate (Qwen2-MoE)
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_COMMON, rope_theta=1000000.0, moe_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2, norm_topk_prob=False,
+                                         shared_expert_intermediate_size=48)),
     # + Granite's multipliers, every expert's gate and up in one tensor
     "granitemoe": ("GraniteMoeConfig", dict(_COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
                                             embedding_multiplier=12.0, attention_multiplier=0.05,

@@ -19,7 +19,7 @@ from trtbuild.runtime.sampling import SamplingParams
 RTOL = 1e-4
 MODELS = ["stories260K", "tinystories-656K", "llama", "llama3_rope", "qwen2", "qwen3", "mistral", "mistral_window",
           "phi3", "phi3_longrope", "phi3_partial", "smollm3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
-          "qwen3_moe", "mixtral", "olmoe", "granitemoe"]
+          "qwen3_moe", "mixtral", "olmoe", "granitemoe", "qwen2_moe"]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 
-MOE = ["qwen3_moe", "mixtral", "olmoe", "granitemoe"]
+MOE = ["qwen3_moe", "mixtral", "olmoe", "granitemoe", "qwen2_moe"]
 Q = gguf.GGMLQuantizationType
 OPTIONS = dict(max_batch_size=4, max_num_tokens=64, max_seq_len=128, tokens_per_block=8)
 
@@ -34,7 +34,8 @@ def test_the_checkpoint_holds_each_layer_s_router_and_stacked_experts(tmp_path, 
     hf = make_random_hf_model(family, tmp_path / "hf")
     config = convert(hf, tmp_path / "ckpt")
     assert (config.family, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
-            config.moe_normalize_topk) == (family, 8, 2, 32, family != "olmoe")
+            config.moe_normalize_topk) == (family, 8, 2, 32, family not in ("olmoe", "qwen2_moe"))
+    assert config.shared_expert_intermediate_size == (48 if family == "qwen2_moe" else 0)
     ckpt = SafetensorsFile(tmp_path / "ckpt" / "rank0.safetensors")
     source = SafetensorsFile(hf / "model.safetensors")
     p, hf_p = "transformer.layers.1.mlp.", "model.layers.1."
@@ -97,13 +98,14 @@ def test_a_quantized_moe_gguf_keeps_its_experts_as_the_file_holds_them(tmp_path,
     assert len(outputs[0].token_ids) == 12
 
 
-@pytest.mark.parametrize(("family", "bits"), [("qwen3_moe", 4), ("mixtral", 8), ("olmoe", 4)])
+@pytest.mark.parametrize(("family", "bits"), [("qwen3_moe", 4), ("mixtral", 8), ("olmoe", 4), ("qwen2_moe", 8)])
 def test_weight_only_experts_run_as_tables_of_experts_or_in_float(tmp_path, family, bits):
     """`convert --weight-only` quantizes the stacked experts (one [experts x out, in] linear each); the native
     tables of experts compute what ONNX Runtime's float MoE over the same weights dequantized does (--quant-linears
     ort), to the int8 rounding of the activations."""
-    features = "moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size"
-    hf = make_random_hf_model(family, tmp_path / "hf", overrides={"hidden_size": 128, features: 64})
+    features = "moe_intermediate_size" if family in ("qwen3_moe", "qwen2_moe") else "intermediate_size"
+    shared = {"shared_expert_intermediate_size": 96} if family == "qwen2_moe" else {}
+    hf = make_random_hf_model(family, tmp_path / "hf", overrides={"hidden_size": 128, features: 64, **shared})
     config = convert(hf, tmp_path / "ckpt", weight_only=WeightOnly(bits, 32))
     ckpt = SafetensorsFile(tmp_path / "ckpt" / "rank0.safetensors")
     codes = ckpt["transformer.layers.0.mlp.experts.proj.weight"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from trtbuild.builder.convert.names import linear_prefixes, tp_split_axis
+from trtbuild.builder.convert.names import model_linear_prefixes, tp_split_axis
 from trtbuild.builder.convert.safetensors_io import SafetensorsError, SafetensorsFile
 from trtbuild.configs import ModelConfig
 from trtbuild.errors import CheckpointError
@@ -41,12 +41,14 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
             names += [p + "attention.output_norm.weight", p + "mlp.output_norm.weight"]
         if config.is_moe:
             names += [p + "mlp.router.weight"] + [p + f"mlp.experts.{x}.weight" for x in ("gate", "fc", "proj")]
+            if config.shared_expert_intermediate_size:
+                names += [p + "mlp.shared_gate.weight"] + [p + f"mlp.shared.{x}.weight" for x in ("gate", "fc", "proj")]
         else:
             names += [p + f"mlp.{x}.weight" for x in ("gate", "fc", "proj")]
     if last_stage:
         names += ["transformer.ln_f.weight", "lm_head.weight"]
     q = config.quantization
-    for prefix in linear_prefixes(layers, last_stage, config.is_moe):
+    for prefix in model_linear_prefixes(config, layers, last_stage):
         names += q.scale_names(prefix)
     if q.embedding_weight_only and first_stage:
         names.append("transformer.vocab_embedding.weights_scaling_factor")
@@ -110,6 +112,10 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "mlp.fc.weight": (c.intermediate_size, c.hidden_size),
         "mlp.proj.weight": (c.hidden_size, c.intermediate_size),
         "mlp.router.weight": (c.num_experts, c.hidden_size),
+        "mlp.shared.gate.weight": (c.shared_expert_intermediate_size, c.hidden_size),
+        "mlp.shared.fc.weight": (c.shared_expert_intermediate_size, c.hidden_size),
+        "mlp.shared.proj.weight": (c.hidden_size, c.shared_expert_intermediate_size),
+        "mlp.shared_gate.weight": (1, c.hidden_size),
         "mlp.experts.gate.weight": (c.num_experts, c.moe_intermediate_size, c.hidden_size),
         "mlp.experts.fc.weight": (c.num_experts, c.moe_intermediate_size, c.hidden_size),
         "mlp.experts.proj.weight": (c.num_experts, c.hidden_size, c.moe_intermediate_size),

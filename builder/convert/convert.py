@@ -26,7 +26,7 @@ from trtbuild.builder.convert.checkpoint import (
 from trtbuild.builder.convert.experts import stack_experts
 from trtbuild.builder.convert.fused import split_fused
 from trtbuild.builder.convert.hf_reader import SourceTensor
-from trtbuild.builder.convert.names import hf_to_checkpoint_name, is_linear, linear_prefixes
+from trtbuild.builder.convert.names import hf_to_checkpoint_name, is_linear, model_linear_prefixes
 from trtbuild.builder.convert.safetensors_io import SafetensorsWriter
 from trtbuild.builder.convert.sharding import check_mapping, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig
@@ -90,7 +90,7 @@ def default_group_size(config: ModelConfig) -> int:
     from trtbuild.builder.convert.weight_only import default_group_size as largest
 
     features = (config.hidden_size, config.q_size, config.moe_intermediate_size if config.is_moe
-                else config.intermediate_size)
+                else config.intermediate_size, config.shared_expert_intermediate_size or config.hidden_size)
     if (g := largest(features)) is None:
         raise CheckpointError(f"no group size of {', '.join(map(str, GROUP_SIZES))} divides the input features "
                               f"{features} of this model's linears; use --weight-only int8 (per channel).")
@@ -101,7 +101,7 @@ def with_weight_only(config: ModelConfig, plan: dict[str, SourceTensor], weight_
                      ) -> ModelConfig:
     """The config's quantization: every linear whose source is quantized (a GGUF tensor kept as it is) or that
     `weight_only` quantizes is a weight_only linear; the rest are listed in exclude_modules."""
-    prefixes = linear_prefixes(range(config.num_hidden_layers), last_stage=True, moe=config.is_moe)
+    prefixes = model_linear_prefixes(config, range(config.num_hidden_layers), last_stage=True)
     forms = {p: plan[p + ".weight"].nbits or (weight_only and (weight_only.bits, weight_only.group_size, False))
              for p in prefixes}
     quantized = {p: f for p, f in forms.items() if f}
@@ -235,7 +235,7 @@ def _check_groups(config: ModelConfig, weight_only: WeightOnly | None) -> None:
     """--group-size must divide the input features of every linear it quantizes."""
     if weight_only is None or weight_only.group_size is None:
         return
-    for prefix in linear_prefixes(range(config.num_hidden_layers), last_stage=True, moe=config.is_moe):
+    for prefix in model_linear_prefixes(config, range(config.num_hidden_layers), last_stage=True):
         k = expected_shape(prefix + ".weight", config)[-1]
         if config.quantization.algo_of(prefix) == QuantAlgo.WEIGHT_ONLY and k % weight_only.group_size:
             raise ConfigError("group_size", f"{weight_only.group_size} does not divide the {k} input features of "

@@ -84,6 +84,10 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     "mixtral": GgufArch("MixtralForCausalLM", "mixtral", True, _MOE_LAYER_TENSORS, moe_normalize=True),
     "granitemoe": GgufArch("GraniteMoeForCausalLM", "granitemoe", True, _MOE_LAYER_TENSORS,
                            optional_layer_tensors=_QKV_BIAS, moe_normalize=True),
+    "qwen2moe": GgufArch("Qwen2MoeForCausalLM", "qwen2_moe", False, (*_MOE_LAYER_TENSORS, *_QKV_BIAS),
+                         optional_layer_tensors=tuple(f"ffn_{p}_shexp.weight" for p in ("gate_inp", "gate", "up",
+                                                                                          "down")),
+                         moe_normalize=False),
 }
 # Layers llama.cpp gives the larger Gemmas (27B), whose attention scale it takes from hidden / heads, not head_dim
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -106,7 +110,8 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
         raise CheckpointError(
             f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
             f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, SmolLM3, TinyLlama, Qwen2/2.5, Qwen3, "
-            "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3, Qwen3-MoE, OLMoE, Mixtral, Granite MoE ...). "
+            "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3, Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral, Granite MoE "
+            "...). "
             "Convert the HF checkpoint instead."
         )
     if arch == "llama" and meta.get("llama.expert_count"):
@@ -270,7 +275,8 @@ def hf_config(
     if arch.moe_normalize is not None:
         cfg.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
                    moe_intermediate_size=int(experts_features or cfg["intermediate_size"]),
-                   norm_topk_prob=arch.moe_normalize)
+                   norm_topk_prob=arch.moe_normalize,
+                   shared_expert_intermediate_size=int(meta.get(f"{prefix}.expert_shared_feed_forward_length") or 0))
     pattern = meta.get(f"{prefix}.attention.sliding_window_pattern")
     if arch.model_type == "olmo3" and isinstance(pattern, list):
         cfg["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]

@@ -35,6 +35,9 @@ _LAYER_NAMES = {
     # a mixture of experts' router, and its experts stacked as builder/convert/experts.py names them
     "ffn_gate_inp.weight": "mlp.gate.weight",
     **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_proj.weight" for p in ("gate", "up", "down")},
+    # Qwen2-MoE's shared expert and its gate
+    **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")},
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 # Gemma 2 / 3's four norms (OLMo 2 has the two after attention and MLP)
 _OUTPUT_NORM_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm.weight": "post_attention_layernorm.weight",

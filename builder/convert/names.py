@@ -15,6 +15,8 @@ layers it holds):
   transformer.layers.{i}.mlp.router.weight                   [experts, hidden]
   transformer.layers.{i}.mlp.experts.{gate,fc}.weight        [experts, expert inter, hidden]
   transformer.layers.{i}.mlp.experts.proj.weight             [experts, hidden, expert inter]
+  transformer.layers.{i}.mlp.shared.{gate,fc,proj}.weight    as mlp.{gate,fc,proj}, of shared inter (Qwen2-MoE)
+  transformer.layers.{i}.mlp.shared_gate.weight              [1, hidden] (Qwen2-MoE)
   transformer.ln_f.weight                                    [hidden]                 replicated
   lm_head.weight                                             [vocab, hidden]          vocab-parallel
 
@@ -26,6 +28,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trtbuild.configs import ModelConfig
 
 _LAYER_MAP = {
     "input_layernorm.weight": "input_layernorm.weight",
@@ -58,6 +64,10 @@ _MOE_LAYER_MAP = {
     "mlp.experts.gate_proj.weight": "mlp.experts.gate.weight",
     "mlp.experts.up_proj.weight": "mlp.experts.fc.weight",
     "mlp.experts.down_proj.weight": "mlp.experts.proj.weight",
+    "mlp.shared_expert.gate_proj.weight": "mlp.shared.gate.weight",
+    "mlp.shared_expert.up_proj.weight": "mlp.shared.fc.weight",
+    "mlp.shared_expert.down_proj.weight": "mlp.shared.proj.weight",
+    "mlp.shared_expert_gate.weight": "mlp.shared_gate.weight",
 }
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "transformer.vocab_embedding.weight",
@@ -79,6 +89,7 @@ LAYER_LINEARS = ("attention.q", "attention.k", "attention.v", "attention.dense",
 # A mixture of experts' stacked experts [experts, out, in]: as weight-only linears, [experts * out, in] (each expert's
 # rows one after the other)
 EXPERT_LINEARS = ("mlp.experts.gate", "mlp.experts.fc", "mlp.experts.proj")
+SHARED_EXPERT_LINEARS = ("mlp.shared.gate", "mlp.shared.fc", "mlp.shared.proj")  # Qwen2-MoE's shared expert
 _SCALE_SUFFIXES = ("weights_scaling_factor", "activation_scaling_factor", "prequant_scaling_factor",
                    "kv_cache_scaling_factor")
 
@@ -124,18 +135,27 @@ def checkpoint_to_hf_name(name: str, output_norms: bool = False) -> str | None:
     return None
 
 
-def linear_prefixes(layers: Iterable[int], last_stage: bool, moe: bool = False) -> list[str]:
+def linear_prefixes(layers: Iterable[int], last_stage: bool, moe: bool = False, shared_expert: bool = False
+                    ) -> list[str]:
     """Checkpoint prefixes of the linears a quantizer may quantize (`P.weight` is [out, in]), in checkpoint order; a
-    mixture of experts' (`moe`) MLPs are its stacked experts (its routers stay in float)."""
+    mixture of experts' (`moe`) MLPs are its stacked experts and its `shared_expert` (its routers and the shared
+    expert's gate stay in float)."""
     linears = [s for s in LAYER_LINEARS if not (moe and s.startswith("mlp."))] + list(EXPERT_LINEARS if moe else ())
+    linears += list(SHARED_EXPERT_LINEARS if shared_expert else ())
     out = [f"transformer.layers.{i}.{s}" for i in layers for s in linears]
     return out + (["lm_head"] if last_stage else [])
+
+
+def model_linear_prefixes(config: ModelConfig, layers: Iterable[int], last_stage: bool) -> list[str]:
+    """`linear_prefixes` of `config`'s model."""
+    return linear_prefixes(layers, last_stage, config.is_moe, config.shared_expert_intermediate_size > 0)
 
 
 def is_linear(prefix: str) -> bool:
     """Whether checkpoint prefix `prefix` (a tensor name without `.weight`) is a linear layer."""
     m = _CKPT_LAYER.match(prefix)
-    return prefix == "lm_head" or (m is not None and m.group(2) in (*LAYER_LINEARS, *EXPERT_LINEARS))
+    return prefix == "lm_head" or (m is not None and m.group(2) in (*LAYER_LINEARS, *EXPERT_LINEARS,
+                                                                     *SHARED_EXPERT_LINEARS))
 
 
 def layer_of(name: str) -> int | None:

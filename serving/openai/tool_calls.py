@@ -107,8 +107,9 @@ class Hermes(_FirstMarker):
         if unclosed and (call := as_call(_json(unclosed.group(1)))):
             calls.append(call)
             tail = tail[:unclosed.start()]
-        text = "".join(rest) + tail
-        return calls, (text.strip() if calls else region) if final else ""
+        if not final:
+            return calls, ""
+        return calls, ("".join(rest) + tail).strip() if calls else region
 
 
 class MarkedArray(_FirstMarker):
