@@ -52,6 +52,9 @@ ANSWERS = [
     ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}]', "",
      [("get_weather", '{"city": "Rome"}')]),
     ("mistral", "Plain [TOOL text", "Plain [TOOL text", []),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}', "",
+     [("get_weather", '{"city": "Rome"}'), ("get_time", '{"zone": "CET"}')]),  # the v11 tokenizers' form
+    ("mistral", "[TOOL_CALLS]get_weather[ARGS]{broken", "[TOOL_CALLS]get_weather[ARGS]{broken", []),
     ("granite", '<|tool_call|>[{"name": "get_time", "arguments": {"zone": "UTC"}}]<|/tool_call|>', "",
      [("get_time", '{"zone": "UTC"}')]),
     ("granite", 'Sure. <|tool_call|>{"name": "get_time", "arguments": {"zone": "UTC"}}', "Sure. ",

@@ -3,9 +3,10 @@ streamed answer, splitting it into the text meant for the user and the calls.
 
 A format is found from the chat template's source (the markers it teaches the model), or named on the command line
 (`trtbuild serve --tool-call-parser`), as vLLM's `--tool-call-parser` names them:
-- `hermes` (Qwen 2.5 / 3, SmolLM3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per
+- `hermes` (Qwen 2.5 / 3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per
   call, anywhere in the answer;
-- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`;
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or (v11 tokenizers on)
+  `[TOOL_CALLS]name[ARGS]{...}` per call;
 - `granite` (Granite 3): `<|tool_call|>[{"name": ..., "arguments": {...}}, ...]`, optionally closed by
   `<|/tool_call|>`;
 - `llama3_json` (Llama 3.1 / 3.2): an answer that is JSON `{"name": ..., "parameters": {...}}` (calls separated by
@@ -161,8 +162,29 @@ class Llama3Json(ToolCallFormat):
         return (calls, "") if calls and all(calls) else ([], region)
 
 
+class Mistral(MarkedArray):
+    """`[TOOL_CALLS]` then a JSON array of calls (Mistral 7B v0.3, Nemo), or, from the v11 tokenizers on (Mistral
+    Small 3, Magistral, Devstral), `name[ARGS]{...}` after each `[TOOL_CALLS]`."""
+
+    def __init__(self) -> None:
+        super().__init__("mistral", ("[TOOL_CALLS]",), id_length=9)
+
+    def parse(self, region: str, final: bool) -> tuple[list[ToolCall], str]:
+        if not final:
+            return [], ""
+        parts = [p.strip() for p in region.split(self.markers[0])[1:]]
+        if not parts or parts[0].startswith(("[", "{")):
+            return super().parse(region, final)
+        calls = []
+        for part in parts:
+            name, _, arguments = part.partition("[ARGS]")
+            calls.append(as_call({"name": name.strip(), "arguments": _json(arguments)})
+                         if arguments and _json(arguments) is not None else None)
+        return (calls, "") if all(calls) else ([], region)
+
+
 FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (
-    Hermes(), MarkedArray("mistral", ("[TOOL_CALLS]",), id_length=9),
+    Hermes(), Mistral(),
     MarkedArray("granite", ("<|tool_call|>",), closing="<|/tool_call|>"), Llama3Json())}
 
 
