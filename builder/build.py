@@ -178,15 +178,12 @@ def _native_then_ort(family: str, mode: str, problem: str | None, fallback: str)
 def quant_linear_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple[str, ...]:
     """How this engine's 4/8-bit linears may be computed, preferred first (builder/native_linears.py): the one asked
     for, or (auto) native where it applies and runs here, then MatMulNBits. The autotuner times them all."""
-    from trtbuild import cpu_ops
-    from trtbuild.builder.native_linears import count_eligible, count_native
+    from trtbuild.builder.native_linears import count_eligible, count_native, native_problem
 
     if build.quant_linears == "ort":
         return ("ort",)
     problem = ("no linear has 4/8-bit blocks of 16 or 32 (of 32 with zero points)" if not count_eligible(model)
-               and not count_native(model) else
-               "int4_accuracy_level 1 asks for fp32 compute" if build.int4_accuracy_level != 4 else
-               "this CPU has no AVX-512 VNNI" if not cpu_ops.has_vnni() else cpu_ops.unavailable_reason())
+               and not count_native(model) else native_problem(build.int4_accuracy_level))
     return _native_then_ort("quant_linears", build.quant_linears, problem, "MatMulNBits")
 
 

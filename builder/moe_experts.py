@@ -23,9 +23,9 @@ import torch
 
 from trtbuild.builder.convert.weight_only import NBitsWeight
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
-from trtbuild.builder.native_linears import pack_nbits
+from trtbuild.builder.native_linears import native_problem, pack_nbits
 from trtbuild.builder.quantized import QuantizedLinears
-from trtbuild.builder.weight_only_linear import nbits_layout
+from trtbuild.builder.weight_only_linear import nbits_inputs
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.plugins import block_quant_matmul as bq
 from trtbuild.plugins import moe_route as mr
@@ -46,13 +46,11 @@ def resolve_expert_tactic(config: ModelConfig, build: BuildConfig) -> BuildConfi
     """`build` with quant_linears decided before the network for weight-only experts, which the network writes in
     their final form: native where the native ops run here (auto), else ort (float experts, with a warning of their
     size); native asked for where they cannot run is a ConfigError, before any work."""
-    from trtbuild import cpu_ops
     from trtbuild.errors import ConfigError
 
     if not quantized_experts(config):
         return build
-    problem = ("int4_accuracy_level 1 asks for fp32 compute" if build.int4_accuracy_level != 4 else
-               "this CPU has no AVX-512 VNNI" if not cpu_ops.has_vnni() else cpu_ops.unavailable_reason())
+    problem = native_problem(build.int4_accuracy_level)
     if build.quant_linears == "native" and problem:
         raise ConfigError("quant_linears", f"native cannot be used: {problem}. Use --quant-linears ort.")
     chosen = build.quant_linears if build.quant_linears != "auto" else "ort" if problem else "native"
@@ -65,16 +63,17 @@ def resolve_expert_tactic(config: ModelConfig, build: BuildConfig) -> BuildConfi
 
 @dataclasses.dataclass(frozen=True)
 class _Table:
-    """One projection's weight-only tensors, [experts * rows, in] in MatMulNBits' form."""
+    """One projection's weight-only tensors, [experts * rows, in] in MatMulNBits' form (builder/weight_only_linear.py:
+    nbits_inputs), with a scale per block of `block` (a power of two from 16)."""
 
     codes: np.ndarray
-    scales: np.ndarray  # [experts * rows, in / group]
+    scales: np.ndarray  # [experts * rows, in / block]
     zero_points: np.ndarray | None
     bits: int
-    group: int
+    block: int
 
     def form(self) -> tuple:
-        return self.bits, self.group, self.zero_points is not None
+        return self.bits, self.block, self.zero_points is not None
 
 
 class Experts:
@@ -87,9 +86,7 @@ class Experts:
         layer's `...mlp.`)."""
         names = [f"{prefix}experts.{p}" for p in PROJECTIONS]
         if self.native and all(self.quant.is_quantized(n) for n in names):
-            tables = [self._table(n) for n in names]
-            if all(t.group % bq.BLOCK == 0 or t.group == 16 for t in tables):
-                return self._native(h, logits, prefix, tables)
+            return self._native(h, logits, prefix, [self._table(n) for n in names])
         return self._float(h, logits, prefix, names)
 
     # ---- float ---------------------------------------------------------------------------------------------------
@@ -98,7 +95,7 @@ class Experts:
         c = self.c
         if self.quant.is_quantized(name):
             t = self._table(name)
-            w = NBitsWeight(t.bits, t.group, t.codes, t.scales, t.zero_points).dequantize()
+            w = NBitsWeight(t.bits, t.block, t.codes, t.scales, t.zero_points).dequantize()
             return w.reshape(c.num_experts, -1, w.shape[-1])
         return self.tensors[name + ".weight"].to(torch.float32).numpy()
 
@@ -115,13 +112,9 @@ class Experts:
 
     # ---- native --------------------------------------------------------------------------------------------------
     def _table(self, name: str) -> _Table:
-        codes = self.tensors[name + ".weight"].numpy()
-        scales = self.tensors[name + ".weights_scaling_factor"].to(torch.float32).numpy()
-        zp_name = name + ".weights_zero_point"
-        zero_points = self.tensors[zp_name].to(torch.float32).numpy() if zp_name in self.tensors else None
         k = self.c.hidden_size if not name.endswith("proj") else self.c.moe_intermediate_size
-        layout = nbits_layout(name, k, codes.shape, scales.shape, zero_points is not None)
-        return _Table(codes, scales, zero_points, layout.bits, layout.group_size)
+        codes, scales, zero_points, layout = nbits_inputs(name, self.tensors, k)
+        return _Table(codes.numpy(), scales, zero_points, layout.bits, layout.block_size)
 
     def _native(self, h: str, logits: str, prefix: str, tables: list[_Table]) -> str:
         c, g = self.c, self.g
@@ -136,7 +129,7 @@ class Experts:
                                                                                   c.moe_intermediate_size, -1)],
                 axis=1).reshape(2 * c.num_experts * c.moe_intermediate_size, -1)
                 for a, b in ((gate.codes, up.codes), (gate.scales, up.scales), (gate.zero_points, up.zero_points))),
-                gate.bits, gate.group)
+                gate.bits, gate.block)
             act = g.op(sw.OP_TYPE, [self._matmul(xs, both, offsets, prefix + "experts.gate_up", c.hidden_size)],
                        domain=sw.DOMAIN, name=prefix + "experts.swiglu")
         else:
@@ -153,8 +146,8 @@ class Experts:
     def _matmul(self, x: str, t: _Table, offsets: str, name: str, k: int) -> str:
         """x's rows times their experts' rows of table `t` (a BlockQuantMatMul with `experts`)."""
         n = t.codes.shape[0]
-        block = 16 if t.group == 16 else bq.BLOCK
-        repeat = t.group // block  # NOTE: a group of 64 or 128 is 2 or 4 blocks of 32 with one scale: exact
+        block = min(t.block, bq.BLOCK)
+        repeat = t.block // block  # NOTE: a block of 64 or 128 is 2 or 4 blocks of 32 with one scale: exact
         scales, zero_points = (None if a is None else np.repeat(a, repeat, axis=1) for a in (t.scales, t.zero_points))
         table, bits, codebook = pack_nbits(t.codes, scales, zero_points, n, k, t.bits)
         inputs = [self.g.weight(f"{name}.bq_{field}", value) if value is not None else ""

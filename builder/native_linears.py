@@ -41,6 +41,14 @@ def count_eligible(model: onnx.ModelProto) -> int:
     return sum(eligible(n) for n in model.graph.node)
 
 
+def native_problem(int4_accuracy_level: int) -> str | None:
+    """Why BlockQuantMatMul cannot run for this build on this machine, or None."""
+    from trtbuild import cpu_ops
+
+    return ("int4_accuracy_level 1 asks for fp32 compute" if int4_accuracy_level != 4 else
+            "this CPU has no AVX-512 VNNI" if not cpu_ops.has_vnni() else cpu_ops.unavailable_reason())
+
+
 def count_native(model: onnx.ModelProto) -> int:
     """BlockQuantMatMul nodes the network wrote itself (a mixture of experts' tables of experts)."""
     return sum(n.op_type == bq.OP_TYPE and n.domain == bq.DOMAIN for n in model.graph.node)

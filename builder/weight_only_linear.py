@@ -60,7 +60,7 @@ def nbits_layout(prefix: str, in_features: int, weight_shape: tuple[int, ...], s
     return NBitsLayout(bits, group, block)
 
 
-def _nbits_inputs(prefix: str, tensors, in_features: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None,
+def nbits_inputs(prefix: str, tensors, in_features: int) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None,
                                                                   NBitsLayout]:
     codes = tensors[prefix + ".weight"]
     if codes.dtype != torch.uint8:
@@ -79,7 +79,7 @@ def emit_nbits_gather(g: GraphBuilder, ids: str, prefix: str, tensors, hidden: i
     """Rows `ids` of the weight_only embedding table `prefix`, dequantized: one GatherBlockQuantized node, or, for
     codes with float zero points (which it does not take), a gather of the packed rows dequantized by standard ops:
     only the step's rows are ever unpacked."""
-    codes, scales, zero_points, layout = _nbits_inputs(prefix, tensors, hidden)
+    codes, scales, zero_points, layout = nbits_inputs(prefix, tensors, hidden)
     data = g.weight(prefix + ".weight_nbits", codes.numpy())
     if zero_points is None:
         return g.op("GatherBlockQuantized", [data, ids, g.weight(prefix + ".scales_nbits", scales)],
@@ -131,7 +131,7 @@ def emit_nbits_matmul(g: GraphBuilder, x: str, prefix: str, tensors, in_features
     """y = x @ W^T for the weight-only linear `prefix`: one MatMulNBits node, with float zero points as its fourth
     input when the linear has them. NOTE: ONNX Runtime has no fast kernel for float zero points; the CPU lowering
     (builder/passes/lower_quant_cpu.py) rewrites them exactly, after merging sibling linears."""
-    codes, scales, zero_points, layout = _nbits_inputs(prefix, tensors, in_features)
+    codes, scales, zero_points, layout = nbits_inputs(prefix, tensors, in_features)
     out = codes.shape[0]
     blocks = in_features // layout.block_size
     inputs = [x, g.weight(prefix + ".weight_nbits",

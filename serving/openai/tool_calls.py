@@ -56,6 +56,12 @@ def _json(text: str) -> Any:
         return None
 
 
+def _all_calls(items: list[Any], region: str) -> tuple[list[ToolCall], str]:
+    """(the calls, "") when every item is one, else (none, the region as the user's text)."""
+    calls = [as_call(item) for item in items]
+    return (calls, "") if calls and all(calls) else ([], region)
+
+
 class ToolCallFormat(ABC):
     """One way of writing tool calls. Invariants (ToolCallParser relies on them): once `start` finds the calls'
     start in a text it finds the same index in every longer text with that prefix; `parse` of a growing region
@@ -134,9 +140,7 @@ class MarkedArray(_FirstMarker):
         if self.closing:
             body = body.split(self.closing, 1)[0].strip()
         decoded = _json(body)
-        items = decoded if isinstance(decoded, list) else [decoded]
-        calls = [as_call(item) for item in items]
-        return (calls, "") if calls and all(calls) else ([], region)
+        return _all_calls(decoded if isinstance(decoded, list) else [decoded], region)
 
 
 class Llama3Json(ToolCallFormat):
@@ -157,9 +161,7 @@ class Llama3Json(ToolCallFormat):
         decoded = _json(body)
         if decoded is None:  # several calls: objects separated by ";"
             decoded = [_json(part) for part in body.split(";") if part.strip()]
-        items = decoded if isinstance(decoded, list) else [decoded]
-        calls = [as_call(item) for item in items]
-        return (calls, "") if calls and all(calls) else ([], region)
+        return _all_calls(decoded if isinstance(decoded, list) else [decoded], region)
 
 
 class Mistral(MarkedArray):
@@ -175,12 +177,12 @@ class Mistral(MarkedArray):
         parts = [p.strip() for p in region.split(self.markers[0])[1:]]
         if not parts or parts[0].startswith(("[", "{")):
             return super().parse(region, final)
-        calls = []
+        items = []
         for part in parts:
             name, _, arguments = part.partition("[ARGS]")
-            calls.append(as_call({"name": name.strip(), "arguments": _json(arguments)})
-                         if arguments and _json(arguments) is not None else None)
-        return (calls, "") if all(calls) else ([], region)
+            decoded = _json(arguments)
+            items.append({"name": name.strip(), "arguments": decoded} if decoded is not None else None)
+        return _all_calls(items, region)
 
 
 FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (
