@@ -9,6 +9,8 @@ __version__ = "0.1.0"
 # linear ops' bias input (a library built from an earlier trtbuild has neither); 9: BlockQuantMatMul / Gather's
 # 6-bit codes, two-level scales and minimums (GGUF k-quants as ggml holds them); 10: their 2/3-bit codes, minimums
 # in blocks of 16 and codebooks (GGUF Q2_K, Q3_K, IQ4_NL, IQ4_XS); 11: sub-scales as nibbles (uint8, Q2_K's);
-# 12: codebooks for 2/3-bit codes and scale_exponent (GGUF's IQ1-IQ3 lattice types)
-ENGINE_FORMAT_VERSION = 13
+# 12: codebooks for 2/3-bit codes and scale_exponent (GGUF's IQ1-IQ3 lattice types); 13: KV cache groups
+# (Gemma 2 / 3, OLMo 3); 14: PagedAttention's sinks input, SwiGLU's alpha / beta / limit and biases of tables of
+# experts (gpt-oss)
+ENGINE_FORMAT_VERSION = 14
 CHECKPOINT_FORMAT_VERSION = 1

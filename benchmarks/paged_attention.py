@@ -4,12 +4,13 @@ a past of P tokens each, and one prefill; alternated rounds, medians of microsec
 nodes, divided by 24, so that session.run's own overhead hardly counts).
 
     python benchmarks/paged_attention.py [--batches 1,4,16] [--past 128] [--prefill 128] [--threads 2] [--rounds 7]
-        [--compare-library OLD.so] [--float16-pool]
+        [--compare-library OLD.so] [--float16-pool] [--sinks]
 
 Prints microseconds per node of the current library on a float32 pool; with `--compare-library` (a copy of an
 earlier build of the library) it runs the same calls through that library too, and with `--float16-pool` through
-the current library on the same pool held in float16, and prints the speed-ups (of the current library over the
-compared one; of the float16 pool over the float32 one) and the largest output differences.
+the current library on the same pool held in float16, and with `--sinks` through the current library with
+attention sinks (gpt-oss's input 10), and prints the speed-ups (of the current library over the compared one; of the
+float16 pool, or the sinks, over the plain float32 run) and the largest output differences.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from trtbuild.plugins import paged_attention as pa
 HEADS, KV_HEADS, HEAD, BLOCK, LAYERS, MAX_POS = 14, 2, 64, 16, 24, 4096
 
 
-def session(library: str, threads: int, pool_type: int) -> ort.InferenceSession:
+def session(library: str, threads: int, pool_type: int, sinks: bool = False) -> ort.InferenceSession:
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     inputs = [helper.make_tensor_value_info(n, t, s) for n, t, s in (
         ("q", f32, ["T", HEADS * HEAD]), ("k", f32, ["T", KV_HEADS * HEAD]), ("v", f32, ["T", KV_HEADS * HEAD]),
         ("kv_cache", pool_type, ["NB", LAYERS, 2, KV_HEADS, BLOCK, HEAD]), ("block_tables", i64, ["B", "W"]),
         ("past_lengths", i64, ["B"]), ("query_start_loc", i64, ["B1"]), ("position_ids", i64, ["T"]),
-        ("rope_cos", f32, [MAX_POS, HEAD // 2]), ("rope_sin", f32, [MAX_POS, HEAD // 2]))]
+        ("rope_cos", f32, [MAX_POS, HEAD // 2]), ("rope_sin", f32, [MAX_POS, HEAD // 2]))
+        + ((("sinks", f32, [HEADS]),) if sinks else ())]
     nodes = [helper.make_node(pa.OP_TYPE, [i.name for i in inputs], [f"{o}{layer}" for o in pa.OUTPUTS],
                               domain=pa.DOMAIN, layer_idx=layer, num_heads=HEADS, num_kv_heads=KV_HEADS,
                               head_size=HEAD, tokens_per_block=BLOCK, scale=HEAD**-0.5, rotary=1)
@@ -83,6 +85,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--compare-library", help="an earlier build of the library, run on the same calls")
     p.add_argument("--float16-pool", action="store_true", help="also run the current library on a float16 pool")
+    p.add_argument("--sinks", action="store_true", help="also run the current library with attention sinks")
     args = p.parse_args()
     current = str(cpu_ops.library_path())
     variants = {"current": (current, TensorProto.FLOAT)}
@@ -90,7 +93,9 @@ def main() -> None:
         variants["compared"] = (args.compare_library, TensorProto.FLOAT)
     if args.float16_pool:
         variants["float16 pool"] = (current, TensorProto.FLOAT16)
-    sessions = {name: session(lib, args.threads, pool) for name, (lib, pool) in variants.items()}
+    if args.sinks:
+        variants["sinks"] = (current, TensorProto.FLOAT)
+    sessions = {name: session(lib, args.threads, pool, name == "sinks") for name, (lib, pool) in variants.items()}
     pool_dtype = {name: helper.tensor_dtype_to_np_dtype(pool) for name, (_, pool) in variants.items()}
     rng = np.random.default_rng(0)
     cases = {f"decode B={b} past={args.past}": [(args.past, 1)] * b for b in map(int, args.batches.split(","))}
@@ -99,6 +104,8 @@ def main() -> None:
     for label, seqs in cases.items():
         feed = feeds(seqs, rng)
         fed = {name: {**feed, "kv_cache": feed["kv_cache"].astype(pool_dtype[name])} for name in sessions}
+        if "sinks" in fed:  # NOTE: far below every score, so that the outputs stay comparable with the others
+            fed["sinks"]["sinks"] = np.full(HEADS, -100.0, np.float32)
         outs = {name: s.run(None, fed[name])[0] for name, s in sessions.items()}
         times: dict[str, list[float]] = {name: [] for name in sessions}
         order = list(sessions)
@@ -110,7 +117,7 @@ def main() -> None:
         line = f"{label:24s} current {med['current']:8.1f} us"
         for name in list(sessions)[1:]:
             diff = np.abs(outs["current"] - outs[name]).max()
-            # speed-up of the current library over the compared one, and of the float16 pool over float32
+            # speed-up of the current library over the compared one, and of the float16 pool (sinks) over plain
             speedup = med[name] / med["current"] if name == "compared" else med["current"] / med[name]
             line += f"  {name} {med[name]:8.1f} us, speed-up {speedup:.2f}x (max diff {diff:.1e})"
         print(line, flush=True)

@@ -17,7 +17,8 @@ Each node maps to one kernel (kernels/ for the Triton ones, torch for the rest):
                                                                scaling; with Tanh, the soft-cap c2 * tanh(c1 * x))
   Add, Split, Reshape                     add, split, reshape  torch
   trtbuild::PagedAttention                paged_attention      kernels/paged_attention.py, then kv_write: this
-                                                               layer's K/V scattered into the pool (torch)
+                                                               layer's K/V scattered into the pool (torch); the
+                                                               sinks (a constant) are the last input, attr sinks
   trtbuild::SpeculativeAccept             speculative_accept   kernels/speculative_accept.py on the lm_head rows
                                                                (draft-tokens engines: plan inputs and outputs
                                                                gain the op's, as builder/network.py describes)
@@ -218,7 +219,11 @@ class _PlanWriter:
             inputs += [n.input[pa.POSITION_IDS]] + [self.weight(n.input[i], self.const(n.input[i]), torch.float32)
                                                      for i in (pa.ROPE_COS, pa.ROPE_SIN)]
         keep = ("layer_idx", "num_heads", "num_kv_heads", "head_size", "scale", "tokens_per_block", "window", "softcap")
-        self.emit("paged_attention", n, inputs, list(n.output), **{k: a[k] for k in keep if k in a})
+        attrs = {k: a[k] for k in keep if k in a}
+        if sinks := pa.sinks_input(n.input):  # gpt-oss: the step's last input, float32 whatever the plan's dtype
+            inputs.append(self.weight(sinks, self.const(sinks), torch.float32))
+            attrs["sinks"] = True
+        self.emit("paged_attention", n, inputs, list(n.output), **attrs)
         # NOTE: a KV cache group's K/V go to the slots of its own table (configs/kv_groups.py: group_input)
         table = n.input[pa.BLOCK_TABLES]
         slots = table.replace("block_tables", "slot_mapping", 1)

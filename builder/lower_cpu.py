@@ -133,13 +133,28 @@ class _Lowering:
                                                 to=onnx.TensorProto.INT64), c([1])], keepdims=0)
         out_index = op("Add", [op("Mul", [seq_of_t, max_q]), op("Sub", [t, op("Gather", [starts, seq_of_t])])])
         m = dict(q_index=q_index, head_blocks=head_blocks, past_mask=past_mask, new_mask=new_mask,
-                 out_index=out_index, key_split=op("Concat", [past_span, max_q], axis=0))
+                 out_index=out_index, key_split=op("Concat", [past_span, max_q], axis=0), max_q=max_q)
         if self.variant == "concat":  # one mask over past | new keys, [B, 1, G * Sq, nb * BS + Sq], for every layer
             rows = op("Slice", [op("Shape", [new_mask]), c([0]), c([3])])  # [B, 1, G * Sq], a windowed past_mask's own
             m["mask"] = op("Concat", [op("Expand", [past_mask, op("Concat", [rows, past_span], axis=0)]), new_mask],
                            axis=-1)
         self.meta[key] = m
         return m
+
+    def sink_scores(self, node: onnx.NodeProto, m: dict[str, str], kv_heads: int, group: int) -> str:
+        """The node's sinks as one more column of scores, [B, KVH, G * Sq, 1]: row (g, i) of KV head h holds query
+        head h * G + g's sink. Softmax over the scores and this column, then dropping it, is the sinks' softmax:
+        the sink raises the maximum and joins the denominator, and has no value. Its shape is batch layout, emitted
+        once for every layer with sinks."""
+        g, op, c = self.g, self.g.op, self.c
+        if "sink_shape" not in m:
+            scope, g.scope = g.scope, "paged_attention_metadata/"
+            batch = op("Shape", [node.input[pa.PAST_LENGTHS]])  # [1]: B
+            m["sink_shape"] = op("Concat", [batch, c([1, 1]), m["max_q"], c([1])], axis=0)  # [B, 1, 1, Sq, 1]
+            m["sink_split"] = op("Concat", [m["key_split"], c([1])], axis=0)  # past | new | sink
+            g.scope = scope
+        sinks = op("Reshape", [pa.sinks_input(node.input), c([1, kv_heads, group, 1, 1])])
+        return op("Reshape", [op("Expand", [sinks, m["sink_shape"]]), c([0, 0, -1, 1])])
 
     def rope(self, x: str, positions: str, cos: str, sin: str, heads: int, d: int) -> str:
         """x [T, heads * D] rotated by ONNX RotaryEmbedding (rotate-half), one kernel -> [T, heads, 1, D].
@@ -225,14 +240,23 @@ class _Lowering:
             s = op("FusedMatMul", [q, keys], domain=MS_DOMAIN, transB=1, alpha=alpha)
             return s if cap is None else op("Mul", [op("Tanh", [op("Div", [s, cap])]), cap])
 
+        # gpt-oss's sinks: one more score column per row, in the softmax and dropped after it (never masked)
+        sink = [self.sink_scores(node, m, kv_heads, group)] if pa.sinks_input(node.input) else []
         if self.variant == "concat":  # past | new keys and values side by side: 6 nodes, copies the context
             keys, values = (op("Concat", [past, new], axis=2) for past, new in zip(past_kv, new_kv, strict=True))
-            out = op("MatMul", [op("Softmax", [op("Add", [scores_of(keys), m["mask"]])], axis=-1), values])
+            scores = op("Add", [scores_of(keys), m["mask"]])
+            if not sink:
+                probs = op("Softmax", [scores], axis=-1)
+            else:  # the last column, the sink's, sliced off
+                probs = op("Slice", [op("Softmax", [op("Concat", [scores, *sink], axis=-1)], axis=-1), c([0]),
+                                     c([-1]), c([-1])])
+            out = op("MatMul", [probs, values])
         else:  # "split": past and new keys scored apart, one softmax over both: 10 nodes, no copy of the context
             scores = [op("Add", [scores_of(key), mask])
                       for key, mask in zip((past_kv[0], new_kv[0]), (m["past_mask"], m["new_mask"]), strict=True)]
-            probs = op("Split", [op("Softmax", [op("Concat", scores, axis=-1)], axis=-1), m["key_split"]],
-                       num_outputs=2, axis=-1)  # [B, KVH, G * Sq, past | Sq]
+            probs = op("Split", [op("Softmax", [op("Concat", scores + sink, axis=-1)], axis=-1),
+                                 m["sink_split" if sink else "key_split"]],
+                       num_outputs=2 + len(sink), axis=-1)[:2]  # [B, KVH, G * Sq, past | Sq (| sink)]
             out = op("Add", [op("MatMul", [p, val]) for p, val in zip(probs, (past_kv[1], new_kv[1]), strict=True)])
         if v_algo is not None:
             out = op("Mul", [out, c(v_scale, "kv_scale")])

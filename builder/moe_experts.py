@@ -23,6 +23,7 @@ import torch
 
 from trtbuild.builder.convert.weight_only import NBitsWeight
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
+from trtbuild.builder.mlp_activation import gated_activation
 from trtbuild.builder.native_linears import native_problem, pack_nbits
 from trtbuild.builder.quantized import QuantizedLinears
 from trtbuild.builder.weight_only_linear import nbits_inputs
@@ -99,16 +100,26 @@ class Experts:
             return w.reshape(c.num_experts, -1, w.shape[-1])
         return self.tensors[name + ".weight"].to(torch.float32).numpy()
 
+    def _bias(self, name: str) -> np.ndarray | None:
+        """A projection's biases [experts, out] float32 (gpt-oss), or None."""
+        return self.tensors[name + ".bias"].to(torch.float32).numpy() if self.c.moe_bias else None
+
     def _float(self, h: str, logits: str, prefix: str, names: list[str]) -> str:
         c, g = self.c, self.g
         gate, up, down = (self._float_weight(n) for n in names)
+        # NOTE: ONNX Runtime's fused SwiGLU reads gate and up interleaved (swiglu_fusion 1): row 2j gate j, 2j + 1 up j
         gate_up = np.stack([gate, up], axis=2).reshape(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size)
-        fc1 = g.weight(prefix + "experts.gate_up.weight", gate_up)
-        fc2 = g.weight(prefix + "experts.proj.weight", down)
-        return g.op("MoE", [h, logits, fc1, "", fc2], domain=MS_DOMAIN, name=prefix + "experts",
+        inputs = [h, logits, g.weight(prefix + "experts.gate_up.weight", gate_up), "",
+                  g.weight(prefix + "experts.proj.weight", down)]
+        if c.moe_bias:
+            gate_up_bias = np.stack([self._bias(names[0]), self._bias(names[1])], axis=2).reshape(c.num_experts, -1)
+            inputs[3] = g.weight(prefix + "experts.gate_up.bias", gate_up_bias)
+            inputs.append(g.weight(prefix + "experts.proj.bias", self._bias(names[2])))
+        oai = c.hidden_act == "swiglu_oai"  # ONNX Runtime's MoE runs gpt-oss's clamped SwiGLU with these
+        return g.op("MoE", inputs, domain=MS_DOMAIN, name=prefix + "experts",
                     k=c.num_experts_per_tok, normalize_routing_weights=int(c.moe_normalize_topk),
-                    activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
-                    swiglu_limit=float("inf"))
+                    activation_type="swiglu", swiglu_fusion=1, activation_alpha=c.swiglu_alpha if oai else 1.0,
+                    activation_beta=1.0 if oai else 0.0, swiglu_limit=c.swiglu_limit if oai else float("inf"))
 
     # ---- native --------------------------------------------------------------------------------------------------
     def _table(self, name: str) -> _Table:
@@ -130,21 +141,31 @@ class Experts:
                 axis=1).reshape(2 * c.num_experts * c.moe_intermediate_size, -1)
                 for a, b in ((gate.codes, up.codes), (gate.scales, up.scales), (gate.zero_points, up.zero_points))),
                 gate.bits, gate.block)
-            act = g.op(sw.OP_TYPE, [self._matmul(xs, both, offsets, prefix + "experts.gate_up", c.hidden_size)],
-                       domain=sw.DOMAIN, name=prefix + "experts.swiglu")
+            bias = None if not c.moe_bias else np.concatenate(
+                [self._bias(prefix + "experts.gate"), self._bias(prefix + "experts.fc")], axis=1)
+            gate_up = self._matmul(xs, both, offsets, prefix + "experts.gate_up", c.hidden_size, bias)
+            act = g.op(sw.OP_TYPE, [gate_up], domain=sw.DOMAIN, name=prefix + "experts.swiglu", **self._swiglu_attrs())
         else:
-            gate_out, up_out = (self._matmul(xs, t, offsets, prefix + f"experts.{p}", c.hidden_size)
+            gate_out, up_out = (self._matmul(xs, t, offsets, prefix + f"experts.{p}", c.hidden_size,
+                                             self._bias(prefix + f"experts.{p}"))
                                 for t, p in ((gate, "gate"), (up, "fc")))
-            act = g.op("Mul", [g.op("Mul", [gate_out, g.op("Sigmoid", [gate_out])]), up_out],
-                       name=prefix + "experts.swiglu")
-        out = self._matmul(act, down, offsets, prefix + "experts.proj", c.moe_intermediate_size)
+            act = gated_activation(g, c, gate_out, up_out, prefix + "experts.")
+        out = self._matmul(act, down, offsets, prefix + "experts.proj", c.moe_intermediate_size,
+                           self._bias(prefix + "experts.proj"))
         weighted = g.op("Mul", [out, weights], name=prefix + "experts.weighted")
         per_token = g.op("Reshape", [g.op("Gather", [weighted, inverse], axis=0, name=prefix + "experts.by_token"),
                                      g.const(np.array([-1, c.num_experts_per_tok, c.hidden_size]), "per_token")])
         return g.op("ReduceSum", [per_token, g.const(np.array([1]), "axis1")], keepdims=0, name=prefix + "experts")
 
-    def _matmul(self, x: str, t: _Table, offsets: str, name: str, k: int) -> str:
-        """x's rows times their experts' rows of table `t` (a BlockQuantMatMul with `experts`)."""
+    def _swiglu_attrs(self) -> dict[str, float]:
+        c = self.c
+        if c.hidden_act != "swiglu_oai":
+            return {}
+        return {sw.ALPHA: float(c.swiglu_alpha), sw.BETA: 1.0, sw.LIMIT: float(c.swiglu_limit)}
+
+    def _matmul(self, x: str, t: _Table, offsets: str, name: str, k: int, bias: np.ndarray | None = None) -> str:
+        """x's rows times their experts' rows of table `t` (a BlockQuantMatMul with `experts`), plus each expert's
+        `bias` [experts, rows] where given."""
         n = t.codes.shape[0]
         block = min(t.block, bq.BLOCK)
         repeat = t.block // block  # NOTE: a block of 64 or 128 is 2 or 4 blocks of 32 with one scale: exact
@@ -156,5 +177,6 @@ class Experts:
         attrs = {"K": k, "N": n, "bits": bits, "block_size": block, "experts": self.c.num_experts,
                  **({"codebook": list(codebook)} if codebook else {}),
                  **({"scale_exponent": table.scale_exponent} if table.scale_exponent else {})}
-        return self.g.op(bq.OP_TYPE, [x, codes, scales_name, "", *optional, offsets], domain=bq.DOMAIN, name=name,
-                         **attrs)
+        bias_name = self.g.weight(f"{name}.bias", bias.reshape(-1)) if bias is not None else ""
+        return self.g.op(bq.OP_TYPE, [x, codes, scales_name, bias_name, *optional, offsets], domain=bq.DOMAIN,
+                         name=name, **attrs)

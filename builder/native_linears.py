@@ -5,11 +5,11 @@ products, 16 rows per vector so that one tile of tokens reuses each weight load.
 Each eligible MatMulNBits (4 or 8 bits, blocks of 16 or 32, with the default zero point or with float zero points,
 as GGUF's Q2_K / Q4_K / Q5_K / Q4_1 / Q5_1 tensors are converted) becomes a BlockQuantMatMul over a packed copy of its
 weights (plugins/block_quant_matmul.py: the layout; codes packed in as few bits as hold them, as GGUF's Q5_0 / Q5_K /
-Q6_K tensors' 8-bit codes fit in 5 or 6, Q2_K / Q3_K's 4-bit ones in 2 or 3, and IQ4_NL / IQ4_XS's 8-bit ones, 16
-values, in 4-bit indices into a codebook; k-quants' scales and minimums in their two-level form), and the MatMulNBits
-initializers nobody else reads are dropped, so the engine file holds each linear once. Measured on the 2-core
-AVX-512 VM (docs/performance.md): faster than MLAS's MatMulNBits at every token count from 1 to 256, which is why
-there is one graph for all steps.
+Q6_K tensors' 8-bit codes fit in 5 or 6, Q2_K / Q3_K's 4-bit ones in 2 or 3, and IQ4_NL / IQ4_XS's (and MXFP4's)
+8-bit ones, 16 (15) values, in 4-bit indices into a codebook; k-quants' scales and minimums in their two-level
+form), and the MatMulNBits initializers nobody else reads are dropped, so the engine file holds each linear once.
+Measured on the 2-core AVX-512 VM (docs/performance.md): faster than MLAS's MatMulNBits at every token count from 1
+to 256, which is why there is one graph for all steps.
 """
 
 from __future__ import annotations
@@ -193,8 +193,27 @@ def pack_nbits(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | 
     mins = None
     if zero_points is not None:  # (code - zp) * scale = code * scale - zp * scale
         mins = (zero_points.reshape(n, -1).astype(np.float64) * scales).astype(np.float32)
+    else:
+        scales = _zero_blocks_unscaled(codes, scales, bq.ZERO_POINT[bits])
     codes, bits, codebook = bq.compact(codes, bits, zero_point=mins is None)
     return bq.pack(codes, scales, bits, mins), bits, codebook
+
+
+def _zero_blocks_unscaled(codes: np.ndarray, scales: np.ndarray, zero_point: int) -> np.ndarray:
+    """`scales` [N, blocks] with 0 for the blocks whose codes [N, K] are all the zero point: their weights are 0 under
+    any scale, and an odd one must not decide the form every other scale is stored in (ggml's MXFP4 quantizer gives
+    an all-zero block exponent 0, a scale of 2^-128 that float16 does not hold). Rows a chunk at a time: a token
+    table's comparison is not GBs."""
+    n, blocks = scales.shape
+    zero = np.zeros((n, blocks), dtype=bool)
+    step = max(1, (1 << 24) // codes.shape[1])
+    for r in range(0, n, step):
+        zero[r:r + step] = (codes[r:r + step].reshape(-1, blocks, codes.shape[1] // blocks) == zero_point).all(axis=2)
+    if not zero.any():
+        return scales
+    scales = scales.copy()
+    scales[zero] = 0
+    return scales
 
 
 def _pack(view: GraphView, inputs: tuple[str, ...], n: int, k: int, bits: int) -> Packed:

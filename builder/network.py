@@ -40,6 +40,7 @@ import torch
 from onnx import TensorProto
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
+from trtbuild.builder.mlp_activation import gated_activation
 from trtbuild.builder.moe_experts import Experts
 from trtbuild.builder.quantized import QuantizedLinears, kv_cache_scales
 from trtbuild.builder.rope import PartialRotaryRows, rope_tables
@@ -119,23 +120,17 @@ class _NetworkWriter:
         return self.g.op("RMSNormalization", [x, w], axis=-1, epsilon=self.c.norm_epsilon,
                          name=weight_name.removesuffix(".weight"))
 
-    def mlp_activation(self, gate: str, up: str, name: str) -> str:
-        """SwiGLU's silu(gate) * up, or GeGLU's gelu_tanh(gate) * up (Gemma)."""
-        g = self.g
-        if self.c.hidden_act == "gelu_pytorch_tanh":
-            return g.op("Mul", [g.op("Gelu", [gate], approximate="tanh"), up], name=name + "geglu")
-        return g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up], name=name + "swiglu")
-
     def mlp(self, h: str, layer: str, module: str = "mlp.") -> str:
         """The MLP of one layer (`layer`: its `transformer.layers.{i}.`): gate and up, the activation, down."""
         gate, up = self.linear(h, layer + module + "gate"), self.linear(h, layer + module + "fc")
-        return self.linear(self.mlp_activation(gate, up, layer + module.removeprefix("mlp.")), layer + module + "proj")
+        act = gated_activation(self.g, self.c, gate, up, layer + module.removeprefix("mlp."))
+        return self.linear(act, layer + module + "proj")
 
     def experts(self, h: str, layer: str) -> str:
         """A mixture of experts' MLP: the router's logits, then the experts (builder/moe_experts.py), plus Qwen2-MoE's
         shared expert scaled by the sigmoid of its gate's logit."""
         prefix, g = layer + "mlp.", self.g
-        y = self.moe.emit(h, self.linear(h, prefix + "router"), prefix)
+        y = self.moe.emit(h, self.linear(h, prefix + "router", bias=self.c.moe_bias), prefix)
         if not self.c.shared_expert_intermediate_size:
             return y
         scale = g.op("Sigmoid", [self.linear(h, prefix + "shared_gate")], name=prefix + "shared_scale")
@@ -252,13 +247,15 @@ class _NetworkWriter:
             window = {"window": groups[group].window} if groups[group].window else {}
             kv_quant = {} if self.kv_scales is None else dict(kv_cache_quant_algo=c.quantization.kv_cache_quant_algo,
                                                               kv_cache_scale=[float(s) for s in self.kv_scales[i]])
+            sinks = ["", "", "", g.weight(p + "attention.sinks", self.tensor(p + "attention.sinks"))] \
+                if c.attention_sinks else []  # NOTE: after the rope inputs the RoPE fusion pass fills in
             attn, k_new, v_new = g.op(
-                pa.OP_TYPE, [q, k, v, kv_cache, block_tables[group], past_lengths, query_start], num_outputs=3,
+                pa.OP_TYPE, [q, k, v, kv_cache, block_tables[group], past_lengths, query_start, *sinks], num_outputs=3,
                 domain=pa.DOMAIN, name=p + "attention.paged", layer_idx=slot, num_heads=c.num_attention_heads,
                 num_kv_heads=c.num_key_value_heads, head_size=c.head_size, tokens_per_block=self.build.tokens_per_block,
                 scale=float(c.score_scale), rotary=0, **kv_quant, **window, **softcap,
             )
-            attn = self.branch_output(self.linear(attn, p + "attention.dense"), p + "attention.")
+            attn = self.branch_output(self.linear(attn, p + "attention.dense", bias=c.dense_bias), p + "attention.")
             x = g.op("Add", [x, attn], name=p + "attn_residual")
             h = self.rms_norm(x, p + "post_layernorm.weight") if c.input_norms else x
             mlp = self.branch_output((self.experts if c.is_moe else self.mlp)(h, p), p + "mlp.")

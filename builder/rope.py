@@ -37,6 +37,8 @@ def inverse_frequencies(config: ModelConfig, max_positions: int) -> torch.Tensor
         long = max_positions > int(scaling["original_max_position_embeddings"])
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
         return 1.0 / (factors * config.rotary_base**exponents)
+    if kind == "yarn":
+        return _yarn_inverse_frequencies(config, exponents)
     inv_freq = 1.0 / (config.rotary_base**exponents)
     if kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
@@ -54,9 +56,66 @@ def inverse_frequencies(config: ModelConfig, max_positions: int) -> torch.Tensor
     return inv_freq
 
 
-def attention_factor(config: ModelConfig) -> float:
-    """What cos and sin are multiplied by (LongRoPE's attention scaling; 1 for the other kinds)."""
+def yarn_factor(config: ModelConfig) -> float:
+    """How many times its original context a YaRN model runs (transformers: max_position_embeddings over the
+    original context where the config's factor is null; configs/from_hf.py resolves it so already)."""
     scaling = config.rotary_scaling or {}
+    if scaling.get("factor") is not None:
+        return float(scaling["factor"])
+    return config.max_position_embeddings / int(scaling["original_max_position_embeddings"])
+
+
+def _yarn_inverse_frequencies(config: ModelConfig, exponents: torch.Tensor) -> torch.Tensor:
+    """YaRN: each pair's speed blended from the original one (fast pairs, which turn beta_fast times or more over the
+    original context) and the one interpolated by the factor (slow pairs, beta_slow turns or fewer), with a linear
+    ramp between. The operations and their order are transformers', so that the fp32 result is identical."""
+    scaling, dim, base = config.rotary_scaling or {}, rotary_dim(config), config.rotary_base
+    low, high = _yarn_ramp_bounds(scaling, dim, base)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # each pair's share of its original speed
+    speeds = base**exponents
+    return 1.0 / (yarn_factor(config) * speeds) * (1 - kept) + 1.0 / speeds * kept
+
+
+def _yarn_ramp_bounds(scaling: Mapping[str, Any], dim: int, base: float) -> tuple[float, float]:
+    """The pair indices where YaRN's ramp starts (beta_fast turns over the original context) and ends (beta_slow
+    turns), rounded outwards unless `truncate` is false (gpt-oss), clipped to the head.
+
+    NOTE: llama.cpp (ggml_rope_yarn_corr_dims) always rounds them outwards, so it runs a truncate: false model
+    (gpt-oss) slightly differently from transformers; this follows transformers."""
+    original = int(scaling["original_max_position_embeddings"])
+
+    def pair_turning(turns: float) -> float:  # the (fractional) pair that turns `turns` times over the context
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low = pair_turning(scaling.get("beta_fast") or 32)
+    high = pair_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def yarn_attention_factor(scaling: Mapping[str, Any], factor: float) -> float:
+    """YaRN's attention scaling: the config's attention_factor, else mscale(factor) = 0.1 ln(factor) + 1 (1 for a
+    factor up to 1), or with both mscale and mscale_all_dim given (DeepSeek) mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim), each weighting the log by its value."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    weight, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(weight) / mscale(all_dims) if weight and all_dims else mscale(1)
+
+
+def attention_factor(config: ModelConfig) -> float:
+    """What cos and sin are multiplied by (LongRoPE's and YaRN's attention scaling; 1 for the other kinds)."""
+    scaling = config.rotary_scaling or {}
+    if scaling.get("rope_type") == "yarn":
+        return yarn_attention_factor(scaling, yarn_factor(config))
     if scaling.get("rope_type") != "longrope":
         return 1.0
     if scaling.get("attention_factor") is not None:

@@ -5,6 +5,7 @@ builder/convert/gguf_config.py makes of their metadata."""
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 from trtbuild.configs.model_config import DTYPES, GEMMA_FAMILIES, HIDDEN_ACTS, ModelConfig
@@ -36,13 +37,16 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "OlmoeForCausalLM": ("olmoe", False, True),
     "GraniteMoeForCausalLM": ("granitemoe", False, False),  # Granite's multipliers, its experts' gate and up fused
     "Qwen2MoeForCausalLM": ("qwen2_moe", True, False),  # Qwen2 with experts and a gated shared expert
+    # biases on every attention projection, router and expert; attention sinks; sliding and full layers alternate;
+    # clamped SwiGLU experts
+    "GptOssForCausalLM": ("gpt_oss", True, False),
 }
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> (the text
 # model's architecture, the transformers config class whose defaults complete the released, sparse `text_config`)
 TEXT_MODELS_OF: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
 }
-ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
 
 def model_config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig:
@@ -70,17 +74,21 @@ def _rotary_dim(hf: dict[str, Any], rope_params: dict[str, Any], head_size: int)
     return dim
 
 
-def _rope_scaling(hf: dict[str, Any], rope_params: dict[str, Any], rotary_dim: int) -> dict[str, Any] | None:
+def _rope_scaling(hf: dict[str, Any], rope_params: dict[str, Any], rotary_dim: int, family: str
+                  ) -> dict[str, Any] | None:
     """The checkpoint's `rotary_scaling`: None for plain RoPE, else the HF scaling parameters and their rope_type
     (LongRoPE's: short_factor, long_factor, original_max_position_embeddings, and factor or attention_factor where
-    the model gives them)."""
+    the model gives them; YaRN's: `_yarn_scaling`)."""
     scaling = hf.get("rope_scaling") or rope_params
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
+    # "su": Phi-3's first name for LongRoPE; transformers' Phi3Config reads "yarn" as LongRoPE too
+    rope_type = "longrope" if rope_type == "su" or (rope_type == "yarn" and family == "phi3") else rope_type
     if rope_type not in ROPE_TYPES:
         raise CheckpointError(f"rope scaling type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)} are).")
     if rope_type == "default":
         return None
+    if rope_type == "yarn":
+        return _yarn_scaling(hf, scaling)
     out = {k: v for k, v in scaling.items() if k not in ("rope_theta", "type", "partial_rotary_factor")}
     out["rope_type"] = rope_type
     if rope_type == "longrope":
@@ -92,6 +100,50 @@ def _rope_scaling(hf: dict[str, Any], rope_params: dict[str, Any], rotary_dim: i
                 raise CheckpointError(f"rope scaling {key} has {len(out[key])} values; LongRoPE needs one per "
                                       f"rotated pair of the head ({rotary_dim // 2}).")
     return out
+
+
+def _yarn_scaling(hf: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's parameters as transformers' `_compute_yarn_parameters` reads them, resolved where it resolves them:
+    `factor` (required; null: max_position_embeddings over the original context, DeepSeek-V3's form), the original
+    context (a top-level `original_max_position_embeddings` wins, as it does in transformers, then the rope dict's,
+    then max_position_embeddings), and whichever of beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim
+    and truncate the config gives (builder/rope.py applies transformers' defaults to the others)."""
+    if "factor" not in scaling:
+        raise CheckpointError("rope scaling yarn gives no factor (how many times its original context the model "
+                              "runs); transformers requires one too.")
+    original = next((d["original_max_position_embeddings"] for d in (hf, scaling)
+                     if d.get("original_max_position_embeddings") is not None), hf["max_position_embeddings"])
+    if not _is_number(original) or original <= 0 or original != int(original):
+        raise CheckpointError(f"rope scaling yarn original_max_position_embeddings must be a positive whole number "
+                              f"of positions, got {original!r}.")
+    factor = hf["max_position_embeddings"] / original if scaling["factor"] is None else scaling["factor"]
+    out = {"rope_type": "yarn", "factor": _yarn_parameter("factor", factor, minimum=0.0),
+           "original_max_position_embeddings": int(original)}
+    # beta 0 is transformers' default (it reads `beta or default`); a negative one has no correction range
+    limits = {"beta_fast": 0.0, "beta_slow": 0.0, "attention_factor": 0.0}
+    for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+        if scaling.get(key) is not None:
+            out[key] = _yarn_parameter(key, scaling[key], limits.get(key), inclusive=key.startswith("beta"))
+    if "truncate" in scaling:
+        truncate = scaling["truncate"]
+        if truncate is not None and not isinstance(truncate, bool):
+            raise CheckpointError(f"rope scaling yarn truncate must be true or false, got {truncate!r}.")
+        out["truncate"] = bool(truncate)  # transformers reads an explicit null as false: no rounding of the range
+    return out
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _yarn_parameter(key: str, value: Any, minimum: float | None = None, inclusive: bool = False) -> float:
+    """A YaRN parameter as a float, refused unless it is a finite number above `minimum` (or equal, `inclusive`)."""
+    if not _is_number(value):
+        raise CheckpointError(f"rope scaling yarn {key} must be a number, got {value!r}.")
+    if minimum is not None and (value < minimum or (value == minimum and not inclusive)):
+        bound = "at least" if inclusive else "above"
+        raise CheckpointError(f"rope scaling yarn {key} must be {bound} {minimum:g}, got {value!r}.")
+    return float(value)
 
 
 def _no_rope_layers(hf: dict[str, Any], family: str) -> tuple[int, ...]:
@@ -124,7 +176,7 @@ def _round_to_dtype(value: float, dtype: str) -> float:
 
 
 # families whose layers alternate sliding-window and full attention -> the pattern's default period (every n-th full)
-_LAYER_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo3": 4}
+_LAYER_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo3": 4, "gpt_oss": 2}
 
 
 def _layer_types(hf: dict[str, Any], family: str) -> tuple[str, ...]:
@@ -213,7 +265,7 @@ def _granite_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
 # (Granite MoE takes the softmax of the chosen experts' logits: the renormalized one)
 _MOE_FAMILIES = {"qwen3_moe": ("moe_intermediate_size", False), "mixtral": ("intermediate_size", True),
                  "olmoe": ("intermediate_size", False), "granitemoe": ("intermediate_size", True),
-                 "qwen2_moe": ("moe_intermediate_size", False)}
+                 "qwen2_moe": ("moe_intermediate_size", False), "gpt_oss": ("intermediate_size", True)}
 
 
 def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
@@ -232,7 +284,16 @@ def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     return {"num_experts": int(experts), "num_experts_per_tok": int(hf["num_experts_per_tok"]),
             "moe_intermediate_size": int(hf[features_key]),
             "moe_normalize_topk": bool(hf.get("norm_topk_prob", normalize)),
-            "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size") or 0)}
+            "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size") or 0),
+            "moe_bias": family == "gpt_oss"}
+
+
+def _gpt_oss_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """gpt-oss's attention sinks and clamped SwiGLU (its q / k / v / o biases are `attention_bias`'s)."""
+    if family != "gpt_oss":
+        return {}
+    return {"attention_sinks": True, "hidden_act": "swiglu_oai", "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
+            "swiglu_limit": float(hf.get("swiglu_limit", 7.0))}
 
 
 def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
@@ -245,15 +306,16 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
             f"text models of {', '.join(TEXT_MODELS_OF)}."
         )
     family, qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-    if family in ("llama", "granite", "granitemoe") and hf.get("attention_bias"):
-        qkv_bias = True
+    # NOTE: these families' attention_bias puts a bias on the output projection too
+    dense_bias = family in ("llama", "granite", "granitemoe", "gpt_oss") and bool(hf.get("attention_bias", False))
+    qkv_bias = qkv_bias or dense_bias
     if hf.get("mlp_bias"):
         raise CheckpointError("mlp_bias=true is not supported.")
     heads = int(hf["num_attention_heads"])
     head_size = int(hf.get("head_dim") or hf["hidden_size"] // heads)
     rope_params, local_base = _rope_parameters(hf, family)
     rotary_dim = _rotary_dim(hf, rope_params, head_size)
-    rope_scaling = _rope_scaling(hf, rope_params, rotary_dim or head_size)
+    rope_scaling = _rope_scaling(hf, rope_params, rotary_dim or head_size, family)
     # the families whose HF attention honours sliding_window (Gemma 2 / 3 in their sliding layers)
     window_by_default = family in ("mistral", "mixtral", "phi3", *_LAYER_PATTERNS)
     window = hf.get("sliding_window") if hf.get("use_sliding_window", window_by_default) else None
@@ -284,11 +346,12 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         no_rope_layers=_no_rope_layers(hf, family),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
         qkv_bias=qkv_bias,
+        dense_bias=dense_bias,
         qk_norm=qk_norm,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
         sliding_window=int(window) if window else None,
-        hidden_act=_hidden_act(hf, family),
+        **(_gpt_oss_fields(hf, family) or {"hidden_act": _hidden_act(hf, family)}),
         layer_types=layer_types,
         local_rotary_base=local_base if window and "sliding_attention" in layer_types else None,
         **_gemma_fields(hf, family, hf_dtype if hf_dtype in DTYPES else "float32"),

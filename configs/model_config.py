@@ -19,7 +19,9 @@ from trtbuild.errors import CheckpointError
 from trtbuild.quantization import LM_HEAD_QUANT_ALGOS, QUANT_ALGOS, KVCacheQuantAlgo, QuantAlgo
 
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation: SwiGLU, or GeGLU with tanh-approximated GELU
+# the MLP's gate activation: SwiGLU, GeGLU with tanh-approximated GELU, or gpt-oss's clamped SwiGLU
+# (g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1): swiglu_alpha, swiglu_limit)
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -181,8 +183,12 @@ class ModelConfig:
     no_rope_layers: tuple[int, ...] = ()  # layers whose attention applies no RoPE (SmolLM3: every fourth)
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    dense_bias: bool = False  # the attention's output projection has a bias (gpt-oss, Llama with attention_bias)
     qk_norm: bool = False
+    attention_sinks: bool = False  # each attention head has a learned sink logit in its softmax (gpt-oss)
     hidden_act: str = "silu"  # HIDDEN_ACTS
+    swiglu_alpha: float | None = None  # swiglu_oai's gate slope (gpt-oss: 1.702)
+    swiglu_limit: float | None = None  # swiglu_oai's clamp (gpt-oss: 7)
     sliding_window: int | None = None  # each token sees its last sliding_window tokens (builder/network.py)
     # per layer, LAYER_TYPES: only sliding_attention layers apply sliding_window (Gemma 2 / 3). Not given: every
     # layer alike (sliding_attention where the model has a window), filled in on creation so config.json says it
@@ -207,6 +213,7 @@ class ModelConfig:
     # Qwen2-MoE: a shared expert (a SwiGLU MLP of this many features every token takes, scaled by the sigmoid of its
     # gate's logit) beside the routed ones; 0: none
     shared_expert_intermediate_size: int = 0
+    moe_bias: bool = False  # the router and the experts' projections have biases (gpt-oss)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     mapping: Mapping = field(default_factory=Mapping)
@@ -237,6 +244,10 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTS:
             raise CheckpointError(f"config.json: hidden_act must be one of {', '.join(HIDDEN_ACTS)}, got "
                                   f"{self.hidden_act!r}")
+        if (self.hidden_act == "swiglu_oai") != (self.swiglu_alpha is not None and self.swiglu_limit is not None):
+            raise CheckpointError("config.json: swiglu_alpha and swiglu_limit are set with (and only with) hidden_act "
+                                  f"swiglu_oai; got hidden_act {self.hidden_act!r}, swiglu_alpha "
+                                  f"{self.swiglu_alpha!r}, swiglu_limit {self.swiglu_limit!r}")
         if not self.layer_types:
             kind = "sliding_attention" if self.sliding_window else "full_attention"
             object.__setattr__(self, "layer_types", (kind,) * self.num_hidden_layers)  # frozen: set once, here
@@ -244,7 +255,8 @@ class ModelConfig:
             raise CheckpointError(f"config.json: layer_types must list one of {', '.join(LAYER_TYPES)} per layer "
                                   f"({self.num_hidden_layers}), got {list(self.layer_types)}")
         for name in ("local_rotary_base", "attention_scale", "attn_logit_softcapping", "final_logit_softcapping",
-                     "embedding_multiplier", "residual_multiplier", "logits_scaling"):
+                     "embedding_multiplier", "residual_multiplier", "logits_scaling", "swiglu_alpha",
+                     "swiglu_limit"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or not value > 0):
                 raise CheckpointError(f"config.json: {name} must be null or a positive number, got {value!r}")

@@ -60,7 +60,7 @@ struct Problem {
   const QuantizedX* qx;
   int64_t m, n, k;
   int64_t task_tokens, group_tasks, groups_per_task;  // tasks: token chunk major, group chunk minor
-  const float* bias;  // [N], or null
+  const float* bias;  // [n] of this problem's rows, or null
   const uint8_t* codebook;  // 16 codes the 2/3/4-bit ones index (LUT), or null
   float weight_factor;  // 2^scale_exponent (PackedTable)
   // grouped (experts): the table's first group and qx's first token of this problem's rows and tokens
@@ -267,7 +267,8 @@ struct BlockQuantMatMulKernel {
   static constexpr size_t kExpertOffsets = 7;
   PackedTable table;
   const int64_t k, n, bits, block;
-  // grouped: the table holds `experts` tables of n / experts rows each, one after the other (plugins/README.md)
+  // grouped: the table holds `experts` tables of n / experts rows each, one after the other, and the bias (N values)
+  // their rows' biases in the same order (plugins/README.md)
   const int64_t experts;
 
   BlockQuantMatMulKernel(const OrtApi&, const OrtKernelInfo* info)
@@ -337,7 +338,6 @@ struct BlockQuantMatMulKernel {
                                                          .GetElementCount() != static_cast<size_t>(experts + 1))
       table.fail("a table of experts needs the offsets of their tokens, experts + 1 of them");
     const int64_t* offsets = ctx.GetInput(kExpertOffsets).GetTensorData<int64_t>();
-    if (base.bias) table.fail("a table of experts takes no bias");
     Grouped grouped{task(scales), {}, {}};
     size_t total = 0;
     for (int64_t e = 0; e < experts; ++e) {
@@ -348,6 +348,7 @@ struct BlockQuantMatMulKernel {
       p.group_base = e * rows / kRows;
       p.token_base = first;
       p.y = base.y + first * rows;
+      if (base.bias) p.bias = base.bias + e * rows;  // expert e's rows' biases (the tile adds g * 16 onwards)
       grouped.first_task.push_back(total);
       total += tasks(p);
       grouped.problems.push_back(p);

@@ -10,6 +10,9 @@
 // A float16 pool (--kv-pool-dtype float16) takes that path only: its rows are widened to float32 as they are loaded,
 // and the step's own keys and values are rounded to float16 first, as the runtime rounds them when it writes them,
 // so that every key and value attended is a stored one (the standard-op lowering does the same).
+// Attention sinks (gpt-oss; optional input 10, one logit per query head): the sink joins each row's softmax as one
+// more score without a value, so it only raises the maximum (if larger) and adds exp(sink - max) to the sum, once
+// per (token, head) after the scores are in; without the input nothing else changes.
 #include "cpu_ops.h"
 #include "simd_math.h"
 
@@ -70,6 +73,7 @@ struct Step {
   int64_t window;  // a query sees its last `window` keys (itself included); 0: all of them
   float scale;
   float softcap;  // > 0: scores become softcap * tanh(score / softcap) before softmax; 0: none
+  const float* sinks;  // [H]: each query head's sink logit (not soft-capped); null: none
   int64_t heads_per_task;  // query heads of one KV head that one task computes, reading each key and value once
 };
 
@@ -103,6 +107,16 @@ struct Task {
   const float* queries() const { return s.q + (t * s.heads + h0) * s.d; }
   float* out() const { return s.out + (t * s.heads + h0) * s.d; }
 };
+
+// 1 / the softmax denominator of this task's head h (0 .. nh - 1), whose largest score is `max_score`;
+// `sum_exp(m)` stores exp(score - m) in place of each score and returns their sum. A sink is one more score without
+// a value: the maximum is the larger of the two, and exp(sink - maximum) joins the sum.
+template <typename SumExp>
+inline float inverse_denominator(const Task& a, int64_t h, float max_score, SumExp sum_exp) {
+  if (a.s.sinks == nullptr) return 1.0f / sum_exp(max_score);
+  const float sink = a.s.sinks[a.h0 + h], top = std::max(max_score, sink);
+  return 1.0f / (sum_exp(top) + std::exp(sink - top));
+}
 
 #if defined(__AVX512F__)
 // out[h] = sum_j probs[h][j] v_j * inv[h] for `hp` <= HP heads, accumulated in registers; the first `pooled` values
@@ -215,15 +229,16 @@ void attend_vectorized(const Task& a) {
       }
       top = _mm512_mask_max_ps(top, first(visible - j0), top, x);
     }
-    const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t j0 = 0; j0 < visible; j0 += 16) {
-      const __m512 e =
-          _mm512_maskz_mov_ps(first(visible - j0), exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j0), max_score)));
-      _mm512_storeu_ps(p + j0, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    inv[h] = 1.0f / _mm512_reduce_add_ps(sum);
+    inv[h] = inverse_denominator(a, h, _mm512_reduce_max_ps(top), [&](float max_score) {
+      const __m512 m = _mm512_set1_ps(max_score);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t j0 = 0; j0 < visible; j0 += 16) {
+        const __m512 e = _mm512_maskz_mov_ps(first(visible - j0), exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j0), m)));
+        _mm512_storeu_ps(p + j0, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      return _mm512_reduce_add_ps(sum);
+    });
   }
   for (int64_t h = 0; h < a.nh; h += kHeadsPerPass)
     weighted_values<T, DV, kHeadsPerPass>(values, visible, pooled, probs.data() + h * stride, stride,
@@ -245,10 +260,11 @@ void attend_generic(const Task& a) {
     for (float& p : probs) p = cap * std::tanh(p / cap);
   for (int64_t h = 0; h < nh; ++h) {
     float* p = probs.data() + h * visible;
-    const float max_score = *std::max_element(p, p + visible);
-    float sum = 0.0f;
-    for (int64_t j = 0; j < visible; ++j) sum += (p[j] = std::exp(p[j] - max_score));
-    const float inv = 1.0f / sum;
+    const float inv = inverse_denominator(a, h, *std::max_element(p, p + visible), [&](float max_score) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < visible; ++j) sum += (p[j] = std::exp(p[j] - max_score));
+      return sum;
+    });
     for (int64_t j = 0; j < visible; ++j) p[j] *= inv;
   }
   float* out = a.out();
@@ -312,6 +328,18 @@ struct PagedAttentionKernel {
   int64_t layer, heads, kv_heads, d, bs, rotary, window;
   float scale, softcap;
 
+  static constexpr size_t kSinks = 10;
+
+  // The optional sinks input: absent (fewer inputs, or an empty name) -> null; else it must hold H floats.
+  const float* sinks_of(Ort::KernelContext& ctx) const {
+    if (ctx.GetInputCount() <= kSinks) return nullptr;
+    const Ort::ConstValue v = ctx.GetInput(kSinks);
+    if (static_cast<const OrtValue*>(v) == nullptr) return nullptr;
+    if (v.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(heads))
+      fail("sinks must hold one float per query head (num_heads)");
+    return v.GetTensorData<float>();
+  }
+
   PagedAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     layer = ki.GetAttribute<int64_t>("layer_idx");
@@ -369,6 +397,7 @@ struct PagedAttentionKernel {
     }
     for (int64_t t = 0; t < t_count; ++t)
       if (seq_of_token[t] < 0) fail("query_start_loc does not cover every token");
+    const float* sinks = sinks_of(ctx);
 
     if (rotary) {
       const std::vector<int64_t> rope_shape = ctx.GetInput(8).GetTensorTypeAndShapeInfo().GetShape();
@@ -398,7 +427,7 @@ struct PagedAttentionKernel {
     Step step{q.data(), half ? static_cast<const void*>(k_half.data()) : k_new,
               half ? static_cast<const void*>(v_half.data()) : v_new, ctx.GetInput(3).GetTensorRawData(), half,
               tables, past, starts, seq_of_token.data(), out, heads, kv_heads, d, bs, pool_shape[1], layer, width,
-              window, scale, softcap, per_task};
+              window, scale, softcap, sinks, per_task};
     ctx.ParallelFor(attend, static_cast<size_t>(t_count * kv_heads * ((group + per_task - 1) / per_task)), 0, &step);
   }
 };
@@ -406,7 +435,7 @@ struct PagedAttentionKernel {
 struct PagedAttentionOp : Ort::CustomOpBase<PagedAttentionOp, PagedAttentionKernel> {
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new PagedAttentionKernel(api, info); }
   const char* GetName() const { return "PagedAttention"; }
-  size_t GetInputTypeCount() const { return 10; }
+  size_t GetInputTypeCount() const { return 11; }  // 7-9: rotary=1 only; 10: sinks, optional
   ONNXTensorElementDataType GetInputType(size_t i) const {
     if (i == 3) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // the pool: float or float16, checked by Compute
     return (i >= 4 && i <= 7) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;

@@ -2,7 +2,9 @@
 // the fused gate/up linear's output [..., 2F] (plugins/README.md), with act = silu(g) = g / (1 + e^-g) or
 // gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) = g / (1 + e^(-2 sqrt(2/pi) (g + 0.044715 g^3))).
 // One pass instead of the standard lowering's Split, activation and Mul(s), whose per-node overhead and copies were
-// 5% of a 0.5B decode step.
+// 5% of a 0.5B decode step. SwiGLU's optional attributes alpha, beta and limit give gpt-oss's clamped form (ONNX
+// Runtime's MoE activation_alpha, activation_beta, swiglu_limit): g' = min(g, limit), u' = clamp(u, -limit, limit),
+// y = g' sigmoid(alpha g') (u' + beta); a second instantiation of the row loop, so the default one is unchanged.
 #include "cpu_ops.h"
 #include "simd_math.h"
 
@@ -10,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -41,13 +44,39 @@ __m512 activation16(__m512 g) {
 }
 #endif
 
+// SwiGLU's clamped form; the defaults are plain silu(g) * u.
+struct Clamp {
+  float alpha = 1.0f, beta = 0.0f, limit = std::numeric_limits<float>::infinity();
+
+  bool plain() const { return alpha == 1.0f && beta == 0.0f && limit == std::numeric_limits<float>::infinity(); }
+};
+
+float clamped_swiglu(float g, float u, const Clamp& c) {
+  g = std::min(g, c.limit);
+  u = std::min(std::max(u, -c.limit), c.limit);
+  return g / (1.0f + std::exp(-(c.alpha * g))) * (u + c.beta);
+}
+
+#if defined(__AVX512F__)
+__m512 clamped_swiglu16(__m512 g, __m512 u, const Clamp& c) {
+  const __m512 limit = _mm512_set1_ps(c.limit);
+  // NOTE: the vector argument second: min_ps returns it where either is a NaN, so a NaN stays one, as std::min's
+  g = _mm512_min_ps(limit, g);
+  u = _mm512_min_ps(limit, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), limit), u));
+  const __m512 z = _mm512_mul_ps(_mm512_set1_ps(-c.alpha), g);
+  const __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(z)));
+  return _mm512_mul_ps(act, _mm512_add_ps(u, _mm512_set1_ps(c.beta)));
+}
+#endif
+
 struct Problem {
   const float* x;
   float* y;
   int64_t rows, f;
+  Clamp clamp;  // read by the CLAMPED rows only
 };
 
-template <Act A>
+template <Act A, bool CLAMPED>
 void glu_rows(void* data, size_t task) {
   const Problem& p = *static_cast<const Problem*>(data);
   for (int64_t r = static_cast<int64_t>(task) * kRowsPerTask;
@@ -59,11 +88,14 @@ void glu_rows(void* data, size_t task) {
 #if defined(__AVX512F__)
     for (; i < p.f; i += 16) {
       const __mmask16 m = p.f - i >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (p.f - i)) - 1);
-      const __m512 act = activation16<A>(_mm512_maskz_loadu_ps(m, gate + i));
-      _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(act, _mm512_maskz_loadu_ps(m, up + i)));
+      const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+      if constexpr (CLAMPED)
+        _mm512_mask_storeu_ps(y + i, m, clamped_swiglu16(g, _mm512_maskz_loadu_ps(m, up + i), p.clamp));
+      else
+        _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(activation16<A>(g), _mm512_maskz_loadu_ps(m, up + i)));
     }
 #endif
-    for (; i < p.f; ++i) y[i] = activation<A>(gate[i]) * up[i];
+    for (; i < p.f; ++i) y[i] = CLAMPED ? clamped_swiglu(gate[i], up[i], p.clamp) : activation<A>(gate[i]) * up[i];
   }
 }
 
@@ -74,7 +106,25 @@ constexpr const char* op_name() {
 
 template <Act A>
 struct GluKernel {
-  GluKernel(const OrtApi&, const OrtKernelInfo*) {}
+  Clamp clamp;  // SwiGLU's attributes (GeGLU takes none)
+
+  GluKernel(const OrtApi&, const OrtKernelInfo* info) {
+    if constexpr (A == Act::kSilu) {
+      const Ort::ConstKernelInfo attrs(info);
+      clamp.alpha = optional_attribute<float>(attrs, "alpha", clamp.alpha);
+      clamp.beta = optional_attribute<float>(attrs, "beta", clamp.beta);
+      clamp.limit = optional_attribute<float>(attrs, "limit", clamp.limit);
+      if (!(clamp.limit > 0.0f))  // NOTE: also a NaN; clamp(u, -limit, limit) needs -limit < limit
+        ORT_CXX_API_THROW("trtbuild::SwiGLU: limit must be positive (absent: no clamping)", ORT_INVALID_ARGUMENT);
+    }
+  }
+
+  // The row loop: the plain one unless SwiGLU's attributes ask for the clamped form.
+  auto rows_task() const -> void (*)(void*, size_t) {
+    if constexpr (A == Act::kSilu)
+      if (!clamp.plain()) return glu_rows<A, true>;
+    return glu_rows<A, false>;
+  }
 
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
@@ -86,9 +136,10 @@ struct GluKernel {
     shape.back() /= 2;
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
-    Problem p{x.GetTensorData<float>(), ctx.GetOutput(0, shape).GetTensorMutableData<float>(), rows, shape.back()};
+    Problem p{x.GetTensorData<float>(), ctx.GetOutput(0, shape).GetTensorMutableData<float>(), rows, shape.back(),
+              clamp};
     if (rows == 0) return;
-    ctx.ParallelFor(glu_rows<A>, static_cast<size_t>((rows + kRowsPerTask - 1) / kRowsPerTask), 0, &p);
+    ctx.ParallelFor(rows_task(), static_cast<size_t>((rows + kRowsPerTask - 1) / kRowsPerTask), 0, &p);
   }
 };
 

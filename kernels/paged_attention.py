@@ -13,6 +13,9 @@ The kernels:
 - with `num_splits` > 1 (split-K), the past keys of a sequence are shared among that many programs, which write
   unnormalized partial states; `_reduce_splits_kernel` merges them per (token, query head).
 An int8 pool (kv_cache_quant_algo="int8") is attended in units of its scales; fp8 pools are not implemented.
+Attention sinks (gpt-oss, `sinks` [H]): each query head's sink is one more score without a value, folded into the
+finished softmax state once: by the attention program without split-K, by `_reduce_splits_kernel` with it (never by
+each split, which would count it SPLITS times).
 Head vectors are handled as two halves (rotate-half RoPE pairs d with d + D/2), so RoPE of q needs no shuffles and
 each score is dot(q1, k1) + dot(q2, k2).
 """
@@ -82,15 +85,25 @@ def _softcap(s, cap):
 
 
 @triton.jit
+def _add_sink(sink, m, denom):
+    """Fold a sink (base-2 units) into a finished softmax state (m, denom): -> (new maximum, new denominator, the
+    factor that rescales the accumulated values to the new maximum). The sink has no value, so it only adds its
+    own exponential to the denominator."""
+    m_new = tl.maximum(m, sink)
+    alpha = tl.exp2(m - m_new)
+    return m_new, denom * alpha + tl.exp2(sink - m_new), alpha
+
+
+@triton.jit
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, cache_ptr, tables_ptr, past_ptr, qsl_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, cache_ptr, tables_ptr, past_ptr, qsl_ptr, pos_ptr, cos_ptr, sin_ptr, sinks_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr, qk_scale, k_scale, v_scale, half, block_size, num_heads, window,
     softcap,
     stride_qt, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
     stride_cb, stride_ckv, stride_ch, stride_cs, stride_tb, stride_cos, stride_sin,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HALF: tl.constexpr, ROTARY: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr, KV_INT8: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -182,6 +195,10 @@ def _paged_attention_kernel(
     if KV_INT8:
         acc1, acc2 = acc1 * v_scale, acc2 * v_scale
     if SPLITS == 1:
+        if SINKS:  # NOTE: with split-K, _reduce_splits_kernel adds the sink once, after the merge
+            sink = tl.load(sinks_ptr + h, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # base 2
+            m, denom, alpha = _add_sink(sink, m, denom)
+            acc1, acc2 = acc1 * alpha[:, None], acc2 * alpha[:, None]
         denom = tl.where(row_ok, denom, 1.0)
         out_offs = t[:, None] * stride_ot + h[:, None] * (2 * half) + d[None, :]
         tl.store(out_ptr + out_offs, (acc1 / denom[:, None]).to(out_ptr.dtype.element_ty), mask=q_ok)
@@ -196,17 +213,25 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _reduce_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, num_heads, head_size, stride_ot,
-                          SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Merge the SPLITS partial softmax states of one (token, query head): rescale each to the common maximum."""
+def _reduce_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, sinks_ptr, out_ptr, num_heads, head_size,
+                          stride_ot, SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                          SINKS: tl.constexpr):
+    """Merge the SPLITS partial softmax states of one (token, query head): rescale each to the common maximum. A
+    sink joins here, once, as one more state with no value."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, BLOCK_D)
     part = (t * num_heads + h) * SPLITS + sp
     m = tl.load(part_max_ptr + part, mask=sp < SPLITS, other=-1.0e38)
-    weight = tl.exp2(m - tl.max(m, axis=0))  # a split that saw no key has m = -1e38 and sum 0: weight 0
+    top = tl.max(m, axis=0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634  # LOG2E: the states are in base 2
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(m - top)  # a split that saw no key has m = -1e38 and sum 0: weight 0
     denom = tl.sum(tl.load(part_sum_ptr + part, mask=sp < SPLITS, other=0.0) * weight, axis=0)
+    if SINKS:
+        denom += tl.exp2(sink - top)
     acc = tl.load(part_acc_ptr + part[:, None] * head_size + d[None, :],
                   mask=(sp < SPLITS)[:, None] & (d < head_size)[None, :], other=0.0)
     out = tl.sum(acc * weight[:, None], axis=0) / denom
@@ -253,6 +278,7 @@ def paged_attention(
     rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None, max_query_len: int | None = None,
     block_m: int = 16, block_n: int = 64, num_splits: int = 1, kv_cache_quant_algo: str | None = None,
     kv_cache_scale: tuple[float, float] | None = None, window: int = 0, softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op's semantics (plugins/README.md): -> attn_out [T, H*D], k_new [T, KVH, D] (after RoPE), v_new [T, KVH, D].
     v_new, and k_new when rotary=0, are the inputs viewed as [T, KVH, D] (no copy).
@@ -265,7 +291,9 @@ def paged_attention(
     `kv_cache_quant_algo="int8"` with `kv_cache_scale=(K scale, V scale)`: an int8 pool (read = stored * scale), and
     this step's K/V quantized the same way before attention; k_new/v_new stay unquantized (the runtime quantizes
     when it writes them). `window` > 0: a sliding window, each query sees its last `window` keys only. `softcap` > 0:
-    each score becomes softcap * tanh(score / softcap) before the masks and softmax (Gemma 2)."""
+    each score becomes softcap * tanh(score / softcap) before the masks and softmax (Gemma 2). `sinks` [num_heads]
+    (any float dtype): gpt-oss's attention sinks, each query head's logit that joins the softmax's denominator
+    without a value (not soft-capped)."""
     _check(q, k, v, kv_cache, layer_idx, num_heads, num_kv_heads, head_size, [position_ids, rope_cos, rope_sin],
            kv_cache_quant_algo, kv_cache_scale)
     if num_splits < 1:
@@ -274,6 +302,9 @@ def paged_attention(
         raise ValueError(f"window must be 0 (none) or positive, got {window}")
     if not softcap >= 0:
         raise ValueError(f"softcap must be 0 (none) or positive, got {softcap}")
+    if sinks is not None and (tuple(sinks.shape) != (num_heads,) or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be [{num_heads}] floats (one per query head), got {list(sinks.shape)} "
+                         f"{sinks.dtype}")
     tokens, batch = q.shape[0], past_lengths.shape[0]
     if block_tables.ndim != 2 or block_tables.shape[0] != batch or query_start_loc.shape != (batch + 1,):
         raise ValueError(f"block_tables {list(block_tables.shape)} / query_start_loc {list(query_start_loc.shape)} "
@@ -313,9 +344,10 @@ def paged_attention(
     else:
         part_acc = part_max = part_sum = out  # not touched
     k_scale, v_scale = map(float, kv_cache_scale) if kv_cache_scale is not None else (1.0, 1.0)
+    sinks_arg = sinks if sinks is not None else q  # not read when SINKS is False
     grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
-        q, k_new, v_new, cache, block_tables, past_lengths, query_start_loc, *rope, out,
+        q, k_new, v_new, cache, block_tables, past_lengths, query_start_loc, *rope, sinks_arg, out,
         part_acc, part_max, part_sum, scale * LOG2E * k_scale, k_scale, v_scale, half, cache.shape[3], num_heads,
         window, softcap * LOG2E,  # NOTE: scores are in base-2 units here, and cap * tanh(s / cap) scales with them
         q.stride(0), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), out.stride(0),
@@ -323,9 +355,10 @@ def paged_attention(
         rope[1].stride(0), rope[2].stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=max(MIN_DOT, block_n), HALF=half_pad,
         ROTARY=rotary, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SPLITS=num_splits,
-        KV_INT8=kv_cache_quant_algo == "int8", SOFTCAP=softcap > 0)
+        KV_INT8=kv_cache_quant_algo == "int8", SOFTCAP=softcap > 0, SINKS=sinks is not None)
     if num_splits > 1:
         _reduce_splits_kernel[(tokens, num_heads)](
-            part_acc, part_max, part_sum, out, num_heads, head_size, out.stride(0), SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_size))
+            part_acc, part_max, part_sum, sinks_arg, out, num_heads, head_size, out.stride(0), SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(head_size),
+            SINKS=sinks is not None)
     return out, k_new, v_new

@@ -22,8 +22,9 @@ sum of x as quantized. The weights are packed at build time, 16 rows interleaved
     ggml's own products back).
   codebook (attribute, optional; 2/3/4-bit codes without minimums): 16 8-bit codes (zero point 128) that the
     codes index: `compact` finds one where a checkpoint's 8-bit codes take 16 values or fewer (8, 4), as GGUF's
-    IQ4_NL / IQ4_XS tensors (their non-uniform values + 128) and lattice types (builder/convert/gguf_lattice.py:
-    IQ3's 16 values, IQ1's and IQ2's 6) are converted, and so holds them in 4 (3, 2) bits a weight.
+    IQ4_NL / IQ4_XS tensors (their non-uniform values + 128), MXFP4 ones (15 values) and lattice types
+    (builder/convert/gguf_lattice.py: IQ3's 16 values, IQ1's and IQ2's 6) are converted, and so holds them in 4 (3, 2)
+    bits a weight.
   scale_exponent (attribute, optional): the weights are 2^scale_exponent times what the scales and minimums say:
     `pack` stores two-level values that much larger where their float16 super-scales would otherwise fall below
     float16's normal range and lose bits (GGUF's lattice types: d / 8 with d near 1e-4), which the kernel undoes
@@ -389,4 +390,26 @@ def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.nd
         sums = np.rint(blocks * inv).reshape(m, per_block, -1).sum(axis=2)
         per_weight_block = np.repeat(amax[:, :, 0] / np.float32(127), per_block * BLOCK // k, axis=1)
         y -= (sums * per_weight_block).astype(np.float64) @ mins.reshape(n, per_block).astype(np.float64).T
+    return y
+
+
+def reference_block_quant_matmul_experts(x: np.ndarray, offsets: np.ndarray, codes: np.ndarray, scales: np.ndarray,
+                                         bits: int, experts: int, mins: np.ndarray | None = None,
+                                         codebook: tuple[int, ...] | None = None,
+                                         bias: np.ndarray | None = None) -> np.ndarray:
+    """A table of experts (the op's `experts` mode): y [M, N / E] in float64, each run of x's rows offsets[e] ..
+    offsets[e + 1] times expert e's rows e·N/E .. (e + 1)·N/E of the table (codes [N, K], scales and optional
+    minimums [N, K / block]) as `reference_block_quant_matmul`, plus their slice of `bias` [N] where there is one.
+    Rows past offsets[E] stay 0 here (the op leaves them unwritten)."""
+    n = codes.shape[0]
+    rows = n // experts
+    per_row = [None if a is None else a.reshape(n, -1) for a in (scales, mins)]
+    y = np.zeros((x.shape[0], rows))
+    for e in range(experts):
+        run, table = slice(int(offsets[e]), int(offsets[e + 1])), slice(e * rows, (e + 1) * rows)
+        if run.stop > run.start:
+            s, m = (None if a is None else a[table].reshape(-1) for a in per_row)
+            y[run] = reference_block_quant_matmul(x[run], codes[table], s, bits, m, codebook)
+            if bias is not None:
+                y[run] += bias[table].astype(np.float64)
     return y

@@ -10,17 +10,26 @@ chunks, decode tokens and (later) draft tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 DOMAIN = "trtbuild"
 OP_TYPE = "PagedAttention"
 OPSET_VERSION = 1
 
-# Input positions. The rope inputs are present only after the RoPE fusion pass (attribute rotary=1).
+# Input positions. The rope inputs are present only after the RoPE fusion pass (attribute rotary=1). `sinks`
+# (gpt-oss's per-head attention sinks) is optional: absent, or an empty name, means none; with rotary=0 and sinks,
+# inputs 7-9 are empty names.
 INPUTS = ("q", "k", "v", "kv_cache", "block_tables", "past_lengths", "query_start_loc",
-          "position_ids", "rope_cos", "rope_sin")
+          "position_ids", "rope_cos", "rope_sin", "sinks")
 OUTPUTS = ("attn_out", "k_new", "v_new")
-Q, K, V, KV_CACHE, BLOCK_TABLES, PAST_LENGTHS, QUERY_START_LOC, POSITION_IDS, ROPE_COS, ROPE_SIN = range(10)
+Q, K, V, KV_CACHE, BLOCK_TABLES, PAST_LENGTHS, QUERY_START_LOC, POSITION_IDS, ROPE_COS, ROPE_SIN, SINKS = range(11)
+
+
+def sinks_input(inputs: Sequence[str]) -> str:
+    """The name of a node's `sinks` input (a node's input list), or "" when it has none."""
+    return inputs[SINKS] if len(inputs) > SINKS else ""
 
 
 def apply_rope(x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -35,11 +44,13 @@ def reference_paged_attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_cache: np.ndarray, block_tables: np.ndarray,
     past_lengths: np.ndarray, query_start_loc: np.ndarray, *, layer_idx: int, num_heads: int, num_kv_heads: int,
     head_size: int, scale: float, position_ids: np.ndarray | None = None, rope_cos: np.ndarray | None = None,
-    rope_sin: np.ndarray | None = None, window: int = 0, softcap: float = 0.0,
+    rope_sin: np.ndarray | None = None, window: int = 0, softcap: float = 0.0, sinks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Straightforward per-sequence loop; the lowered graphs and kernels are tested against it. `window` > 0: each
     query sees only its last `window` keys, itself included (a sliding window, as Mistral's and Phi-3's).
-    `softcap` > 0: each score becomes softcap * tanh(score / softcap) before softmax (Gemma 2's logit soft-capping)."""
+    `softcap` > 0: each score becomes softcap * tanh(score / softcap) before softmax (Gemma 2's logit soft-capping).
+    `sinks` [num_heads]: gpt-oss's attention sinks, one logit per query head that joins the softmax's denominator
+    without a value (not soft-capped, never windowed out), so a query's weights sum to less than 1."""
     num_tokens = q.shape[0]
     q = q.reshape(num_tokens, num_heads, head_size).astype(np.float64)
     k = k.reshape(num_tokens, num_kv_heads, head_size).astype(np.float64)
@@ -66,6 +77,8 @@ def reference_paged_attention(
                 scores = keys[first:visible, h // group] @ q[start + t, h] * scale
                 if softcap:
                     scores = softcap * np.tanh(scores / softcap)
-                p = np.exp(scores - scores.max())
-                out[start + t, h] = (p / p.sum()) @ values[first:visible, h // group]
+                top = scores.max() if sinks is None else max(scores.max(), float(sinks[h]))
+                p = np.exp(scores - top)
+                total = p.sum() if sinks is None else p.sum() + np.exp(float(sinks[h]) - top)
+                out[start + t, h] = (p / total) @ values[first:visible, h // group]
     return out.reshape(num_tokens, -1).astype(np.float32), k.astype(np.float32), v.astype(np.float32)

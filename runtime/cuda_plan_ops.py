@@ -88,15 +88,17 @@ def scale(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor,
 
 def paged_attention(k: Kernels, a: dict[str, Any], q: torch.Tensor, key: torch.Tensor, v: torch.Tensor,
                     kv_cache: torch.Tensor, block_tables: torch.Tensor, past_lengths: torch.Tensor,
-                    query_start_loc: torch.Tensor, position_ids: torch.Tensor | None = None,
-                    rope_cos: torch.Tensor | None = None, rope_sin: torch.Tensor | None = None,
-                    ) -> tuple[torch.Tensor, ...]:
-    """NOTE: `max_query_len` comes from the host (the engine knows it), so the launch never reads it back."""
+                    query_start_loc: torch.Tensor, *extra: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`extra`: position_ids, rope_cos, rope_sin (rotary), then the sinks when attribute `sinks` is set (so the sinks
+    are last whether or not the node rotates). NOTE: `max_query_len` comes from the host (the engine knows it), so
+    the launch never reads it back."""
+    sinks, extra = (extra[-1], extra[:-1]) if a.get("sinks") else (None, extra)
+    position_ids, rope_cos, rope_sin = extra or (None, None, None)
     return k["paged_attention"].paged_attention(
         q, key, v, kv_cache, block_tables, past_lengths, query_start_loc, layer_idx=a["layer_idx"],
         num_heads=a["num_heads"], num_kv_heads=a["num_kv_heads"], head_size=a["head_size"], scale=a["scale"],
         position_ids=position_ids, rope_cos=rope_cos, rope_sin=rope_sin, max_query_len=a["max_query_len"],
-        window=a.get("window", 0), softcap=a.get("softcap", 0.0), **a.get("tactics", {}))
+        window=a.get("window", 0), softcap=a.get("softcap", 0.0), sinks=sinks, **a.get("tactics", {}))
 
 
 def kv_write(k: Kernels, a: dict[str, Any], kv_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,

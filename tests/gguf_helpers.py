@@ -45,6 +45,7 @@ FAMILIES = {
     "llama": ("llama", "spm", "Llama Tiny"),
     "mistral": ("llama", "spm", "Mistral Tiny"),
     "qwen2": ("qwen2", "bpe", "Qwen2.5 Tiny"),
+    "qwen2_yarn": ("qwen2", "bpe", "Qwen2.5 Tiny"),
     "qwen3": ("qwen3", "bpe", "Qwen3 Tiny"),
     "phi3": ("phi3", "spm", "Phi3 Tiny"),
     "phi3_longrope": ("phi3", "spm", "Phi3 Tiny"),
@@ -66,6 +67,7 @@ FAMILIES = {
     "olmoe": ("olmoe", "spm", "OLMoE Tiny"),
     "granitemoe": ("granitemoe", "spm", "Granite MoE Tiny"),
     "qwen2_moe": ("qwen2moe", "bpe", "Qwen2 MoE Tiny"),
+    "gpt_oss": ("gpt-oss", "bpe", "GPT OSS Tiny"),
 }
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)$")
 
@@ -86,6 +88,27 @@ def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         layer = name.removesuffix(".block_sparse_moe.input_linear.weight")
         out[f"{layer}.mlp.experts.gate_proj.weight"], out[f"{layer}.mlp.experts.up_proj.weight"] = gate, up
     return out
+
+
+def _gpt_oss_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """GptOssModel.modify_tensors for float experts: gate_up_proj [experts, in, 2 x out] split into its even (gate)
+    and odd (up) columns and transposed to [experts, out, in], as down_proj; biases split alike; `sinks.weight`."""
+    out = {}
+    for name, data in tensors.items():
+        if name.endswith("gate_up_proj"):
+            base = name.removesuffix("gate_up_proj")
+            t = data.transpose(0, 2, 1)
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = t[:, ::2], t[:, 1::2]
+        elif name.endswith("gate_up_proj_bias"):
+            base = name.removesuffix("gate_up_proj_bias")
+            out[base + "gate_proj.bias"], out[base + "up_proj.bias"] = data[:, ::2], data[:, 1::2]
+        elif name.endswith("down_proj"):
+            out[name + ".weight"] = data.transpose(0, 2, 1)
+        elif name.endswith("down_proj_bias"):
+            out[name.removesuffix("_bias") + ".bias"] = data
+        else:
+            out[name + (".weight" if name.endswith("sinks") else "")] = data
+    return {n: np.ascontiguousarray(t) for n, t in out.items()}
 
 
 def qwen_tokenizer() -> object:
@@ -248,6 +271,23 @@ def _add_phi3_parameters(w: gguf.GGUFWriter, cfg: dict, head_dim: int) -> None:
             w.add_tensor(f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], dtype=np.float32))
 
 
+def _add_yarn_parameters(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """TextModel.set_gguf_parameters for rope_type yarn (with a factor): the factor, the original context, and the
+    attention factor and betas where the config gives them."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)
+    if rope.get("rope_type") != "yarn" or rope.get("factor") is None:
+        return
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    for key, add in (("attention_factor", w.add_rope_scaling_yarn_attn_factor),
+                     ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                     ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+        if rope.get(key) is not None:
+            add(rope[key])
+
+
 def _add_gemma_parameters(w: gguf.GGUFWriter, cfg: dict, arch: str) -> None:
     """Gemma2Model / Gemma3Model.set_gguf_parameters (GemmaModel adds only add_space_prefix). NOTE: llama.cpp's
     converter writes no sliding_window_pattern for Gemma 3 (every released one has every sixth layer full, the
@@ -299,6 +339,7 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         w.add_rope_dimension_count(head_dim)
     if arch == "phi3":
         _add_phi3_parameters(w, cfg, head_dim)
+    _add_yarn_parameters(w, cfg)
     if arch.startswith("gemma"):
         _add_gemma_parameters(w, cfg, arch)
     if cfg["model_type"] == "olmo3":  # Olmo2Model.set_gguf_parameters
@@ -311,6 +352,9 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if cfg.get("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if arch == "gpt-oss":  # GptOssModel.set_gguf_parameters
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
     if arch in ("granite", "granitemoe"):  # GraniteModel.set_gguf_parameters
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
@@ -319,7 +363,8 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     (_add_spm_vocab if vocab_kind == "spm" else _add_bpe_vocab)(w, hf_dir, cfg["vocab_size"])
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(model_arch, layers)
-    for hf_name, data in _stack_experts(load_file(str(hf_dir / "model.safetensors"))).items():
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    for hf_name, data in (_gpt_oss_tensors if arch == "gpt-oss" else _stack_experts)(tensors).items():
         if arch in PERMUTED and hf_name.endswith(("q_proj.weight", "q_proj.bias")):  # LlamaModel.undo_permute
             data = _permute(data, heads)
         elif arch in PERMUTED and hf_name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -32,7 +32,13 @@ RANDOM_CONFIGS = {
     "llama3_rope": ("LlamaConfig", dict(_COMMON, rope_theta=500000.0, tie_word_embeddings=True, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64})),
+    # q, k, v and o biases (attention_bias)
+    "llama_bias": ("LlamaConfig", dict(_COMMON, rope_theta=10000.0, attention_bias=True)),
     "qwen2": ("Qwen2Config", dict(_COMMON, rope_theta=1000000.0)),
+    # YaRN past an original context of 64 (Qwen2.5's long-context form, 4 times it): pairs 0 to 2 of each head run
+    # on the ramp's blend of original and interpolated speeds, the others interpolated, cos / sin scaled by 1.14
+    "qwen2_yarn": ("Qwen2Config", dict(_COMMON, rope_theta=1000000.0, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen3": ("Qwen3Config", dict(_COMMON, head_dim=32, rope_theta=1000000.0)),
     "mistral": ("MistralConfig", dict(_COMMON, sliding_window=None)),
     # sliding windows far shorter than the engines (256): the attention applies them
@@ -96,6 +102,12 @@ RANDOM_CONFIGS = {
                                             embedding_multiplier=12.0, attention_multiplier=0.05,
                                             residual_multiplier=0.22, logits_scaling=8.0, bos_token_id=1,
                                             eos_token_id=2, pad_token_id=0)),
+    # gpt-oss: biases everywhere, attention sinks, layers 0 and 2 windowed (6), experts with biases and a clamped
+    # SwiGLU whose limit (0.1) random activations reach
+    "gpt_oss": ("GptOssConfig", dict(_COMMON, head_dim=16, num_hidden_layers=4, intermediate_size=32,
+                                     num_local_experts=8, num_experts_per_tok=2, sliding_window=6, swiglu_limit=0.1,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+                                     bos_token_id=1, eos_token_id=2, pad_token_id=0)),
 }
 
 
@@ -114,7 +126,7 @@ def make_random_hf_model(family: str, out_dir: Path, seed: int = 0, overrides: d
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # make norms and biases non-trivial so that a mis-mapped tensor shows in the logits
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith(("norm.weight", ".bias", "_bias", ".sinks")):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

@@ -1,9 +1,11 @@
 """trtbuild::BlockQuantMatMul and BlockQuantGather (cpu_ops/block_matmul.cc, block_gather.cc) against the numpy
 references of plugins/block_quant_matmul.py, in every form `pack` stores: 2- to 8-bit codes, blocks of 32 and 16,
-float32, float16 and two-level (int8 x float16 per 256) scales, with and without minimums."""
+float32, float16 and two-level (int8 x float16 per 256) scales, with and without minimums, codebooks (GGUF's IQ types
+and MXFP4)."""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -12,6 +14,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild import cpu_ops
 from trtbuild.builder.convert import gguf_quants
+from trtbuild.builder.convert.weight_only import NBitsWeight
+from trtbuild.builder.native_linears import pack_nbits
 from trtbuild.plugins.block_quant_matmul import (
     GATHER_OP_TYPE,
     OP_TYPE,
@@ -210,6 +214,51 @@ def test_codes_of_few_values_into_a_codebook(library, values, bits, block, scale
     ids = np.array([0, 15, 16, 199, 5], dtype=np.int64)
     np.testing.assert_array_equal(gather.run(None, {"ids": ids})[0],
                                   reference_block_quant_gather(ids, wide, scales, 8))
+
+
+def mxfp4_weight(rng: np.random.Generator, n: int, k: int, magnitude: float = 1.0) -> tuple[np.ndarray, NBitsWeight]:
+    """(raw GGUF MXFP4 blocks [n, k / 32 * 17], their nbits form) of random rows quantized by gguf-py (ggml's
+    quantizer): magnitudes varying by row and by block, so exponents differ within a row; row 1's second block all
+    zero (ggml gives it exponent 0: a scale of 2^-128)."""
+    x = rng.standard_normal((n, k)) * rng.uniform(0.01, 2, (n, 1)) * np.repeat(rng.uniform(0.1, 1, (n, k // 32)), 32,
+                                                                               axis=1)
+    x[1, 32:64] = 0
+    raw = gguf.quants.quantize((x * magnitude).astype(np.float32), gguf.GGMLQuantizationType.MXFP4)
+    return raw, gguf_quants.gguf_to_nbits(raw, gguf.GGMLQuantizationType.MXFP4, (n, k))
+
+
+MXFP4_BOOK = (*sorted(set(int(c) for c in gguf_quants.MXFP4_CODES)), 128)  # its 15 distinct codes, then padding
+
+
+@pytest.mark.parametrize("k,magnitude,stored", [(352, 1.0, np.float16), (512, 1.0, np.int8), (352, 1e-7, np.float32)],
+                         ids=["float16", "two_level", "below_float16"])
+def test_mxfp4_weights_are_4_bit_indices_into_their_15_values(library, k, magnitude, stored):
+    """GGUF's MXFP4 as converted (8-bit codes e2m1 x 2 + 128, scales 2^(e - 128)) packs as the build packs it
+    (`pack_nbits`): 4-bit indices into a codebook of its 15 codes, scales in float16 where every one is exact in it
+    (an all-zero block's 2^-128 does not count: its weights are 0 under any scale), as int8 x float16 per 256 where K
+    allows, float32 where they lie below float16's range; BlockQuantMatMul computes the reference, and the gathered
+    rows are gguf-py's dequantized values to the bit."""
+    rng = np.random.default_rng(k)
+    n = 200
+    raw, w = mxfp4_weight(rng, n, k, magnitude)
+    assert w.scales[1, 1] == 2.0 ** -128
+    table, bits, codebook = pack_nbits(w.codes, w.scales, None, n, k, 8)
+    assert bits == 4 and codebook == MXFP4_BOOK and table.scales.dtype == stored
+    assert (table.super_scales is not None) == (stored == np.int8)
+    indices = compact(w.codes, 8).codes
+    sess = block_quant_session(library, OP_TYPE, k, n, bits, table, 32, codebook)
+    weight = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4)
+    for m in (1, 9, 70):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        want = reference_block_quant_matmul(x, indices, w.scales, bits, codebook=codebook)
+        np.testing.assert_allclose(want, reference_block_quant_matmul(x, w.codes, w.scales, 8))
+        got = sess.run(None, {"x": x})[0]
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+        exact = x.astype(np.float64) @ weight.T.astype(np.float64)
+        assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()  # int8 activations' rounding only
+    gather = block_quant_session(library, GATHER_OP_TYPE, k, n, bits, table, 32, codebook)
+    ids = np.array([0, 1, 15, 16, 199], dtype=np.int64)
+    np.testing.assert_array_equal(gather.run(None, {"ids": ids})[0], weight[ids])
 
 
 def test_compact_takes_a_codebook_only_where_it_holds_8_bit_codes_in_fewer_bits():

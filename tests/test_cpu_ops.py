@@ -20,11 +20,12 @@ from trtbuild.plugins import paged_attention as pa
 from trtbuild.plugins import swiglu as sw
 
 
-def session(library: str, layers: list[int], rotary: bool) -> ort.InferenceSession:
+def session(library: str, layers: list[int], rotary: bool, sinks: dict[int, np.ndarray] | None = None
+            ) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.register_custom_ops_library(library)
     options.intra_op_num_threads = 2
-    return ort.InferenceSession(paged_attention_model(layers, rotary).SerializeToString(), options,
+    return ort.InferenceSession(paged_attention_model(layers, rotary, sinks=sinks).SerializeToString(), options,
                                 providers=["CPUExecutionProvider"])
 
 
@@ -60,11 +61,11 @@ def test_native_op_never_reads_unowned_slots(library, rotary):
 
 
 def real_shape_case(heads: int, kv_heads: int, head: int, block: int, seqs: list[tuple[int, int]], seed: int,
-                    pool_dtype: type = np.float32, window: int = 0, softcap: float = 0.0, q_gain: float = 1.0
-                    ) -> tuple[ort.InferenceSession, dict[str, np.ndarray], dict]:
+                    pool_dtype: type = np.float32, window: int = 0, softcap: float = 0.0, q_gain: float = 1.0,
+                    sinks: np.ndarray | None = None) -> tuple[ort.InferenceSession, dict[str, np.ndarray], dict]:
     """One PagedAttention node (layer 1 of a 2-layer pool of `pool_dtype`) of the given shape, a packed step of
     (past, new tokens) per sequence over shuffled blocks, and the reference's keyword arguments. Queries are
-    standard normal times `q_gain` (scores grow with it)."""
+    standard normal times `q_gain` (scores grow with it). `sinks` [heads]: fed as input 10."""
     rng = np.random.default_rng(seed)
     width = max(-(-(past + n) // block) for past, n in seqs)
     tables = rng.permutation(len(seqs) * width).reshape(len(seqs), width).astype(np.int64)
@@ -78,6 +79,8 @@ def real_shape_case(heads: int, kv_heads: int, head: int, block: int, seqs: list
             "query_start_loc": np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int64),
             "position_ids": np.concatenate([np.arange(p, p + n) for p, n in seqs]).astype(np.int64),
             "rope_cos": np.cos(angles).astype(np.float32), "rope_sin": np.sin(angles).astype(np.float32)}
+    if sinks is not None:
+        data["sinks"] = np.asarray(sinks, np.float32)
     attrs = dict(layer_idx=1, num_heads=heads, num_kv_heads=kv_heads, head_size=head, scale=head**-0.5)
     if window:
         attrs["window"] = window
@@ -98,7 +101,8 @@ def real_shape_case(heads: int, kv_heads: int, head: int, block: int, seqs: list
 
 def reference(data: dict[str, np.ndarray], attrs: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return pa.reference_paged_attention(*(data[n] for n in list(data)[:7]), position_ids=data["position_ids"],
-                                        rope_cos=data["rope_cos"], rope_sin=data["rope_sin"], **attrs)
+                                        rope_cos=data["rope_cos"], rope_sin=data["rope_sin"],
+                                        sinks=data.get("sinks"), **attrs)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head", "block"),
@@ -166,6 +170,73 @@ def test_softcap_bends_the_scores(library, head, pool_dtype, softcap, window, q_
         np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
     uncapped = reference(data, {k: v for k, v in attrs.items() if k != "softcap"})[0]
     assert not np.allclose(got[0].reshape(uncapped.shape), uncapped, atol=1e-3)
+
+
+def sinks_of(heads: int, seed: int, gain: float = 3.0) -> np.ndarray:
+    """Per-head sinks around the scores' range, one of them far above every score and one far below."""
+    sinks = np.random.default_rng(seed).standard_normal(heads).astype(np.float32) * np.float32(gain)
+    sinks[0], sinks[-1] = 30.0, -60.0
+    return sinks
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head", "block", "pool_dtype"),
+                         [(14, 2, 64, 16, np.float32), (8, 2, 128, 4, np.float32), (6, 3, 48, 16, np.float32),
+                          (4, 1, 16, 16, np.float32), (4, 1, 256, 16, np.float32), (8, 2, 24, 8, np.float32),
+                          (14, 2, 64, 16, np.float16), (8, 2, 128, 4, np.float16), (8, 8, 64, 16, np.float16)],
+                         ids=["d64_gqa7", "d128", "d48", "d16_mqa", "d256", "generic_d24", "d64_float16_pool",
+                              "d128_float16_pool", "d64_float16_pool_mha"])
+@pytest.mark.parametrize(("seqs", "window"), [([(37, 1), (0, 21), (16, 5), (15, 1), (100, 3)], 0),
+                                              ([(37, 1), (0, 21), (16, 5), (15, 1), (100, 3)], 4), ([(129, 1)], 0)],
+                         ids=["mixed", "mixed_window4", "one_decode_token"])
+def test_attention_sinks_match_reference(library, heads, kv_heads, head, block, pool_dtype, seqs, window):
+    """gpt-oss's sinks (input 10, one per query head) join each row's softmax denominator: every head-size path
+    (16 keys at a time, and the generic one), float32 and float16 pools, GQA, MQA and MHA, decode tokens next to
+    fresh and continuing prefills reading past keys from the pool, a window of 4, and one decode token whose query
+    heads are split over tasks (each task must take its own heads' sinks). The sinks change the output."""
+    sinks = sinks_of(heads, seed=head + block)
+    # NOTE: as above, seeds whose float16-rounded keys agree with the reference's (with or without sinks)
+    sess, data, attrs = real_shape_case(heads, kv_heads, head, block, seqs, seed=head + block + 8,
+                                        pool_dtype=pool_dtype, window=window, sinks=sinks)
+    got = sess.run(None, data)
+    for name, g, w in zip(pa.OUTPUTS, got, reference(data, attrs), strict=True):
+        np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
+    plain = reference({k: v for k, v in data.items() if k != "sinks"}, attrs)[0]
+    assert not np.allclose(got[0].reshape(plain.shape), plain, atol=1e-3)
+
+
+@pytest.mark.parametrize("rotary", [False, True], ids=["no_rope", "rope"])
+def test_attention_sinks_follow_empty_rope_slots(library, rotary):
+    """Without RoPE inputs 7-9 are empty names and the sinks still input 10 (an initializer per layer, as the
+    network writes them); two layers, each with its own sinks."""
+    sinks = {layer: sinks_of(HEADS, seed=layer) for layer in range(LAYERS)}
+    data = batch(10)
+    layers = list(range(LAYERS))
+    got = run(session(library, layers, rotary, sinks), data, layers, rotary)
+    for layer in layers:
+        assert_matches_reference(got, data, layer, rotary, sinks=sinks[layer])
+
+
+@pytest.mark.parametrize("rotary", [False, True], ids=["no_rope", "rope"])
+def test_an_empty_sinks_name_is_no_sinks(library, rotary):
+    """An 11th input named "" (behind empty rope slots without RoPE) is the op without sinks, natively and lowered."""
+    from trtbuild.builder.lower_cpu import lower_paged_attention
+
+    data = batch(11)
+    model = paged_attention_model([0], rotary)
+    model.graph.node[0].input.extend(([] if rotary else ["", "", ""]) + [""])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    native = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    assert_matches_reference(run(native, data, [0], rotary), data, 0, rotary)
+    assert lower_paged_attention(model, "split") == 1
+    lowered = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert_matches_reference(run(lowered, data, [0], rotary), data, 0, rotary)
+
+
+def test_sinks_of_the_wrong_size_are_an_error(library):
+    sess, data, _ = real_shape_case(8, 2, 64, 16, [(5, 1)], seed=0, sinks=np.zeros(3, np.float32))
+    with pytest.raises(Exception, match="sinks must hold one float per query head"):
+        sess.run(None, data)
 
 
 def test_float16_pool_attends_new_rows_as_stored(library):

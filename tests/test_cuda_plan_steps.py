@@ -59,9 +59,10 @@ HEADS, KV_HEADS, HEAD, BLOCK, NUM_BLOCKS, WIDTH, MAX_POS, VOCAB = 4, 2, 16, 4, 1
 SEQS = [(9, 1), (0, 6), (5, 4)]  # decode, fresh prefill, continuing chunk
 
 
-def attention_graph(softcap: float, window: int) -> onnx.ModelProto:
+def attention_graph(softcap: float, window: int, sinks: np.ndarray | None = None, rotary: bool = True
+                    ) -> onnx.ModelProto:
     """q, k, v -> PagedAttention (RoPE inside, the tables constants as the network makes them) -> a linear ->
-    logits."""
+    logits. `sinks`: an initializer at input 10 (behind three empty names when not `rotary`)."""
     rng = np.random.default_rng(1)
     g = GraphBuilder()
     ins = [g.input("q", F32, ["T", HEADS * HEAD]), g.input("k", F32, ["T", KV_HEADS * HEAD]),
@@ -72,9 +73,12 @@ def attention_graph(softcap: float, window: int) -> onnx.ModelProto:
     angles = np.arange(MAX_POS)[:, None] * 10000.0 ** (-np.arange(0, HEAD, 2) / HEAD)[None, :]
     rope = [g.const(f(angles).astype(np.float32), n) for f, n in ((np.cos, "rope_cos"), (np.sin, "rope_sin"))]
     extra = {**({"softcap": softcap} if softcap else {}), **({"window": window} if window else {})}
-    attn = g.op(pa.OP_TYPE, ins + rope, num_outputs=3, domain=pa.DOMAIN, name="attention", layer_idx=0,
+    inputs = ins + rope if rotary else ins[:7] + (["", "", ""] if sinks is not None else [])
+    if sinks is not None:
+        inputs.append(g.const(sinks, "sinks"))
+    attn = g.op(pa.OP_TYPE, inputs, num_outputs=3, domain=pa.DOMAIN, name="attention", layer_idx=0,
                 num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD, tokens_per_block=BLOCK, scale=HEAD**-0.5,
-                rotary=1, **extra)[0]
+                rotary=int(rotary), **extra)[0]
     w = g.const(rng.standard_normal((HEADS * HEAD, VOCAB)).astype(np.float32), "lm_head")
     g.op("MatMul", [attn, w], outputs=["logits"], name="lm_head")
     g.output("logits", F32, ["T", VOCAB])
@@ -114,6 +118,23 @@ def test_soft_capped_attention_plan_matches_ort(library, softcap, window, q_gain
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     uncapped = run_ort(attention_graph(0.0, window), feeds, library)
     assert not np.allclose(got, uncapped, atol=1e-2)
+
+
+@pytest.mark.parametrize(("rotary", "window"), [(True, 0), (False, 0), (True, 4)],
+                         ids=["rope", "no_rope", "rope_window4"])
+def test_attention_sinks_plan_matches_ort(library, rotary, window):
+    """gpt-oss's sinks: the step's last input (float32), with or without the rope inputs before it; the plan's
+    logits are the native op's."""
+    sinks = np.array([2.0, -1.0, 0.5, 6.0], np.float32)
+    feeds = attention_feeds(1.0)
+    slots = feeds.pop("slot_mapping")
+    want = run_ort(attention_graph(0.0, window, sinks, rotary), feeds, library)
+    got, plan = run_plan(attention_graph(0.0, window, sinks, rotary), {**feeds, "slot_mapping": slots},
+                         max_query_len=max(n for _, n in SEQS))
+    step = next(s for s in plan.steps if s.kernel == "paged_attention")
+    assert step.attrs["sinks"] and len(step.inputs) == (11 if rotary else 8)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(got, run_ort(attention_graph(0.0, window, None, rotary), feeds, library), atol=1e-2)
 
 
 # ---- Gemma's MLP and scalings: geglu / gelu_mul / gelu, scale, tanh ------------------------------------------------

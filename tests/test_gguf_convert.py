@@ -34,8 +34,8 @@ def test_gguf_and_safetensors_give_the_same_checkpoint(tmp_path):
     assert Tokenizer(tmp_path / "from_gguf").encode(text) == Tokenizer(tmp_path / "from_hf").encode(text)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope", "phi3_partial",
-                                    "smollm3", "smollm3_spm", "gemma", "gemma2", "gemma3", "granite",
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen2_yarn", "qwen3", "phi3", "phi3_longrope",
+                                    "phi3_partial", "smollm3", "smollm3_spm", "gemma", "gemma2", "gemma3", "granite",
                                     "olmo2", "olmo3"])
 def test_llama_cpp_style_gguf_converts_like_its_hf_folder(tmp_path, family, monkeypatch):
     from transformers import AutoTokenizer
@@ -68,8 +68,9 @@ def test_llama_cpp_style_gguf_converts_like_its_hf_folder(tmp_path, family, monk
 
 # ---- quantized GGUF files kept as they are ----------------------------------------------------------------------
 Q = __import__("gguf").GGMLQuantizationType
-# every type with an exact engine form, one that falls back to float (MXFP4) and F16, spread over both layers so
-# that q/k/v and gate/up siblings of different types meet
+# every type with an exact engine form, one that falls back to float (MXFP4, its exact form taken away: gguf writes
+# and reads no quantized type without one) and F16, spread over both layers so that q/k/v and gate/up siblings of
+# different types meet
 QTYPES = {
     "token_embd.weight": Q.Q6_K, "output.weight": Q.Q8_0,
     "blk.0.attn_q.weight": Q.Q4_K, "blk.0.attn_k.weight": Q.Q4_0, "blk.0.attn_v.weight": Q.Q6_K,
@@ -83,7 +84,7 @@ FLOAT_LINEARS = ("transformer.layers.0.mlp.fc", "transformer.layers.1.mlp.proj")
 
 
 @pytest.mark.parametrize(("family", "embedding"), [("llama", Q.Q6_K), ("qwen2", Q.Q4_K)])
-def test_quantized_gguf_engine_equals_its_dequantized_checkpoint(tmp_path, family, embedding, caplog):
+def test_quantized_gguf_engine_equals_its_dequantized_checkpoint(tmp_path, family, embedding, caplog, monkeypatch):
     """Built from the GGUF as it is, the engine (MatMulNBits at accuracy level 1) computes what the engine of the
     --dequantize checkpoint computes, to fp32 rounding; every linear of an exact type stays low-bit, and so does the
     embedding table (GatherBlockQuantized for Q6_K; a gather of packed rows dequantized by standard ops for Q4_K,
@@ -93,8 +94,10 @@ def test_quantized_gguf_engine_equals_its_dequantized_checkpoint(tmp_path, famil
     from test_weight_only import OPTIONS, run
 
     from trtbuild.builder.build import build_engine
+    from trtbuild.builder.convert import gguf_quants
     from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
 
+    monkeypatch.delitem(gguf_quants.EXACT_NBITS, Q.MXFP4)  # the type without an exact form (QTYPES)
     hf = make_hf_folder(family, tmp_path / "hf", overrides={"hidden_size": 256, "intermediate_size": 512})
     gguf_path = write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", family, {**QTYPES, "token_embd.weight": embedding})
     with caplog.at_level("INFO"):

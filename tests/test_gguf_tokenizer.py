@@ -55,8 +55,9 @@ def _export(tmp_path: Path, pre: str, meta: dict | None = None) -> tuple[Tokeniz
         ("llama-bpe", {}, True, ["abc"]),  # Llama 3: ignore_merges, BOS unless the file says otherwise
         ("llama-bpe", {"tokenizer.ggml.add_bos_token": False}, False, ["abc"]),
         ("qwen2", {"tokenizer.ggml.add_bos_token": True}, True, ["a", "bc"]),
+        ("gpt-4o", {}, False, ["a", "bc"]),  # gpt-oss's o200k: merges as ranked, no BOS
     ],
-    ids=["qwen2", "llama-bpe", "llama-bpe-no-bos", "qwen2-bos"],
+    ids=["qwen2", "llama-bpe", "llama-bpe-no-bos", "qwen2-bos", "gpt-4o"],
 )
 def test_byte_level_pre_tokenizers(tmp_path: Path, pre: str, meta: dict, bos: bool, abc: list[str]) -> None:
     tok, cfg, ids = _export(tmp_path, pre, meta)
@@ -83,6 +84,12 @@ def test_digits_and_nfc(tmp_path: Path) -> None:
     decomposed = "e\u0301"  # e + combining acute: NFC makes it é, two UTF-8 bytes
     assert qwen.encode(decomposed).ids == [ids[c] for c in ("Ã", "©")]
     assert len(llama.encode(decomposed, add_special_tokens=False).ids) == 3
+
+
+def test_gpt_4o_splits_words_before_capitals_keeping_contractions_and_digits_by_three(tmp_path: Path) -> None:
+    tok, _, _ = _export(tmp_path, "gpt-4o")
+    pieces = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("HelloWorld's 12345 fooBAR\n\n  x")]
+    assert pieces == ["Hello", "World's", "Ġ", "123", "45", "Ġfoo", "BAR", "ĊĊ", "Ġ", "Ġx"]
 
 
 def test_chat_templates_go_to_tokenizer_config(tmp_path: Path) -> None:

@@ -17,9 +17,9 @@ from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 
 RTOL = 1e-4
-MODELS = ["stories260K", "tinystories-656K", "llama", "llama3_rope", "qwen2", "qwen3", "mistral", "mistral_window",
-          "phi3", "phi3_longrope", "phi3_partial", "smollm3", "gemma", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
-          "qwen3_moe", "mixtral", "olmoe", "granitemoe", "qwen2_moe"]
+MODELS = ["stories260K", "tinystories-656K", "llama", "llama_bias", "llama3_rope", "qwen2", "qwen2_yarn", "qwen3",
+          "mistral", "mistral_window", "phi3", "phi3_longrope", "phi3_partial", "smollm3", "gemma", "gemma2", "gemma3",
+          "granite", "olmo2", "olmo3", "qwen3_moe", "mixtral", "olmoe", "granitemoe", "qwen2_moe", "gpt_oss"]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,18 @@ def test_prefill_and_32_decode_steps(name, hf_and_engine):
     for pos in range(len(ids), len(full)):  # 32 decode steps fed with HF's greedy tokens
         got = engine.step([chunk(0, [full[pos]], pos, groups=groups)])
         assert_close(got[0], expected[pos])
+
+
+def test_yarn_past_its_original_context(hf_and_engine):
+    """qwen2_yarn was trained on 64 positions and scaled to 256: a 240-token prefill and decode steps up to position
+    247 match transformers."""
+    hf, engine_dir = hf_and_engine("qwen2_yarn")
+    engine, groups = engine_of(engine_dir)
+    ids = prompt(hf.config.vocab_size, 248, seed=5)
+    expected = hf_logits(hf, ids)
+    assert_close(engine.step([chunk(0, ids[:240], 0, num_logits=240, groups=groups)]), expected[:240])
+    for pos in range(240, len(ids)):
+        assert_close(engine.step([chunk(0, [ids[pos]], pos, groups=groups)])[0], expected[pos])
 
 
 @pytest.mark.parametrize("name", MODELS)

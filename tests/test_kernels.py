@@ -176,8 +176,9 @@ def attention_batch(seqs: list[tuple[int, int]], block: int, heads: int, kv_head
 
 
 def check_attention(data: dict, heads: int, kv_heads: int, rotary: bool, dtype: torch.dtype, window: int = 0,
-                    softcap: float = 0.0, **blocks) -> np.ndarray:
-    """The kernel against the reference (attn_out, k_new, v_new); returns the kernel's attn_out."""
+                    softcap: float = 0.0, sinks: np.ndarray | None = None, **blocks) -> np.ndarray:
+    """The kernel against the reference (attn_out, k_new, v_new); returns the kernel's attn_out. `sinks` reach the
+    kernel as float32 whatever `dtype` (as the cuda plan stores them)."""
     floats = ("q", "k", "v", "kv_cache")
     t = {n: _dev(a).to(dtype) if n in floats else _dev(a) for n, a in data.items()}
     # the reference sees the very values the kernel gets (float16-rounded when testing float16)
@@ -188,10 +189,11 @@ def check_attention(data: dict, heads: int, kv_heads: int, rotary: bool, dtype: 
     pool = t["kv_cache"].clone()
     got = K["paged_attention"].paged_attention(
         *(t[n] for n in ("q", "k", "v", "kv_cache", "block_tables", "past_lengths", "query_start_loc")),
-        **attrs, **({n: t[n] for n in rope} if rotary else {}), **blocks)
+        **attrs, **({n: t[n] for n in rope} if rotary else {}), **blocks,
+        **({} if sinks is None else {"sinks": _dev(sinks)}))
     want = reference_paged_attention(
         *(ref_in[n] for n in ("q", "k", "v", "kv_cache", "block_tables", "past_lengths", "query_start_loc")),
-        **attrs, **({n: ref_in[n] for n in rope} if rotary else {}))
+        **attrs, **({n: ref_in[n] for n in rope} if rotary else {}), sinks=sinks)
     for name, g, w in zip(("attn_out", "k_new", "v_new"), got, want, strict=True):
         assert g.dtype == dtype and tuple(g.shape) == w.shape, name
         assert_close(g, w, dtype, name)
@@ -266,6 +268,46 @@ def test_paged_attention_softcap(dtype, softcap, window, splits, q_gain):
                                          num_kv_heads=2, head_size=HEAD, scale=HEAD ** -0.5, window=window,
                                          **{n: data[n] for n in ("position_ids", "rope_cos", "rope_sin")})[0]
     assert not np.allclose(got, uncapped, atol=0.05)
+
+
+@DTYPES
+@pytest.mark.parametrize(("window", "splits", "rotary", "gain"),
+                         [(0, 1, True, 1.0), (0, 3, True, 1.0), (4, 2, True, 1.0), (0, 1, False, 1.0),
+                          (6, 1, True, 1.0), (0, 2, True, 10.0)],
+                         ids=["plain", "split3", "window4_split2", "no_rope", "window6", "large_sinks_split2"])
+def test_paged_attention_sinks(dtype, window, splits, rotary, gain):
+    """gpt-oss's sinks: each query head's logit joins the softmax's denominator once, whether or not split-K
+    shares its keys (splits that see no key included), with a sliding window, in decode and prefill rows of one
+    batch; sinks far above every score (`gain` 10: the sink is the maximum) and far below. The sinks change the
+    output, and what they remove from a row is a fraction of its no-sink output."""
+    heads, kv_heads = 4, 2
+    data = attention_batch(MIXED, 8, heads, kv_heads, seed=20 + splits + window)
+    sinks = (np.array([-1.5, 0.25, 2.0, -30.0]) * gain).astype(np.float32)
+    got = check_attention(data, heads, kv_heads, rotary=rotary, dtype=dtype, window=window, sinks=sinks,
+                          block_m=16, block_n=16, num_splits=splits)
+    floats = {n: _dev(a).to(dtype).to(torch.float32).cpu().numpy() if n in ("q", "k", "v", "kv_cache") else a
+              for n, a in data.items()}
+    plain = reference_paged_attention(*(floats[n] for n in list(data)[:7]), layer_idx=1, num_heads=heads,
+                                      num_kv_heads=kv_heads, head_size=HEAD, scale=HEAD ** -0.5, window=window,
+                                      **({n: data[n] for n in ("position_ids", "rope_cos", "rope_sin")} if rotary
+                                         else {}))[0]
+    got, plain = got.reshape(-1, heads, HEAD), plain.reshape(-1, heads, HEAD)
+    assert not np.allclose(got[:, :3], plain[:, :3], atol=0.05)  # the sinks that matter change the output
+    # a sink only shrinks a row's weights: out = plain * (sum of exp) / (sum of exp + exp(sink)), one factor in
+    # [0, 1] for a head's whole row; head 3's sink (-30, -300) takes nothing measurable
+    ratio = np.sum(got * plain, axis=-1) / np.sum(plain * plain, axis=-1)
+    assert (ratio > -1e-3).all() and (ratio < 1 + 1e-3).all()
+    np.testing.assert_allclose(got, plain * ratio[..., None], **TOL[dtype])
+    np.testing.assert_allclose(got[:, 3], plain[:, 3], **TOL[dtype])
+
+
+def test_paged_attention_refuses_sinks_of_the_wrong_shape():
+    data = attention_batch([(3, 2)], 4, 2, 1, seed=0)
+    t = {n: _dev(a) for n, a in data.items()}
+    args = [t[n] for n in ("q", "k", "v", "kv_cache", "block_tables", "past_lengths", "query_start_loc")]
+    with pytest.raises(ValueError, match="sinks must be"):
+        K["paged_attention"].paged_attention(*args, layer_idx=1, num_heads=2, num_kv_heads=1, head_size=HEAD,
+                                             scale=0.25, sinks=torch.zeros(1, device=DEVICE))
 
 
 def int8_kv(x: np.ndarray, scale: float) -> np.ndarray:

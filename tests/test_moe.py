@@ -67,13 +67,13 @@ def test_a_llama_cpp_style_gguf_converts_like_its_hf_folder(tmp_path, family, mo
     assert_same_checkpoint(tmp_path / "from_hf", tmp_path / "from_gguf")
 
 
-@pytest.mark.parametrize("experts", ["Q4_0 / Q8_0", "Q4_K / Q6_K"])
+@pytest.mark.parametrize("experts", ["Q4_0 / Q8_0", "Q4_K / Q6_K", "MXFP4 / MXFP4"])
 def test_a_quantized_moe_gguf_keeps_its_experts_as_the_file_holds_them(tmp_path, caplog, experts):
-    """Q8_0 attention and Q4_0 / Q8_0 or Q4_K / Q6_K experts (3-D) stay low-bit: the experts run as tables of
-    experts (MoERoute, BlockQuantMatMul with `experts`, SwiGLU), and the engine computes what the engine of the
-    --dequantize checkpoint computes, to the int8 rounding of the activations."""
+    """Q8_0 attention and Q4_0 / Q8_0, Q4_K / Q6_K or MXFP4 (gpt-oss's) experts (3-D) stay low-bit: the experts run
+    as tables of experts (MoERoute, BlockQuantMatMul with `experts`, SwiGLU), and the engine computes what the engine
+    of the --dequantize checkpoint computes, to the int8 rounding of the activations."""
     require_shared_models()
-    gate_up, down = (Q.Q4_0, Q.Q8_0) if experts == "Q4_0 / Q8_0" else (Q.Q4_K, Q.Q6_K)
+    gate_up, down = (Q[name] for name in experts.split(" / "))
     qtypes = {**{f"blk.{i}.attn_{p}.weight": Q.Q8_0 for i in range(2) for p in ("q", "k", "v", "output")},
               **{f"blk.{i}.ffn_{p}_exps.weight": down if p == "down" else gate_up for i in range(2)
                  for p in ("gate", "up", "down")}}
@@ -81,7 +81,7 @@ def test_a_quantized_moe_gguf_keeps_its_experts_as_the_file_holds_them(tmp_path,
     gguf_path = write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "qwen3_moe", qtypes)
     with caplog.at_level("INFO"):
         config = convert(gguf_path, tmp_path / "as_is")
-    assert f"GGUF {gate_up.name}: 4 tensors kept exactly" in caplog.text
+    assert f"GGUF {gate_up.name}: {4 if down != gate_up else 6} tensors kept exactly" in caplog.text
     q = config.quantization
     assert q.quant_algo == "weight_only" and q.exclude_modules == ("lm_head",)
     convert(gguf_path, tmp_path / "float", dequantize=True)

@@ -216,18 +216,19 @@ def test_q5_0_weights_are_packed_in_5_bits(tmp_path):
                                                        ("IQ2_XXS", 3, False, True), ("IQ2_XS", 3, False, True),
                                                        ("IQ3_XXS", 4, False, True), ("IQ3_S", 4, False, True),
                                                        ("IQ1_M", 3, False, True), ("TQ1_0", 2, False, True),
-                                                       ("TQ2_0", 2, False, True)])
+                                                       ("TQ2_0", 2, False, True), ("MXFP4", 4, False, True)])
 def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, monkeypatch, qtype, bits, mins, two_level):
     """A GGUF whose linears are Q2_K / Q4_K / Q5_K / Q5_1 (converted as 4- or 8-bit codes with float zero points),
-    Q6_K (8-bit codes within 32 of 128), Q3_K / TQ1_0 / TQ2_0 (4-bit codes within 4 / 1 of 8) or IQ types (8-bit
-    codes taking 16 values or 6): the native linears hold them as ggml does, codes in 2 to 6 bits (IQ types: 3- or
-    4-bit indices into their values), k-quants' scales (and minimums) as int8 under a float16 per 256 weights, the
-    others' as float16, and compute what ONNX Runtime's lowering (MatMulNBits, with the float zero points as a second
-    GEMM) computes."""
+    Q6_K (8-bit codes within 32 of 128), Q3_K / TQ1_0 / TQ2_0 (4-bit codes within 4 / 1 of 8), IQ types or MXFP4
+    (8-bit codes taking 16 values or 6; MXFP4's 15): the native linears hold them as ggml does, codes in 2 to 6 bits
+    (IQ types and MXFP4: 3- or 4-bit indices into their values), k-quants' scales (and minimums) as int8 under a
+    float16 per 256 weights (MXFP4's powers of two too), the others' as float16, and compute what ONNX Runtime's
+    lowering (MatMulNBits, with the float zero points as a second GEMM) computes."""
     from gguf import GGMLQuantizationType
     from onnx import numpy_helper
 
     native, ort = tied_gguf_engines(tmp_path, GGMLQuantizationType[qtype], hidden=256)
+    book = qtype.startswith("IQ") or qtype == "MXFP4"  # held as indices into a codebook of their values
     model = onnx.load(str(native / CPU_ENGINE_FILE))
     weights = {t.name: t for t in model.graph.initializer}
     linears = [n for n in model.graph.node if n.op_type == "BlockQuantMatMul"]
@@ -235,12 +236,14 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, monkeypatch, qtype, b
     for node in linears:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         assert attrs["bits"] == bits, node.name
-        assert ("codebook" in attrs) == qtype.startswith("IQ")
+        assert ("codebook" in attrs) == book
         if "codebook" in attrs:  # ggml's values + 128
-            from trtbuild.builder.convert.gguf_quants import IQ4_CODES
+            from trtbuild.builder.convert.gguf_quants import IQ4_CODES, MXFP4_CODES
 
             if qtype.startswith("IQ4"):
                 assert attrs["codebook"] == IQ4_CODES.tolist()
+            elif qtype == "MXFP4":  # 15 values (0 twice), then padding
+                assert attrs["codebook"] == [*sorted(set(MXFP4_CODES.tolist())), 128]
             else:  # IQ1's and IQ2's 6 values in 3 bits, IQ3's 16 in 4 (none of them 0: code 128 is padding)
                 assert len(set(attrs["codebook"]) - {128}) == (16 if qtype.startswith("IQ3") else 6)
         scales = numpy_helper.to_array(weights[node.input[2]])
@@ -256,7 +259,7 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, monkeypatch, qtype, b
         # Q5_1 5 + (16 + 16) / 32 = 6; Q3_K 3 + 8 / 16 + 16 / 256 = 3.5625; Q2_K 2 + 8 / 16 + 32 / 256 = 2.625;
         # IQ4_NL 4 + 16 / 32 = 4.5; IQ4_XS and IQ3 4 + 8 / 32 + 16 / 256 = 4.3125; IQ2_XXS 3.3125; IQ2_XS
         # 3 + 8 / 16 + 16 / 256 = 3.5625; IQ1_M (1 + 2 s <= 15: nibbles) 3 + 4 / 16 + 16 / 256 = 3.3125; TQ1_0 / TQ2_0
-        # 2 + 8 / 32 + 16 / 256 = 2.3125
+        # 2 + 8 / 32 + 16 / 256 = 2.3125; MXFP4 (powers of two: int8 2^j under a float16 per 256) 4.3125
         per_block = 4 if nibbles else 8 if two_level else 16
         per_weight = bits + per_block / attrs["block_size"] * (1 + mins) + two_level * 16 / 256 * (1 + mins)
         held = sum(numpy_helper.to_array(weights[i]).nbytes for j, i in enumerate(node.input) if i and j not in (0, 3))
@@ -269,7 +272,7 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, monkeypatch, qtype, b
 
     said = describe_tables(model)
     form = rf"9 x {bits}-bit( codebook)?, blocks of (16|32){', minimums' if mins else ''} \(([\d.]+) bits a weight\)"
-    assert (found := re.fullmatch(form, said)) and ("codebook" in said) == qtype.startswith("IQ"), said
+    assert (found := re.fullmatch(form, said)) and ("codebook" in said) == book, said
     assert abs(float(found[3]) - per_weight) < 1e-3, said  # the held bits a weight the loop above checks
     # the token table is the lm_head's packed table (with float zero points too: the gather the network writes
     # for them becomes the same op)
@@ -288,7 +291,7 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, monkeypatch, qtype, b
         top = np.sort(want, axis=-1)
         decided = top[:, -1] - top[:, -2] > 2 * errors[0]  # a random model's near-ties may flip
         assert decided.mean() >= 0.5 and (got.argmax(axis=-1) == want.argmax(axis=-1))[decided].all()
-    if qtype.startswith("IQ"):  # the codebook's indices compute exactly what the 8-bit codes do
+    if book:  # the codebook's indices compute exactly what the 8-bit codes do
         from trtbuild.plugins import block_quant_matmul as bq
 
         monkeypatch.setattr(bq, "compact",

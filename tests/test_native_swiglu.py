@@ -102,3 +102,63 @@ def test_engines_lower_swiglu_only_with_a_native_tactic(random_hf_model, engine_
         ops = collections.Counter(n.op_type for n in onnx.load(str(engine / CPU_ENGINE_FILE),
                                                                  load_external_data=False).graph.node)
         assert ops["SwiGLU"] == expected and ops["Sigmoid"] == layers - expected
+
+
+def glu_session(library: str, **attrs: float) -> ort.InferenceSession:
+    """One trtbuild::SwiGLU node with `attrs`, x of any shape."""
+    graph = helper.make_graph([helper.make_node(sw.OP_TYPE, ["x"], ["y"], domain=sw.DOMAIN, **attrs)], "glu",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(sw.DOMAIN, 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    options.intra_op_num_threads = 2
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _beyond_the_limit(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Gate and up values from well inside to far past +-7, gpt-oss's limit (and sigmoid's tails)."""
+    x = (np.random.default_rng(seed).standard_normal(shape) * 8).astype(np.float32)
+    f = shape[-1] // 2
+    rows = x.reshape(-1, 2, f)  # (gate, up) of each row
+    rows[0, :, 0] = (-100.0, 100.0)  # sigmoid's far tail; up far past the limit
+    rows[-1, :, -1] = (100.0, -100.0)  # a gate far past it; up far below -limit
+    at = (7.0, 6.999, 7.001, -7.0)[:f]  # at the limit
+    rows[-1, 0, :len(at)], rows[-1, 1, :len(at)] = at, at
+    return x
+
+
+@pytest.mark.parametrize("attrs", [sw.GPT_OSS_SWIGLU, {sw.LIMIT: 7.0}, {sw.ALPHA: 1.702}, {sw.BETA: 1.0},
+                                   {sw.ALPHA: 0.5, sw.BETA: -2.0, sw.LIMIT: 0.25}],
+                         ids=["gpt_oss", "limit", "alpha", "beta", "all"])
+def test_the_clamped_form_matches_its_reference(library, attrs):
+    """gpt-oss's SwiGLU (alpha, beta, limit) and each attribute alone, on widths around the 16-lane vectors and a 3-D
+    input, gates and ups beyond the limit included."""
+    sess = glu_session(library, **attrs)
+    want_attrs = {k: float(np.float32(v)) for k, v in attrs.items()}  # the attributes arrive as float32
+    for seed, shape in enumerate([(1, 2), (3, 30), (9, 32), (5, 2 * 2880), (2, 3, 66)]):
+        x = _beyond_the_limit(shape, seed)
+        got = sess.run(None, {"x": x})[0]
+        assert got.shape == (*shape[:-1], shape[-1] // 2)
+        np.testing.assert_allclose(got, sw.reference_swiglu(x, **want_attrs), rtol=1e-6, atol=1e-6)
+    if sw.LIMIT in attrs:  # nothing past the limit changes y
+        x = _beyond_the_limit((4, 64), 9)
+        limit = attrs[sw.LIMIT]
+        gate, up = np.split(x, 2, axis=-1)
+        clamped = np.concatenate([np.minimum(gate, limit), np.clip(up, -limit, limit)], axis=-1)
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], sess.run(None, {"x": clamped})[0])
+
+
+def test_the_default_attributes_are_plain_swiglu(library):
+    """alpha 1, beta 0 and no limit (absent or given) compute exactly what SwiGLU always has."""
+    x = _beyond_the_limit((7, 2 * 100), 3)
+    plain = glu_session(library).run(None, {"x": x})[0]
+    np.testing.assert_allclose(plain, sw.reference_swiglu(x), rtol=1e-6, atol=1e-6)
+    given = glu_session(library, **{sw.ALPHA: 1.0, sw.BETA: 0.0, sw.LIMIT: float("inf")}).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(given, plain)
+
+
+@pytest.mark.parametrize("limit", [0.0, -7.0, float("nan")])
+def test_a_limit_that_is_not_positive_is_refused(library, limit):
+    with pytest.raises(Exception, match="limit must be positive"):
+        glu_session(library, **{sw.LIMIT: limit}).run(None, {"x": np.zeros((1, 4), np.float32)})

@@ -22,7 +22,8 @@ D_OFFSETS = {Q.Q8_0: (0, None), Q.Q4_0: (0, None), Q.Q4_1: (0, 2), Q.Q5_0: (0, N
              Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, None), Q.Q3_K: (108, None), Q.Q2_K: (80, 82),
              Q.IQ4_NL: (0, None), Q.IQ4_XS: (0, None), Q.IQ2_XXS: (0, None), Q.IQ2_XS: (0, None),
              Q.IQ2_S: (0, None), Q.IQ3_XXS: (0, None), Q.IQ3_S: (0, None), Q.IQ1_S: (0, None),
-             Q.IQ1_M: (None, None), Q.TQ1_0: (52, None), Q.TQ2_0: (64, None)}  # IQ1_M's d: its scale words' top nibbles
+             Q.IQ1_M: (None, None), Q.TQ1_0: (52, None), Q.TQ2_0: (64, None),  # IQ1_M's d: its scale words' top nibbles
+             Q.MXFP4: (0, None)}  # its 1-byte exponent (d = 0 zeroes it and the first codes: 2^-128, a subnormal)
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -77,6 +78,30 @@ def test_gguf_exact(qtype: Q) -> None:
         assert (ref[zero] != 0).any()
 
 
+# MXFP4's exponents at ggml's edges: subnormal scales (e < 2), 1, the largest (e >= 254: values past float32 are inf)
+MXFP4_EDGES = (0, 1, 2, 3, 100, 127, 128, 129, 253, 254, 255)
+
+
+def test_mxfp4_is_ggml_s_values_bit_for_bit_at_every_exponent() -> None:
+    """Random MXFP4 blocks with every exponent 0..255 (and more of the edges): 8-bit codes value + 128 of 15 values,
+    scales ggml's e8m0_to_fp32_half, and their product gguf-py's dequantization to the bit, infs included."""
+    rng = np.random.default_rng(39)
+    block, type_size = GGML_QUANT_SIZES[Q.MXFP4]
+    raw = rng.integers(0, 256, (64, 16 * type_size), dtype=np.uint8)
+    blocks = raw.reshape(-1, type_size)
+    blocks[:256, 0] = np.arange(256)
+    blocks[256:, 0] = rng.choice(MXFP4_EDGES, len(blocks) - 256)
+    w = gguf_to_nbits(raw, Q.MXFP4, (64, 16 * block))
+    assert (w.bits, w.group_size, w.zero_points) == (8, 32, None)
+    assert set(np.unique(w.codes)) == {116, 120, 122, 124, 125, 126, 127, 128, 129, 130, 131, 132, 134, 136, 140}
+    np.testing.assert_array_equal(w.scales.reshape(-1), np.ldexp(1.0, blocks[:, 0].astype(int) - 128))
+    with np.errstate(over="ignore"):  # 12 x 2^127 is inf, in ggml too
+        ref = gguf.quants.dequantize(raw, Q.MXFP4)
+        got = w.dequantize()
+    assert np.isinf(ref).any() and (ref[np.isfinite(ref)] != 0).any()
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
 def test_gguf_reader_layout(tmp_path) -> None:
     """What GGUFReader gives for quantized tensors (uint8 [out, row bytes]) converts as is."""
     path = tmp_path / "q.gguf"
@@ -98,7 +123,7 @@ def test_gguf_reader_layout(tmp_path) -> None:
                                    atol=1e-6)
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.F32, Q.BF16, Q.MXFP4])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.F32, Q.BF16, Q.Q8_1])
 def test_gguf_without_exact_form(qtype: Q) -> None:
     assert qtype not in EXACT_NBITS
     assert gguf_to_nbits(np.zeros((OUT, 8), np.uint8), qtype, (OUT, IN)) is None
@@ -230,7 +255,7 @@ def _random_zp_weight(rng: np.random.Generator) -> NBitsWeight:
 
 
 @pytest.mark.parametrize("case", ["rtn4_g32", "rtn4_g16", "rtn8_g32", "rtn8_g16", "Q4_0", "Q8_0", "Q5_0", "Q6_K",
-                                  "Q4_1", "Q4_K", "zp4_g16"])
+                                  "Q4_1", "Q4_K", "MXFP4", "zp4_g16"])
 def test_matmul_nbits_reads_the_layout(case: str) -> None:
     rng = np.random.default_rng(7)
     if case.startswith("rtn"):

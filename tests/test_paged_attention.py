@@ -60,8 +60,9 @@ def batch(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def paged_attention_model(layers: list[int], rotary: bool, max_pos: int = MAX_POS, window: int = 0,
-                          softcap: float = 0.0) -> onnx.ModelProto:
-    """PagedAttention node(s) alone, every input a graph input; layer l reads q{l}, k{l}, v{l}."""
+                          softcap: float = 0.0, sinks: dict[int, np.ndarray] | None = None) -> onnx.ModelProto:
+    """PagedAttention node(s) alone, every input a graph input; layer l reads q{l}, k{l}, v{l}. `sinks`: layer ->
+    its per-head sinks, an initializer at input 10 as the network writes it (after 3 empty names when not rotary)."""
     g = GraphBuilder()
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     shared = [g.input("kv_cache", f32, ["num_blocks", LAYERS, 2, KV_HEADS, BLOCK, HEAD]),
@@ -73,7 +74,9 @@ def paged_attention_model(layers: list[int], rotary: bool, max_pos: int = MAX_PO
         widths = {"q": HEADS * HEAD, "k": KV_HEADS * HEAD, "v": KV_HEADS * HEAD}
         qkv = [g.input(f"{n}{layer}", f32, ["T", w]) for n, w in widths.items()]
         outs = [f"{n}{layer}" for n in pa.OUTPUTS]
-        g.op(pa.OP_TYPE, qkv + shared + rope, domain=pa.DOMAIN, outputs=outs, name=f"layers.{layer}.paged",
+        extra = [] if sinks is None else ([] if rotary else ["", "", ""]) + [
+            g.const(np.asarray(sinks[layer], np.float32), f"sinks{layer}")]
+        g.op(pa.OP_TYPE, qkv + shared + rope + extra, domain=pa.DOMAIN, outputs=outs, name=f"layers.{layer}.paged",
              layer_idx=layer, num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD, tokens_per_block=BLOCK,
              scale=float(SCALE), rotary=int(rotary), **({"window": window} if window else {}),
              **({"softcap": softcap} if softcap else {}))
@@ -84,8 +87,8 @@ def paged_attention_model(layers: list[int], rotary: bool, max_pos: int = MAX_PO
 
 
 def lowered(layers: list[int], rotary: bool, max_pos: int = MAX_POS, window: int = 0, variant: str = "split",
-            softcap: float = 0.0) -> onnx.ModelProto:
-    model = paged_attention_model(layers, rotary, max_pos, window, softcap)
+            softcap: float = 0.0, sinks: dict[int, np.ndarray] | None = None) -> onnx.ModelProto:
+    model = paged_attention_model(layers, rotary, max_pos, window, softcap, sinks)
     onnx.checker.check_model(model, full_check=True)
     assert lower_paged_attention(model, variant) == len(layers)
     onnx.checker.check_model(model, full_check=True)
@@ -105,17 +108,18 @@ def run(model: onnx.ModelProto, data: dict[str, np.ndarray], layers: list[int], 
     return dict(zip(names, session.run(names, feeds), strict=True))
 
 
-def reference(data: dict[str, np.ndarray], layer: int, rotary: bool, window: int = 0, softcap: float = 0.0):
+def reference(data: dict[str, np.ndarray], layer: int, rotary: bool, window: int = 0, softcap: float = 0.0,
+              sinks: np.ndarray | None = None):
     rope = {n: data[n] for n in ("position_ids", "rope_cos", "rope_sin")} if rotary else {}
     return pa.reference_paged_attention(
         data["q"], data["k"], data["v"], data["kv_cache"], data["block_tables"], data["past_lengths"],
         data["query_start_loc"], layer_idx=layer, num_heads=HEADS, num_kv_heads=KV_HEADS, head_size=HEAD,
-        scale=SCALE, window=window, softcap=softcap, **rope)
+        scale=SCALE, window=window, softcap=softcap, sinks=sinks, **rope)
 
 
 def assert_matches_reference(got: dict, data: dict, layer: int, rotary: bool, window: int = 0,
-                             softcap: float = 0.0) -> None:
-    for name, want in zip(pa.OUTPUTS, reference(data, layer, rotary, window, softcap), strict=True):
+                             softcap: float = 0.0, sinks: np.ndarray | None = None) -> None:
+    for name, want in zip(pa.OUTPUTS, reference(data, layer, rotary, window, softcap, sinks), strict=True):
         np.testing.assert_allclose(got[f"{name}{layer}"], want, rtol=TOL, atol=TOL, err_msg=f"{name} of layer {layer}")
 
 
@@ -155,6 +159,54 @@ def test_lowering_soft_caps_the_scores(variant, softcap, window, q_gain):
         assert_matches_reference(got, data, layer, True, window, softcap)
     uncapped = reference(data, 1, True, window)[0]
     assert not np.allclose(got["attn_out1"], uncapped, atol=1e-3)
+
+
+# gpt-oss's attention sinks per layer: one far above every score (the sink is the maximum), one far below (no effect)
+SINKS = {0: np.array([-2.0, 0.5, 3.0, 8.0], np.float32), 1: np.array([1.0, -1.0, 0.0, -40.0], np.float32)}
+
+
+@pytest.mark.parametrize("variant", ["split", "concat"])
+@pytest.mark.parametrize(("rotary", "window"), [(True, 0), (False, 0), (True, 3)], ids=["rope", "no_rope", "window3"])
+def test_lowering_adds_the_attention_sinks(variant, rotary, window):
+    """Each query head's sink is one more score column in the softmax, sliced off after it: two layers with their own
+    sinks (initializers at input 10; without RoPE behind three empty names), with a sliding window; the batch-layout
+    part of the column is emitted once; without sinks the graph has no such column."""
+    data = batch(8)
+    model = lowered([0, 1], rotary, window=window, variant=variant, sinks=SINKS)
+    got = run(model, data, [0, 1], rotary)
+    for layer in (0, 1):
+        assert_matches_reference(got, data, layer, rotary, window, sinks=SINKS[layer])
+    plain = reference(data, 0, rotary, window)[0]
+    assert not np.allclose(got["attn_out0"], plain, atol=1e-3)
+    expands = [n for n in model.graph.node if n.op_type == "Expand" and "metadata" not in n.name]
+    assert len(expands) == 2  # one sink column per layer
+    assert not [n for n in lowered([0, 1], rotary, window=window, variant=variant).graph.node
+                if n.op_type == "Expand" and "metadata" not in n.name]
+
+
+@pytest.mark.parametrize("variant", ["split", "concat"])
+def test_lowering_adds_the_sinks_over_an_int8_pool(variant):
+    """A quantized pool takes the standard-op lowering: the sinks join the softmax there too (in logit units, not
+    the K scale's), the V scale multiplies only the weighted values."""
+    data = batch(9)
+    scales = (0.03, 0.02)
+    pool = np.concatenate([np.clip(np.rint(data["kv_cache"][:, :, i:i + 1] / np.float32(s)), -127, 127)
+                           for i, s in enumerate(scales)], axis=2).astype(np.int8)
+    model = paged_attention_model([1], False, sinks=SINKS)
+    next(i for i in model.graph.input if i.name == "kv_cache").type.tensor_type.elem_type = TensorProto.INT8
+    node = next(n for n in model.graph.node if n.domain == pa.DOMAIN)
+    node.attribute.extend([onnx.helper.make_attribute("kv_cache_quant_algo", "int8"),
+                           onnx.helper.make_attribute("kv_cache_scale", list(scales))])
+    assert lower_paged_attention(model, variant) == 1
+    got = run(model, dict(data, kv_cache=pool), [1], False)["attn_out1"]
+
+    def stored(x: np.ndarray, s: float) -> np.ndarray:  # what the pool will hold, dequantized
+        return np.clip(np.rint(x / np.float32(s)), -127, 127).astype(np.float32) * np.float32(s)
+
+    deq = pool.astype(np.float32) * np.array(scales, np.float32)[None, None, :, None, None, None]
+    want = reference(dict(data, k=stored(data["k"], scales[0]), v=stored(data["v"], scales[1]), kv_cache=deq), 1,
+                     False, sinks=SINKS[1])[0]
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
 
 
 def test_a_step_may_pack_more_tokens_than_the_rope_table_has_rows():

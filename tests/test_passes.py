@@ -238,7 +238,7 @@ def test_fuse_rope_into_attention(family, network):
         assert set(a) == PA_ATTRIBUTES and a["rotary"] == 1
         assert {k: v for k, v in a.items() if k != "rotary"} == {k: v for k, v in unfused[node.name].items()
                                                                  if k != "rotary"}
-        assert len(node.input) == len(pa.INPUTS) == 10
+        assert len(node.input) == pa.SINKS == len(pa.INPUTS) - 1  # every input but the optional sinks
         assert list(node.input[pa.POSITION_IDS :]) == ["position_ids", "rope_cos", "rope_sin"]
         p = f"transformer.layers.{i}."
         q_from, k_from = (producers(model)[node.input[s]] for s in (pa.Q, pa.K))
@@ -252,6 +252,20 @@ def test_fuse_rope_into_attention(family, network):
     cos = weight(model, "rope_cos")
     assert cos.shape == (BUILD.max_seq_len, config.head_size // 2)
     assert fuse_rope_into_attention(model) == 0
+
+
+def test_fuse_rope_keeps_the_attention_sinks(network):
+    """gpt-oss's sinks sit at input 10 behind three empty rope slots; the fusion fills the slots and keeps them."""
+    _, _, model = network("llama")
+    for node in attention_nodes(model):
+        name = f"{node.name}/sinks"
+        model.graph.initializer.append(numpy_helper.from_array(np.zeros(attrs(node)["num_heads"], np.float32), name))
+        node.input.extend(["", "", "", name])
+    assert fuse_rope_into_attention(model) == LAYERS
+    check(model)
+    for node in attention_nodes(model):
+        assert list(node.input[pa.POSITION_IDS:]) == ["position_ids", "rope_cos", "rope_sin", f"{node.name}/sinks"]
+        assert pa.sinks_input(node.input) == f"{node.name}/sinks"
 
 
 # --- fuse_add_rmsnorm -------------------------------------------------------------------------------------------

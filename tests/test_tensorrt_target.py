@@ -120,6 +120,22 @@ def test_soft_capped_attention_is_refused_with_what_to_do(checkpoint):
         check_tensorrt_graph(model)
 
 
+@pytest.mark.parametrize("fuse_rope", [True, False], ids=["rotary", "plain"])
+def test_attention_sinks_are_refused_with_what_to_do(checkpoint, fuse_rope):
+    """gpt-oss's sinks (input 10) have no TensorRT plugin input yet: refused by name, never dropped silently."""
+    model, config, _ = _fused(checkpoint, fuse_rope)
+    node = next(n for n in model.graph.node if n.op_type == "PagedAttention")
+    model.graph.initializer.append(onnx.numpy_helper.from_array(
+        np.zeros(config.num_attention_heads, np.float32), "sinks"))
+    node.input.extend(([] if fuse_rope else ["", "", ""]) + ["sinks"])
+    with pytest.raises(ConfigError, match="attention has sinks .*; build it for cpu or cuda"):
+        rewrite_for_tensorrt(model)
+    node.input[10] = ""  # an empty name is no sinks, and no plugin input
+    rewrite_for_tensorrt(model)
+    plugin = next(n for n in model.graph.node if n.name == f"{node.name}/attention")
+    assert list(plugin.input) == [node.input[0], node.output[1], *node.input[2:10 if fuse_rope else 7]]
+
+
 def test_profiles_cover_decode_and_mixed_steps(checkpoint):
     _, config, build = _fused(checkpoint)
     profiles = optimization_profiles(build, config)

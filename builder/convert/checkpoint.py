@@ -35,12 +35,18 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
         names += [p + f"attention.{x}.weight" for x in "qkv"]
         if config.qkv_bias:
             names += [p + f"attention.{x}.bias" for x in "qkv"]
+        if config.dense_bias:
+            names += [p + "attention.dense.bias"]
+        if config.attention_sinks:
+            names += [p + "attention.sinks"]
         if config.qk_norm:
             names += [p + "attention.q_norm.weight", p + "attention.k_norm.weight"]
         if config.output_norms:
             names += [p + "attention.output_norm.weight", p + "mlp.output_norm.weight"]
         if config.is_moe:
             names += [p + "mlp.router.weight"] + [p + f"mlp.experts.{x}.weight" for x in ("gate", "fc", "proj")]
+            if config.moe_bias:
+                names += [p + "mlp.router.bias"] + [p + f"mlp.experts.{x}.bias" for x in ("gate", "fc", "proj")]
             if config.shared_expert_intermediate_size:
                 names += [p + "mlp.shared_gate.weight"] + [p + f"mlp.shared.{x}.weight" for x in ("gate", "fc", "proj")]
         else:
@@ -108,10 +114,16 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "attention.q_norm.weight": (c.q_size if c.qk_norm_full else c.head_size,),
         "attention.k_norm.weight": (c.kv_size if c.qk_norm_full else c.head_size,),
         "attention.dense.weight": (c.hidden_size, c.q_size),
+        "attention.dense.bias": (c.hidden_size,),
+        "attention.sinks": (c.num_attention_heads,),
         "mlp.gate.weight": (c.intermediate_size, c.hidden_size),
         "mlp.fc.weight": (c.intermediate_size, c.hidden_size),
         "mlp.proj.weight": (c.hidden_size, c.intermediate_size),
         "mlp.router.weight": (c.num_experts, c.hidden_size),
+        "mlp.router.bias": (c.num_experts,),
+        "mlp.experts.gate.bias": (c.num_experts, c.moe_intermediate_size),
+        "mlp.experts.fc.bias": (c.num_experts, c.moe_intermediate_size),
+        "mlp.experts.proj.bias": (c.num_experts, c.hidden_size),
         "mlp.shared.gate.weight": (c.shared_expert_intermediate_size, c.hidden_size),
         "mlp.shared.fc.weight": (c.shared_expert_intermediate_size, c.hidden_size),
         "mlp.shared.proj.weight": (c.hidden_size, c.shared_expert_intermediate_size),

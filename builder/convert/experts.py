@@ -4,9 +4,13 @@ up and down projections stacked over the experts.
 Hugging Face checkpoints store one tensor per expert and projection, named per family (Qwen3-MoE and OLMoE:
 `mlp.experts.{e}.gate_proj`, the router `mlp.gate`; Mixtral: `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up),
 `w2` (down), the router `block_sparse_moe.gate`; Granite MoE: all experts' gate and up rows in one
-`block_sparse_moe.input_linear`, down in `output_linear`, the router `block_sparse_moe.router.layer`); GGUF files
-store them stacked already (`ffn_gate_exps`, ...), which the GGUF reader names as the stacked form here. Stacking is
-lazy, as every source tensor is: the experts of one projection are read when the stacked tensor is loaded.
+`block_sparse_moe.input_linear`, down in `output_linear`, the router `block_sparse_moe.router.layer`; gpt-oss:
+`mlp.experts.gate_up_proj` [experts, hidden, 2 x inter] with gate and up columns interleaved, `down_proj`
+[experts, inter, hidden] (both [in, out]), their biases, and the router `mlp.router` with a bias; its released
+checkpoints hold the expert weights as MXFP4 `_blocks` and `_scales`, kept as they are, as GGUF's MXFP4 tensors
+are). GGUF files store them stacked already (`ffn_gate_exps`, ...), which the GGUF reader names as the stacked form
+here. Stacking is lazy, as every source tensor is: the experts of one projection are read when the stacked tensor is
+loaded.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\
 _MIXTRAL_ROUTER = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.(?:gate|router\.layer)\.weight$")
 # Granite MoE: every expert's gate and up rows in one [experts, 2 x inter, hidden] tensor, down in another
 _GRANITE_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.(input|output)_linear\.weight$")
+_GPT_OSS_ROUTER = re.compile(r"^(model\.layers\.\d+)\.mlp\.router\.(weight|bias)$")
+_GPT_OSS_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 _PROJECTION = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}  # -> STACKED index
 
 
@@ -36,6 +42,7 @@ def stack_experts(sources: dict[str, SourceTensor], config: ModelConfig) -> dict
         return sources
     out: dict[str, SourceTensor] = {}
     experts: dict[tuple[str, int], dict[int, SourceTensor]] = {}
+    gpt_oss: dict[tuple[str, str], dict[str, SourceTensor]] = {}
     for name, src in sources.items():
         if m := _EXPERT.match(name):
             layer, expert, projection = m.group(1), int(m.group(2)), m.group(3)
@@ -47,8 +54,14 @@ def stack_experts(sources: dict[str, SourceTensor], config: ModelConfig) -> dict
             out[f"{m.group(1)}.{ROUTER}"] = src
         elif m := _GRANITE_EXPERTS.match(name):
             out.update(_granite_experts(m.group(1), m.group(2), src, config))
+        elif m := _GPT_OSS_ROUTER.match(name):
+            out[f"{m.group(1)}.mlp.gate.{m.group(2)}"] = src
+        elif m := _GPT_OSS_EXPERTS.match(name):
+            gpt_oss.setdefault((m.group(1), m.group(2)), {})[m.group(3) or ""] = src
         else:
             out[name] = src
+    for (layer, projection), parts in gpt_oss.items():
+        out.update(_gpt_oss_experts(layer, projection, parts, config))
     for (layer, index), parts in experts.items():
         if sorted(parts) != list(range(config.num_experts)):
             missing = sorted(set(range(config.num_experts)) - set(parts))
@@ -80,3 +93,42 @@ def _granite_experts(layer: str, which: str, src: SourceTensor, config: ModelCon
         return torch.as_tensor(src.load())[:, i * inter:(i + 1) * inter].contiguous()
 
     return {f"{layer}.{STACKED[i]}": SourceTensor(shape, lambda i=i: half(i)) for i in (0, 1)}
+
+
+def _gpt_oss_experts(layer: str, projection: str, parts: dict[str, SourceTensor], config: ModelConfig
+                     ) -> dict[str, SourceTensor]:
+    """gpt-oss's gate_up_proj or down_proj (weight, or MXFP4 `_blocks` + `_scales`) and `_bias` as the STACKED
+    tensors and their biases: weights [experts, out, in], gate the even columns of gate_up, up the odd ones."""
+    inter, hidden, n = config.moe_intermediate_size, config.hidden_size, config.num_experts
+    fused = projection == "gate_up_proj"
+    outs = (STACKED[0], STACKED[1]) if fused else (STACKED[2],)
+    rows, columns = (inter, hidden) if fused else (hidden, inter)
+    where = f"{layer}.mlp.experts.{projection}"
+    out: dict[str, SourceTensor] = {}
+    if "_bias" in parts:
+        bias = parts["_bias"]
+        if tuple(bias.shape) != (n, rows * len(outs)):
+            raise CheckpointError(f"{where}_bias has shape {list(bias.shape)}, not {[n, rows * len(outs)]}; the "
+                                  "weights do not fit the config.")
+        for i, name in enumerate(outs):
+            out[f"{layer}.{name.replace('.weight', '.bias')}"] = SourceTensor(
+                (n, rows), lambda i=i: torch.as_tensor(bias.load())[:, i::len(outs)].contiguous())
+    if "" in parts:
+        weight = parts[""]  # [experts, in, out]
+        if tuple(weight.shape) != (n, columns, rows * len(outs)):
+            raise CheckpointError(f"{where} has shape {list(weight.shape)}, not {[n, columns, rows * len(outs)]}; "
+                                  "the weights do not fit the config.")
+        for i, name in enumerate(outs):
+            out[f"{layer}.{name}"] = SourceTensor(
+                (n, rows, columns),
+                lambda i=i: torch.as_tensor(weight.load())[..., i::len(outs)].transpose(1, 2).contiguous())
+    elif "_blocks" in parts and "_scales" in parts:
+        from trtbuild.builder.convert.mxfp4 import mxfp4_experts
+
+        for i, name in enumerate(outs):
+            out[f"{layer}.{name}"] = mxfp4_experts(parts["_blocks"], parts["_scales"], i, len(outs), (n, rows, columns),
+                                                   where)
+    else:
+        raise CheckpointError(f"{where} has {sorted(k or 'weight' for k in parts)} but no weight (nor MXFP4 _blocks "
+                              "and _scales); the weights are incomplete.")
+    return out

@@ -39,6 +39,13 @@ _ATTENTION_LAYER_TENSORS = (*(f"{n}.weight" for n in ("attn_norm", "ffn_norm", "
 _MOE_LAYER_TENSORS = (*_ATTENTION_LAYER_TENSORS,
                       *(f"ffn_{p}.weight" for p in ("gate_inp", "gate_exps", "up_exps", "down_exps")))
 
+# gpt-oss: biases on every projection, the router and the experts; attention sinks; the pre-MLP norm is named
+# post_attention_norm
+_GPT_OSS_LAYER_TENSORS = ("attn_norm.weight", "post_attention_norm.weight", "attn_sinks.weight",
+                          *(f"attn_{p}.{w}" for p in ("q", "k", "v", "output") for w in ("weight", "bias")),
+                          *(f"ffn_{p}.{w}" for p in ("gate_inp", "gate_exps", "up_exps", "down_exps")
+                            for w in ("weight", "bias")))
+
 
 @dataclass(frozen=True)
 class GgufArch:
@@ -88,6 +95,7 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
                          optional_layer_tensors=tuple(f"ffn_{p}_shexp.weight" for p in ("gate_inp", "gate", "up",
                                                                                           "down")),
                          moe_normalize=False),
+    "gpt-oss": GgufArch("GptOssForCausalLM", "gpt_oss", False, _GPT_OSS_LAYER_TENSORS, moe_normalize=True),
 }
 # Layers llama.cpp gives the larger Gemmas (27B), whose attention scale it takes from hidden / heads, not head_dim
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -110,9 +118,8 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
         raise CheckpointError(
             f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
             f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, SmolLM3, TinyLlama, Qwen2/2.5, Qwen3, "
-            "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3, Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral, Granite MoE "
-            "...). "
-            "Convert the HF checkpoint instead."
+            "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3, Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral, Granite MoE, "
+            "gpt-oss ...). Convert the HF checkpoint instead."
         )
     if arch == "llama" and meta.get("llama.expert_count"):
         return arch, GGUF_ARCHITECTURES["mixtral"]
@@ -152,6 +159,50 @@ def _longrope(meta: dict[str, Any], prefix: str, long: np.ndarray, short: np.nda
     return scaling
 
 
+# GGUF architectures whose HF models run YaRN with its ramp's bounds unrounded (GptOssConfig: truncate false), which a
+# GGUF does not record
+_YARN_UNTRUNCATED = ("gpt-oss",)
+
+
+def _yarn(meta: dict[str, Any], prefix: str, factor: float | None, cfg: dict[str, Any]) -> dict[str, Any]:
+    """YaRN as the HF config the file was made from holds it: llama.cpp's converter (TextModel.set_gguf_parameters)
+    writes its factor and original context, and beta_fast, beta_slow and attention_factor (as yarn_attn_factor)
+    where the config gives them.
+
+    NOTE: llama.cpp runs some files differently from transformers. It reads the yarn_* keys only for a few
+    architectures, none of trtbuild's (grok all but the log multiplier; mistral3 the betas and the log multiplier;
+    the DeepSeeks the log multiplier): it runs trtbuild's with betas 32 / 1 and the attention scaling
+    0.1 ln(factor) + 1 whatever the file says, where this follows the HF model the file was made from. It always
+    rounds the ramp's bounds (transformers' truncate: true; gpt-oss's HF config says false). Its generic
+    `rope.scaling.attn_factor` multiplies the YaRN scaling, as here."""
+
+    def key(name: str) -> Any:
+        return meta.get(f"{prefix}.rope.scaling.{name}")
+
+    if not factor:
+        raise CheckpointError(f"This GGUF's RoPE scaling is yarn but it gives no {prefix}.rope.scaling.factor; the "
+                              "file is incomplete: re-export it.")
+    ext = key("yarn_ext_factor")
+    if ext is not None and _f32(ext) != 1.0:
+        raise CheckpointError(f"This GGUF blends YaRN's frequencies by {prefix}.rope.scaling.yarn_ext_factor {ext}; "
+                              "trtbuild runs YaRN as transformers does, fully blended (1).")
+    original = int(key("original_context_length") or cfg["max_position_embeddings"])  # llama.cpp's default too
+    scaling = {"rope_type": "yarn", "factor": _f32(factor), "original_max_position_embeddings": original}
+    for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"),
+                         ("attention_factor", "yarn_attn_factor")):
+        if (value := key(theirs)) is not None:
+            scaling[ours] = _f32(value)
+    if log_multiplier := key("yarn_log_multiplier"):  # as llama-context.cpp reads it: mscale_all_dim, mscale 1
+        scaling.update(mscale=1.0, mscale_all_dim=_f32(log_multiplier))
+    if (multiplier := key("attn_factor")) is not None and _f32(multiplier) != 1.0:
+        from trtbuild.builder.rope import yarn_attention_factor
+
+        scaling["attention_factor"] = yarn_attention_factor(scaling, scaling["factor"]) * _f32(multiplier)
+    if prefix in _YARN_UNTRUNCATED:
+        scaling["truncate"] = False
+    return scaling
+
+
 def _rope_scaling(
     meta: dict[str, Any], prefix: str, rope_tensors: dict[str, np.ndarray], cfg: dict[str, Any]
 ) -> dict[str, Any] | None:
@@ -187,7 +238,9 @@ def _rope_scaling(
         kind = "linear"
     if kind in ("none", ""):
         return None
-    if kind not in ("linear", "yarn") or not factor:
+    if kind == "yarn":
+        return _yarn(meta, prefix, factor, cfg)
+    if kind != "linear" or not factor:
         raise CheckpointError(f"GGUF RoPE scaling type {kind!r} is not supported (only linear, yarn and llama3).")
     scaling = {"rope_type": kind, "factor": _f32(factor)}
     if orig:

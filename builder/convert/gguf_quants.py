@@ -17,15 +17,16 @@ with numpy, row chunk by row chunk. What each type becomes (EXACT_NBITS):
   IQ4_NL d * v[q], v: 16 non-uniform int8 values      8-bit, g 32, code v[q] + 128
   IQ4_XS d * (sc_j - 32) * v[q], 8 sub-blocks of 32   8-bit, g 32, code v[q] + 128, scale d * (sc_j - 32)
   TQ1_0, TQ2_0  d * q, q in -1..1, per 256 (TQ1_0: base-3 digits)  4-bit, g 32, code q + 8, scale d
+  MXFP4 2^(e - 128) * v[q], e E8M0, v: e2m1 doubled   8-bit, g 32, code v[q] + 128, scale 2^(e - 128)
   IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: a grid's small integers times a scale per 16 or 32
                                                       8-bit, g 16 / 32, code value + 128 (gguf_lattice.py)
-Q8_0, Q4_0, Q5_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0 and the lattice types are bit-exact (the scale is the
-float32 product ggml's dequantization computes, times an integer). Types with a minimum go through a float zero
-point, so they equal ggml's `d * q + m` to float32 rounding; a block whose scale is 0 (every value = the minimum) is
-stored exactly as scale = minimum, zero point -1, codes 0. (The CPU engine's native linears take 2/3/5/6-bit codes
-back from 4 or 8, IQ types' 3- or 4-bit indices and values back from 8-bit codes, and the minimums back from the
-zero points: plugins/block_quant_matmul.py.) Float types and every other type give None (the caller keeps them as
-float)."""
+Q8_0, Q4_0, Q5_0, Q6_K, Q3_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, MXFP4 and the lattice types are bit-exact (the scale
+is the float32 product ggml's dequantization computes, times an integer; MXFP4's is ggml's e8m0_to_fp32_half(e),
+float32 subnormals for e < 2 included). Types with a minimum go through a float zero point, so they equal ggml's
+`d * q + m` to float32 rounding; a block whose scale is 0 (every value = the minimum) is stored exactly as scale =
+minimum, zero point -1, codes 0. (The CPU engine's native linears take 2/3/5/6-bit codes back from 4 or 8, IQ types'
+and MXFP4's 3- or 4-bit indices and values back from 8-bit codes, and the minimums back from the zero points:
+plugins/block_quant_matmul.py.) Float types and every other type give None (the caller keeps them as float)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import IQ4_NL
+from gguf.quants import IQ4_NL, MXFP4
 
 from trtbuild.builder.convert.gguf_lattice import LATTICE_TYPES
 from trtbuild.builder.convert.weight_only import NBitsWeight, pack_codes, row_chunks
@@ -56,6 +57,7 @@ EXACT_NBITS: dict[GGMLQuantizationType, tuple[int, int]] = {
     Q.IQ4_XS: (8, 32),
     Q.TQ1_0: (4, 32),
     Q.TQ2_0: (4, 32),
+    Q.MXFP4: (8, 32),
     **{qtype: (8, group) for qtype, (group, _) in LATTICE_TYPES.items()},
 }
 _HAS_ZERO_POINT = {Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q2_K}
@@ -192,6 +194,21 @@ def _iq4_xs(b: np.ndarray) -> Decoded:  # d f16 | scales_h uint16 | scales_l[4] 
     return IQ4_CODES[_nibbles(b[:, 8:].reshape(-1, 8, 16)).reshape(-1, 256)], scale, None
 
 
+# MXFP4's 16 values (ggml's kvalues_mxfp4: the e2m1 values doubled, 0 twice) as 8-bit codes: value + 128
+MXFP4_CODES = (np.array(MXFP4.kvalues) + 128).astype(np.uint8)
+
+
+def _e8m0_half(e: np.ndarray) -> np.ndarray:
+    """ggml's e8m0_to_fp32_half: uint8 exponents [n, 1] -> float32 2^(e - 128) (half of E8M0's 2^(e - 127), which
+    the doubled values make up for). ldexp gives the same bits as ggml's construction for every e: the powers of two
+    from 2^-128 (e < 2: float32 subnormals) to 2^127, none of them rounded."""
+    return np.ldexp(np.float32(1), e.astype(np.int32) - 128).astype(np.float32)
+
+
+def _mxfp4(b: np.ndarray) -> Decoded:  # e uint8 (E8M0) | qs[16] as Q4_0's, indices into the values
+    return MXFP4_CODES[_nibbles(b[:, 1:])], _e8m0_half(b[:, :1]), None
+
+
 def _ternary(q: np.ndarray, d: np.ndarray) -> Decoded:
     """TQ1_0 / TQ2_0's weights d * q, q in -1..1 [n, 256] (TQ2_0's 2-bit field could also say 2: exact too), as
     4-bit codes q + 8 under d in each group of 32."""
@@ -219,7 +236,7 @@ def _tq1_0(b: np.ndarray) -> Decoded:  # qs[48] | qh[4] | d f16: base-3 digits h
 _DECODERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Decoded]] = {
     Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k,
     Q.Q6_K: _q6_k, Q.Q3_K: _q3_k, Q.Q2_K: _q2_k, Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs, Q.TQ1_0: _tq1_0,
-    Q.TQ2_0: _tq2_0,
+    Q.TQ2_0: _tq2_0, Q.MXFP4: _mxfp4,
     **{qtype: decode for qtype, (_, decode) in LATTICE_TYPES.items()},
 }
 

@@ -35,6 +35,11 @@ _LAYER_NAMES = {
     # a mixture of experts' router, and its experts stacked as builder/convert/experts.py names them
     "ffn_gate_inp.weight": "mlp.gate.weight",
     **{f"ffn_{p}_exps.weight": f"mlp.experts.{p}_proj.weight" for p in ("gate", "up", "down")},
+    # gpt-oss: the router's and experts' biases, the attention sinks, and its pre-MLP norm's name
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+    **{f"ffn_{p}_exps.bias": f"mlp.experts.{p}_proj.bias" for p in ("gate", "up", "down")},
+    "attn_sinks.weight": "self_attn.sinks",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
     # Qwen2-MoE's shared expert and its gate
     **{f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")},
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",

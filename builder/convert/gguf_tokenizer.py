@@ -2,10 +2,11 @@
 template) and special_tokens_map.json.
 
 Byte-level BPE vocabularies (`tokenizer.ggml.model` "gpt2") whose `tokenizer.ggml.pre` is in `_PRE_TOKENIZERS` (Qwen2/
-Qwen2.5/Qwen3, Llama 3) are rebuilt here with the `tokenizers` library from the tokens, merges and token types, with
-the normalizer, pre-tokenizer and BPE options of the original tokenizer.json. transformers' GGUF loader gets these
-wrong in ways that change token ids (no NFC normalizer for Qwen, no ignore_merges for Llama 3) and its behaviour varies
-with its version. SentencePiece vocabularies ("llama") and other pre-tokenizers still go through transformers.
+Qwen2.5/Qwen3, Llama 3, gpt-oss) are rebuilt here with the `tokenizers` library from the tokens, merges and token
+types, with the normalizer, pre-tokenizer and BPE options of the original tokenizer.json. transformers' GGUF loader
+gets these wrong in ways that change token ids (no NFC normalizer for Qwen, no ignore_merges for Llama 3) and its
+behaviour varies with its version. SentencePiece vocabularies ("llama") and other pre-tokenizers still go through
+transformers.
 """
 
 from __future__ import annotations
@@ -36,8 +37,13 @@ _WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+"
 _REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2 = _PreTokenizer(_WORDS + r"|\p{N}" + _REST, nfc=True)  # digits one by one
 _LLAMA3 = _PreTokenizer(_WORDS + r"|\p{N}{1,3}" + _REST, ignore_merges=True, add_bos=True)
-# tokenizer.ggml.pre -> pre-tokenizer (the names llama.cpp's llama-vocab.cpp maps to LLAMA3 and QWEN2)
-_PRE_TOKENIZERS = {"qwen2": _QWEN2, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3}
+# o200k (gpt-4o, gpt-oss): words split before capitals, a contraction kept on its word, digits by three
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION, _LEAD = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?", r"[^\r\n\p{L}\p{N}]?"
+_GPT4O = _PreTokenizer(f"{_LEAD}{_UPPER}*{_LOWER}+{_CONTRACTION}|{_LEAD}{_UPPER}+{_LOWER}*{_CONTRACTION}"
+                       r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> pre-tokenizer (the names llama.cpp's llama-vocab.cpp maps to LLAMA3, QWEN2 and GPT4O)
+_PRE_TOKENIZERS = {"qwen2": _QWEN2, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "gpt-4o": _GPT4O}
 
 
 def _byte_level_bpe(path: Path, meta: dict[str, Any], pre: _PreTokenizer) -> Any:

@@ -7,6 +7,8 @@ layers it holds):
   transformer.layers.{i}.attention.{q,k,v}.weight|bias       [heads*head_size, hidden] split by heads
   transformer.layers.{i}.attention.{q,k}_norm.weight         [head_size]              replicated (Qwen3)
   transformer.layers.{i}.attention.dense.weight              [hidden, heads*head_size] split by input columns
+  transformer.layers.{i}.attention.dense.bias                [hidden]                 replicated (gpt-oss)
+  transformer.layers.{i}.attention.sinks                     [heads]                  split by heads (gpt-oss)
   transformer.layers.{i}.post_layernorm.weight               [hidden]                 replicated
   transformer.layers.{i}.mlp.{gate,fc}.weight                [inter, hidden]          split by rows
   transformer.layers.{i}.mlp.proj.weight                     [hidden, inter]          split by input columns
@@ -15,6 +17,7 @@ layers it holds):
   transformer.layers.{i}.mlp.router.weight                   [experts, hidden]
   transformer.layers.{i}.mlp.experts.{gate,fc}.weight        [experts, expert inter, hidden]
   transformer.layers.{i}.mlp.experts.proj.weight             [experts, hidden, expert inter]
+  transformer.layers.{i}.mlp.router.bias, mlp.experts.{gate,fc,proj}.bias   [experts], [experts, out] (gpt-oss)
   transformer.layers.{i}.mlp.shared.{gate,fc,proj}.weight    as mlp.{gate,fc,proj}, of shared inter (Qwen2-MoE)
   transformer.layers.{i}.mlp.shared_gate.weight              [1, hidden] (Qwen2-MoE)
   transformer.ln_f.weight                                    [hidden]                 replicated
@@ -44,6 +47,8 @@ _LAYER_MAP = {
     "self_attn.q_norm.weight": "attention.q_norm.weight",
     "self_attn.k_norm.weight": "attention.k_norm.weight",
     "self_attn.o_proj.weight": "attention.dense.weight",
+    "self_attn.o_proj.bias": "attention.dense.bias",
+    "self_attn.sinks": "attention.sinks",
     "post_attention_layernorm.weight": "post_layernorm.weight",
     "mlp.gate_proj.weight": "mlp.gate.weight",
     "mlp.up_proj.weight": "mlp.fc.weight",
@@ -61,6 +66,9 @@ _OUTPUT_NORM_LAYER_MAP = {
 _MOE_LAYER_MAP = {
     **{k: v for k, v in _LAYER_MAP.items() if not k.startswith("mlp.")},
     "mlp.gate.weight": "mlp.router.weight",
+    "mlp.gate.bias": "mlp.router.bias",
+    **{f"mlp.experts.{hf}_proj.bias": f"mlp.experts.{p}.bias" for hf, p in (("gate", "gate"), ("up", "fc"),
+                                                                              ("down", "proj"))},
     "mlp.experts.gate_proj.weight": "mlp.experts.gate.weight",
     "mlp.experts.up_proj.weight": "mlp.experts.fc.weight",
     "mlp.experts.down_proj.weight": "mlp.experts.proj.weight",
@@ -101,6 +109,7 @@ _SPLIT_AXIS = {
     "attention.q.bias": 0,
     "attention.k.bias": 0,
     "attention.v.bias": 0,
+    "attention.sinks": 0,
     "attention.dense.weight": 1,
     "mlp.gate.weight": 0,
     "mlp.fc.weight": 0,

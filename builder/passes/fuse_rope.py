@@ -52,8 +52,9 @@ def fuse_rope_into_attention(model: onnx.ModelProto) -> int:
             continue
         (q_nodes, q, cos, sin, pos), (k_nodes, k, *_) = q_chain, k_chain
         node.input[pa.Q], node.input[pa.K] = q, k
+        sinks = list(node.input[pa.SINKS:])  # NOTE: the inputs after the rope slots (gpt-oss's sinks) stay
         del node.input[pa.POSITION_IDS:]
-        node.input.extend([pos, cos, sin])
+        node.input.extend([pos, cos, sin, *sinks])
         for a in node.attribute:
             if a.name == "rotary":
                 a.i = 1

@@ -56,6 +56,9 @@ def check_tensorrt_graph(model: onnx.ModelProto) -> None:
         if node.domain == pa.DOMAIN and node.op_type == pa.OP_TYPE and node_attrs(node).get("softcap", 0.0) > 0:
             raise ConfigError("target", "this model soft-caps its attention scores (Gemma 2), which the tensorrt "
                                         "plugins do not apply yet; build it for cpu or cuda.")
+        if node.domain == pa.DOMAIN and node.op_type == pa.OP_TYPE and pa.sinks_input(node.input):
+            raise ConfigError("target", f"this model's attention has sinks (gpt-oss; node {node.name!r}), which the "
+                                        "tensorrt plugins do not apply yet; build it for cpu or cuda.")
         if node.domain not in ("", "ai.onnx", pa.DOMAIN):
             raise ConfigError("target", f"tensorrt has no plugin for {node.domain}::{node.op_type} (node "
                                         f"{node.name!r}); build for --target cpu.")
@@ -106,7 +109,8 @@ def rewrite_for_tensorrt(model: onnx.ModelProto) -> list[PluginNode]:
         graph.initializer.append(numpy_helper.from_array(
             np.array([-1, attrs["num_kv_heads"], attrs["head_size"]], dtype=np.int64), kv_shape))
         attn_out, k_new, v_new = node.output
-        ins = list(node.input)
+        # NOTE: only the plugin's own inputs: an empty sinks slot (or empty rope slots before it) is no input
+        ins = list(node.input)[:pa.SINKS if rotary else pa.POSITION_IDS]
         if rotary:
             rot_attrs = {"num_kv_heads": attrs["num_kv_heads"], "head_size": attrs["head_size"]}
             rope = [ins[pa.POSITION_IDS], ins[pa.ROPE_COS], ins[pa.ROPE_SIN]]

@@ -36,11 +36,11 @@ def _attend(q_ptr, k_ptr, v_ptr, cache_ptr, tables_ptr, past_ptr, qsl_ptr, pos_p
     # the pool [NB, L, 2, KVH, BS, D], contiguous: this layer's view starts LAYER * 2 * KVH * BS * D in
     _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, cache_ptr + LAYER * 2 * KV_HEADS * slot, tables_ptr, past_ptr, qsl_ptr, pos_ptr,
-        cos_ptr, sin_ptr, out_ptr, out_ptr, out_ptr, out_ptr, QK_SCALE, 1.0, 1.0, HALF_D, BS, HEADS,
-        0, 0.0,  # no window, no softcap (builder/tensorrt/plan.py refuses both)
+        cos_ptr, sin_ptr, q_ptr, out_ptr, out_ptr, out_ptr, out_ptr, QK_SCALE, 1.0, 1.0, HALF_D, BS, HEADS,
+        0, 0.0,  # no window, no softcap, no sinks (builder/tensorrt/plan.py refuses all three)
         HEADS * head, KV_HEADS * head, head, KV_HEADS * head, head, HEADS * head,
         LAYERS * 2 * KV_HEADS * slot, KV_HEADS * slot, slot, head, W, HALF_D, HALF_D,
-        GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, HALF, ROTARY, PRECISION, 1, False, False)
+        GROUP, GROUP_PAD, BLOCK_Q, BLOCK_N, HALF, ROTARY, PRECISION, 1, False, False, False)
 
 
 @triton.jit
