@@ -12,6 +12,7 @@ import click
 from trtbuild.cli_chat import chat_messages, chat_template
 from trtbuild.cli_options import existing, out, runtime_config, sampling_options, serving_options
 from trtbuild.errors import TrtbuildError
+from trtbuild.serving.openai.harmony import NAME as HARMONY
 from trtbuild.serving.openai.tool_calls import FORMATS as TOOL_CALL_FORMATS
 
 
@@ -27,12 +28,14 @@ from trtbuild.serving.openai.tool_calls import FORMATS as TOOL_CALL_FORMATS
                    "[env: TRTBUILD_API_KEY].")
 @click.option("--served-model-name", default=None, help="The model name of the OpenAI API [default: the engine's "
                                                         "folder name].")
-@click.option("--tool-call-parser", type=click.Choice(["auto", *TOOL_CALL_FORMATS]), default="auto",
+@click.option("--tool-call-parser", type=click.Choice(["auto", *TOOL_CALL_FORMATS, HARMONY]), default="auto",
               show_default=True, help="How the OpenAI API finds tool calls in answers to tool_choice \"auto\" "
-                                      "requests: auto (the format the chat template's markers name) or a format.")
+                                      "requests: auto (the format the chat template's markers name; harmony for "
+                                      "gpt-oss's, whose every answer is split by its channels) or a format.")
 @click.option("--reasoning-parser", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
-              help="auto: a model whose chat template knows <think> / </think> answers its thinking as "
-                   "reasoning_content, apart from the content; none: the thinking stays in the content.")
+              help="auto: a model whose chat template knows <think> / </think> (or harmony's analysis channel) "
+                   "answers its thinking as reasoning_content, apart from the content; none: the thinking stays in "
+                   "the content.")
 @serving_options
 def serve(engine: Path, host: str, port: int, http_port: int | None, api_key: str | None,
           served_model_name: str | None, tool_call_parser: str, reasoning_parser: str, **serving) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -35,12 +36,16 @@ class ChatMessage:
     # "arguments": {...}}}, arguments a dict where they are a JSON object (templates write them with tojson)
     tool_calls: tuple[Mapping[str, Any], ...] = ()
     tool_call_id: str | None = None  # a tool message's answer to this call
+    reasoning_content: str | None = None  # an assistant's thinking (Qwen3's templates read it; gpt-oss's: `thinking`)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"message role {self.role!r} is not supported; use one of {', '.join(ROLES)}")
         if not isinstance(self.content, str):
             raise ValueError(f"message content must be a string, got {type(self.content).__name__}")
+        if self.reasoning_content is not None and not isinstance(self.reasoning_content, str):
+            raise ValueError(f"message reasoning_content must be a string, got "
+                             f"{type(self.reasoning_content).__name__}")
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"only assistant messages carry tool_calls, not {self.role!r} ones")
 
@@ -50,6 +55,8 @@ class ChatMessage:
             message["tool_calls"] = [dict(call) for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:  # under both names templates read it by
+            message["reasoning_content"] = message["thinking"] = self.reasoning_content
         return message
 
 
@@ -58,8 +65,9 @@ def as_message(message: ChatMessage | Mapping[str, Any]) -> ChatMessage:
         return message
     if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
         raise ValueError(f"a message must have a role and a content, got {message!r}")
+    thinking = message.get("reasoning_content", message.get("thinking"))
     return ChatMessage(message["role"], message["content"], tuple(message.get("tool_calls") or ()),
-                       message.get("tool_call_id"))
+                       message.get("tool_call_id"), thinking)
 
 
 class ChatTemplate:
@@ -97,7 +105,9 @@ class ChatTemplate:
         """Whether the template writes the `tools` it is given into the prompt (transformers' `tools` variable).
         NOTE: found by rendering, not by reading the source: Phi-4-mini's template names "tools" but reads them from
         the system message, where OpenAI clients never put them."""
-        probe = [{"type": "function", "function": {"name": _PROBE_TOOL, "parameters": {"type": "object"}}}]
+        # NOTE: with a description, which gpt-oss's template writes without asking whether there is one
+        probe = [{"type": "function", "function": {"name": _PROBE_TOOL, "description": "A probe.",
+                                                   "parameters": {"type": "object"}}}]
         try:
             return _PROBE_TOOL in self.render([{"role": "user", "content": "x"}], tools=probe)
         except ValueError:
@@ -130,24 +140,41 @@ class ChatTemplate:
         return self._end_of_turn
 
     def _find_end_of_turn(self, tokenizer: Tokenizer) -> tuple[int, ...]:
-        """The special token the template writes right after an assistant's answer, else the EOS token."""
-        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE_ANSWER}]
+        """The special token the template writes right after an assistant's answer, else the EOS token; then the one
+        it writes right after an assistant's tool call where that ends the conversation, as gpt-oss's <|call|> does
+        (harmony's answers end at <|return|>, and at <|call|> when they call a tool, the turn going on after the
+        tool's result): generation stops there too. A token after a call that more text follows (Kimi's
+        <|tool_call_end|>, between parallel calls) ends no turn."""
+        candidates = dict(tokenizer.special_tokens)
+        named = {t: tokenizer.token_to_id(t) for t in self.special_tokens.values()}
+        candidates.update({t: i for t, i in named.items() if i is not None})
+        user = {"role": "user", "content": "x"}
+        answer = self._token_after([user, {"role": "assistant", "content": _PROBE_ANSWER}], candidates)
+        if answer is None:
+            eos = self.special_tokens.get("eos_token")
+            answer = tokenizer.token_to_id(eos) if eos else None
+        call = {"type": "function", "function": {"name": _PROBE_TOOL, "arguments": {"probe": _PROBE_ANSWER}}}
+        after_call = self._token_after([user, {"role": "assistant", "content": "", "tool_calls": [call]}], candidates,
+                                       closing='"}', last=True)
+        return tuple(dict.fromkeys(i for i in (answer, after_call) if i is not None))
+
+    def _token_after(self, probe: list[dict], candidates: dict[str, int], closing: str = "",
+                     last: bool = False) -> int | None:
+        """The id of the special token the template writes after the probe answer's text in `probe` (past white space
+        and `closing` characters), if it writes one (and, `last`: nothing after it)."""
         try:
             text = self.render(probe, add_generation_prompt=False)
-        except ValueError:  # e.g. a template that insists on a system message: fall back to EOS
-            text = ""
+        except ValueError:  # e.g. a template that insists on a system message, or takes no tool calls
+            return None
         at = text.rfind(_PROBE_ANSWER)
-        if at >= 0:
-            after = text[at + len(_PROBE_ANSWER):].lstrip()  # Llama 2 writes " </s>", Llama 3 trims the answer
-            candidates = dict(tokenizer.special_tokens)
-            named = {t: tokenizer.token_to_id(t) for t in self.special_tokens.values()}
-            candidates.update({t: i for t, i in named.items() if i is not None})
-            for token in sorted(candidates, key=len, reverse=True):
-                if token and after.startswith(token):
-                    return (candidates[token],)
-        eos = self.special_tokens.get("eos_token")
-        eos_id = tokenizer.token_to_id(eos) if eos else None
-        return () if eos_id is None else (eos_id,)
+        if at < 0:
+            return None
+        # Llama 2 writes " </s>", Llama 3 trims the answer; a call's arguments close with `"}` (tojson)
+        after = text[at + len(_PROBE_ANSWER):].lstrip(closing + string.whitespace)
+        for token in sorted(candidates, key=len, reverse=True):
+            if token and after.startswith(token) and not (last and after[len(token):].strip()):
+                return candidates[token]
+        return None
 
 
 def _environment():

@@ -1,32 +1,41 @@
 """One chat choice's answer as the OpenAI API returns it: the thinking (`reasoning_content`, reasoning.py), the text
-(`content`) and the tool calls (`tool_calls`, tool_use.py), built as it streams or from its whole text."""
+(`content`) and the tool calls (`tool_calls`, tool_use.py), built as it streams or from its whole text. A harmony
+model's answer (gpt-oss, harmony.py) is split into all three by its channels at once."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from trtbuild.serving.openai.harmony import HarmonyParser
 from trtbuild.serving.openai.reasoning import ReasoningSplitter
 from trtbuild.serving.openai.tool_calls import ToolCall
 from trtbuild.serving.openai.tool_use import ToolUse
 
 
 class ChatAnswer:
-    """`reasoning_inside`: None for an answer without thinking to split off, else whether it starts inside it."""
+    """`reasoning_inside`: None for an answer without thinking to split off, else whether it starts inside it.
+    `harmony`: the answer is in the harmony format (its analysis is the thinking unless `reasoning_inside` is None;
+    its calls are parsed when `tools` are active)."""
 
-    def __init__(self, tools: ToolUse, reasoning_inside: bool | None) -> None:
+    def __init__(self, tools: ToolUse, reasoning_inside: bool | None, harmony: bool = False) -> None:
         self.tools = tools
-        self.reasoning = None if reasoning_inside is None else ReasoningSplitter(reasoning_inside)
-        self.splitter = tools.splitter() if tools.active else None
+        self.harmony = HarmonyParser(reasoning_inside is not None, tools.active) if harmony else None
+        self.reasoning = None if harmony or reasoning_inside is None else ReasoningSplitter(reasoning_inside)
+        self.splitter = tools.splitter() if tools.active and not harmony else None
         self.calls: list[ToolCall] = []  # the calls returned so far
+        self.found = 0  # the calls the answer holds so far (more than returned when parallel calls are not asked)
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, str, list[ToolCall]]:
         """(thinking, content, new calls) that `delta` makes final (everything left, when `final`)."""
-        thinking, content = self.reasoning.feed(delta, final) if self.reasoning else ("", delta)
-        calls: list[ToolCall] = []
-        if self.splitter is not None:
-            before = len(self.splitter.calls)
-            content, found = self.splitter.feed(content, final)
-            calls = [c for j, c in enumerate(found) if self.tools.parallel or before + j == 0]
+        found: list[ToolCall] = []
+        if self.harmony is not None:
+            thinking, content, found = self.harmony.feed(delta, final)
+        else:
+            thinking, content = self.reasoning.feed(delta, final) if self.reasoning else ("", delta)
+            if self.splitter is not None:
+                content, found = self.splitter.feed(content, final)
+        calls = [c for j, c in enumerate(found) if self.tools.parallel or self.found + j == 0]
+        self.found += len(found)
         self.calls += calls
         return thinking, content, calls
 

@@ -25,6 +25,7 @@ from trtbuild.errors import ConfigError
 from trtbuild.runtime.async_engine import AsyncEngine, RequestStream
 from trtbuild.runtime.engine_core import RequestOutput
 from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
+from trtbuild.serving.openai import harmony
 from trtbuild.serving.openai import protocol as api
 from trtbuild.serving.openai.answer import ChatAnswer
 from trtbuild.serving.openai.metrics import ServingMetrics
@@ -54,20 +55,24 @@ def _error(e: Exception) -> OpenAIError:
 class OpenAIServer:
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None,
                  tool_call_parser: str = "auto", reasoning_parser: str = "auto") -> None:
-        """`tool_call_parser`: how "auto" tool choices parse answers: a name of tool_calls.FORMATS, or "auto" (the
-        format the chat template's markers name). `reasoning_parser`: "auto" splits the thinking off the answers of
-        a model whose template knows the thinking tags (reasoning.py), "none" never does."""
+        """`tool_call_parser`: how "auto" tool choices parse answers: a name of tool_calls.FORMATS, "harmony" (every
+        answer is parsed as harmony.py reads gpt-oss's), or "auto" (harmony for a template that writes channels,
+        else the format the chat template's markers name). `reasoning_parser`: "auto" splits the thinking off the
+        answers of a model whose template knows the thinking tags (reasoning.py) or harmony's analysis channel,
+        "none" never does."""
         from trtbuild.runtime.chat import ChatTemplate
 
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         core = engine.core
         self.tokenizer, self.max_seq_len = core.tokenizer, core.scheduler.config.max_seq_len
         self.template = ChatTemplate.from_engine_dir(core.engine.info.path) if self.tokenizer else None
+        self.harmony = tool_call_parser == harmony.NAME or (
+            tool_call_parser == "auto" and self.template is not None and harmony.teaches_harmony(self.template.source))
         self.tool_format: ToolCallFormat | None = (
-            FORMATS[tool_call_parser] if tool_call_parser != "auto"
+            None if self.harmony else FORMATS[tool_call_parser] if tool_call_parser != "auto"
             else format_of_template(self.template.source) if self.template else None)
-        self.reasoning = reasoning_parser == "auto" and self.template is not None and teaches_reasoning(
-            self.template.source)
+        self.reasoning = reasoning_parser == "auto" and self.template is not None and (
+            self.harmony or teaches_reasoning(self.template.source))
         self.metrics = ServingMetrics(engine, model_name)
         self.workers = ThreadPoolExecutor(max_workers=engine.max_queue_size + 8, thread_name_prefix="openai")
         self.app = self._routes()
@@ -75,7 +80,8 @@ class OpenAIServer:
     # ---- requests -> engine ------------------------------------------------------------------------------------------
     def _params(self, r: api.ChatCompletionRequest | api.CompletionRequest, prompt_len: int, default_max: int,
                 logprobs: int | None, extra_stop_ids: tuple[int, ...] = (),
-                tools: ToolUse = NO_TOOLS) -> SamplingParams:
+                tools: ToolUse = NO_TOOLS, keep_special_tokens: bool = False) -> SamplingParams:
+        """`keep_special_tokens`: the answer's parser needs them in the text (unless the request says otherwise)."""
         if bad := r.unsupported():
             raise OpenAIError(400, f"not supported: {', '.join(bad)}", param=bad[0].split()[0])
         if r.n < 1:
@@ -101,7 +107,7 @@ class OpenAIServer:
             ignore_eos=r.ignore_eos, logprobs=logprobs, logit_bias=bias or None,
             json_schema=tools.json_schema or (r.response_format.schema() if getattr(r, "response_format", None)
                                               else None),
-            skip_special_tokens=_first_set(r.skip_special_tokens, False if tools.keep_special_tokens else None),
+            skip_special_tokens=_first_set(r.skip_special_tokens, False if keep_special_tokens else None),
             stop_token_ids=tuple(r.stop_token_ids or ()) + extra_stop_ids or None).items() if v is not None}
         return sampling_params(fields)
 
@@ -193,23 +199,31 @@ class OpenAIServer:
         if self.template is None:
             raise OpenAIError(400, "this model has no chat template: use /v1/completions", param="messages")
         messages = [m.for_template(i) for i, m in enumerate(r.messages)]
-        tools = tool_use(r, self.template.renders_tools, self.tool_format, frozenset(self.tokenizer.special_tokens))
-        text = self.template.render(messages, tools=tools.tools, variables=r.chat_template_kwargs)
+        if self.harmony:
+            messages = harmony.for_template(messages)
+        tools = tool_use(r, self.template.renders_tools, self.tool_format, frozenset(self.tokenizer.special_tokens),
+                         self.harmony)
+        text = self.template.render(messages, tools=harmony.described(tools.tools) if self.harmony else tools.tools,
+                                    variables=r.chat_template_kwargs)
+        if self.harmony and tools.function is not None:  # the call's header, then its constrained arguments
+            text += harmony.call_header(tools.function)
         prompt = self.tokenizer.encode(text, add_special_tokens=False)
         top = r.top_logprobs or 0
         params = self._params(r, len(prompt), self.max_seq_len, top if r.logprobs else None,
-                              self.template.end_of_turn_token_ids, tools)
-        # NOTE: an answer constrained to JSON from its first token has no thinking to split off
-        inside = opens_thinking(text) if self.reasoning and params.json_schema is None else None
+                              self.template.end_of_turn_token_ids, tools, tools.keep_special_tokens or self.harmony)
+        # NOTE: an answer constrained to JSON from its first token has no thinking to split off, nor channels
+        free = params.json_schema is None
+        inside = opens_thinking(text) if self.reasoning and free else None
+        in_harmony = self.harmony and free
         streams = self._submit(prompt, params, r.n)
         rid = api.new_id("chatcmpl")
         if r.stream:
             return self._stream(streams, rid, len(prompt), r, chat=True, answers=[
-                ChatAnswer(tools, inside) for _ in streams])
+                ChatAnswer(tools, inside, in_harmony) for _ in streams])
         wholes = await self._collect(request, streams)
         choices = []
         for i, w in enumerate(wholes):
-            answer = ChatAnswer(tools, inside)
+            answer = ChatAnswer(tools, inside, in_harmony)
             choices.append(api.ChatChoice(index=i, message=answer.message(w.text),
                                           logprobs=self._chat_logprobs(w.logprobs, top) if r.logprobs else None,
                                           finish_reason=_finish(w.finish_reason, answer.called)))

@@ -73,11 +73,14 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # an assistant's thinking, as this server returned it (and clients send back); `reasoning` is vLLM's newer name
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def for_template(self, index: int) -> dict[str, Any]:
         """The message as runtime.chat reads it (ValueError naming messages[index] when it cannot be one): text
         parts joined by newlines, as vLLM joins them; a call's arguments parsed, since templates write them with
-        tojson; OpenAI's "developer" role is the system prompt."""
+        tojson; OpenAI's "developer" role is the system prompt; an assistant's thinking as `reasoning_content`."""
         where = f"messages[{index}]"
         if isinstance(self.content, list):
             if bad := sorted({p.type for p in self.content if p.type != "text" or p.text is None}):
@@ -91,12 +94,17 @@ class ChatMessage(BaseModel):
             raise ValueError(f"{where}: only assistant messages carry tool_calls")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError(f"{where}: a tool message needs the tool_call_id of the call it answers")
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking is not None and self.role != "assistant":
+            raise ValueError(f"{where}: only assistant messages carry reasoning_content")
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
                 "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if thinking is not None:
+            message["reasoning_content"] = thinking
         return message
 
 
