@@ -239,9 +239,20 @@ def write_metadata(w, shape: Shape, tok) -> None:
                 w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
                 w.add_rope_scaling_factor(shape.rope_scaling["factor"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    write_vocab(w, fam, tok, shape.vocab_size)
+    w.add_add_bos_token(fam.bos is not None)
+    w.add_chat_template(fam.chat_template)
+
+
+def write_vocab(w, fam: Family, tok, vocab_size: int) -> None:
+    """tokenizer.ggml.* as llama.cpp's converter writes a byte-level BPE: `tok`'s tokens at their ids, padded with
+    unused [PADi] to the embedding's rows; the family's specials as control tokens, with its bos / eos / pad ids.
+    Shared with make_gpt_oss_gguf.py, whose vocabulary puts its specials at fixed high ids."""
+    import gguf
+
     vocab = tok.get_vocab()
-    tokens = [f"[PAD{i}]" for i in range(shape.vocab_size)]
-    types = [gguf.TokenType.UNUSED] * shape.vocab_size
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED] * vocab_size
     for t, i in vocab.items():
         tokens[i] = t
         types[i] = gguf.TokenType.CONTROL if t in fam.specials else gguf.TokenType.NORMAL
@@ -255,8 +266,6 @@ def write_metadata(w, shape: Shape, tok) -> None:
     w.add_pad_token_id(vocab[fam.pad])
     if fam.bos is not None:
         w.add_bos_token_id(vocab[fam.bos])
-    w.add_add_bos_token(fam.bos is not None)
-    w.add_chat_template(fam.chat_template)
 
 
 def make_gguf(path: Path, shape: Shape, tok, hf: Path | None, seed: int, form: str = "q4_k_m") -> None:

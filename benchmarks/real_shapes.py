@@ -66,6 +66,31 @@ OLMOE = Family("olmoe", LLAMA3.pre, LLAMA3.digits, OLMO2.specials, None, OLMO2.e
 # Granite MoE: Granite's multipliers and layout, its MLPs mixtures of experts (its GGUF: experts stacked, as OLMoE's)
 GRANITEMOE = Family("granitemoe", *(getattr(GRANITE, f) for f in ("pre", "digits", "specials", "bos", "eos", "pad",
                                                                    "chat_template")))
+# gpt-oss (benchmarks/make_gpt_oss_gguf.py): o200k_harmony's 21 added tokens, ids 199998-200018 in this order
+HARMONY_SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|reserved_200000|>", "<|reserved_200001|>", "<|return|>",
+                    "<|constrain|>", "<|reserved_200004|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>",
+                    *(f"<|reserved_{i}|>" for i in range(200009, 200012)), "<|call|>",
+                    *(f"<|reserved_{i}|>" for i in range(200013, 200018)), "<|endofprompt|>")
+# The harmony format as gpt-oss's template renders a conversation without tools: its system message (identity, cutoff,
+# date, reasoning effort, channels); a leading system / developer message as the developer's instructions; assistant
+# turns as their final channel, except a last one being trained on (no generation prompt), which carries its analysis
+# and ends in <|return|>; then <|start|>assistant for the model to pick its channel
+_HARMONY_TEMPLATE = (
+    '{{- "<|start|>system<|message|>" + (model_identity if model_identity is defined else "You are ChatGPT, a large '
+    'language model trained by OpenAI.") + "\\nKnowledge cutoff: 2024-06\\nCurrent date: " + strftime_now("%Y-%m-%d")'
+    ' + "\\n\\nReasoning: " + (reasoning_effort if reasoning_effort is defined else "medium") + "\\n\\n# Valid '
+    'channels: analysis, commentary, final. Channel must be included for every message.<|end|>" }}'
+    '{%- set turns = messages %}{%- if messages and messages[0].role in ["system", "developer"] %}'
+    '{{- "<|start|>developer<|message|># Instructions\\n\\n" + messages[0].content + "\\n\\n<|end|>" }}'
+    '{%- set turns = messages[1:] %}{%- endif %}'
+    '{%- for m in turns %}{%- if m.role == "user" %}{{- "<|start|>user<|message|>" + m.content + "<|end|>" }}'
+    '{%- elif m.role == "assistant" and loop.last and not add_generation_prompt %}{%- if m.thinking is defined %}'
+    '{{- "<|start|>assistant<|channel|>analysis<|message|>" + m.thinking + "<|end|>" }}{%- endif %}'
+    '{{- "<|start|>assistant<|channel|>final<|message|>" + m.content + "<|return|>" }}'
+    '{%- elif m.role == "assistant" %}{{- "<|start|>assistant<|channel|>final<|message|>" + m.content + "<|end|>" }}'
+    '{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- "<|start|>assistant" }}{%- endif %}')
+GPT_OSS = Family("gpt-oss", "gpt-4o", LLAMA3.digits, HARMONY_SPECIALS, "<|startoftext|>", "<|return|>", "<|endoftext|>",
+                 _HARMONY_TEMPLATE)
 POST_NORMED = (GEMMA2, GEMMA3, OLMO2)  # the families whose GGUF names the norms after attention / MLP as Gemma's
 PERMUTED = (LLAMA3, SMOLLM3, GRANITE, GRANITEMOE)  # the families llama.cpp's LlamaModel converts: q / k rows permuted
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
