@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 from pathlib import Path
 
 import click
 
 from trtbuild import __version__
-from trtbuild.cli_chat import chat_messages, chat_template
+from trtbuild.cli_chat import chat_messages, chat_template, echo_answer, harmony_answer
 from trtbuild.cli_errors import TrtbuildCommandGroup
 from trtbuild.cli_options import (
     existing,
@@ -203,8 +202,10 @@ def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, 
     from trtbuild.runtime.sampling import SamplingParams
 
     template = chat_template(engine, prompt, chat, system)
+    harmony = harmony_answer(template)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens,
-                            stop_token_ids=template.end_of_turn_token_ids if template else ())
+                            stop_token_ids=template.end_of_turn_token_ids if template else (),
+                            skip_special_tokens=harmony is None)
     spec = speculative_config(speculative_tokens, prompt_lookup_max, draft_engine)
     llm = LLM(engine, RuntimeConfig(num_threads=threads, max_batch_size=1, speculative=spec))
     if template is not None:
@@ -218,8 +219,7 @@ def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, 
     if template is None:
         click.echo(prompt, nl=False)
     for _, output in itertools.chain([first], outputs):
-        click.echo(output.new_text, nl=False)
-        sys.stdout.flush()
+        echo_answer(output.new_text, harmony, final=output.finished)
     click.echo()
 
 

@@ -321,3 +321,19 @@ def test_a_server_answers_calls_and_stops_at_call(harmony_dir):
         assert broken["finish_reason"] == "stop"
     finally:
         server.workers.shutdown()
+
+
+def test_run_chat_prints_a_harmony_answer_s_final_channel_and_its_thinking_apart(capsys):
+    """`trtbuild run --chat` on a gpt-oss engine: the analysis to stderr, the final answer to stdout, no tokens."""
+    from trtbuild.cli_chat import echo_answer
+    from trtbuild.serving.openai.harmony import HarmonyParser
+
+    answer = "<|channel|>analysis<|message|>Add them.<|end|><|start|>assistant<|channel|>final<|message|>4<|return|>"
+    parser = HarmonyParser()
+    pieces = [answer[i:i + 5] for i in range(0, len(answer), 5)]
+    for i, piece in enumerate(pieces):
+        echo_answer(piece, parser, final=i == len(pieces) - 1)
+    out, err = capsys.readouterr()
+    assert (out, err) == ("4", "Add them.")
+    echo_answer("plain <|end|> text", None, final=True)
+    assert capsys.readouterr().out == "plain <|end|> text"
