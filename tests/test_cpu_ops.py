@@ -7,6 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
+from test_native_swiglu import glu_session
 from test_paged_attention import (
     HEADS,
     LAYERS,
@@ -262,17 +263,7 @@ def test_float16_pool_with_an_unvectorized_head_size_is_refused(library):
                                                (sw.GEGLU_OP_TYPE, sw.reference_geglu)], ids=["swiglu", "geglu"])
 def test_gated_activations_match_reference(library, op_type, want):
     """Widths around the 16-lane vectors; a 3-D input; no rows; an odd width is an error."""
-    def session() -> ort.InferenceSession:
-        graph = helper.make_graph([helper.make_node(op_type, ["x"], ["y"], domain=sw.DOMAIN)], "glu",
-                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(sw.DOMAIN, 1)])
-        options = ort.SessionOptions()
-        options.register_custom_ops_library(library)
-        options.intra_op_num_threads = 2
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-    sess = session()
+    sess = glu_session(library, op_type)
     rng = np.random.default_rng(7)
     for shape in [(1, 2), (3, 30), (9, 32), (5, 2 * 4864), (2, 3, 66)]:
         x = (rng.standard_normal(shape) * 8).astype(np.float32)  # sigmoid's tails included

@@ -104,9 +104,9 @@ def test_engines_lower_swiglu_only_with_a_native_tactic(random_hf_model, engine_
         assert ops["SwiGLU"] == expected and ops["Sigmoid"] == layers - expected
 
 
-def glu_session(library: str, **attrs: float) -> ort.InferenceSession:
-    """One trtbuild::SwiGLU node with `attrs`, x of any shape."""
-    graph = helper.make_graph([helper.make_node(sw.OP_TYPE, ["x"], ["y"], domain=sw.DOMAIN, **attrs)], "glu",
+def glu_session(library: str, op_type: str = sw.OP_TYPE, **attrs: float) -> ort.InferenceSession:
+    """One trtbuild::SwiGLU (or `op_type`) node with `attrs`, x of any shape."""
+    graph = helper.make_graph([helper.make_node(op_type, ["x"], ["y"], domain=sw.DOMAIN, **attrs)], "glu",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(sw.DOMAIN, 1)])
