@@ -392,24 +392,3 @@ def reference_block_quant_matmul(x: np.ndarray, codes: np.ndarray, scales: np.nd
         y -= (sums * per_weight_block).astype(np.float64) @ mins.reshape(n, per_block).astype(np.float64).T
     return y
 
-
-def reference_block_quant_matmul_experts(x: np.ndarray, offsets: np.ndarray, codes: np.ndarray, scales: np.ndarray,
-                                         bits: int, experts: int, mins: np.ndarray | None = None,
-                                         codebook: tuple[int, ...] | None = None,
-                                         bias: np.ndarray | None = None) -> np.ndarray:
-    """A table of experts (the op's `experts` mode): y [M, N / E] in float64, each run of x's rows offsets[e] ..
-    offsets[e + 1] times expert e's rows e·N/E .. (e + 1)·N/E of the table (codes [N, K], scales and optional
-    minimums [N, K / block]) as `reference_block_quant_matmul`, plus their slice of `bias` [N] where there is one.
-    Rows past offsets[E] stay 0 here (the op leaves them unwritten)."""
-    n = codes.shape[0]
-    rows = n // experts
-    per_row = [None if a is None else a.reshape(n, -1) for a in (scales, mins)]
-    y = np.zeros((x.shape[0], rows))
-    for e in range(experts):
-        run, table = slice(int(offsets[e]), int(offsets[e + 1])), slice(e * rows, (e + 1) * rows)
-        if run.stop > run.start:
-            s, m = (None if a is None else a[table].reshape(-1) for a in per_row)
-            y[run] = reference_block_quant_matmul(x[run], codes[table], s, bits, m, codebook)
-            if bias is not None:
-                y[run] += bias[table].astype(np.float64)
-    return y

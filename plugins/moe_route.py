@@ -1,9 +1,12 @@
 """The contract of `trtbuild::MoERoute` (documented in plugins/README.md; cpu_ops/moe_route.cc): a mixture of experts'
-routing, as rows sorted by expert, and its numpy reference."""
+routing, as rows sorted by expert, and its numpy reference; and the reference of the tables of experts those rows
+go through (`trtbuild::BlockQuantMatMul` with `experts`)."""
 
 from __future__ import annotations
 
 import numpy as np
+
+from trtbuild.plugins import block_quant_matmul as bq
 
 DOMAIN = "trtbuild"
 OP_TYPE = "MoERoute"
@@ -28,3 +31,25 @@ def reference_moe_route(logits: np.ndarray, k: int, normalize: bool
     inverse[order] = np.arange(len(order))
     offsets = np.concatenate([[0], np.cumsum(np.bincount(experts, minlength=e_count))])
     return order // k, weights.reshape(-1)[order][:, None].astype(np.float32), offsets, inverse
+
+
+def reference_block_quant_matmul_experts(x: np.ndarray, offsets: np.ndarray, codes: np.ndarray, scales: np.ndarray,
+                                         bits: int, experts: int, mins: np.ndarray | None = None,
+                                         codebook: tuple[int, ...] | None = None,
+                                         bias: np.ndarray | None = None) -> np.ndarray:
+    """A table of experts (the op's `experts` mode): y [M, N / E] in float64, each run of x's rows offsets[e] ..
+    offsets[e + 1] times expert e's rows e·N/E .. (e + 1)·N/E of the table (codes [N, K], scales and optional
+    minimums [N, K / block]) as `block_quant_matmul.reference_block_quant_matmul`, plus their slice of `bias` [N]
+    where there is one. Rows past offsets[E] stay 0 here (the op leaves them unwritten)."""
+    n = codes.shape[0]
+    rows = n // experts
+    per_row = [None if a is None else a.reshape(n, -1) for a in (scales, mins)]
+    y = np.zeros((x.shape[0], rows))
+    for e in range(experts):
+        run, table = slice(int(offsets[e]), int(offsets[e + 1])), slice(e * rows, (e + 1) * rows)
+        if run.stop > run.start:
+            s, m = (None if a is None else a[table].reshape(-1) for a in per_row)
+            y[run] = bq.reference_block_quant_matmul(x[run], codes[table], s, bits, m, codebook)
+            if bias is not None:
+                y[run] += bias[table].astype(np.float64)
+    return y

@@ -18,10 +18,9 @@ from trtbuild.plugins.block_quant_matmul import (
     PackedTable,
     compact,
     pack,
-    reference_block_quant_matmul_experts,
 )
 from trtbuild.plugins.moe_route import OP_TYPE as ROUTE
-from trtbuild.plugins.moe_route import reference_moe_route
+from trtbuild.plugins.moe_route import reference_block_quant_matmul_experts, reference_moe_route
 
 
 def _session(library: str, nodes, inputs, outputs, initializers=()) -> ort.InferenceSession:
