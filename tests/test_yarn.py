@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from test_gguf_reader import _write_llama
 
+from trtbuild.builder.convert.gguf_reader import read_gguf
 from trtbuild.builder.rope import attention_factor, inverse_frequencies, rope_tables
 from trtbuild.configs.from_hf import model_config_from_hf
 from trtbuild.errors import CheckpointError
@@ -134,3 +138,61 @@ def test_a_phi3_config_reads_yarn_as_longrope_as_transformers_does():
 def test_a_bad_yarn_config_is_refused_with_the_reason(scaling, message):
     with pytest.raises(CheckpointError, match=message):
         model_config_from_hf({**QWEN2, "rope_scaling": scaling})
+
+
+# GGUF YaRN metadata (after "llama.rope.scaling.") -> the HF rope_scaling llama.cpp's converter wrote it from
+YARN_FILES = {
+    "qwen_long_context": ({"factor": 4.0, "original_context_length": 32},
+                          {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    "gpt_oss_style": ({"factor": 32.0, "original_context_length": 4, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0},
+                      {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4,
+                       "beta_fast": 32.0, "beta_slow": 1.0}),
+    "attention_factor": ({"factor": 2.0, "yarn_attn_factor": 1.2},
+                         {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128,
+                          "attention_factor": 1.2}),
+    # llama-context.cpp's reading: mscale_all_dim, with mscale 1
+    "log_multiplier": ({"factor": 8.0, "yarn_log_multiplier": 0.5, "yarn_ext_factor": 1.0},
+                       {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128, "mscale": 1.0,
+                        "mscale_all_dim": 0.5}),
+}
+
+
+@pytest.mark.parametrize("case", list(YARN_FILES))
+def test_yarn_metadata_gives_the_hf_rope_scaling(tmp_path: Path, case: str) -> None:
+    meta, want = YARN_FILES[case]
+    _write_llama(tmp_path / "m.gguf", meta={"llama.rope.scaling.type": "yarn",
+                                            **{f"llama.rope.scaling.{k}": v for k, v in meta.items()}})
+    cfg = read_gguf(tmp_path / "m.gguf")[0]
+    assert cfg["rope_scaling"] == want
+    assert model_config_from_hf(cfg).rotary_scaling == want
+
+
+def test_a_gpt_oss_file_runs_yarn_unrounded_as_its_hf_config_says() -> None:
+    """GptOssConfig's truncate: false, which the GGUF does not record (llama.cpp rounds the ramp's bounds)."""
+    from trtbuild.builder.convert.gguf_config import _rope_scaling
+
+    meta = {f"gpt-oss.rope.scaling.{k}": v for k, v in (("type", "yarn"), ("factor", 32.0),
+                                                         ("original_context_length", 4096), ("yarn_beta_fast", 32.0),
+                                                         ("yarn_beta_slow", 1.0))}
+    assert _rope_scaling(meta, "gpt-oss", {}, {"max_position_embeddings": 131072}) == {
+        "rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+        "beta_slow": 1.0, "truncate": False}
+
+
+def test_the_generic_attn_factor_multiplies_the_yarn_scaling_as_llama_cpp_does(tmp_path: Path) -> None:
+    _write_llama(tmp_path / "m.gguf", meta={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                                            "llama.rope.scaling.attn_factor": 0.5})
+    scaling = read_gguf(tmp_path / "m.gguf")[0]["rope_scaling"]
+    assert scaling["attention_factor"] == pytest.approx(0.5 * (0.1 * math.log(4.0) + 1), rel=1e-12)
+
+
+@pytest.mark.parametrize(("meta", "message"), [
+    ({}, r"RoPE scaling is yarn but it gives no llama\.rope\.scaling\.factor; the file is incomplete"),
+    ({"llama.rope.scaling.factor": 4.0, "llama.rope.scaling.yarn_ext_factor": 0.5},
+     r"blends YaRN's frequencies by llama\.rope\.scaling\.yarn_ext_factor 0\.5; trtbuild runs YaRN as "
+     r"transformers does, fully blended \(1\)"),
+])
+def test_a_yarn_file_trtbuild_cannot_run_is_refused(tmp_path: Path, meta: dict, message: str) -> None:
+    _write_llama(tmp_path / "m.gguf", meta={"llama.rope.scaling.type": "yarn", **meta})
+    with pytest.raises(CheckpointError, match=message):
+        read_gguf(tmp_path / "m.gguf")
