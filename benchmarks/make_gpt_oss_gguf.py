@@ -53,7 +53,9 @@ def harmony_tokenizer(out: Path):
     (<|return|> 200002, <|channel|> 200005, ...): its tokens from id 0, [PADi] fillers up to 199997 (normal tokens in
     the GGUF, as the real ones there are), then the 21 harmony specials in order; the GGUF pads the rest to 201088
     with unused [PADi]. Saved as tokenizer.json beside make_tokenizer's tokenizer_config.json (eos, pad, template)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    from trtbuild.builder.convert.gguf_tokenizer import pre_tokenizer_split
 
     base = make_tokenizer(out, dataclasses.replace(GPT_OSS, specials=()))  # specials placed below, not at ids 0-20
     vocab = base.get_vocab()
@@ -61,23 +63,14 @@ def harmony_tokenizer(out: Path):
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
               for m in json.loads(base.to_str())["model"]["merges"]]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(o200k_split(), "isolated"),
+    # o200k's regex (tokenizer.ggml.pre gpt-4o), as the converter rebuilds it
+    split = Regex(pre_tokenizer_split("gpt-4o"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(split, "isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = base.decoder
     tok.add_special_tokens(list(GPT_OSS.specials))  # appended in order: ids 199998, 199999, ...
     tok.save(str(out / "tokenizer.json"))
     return tok
-
-
-def o200k_split():
-    """o200k's pre-tokenizer regex (tokenizer.ggml.pre gpt-4o): words split before capitals with a contraction kept
-    on the word, digits by three, punctuation runs with their newlines or slashes, then whitespace."""
-    from tokenizers import Regex
-
-    upper, lower = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-    lead, tail = r"[^\r\n\p{L}\p{N}]?", r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    return Regex(f"{lead}{upper}*{lower}+{tail}|{lead}{upper}+{lower}*{tail}"
-                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def write_metadata(w, shape: Shape, tok) -> None:

@@ -37,9 +37,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "OlmoeForCausalLM": ("olmoe", False, True),
     "GraniteMoeForCausalLM": ("granitemoe", False, False),  # Granite's multipliers, its experts' gate and up fused
     "Qwen2MoeForCausalLM": ("qwen2_moe", True, False),  # Qwen2 with experts and a gated shared expert
-    # biases on every attention projection, router and expert; attention sinks; sliding and full layers alternate;
-    # clamped SwiGLU experts
-    "GptOssForCausalLM": ("gpt_oss", True, False),
+    # biases on the router and experts (and, by attention_bias, on q / k / v / o); attention sinks; sliding and full
+    # layers alternate; clamped SwiGLU experts
+    "GptOssForCausalLM": ("gpt_oss", False, False),
 }
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> (the text
 # model's architecture, the transformers config class whose defaults complete the released, sparse `text_config`)

@@ -46,6 +46,11 @@ _GPT4O = _PreTokenizer(f"{_LEAD}{_UPPER}*{_LOWER}+{_CONTRACTION}|{_LEAD}{_UPPER}
 _PRE_TOKENIZERS = {"qwen2": _QWEN2, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "gpt-4o": _GPT4O}
 
 
+def pre_tokenizer_split(pre: str) -> str:
+    """The Split regex of the original tokenizer.json of a `tokenizer.ggml.pre` in _PRE_TOKENIZERS (e.g. "gpt-4o")."""
+    return _PRE_TOKENIZERS[pre].split
+
+
 def _byte_level_bpe(path: Path, meta: dict[str, Any], pre: _PreTokenizer) -> Any:
     """A `tokenizers.Tokenizer` with the GGUF's byte-level BPE vocabulary, merges and added tokens, ids unchanged."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors

@@ -22,7 +22,7 @@ import json
 import re
 from typing import Any
 
-from trtbuild.serving.openai.tool_calls import ToolCall
+from trtbuild.serving.openai.tool_calls import ToolCall, partial_marker
 
 NAME = "harmony"  # as `--tool-call-parser` names it
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
@@ -122,7 +122,7 @@ class HarmonyParser:
             self.pending = self.pending[at + (0 if marker == START else len(marker)):]
             self._close()
             return True
-        keep = 0 if final else _partial_marker(self.pending)
+        keep = 0 if final else partial_marker(self.pending, _ENDS)
         self._write(self.pending[:len(self.pending) - keep])
         self.pending = self.pending[len(self.pending) - keep:]
         if final:
@@ -174,13 +174,6 @@ def _first(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
     """(index, marker) of the first of `markers` in `text`; (-1, "") when none is."""
     found = [(i, m) for m in markers if (i := text.find(m)) >= 0]
     return min(found) if found else (-1, "")
-
-
-def _partial_marker(text: str) -> int:
-    """Length of the longest end of `text` that is the beginning of a special token that ends a message."""
-    longest = max(map(len, _ENDS)) - 1
-    return next((n for n in range(min(len(text), longest), 0, -1)
-                 if any(m.startswith(text[-n:]) for m in _ENDS)), 0)
 
 
 def _is_object(text: str) -> bool:

@@ -9,6 +9,8 @@ prompt with `<think>\\n`, so the answer holds only the closing tag; Qwen3's lets
 
 from __future__ import annotations
 
+from trtbuild.serving.openai.tool_calls import partial_marker
+
 OPEN, CLOSE = "<think>", "</think>"
 
 
@@ -48,7 +50,7 @@ class ReasoningSplitter:
                     thinking += self.pending[:at]
                     self.state, self.pending = "separator", self.pending[at + len(CLOSE):]
                     continue
-                keep = 0 if final else _partial_tag(self.pending)
+                keep = 0 if final else partial_marker(self.pending, (CLOSE,))
                 thinking += self.pending[:len(self.pending) - keep]
                 self.pending = self.pending[len(self.pending) - keep:]
                 return thinking, content
@@ -60,8 +62,3 @@ class ReasoningSplitter:
             content += self.pending
             self.pending = ""
             return thinking, content
-
-
-def _partial_tag(text: str) -> int:
-    """Length of the longest end of `text` that is the closing tag's beginning."""
-    return next((n for n in range(min(len(text), len(CLOSE) - 1), 0, -1) if CLOSE.startswith(text[-n:])), 0)

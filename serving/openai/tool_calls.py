@@ -62,6 +62,14 @@ def _all_calls(items: list[Any], region: str) -> tuple[list[ToolCall], str]:
     return (calls, "") if calls and all(calls) else ([], region)
 
 
+def partial_marker(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that is the beginning of one of `markers`: text a stream holds back until
+    the next delta says whether a marker begins there."""
+    longest = max(map(len, markers)) - 1
+    return next((n for n in range(min(len(text), longest), 0, -1) if any(m.startswith(text[-n:]) for m in markers)),
+                0)
+
+
 class ToolCallFormat(ABC):
     """One way of writing tool calls. Invariants (ToolCallParser relies on them): once `start` finds the calls'
     start in a text it finds the same index in every longer text with that prefix; `parse` of a growing region
@@ -80,10 +88,7 @@ class ToolCallFormat(ABC):
 
     def held(self, text: str) -> int:
         """Where text that may still turn out to start the calls begins (a marker's first characters at the end)."""
-        for n in range(min(len(text), max(map(len, self.markers)) - 1), 0, -1):
-            if any(m.startswith(text[-n:]) for m in self.markers):
-                return len(text) - n
-        return len(text)
+        return len(text) - partial_marker(text, self.markers)
 
     @abstractmethod
     def parse(self, region: str, final: bool) -> tuple[list[ToolCall], str]:
