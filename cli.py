@@ -13,6 +13,7 @@ from trtbuild.cli_chat import chat_messages, chat_template, echo_answer, harmony
 from trtbuild.cli_errors import TrtbuildCommandGroup
 from trtbuild.cli_options import (
     existing,
+    lora_adapter_options,
     out,
     read_text_file,
     sampling_options,
@@ -125,6 +126,10 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
                    "sampling at a temperature) and returns accepted counts and next tokens instead of their logits.")
 @click.option("--max-draft-len", type=click.IntRange(min=0), default=None,
               help="Drafts per sequence the engine verifies (draft-tokens mode) [default: 4 in that mode].")
+@click.option("--lora", "lora_adapters", multiple=True, callback=lora_adapter_options, metavar="NAME=PATH",
+              help="A LoRA adapter (a PEFT adapter folder, or llama.cpp's LoRA .gguf) built in beside the base "
+                   "weights; a request runs under it by name (the OpenAI API's `model`, gRPC's `lora`, Triton's "
+                   "`lora_name`, `trtbuild run|client --lora NAME`). Repeat for more adapters.")
 @click.option("--verify", "verify_after", is_flag=True,
               help="Then run the engine against an unfused build of the checkpoint with polygraphy and print each "
                    "output's error against its tolerance (as `trtbuild verify`); exit non-zero if one fails.")
@@ -132,7 +137,7 @@ def build(checkpoint: Path, output: Path, target: str, dtype: str, max_batch_siz
           max_num_tokens: int, tokens_per_block: int, no_fuse: bool, int4_accuracy_level: str,
           kv_pool_dtype: str | None, attention: str, quant_linears: str, float_linears: str, autotune: str,
           timing_cache: Path | None, speculative_decoding_mode: str, max_draft_len: int | None,
-          verify_after: bool) -> None:
+          lora_adapters: tuple[tuple[str, str], ...], verify_after: bool) -> None:
     """Compile a checkpoint into an engine directory for one target."""
     from trtbuild.builder.build import build_engine
 
@@ -145,7 +150,7 @@ def build(checkpoint: Path, output: Path, target: str, dtype: str, max_batch_siz
                  quant_linears=quant_linears, float_linears=float_linears, autotune=autotune, timer=timer,
                  timing_cache=timing_cache, speculative_decoding_mode=speculative_decoding_mode,
                  max_draft_len=max_draft_len if max_draft_len is not None else
-                 (4 if speculative_decoding_mode == "draft-tokens" else 0))
+                 (4 if speculative_decoding_mode == "draft-tokens" else 0), lora_adapters=lora_adapters)
     click.echo(f"wrote engine {output}")
     if autotune != "off" and target == "cpu":
         click.echo(_tactics_summary(output))
@@ -192,10 +197,12 @@ def _verify(engine: Path, checkpoint: Path | None, threads: int | None) -> None:
 @click.option("--system", default=None, help="System message before --chat.")
 @sampling_options
 @speculative_options
+@click.option("--lora", default=None, metavar="NAME",
+              help="Run under this LoRA adapter of the engine (built in with `trtbuild build --lora NAME=PATH`).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
 def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, max_tokens: int, temperature: float,
         top_k: int, top_p: float, seed: int | None, speculative_tokens: int, prompt_lookup_max: int,
-        draft_engine: Path | None, threads: int | None) -> None:
+        draft_engine: Path | None, lora: str | None, threads: int | None) -> None:
     """Generate text from a prompt (or answer a --chat message), streaming it to the terminal."""
     from trtbuild.runtime.config import RuntimeConfig
     from trtbuild.runtime.llm import LLM
@@ -214,7 +221,7 @@ def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, 
         request: str | list[int] = template.encode(llm.core.tokenizer, chat_messages(chat, system))
     else:
         request = prompt
-    outputs = llm.stream([request], params)
+    outputs = llm.stream([request], params, lora)
     first = next(outputs)  # the request passed validation: echo the prompt (not a chat's), then stream
     if template is None:
         click.echo(prompt, nl=False)

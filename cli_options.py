@@ -20,6 +20,21 @@ def read_text_file(path: Path) -> str:
         raise TrtbuildError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8.") from None
 
 
+def lora_adapter_options(ctx: click.Context, param: click.Parameter,
+                         values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """`--lora NAME=PATH` values as (name, absolute path) pairs, the form BuildConfig.lora_adapters holds."""
+    adapters = []
+    for value in values:
+        name, sep, folder = value.partition("=")
+        if not sep or not name or not folder:
+            raise click.BadParameter(f"{value!r}: give NAME=PATH, e.g. --lora sql=./sql-lora", ctx, param)
+        if not Path(folder).exists():
+            raise click.BadParameter(f"{value!r}: {folder} does not exist (give a PEFT adapter folder, with "
+                                     "adapter_config.json and adapter_model.safetensors, or a LoRA .gguf)", ctx, param)
+        adapters.append((name, str(Path(folder).resolve())))
+    return tuple(adapters)
+
+
 def options(*decorators):
     """Apply several click options as one decorator (shared by the commands that take them)."""
 

@@ -61,9 +61,10 @@ def serve(engine: Path, host: str, port: int, http_port: int | None, api_key: st
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=600.0, help="Seconds for the call.")
 @click.option("--api-key", envvar="TRTBUILD_API_KEY", default=None,
               help="The server's --api-key, if it has one [env: TRTBUILD_API_KEY].")
+@click.option("--lora", default=None, metavar="NAME", help="Run under this LoRA adapter of the served engine.")
 def client(address: str, prompt: str | None, chat: str | None, system: str | None, engine_dir: Path | None,
            max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None, stop: tuple[str, ...],
-           no_stream: bool, timeout: float, api_key: str | None) -> None:
+           no_stream: bool, timeout: float, api_key: str | None, lora: str | None) -> None:
     """Generate text with a running `trtbuild serve`, streaming it to the terminal."""
     import grpc
 
@@ -84,9 +85,9 @@ def client(address: str, prompt: str | None, chat: str | None, system: str | Non
     try:
         with GenerationClient(address, api_key=api_key) as c:
             if no_stream:
-                click.echo(echo + c.generate(request, timeout=timeout, **sampling).text, nl=False)
+                click.echo(echo + c.generate(request, timeout=timeout, lora=lora, **sampling).text, nl=False)
             else:
-                responses = c.generate_stream(request, timeout=timeout, **sampling)
+                responses = c.generate_stream(request, timeout=timeout, lora=lora, **sampling)
                 first = next(responses)  # the request passed validation: echo the prompt, then stream
                 click.echo(echo, nl=False)
                 for r in itertools.chain([first], responses):

@@ -309,12 +309,15 @@ def _step_chunks(info: EngineInfo):
     blocks_per_seq = [-(-(n + decode) // b.tokens_per_block) for n in lengths]
     ids = rng.permutation(sum(blocks_per_seq)).tolist()  # scattered block tables, as a pool in use has
     tables = [ids[sum(blocks_per_seq[:i]): sum(blocks_per_seq[: i + 1])] for i in range(len(lengths))]
-    prefill = [SequenceChunk(i, rng.integers(0, vocab, n).tolist(), 0, n, tables[i]) for i, n in enumerate(lengths)]
+    # NOTE: the sequences run under the engine's last LoRA adapters (the first under none where it has fewer)
+    loras = [max(0, len(b.lora_adapters) - len(lengths) + 1 + i) for i in range(len(lengths))]
+    prefill = [SequenceChunk(i, rng.integers(0, vocab, n).tolist(), 0, n, tables[i], lora_id=loras[i])
+               for i, n in enumerate(lengths)]
     seqs = f"{len(lengths)} sequence" + "s" * (len(lengths) > 1)
     steps = [f"prefill of {' + '.join(map(str, lengths))} tokens ({seqs}, logits of every token)"]
     chunks = [prefill]
     if decode:
-        chunks.append([SequenceChunk(i, [0], n, 1, tables[i]) for i, n in enumerate(lengths)])
+        chunks.append([SequenceChunk(i, [0], n, 1, tables[i], lora_id=loras[i]) for i, n in enumerate(lengths)])
         steps.append("decode of 1 token per sequence, on the reference prefill's K/V")
     groups, per_group = len(info.kv_cache_groups), sum(blocks_per_seq)
     return steps, [in_every_group(c, groups, per_group) for c in chunks], groups * per_group

@@ -18,6 +18,7 @@ from trtbuild.builder.convert.checkpoint import (
     remove_partial_output,
 )
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, CPU_WEIGHTS_FILE, cpu_fingerprint, write_engine_config
+from trtbuild.builder.lora import read_adapters
 from trtbuild.builder.network import build_network, engine_inputs, engine_outputs
 from trtbuild.builder.quantized import check_quantization
 from trtbuild.builder.tensorrt.plan import check_tensorrt_buildable
@@ -99,6 +100,7 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
     from trtbuild.builder.lower_accept import lower_speculative_accept
     from trtbuild.builder.new_kv_dtype import new_kv_in_pool_dtype
     from trtbuild.builder.passes import run_passes
+    from trtbuild.builder.passes.lora import hoist_lora_adds
     from trtbuild.builder.passes.lower_quant_cpu import lower_quantized_linears
 
     applied = []
@@ -109,6 +111,8 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
     quantized = lower_quantized_linears(model, build.int4_accuracy_level)
     if quantized:
         applied.append(f"lower_quantized_linears:{quantized}")
+    if hoisted := hoist_lora_adds(model):  # the quantized siblings' Splits that lower_quantized_linears made
+        applied.append(f"hoist_lora_adds:{hoisted}")
     accept = lower_speculative_accept(model)
     if accept:
         applied.append(f"lower_speculative_accept:{accept}")
@@ -232,13 +236,14 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
                                       "(trtbuild.bench.autotune.time_graph)")
     # unreadable: refused before any work. NOTE: a tensorrt build's cache is TensorRT's own binary file
     cache = TimingCache(timing_cache if build.target != "tensorrt" else None)
+    lora = read_adapters(build.lora_adapters, config)  # checked against the model before any work
     prepare_output_dir(output)
     steps = tqdm(total=5, desc="building engine", unit="step", leave=False)
     try:
         _, tensors = open_checkpoint(checkpoint, rank=0)
         steps.set_postfix_str("network"), steps.update()
         staging = StagingWeights(output / (CPU_WEIGHTS_FILE + ".staging"))
-        model = build_network(config, tensors, build, staging)
+        model = build_network(config, tensors, build, staging, lora)
         steps.set_postfix_str("passes + lowering"), steps.update()
         if build.target in ("cuda", "tensorrt"):
             finish = _finish_cuda if build.target == "cuda" else _finish_tensorrt

@@ -39,6 +39,7 @@ import torch
 from onnx import helper
 
 from trtbuild.builder.graph import GraphView, other_input
+from trtbuild.builder.lora import LORA_IDS_INPUT
 from trtbuild.builder.network import ACCEPT_INPUTS
 from trtbuild.errors import TrtbuildError
 from trtbuild.plugins import paged_attention as pa
@@ -192,6 +193,10 @@ class _PlanWriter:
             self.emit(kernel, n, inputs, list(n.output), **attrs)
         elif op == "Mul" and len(scalars := [i for i in n.input if self.scalar(i) is not None]) == 1:
             self.emit("scale", n, [other_input(n, scalars[0])], list(n.output), value=self.scalar(scalars[0]))
+        elif op == "Mul" and not any(i in v.initializers for i in n.input):
+            self.emit("mul", n, list(n.input), list(n.output))
+        elif op == "Concat":
+            self.emit("concat", n, list(n.input), list(n.output), axis=int(a["axis"]))
         elif op == "Gelu" and n.domain in ("", "ai.onnx"):
             self.emit("gelu", n, [n.input[0]], list(n.output), approximate=a.get("approximate", "none"))
         elif op == "Tanh":
@@ -271,6 +276,8 @@ class _PlanWriter:
                 self.node(n)
         dtype = next(k for k, t in TORCH_DTYPES.items() if t == self.dtype)
         inputs = PLAN_INPUTS + tuple(sorted(self.group_inputs))
+        if LORA_IDS_INPUT in {i.name for i in self.view.graph.input}:
+            inputs += (LORA_IDS_INPUT,)
         if any(s.kernel == "speculative_accept" for s in self.steps):
             return Plan(dtype, tuple(self.steps), ("logits", *sa.OUTPUTS), inputs + ACCEPT_INPUTS)
         return Plan(dtype, tuple(self.steps), inputs=inputs)

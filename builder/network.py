@@ -9,6 +9,8 @@ Engine I/O (T = packed tokens of this step, B = sequences, N = tokens whose logi
   kv_cache [num_blocks, slots, 2, num_kv_heads, tokens_per_block, head_size]
   -> logits [N, vocab] float32, new_kv [num_layers, 2, T, num_kv_heads, head_size] (K after RoPE, V)
 
+Built with LoRA adapters (builder/lora.py): + lora_ids [T] int64, each token's adapter (0: none).
+
 Built with speculative_decoding_mode draft-tokens (K = max_draft_len, A = sequences whose drafts the engine verifies),
 the N rows feed one trtbuild::SpeculativeAccept node (plugins/speculative_accept.py) and only the rows the runtime
 still samples itself leave the engine:
@@ -40,6 +42,7 @@ import torch
 from onnx import TensorProto
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
+from trtbuild.builder.lora import LORA_IDS_INPUT, LoraTables, WithLora, read_adapters
 from trtbuild.builder.mlp_activation import gated_activation
 from trtbuild.builder.moe_experts import Experts
 from trtbuild.builder.quantized import QuantizedLinears, kv_cache_scales
@@ -60,7 +63,8 @@ KV_SCALES_METADATA = "trtbuild.kv_cache_scales"
 
 def engine_inputs(config: ModelConfig, build: BuildConfig) -> tuple[str, ...]:
     groups = [group_input("block_tables", g) for g in range(1, len(kv_cache_groups(config, build)))]
-    return ENGINE_INPUTS + tuple(groups) + (ACCEPT_INPUTS if build.draft_tokens else ())
+    lora = (LORA_IDS_INPUT,) if build.lora_adapters else ()
+    return ENGINE_INPUTS + tuple(groups) + lora + (ACCEPT_INPUTS if build.draft_tokens else ())
 
 
 def engine_outputs(build: BuildConfig) -> tuple[str, ...]:
@@ -79,9 +83,10 @@ def kv_cache_shape(config: ModelConfig, build: BuildConfig, num_blocks: int | st
 
 class _NetworkWriter:
     def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor], build: BuildConfig,
-                 staging: StagingWeights | None) -> None:
+                 staging: StagingWeights | None, lora: LoraTables | None) -> None:
         self.c, self.build, self.g = config, build, GraphBuilder(staging)
-        self.tensors = tensors
+        self.tensors, self.lora = tensors, lora
+        self.lora_mask = ""  # [tokens, R]: which LoRA columns each token keeps (set in write)
         self.np_dtype = np.float32  # the CPU target computes in fp32 (ORT's CPU kernels are fastest there)
         self.quant = QuantizedLinears(self.g, config, tensors, build.int4_accuracy_level)
         self.moe = Experts(self.g, config, tensors, self.quant, native=build.quant_linears == "native")
@@ -91,15 +96,27 @@ class _NetworkWriter:
         return self.tensors[name].to(torch.float32).numpy().astype(self.np_dtype, copy=False)
 
     def linear(self, x: str, prefix: str, bias: bool = False, outputs: list[str] | None = None) -> str:
+        adapted = self.lora is not None and prefix + ".lora_a" in self.tensors
+        last = not (bias or adapted)  # whether the GEMM's output is the linear's
         if self.quant.is_quantized(prefix):
-            y = self.quant.matmul(x, prefix, outputs=None if bias else outputs)
+            y = self.quant.matmul(x, prefix, outputs=outputs if last else None)
         else:
             w = self.g.weight(prefix + ".weight", self.tensor(prefix + ".weight").T)  # [in, out] for MatMul
-            y = self.g.op("MatMul", [x, w], name=prefix, outputs=None if bias else outputs)
+            y = self.g.op("MatMul", [x, w], name=prefix, outputs=outputs if last else None)
         if bias:
             y = self.g.op("Add", [y, self.g.weight(prefix + ".bias", self.tensor(prefix + ".bias"))],
-                          name=prefix + "_bias", outputs=outputs)
-        return y
+                          name=prefix + "_bias", outputs=None if adapted else outputs)
+        return self.lora_delta(x, y, prefix, outputs) if adapted else y
+
+    def lora_delta(self, x: str, y: str, prefix: str, outputs: list[str] | None) -> str:
+        """y + ((x @ A^T) * mask) @ B^T over every adapter's columns (builder/lora.py). The node names end in
+        LORA_SUFFIXES, which the GEMM fusion passes read (builder/passes/lora.py)."""
+        a = self.g.weight(prefix + ".lora_a", self.tensor(prefix + ".lora_a").T)  # [in, R] for MatMul
+        b = self.g.weight(prefix + ".lora_b", self.tensor(prefix + ".lora_b").T)  # [R, out]
+        h = self.g.op("MatMul", [x, a], name=prefix + ".lora_a")
+        h = self.g.op("Mul", [h, self.lora_mask], name=prefix + ".lora_mask")
+        delta = self.g.op("MatMul", [h, b], name=prefix + ".lora_b")
+        return self.g.op("Add", [y, delta], name=prefix + ".lora_add", outputs=outputs)
 
     def lm_head(self, h: str, out: str) -> None:
         """logits = h @ lm_head^T. A tied, unquantized head reads the embedding table itself (Gemm with transB), so
@@ -216,6 +233,10 @@ class _NetworkWriter:
         groups = kv_cache_groups(c, self.build)
         block_tables += [g.input(group_input("block_tables", i), i64, ["batch", self.build.max_blocks_per_seq])
                          for i in range(1, len(groups))]
+        if self.lora is not None:
+            table = g.weight("lora_table", self.lora.mask_table())
+            self.lora_mask = g.op("Gather", [table, g.input(LORA_IDS_INPUT, i64, ["num_tokens"])], axis=0,
+                                  name="lora_mask")
 
         rope = self.rope_inputs()
         positions_2d = g.op("Unsqueeze", [positions, g.const(np.array([0]), "axis0")], name="positions_2d")
@@ -292,10 +313,15 @@ class _NetworkWriter:
 
 
 def build_network(config: ModelConfig, tensors: Mapping[str, torch.Tensor], build: BuildConfig,
-                  staging: StagingWeights | None = None) -> onnx.ModelProto:
+                  staging: StagingWeights | None = None, lora: LoraTables | None = None) -> onnx.ModelProto:
     """The unfused network for one single-rank checkpoint. `tensors` may read each tensor lazily; with `staging`,
     the weights go to that file one at a time as the network is written (otherwise they stay in the model). A
-    partial-rotary model's q / k rows are reordered for the whole-head RoPE (builder/rope.py)."""
+    partial-rotary model's q / k rows are reordered for the whole-head RoPE (builder/rope.py). `lora`: the build's
+    adapters, if already read (otherwise they are read from build.lora_adapters)."""
+    if lora is None:
+        lora = read_adapters(build.lora_adapters, config)
+    if lora is not None:
+        tensors = WithLora(tensors, lora)
     if config.rotary_dim is not None:
         tensors = PartialRotaryRows(tensors, config)
-    return _NetworkWriter(config, tensors, build, staging).write()
+    return _NetworkWriter(config, tensors, build, staging, lora).write()

@@ -150,7 +150,7 @@ def rotary_row_order(head_size: int, rotary: int) -> np.ndarray:
 
 
 _ROTATED = re.compile(r"^transformer\.layers\.\d+\.attention\.([qk])(_norm)?\.(weight|bias|weights_scaling_factor|"
-                      r"weights_zero_point)$")
+                      r"weights_zero_point|lora_b)$")
 
 
 class PartialRotaryRows(Mapping):

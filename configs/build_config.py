@@ -29,6 +29,8 @@ QUANT_LINEARS_MODES = ("auto", "native", "ort")
 # how the CPU target computes unquantized linears (builder/dense_linears.py): native (trtbuild::DenseMatMul over the
 # weights in the narrowest float type exact for them, cpu_ops/) or ort (MatMul on float32 weights); auto: as above
 FLOAT_LINEARS_MODES = ("auto", "native", "ort")
+# the engine input of an engine built with LoRA adapters: each packed token's adapter (0: none; builder/lora.py)
+LORA_IDS_INPUT = "lora_ids"
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class BuildConfig:
     attention: str = "auto"  # ATTENTION_MODES (CPU target)
     quant_linears: str = "auto"  # QUANT_LINEARS_MODES (CPU target)
     float_linears: str = "auto"  # FLOAT_LINEARS_MODES (CPU target)
+    # LoRA adapters built in beside the base weights, ((name, PEFT adapter folder), ...): a request names the one it
+    # runs under (builder/lora.py); the engine's `lora_ids` input says which, per token
+    lora_adapters: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -80,6 +85,11 @@ class BuildConfig:
         if self.speculative_decoding_mode not in SPECULATIVE_DECODING_MODES:
             raise ConfigError("speculative_decoding_mode", f"must be one of {', '.join(SPECULATIVE_DECODING_MODES)}, "
                                                            f"got {self.speculative_decoding_mode!r}.")
+        # NOTE: JSON (config.json) gives lists; the frozen config holds tuples, so that equal configs compare equal
+        object.__setattr__(self, "lora_adapters", tuple(tuple(map(str, a)) for a in self.lora_adapters))
+        names = [a[0] for a in self.lora_adapters]
+        if any(len(a) != 2 for a in self.lora_adapters) or len(set(names)) != len(names):
+            raise ConfigError("lora_adapters", f"must be distinct (name, path) pairs, got {list(self.lora_adapters)}.")
         if self.draft_tokens != (self.max_draft_len > 0) or self.max_draft_len < 0:
             raise ConfigError("max_draft_len", "must be at least 1 with speculative_decoding_mode draft-tokens and 0 "
                                                f"without, got {self.max_draft_len}.")
@@ -88,6 +98,11 @@ class BuildConfig:
     def draft_tokens(self) -> bool:
         """The engine verifies drafts itself (SpeculativeAccept)."""
         return self.speculative_decoding_mode == "draft-tokens"
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The adapters a request may name, in the order of their `lora_ids` (1, 2, ...; 0 is the base model)."""
+        return tuple(a[0] for a in self.lora_adapters)
 
     @property
     def max_blocks_per_seq(self) -> int:

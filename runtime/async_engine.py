@@ -98,11 +98,13 @@ class AsyncEngine:
         self._thread.start()
 
     # ---- caller side -------------------------------------------------------------------------------------------
-    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
-        """Validate and enqueue; raises ValueError (bad field), QueueFullError or EngineDeadError."""
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+               lora: str | None = None) -> RequestStream:
+        """Validate and enqueue (under LoRA adapter `lora`, if named); raises ValueError (bad field), QueueFullError
+        or EngineDeadError."""
         if self._error is not None:
             raise EngineDeadError(f"the engine loop stopped: {self._error}")
-        request = self.core.make_request(prompt, params, request_id)
+        request = self.core.make_request(prompt, params, request_id, lora)
         with self._lock:
             if self._stopped:
                 raise EngineDeadError("the engine loop has stopped (shut down)")

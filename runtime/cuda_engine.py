@@ -16,7 +16,7 @@ import torch
 
 from trtbuild.builder.cuda_plan import TORCH_DTYPES, Plan
 from trtbuild.builder.engine_dir import EngineInfo, read_engine_config
-from trtbuild.configs import KVCacheGroup, group_input
+from trtbuild.configs import LORA_IDS_INPUT, KVCacheGroup, group_input
 from trtbuild.errors import EngineCompatibilityError, TrtbuildError
 from trtbuild.kernels.load import load_kernels
 from trtbuild.runtime.cuda_plan_ops import OPS
@@ -172,7 +172,8 @@ class CudaEngine:
         """The plan's inputs (plan.inputs) of checked chunks, on the device. `pad_to`: a decode batch padded with
         one-token sequences in the scratch block (for a CUDA graph of that batch size)."""
         groups = range(len(self.kv.groups))
-        host, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots, len(groups))
+        host, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots, len(groups),
+                                  lora=bool(self.info.build.lora_adapters))
         pad = 0 if pad_to is None else pad_to - len(chunks)
         if pad:  # one-token sequences at position 0 whose only block (in every group) is the scratch block
             scratch, tokens = self.kv.scratch_block, len(host["input_ids"])
@@ -182,8 +183,9 @@ class CudaEngine:
                 host[name] = np.concatenate([host[name], padded_tables])
                 slots[g] = np.concatenate([slots[g], np.full(pad, scratch * self.kv.tokens_per_block, dtype=np.int64)])
             host["query_start_loc"] = np.concatenate([host["query_start_loc"], tokens + np.arange(1, pad + 1)])
-            for name in ("input_ids", "position_ids", "past_lengths"):
-                host[name] = np.concatenate([host[name], np.zeros(pad, dtype=np.int64)])
+            for name in ("input_ids", "position_ids", "past_lengths", LORA_IDS_INPUT):
+                if name in host:
+                    host[name] = np.concatenate([host[name], np.zeros(pad, dtype=np.int64)])
             host["logits_indices"] = np.concatenate([host["logits_indices"], tokens + np.arange(pad)])
         host.update((group_input("slot_mapping", g), slots[g]) for g in groups)
         if self.max_draft_len:

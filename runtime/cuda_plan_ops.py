@@ -48,6 +48,15 @@ def add(k: Kernels, a: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> tupl
     return (x + y,)
 
 
+def mul(k: Kernels, a: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Elementwise: a LoRA branch's mask (builder/lora.py)."""
+    return (x * y,)
+
+
+def concat(k: Kernels, a: dict[str, Any], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.cat(xs, dim=a["axis"]),)
+
+
 def split(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(torch.split(x, a["sizes"], dim=a["axis"]))
 
@@ -120,6 +129,6 @@ def speculative_accept(k: Kernels, a: dict[str, Any], logits: torch.Tensor, acce
 
 
 OPS: dict[str, Op] = {f.__name__: f for f in (gather_rows, rmsnorm, add_rmsnorm, linear, weight_only_linear, add,
-                                              split, reshape, swiglu, silu_mul, geglu, gelu_mul, gelu, tanh,
-                                              scale, paged_attention, kv_write, speculative_accept)}
+                                              mul, concat, split, reshape, swiglu, silu_mul, geglu, gelu_mul, gelu,
+                                              tanh, scale, paged_attention, kv_write, speculative_accept)}
 OPS["embedding"] = gather_rows

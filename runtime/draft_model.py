@@ -50,6 +50,7 @@ class _DraftSeq:
     token_ids: list[int]
     num_computed_tokens: int = 0
     block_hashes: list[int] = field(default_factory=list)
+    lora_id: int = 0  # the draft engine runs the base model: its drafts are verified under the request's adapter
     fed_drafts: list[int] = field(default_factory=list)  # drafts whose K/V follow the computed tokens
     acceptance: float = 1.0  # EMA of accepted / drafted per verified step
     seen_drafted: int = 0  # the request's metrics when last synced

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, EngineInfo, read_engine_config
-from trtbuild.configs import BuildConfig, group_input
+from trtbuild.configs import LORA_IDS_INPUT, BuildConfig, group_input
 from trtbuild.cpu_ops import library_for_engine
 from trtbuild.errors import EngineCompatibilityError
 from trtbuild.quantization import kv_pool_dtype
@@ -56,6 +56,7 @@ class SequenceChunk:
     # the tables of the engine's other KV cache groups (configs/kv_groups.py), each as long as block_ids: one per
     # group after the first; empty for an engine of one group
     group_block_ids: tuple[tuple[int, ...], ...] = ()
+    lora_id: int = 0  # the LoRA adapter its tokens run under: 0 none, i the engine's i-th (BuildConfig.lora_names)
 
     def tables(self) -> tuple[Sequence[int], ...]:
         """The block table of every KV cache group, the first group's first."""
@@ -104,6 +105,9 @@ def check_chunks(b: BuildConfig, chunks: list[SequenceChunk], max_draft_len: int
             raise ValueError(f"num_logits {c.num_logits} is outside 0..{len(c.token_ids)} for sequence {c.seq_id}")
         if end > b.max_seq_len:
             raise ValueError(f"sequence {c.seq_id} reaches {end} tokens, beyond max_seq_len {b.max_seq_len}")
+        if not 0 <= c.lora_id <= len(b.lora_adapters):
+            raise ValueError(f"sequence {c.seq_id}: LoRA adapter {c.lora_id} of an engine built with "
+                             f"{len(b.lora_adapters)} (0 is none)")
         if len(c.group_block_ids) != num_groups - 1:
             raise ValueError(f"sequence {c.seq_id} has {1 + len(c.group_block_ids)} block tables; this engine's KV "
                              f"cache has {num_groups} groups, one table each")
@@ -134,10 +138,11 @@ def default_threads(tuned: int | None = None) -> int:
 
 def pack_chunks(chunks: list[SequenceChunk], max_blocks_per_seq: int,
                 slots_of: Callable[[Sequence[int], int, int], np.ndarray],
-                num_groups: int = 1) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+                num_groups: int = 1, lora: bool = False) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
     """The step inputs every target takes (input_ids, position_ids, query_start_loc, past_lengths, block_tables and
-    one more table per KV cache group after the first, logits_indices) for checked chunks, packed sequence after
-    sequence, and per group the pool slots of their new K/V (`slots_of(block_ids, start, end)`)."""
+    one more table per KV cache group after the first, logits_indices; with `lora`, lora_ids) for checked chunks,
+    packed sequence after sequence, and per group the pool slots of their new K/V (`slots_of(block_ids, start,
+    end)`)."""
     block_tables = np.zeros((num_groups, len(chunks), max_blocks_per_seq), dtype=np.int64)
     query_start = np.zeros(len(chunks) + 1, dtype=np.int64)
     query_start[1:] = np.cumsum([len(c.token_ids) for c in chunks])
@@ -158,6 +163,9 @@ def pack_chunks(chunks: list[SequenceChunk], max_blocks_per_seq: int,
         **{group_input("block_tables", g): block_tables[g] for g in range(num_groups)},
         "logits_indices": np.array(logits_rows, dtype=np.int64),
     }
+    if lora:
+        inputs[LORA_IDS_INPUT] = np.repeat(np.array([c.lora_id for c in chunks], dtype=np.int64),
+                                           np.diff(query_start))
     return inputs, [np.concatenate(s) if s else np.zeros(0, dtype=np.int64) for s in slots]
 
 
@@ -313,7 +321,8 @@ class CpuEngine:
     def feeds(self, chunks: list[SequenceChunk]) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
         """The engine inputs of one call over checked chunks (the pool itself as `kv_cache`), and the pool slots
         their new K/V go to."""
-        feeds, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots, len(self.kv.groups))
+        feeds, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots, len(self.kv.groups),
+                                   lora=bool(self.info.build.lora_adapters))
         feeds["kv_cache"] = self.kv.pool
         if self.max_draft_len:
             feeds.update(accept_feeds(chunks, self.max_draft_len))

@@ -126,9 +126,12 @@ class EngineCore:
                      self.start_seconds["warm_up"])
 
     # ---- requests ----------------------------------------------------------------------------------------------
-    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        """Tokenize and validate a request without touching engine state (safe from any thread).
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                     lora: str | None = None) -> Request:
+        """Tokenize and validate a request without touching engine state (safe from any thread). `lora`: the name
+        of one of the engine's LoRA adapters to run it under (None: the base model).
         Raises ValueError with a message naming the offending field."""
+        lora_id = self.lora_id(lora)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this engine has no tokenizer; send prompt token ids")
@@ -145,10 +148,25 @@ class EngineCore:
             bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt_token_ids: ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        request = Request(request_id or uuid.uuid4().hex, prompt_ids, params, self.eos_token_ids)
+        request = Request(request_id or uuid.uuid4().hex, prompt_ids, params, self.eos_token_ids, lora_id=lora_id)
         self.scheduler.check_fits(request)
         SamplingState(params, prompt_ids, self.eos_token_ids, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
         return request
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters the engine was built with, which requests may name."""
+        return self.engine.info.build.lora_names
+
+    def lora_id(self, name: str | None) -> int:
+        """The engine's index of adapter `name` (0: None, the base model); ValueError for a name it lacks."""
+        if name is None:
+            return 0
+        if name not in self.lora_names:
+            have = f"it has {', '.join(self.lora_names)}" if self.lora_names else \
+                "it was built without any (`trtbuild build --lora NAME=PATH`)"
+            raise ValueError(f"lora: this engine has no LoRA adapter {name!r}; {have}")
+        return 1 + self.lora_names.index(name)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.tracked:
@@ -243,7 +261,8 @@ class EngineCore:
             return []
         chunks = [SequenceChunk(c.request.request_id,
                                 (c.request.token_ids + c.request.spec_token_ids)[c.start : c.start + c.num_tokens],
-                                c.start, c.num_logits, c.block_ids, self._engine_accept(c), c.group_block_ids)
+                                c.start, c.num_logits, c.block_ids, self._engine_accept(c), c.group_block_ids,
+                                c.request.lora_id)
                   for c in scheduled.chunks]
         run_before = self.engine.run_seconds
         tokens, logprobs = self._sample(scheduled, self.engine.execute(chunks))

@@ -67,7 +67,9 @@ class KVCacheManager:
         hashes, bs = request.block_hashes, self.block_size
         while len(hashes) < num_tokens // bs:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, request.token_ids[i * bs : (i + 1) * bs]))
+            # NOTE: a LoRA adapter changes every layer's K/V after the first: its blocks chain from its own root
+            root = hash(("lora", request.lora_id)) if request.lora_id else None
+            hashes.append(hash_block(hashes[-1] if hashes else root, request.token_ids[i * bs : (i + 1) * bs]))
         return hashes[: num_tokens // bs]
 
     def computed_prefix(self, request: Request) -> CachedPrefix:

@@ -22,14 +22,18 @@ class LLM:
     def __init__(self, engine_dir: Path, config: RuntimeConfig | None = None) -> None:
         self.core = EngineCore(Path(engine_dir), config)
 
-    def stream(self, prompts: Sequence[str | list[int]],
-               params: SamplingParams | Sequence[SamplingParams]) -> Iterator[tuple[int, RequestOutput]]:
-        """Run every prompt to completion, yielding (prompt index, output delta) as tokens are sampled.
+    def stream(self, prompts: Sequence[str | list[int]], params: SamplingParams | Sequence[SamplingParams],
+               lora: str | None | Sequence[str | None] = None) -> Iterator[tuple[int, RequestOutput]]:
+        """Run every prompt to completion, yielding (prompt index, output delta) as tokens are sampled. `lora`: the
+        engine's LoRA adapter to run them under, or one per prompt (None: the base model).
         All requests are validated before any is queued (ValueError names the bad field)."""
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"params: got {len(params_list)} for {len(prompts)} prompts")
-        requests = [self.core.make_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        for field, values in (("params", params_list), ("lora", loras)):
+            if len(values) != len(prompts):
+                raise ValueError(f"{field}: got {len(values)} for {len(prompts)} prompts")
+        requests = [self.core.make_request(p, sp, lora=name)
+                    for p, sp, name in zip(prompts, params_list, loras, strict=True)]
         index = {r.request_id: i for i, r in enumerate(requests)}
         for r in requests:
             self.core.add_request(r)
@@ -41,12 +45,12 @@ class LLM:
             for r in requests:
                 self.core.abort_request(r.request_id)
 
-    def generate(self, prompts: Sequence[str | list[int]],
-                 params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
+    def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | Sequence[SamplingParams],
+                 lora: str | None | Sequence[str | None] = None) -> list[Completion]:
         tokens: list[list[int]] = [[] for _ in prompts]
         texts = [""] * len(prompts)
         reasons = [""] * len(prompts)
-        for i, output in self.stream(prompts, params):
+        for i, output in self.stream(prompts, params, lora):
             tokens[i] += output.new_token_ids
             texts[i] += output.new_text
             if output.finished:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import STORIES260K, make_random_hf_model, require_shared_models
+from helpers import STORIES260K, make_peft_adapter, make_random_hf_model, require_shared_models
 
 
 def _import_triton_interpreted() -> None:
@@ -75,6 +75,24 @@ def stories_engine(engine_from_hf) -> Path:
     """stories260K (real, trained) as an engine for runtime tests."""
     require_shared_models()
     return engine_from_hf(STORIES260K, **RUNTIME_ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tmp_path_factory) -> dict[str, Path]:
+    """Two PEFT LoRA adapters of stories260K: `sql` (q and v, rank 4) and `poem` (every linear, rank 8, rsLoRA)."""
+    require_shared_models()
+    out = tmp_path_factory.mktemp("lora")
+    return {"sql": make_peft_adapter(STORIES260K, out / "sql", seed=1, r=4, lora_alpha=8,
+                                     target_modules=["q_proj", "v_proj"]),
+            "poem": make_peft_adapter(STORIES260K, out / "poem", seed=2, r=8, lora_alpha=4, use_rslora=True,
+                                      target_modules="all-linear")}
+
+
+@pytest.fixture(scope="session")
+def lora_engine(engine_from_hf, lora_adapters) -> Path:
+    """stories260K as an engine with both `lora_adapters` built in (runtime and server tests)."""
+    adapters = tuple((name, str(path)) for name, path in lora_adapters.items())
+    return engine_from_hf(STORIES260K, lora_adapters=adapters, **RUNTIME_ENGINE_OPTIONS)
 
 
 @pytest.fixture(scope="session")

@@ -132,6 +132,32 @@ def make_random_hf_model(family: str, out_dir: Path, seed: int = 0, overrides: d
     return out_dir
 
 
+def make_peft_adapter(base_dir: Path, out_dir: Path, seed: int = 0, **lora_config: object) -> Path:
+    """Save a LoRA adapter of the HF model at base_dir as PEFT does (`lora_config`: peft.LoraConfig's fields), its A
+    and B both random (PEFT's init_lora_weights=False), so that it changes the model's logits."""
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    get_peft_model(base, LoraConfig(init_lora_weights=False, **lora_config)).save_pretrained(out_dir)
+    return out_dir
+
+
+def peft_logits(base_dir: Path, adapter_dir: Path | None, ids: list[int]):
+    """Every position's logits [len(ids), vocab] of the HF model at base_dir under the PEFT adapter (None: none)."""
+    import torch
+    import transformers
+    from peft import PeftModel
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
 def require_shared_models() -> None:
     if not STORIES260K.is_dir():
         pytest.fail(f"shared models not found at {MODELS}; set TRTBUILD_SHARED to the folder holding models/")

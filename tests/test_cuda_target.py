@@ -4,6 +4,7 @@ triton for it), so the engines here are tiny and the steps short."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -236,3 +237,20 @@ def test_draft_tokens_engine_verifies_as_the_cpu_engine(engine_from_hf):
     got_tokens, finals, _ = drive(core, prompts, params)
     assert got_tokens == want_tokens and sum(verified) > 0
     assert sum(f.metrics.num_accepted_draft_tokens for f in finals) > 0
+
+
+def test_lora_plan_matches_cpu_engine(engine_from_hf, lora_adapters):
+    """LoRA adapters (builder/lora.py) in the plan: each chunk under its own adapter, as in the CPU engine, and a
+    decode batch padded for a CUDA graph (padding rows under no adapter)."""
+    adapters = tuple((name, str(path)) for name, path in lora_adapters.items())
+    cpu = CpuEngine(engine_from_hf(STORIES260K, lora_adapters=adapters, **OPTIONS), num_blocks=8)
+    cuda = CudaEngine(engine_from_hf(STORIES260K, target="cuda", lora_adapters=adapters, **OPTIONS), num_blocks=8)
+    for i, chunks in enumerate(STEPS):
+        chunks = [dataclasses.replace(c, lora_id=1 + j) for j, c in enumerate(chunks)]  # sql, poem
+        np.testing.assert_allclose(cuda.step(chunks), cpu.step(chunks), atol=1e-4, rtol=0, err_msg=f"step {i}")
+    decode = [dataclasses.replace(STEPS[3][0], lora_id=2), STEPS[3][1]]  # the last step again, rewriting its K/V
+    want = cpu.step(decode)
+    padded = cuda.inputs(decode, pad_to=4)
+    assert padded["lora_ids"].tolist() == [2, 0, 0, 0]
+    got = cuda.forward(padded, max_query_len=1)["logits"][:2].float().numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

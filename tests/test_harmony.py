@@ -204,11 +204,11 @@ class ScriptedEngine:
     def __init__(self, directory: Path, answer: str) -> None:
         tokenizer = Tokenizer(directory)
         self.core = SimpleNamespace(tokenizer=tokenizer, engine=SimpleNamespace(info=SimpleNamespace(path=directory)),
-                                    scheduler=SimpleNamespace(config=SimpleNamespace(max_seq_len=4096)))
+                                    scheduler=SimpleNamespace(config=SimpleNamespace(max_seq_len=4096)), lora_names=())
         self.max_queue_size, self.on_finished, self.dead = 4, [], False
         self.answer, self.params, self.prompts = answer, [], []
 
-    def submit(self, prompt: list[int], params) -> RequestStream:
+    def submit(self, prompt: list[int], params, lora: str | None = None) -> RequestStream:
         self.params.append(params)
         self.prompts.append(self.core.tokenizer.decode(prompt, skip_special_tokens=False))
         tokenizer = self.core.tokenizer

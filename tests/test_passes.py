@@ -311,7 +311,7 @@ def test_all_passes_in_order(family, network):
     for p in PASSES["cpu"]:
         counts[p.__name__] = p(model)
         check(model)  # every intermediate model is valid ONNX
-    assert counts == {"fold_prescale": 0, "fuse_qkv": LAYERS, "fuse_gate_up": LAYERS,
+    assert counts == {"fold_prescale": 0, "fuse_qkv": LAYERS, "fuse_gate_up": LAYERS, "hoist_lora_adds": 0,
                       "fuse_rope_into_attention": LAYERS,
                       "fuse_add_rmsnorm": 2 * LAYERS - 1}
     got = ops(model)
@@ -442,8 +442,8 @@ def test_fused_engine_matches_unfused_engine(family, random_hf_model, engine_fro
     lowered = (f"dense_linears:{7 * LAYERS + 1}",) + ((f"linear_biases:{biases}",) if biases else ())
     assert unfused_info.passes == lowered  # the target's lowering: every linear, and the bias adds
     assert fused_info.passes == ("fold_prescale:0", f"fuse_qkv:{LAYERS}", f"fuse_gate_up:{LAYERS}",
-                                 f"fuse_rope_into_attention:{LAYERS}", f"fuse_add_rmsnorm:{2 * LAYERS - 1}",
-                                 f"dense_linears:{4 * LAYERS + 1}",
+                                 "hoist_lora_adds:0", f"fuse_rope_into_attention:{LAYERS}",
+                                 f"fuse_add_rmsnorm:{2 * LAYERS - 1}", f"dense_linears:{4 * LAYERS + 1}",
                                  *((f"linear_biases:{LAYERS}",) if biases else ()), f"native_swiglu:{LAYERS}")
     assert_same_outputs(drive(fused_dir, None), drive(unfused_dir, None))
     pools = []

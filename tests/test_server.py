@@ -222,6 +222,8 @@ BAD_INPUTS = [
     ("stop token beyond vocab", dict(prompt="Once", sampling=pb.SamplingOptions(stop_token_ids=[9999])),
      "stop_token_ids must be token ids below the vocabulary size 512"),
     ("prompt longer than max_seq_len", dict(prompt_token_ids=[1] + [300] * 299), "max_seq_len is 256"),
+    ("lora of an engine without adapters", dict(prompt="Once", lora="sql"),
+     "lora: this engine has no LoRA adapter 'sql'; it was built without any"),
 ]
 
 
@@ -296,7 +298,7 @@ def test_health_reflection_model_info_and_unary_equals_stream(main, servers, llm
     info = main.model_info()
     assert (info.architecture, info.vocab_size, info.max_seq_len, info.max_batch_size, info.max_num_tokens) == (
         "LlamaForCausalLM", 512, 256, 32, 512)
-    assert info.kv_cache_tokens == info.kv_cache_blocks * 8 > 0 and info.trtbuild_version
+    assert info.kv_cache_tokens == info.kv_cache_blocks * 8 > 0 and info.trtbuild_version and not info.lora_names
     cases = [dict(max_tokens=30), dict(temperature=0.9, top_k=40, top_p=0.9, seed=7, max_tokens=30, logprobs=3),
              dict(stop=["."], max_tokens=60), dict(stop_token_ids=[269], bad_words=["Lily"], min_tokens=2),
              dict(ignore_eos=True, max_tokens=50, repetition_penalty=1.3, include_stop_str_in_output=True)]
@@ -365,6 +367,33 @@ def test_an_api_key_guards_every_call_but_health_checks(engine):
                     assert e is not None and e.code() == grpc.StatusCode.UNAUTHENTICATED, call
             assert keyed.generate("Once", timeout=TIMEOUT, max_tokens=2).usage.output_tokens == 2
             assert keyed.stats().num_finished == 1 and not keyed.cancel("x")
+    finally:
+        server.stop(grace=1.0)
+
+
+def test_a_request_runs_under_the_lora_adapter_it_names(lora_engine):
+    """`lora` picks one of the engine's adapters: greedy output equals the in-process LLM's under that adapter (and
+    differs from the base model's); unset is the base model; an unknown name is INVALID_ARGUMENT naming it."""
+    llm = LLM(lora_engine, RuntimeConfig(num_threads=1))
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    expected = {name: llm.generate([PROMPTS[0]], params, lora=name)[0] for name in (None, "sql", "poem")}
+    assert expected["sql"].token_ids != expected[None].token_ids != expected["poem"].token_ids
+    server = GenerationServer(port=0, max_queue_size=4)
+    try:
+        server.load(lora_engine, RuntimeConfig(num_threads=1))
+        with GenerationClient(server.address, timeout=TIMEOUT) as client:
+            assert list(client.model_info().lora_names) == ["sql", "poem"]
+            for name, want in expected.items():
+                unary = client.generate(PROMPTS[0], lora=name, timeout=TIMEOUT, max_tokens=30, ignore_eos=True)
+                tokens, text, _ = collect(client.generate_stream(PROMPTS[0], lora=name, timeout=TIMEOUT,
+                                                                 max_tokens=30, ignore_eos=True))
+                assert (list(unary.token_ids), unary.text) == (tokens, text) == (want.token_ids, want.text), name
+            for call in (lambda: client.generate("Once", lora="chat", timeout=TIMEOUT),
+                         lambda: list(client.generate_stream("Once", lora="chat", timeout=TIMEOUT))):
+                e = _error(call)
+                assert e is not None and (e.code(), e.details()) == (
+                    grpc.StatusCode.INVALID_ARGUMENT, "lora: this engine has no LoRA adapter 'chat'; it has sql, poem")
+            assert client.stats().num_unfinished == 0
     finally:
         server.stop(grace=1.0)
 

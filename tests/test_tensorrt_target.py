@@ -6,6 +6,7 @@ PagedAttention reference in Triton's interpreter. What needs TensorRT skips, say
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import subprocess
 import sys
@@ -153,6 +154,9 @@ def test_profiles_cover_decode_and_mixed_steps(checkpoint):
     assert profile_for(profiles, 4, 4) == 0 and profile_for(profiles, 5, 2) == 1
     with pytest.raises(ValueError, match="exceeds every profile"):
         profile_for(profiles, build.max_num_tokens + 1, 1)
+    assert "lora_ids" not in profiles[0].shapes
+    with_lora = optimization_profiles(dataclasses.replace(build, lora_adapters=(("sql", "/a"),)), config)
+    assert [p.shapes["lora_ids"] for p in with_lora] == [p.shapes["input_ids"] for p in profiles]  # one per token
 
 
 def test_modules_import_without_tensorrt():

@@ -24,6 +24,7 @@ from triton_helpers import TIMEOUT, Stream, TritonServer, grpc_inputs, write_rep
 from trtbuild.cli import main as cli
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.llm import LLM
+from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.runtime.speculative import SpeculativeConfig
 from trtbuild.serving.triton_backend import launcher
 from trtbuild.serving.triton_backend.repository import runtime_options
@@ -102,6 +103,11 @@ def test_tensors_map_to_sampling_params():
         check_output_len(huge, prompt_len=6, max_seq_len=256)
     with pytest.raises(ValueError, match="batch size must be 1"):
         parse_request({"text_input": np.array([[b"x"], [b"y"]], object)})
+    lora = {"text_input": np.array([[b"x"]], object), "lora_name": np.array([[b"sql"]], object)}
+    assert parse_request(lora, lora_names=("sql", "poem")).lora == "sql"
+    assert parse_request({**lora, "lora_name": np.array([[b""]], object)}, lora_names=()).lora is None  # the base
+    with pytest.raises(ValueError, match="lora_name: this engine has no LoRA adapter 'sql'; it was built without"):
+        parse_request(lora, lora_names=())
 
 
 def test_triton_serve_says_what_to_install(monkeypatch, tmp_path):
@@ -295,3 +301,38 @@ def test_sigterm_stops_the_server_cleanly_leaving_no_shared_memory(server):
     assert "triton-serve: tritonserver exited with code 0" in server.lines[-1]
     assert server.log.read_text().count("trtbuild: engine loop stopped") == 2  # finalize() of both models
     assert sorted(os.listdir("/dev/shm")) == server.shm_before
+
+
+# ---- LoRA adapters --------------------------------------------------------------------------------------------------
+def test_lora_name_runs_the_request_under_that_adapter(lora_engine, tmp_path_factory):
+    """lora_name picks one of the engine's adapters: the output equals the in-process LLM's under it (gRPC streaming
+    and HTTP generate); absent is the base model; an unknown name is an error response naming it."""
+    repo = write_repo(lora_engine, tmp_path_factory.mktemp("triton_lora_repo"), ["--threads", "1"])
+    llm = LLM(lora_engine, RuntimeConfig(num_threads=1))
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    expected = {name: llm.generate([PROMPTS[0]], params, lora=name)[0] for name in (None, "sql", "poem")}
+    assert expected["sql"].token_ids != expected[None].token_ids != expected["poem"].token_ids
+    server = TritonServer(repo, tmp_path_factory.mktemp("triton_lora_logs") / "server.log")
+    stream = None
+    try:
+        assert server.ready.wait(TIMEOUT) and server.proc.poll() is None, f"{server.lines}\n{server.log.read_text()}"
+        stream = Stream(server)
+        for name, want in expected.items():
+            lora = {"lora_name": name} if name else {}  # absent: the base model
+            fields = dict(text_input=PROMPTS[0], max_tokens=30, ignore_eos=True, **lora)
+            stream.send(stream=True, **fields)
+            assert stream.collect()[:3] == (want.token_ids, want.text, "length"), name
+            status, body = server.post("/v2/models/trtbuild/generate", {**fields, "exclude_input_in_output": True})
+            out = json.loads(body)
+            assert status == 200 and (out["output_ids"], out["text_output"]) == (want.token_ids, want.text), name
+        message = "lora_name: this engine has no LoRA adapter 'chat'; it has sql, poem"
+        stream.send(text_input="Once", lora_name="chat")
+        with pytest.raises(Exception, match=re.escape(message)):
+            stream.collect()
+        status, body = server.post("/v2/models/trtbuild/generate", {"text_input": "Once", "lora_name": "chat"})
+        assert status == 400 and message in json.loads(body)["error"], body
+        server.wait_gauges(lambda g: g["kv_free"] == g["kv_max"] and g["req_active"] == 0)
+    finally:
+        if stream is not None:
+            stream.close()
+        server.stop()

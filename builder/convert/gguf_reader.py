@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from trtbuild.builder.convert.gguf_config import ROPE_TENSORS, hf_config, resolve_architecture
+from trtbuild.builder.convert.gguf_config import GGUF_ARCHITECTURES, ROPE_TENSORS, hf_config, resolve_architecture
 from trtbuild.builder.convert.hf_reader import SourceTensor
 from trtbuild.errors import CheckpointError
 
@@ -248,3 +248,37 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(hf_config_dict, hf_state_dict) of a GGUF, every tensor dequantized to float32 (see `open_gguf`)."""
     cfg, sources = open_gguf(path, keep_quantization=False)
     return cfg, {name: s.load() for name, s in sources.items()}
+
+
+_LORA_RE = re.compile(r"blk\.(\d+)\.(.+\.weight)\.lora_([ab])")
+
+
+def read_gguf_lora(path: Path, num_heads: int, num_kv_heads: int
+                   ) -> tuple[float, dict[tuple[int, str], dict[str, np.ndarray]]]:
+    """(alpha, (layer, HF module such as "self_attn.q_proj") -> {"A": [r, in], "B": [out, r]} float32) of a LoRA
+    adapter written by llama.cpp's convert_lora_to_gguf.py. B's q / k rows are permuted back where the converter
+    permuted them with the base model's (its `num_heads` / `num_kv_heads` heads). Raises CheckpointError."""
+    path = Path(path)
+    reader = _open(path)
+    meta = _fields(reader)
+    kind = (meta.get("general.type"), meta.get("adapter.type"))
+    if kind != ("adapter", "lora"):
+        raise CheckpointError(f"{path} is not a LoRA adapter GGUF (general.type {kind[0]!r}, adapter.type "
+                              f"{kind[1]!r}); write one from a PEFT adapter with llama.cpp's convert_lora_to_gguf.py.")
+    arch = GGUF_ARCHITECTURES.get(meta.get("general.architecture"))
+    if arch is None:
+        raise CheckpointError(f"{path}: an adapter of architecture {meta.get('general.architecture')!r}; trtbuild "
+                              f"reads {', '.join(GGUF_ARCHITECTURES)}.")
+    names = _FUSED_LAYER_NAMES if arch.fused else _LAYER_NAMES
+    pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+    for t in reader.tensors:
+        m = _LORA_RE.fullmatch(t.name)
+        if m is None or m.group(2) not in names:
+            raise CheckpointError(f"{path}: tensor {t.name!r} is not the LoRA A or B of a layer's linear (adapters "
+                                  "that also hold norms or embeddings are not supported).")
+        w = _dequantize(path, t).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+        if m.group(3) == "b" and arch.permute_qk and m.group(2) in ("attn_q.weight", "attn_k.weight"):
+            w = _unpermute(w, num_heads if m.group(2) == "attn_q.weight" else num_kv_heads)
+        module = names[m.group(2)].removesuffix(".weight")
+        pairs.setdefault((int(m.group(1)), module), {})[m.group(3).upper()] = w
+    return float(meta.get("adapter.lora.alpha") or 0.0), pairs

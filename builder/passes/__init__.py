@@ -15,14 +15,15 @@ from trtbuild.builder.passes.fold_prescale import fold_prescale
 from trtbuild.builder.passes.fuse_add_rmsnorm import fuse_add_rmsnorm
 from trtbuild.builder.passes.fuse_gemms import fuse_gate_up, fuse_qkv
 from trtbuild.builder.passes.fuse_rope import fuse_rope_into_attention
+from trtbuild.builder.passes.lora import hoist_lora_adds
 
 Pass = Callable[[onnx.ModelProto], int]
 
 PASSES: dict[str, tuple[Pass, ...]] = {
-    "cpu": (fold_prescale, fuse_qkv, fuse_gate_up, fuse_rope_into_attention, fuse_add_rmsnorm),
+    "cpu": (fold_prescale, fuse_qkv, fuse_gate_up, hoist_lora_adds, fuse_rope_into_attention, fuse_add_rmsnorm),
     # NOTE: the cuda plan maps the fused SkipSimplifiedLayerNormalization to its add + RMSNorm kernel (cuda_plan.py)
-    "cuda": (fold_prescale, fuse_qkv, fuse_gate_up, fuse_rope_into_attention, fuse_add_rmsnorm),
-    "tensorrt": (fold_prescale, fuse_qkv, fuse_gate_up, fuse_rope_into_attention),
+    "cuda": (fold_prescale, fuse_qkv, fuse_gate_up, hoist_lora_adds, fuse_rope_into_attention, fuse_add_rmsnorm),
+    "tensorrt": (fold_prescale, fuse_qkv, fuse_gate_up, hoist_lora_adds, fuse_rope_into_attention),
 }
 
 

@@ -17,6 +17,7 @@ import onnx
 from onnx import helper
 
 from trtbuild.builder.graph import GraphView, topological_sort
+from trtbuild.builder.passes.lora import is_lora_node
 from trtbuild.plugins import paged_attention as pa
 
 
@@ -66,7 +67,8 @@ def _sibling_groups(model: onnx.ModelProto, size: int, accept) -> list[list[onnx
     view = GraphView(model)
     by_input: dict[str, list[onnx.NodeProto]] = defaultdict(list)
     for node in model.graph.node:
-        shape = view.shape_of(node.input[1]) if node.op_type == "MatMul" else None
+        # NOTE: a LoRA branch's first MatMul reads the projections' input too (builder/passes/lora.py)
+        shape = view.shape_of(node.input[1]) if node.op_type == "MatMul" and not is_lora_node(node) else None
         if shape is not None and len(shape) == 2:
             by_input[node.input[0]].append(node)
     return [g for g in by_input.values() if len(g) == size and accept(view, g)]

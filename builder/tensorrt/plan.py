@@ -20,7 +20,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from trtbuild.builder.graph import node_attrs, use_opset
-from trtbuild.configs import BuildConfig, ModelConfig
+from trtbuild.configs import LORA_IDS_INPUT, BuildConfig, ModelConfig
 from trtbuild.errors import ConfigError
 from trtbuild.plugins import paged_attention as pa
 from trtbuild.plugins import speculative_accept as sa
@@ -158,6 +158,8 @@ def _shapes(build: BuildConfig, config: ModelConfig, tokens: tuple[int, int, int
     dims = {"input_ids": [tokens], "position_ids": [tokens], "logits_indices": [rows],
             "query_start_loc": [tuple(b + 1 for b in batch)], "past_lengths": [batch],
             "block_tables": [batch, (w, w, w)], "kv_cache": [blocks] + [(d, d, d) for d in pool]}
+    if build.lora_adapters:  # each token's adapter (builder/lora.py)
+        dims[LORA_IDS_INPUT] = [tokens]
     return {name: tuple(tuple(axis[i] for axis in axes) for i in range(3)) for name, axes in dims.items()}
 
 

@@ -17,9 +17,11 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
 
-def make_request(prompt: str | Sequence[int], request_id: str = "", **sampling: object) -> pb.GenerateRequest:
+def make_request(prompt: str | Sequence[int], request_id: str = "", lora: str | None = None,
+                 **sampling: object) -> pb.GenerateRequest:
     """A GenerateRequest; `sampling` takes SamplingParams' field names (None values are left unset: server default).
-    A str prompt is text, a sequence of ints is prompt token ids."""
+    A str prompt is text, a sequence of ints is prompt token ids. `lora`: the engine's LoRA adapter to run under
+    (ModelInfo.lora_names; None: the base model)."""
     fields = {k: v for k, v in sampling.items() if v is not None}
     if "bad_words_ids" in fields:
         fields["bad_words_ids"] = [pb.TokenIds(ids=word) for word in fields["bad_words_ids"]]  # type: ignore[union-attr]
@@ -27,6 +29,8 @@ def make_request(prompt: str | Sequence[int], request_id: str = "", **sampling: 
         if isinstance(fields.get(name), str):
             fields[name] = [fields[name]]
     request = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingOptions(**fields))
+    if lora is not None:
+        request.lora = lora
     if isinstance(prompt, str):
         request.prompt = prompt
     else:
@@ -65,15 +69,16 @@ class GenerationClient:
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def generate_stream(self, prompt: str | Sequence[int], *, request_id: str = "", timeout: float | None = None,
-                        **sampling: object) -> ResponseStream:
-        """Stream the generation: one response per step with new tokens / text; the last has finished and usage."""
-        return ResponseStream(self.stub.GenerateStream(make_request(prompt, request_id, **sampling), timeout=timeout,
-                                                       metadata=self.metadata))
+                        lora: str | None = None, **sampling: object) -> ResponseStream:
+        """Stream the generation: one response per step with new tokens / text; the last has finished and usage.
+        `lora`: the engine's LoRA adapter to run under (None: the base model)."""
+        return ResponseStream(self.stub.GenerateStream(make_request(prompt, request_id, lora, **sampling),
+                                                       timeout=timeout, metadata=self.metadata))
 
     def generate(self, prompt: str | Sequence[int], *, request_id: str = "", timeout: float | None = None,
-                 **sampling: object) -> pb.GenerateResponse:
-        """The whole generation in one response."""
-        return self.stub.Generate(make_request(prompt, request_id, **sampling), timeout=timeout,
+                 lora: str | None = None, **sampling: object) -> pb.GenerateResponse:
+        """The whole generation in one response (`lora`: as generate_stream's)."""
+        return self.stub.Generate(make_request(prompt, request_id, lora, **sampling), timeout=timeout,
                                   metadata=self.metadata)
 
     def cancel(self, request_id: str) -> bool:

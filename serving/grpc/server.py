@@ -124,7 +124,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         engine = self._engine(context)
         try:
             stream = engine.submit(request_prompt(request), sampling_params(request.sampling),
-                                   request.request_id or None)
+                                   request.request_id or None, request.lora if request.HasField("lora") else None)
         except (ValueError, QueueFullError, EngineDeadError) as e:
             self._abort(context, e)
         with self._lock:
@@ -175,7 +175,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             kv_cache_tokens=core.kv.pool.num_blocks * core.kv.block_size, policy=sched.policy,
             prefix_caching=core.kv.pool.enable_caching, max_queue_size=self.max_queue_size,
             has_tokenizer=core.tokenizer is not None, eos_token_ids=core.eos_token_ids,
-            trtbuild_version=__version__)
+            trtbuild_version=__version__, lora_names=core.lora_names)
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.Stats:
         engine = self._engine(context)

@@ -86,9 +86,7 @@ class OpenAIServer:
             raise OpenAIError(400, f"not supported: {', '.join(bad)}", param=bad[0].split()[0])
         if r.n < 1:
             raise OpenAIError(400, f"n must be at least 1, got {r.n}", param="n")
-        if r.model not in (None, self.model_name):
-            raise OpenAIError(404, f"The model `{r.model}` does not exist; this server serves `{self.model_name}`",
-                              "not_found_error", "model")
+        self._lora(r)
         max_tokens = getattr(r, "max_completion_tokens", None) or r.max_tokens
         try:
             bias = {int(token): value for token, value in (r.logit_bias or {}).items()}
@@ -111,12 +109,27 @@ class OpenAIServer:
             stop_token_ids=tuple(r.stop_token_ids or ()) + extra_stop_ids or None).items() if v is not None}
         return sampling_params(fields)
 
-    def _submit(self, prompt: list[int], params: SamplingParams, n: int) -> list[RequestStream]:
+    def _lora(self, r: api.ChatCompletionRequest | api.CompletionRequest) -> str | None:
+        """The LoRA adapter a request's `model` names (as vLLM serves them), None for the base model."""
+        if r.model in (None, self.model_name):
+            return None
+        if r.model in self.engine.core.lora_names:
+            return r.model
+        served = ", ".join(f"`{m}`" for m in (self.model_name, *self.engine.core.lora_names))
+        raise OpenAIError(404, f"The model `{r.model}` does not exist; this server serves {served}",
+                          "not_found_error", "model")
+
+    def _served(self, r: api.ChatCompletionRequest | api.CompletionRequest) -> str:
+        """The `model` of a response: the adapter the request ran under, else the base model."""
+        return self._lora(r) or self.model_name
+
+    def _submit(self, prompt: list[int], params: SamplingParams, n: int,
+                r: api.ChatCompletionRequest | api.CompletionRequest) -> list[RequestStream]:
         streams = []
         try:
             for i in range(n):  # n > 1 with a seed: choice i samples with seed + i, so choices differ
                 seeded = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
-                streams.append(self.engine.submit(prompt, seeded))
+                streams.append(self.engine.submit(prompt, seeded, lora=self._lora(r)))
         except Exception:
             for s in streams:
                 s.cancel()
@@ -215,7 +228,7 @@ class OpenAIServer:
         free = params.json_schema is None
         inside = opens_thinking(text) if self.reasoning and free else None
         in_harmony = self.harmony and free
-        streams = self._submit(prompt, params, r.n)
+        streams = self._submit(prompt, params, r.n, r)
         rid = api.new_id("chatcmpl")
         if r.stream:
             return self._stream(streams, rid, len(prompt), r, chat=True, answers=[
@@ -227,7 +240,7 @@ class OpenAIServer:
             choices.append(api.ChatChoice(index=i, message=answer.message(w.text),
                                           logprobs=self._chat_logprobs(w.logprobs, top) if r.logprobs else None,
                                           finish_reason=_finish(w.finish_reason, answer.called)))
-        return api.ChatCompletion(id=rid, model=self.model_name, choices=choices, usage=_usage(len(prompt), wholes))
+        return api.ChatCompletion(id=rid, model=self._served(r), choices=choices, usage=_usage(len(prompt), wholes))
 
     async def completion(self, request: Request, r: api.CompletionRequest) -> Any:
         if isinstance(r.prompt, list) and r.prompt and isinstance(r.prompt[0], str):
@@ -237,7 +250,7 @@ class OpenAIServer:
             r.prompt = r.prompt[0]
         prompt = self._encode(r.prompt) if isinstance(r.prompt, str) else [int(t) for t in r.prompt]
         params = self._params(r, len(prompt), 16, r.logprobs)
-        streams = self._submit(prompt, params, r.n)
+        streams = self._submit(prompt, params, r.n, r)
         rid = api.new_id("cmpl")
         if r.stream:
             return self._stream(streams, rid, len(prompt), r, chat=False)
@@ -245,19 +258,20 @@ class OpenAIServer:
         choices = [api.CompletionChoice(index=i, text=w.text, finish_reason=w.finish_reason,
                                         logprobs=self._completion_logprobs(w.logprobs, 0)
                                         if r.logprobs is not None else None) for i, w in enumerate(wholes)]
-        return api.Completion(id=rid, model=self.model_name, choices=choices, usage=_usage(len(prompt), wholes))
+        return api.Completion(id=rid, model=self._served(r), choices=choices, usage=_usage(len(prompt), wholes))
 
     def _stream(self, streams: list[RequestStream], rid: str, prompt_len: int,
                 r: api.ChatCompletionRequest | api.CompletionRequest, chat: bool,
                 answers: list[ChatAnswer] | None = None) -> StreamingResponse:
         """`answers`: chat only, each choice's answer."""
         include_usage = bool(r.stream_options and r.stream_options.include_usage)
+        model = self._served(r)
 
         async def events() -> AsyncIterator[str]:
             wholes = [Accumulated() for _ in streams]
             if chat:
                 for i in range(len(streams)):
-                    yield _sse(api.ChatCompletionChunk(id=rid, model=self.model_name, choices=[
+                    yield _sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
                         api.ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})]))
             try:
                 async for i, out in self._deltas(streams):
@@ -266,12 +280,12 @@ class OpenAIServer:
                     if chat:
                         lp = self._chat_logprobs(out.logprobs, r.top_logprobs or 0) if r.logprobs else None
                         delta = answers[i].delta(out.new_text, out.finished)
-                        chunk = api.ChatCompletionChunk(id=rid, model=self.model_name, choices=[api.ChatChunkChoice(
+                        chunk = api.ChatCompletionChunk(id=rid, model=model, choices=[api.ChatChunkChoice(
                             index=i, delta=delta, logprobs=lp,
                             finish_reason=_finish(out.finish_reason, answers[i].called))])
                     else:
                         lp = self._completion_logprobs(out.logprobs, offset) if r.logprobs is not None else None
-                        chunk = api.Completion(id=rid, model=self.model_name, choices=[api.CompletionChoice(
+                        chunk = api.Completion(id=rid, model=model, choices=[api.CompletionChoice(
                             index=i, text=out.new_text, logprobs=lp, finish_reason=out.finish_reason)])
                     yield _sse(chunk)
             except Exception as e:  # the stream has started: the error goes in-band, as vLLM sends it
@@ -280,7 +294,7 @@ class OpenAIServer:
             if include_usage:
                 usage = _usage(prompt_len, wholes)
                 cls = api.ChatCompletionChunk if chat else api.Completion
-                yield _sse(cls(id=rid, model=self.model_name, choices=[], usage=usage))
+                yield _sse(cls(id=rid, model=model, choices=[], usage=usage))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -328,8 +342,10 @@ class OpenAIServer:
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "trtbuild",
-                                                "max_model_len": self.max_seq_len}]}
+            base = {"id": self.model_name, "object": "model", "owned_by": "trtbuild", "max_model_len": self.max_seq_len}
+            # NOTE: the engine's LoRA adapters are models of their own, with the base as their parent (as vLLM)
+            adapters = [{**base, "id": name, "parent": self.model_name} for name in self.engine.core.lora_names]
+            return {"object": "list", "data": [base, *adapters]}
 
         @app.get("/health")
         async def health() -> Response:

@@ -147,7 +147,7 @@ class TritonPythonModel:
         if extra:  # HTTP generate turns JSON fields that are not input tensors into parameters: a typo lands here
             raise ValueError(f"unknown inputs {sorted(extra)} (sent as request parameters); this model takes the "
                              f"input tensors {', '.join(INPUT_NAMES)}")
-        parsed = parse_request(inputs, self.core.vocab_size)
+        parsed = parse_request(inputs, self.core.vocab_size, self.core.lora_names)
         if parsed.stream and not self.decoupled:
             raise ValueError(STREAMING_NEEDS_DECOUPLED)
         ids = parsed.prompt_ids
@@ -156,7 +156,7 @@ class TritonPythonModel:
                 raise ValueError("text_input: this engine has no tokenizer; send input_ids")
             ids = self.core.tokenizer.encode(parsed.prompt)
         check_output_len(parsed, len(ids), self.core.scheduler.config.max_seq_len)
-        stream = self.engine.submit(ids, parsed.params, uuid.uuid4().hex)
+        stream = self.engine.submit(ids, parsed.params, uuid.uuid4().hex, parsed.lora)
         with self._lock:
             self._streams[stream.request_id] = stream
         return parsed, ids, stream

@@ -39,7 +39,7 @@ INPUTS = (
     TensorSpec("bad_words", "TYPE_STRING", _L), TensorSpec("end_id", "TYPE_INT64", _S),
     TensorSpec("pad_id", "TYPE_INT64", _S), TensorSpec("ignore_eos", "TYPE_BOOL", _S),
     TensorSpec("return_log_probs", "TYPE_BOOL", _S), TensorSpec("exclude_input_in_output", "TYPE_BOOL", _S),
-    TensorSpec("beam_width", "TYPE_INT64", _S),
+    TensorSpec("beam_width", "TYPE_INT64", _S), TensorSpec("lora_name", "TYPE_STRING", _S),
 )
 OUTPUTS = (
     TensorSpec("text_output", "TYPE_STRING", _S), TensorSpec("output_ids", "TYPE_INT32", _L),
@@ -68,6 +68,7 @@ class ParsedRequest:
     return_log_probs: bool = False
     exclude_input_in_output: bool = False
     max_tokens_input: str | None = None  # the tensor that set max_tokens, if any (else the default applies)
+    lora: str | None = None  # the engine's LoRA adapter to run under (lora_name); None: the base model
 
 
 def _bytes(name: str, x: object) -> str:
@@ -98,8 +99,21 @@ def _scalar(name: str, array: np.ndarray) -> object:
     return float(item) if isinstance(item, np.floating) else _bytes(name, item)
 
 
-def parse_request(inputs: Mapping[str, np.ndarray], vocab_size: int | None = None) -> ParsedRequest:
-    """The prompt and sampling options of one request's input tensors (ValueError names the tensor at fault)."""
+def _lora(inputs: Mapping[str, np.ndarray], lora_names: tuple[str, ...] | None) -> str | None:
+    """The adapter lora_name names ("" or absent: None, the base model), checked against the engine's if given."""
+    name = _scalar("lora_name", inputs["lora_name"]) if "lora_name" in inputs else ""
+    if not name:
+        return None
+    if lora_names is not None and name not in lora_names:
+        have = f"it has {', '.join(lora_names)}" if lora_names else "it was built without any"
+        raise ValueError(f"lora_name: this engine has no LoRA adapter {name!r}; {have}")
+    return name
+
+
+def parse_request(inputs: Mapping[str, np.ndarray], vocab_size: int | None = None,
+                  lora_names: tuple[str, ...] | None = None) -> ParsedRequest:
+    """The prompt and sampling options of one request's input tensors (ValueError names the tensor at fault).
+    `lora_names`: the engine's LoRA adapters, which lora_name must name (None: not checked here)."""
     unknown = sorted(set(inputs) - set(INPUT_NAMES))
     if unknown:
         raise ValueError(f"unknown input tensors {unknown}; this model takes {', '.join(INPUT_NAMES)}")
@@ -140,7 +154,7 @@ def parse_request(inputs: Mapping[str, np.ndarray], vocab_size: int | None = Non
     max_tokens_input = next((n for n in ("max_tokens", "request_output_len") if n in inputs), None)
     return ParsedRequest(prompt, prompt_ids, params, flags.get("stream", False) or flags.get("streaming", False),
                          flags.get("return_log_probs", False), flags.get("exclude_input_in_output", False),
-                         max_tokens_input)
+                         max_tokens_input, _lora(inputs, lora_names))
 
 
 def check_output_len(parsed: ParsedRequest, prompt_len: int, max_seq_len: int) -> None:

@@ -1,0 +1,175 @@
+"""A LoRA adapter in trtbuild against the same adapter in llama.cpp, on the same GGUF base and the same adapter file,
+in one run (llama.cpp applies `--lora` adapters at run time; trtbuild builds them into the engine, builder/lora.py).
+
+    python benchmarks/lora.py --gguf base.gguf [--adapter adapter.gguf | --rank 16] [--llama-bin DIR] [--threads 2]
+        [--rounds 3] [--prompt 128] [--gen 128] [--parallel 16] [--work DIR] [--json out.json]
+
+Without `--adapter`, a random rank-`--rank` adapter of every linear of every layer is written as llama.cpp's
+convert_lora_to_gguf.py writes one (float16 A / B, alpha 2 x rank). Measured, as llama-batched-bench measures
+them: batch-1 decode (`--gen` tokens after a `--prompt`-token prompt, tok/s) and `--parallel` concurrent requests
+(output tok/s over the whole run, prefill included), for:
+  trtbuild: an engine without the adapter; the engine with it, requests under it; the same engine, requests
+            under no adapter (what adapters built in cost the base model's requests);
+  llama.cpp: llama-batched-bench without `--lora` and with it.
+Every configuration runs in its own process, rounds alternate them, and the table gives medians and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from peers import batched_context, run_timed, step_tokens  # noqa: E402
+
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def make_adapter(base: Path, out: Path, rank: int, seed: int = 0) -> Path:
+    """A random rank-`rank` LoRA adapter GGUF of every linear of the base model's layers."""
+    import gguf
+
+    reader = gguf.GGUFReader(base)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, 2.0 * rank)
+    for name, (rows, cols) in sorted((n, s) for n, s in shapes.items() if n.split(".")[-2] in LINEARS):
+        w.add_tensor(name + ".lora_a", (rng.standard_normal((rank, cols)) / np.sqrt(cols)).astype(np.float16))
+        w.add_tensor(name + ".lora_b", (rng.standard_normal((rows, rank)) * 0.01).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def build(gguf: Path, adapter: Path | None, work: Path, args: argparse.Namespace) -> Path:
+    engine = work / ("engine_lora" if adapter else "engine")
+    if (engine / "config.json").is_file():
+        return engine
+    ckpt = work / "ckpt"
+    if not (ckpt / "config.json").is_file():
+        run_timed(["trtbuild", "convert", "--model", str(gguf), "--output", str(ckpt)])
+    run_timed(["trtbuild", "build", "--checkpoint", str(ckpt), "--output", str(engine), "--max-batch-size",
+               str(args.parallel), "--max-seq-len", str(max(256, args.prompt + args.gen)), "--max-num-tokens",
+               str(step_tokens(args)), *(["--lora", f"adapter={adapter}"] if adapter else [])])
+    return engine
+
+
+def measure(engine: Path, lora: str | None, part: str, args: argparse.Namespace) -> dict[str, float]:
+    """In this process: `single`, batch-1 decode after one prompt; `parallel`, the concurrent requests."""
+    from trtbuild.builder.engine_dir import read_engine_config
+    from trtbuild.runtime.config import RuntimeConfig
+    from trtbuild.runtime.engine_core import EngineCore
+    from trtbuild.runtime.sampling import SamplingParams
+
+    seqs = args.parallel if part == "parallel" else 1
+    per_block = read_engine_config(engine).build.tokens_per_block
+    blocks = seqs * -(-(args.prompt + args.gen + 1) // per_block)  # every request's whole lifetime, as llama.cpp's
+    core = EngineCore(engine, RuntimeConfig(num_threads=args.threads, max_batch_size=seqs, enable_prefix_caching=False,
+                                            kv_cache_blocks=blocks))
+    vocab = core.vocab_size
+    prompts = [[(7 * i + 3 * s) % (vocab - 10) + 5 for i in range(args.prompt)] for s in range(seqs)]
+    extra = 1 if part == "single" else 0  # single: the prefill step's token is not counted, as llama's T_TG
+    for p in prompts:
+        core.add_request(core.make_request(p, SamplingParams(max_tokens=args.gen + extra, ignore_eos=True),
+                                           lora=lora))
+    if part == "single":
+        core.step()
+    start = time.perf_counter()
+    while core.has_unfinished():
+        core.step()
+    seconds = time.perf_counter() - start
+    key = "parallel_output_tok_s" if part == "parallel" else "decode_tok_s"
+    return {key: seqs * args.gen / seconds}
+
+
+def trtbuild_round(engine: Path, lora: str | None, args: argparse.Namespace) -> dict[str, float]:
+    result = {}
+    for part in ("single", "parallel"):
+        out, _ = run_timed([sys.executable, __file__, "--measure", str(engine), "--lora", lora or "", "--part", part,
+                            "--threads", str(args.threads), "--prompt", str(args.prompt), "--gen", str(args.gen),
+                            "--parallel", str(args.parallel)])
+        result.update(json.loads(out.splitlines()[-1]))
+    return result
+
+
+def llama_round(gguf: Path, adapter: Path | None, args: argparse.Namespace) -> dict[str, float]:
+    lora = ["--lora", str(adapter)] if adapter else []
+    table, _ = run_timed([str(args.llama_bin / "llama-batched-bench"), "-m", str(gguf), "-c",
+                          str(batched_context(args)), "-npp", str(args.prompt), "-ntg", str(args.gen), "-npl",
+                          f"1,{args.parallel}", "-t", str(args.threads), "-ub", str(args.ubatch), *lora])
+    # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+    rows = {int(r[2]): r for r in (line.strip("|").split("|") for line in table.splitlines()
+                                   if re.match(r"^\|\s*\d", line))}
+    return {"decode_tok_s": float(rows[1][7]),
+            "parallel_output_tok_s": args.parallel * args.gen / float(rows[args.parallel][8])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", type=Path)
+    p.add_argument("--adapter", type=Path, default=None, help="A LoRA adapter GGUF [a random one of --rank].")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--llama-bin", type=Path, default=Path.home() / ".cache/trtbuild-peers/llama-build/bin")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--gen", type=int, default=128)
+    p.add_argument("--parallel", type=int, default=16)
+    p.add_argument("--ubatch", type=int, default=512)
+    p.add_argument("--work", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--measure", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--lora", default="", help=argparse.SUPPRESS)
+    p.add_argument("--part", choices=["single", "parallel"], default="single", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure, args.lora or None, args.part, args)))
+        return
+    work = args.work or Path(tempfile.mkdtemp(prefix="trtbuild-lora-"))
+    work.mkdir(parents=True, exist_ok=True)
+    adapter = args.adapter or make_adapter(args.gguf, work / f"adapter-r{args.rank}.gguf", args.rank)
+    plain, adapted = build(args.gguf, None, work, args), build(args.gguf, adapter, work, args)
+    shutil.rmtree(work / "ckpt", ignore_errors=True)
+    configs = {"trtbuild": lambda: trtbuild_round(plain, None, args),
+               "trtbuild+lora": lambda: trtbuild_round(adapted, "adapter", args),
+               "trtbuild+lora, base requests": lambda: trtbuild_round(adapted, None, args),
+               "llama.cpp": lambda: llama_round(args.gguf, None, args),
+               "llama.cpp+lora": lambda: llama_round(args.gguf, adapter, args)}
+    rounds: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
+    for r in range(args.rounds):
+        for name, run in configs.items():
+            rounds[name].append(run())
+            print(f"round {r + 1} {name}: {rounds[name][-1]}", file=sys.stderr, flush=True)
+    medians = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in rounds.items()}
+    print(f"{args.gguf.name} + {adapter.name}, {args.threads} threads, medians of {args.rounds} rounds")
+    print(f"| | batch-1 decode tok/s | {args.parallel} concurrent, output tok/s |")
+    print("|---|---|---|")
+    for name, m in medians.items():
+        print(f"| {name} | {m['decode_tok_s']:.1f} | {m['parallel_output_tok_s']:.1f} |")
+    ratio = lambda a, b, k: medians[a][k] / medians[b][k]  # noqa: E731
+    for k, what in (("decode_tok_s", "batch-1 decode"), ("parallel_output_tok_s", f"{args.parallel} concurrent")):
+        print(f"{what}: trtbuild+lora / llama.cpp+lora {ratio('trtbuild+lora', 'llama.cpp+lora', k):.2f}x; "
+              f"adapter cost (with / without): trtbuild {ratio('trtbuild+lora', 'trtbuild', k):.2f}, "
+              f"llama.cpp {ratio('llama.cpp+lora', 'llama.cpp', k):.2f}, trtbuild's base requests on the adapted "
+              f"engine {ratio('trtbuild+lora, base requests', 'trtbuild', k):.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"rounds": rounds, "medians": medians}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
