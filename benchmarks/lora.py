@@ -5,12 +5,13 @@ in one run (llama.cpp applies `--lora` adapters at run time; trtbuild builds the
         [--rounds 3] [--prompt 128] [--gen 128] [--parallel 16] [--work DIR] [--json out.json]
 
 Without `--adapter`, a random rank-`--rank` adapter of every linear of every layer is written as llama.cpp's
-convert_lora_to_gguf.py writes one (float16 A / B, alpha 2 x rank). Measured, as llama-batched-bench measures
-them: batch-1 decode (`--gen` tokens after a `--prompt`-token prompt, tok/s) and `--parallel` concurrent requests
-(output tok/s over the whole run, prefill included), for:
+convert_lora_to_gguf.py writes one (float16 A / B, alpha 2 x rank). Measured: batch-1 decode (`--gen` tokens after
+a `--prompt`-token prompt, tok/s) and `--parallel` concurrent requests of `--prompt` + `--gen` tokens (output tok/s
+over the whole run, prefill included), for:
   trtbuild: an engine without the adapter; the engine with it, requests under it; the same engine, requests
             under no adapter (what adapters built in cost the base model's requests);
-  llama.cpp: llama-batched-bench without `--lora` and with it.
+  llama.cpp: without `--lora` and with it: llama-completion for batch-1 decode, llama-server's slots for the
+             concurrent requests (llama-bench takes no adapter and llama-batched-bench ignores `--lora`).
 Every configuration runs in its own process, rounds alternate them, and the table gives medians and the ratios.
 """
 
@@ -46,7 +47,8 @@ def make_adapter(base: Path, out: Path, rank: int, seed: int = 0) -> Path:
     w.add_type(gguf.GGUFType.ADAPTER)
     w.add_string(gguf.Keys.Adapter.TYPE, "lora")
     w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, 2.0 * rank)
-    for name, (rows, cols) in sorted((n, s) for n, s in shapes.items() if n.split(".")[-2] in LINEARS):
+    for name, (rows, cols) in sorted((n, s) for n, s in shapes.items()
+                                     if n.endswith(".weight") and n.split(".")[-2] in LINEARS):
         w.add_tensor(name + ".lora_a", (rng.standard_normal((rank, cols)) / np.sqrt(cols)).astype(np.float16))
         w.add_tensor(name + ".lora_b", (rng.standard_normal((rows, rank)) * 0.01).astype(np.float16))
     w.write_header_to_file()
@@ -107,16 +109,68 @@ def trtbuild_round(engine: Path, lora: str | None, args: argparse.Namespace) -> 
     return result
 
 
-def llama_round(gguf: Path, adapter: Path | None, args: argparse.Namespace) -> dict[str, float]:
+def llama_single(gguf: Path, adapter: Path | None, args: argparse.Namespace) -> dict[str, float]:
+    """Batch-1 decode with llama-completion, which applies `--lora` (llama-bench takes none and llama-batched-bench
+    ignores it): a prompt of about `--prompt` tokens, then `--gen` tokens."""
+    import subprocess
+
     lora = ["--lora", str(adapter)] if adapter else []
-    table, _ = run_timed([str(args.llama_bin / "llama-batched-bench"), "-m", str(gguf), "-c",
-                          str(batched_context(args)), "-npp", str(args.prompt), "-ntg", str(args.gen), "-npl",
-                          f"1,{args.parallel}", "-t", str(args.threads), "-ub", str(args.ubatch), *lora])
-    # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
-    rows = {int(r[2]): r for r in (line.strip("|").split("|") for line in table.splitlines()
-                                   if re.match(r"^\|\s*\d", line))}
-    return {"decode_tok_s": float(rows[1][7]),
-            "parallel_output_tok_s": args.parallel * args.gen / float(rows[args.parallel][8])}
+    cmd = [str(args.llama_bin / "llama-completion"), "-m", str(gguf), "-p", "hello" + " hello" * (args.prompt - 1),
+           "-n", str(args.gen), "--ignore-eos", "-no-cnv", "-c", str(args.prompt + args.gen + 64), "-t",
+           str(args.threads), "-ub", str(args.ubatch), *lora]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"llama-completion failed (exit {out.returncode}): {out.stderr[-500:]}")
+    # common_perf_print:        eval time = 4953.29 ms / 127 runs (... ms per token, 25.6 tokens per second)
+    return {"decode_tok_s": float(re.findall(r" eval time = .*?([\d.]+) tokens per second", out.stderr)[-1])}
+
+
+def llama_parallel(gguf: Path, adapter: Path | None, args: argparse.Namespace) -> dict[str, float]:
+    """`--parallel` concurrent requests to llama-server (`-np` slots, `--lora` applied to every request), each
+    `--prompt` token ids then `--gen` tokens; output tok/s over the whole run, prefill included."""
+    import socket
+    import subprocess
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    lora = ["--lora", str(adapter)] if adapter else []
+    server = subprocess.Popen([str(args.llama_bin / "llama-server"), "-m", str(gguf), "-np", str(args.parallel),
+                               "-c", str(batched_context(args)), "-t", str(args.threads), "-ub", str(args.ubatch),
+                               "--port", str(port), "--no-webui", *lora],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        vocab = args.vocab
+
+        def one(s: int) -> None:
+            body = {"prompt": [(7 * i + 3 * s) % (vocab - 10) + 5 for i in range(args.prompt)],
+                    "n_predict": args.gen, "ignore_eos": True, "temperature": 0, "cache_prompt": False}
+            request = urllib.request.Request(base + "/completion", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=3600) as r:
+                assert json.loads(r.read())["tokens_predicted"] == args.gen
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(args.parallel) as pool:
+            list(pool.map(one, range(args.parallel)))
+        return {"parallel_output_tok_s": args.parallel * args.gen / (time.perf_counter() - start)}
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def llama_round(gguf: Path, adapter: Path | None, args: argparse.Namespace) -> dict[str, float]:
+    return {**llama_single(gguf, adapter, args), **llama_parallel(gguf, adapter, args)}
 
 
 def main() -> None:
@@ -144,6 +198,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     adapter = args.adapter or make_adapter(args.gguf, work / f"adapter-r{args.rank}.gguf", args.rank)
     plain, adapted = build(args.gguf, None, work, args), build(args.gguf, adapter, work, args)
+    args.vocab = json.loads((plain / "config.json").read_text())["model_config"]["vocab_size"]
     shutil.rmtree(work / "ckpt", ignore_errors=True)
     configs = {"trtbuild": lambda: trtbuild_round(plain, None, args),
                "trtbuild+lora": lambda: trtbuild_round(adapted, "adapter", args),

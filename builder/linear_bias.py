@@ -29,7 +29,11 @@ def _bias_add(view: GraphView, tensor: str) -> tuple[onnx.NodeProto, np.ndarray]
 
 def _pieces(view: GraphView, y: str, n: int) -> list[tuple[str, int]] | None:
     """(tensor, width) of the linear's output as its consumers see it: itself, or the outputs of the Split that is
-    its only consumer (None when a split cannot be read)."""
+    its only consumer (None when a split cannot be read); after its LoRA delta's Add, if it has one (a bias adds
+    the same before or after it: builder/lora.py)."""
+    lora = view.only_consumer(y)
+    if lora is not None and lora.op_type == "Add" and lora.name.endswith(".lora_add"):
+        y = lora.output[0]
     split = view.only_consumer(y)
     if split is not None and split.op_type == "Split" and len(split.input) == 2:
         sizes = view.constant(split.input[1])

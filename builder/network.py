@@ -103,10 +103,12 @@ class _NetworkWriter:
         else:
             w = self.g.weight(prefix + ".weight", self.tensor(prefix + ".weight").T)  # [in, out] for MatMul
             y = self.g.op("MatMul", [x, w], name=prefix, outputs=outputs if last else None)
+        if adapted:  # NOTE: before the bias, so that the fused siblings' deltas join before their Split
+            y = self.lora_delta(x, y, prefix, None if bias else outputs)
         if bias:
             y = self.g.op("Add", [y, self.g.weight(prefix + ".bias", self.tensor(prefix + ".bias"))],
-                          name=prefix + "_bias", outputs=None if adapted else outputs)
-        return self.lora_delta(x, y, prefix, outputs) if adapted else y
+                          name=prefix + "_bias", outputs=outputs)
+        return y
 
     def lora_delta(self, x: str, y: str, prefix: str, outputs: list[str] | None) -> str:
         """y + ((x @ A^T) * mask) @ B^T over every adapter's columns (builder/lora.py). The node names end in

@@ -191,23 +191,25 @@ def test_cli_lora_flags(tmp_path, lora_engine):
     assert result.exit_code == 0 and result.output.rstrip("\n") == "Once upon a time" + want
 
 
-def write_gguf_lora(peft_dir: Path, path: Path, hf_dir: Path) -> Path:
-    """The PEFT adapter as llama.cpp's convert_lora_to_gguf.py writes it for a Llama base: float32 A / B per
-    `blk.N.<linear>.weight`, B's q / k rows permuted as the base's, alpha in the metadata."""
+def write_gguf_lora(peft_dir: Path, path: Path, hf_dir: Path, family: str) -> Path:
+    """The PEFT adapter as llama.cpp's convert_lora_to_gguf.py writes it for a base of `family`: float32 A / B per
+    `blk.N.<linear>.weight`, B's q / k rows permuted where the base's are, alpha in the metadata."""
     import gguf
-    from gguf_helpers import _permute
+    from gguf_helpers import FAMILIES, PERMUTED, _permute
     from safetensors.numpy import load_file
 
+    arch = FAMILIES[family][0]
     cfg = json.loads((hf_dir / "config.json").read_text())
     alpha = json.loads((peft_dir / "adapter_config.json").read_text())["lora_alpha"]
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_type(gguf.GGUFType.ADAPTER)
     w.add_string(gguf.Keys.Adapter.TYPE, "lora")
     w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg["num_hidden_layers"])
+    model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(model_arch, cfg["num_hidden_layers"])
     for key, data in load_file(str(peft_dir / "adapter_model.safetensors")).items():
         module, _, ab = key.removeprefix("base_model.model.").rpartition(".lora_")
-        if ab == "B.weight" and module.endswith(("q_proj", "k_proj")):
+        if ab == "B.weight" and module.endswith(("q_proj", "k_proj")) and arch in PERMUTED:
             data = _permute(data, cfg["num_attention_heads" if module.endswith("q_proj") else "num_key_value_heads"])
         base = names.get_name(module + ".weight", try_suffixes=(".weight",))  # blk.N.attn_q.weight
         w.add_tensor(f"{base}.lora_{ab[0].lower()}", data.astype(np.float32))
@@ -218,18 +220,20 @@ def write_gguf_lora(peft_dir: Path, path: Path, hf_dir: Path) -> Path:
     return path
 
 
-def test_a_gguf_adapter_over_a_quantized_gguf_base(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # q / k rows permuted in the file; q / k / v biases
+def test_a_gguf_adapter_over_a_quantized_gguf_base(tmp_path, family):
     """llama.cpp's adapter file over a Q8_0 / Q4_0 GGUF base: the logits of the PEFT folder it was written from, with
-    the quantized q / k / v and gate / up still one kernel each and their deltas joined before the Split."""
+    the quantized q / k / v and gate / up still one kernel each (and the biases in them), their deltas joined
+    before the Split."""
     from gguf import GGMLQuantizationType as Q
     from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
 
-    hf = make_hf_folder("llama", tmp_path / "hf")
+    hf = make_hf_folder(family, tmp_path / "hf")
     peft = make_peft_adapter(hf, tmp_path / "peft", seed=3, r=4, lora_alpha=8, target_modules="all-linear")
     linears = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     qtypes = {f"blk.{i}.{n}.weight": Q.Q8_0 if i else Q.Q4_0 for i in range(2) for n in linears}
-    convert(write_gguf_like_llama_cpp(hf, tmp_path / "base.gguf", "llama", qtypes), tmp_path / "ckpt")
-    adapter = write_gguf_lora(peft, tmp_path / "adapter.gguf", hf)
+    convert(write_gguf_like_llama_cpp(hf, tmp_path / "base.gguf", family, qtypes), tmp_path / "ckpt")
+    adapter = write_gguf_lora(peft, tmp_path / "adapter.gguf", hf, family)
     logits = []
     for source in (peft, adapter):
         engine = build_engine(tmp_path / "ckpt", tmp_path / f"engine_{source.name}", max_seq_len=64,
@@ -237,7 +241,7 @@ def test_a_gguf_adapter_over_a_quantized_gguf_base(tmp_path):
         info = read_engine_config(engine)
         passes = dict(p.split(":") for p in info.passes)
         assert passes["lower_quantized_linears"] == "10" and passes["hoist_lora_adds"] == "4"  # q/k/v, gate/up
-        assert passes["native_swiglu"] == "2"
+        assert passes["native_swiglu"] == "2" and passes.get("linear_biases") == ("2" if family == "qwen2" else None)
         chunks = [SequenceChunk(i, IDS, 0, len(IDS), [2 * i, 2 * i + 1], lora_id=i) for i in range(2)]
         logits.append(CpuEngine(info, num_threads=1, num_blocks=4).step(chunks))
     np.testing.assert_allclose(logits[1], logits[0], atol=1e-5, rtol=0)
