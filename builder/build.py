@@ -123,8 +123,8 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
 
 class TacticLowering:
     """The last CPU lowering, as a build's tactics say: its attention variant, then its quantized linears (native:
-    builder/native_linears.py) and its unquantized ones (native: builder/dense_linears.py; either takes its bias
-    add in: builder/linear_bias.py), and, with any native tactic, the MLP's SwiGLU (builder/native_swiglu.py).
+    builder/native_linears.py) and its unquantized ones (native: builder/dense_linears.py, with the LoRA branches:
+    builder/native_lora.py; either takes its bias add in: builder/linear_bias.py), and, with any native tactic, the MLP's SwiGLU (builder/native_swiglu.py).
     Each weight is packed once however many candidate graphs the autotuner lowers."""
 
     def __init__(self) -> None:
@@ -140,12 +140,15 @@ class TacticLowering:
         """Lower `model` in place; returns the native lowerings applied, as "name:count"."""
         from trtbuild.builder.linear_bias import fold_linear_biases
         from trtbuild.builder.lower_cpu import lower_paged_attention
+        from trtbuild.builder.native_lora import lower_lora
         from trtbuild.builder.native_swiglu import lower_swiglu
 
         lower_paged_attention(model, build.attention)
         counts = {"native_linears": self.native_linears.lower(model) if build.quant_linears == "native" else 0}
         # what the native linears did not take; NOTE: before the dense linears, which then take the correction GEMMs
         counts["float_zero_points"] = self.float_zero_points.expand(model)
+        # NOTE: before the dense linears, which would take the LoRA branches' MatMuls
+        counts["native_lora"] = lower_lora(model) if build.float_linears == "native" else 0
         counts["dense_linears"] = self.dense_linears.lower(model) if build.float_linears == "native" else 0
         if counts["native_linears"] or counts["dense_linears"]:
             counts["linear_biases"] = fold_linear_biases(model)

@@ -10,6 +10,7 @@ import onnx
 from trtbuild.builder.graph import GraphView, node_attrs, other_input
 from trtbuild.plugins import block_quant_matmul as bq
 from trtbuild.plugins import dense_matmul as dm
+from trtbuild.plugins import lora as lp
 
 BIAS_INPUT = {bq.OP_TYPE: 3, dm.OP_TYPE: 2}  # the optional bias input of each op (plugins/README.md)
 
@@ -32,7 +33,7 @@ def _pieces(view: GraphView, y: str, n: int) -> list[tuple[str, int]] | None:
     its only consumer (None when a split cannot be read); after its LoRA delta's Add, if it has one (a bias adds
     the same before or after it: builder/lora.py)."""
     lora = view.only_consumer(y)
-    if lora is not None and lora.op_type == "Add" and lora.name.endswith(".lora_add"):
+    if lora is not None and lora.input[0] == y and (lora.name.endswith(".lora_add") or lora.op_type == lp.OP_TYPE):
         y = lora.output[0]
     split = view.only_consumer(y)
     if split is not None and split.op_type == "Split" and len(split.input) == 2:

@@ -16,6 +16,7 @@ const OrtCustomOp* dense_gather_op();
 const OrtCustomOp* swiglu_op();
 const OrtCustomOp* geglu_op();
 const OrtCustomOp* moe_route_op();
+const OrtCustomOp* lora_add_op();
 
 // An optional attribute's value, or `otherwise` when the node lacks it (engines built before it was added).
 template <typename T>

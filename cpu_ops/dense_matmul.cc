@@ -10,6 +10,7 @@
 // DenseGather: rows `ids` of the packed table, as float32, shaped [*ids.shape, K] (a tied embedding reads its
 // lm_head's packed weights).
 #include "cpu_ops.h"
+#include "float_weights.h"
 
 #include <immintrin.h>
 
@@ -31,8 +32,6 @@ constexpr int64_t kTaskTokens = 64;
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of its loads a tile asks for its weights
 constexpr int64_t kTaskGroupsLong = 8;   // groups per task when a step has more than one task of tokens
 constexpr int64_t kTaskGroupsShort = 2;  // ... and when it has one (decode): more tasks for the thread pool
-
-enum class Weight { kFloat, kHalf, kBFloat };
 
 struct DenseTable {
   std::string op;
@@ -58,26 +57,13 @@ struct DenseTable {
     const auto info = b.GetTensorTypeAndShapeInfo();
     if (info.GetElementCount() != static_cast<size_t>(groups() * k * kRows))
       fail("B does not hold ceil(N / 16) groups of K x 16 weights (plugins/dense_matmul.py: pack)");
-    switch (info.GetElementType()) {
-      case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return Weight::kHalf;
-      case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return Weight::kBFloat;
-      case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return Weight::kFloat;
-      default: fail("B must be float16, bfloat16 or float");
-    }
+    Weight w;
+    if (!weight_of(info.GetElementType(), &w)) fail("B must be float16, bfloat16 or float");
+    return w;
   }
 };
 
 #ifndef TRTBUILD_NO_AVX512
-template <Weight W>
-__m512 load16(const void* b, int64_t at) {  // 16 weights from element `at`, as float32 (exact)
-  if constexpr (W == Weight::kFloat) {
-    return _mm512_loadu_ps(static_cast<const float*>(b) + at);
-  } else {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(b) + at));
-    if constexpr (W == Weight::kHalf) return _mm512_cvtph_ps(bits);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-  }
-}
 
 // NOTE: a group's weights are one stream from memory, read once per step, and the hardware prefetcher does not stay
 // far enough ahead of it while a tile's FMAs run: asking 2 KiB ahead made a 1.5B F16 batch-16 decode step ~20% faster

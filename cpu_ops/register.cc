@@ -17,6 +17,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     d->Add(trtbuild_cpu_ops::swiglu_op());
     d->Add(trtbuild_cpu_ops::geglu_op());
     d->Add(trtbuild_cpu_ops::moe_route_op());
+    d->Add(trtbuild_cpu_ops::lora_add_op());
     return d;
   }();
   try {

@@ -33,16 +33,17 @@ FAMILIES = {"llama": (["q_proj", "v_proj"], "all-linear"),
             "qwen2": (["k_proj", "o_proj", "down_proj"], "all-linear")}
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=[(f, linears) for f in FAMILIES for linears in ("native", "ort")])
 def adapted(request, tmp_path_factory):
-    """(engine with adapters a and b, HF base, {name: adapter dir}) of a random model of each family."""
-    family, work = request.param, tmp_path_factory.mktemp(f"lora_{request.param}")
+    """(engine with adapters a and b, HF base, {name: adapter dir}) of a random model of each family, its float
+    linears and LoRA branches native (trtbuild::LoraAdd) or standard ONNX ops."""
+    (family, linears), work = request.param, tmp_path_factory.mktemp(f"lora_{request.param[0]}")
     hf = make_random_hf_model(family, work / "hf")
     targets = FAMILIES[family]
     adapters = {"a": make_peft_adapter(hf, work / "a", seed=1, r=4, lora_alpha=8, target_modules=targets[0]),
                 "b": make_peft_adapter(hf, work / "b", seed=2, r=8, lora_alpha=16, target_modules=targets[1])}
     convert(hf, work / "ckpt")
-    engine = build_engine(work / "ckpt", work / "engine", max_seq_len=64, tokens_per_block=8,
+    engine = build_engine(work / "ckpt", work / "engine", max_seq_len=64, tokens_per_block=8, float_linears=linears,
                           lora_adapters=tuple((n, str(p)) for n, p in adapters.items()))
     return engine, hf, adapters
 
@@ -63,12 +64,16 @@ def test_each_adapter_matches_peft_in_one_mixed_step(adapted):
 
 
 def test_adapters_leave_the_fusions_in_place(adapted):
-    """q/k/v and gate/up still run as one GEMM each, the SwiGLU as one op: the deltas join before the Split."""
-    passes = dict(p.split(":") for p in read_engine_config(adapted[0]).passes)
+    """q/k/v and gate/up still run as one GEMM each, the SwiGLU as one op: the deltas join before the Split; with
+    native float linears, each linear's (or fused siblings') branch is one LoraAdd."""
+    info = read_engine_config(adapted[0])
+    passes = dict(p.split(":") for p in info.passes)
     layers = 2
     assert passes["fuse_qkv"] == passes["fuse_gate_up"] == str(layers)
     assert passes["hoist_lora_adds"] == str(2 * layers)
-    assert passes.get("native_swiglu") == str(layers)
+    native = info.build.float_linears == "native"
+    assert passes["native_swiglu"] == str(layers)  # the native attention loads the library either way
+    assert passes.get("native_lora") == (str(4 * layers) if native else None)  # q+k+v, o, gate+up, down
 
 
 def test_prefix_blocks_are_kept_apart_per_adapter(lora_engine):
@@ -258,3 +263,46 @@ def test_verify_runs_the_adapters_against_the_unfused_build(lora_engine):
     _, steps, _ = _step_chunks(read_engine_config(lora_engine))
     assert [c.lora_id for c in steps[0]] == [1, 2]
     verify_engine(lora_engine, lora_engine.parent / "ckpt", num_threads=1).check()
+
+
+@pytest.mark.parametrize("weight_type", ["float16", "bfloat16", "float32"])
+def test_lora_add_matches_its_reference(library, weight_type):
+    """trtbuild::LoraAdd on three sibling blocks (48, 16, 32 columns), three adapters of ranks 4, 2 and 3, tokens
+    under each and under none."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from trtbuild.plugins import dense_matmul as dm
+    from trtbuild.plugins import lora as lp
+
+    rng = np.random.default_rng(0)
+    k, splits, offsets = 32, [48, 16, 32], np.array([0, 4, 6, 9])
+    a_blocks = [rng.standard_normal((k, 9)).astype(np.float32) for _ in splits]
+    b_blocks = [rng.standard_normal((9, n)).astype(np.float32) for n in splits]
+    a, bt = lp.pack(a_blocks, b_blocks, offsets)
+    a, bt = a.astype(dm.WEIGHT_TYPES[weight_type]), bt.astype(dm.WEIGHT_TYPES[weight_type])
+    ids = np.array([0, 1, 2, 3, 2, 0, 1], np.int64)
+    x = rng.standard_normal((len(ids), k)).astype(np.float32)
+    y = rng.standard_normal((len(ids), sum(splits))).astype(np.float32)
+    elem = helper.np_dtype_to_tensor_dtype(a.dtype)
+    node = helper.make_node(lp.OP_TYPE, ["y", "x", "ids", "a", "bt"], ["out"], domain=lp.DOMAIN, K=k, N=sum(splits),
+                            R=bt.shape[1], splits=splits)
+    weights = [helper.make_tensor(name, elem, w.shape, w.tobytes(), raw=True) for name, w in (("a", a), ("bt", bt))]
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", sum(splits)]),
+                                            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k]),
+                                            helper.make_tensor_value_info("ids", TensorProto.INT64, ["m"])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["m", sum(splits)])],
+                              initializer=weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(lp.DOMAIN, 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    got = session.run(None, {"y": y, "x": x, "ids": ids})[0]
+    want = lp.reference_lora_add(y, x, ids, a, bt, splits)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    # the packing: adapter 2 (rank 2) of block 1 computes x @ lora_a[:, 4:6] @ lora_b[4:6]
+    dense = x[2] @ a_blocks[1][:, 4:6].astype(np.float64) @ b_blocks[1][4:6].astype(np.float64)
+    if weight_type == "float32":
+        np.testing.assert_allclose(got[2, 48:64] - y[2, 48:64], dense, rtol=1e-4, atol=1e-4)
+    with pytest.raises(Exception, match=r"lora id 4 outside 0..3"):
+        session.run(None, {"y": y[:1], "x": x[:1], "ids": np.array([4])})
