@@ -124,8 +124,8 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
 class TacticLowering:
     """The last CPU lowering, as a build's tactics say: its attention variant, then its quantized linears (native:
     builder/native_linears.py) and its unquantized ones (native: builder/dense_linears.py, with the LoRA branches:
-    builder/native_lora.py; either takes its bias add in: builder/linear_bias.py), and, with any native tactic, the MLP's SwiGLU (builder/native_swiglu.py).
-    Each weight is packed once however many candidate graphs the autotuner lowers."""
+    builder/native_lora.py; either takes its bias add in: builder/linear_bias.py), and, with any native tactic, the
+    MLP's SwiGLU (builder/native_swiglu.py). Each weight is packed once however many candidate graphs the autotuner lowers."""
 
     def __init__(self) -> None:
         from trtbuild.builder.dense_linears import DenseLinears
