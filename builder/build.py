@@ -125,7 +125,8 @@ class TacticLowering:
     """The last CPU lowering, as a build's tactics say: its attention variant, then its quantized linears (native:
     builder/native_linears.py) and its unquantized ones (native: builder/dense_linears.py, with the LoRA branches:
     builder/native_lora.py; either takes its bias add in: builder/linear_bias.py), and, with any native tactic, the
-    MLP's SwiGLU (builder/native_swiglu.py). Each weight is packed once however many candidate graphs the autotuner lowers."""
+    MLP's SwiGLU (builder/native_swiglu.py). Each weight is packed once however many candidate graphs the autotuner
+    lowers."""
 
     def __init__(self) -> None:
         from trtbuild.builder.dense_linears import DenseLinears
