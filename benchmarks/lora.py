@@ -115,13 +115,18 @@ def llama_single(gguf: Path, adapter: Path | None, args: argparse.Namespace) -> 
     import subprocess
 
     lora = ["--lora", str(adapter)] if adapter else []
-    cmd = [str(args.llama_bin / "llama-completion"), "-m", str(gguf), "-p", "hello" + " hello" * (args.prompt - 1),
+    # NOTE: " a" is one token in the BPE vocabularies (its merge comes first); the count is checked below
+    cmd = [str(args.llama_bin / "llama-completion"), "-m", str(gguf), "-p", "a" + " a" * (args.prompt - 1),
            "-n", str(args.gen), "--ignore-eos", "-no-cnv", "-c", str(args.prompt + args.gen + 64), "-t",
            str(args.threads), "-ub", str(args.ubatch), *lora]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"llama-completion failed (exit {out.returncode}): {out.stderr[-500:]}")
+    # common_perf_print: prompt eval time = 497.32 ms / 128 tokens (...)
     # common_perf_print:        eval time = 4953.29 ms / 127 runs (... ms per token, 25.6 tokens per second)
+    prompt = int(re.findall(r"prompt eval time = .*? / +(\d+) tokens", out.stderr)[-1])
+    if abs(prompt - args.prompt) > 2:
+        raise RuntimeError(f"llama-completion's prompt is {prompt} tokens, not about {args.prompt}")
     return {"decode_tok_s": float(re.findall(r" eval time = .*?([\d.]+) tokens per second", out.stderr)[-1])}
 
 

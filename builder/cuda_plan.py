@@ -39,8 +39,8 @@ import torch
 from onnx import helper
 
 from trtbuild.builder.graph import GraphView, other_input
-from trtbuild.builder.lora import LORA_IDS_INPUT
 from trtbuild.builder.network import ACCEPT_INPUTS
+from trtbuild.configs import LORA_IDS_INPUT
 from trtbuild.errors import TrtbuildError
 from trtbuild.plugins import paged_attention as pa
 from trtbuild.plugins import speculative_accept as sa

@@ -10,7 +10,8 @@ per adapted linear, `P.lora_a` [R, in] stacks the adapters' A rows (R: the sum o
 
 with `lora_ids` [tokens] an engine input naming each packed token's adapter (0: the base model, i: the i-th) and
 row i of `lora_table` one over adapter i's columns: one step may mix adapters, each token computing its own
-adapter's delta exactly, at R x (in + out) extra multiply-adds per adapted linear.
+adapter's delta exactly, at R x (in + out) extra multiply-adds per adapted linear. The CPU target's native float
+linears replace each such branch by one op that reads only the token's adapter (builder/native_lora.py).
 
 Adapters are read as PEFT saves them (`adapter_config.json` + `adapter_model.safetensors`) or as llama.cpp's
 convert_lora_to_gguf.py writes them (a .gguf; builder/convert/gguf_reader.py), onto the checkpoint's names
@@ -31,10 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from trtbuild.configs import LORA_IDS_INPUT, ModelConfig
+from trtbuild.configs import ModelConfig
 from trtbuild.errors import TrtbuildError
 
-__all__ = ["LORA_IDS_INPUT", "LoraTables", "read_adapters"]
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # A PEFT target module (the HF linear's name inside its layer) -> the checkpoint linears it adapts; a fused source
 # projection (Phi-3's) adapts several, its B rows split among them in order
@@ -165,6 +165,9 @@ def read_adapter(name: str, path: Path, config: ModelConfig) -> LoraAdapter:
     `config` before it is built in."""
     check_adapter_name(name)
     path = Path(path)
+    if not path.exists():
+        raise LoraError(f"LoRA adapter {name!r}: {path} does not exist (an engine's adapters are read from their "
+                        "paths when it is built, and again by `trtbuild verify`).")
     if path.is_file():
         pairs, scale_of = _gguf_pairs(path, config)
     else:

@@ -42,14 +42,22 @@ import torch
 from onnx import TensorProto
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
-from trtbuild.builder.lora import LORA_IDS_INPUT, LoraTables, WithLora, read_adapters
+from trtbuild.builder.lora import LoraTables, WithLora, read_adapters
 from trtbuild.builder.mlp_activation import gated_activation
 from trtbuild.builder.moe_experts import Experts
 from trtbuild.builder.quantized import QuantizedLinears, kv_cache_scales
 from trtbuild.builder.rope import PartialRotaryRows, rope_tables
 from trtbuild.builder.weight_file import StagingWeights
 from trtbuild.builder.weight_only_linear import emit_nbits_gather
-from trtbuild.configs import BuildConfig, ModelConfig, group_input, kv_cache_groups, layer_slot, slots_per_block
+from trtbuild.configs import (
+    LORA_IDS_INPUT,
+    BuildConfig,
+    ModelConfig,
+    group_input,
+    kv_cache_groups,
+    layer_slot,
+    slots_per_block,
+)
 from trtbuild.plugins import paged_attention as pa
 from trtbuild.plugins import speculative_accept as sa
 from trtbuild.quantization import kv_pool_elem_type

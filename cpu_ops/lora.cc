@@ -4,8 +4,8 @@
 //   out[t, n] = y[t, n] + sum_r h[t, j(n) R + r] Bt[a - 1, r, n],   h[t, c] = A[a - 1, c, :] . x[t, :],  a = lora_ids[t]
 // where block j(n) is the sibling linear whose columns (attribute `splits`) hold n. Only the token's adapter is
 // read: the work per token does not grow with the adapters an engine holds. A and Bt are float16, bfloat16 or
-// float32 (one type for both). Phase 1 computes h, 4 rows of A per task; phase 2 adds the deltas, 256 columns per
-// task, every token of the step through them.
+// float32 (one type for both). Phase 1 computes h (4 rows of A per task in decode steps, 8 tokens per task in
+// longer ones); phase 2 adds the deltas, 256 columns per task, every token of the step through them.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -20,6 +20,9 @@ namespace trtbuild_cpu_ops {
 namespace {
 
 constexpr int64_t kRowsPerTask = 4;
+constexpr int64_t kFewTokens = 4;
+constexpr int64_t kTokensPerTask = 8;
+constexpr int64_t kTileTokens = 4;  // tokens whose FMAs share one load of the weights
 constexpr int64_t kColumnsPerTask = 256;
 
 struct LoraProblem {
@@ -31,30 +34,92 @@ struct LoraProblem {
   float* out;
   float* h;  // [M, C]
   int64_t m, n, k, r, c;
+  // phase 1's tasks: a few tokens (decode) split by rows, so that both threads read A; longer steps by tokens, as
+  // one small task per token and 4 rows would cost more in the thread pool than the dot products themselves
+  int64_t task_tokens, task_rows;
   std::vector<int64_t> column_block;  // per task of phase 2: its sibling block
   std::vector<int64_t> column_start;  // ... and its columns [start, start + kColumnsPerTask) within that block
   std::vector<int64_t> block_end;
 };
 
 #if defined(__AVX512F__)
-template <Weight W>
-void project(void* data, size_t task) {  // phase 1: h rows [c0, c0 + 4) of one token
-  const LoraProblem& p = *static_cast<const LoraProblem*>(data);
-  const int64_t tasks_per_token = (p.c + kRowsPerTask - 1) / kRowsPerTask;
-  const int64_t t = static_cast<int64_t>(task) / tasks_per_token;
-  const int64_t c0 = static_cast<int64_t>(task) % tasks_per_token * kRowsPerTask;
-  const int64_t adapter = p.ids[t];
-  if (adapter == 0) return;
-  const int64_t rows = std::min(kRowsPerTask, p.c - c0);
-  const int64_t base = ((adapter - 1) * p.c + c0) * p.k;
-  const float* x = p.x + t * p.k;
-  __m512 acc[kRowsPerTask];
-  for (auto& v : acc) v = _mm512_setzero_ps();
+// Up to 4 consecutive tokens from t that share t's adapter (and at most `limit` of them): a tile's weights are
+// loaded once for all its tokens.
+int64_t tile_tokens(const LoraProblem& p, int64_t t, int64_t limit) {
+  int64_t n = 1;
+  while (n < kTileTokens && n < limit && p.ids[t + n] == p.ids[t]) ++n;
+  return n;
+}
+
+template <Weight W, int T>
+void dot_tile(const LoraProblem& p, int64_t t, int64_t c0, int64_t rows) {  // h[t .. t + T, c0 .. c0 + rows)
+  const int64_t base = ((p.ids[t] - 1) * p.c + c0) * p.k;
+  __m512 acc[T][kRowsPerTask];
+  for (auto& tile : acc)
+    for (auto& v : tile) v = _mm512_setzero_ps();
   for (int64_t i = 0; i < p.k; i += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + i);
-    for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_fmadd_ps(load16<W>(p.a, base + r * p.k + i), xv, acc[r]);
+    __m512 xv[T];
+    for (int u = 0; u < T; ++u) xv[u] = _mm512_loadu_ps(p.x + (t + u) * p.k + i);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 w = load16<W>(p.a, base + r * p.k + i);
+      for (int u = 0; u < T; ++u) acc[u][r] = _mm512_fmadd_ps(w, xv[u], acc[u][r]);
+    }
   }
-  for (int64_t r = 0; r < rows; ++r) p.h[t * p.c + c0 + r] = _mm512_reduce_add_ps(acc[r]);
+  for (int u = 0; u < T; ++u)
+    for (int64_t r = 0; r < rows; ++r) p.h[(t + u) * p.c + c0 + r] = _mm512_reduce_add_ps(acc[u][r]);
+}
+
+template <Weight W>
+void project(void* data, size_t task) {  // phase 1: rows [c0, c1) of h for tokens [t0, t1)
+  const LoraProblem& p = *static_cast<const LoraProblem*>(data);
+  const int64_t row_tasks = (p.c + p.task_rows - 1) / p.task_rows;
+  const int64_t t0 = static_cast<int64_t>(task) / row_tasks * p.task_tokens, t1 = std::min(p.m, t0 + p.task_tokens);
+  const int64_t c0 = static_cast<int64_t>(task) % row_tasks * p.task_rows, c1 = std::min(p.c, c0 + p.task_rows);
+  for (int64_t t = t0, n; t < t1; t += n) {
+    n = tile_tokens(p, t, t1 - t);
+    if (p.ids[t] == 0) continue;
+    for (int64_t c = c0; c < c1; c += kRowsPerTask) {
+      const int64_t rows = std::min(kRowsPerTask, c1 - c);
+      switch (n) {
+        case 1: dot_tile<W, 1>(p, t, c, rows); break;
+        case 2: dot_tile<W, 2>(p, t, c, rows); break;
+        case 3: dot_tile<W, 3>(p, t, c, rows); break;
+        default: dot_tile<W, 4>(p, t, c, rows);
+      }
+    }
+  }
+}
+
+// out[t .. t + T, col .. col + 16 V) = y + sum_r Bt[a - 1, r, cols] h[t, j R + r]
+template <Weight W, int T, int V>
+void add_tile(const LoraProblem& p, int64_t t, int64_t j, int64_t col) {
+  __m512 acc[T][V];
+  for (int u = 0; u < T; ++u)
+    for (int v = 0; v < V; ++v) acc[u][v] = _mm512_loadu_ps(p.y + (t + u) * p.n + col + 16 * v);
+  const float* h = p.h + t * p.c + j * p.r;
+  const int64_t base = (p.ids[t] - 1) * p.r * p.n + col;
+  for (int64_t r = 0; r < p.r; ++r) {
+    __m512 w[V];
+    for (int v = 0; v < V; ++v) w[v] = load16<W>(p.bt, base + r * p.n + 16 * v);
+    for (int u = 0; u < T; ++u) {
+      const __m512 hv = _mm512_set1_ps(h[u * p.c + r]);
+      for (int v = 0; v < V; ++v) acc[u][v] = _mm512_fmadd_ps(w[v], hv, acc[u][v]);
+    }
+  }
+  for (int u = 0; u < T; ++u)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(p.out + (t + u) * p.n + col + 16 * v, acc[u][v]);
+}
+
+template <Weight W, int T>
+void add_tokens(const LoraProblem& p, int64_t t, int64_t j, int64_t c0, int64_t c1) {
+  int64_t col = c0;
+  for (; col + 64 <= c1; col += 64) add_tile<W, T, 4>(p, t, j, col);
+  switch ((c1 - col) / 16) {
+    case 1: add_tile<W, T, 1>(p, t, j, col); break;
+    case 2: add_tile<W, T, 2>(p, t, j, col); break;
+    case 3: add_tile<W, T, 3>(p, t, j, col); break;
+    default: break;
+  }
 }
 
 template <Weight W>
@@ -62,25 +127,18 @@ void expand(void* data, size_t task) {  // phase 2: columns of one task, every t
   const LoraProblem& p = *static_cast<const LoraProblem*>(data);
   const int64_t j = p.column_block[task], c0 = p.column_start[task];
   const int64_t c1 = std::min(c0 + kColumnsPerTask, p.block_end[j]);
-  constexpr int64_t kVectors = kColumnsPerTask / 16;
-  for (int64_t t = 0; t < p.m; ++t) {
-    const float* y = p.y + t * p.n;
-    float* out = p.out + t * p.n;
-    const int64_t adapter = p.ids[t];
-    if (adapter == 0) {
-      std::copy(y + c0, y + c1, out + c0);
+  for (int64_t t = 0, n; t < p.m; t += n) {
+    n = tile_tokens(p, t, p.m - t);
+    if (p.ids[t] == 0) {
+      for (int64_t u = t; u < t + n; ++u) std::copy(p.y + u * p.n + c0, p.y + u * p.n + c1, p.out + u * p.n + c0);
       continue;
     }
-    const int64_t vectors = (c1 - c0) / 16;
-    __m512 acc[kVectors];
-    for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm512_loadu_ps(y + c0 + 16 * v);
-    const float* h = p.h + t * p.c + j * p.r;
-    for (int64_t r = 0; r < p.r; ++r) {
-      const __m512 hv = _mm512_set1_ps(h[r]);
-      const int64_t row = ((adapter - 1) * p.r + r) * p.n + c0;
-      for (int64_t v = 0; v < vectors; ++v) acc[v] = _mm512_fmadd_ps(load16<W>(p.bt, row + 16 * v), hv, acc[v]);
+    switch (n) {
+      case 1: add_tokens<W, 1>(p, t, j, c0, c1); break;
+      case 2: add_tokens<W, 2>(p, t, j, c0, c1); break;
+      case 3: add_tokens<W, 3>(p, t, j, c0, c1); break;
+      default: add_tokens<W, 4>(p, t, j, c0, c1);
     }
-    for (int64_t v = 0; v < vectors; ++v) _mm512_storeu_ps(out + c0 + 16 * v, acc[v]);
   }
 }
 #endif
@@ -136,8 +194,10 @@ struct LoraAddKernel {
     float* out = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
     if (m == 0) return;
     std::vector<float> h(static_cast<size_t>(m * c));
+    const bool few = m <= kFewTokens;
     LoraProblem p{y.GetTensorData<float>(), x.GetTensorData<float>(), id, a.GetTensorRawData(),
-                  bt.GetTensorRawData(), out, h.data(), m, n, k, r, c, {}, {}, {}};
+                  bt.GetTensorRawData(), out, h.data(), m, n, k, r, c, few ? 1 : kTokensPerTask,
+                  few ? kRowsPerTask : c, {}, {}, {}};
     int64_t start = 0;
     for (size_t j = 0; j < splits.size(); ++j) {
       for (int64_t col = start; col < start + splits[j]; col += kColumnsPerTask) {
@@ -152,7 +212,8 @@ struct LoraAddKernel {
     if (any) {
       auto phase1 = w == Weight::kHalf ? project<Weight::kHalf> : w == Weight::kBFloat ? project<Weight::kBFloat>
                                                                                       : project<Weight::kFloat>;
-      ctx.ParallelFor(phase1, static_cast<size_t>(m * ((c + kRowsPerTask - 1) / kRowsPerTask)), 0, &p);
+      const int64_t tasks = (m + p.task_tokens - 1) / p.task_tokens * ((c + p.task_rows - 1) / p.task_rows);
+      ctx.ParallelFor(phase1, static_cast<size_t>(tasks), 0, &p);
     }
     auto phase2 = w == Weight::kHalf ? expand<Weight::kHalf> : w == Weight::kBFloat ? expand<Weight::kBFloat>
                                                                                    : expand<Weight::kFloat>;

@@ -114,6 +114,9 @@ def check_chunks(b: BuildConfig, chunks: list[SequenceChunk], max_draft_len: int
         for table in c.tables():
             if len(table) * b.tokens_per_block < end:
                 raise ValueError(f"sequence {c.seq_id} has {len(table)} blocks, too few for {end} tokens")
+            if len(table) > b.max_blocks_per_seq:
+                raise ValueError(f"sequence {c.seq_id} has {len(table)} blocks; the engine's block tables hold "
+                                 f"{b.max_blocks_per_seq} (max_seq_len {b.max_seq_len})")
         if c.accept is not None:
             _check_accept(c, max_draft_len)
 

@@ -267,8 +267,8 @@ def test_verify_runs_the_adapters_against_the_unfused_build(lora_engine):
 
 @pytest.mark.parametrize("weight_type", ["float16", "bfloat16", "float32"])
 def test_lora_add_matches_its_reference(library, weight_type):
-    """trtbuild::LoraAdd on three sibling blocks (48, 16, 32 columns), three adapters of ranks 4, 2 and 3, tokens
-    under each and under none."""
+    """trtbuild::LoraAdd on three sibling blocks (48, 16, 32 columns), three adapters of ranks 4, 2 and 3, runs of
+    tokens under each and under none."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
@@ -281,7 +281,7 @@ def test_lora_add_matches_its_reference(library, weight_type):
     b_blocks = [rng.standard_normal((9, n)).astype(np.float32) for n in splits]
     a, bt = lp.pack(a_blocks, b_blocks, offsets)
     a, bt = a.astype(dm.WEIGHT_TYPES[weight_type]), bt.astype(dm.WEIGHT_TYPES[weight_type])
-    ids = np.array([0, 1, 2, 3, 2, 0, 1], np.int64)
+    ids = np.array([0, 1, 1, 1, 1, 1, 2, 2, 3, 0, 0, 2, 2, 2], np.int64)  # runs that tile 4 + 1, 2, 1, 3 tokens
     x = rng.standard_normal((len(ids), k)).astype(np.float32)
     y = rng.standard_normal((len(ids), sum(splits))).astype(np.float32)
     elem = helper.np_dtype_to_tensor_dtype(a.dtype)
@@ -300,9 +300,11 @@ def test_lora_add_matches_its_reference(library, weight_type):
     got = session.run(None, {"y": y, "x": x, "ids": ids})[0]
     want = lp.reference_lora_add(y, x, ids, a, bt, splits)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    few = session.run(None, {"y": y[1:4], "x": x[1:4], "ids": ids[1:4]})[0]  # a decode step's split of the work
+    np.testing.assert_allclose(few, want[1:4], rtol=1e-5, atol=1e-4)
     # the packing: adapter 2 (rank 2) of block 1 computes x @ lora_a[:, 4:6] @ lora_b[4:6]
-    dense = x[2] @ a_blocks[1][:, 4:6].astype(np.float64) @ b_blocks[1][4:6].astype(np.float64)
+    dense = x[6] @ a_blocks[1][:, 4:6].astype(np.float64) @ b_blocks[1][4:6].astype(np.float64)
     if weight_type == "float32":
-        np.testing.assert_allclose(got[2, 48:64] - y[2, 48:64], dense, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got[6, 48:64] - y[6, 48:64], dense, rtol=1e-4, atol=1e-4)
     with pytest.raises(Exception, match=r"lora id 4 outside 0..3"):
         session.run(None, {"y": y[:1], "x": x[:1], "ids": np.array([4])})
