@@ -120,7 +120,7 @@ class _NetworkWriter:
 
     def lora_delta(self, x: str, y: str, prefix: str, outputs: list[str] | None) -> str:
         """y + ((x @ A^T) * mask) @ B^T over every adapter's columns (builder/lora.py). The node names end in
-        LORA_SUFFIXES, which the GEMM fusion passes read (builder/passes/lora.py)."""
+        LORA_NODE_SUFFIXES, which the GEMM fusion passes read (builder/passes/lora.py)."""
         a = self.g.weight(prefix + ".lora_a", self.tensor(prefix + ".lora_a").T)  # [in, R] for MatMul
         b = self.g.weight(prefix + ".lora_b", self.tensor(prefix + ".lora_b").T)  # [R, out]
         h = self.g.op("MatMul", [x, a], name=prefix + ".lora_a")

@@ -54,8 +54,8 @@ class BuildConfig:
     attention: str = "auto"  # ATTENTION_MODES (CPU target)
     quant_linears: str = "auto"  # QUANT_LINEARS_MODES (CPU target)
     float_linears: str = "auto"  # FLOAT_LINEARS_MODES (CPU target)
-    # LoRA adapters built in beside the base weights, ((name, PEFT adapter folder), ...): a request names the one it
-    # runs under (builder/lora.py); the engine's `lora_ids` input says which, per token
+    # LoRA adapters built in beside the base weights, ((name, PEFT folder or llama.cpp adapter .gguf), ...): a request
+    # names the one it runs under (builder/lora.py); the engine's `lora_ids` input says which, per token
     lora_adapters: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:

@@ -106,6 +106,19 @@ def test_batched_adapters_equal_each_alone(lora_engine):
     assert batched[0].token_ids != llm.generate([prompts[0]], params)[0].token_ids != batched[2].token_ids
 
 
+def test_speculative_drafts_are_verified_under_the_adapter(lora_engine, stories_engine):
+    """Prompt-lookup drafts, and a draft engine without adapters: greedy outputs under each adapter are the plain
+    ones (the target verifies every draft under the request's adapter)."""
+    from trtbuild.runtime.speculative import SpeculativeConfig
+
+    prompts, loras = ["Once upon a time, Lily", "The cat sat on the mat. The cat"], ["poem", "sql"]
+    params = SamplingParams(max_tokens=24)
+    plain = LLM(lora_engine, RuntimeConfig(num_threads=1)).generate(prompts, params, lora=loras)
+    for spec in (SpeculativeConfig(3), SpeculativeConfig(3, method="draft_model", draft_engine_dir=str(stories_engine))):
+        got = LLM(lora_engine, RuntimeConfig(num_threads=1, speculative=spec)).generate(prompts, params, lora=loras)
+        assert [g.token_ids for g in got] == [p.token_ids for p in plain], spec.method
+
+
 def test_an_unknown_adapter_is_refused(lora_engine, llama_engine):
     core = EngineCore(lora_engine, RuntimeConfig(num_threads=1))
     with pytest.raises(ValueError, match=r"lora: this engine has no LoRA adapter 'chat'; it has sql, poem"):
