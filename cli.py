@@ -264,13 +264,16 @@ def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, 
 @speculative_options
 @click.option("--kv-cache-blocks", type=click.IntRange(min=1), default=None,
               help="KV blocks of the in-process engines [default: the runtime's, as `trtbuild serve`].")
+@click.option("--lora", default=None, metavar="NAME",
+              help="Send every request under this LoRA adapter of the engine (its base model if unset); "
+                   "--compare-engine runs under it too.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench(engine: Path | None, address: str | None, backend: str, api_key: str | None, dataset: Path | None,
           num_requests: int | None, input_len: int | None, output_len: int | None, seed: int,
           concurrency: int | None, request_rate: float,
           timeout: float, threads: int | None, compare_sequential: bool, compare_engine: Path | None,
           compare_hf: Path | None, rounds: int, speculative_tokens: int, prompt_lookup_max: int,
-          draft_engine: Path | None, kv_cache_blocks: int | None, as_json: bool) -> None:
+          draft_engine: Path | None, kv_cache_blocks: int | None, lora: str | None, as_json: bool) -> None:
     """Measure throughput and latency of an engine (in-process) or a server under load, with baselines as ratios."""
     from trtbuild.bench.report import format_report, to_json
     from trtbuild.bench.run import BenchOptions, run_bench
@@ -281,7 +284,7 @@ def bench(engine: Path | None, address: str | None, backend: str, api_key: str |
                            compare_sequential=compare_sequential, compare_engine=compare_engine, compare_hf=compare_hf,
                            rounds=rounds, speculative=speculative_config(speculative_tokens, prompt_lookup_max,
                                                                          draft_engine),
-                           kv_cache_blocks=kv_cache_blocks)
+                           kv_cache_blocks=kv_cache_blocks, lora=lora)
     report = run_bench(options, log=lambda message: click.echo(message, err=True))
     click.echo(to_json(report) if as_json else format_report(report))
 

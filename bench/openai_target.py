@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from trtbuild.bench.targets import check_adapter
 from trtbuild.bench.workload import BenchRequest, KVSampler, RequestResult
 from trtbuild.errors import TrtbuildError
 
@@ -21,7 +22,11 @@ _KV_USAGE = re.compile(r"^vllm:(?:kv|gpu)_cache_usage_perc(?:\{[^}]*\})? ([0-9.e
 
 
 class OpenAITarget:
-    def __init__(self, address: str, api_key: str | None = None, ready_timeout: float = 30.0) -> None:
+    """Every request's `model` is the server's first model (its base), or LoRA adapter `lora`, which /v1/models must
+    list with a `parent` (as trtbuild and vLLM list adapters)."""
+
+    def __init__(self, address: str, api_key: str | None = None, ready_timeout: float = 30.0,
+                 lora: str | None = None) -> None:
         self.base = (address if "://" in address else f"http://{address}").rstrip("/").removesuffix("/v1")
         self.headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {api_key}"}
                                                                if api_key else {})
@@ -31,6 +36,9 @@ class OpenAITarget:
             raise TrtbuildError(f"cannot reach an OpenAI-compatible server at {self.base} ({e}); start one, e.g. "
                                 "`trtbuild serve --engine <dir> --http-port 8000`") from None
         self.model = models[0]["id"]
+        adapters = [m.get("id") for m in models if isinstance(m, dict) and m.get("parent")]
+        check_adapter(lora, adapters, f"the server at {self.base}", "/v1/models lists none (no model with a parent)")
+        self.request_model = lora or self.model
         self.max_seq_len = models[0].get("max_model_len")
         self.name, self.vocab_size, self.special_ids = f"openai server {self.base} ({self.model})", SAFE_VOCAB, set()
         self.sizes: dict[str, float | None] = dict.fromkeys(
@@ -51,8 +59,8 @@ class OpenAITarget:
         return requests
 
     def send(self, request: BenchRequest, timeout: float) -> RequestResult:
-        body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.output_tokens, "stream": True,
-                "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+        body = {"model": self.request_model, "prompt": request.prompt, "max_tokens": request.output_tokens,
+                "stream": True, "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
         start, result, first = time.perf_counter(), RequestResult(True), True
         try:
             req = urllib.request.Request(self.base + "/v1/completions", json.dumps(body).encode(), self.headers)

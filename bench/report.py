@@ -35,6 +35,8 @@ def format_report(r: dict[str, Any]) -> str:
         return "  ".join(f"{k} {r[f'{name}_ms_{k}']:.1f}" for k in ("mean", "p50", "p99"))
 
     row("target", r["target"] + (f" (threads {r['threads']})" if r["threads"] else ""))
+    if r.get("lora") is not None:
+        row("LoRA adapter", f"{r['lora']} (every request" + (", on both engines)" if r["engine"] else ")"))
     row("load", f"concurrency {r['concurrency'] or 'unlimited'}, request rate {r['request_rate']:g}/s")
     failed = f" (first error: {r['first_error']})" if r["failed"] else ""
     row("requests", f"{r['completed']} completed, {r['failed']} failed{failed}")

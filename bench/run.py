@@ -4,6 +4,7 @@ Every request asks for exactly its output length (ignore_eos, max_tokens = outpu
 Load is a concurrency cap and/or Poisson arrivals; every request has a deadline, so a run always ends by itself.
 Baselines (one-at-a-time, another engine such as the fp32 build of a quantized one, HF generate) run in the same
 process on the same requests, one system at a time, and are reported as ratios.
+`lora` runs every request, the compared engine's too, under one LoRA adapter of the engine (the report names it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trtbuild.bench.openai_target import OpenAITarget
-from trtbuild.bench.targets import EngineTarget, ServerTarget, hf_generate
+from trtbuild.bench.targets import EngineTarget, ServerTarget, check_adapter, hf_generate
 from trtbuild.bench.workload import (
     WARMUP_TOKENS,
     BenchRequest,
@@ -26,6 +27,7 @@ from trtbuild.bench.workload import (
     run_load,
     synthetic_requests,
 )
+from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.errors import TrtbuildError
 
 if TYPE_CHECKING:
@@ -53,6 +55,7 @@ class BenchOptions:
     speculative: SpeculativeConfig | None = None  # in-process engine only
     rounds: int = 1  # the engine and its comparisons, alternated; speedups are the medians of the rounds' ratios
     kv_cache_blocks: int | None = None  # in-process engines' KV pool [None: the runtime's default]
+    lora: str | None = None  # every request (and --compare-engine's) runs under this LoRA adapter [None: the base]
 
 
 SPEEDUPS = ("speedup_vs_sequential", "speedup_vs_engine", "speedup_vs_hf")
@@ -74,6 +77,12 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _: None) -
         raise TrtbuildError("speculative decoding is a server option: start `trtbuild serve --speculative-tokens N`")
     if opts.compare_engine is not None and opts.engine is None:
         raise TrtbuildError("--compare-engine compares two in-process engines: give --engine DIR too")
+    if opts.lora is not None and opts.compare_engine is not None:  # checked before the first run, not after it
+        check_adapter(opts.lora, read_engine_config(opts.compare_engine).build.lora_names,
+                      f"--compare-engine {opts.compare_engine} (run under the same adapter)")
+    if opts.lora is not None and opts.compare_hf is not None:
+        raise TrtbuildError(f"--compare-hf runs the HF base model, without the LoRA adapter {opts.lora!r}: its "
+                            "speedup would compare different models. Drop --lora or --compare-hf.")
     if opts.kv_cache_blocks is not None and opts.engine is None:
         raise TrtbuildError("--kv-cache-blocks sizes an in-process engine's pool; a server's is set where it starts "
                             "(`trtbuild serve --kv-cache-blocks N`)")
@@ -102,11 +111,11 @@ def _one_round(opts: BenchOptions, dataset: list[BenchRequest] | None, threads: 
                log: Callable[[str], None]) -> dict[str, Any]:
     """The engine, then each asked-for baseline, one at a time."""
     log(f"loading {opts.engine or opts.address} ...")
-    target: Target = (EngineTarget(opts.engine, threads, opts.speculative, opts.kv_cache_blocks)
+    target: Target = (EngineTarget(opts.engine, threads, opts.speculative, opts.kv_cache_blocks, opts.lora)
                       if opts.engine is not None
-                      else OpenAITarget(opts.address, opts.api_key) if opts.backend == "openai"
-                      else ServerTarget(opts.address, api_key=opts.api_key))
-    report: dict[str, Any] = {"target": target.name, "threads": getattr(target, "threads", None),
+                      else OpenAITarget(opts.address, opts.api_key, lora=opts.lora) if opts.backend == "openai"
+                      else ServerTarget(opts.address, api_key=opts.api_key, lora=opts.lora))
+    report: dict[str, Any] = {"target": target.name, "lora": opts.lora, "threads": getattr(target, "threads", None),
                               "concurrency": opts.concurrency, "request_rate": opts.request_rate}
     try:
         if dataset is None:
@@ -126,7 +135,7 @@ def _one_round(opts: BenchOptions, dataset: list[BenchRequest] | None, threads: 
     report["engine"] = report["speedup_vs_engine"] = None
     if opts.compare_engine is not None:
         log(f"running the same requests on {opts.compare_engine} ...")
-        other = EngineTarget(opts.compare_engine, threads, opts.speculative, opts.kv_cache_blocks)
+        other = EngineTarget(opts.compare_engine, threads, opts.speculative, opts.kv_cache_blocks, opts.lora)
         try:
             if other.vocab_size != target.vocab_size:
                 raise TrtbuildError(f"--compare-engine {opts.compare_engine} has a vocabulary of {other.vocab_size} "

@@ -8,6 +8,7 @@ import gc
 import queue
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -31,15 +32,27 @@ class _Step(NamedTuple):
     engine_seconds: float  # of `seconds`, in the engine call
 
 
+def check_adapter(name: str | None, adapters: Sequence[str], where: str,
+                  none: str = "it was built without any (`trtbuild build --lora NAME=PATH`)") -> None:
+    """`--lora NAME` names one of the target's adapters, or the benchmark stops before it starts."""
+    if name is not None and name not in adapters:
+        raise TrtbuildError(f"--lora {name}: {where} has no LoRA adapter {name!r}; "
+                            + (f"it has {', '.join(adapters)}" if adapters else none))
+
+
 class EngineTarget:
-    """EngineCore behind an AsyncEngine (its own loop thread), as `trtbuild serve` runs it, without gRPC."""
+    """EngineCore behind an AsyncEngine (its own loop thread), as `trtbuild serve` runs it, without gRPC.
+    Every request runs under LoRA adapter `lora` (None: the base model)."""
 
     def __init__(self, engine_dir: Path, threads: int | None, speculative: SpeculativeConfig | None = None,
-                 kv_cache_blocks: int | None = None) -> None:
+                 kv_cache_blocks: int | None = None, lora: str | None = None) -> None:
         from trtbuild.runtime.async_engine import AsyncEngine
         from trtbuild.runtime.config import RuntimeConfig
         from trtbuild.runtime.engine_core import EngineCore
 
+        info = read_engine_config(Path(engine_dir))  # the adapter is checked before the engine loads
+        check_adapter(lora, info.build.lora_names, f"engine {engine_dir}")
+        self.lora = lora
         self.name = f"engine {engine_dir}" + (f" ({speculative.method} drafts {speculative.num_speculative_tokens})"
                                               if speculative else "")
         self.core = core = EngineCore(Path(engine_dir), RuntimeConfig(num_threads=threads, speculative=speculative,
@@ -47,7 +60,7 @@ class EngineTarget:
         self.vocab_size = core.vocab_size
         self.threads = core.engine.session.get_session_options().intra_op_num_threads  # what the engine runs with
         self.special_ids = frozenset(core.eos_token_ids) | (core.tokenizer.special_ids if core.tokenizer else set())
-        self.sizes = {"engine_file_bytes": read_engine_config(Path(engine_dir)).engine_bytes,
+        self.sizes = {"engine_file_bytes": info.engine_bytes,
                       "kv_bytes_per_token": core.engine.kv.bytes_per_token,
                       "kv_pool_bytes": core.engine.kv.pool.nbytes, "load_s": core.start_seconds["session"],
                       "warm_up_s": core.start_seconds["warm_up"]}
@@ -71,7 +84,8 @@ class EngineTarget:
         prepared = []
         for r in requests:
             try:
-                ids = self.core.make_request(r.prompt, SamplingParams(max_tokens=r.output_tokens)).prompt_ids
+                ids = self.core.make_request(r.prompt, SamplingParams(max_tokens=r.output_tokens),
+                                             lora=self.lora).prompt_ids
             except ValueError as e:
                 raise TrtbuildError(f"{r.where}: {e}") from None
             _check_length(r, len(ids), self.core.scheduler.config.max_seq_len)
@@ -84,7 +98,7 @@ class EngineTarget:
         start = time.perf_counter()
         try:
             stream = self.engine.submit(request.prompt, SamplingParams(max_tokens=request.output_tokens,
-                                                                       ignore_eos=True))
+                                                                       ignore_eos=True), lora=self.lora)
         except (ValueError, RuntimeError) as e:
             return RequestResult(False, error=str(e))
         result = RequestResult(True, prompt_tokens=stream.num_prompt_tokens)
@@ -128,9 +142,11 @@ class EngineTarget:
 
 
 class ServerTarget:
-    """A running `trtbuild serve`, through serving/grpc/client.py streaming calls; KV usage is sampled with GetStats."""
+    """A running `trtbuild serve`, through serving/grpc/client.py streaming calls; KV usage is sampled with GetStats.
+    Every request runs under LoRA adapter `lora` (GenerateRequest.lora; None: the base model)."""
 
-    def __init__(self, address: str, ready_timeout: float = 30.0, api_key: str | None = None) -> None:
+    def __init__(self, address: str, ready_timeout: float = 30.0, api_key: str | None = None,
+                 lora: str | None = None) -> None:
         import grpc
 
         from trtbuild.serving.grpc.client import FINISH_REASONS, GenerationClient
@@ -145,6 +161,12 @@ class ServerTarget:
             detail = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) else str(e)
             raise TrtbuildError(f"cannot reach a trtbuild server at {address} ({detail}); start `trtbuild serve`"
                                 ) from None
+        try:
+            check_adapter(lora, list(self.info.lora_names), f"the engine of the server at {address}")
+        except TrtbuildError:
+            self.client.close()
+            raise
+        self.lora = lora
         self.vocab_size = self.info.vocab_size
         self.special_ids = frozenset(self.info.eos_token_ids)  # the server does not list other special tokens
         self.sizes: dict[str, float | None] = dict.fromkeys(  # not told
@@ -163,8 +185,8 @@ class ServerTarget:
         start = time.perf_counter()
         result = RequestResult(True)
         try:
-            for r in self.client.generate_stream(request.prompt, timeout=timeout, max_tokens=request.output_tokens,
-                                                 ignore_eos=True):
+            for r in self.client.generate_stream(request.prompt, timeout=timeout, lora=self.lora,
+                                                 max_tokens=request.output_tokens, ignore_eos=True):
                 _add_tokens(result, len(r.token_ids), start)
                 if r.finished and self._reasons.get(r.finish_reason) == "abort":
                     return RequestResult(False, error="aborted by the server")

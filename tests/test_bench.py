@@ -31,7 +31,7 @@ KEYS = {"target", "threads", "concurrency", "request_rate", "num_requests", "com
         "tpot_ms_p50", "tpot_ms_p99", "e2e_ms_mean", "e2e_ms_p50", "e2e_ms_p99", "kv_cache_usage_max",
         "kv_cache_usage_mean", "preemptions", "cached_prefix_tokens", "engine_steps", "engine_file_bytes",
         "kv_bytes_per_token", "sequential", "speedup_vs_sequential", "engine", "speedup_vs_engine", "hf",
-        "speedup_vs_hf", "load_s", "warm_up_s", "kv_pool_bytes", "peak_rss_bytes"}
+        "speedup_vs_hf", "load_s", "warm_up_s", "kv_pool_bytes", "peak_rss_bytes", "lora"}
 RATIO = r"^speedup vs {}: \d+\.\d\dx$"
 
 
@@ -79,7 +79,7 @@ def test_synthetic_in_process_counts_percentiles_and_json(engine):
                         "--seed", 3, "--json"))
     assert set(out) == KEYS
     assert_sane(out, 4, 8, 5)
-    assert out["request_rate"] == "inf" and out["target"] == f"engine {engine}"
+    assert out["request_rate"] == "inf" and out["target"] == f"engine {engine}" and out["lora"] is None
 
 
 def test_jsonl_dataset_with_text_prompts_and_poisson_arrivals(engine, tmp_path):

@@ -114,7 +114,8 @@ def test_speculative_drafts_are_verified_under_the_adapter(lora_engine, stories_
     prompts, loras = ["Once upon a time, Lily", "The cat sat on the mat. The cat"], ["poem", "sql"]
     params = SamplingParams(max_tokens=24)
     plain = LLM(lora_engine, RuntimeConfig(num_threads=1)).generate(prompts, params, lora=loras)
-    for spec in (SpeculativeConfig(3), SpeculativeConfig(3, method="draft_model", draft_engine_dir=str(stories_engine))):
+    draft = SpeculativeConfig(3, method="draft_model", draft_engine_dir=str(stories_engine))
+    for spec in (SpeculativeConfig(3), draft):
         got = LLM(lora_engine, RuntimeConfig(num_threads=1, speculative=spec)).generate(prompts, params, lora=loras)
         assert [g.token_ids for g in got] == [p.token_ids for p in plain], spec.method
 
