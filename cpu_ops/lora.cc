@@ -37,9 +37,9 @@ struct LoraProblem {
   // phase 1's tasks: a few tokens (decode) split by rows, so that both threads read A; longer steps by tokens, as
   // one small task per token and 4 rows would cost more in the thread pool than the dot products themselves
   int64_t task_tokens, task_rows;
-  std::vector<int64_t> column_block;  // per task of phase 2: its sibling block
-  std::vector<int64_t> column_start;  // ... and its columns [start, start + kColumnsPerTask) within that block
-  std::vector<int64_t> block_end;
+  const int64_t* column_block;  // per task of phase 2: its sibling block
+  const int64_t* column_start;  // ... and its columns [start, start + kColumnsPerTask) within that block
+  const int64_t* block_end;
 };
 
 #if defined(__AVX512F__)
@@ -146,6 +146,7 @@ void expand(void* data, size_t task) {  // phase 2: columns of one task, every t
 struct LoraAddKernel {
   int64_t k, n, r;
   std::vector<int64_t> splits;
+  std::vector<int64_t> column_block, column_start, block_end;  // phase 2's tasks (LoraProblem), fixed by the splits
 
   LoraAddKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
@@ -159,6 +160,15 @@ struct LoraAddKernel {
       total += s;
     }
     if (k < 16 || k % 16 || r < 1 || total != n) fail("K must be a multiple of 16, R positive, splits sum to N");
+    int64_t start = 0;
+    for (size_t j = 0; j < splits.size(); ++j) {
+      for (int64_t col = start; col < start + splits[j]; col += kColumnsPerTask) {
+        column_block.push_back(static_cast<int64_t>(j));
+        column_start.push_back(col);
+      }
+      start += splits[j];
+      block_end.push_back(start);
+    }
 #if !defined(__AVX512F__)
     fail("this CPU has no AVX-512; rebuild the engine with `--float-linears ort`");
 #endif
@@ -193,22 +203,17 @@ struct LoraAddKernel {
         fail("lora id " + std::to_string(id[t]) + " outside 0.." + std::to_string(adapters));
     float* out = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
     if (m == 0) return;
-    std::vector<float> h(static_cast<size_t>(m * c));
+    const bool any = std::any_of(id, id + m, [](int64_t i) { return i != 0; });
+    if (!any && m <= kFewTokens) {  // NOTE: a decode step of the base model: one copy, no thread pool round trip
+      std::copy(y.GetTensorData<float>(), y.GetTensorData<float>() + m * n, out);
+      return;
+    }
+    std::vector<float> h(any ? static_cast<size_t>(m * c) : 0);
     const bool few = m <= kFewTokens;
     LoraProblem p{y.GetTensorData<float>(), x.GetTensorData<float>(), id, a.GetTensorRawData(),
                   bt.GetTensorRawData(), out, h.data(), m, n, k, r, c, few ? 1 : kTokensPerTask,
-                  few ? kRowsPerTask : c, {}, {}, {}};
-    int64_t start = 0;
-    for (size_t j = 0; j < splits.size(); ++j) {
-      for (int64_t col = start; col < start + splits[j]; col += kColumnsPerTask) {
-        p.column_block.push_back(static_cast<int64_t>(j));
-        p.column_start.push_back(col);
-      }
-      start += splits[j];
-      p.block_end.push_back(start);
-    }
+                  few ? kRowsPerTask : c, column_block.data(), column_start.data(), block_end.data()};
 #if defined(__AVX512F__)
-    const bool any = std::any_of(id, id + m, [](int64_t i) { return i != 0; });
     if (any) {
       auto phase1 = w == Weight::kHalf ? project<Weight::kHalf> : w == Weight::kBFloat ? project<Weight::kBFloat>
                                                                                       : project<Weight::kFloat>;
@@ -217,7 +222,7 @@ struct LoraAddKernel {
     }
     auto phase2 = w == Weight::kHalf ? expand<Weight::kHalf> : w == Weight::kBFloat ? expand<Weight::kBFloat>
                                                                                    : expand<Weight::kFloat>;
-    ctx.ParallelFor(phase2, p.column_start.size(), 0, &p);
+    ctx.ParallelFor(phase2, column_start.size(), 0, &p);
 #endif
   }
 };

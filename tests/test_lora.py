@@ -316,6 +316,8 @@ def test_lora_add_matches_its_reference(library, weight_type):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     few = session.run(None, {"y": y[1:4], "x": x[1:4], "ids": ids[1:4]})[0]  # a decode step's split of the work
     np.testing.assert_allclose(few, want[1:4], rtol=1e-5, atol=1e-4)
+    base = session.run(None, {"y": y[9:11], "x": x[9:11], "ids": ids[9:11]})[0]  # a decode step under no adapter
+    np.testing.assert_array_equal(base, y[9:11])
     # the packing: adapter 2 (rank 2) of block 1 computes x @ lora_a[:, 4:6] @ lora_b[4:6]
     dense = x[6] @ a_blocks[1][:, 4:6].astype(np.float64) @ b_blocks[1][4:6].astype(np.float64)
     if weight_type == "float32":
