@@ -1,6 +1,6 @@
 """Frozen, typed configuration: one class per concept (model, mapping, quantization, build)."""
 
-from trtbuild.configs.build_config import LORA_IDS_INPUT, BuildConfig
+from trtbuild.configs.build_config import LORA_IDS_INPUT, BuildConfig, lora_index
 from trtbuild.configs.kv_groups import (
     KVCacheGroup,
     batch_blocks_needed,
@@ -13,4 +13,5 @@ from trtbuild.configs.kv_groups import (
 from trtbuild.configs.model_config import Mapping, ModelConfig, QuantConfig
 
 __all__ = ["LORA_IDS_INPUT", "BuildConfig", "KVCacheGroup", "Mapping", "ModelConfig", "QuantConfig",
-           "batch_blocks_needed", "group_input", "kv_cache_groups", "layer_slot", "max_blocks_held", "slots_per_block"]
+           "batch_blocks_needed", "group_input", "kv_cache_groups", "layer_slot", "lora_index", "max_blocks_held",
+           "slots_per_block"]

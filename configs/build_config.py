@@ -33,6 +33,17 @@ FLOAT_LINEARS_MODES = ("auto", "native", "ort")
 LORA_IDS_INPUT = "lora_ids"
 
 
+def lora_index(names: tuple[str, ...], name: str | None, field: str = "lora") -> int:
+    """A request's LoRA adapter as the engine's lora_ids count them: 0 for None (the base model), else 1 + its place
+    in `names` (BuildConfig.lora_names); ValueError naming the request's `field` for a name the engine lacks."""
+    if name is None:
+        return 0
+    if name not in names:
+        have = f"it has {', '.join(names)}" if names else "it was built without any (`trtbuild build --lora NAME=PATH`)"
+        raise ValueError(f"{field}: this engine has no LoRA adapter {name!r}; {have}")
+    return 1 + names.index(name)
+
+
 @dataclass(frozen=True)
 class BuildConfig:
     target: str = "cpu"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trtbuild.builder.engine_dir import engine_target, read_engine_config
-from trtbuild.configs import batch_blocks_needed
+from trtbuild.configs import batch_blocks_needed, lora_index
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.detokenizer import IncrementalDetokenizer
 from trtbuild.runtime.engine import CpuEngine, DraftAccept, SequenceChunk, StepOutput
@@ -160,13 +160,7 @@ class EngineCore:
 
     def lora_id(self, name: str | None) -> int:
         """The engine's index of adapter `name` (0: None, the base model); ValueError for a name it lacks."""
-        if name is None:
-            return 0
-        if name not in self.lora_names:
-            have = f"it has {', '.join(self.lora_names)}" if self.lora_names else \
-                "it was built without any (`trtbuild build --lora NAME=PATH`)"
-            raise ValueError(f"lora: this engine has no LoRA adapter {name!r}; {have}")
-        return 1 + self.lora_names.index(name)
+        return lora_index(self.lora_names, name)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.tracked:

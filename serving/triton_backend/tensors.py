@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trtbuild.configs import lora_index
 from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.serving import requests
 
@@ -104,9 +105,8 @@ def _lora(inputs: Mapping[str, np.ndarray], lora_names: tuple[str, ...] | None) 
     name = _scalar("lora_name", inputs["lora_name"]) if "lora_name" in inputs else ""
     if not name:
         return None
-    if lora_names is not None and name not in lora_names:
-        have = f"it has {', '.join(lora_names)}" if lora_names else "it was built without any"
-        raise ValueError(f"lora_name: this engine has no LoRA adapter {name!r}; {have}")
+    if lora_names is not None:
+        lora_index(lora_names, name, "lora_name")
     return name
 
 
