@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from trtbuild.bench.workload import BenchRequest, KVSampler, RequestResult
 from trtbuild.builder.engine_dir import read_engine_config
+from trtbuild.configs.build_config import NO_LORA_ADAPTERS, lora_index
 from trtbuild.errors import TrtbuildError
 
 if TYPE_CHECKING:
@@ -32,12 +33,12 @@ class _Step(NamedTuple):
     engine_seconds: float  # of `seconds`, in the engine call
 
 
-def check_adapter(name: str | None, adapters: Sequence[str], where: str,
-                  none: str = "it was built without any (`trtbuild build --lora NAME=PATH`)") -> None:
+def check_adapter(name: str | None, adapters: Sequence[str], where: str, none: str = NO_LORA_ADAPTERS) -> None:
     """`--lora NAME` names one of the target's adapters, or the benchmark stops before it starts."""
-    if name is not None and name not in adapters:
-        raise TrtbuildError(f"--lora {name}: {where} has no LoRA adapter {name!r}; "
-                            + (f"it has {', '.join(adapters)}" if adapters else none))
+    try:
+        lora_index(tuple(adapters), name, f"--lora {name}", where, none)
+    except ValueError as e:
+        raise TrtbuildError(str(e)) from None
 
 
 class EngineTarget:

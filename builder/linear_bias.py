@@ -8,6 +8,7 @@ import numpy as np
 import onnx
 
 from trtbuild.builder.graph import GraphView, node_attrs, other_input
+from trtbuild.builder.passes.lora import is_lora_add
 from trtbuild.plugins import block_quant_matmul as bq
 from trtbuild.plugins import dense_matmul as dm
 from trtbuild.plugins import lora as lp
@@ -33,7 +34,7 @@ def _pieces(view: GraphView, y: str, n: int) -> list[tuple[str, int]] | None:
     its only consumer (None when a split cannot be read); after its LoRA delta's Add, if it has one (a bias adds
     the same before or after it: builder/lora.py)."""
     lora = view.only_consumer(y)
-    if lora is not None and lora.input[0] == y and (lora.name.endswith(".lora_add") or lora.op_type == lp.OP_TYPE):
+    if lora is not None and lora.input[0] == y and (is_lora_add(lora) or lora.op_type == lp.OP_TYPE):
         y = lora.output[0]
     split = view.only_consumer(y)
     if split is not None and split.op_type == "Split" and len(split.input) == 2:

@@ -18,6 +18,7 @@ import onnx
 from onnx import helper
 
 from trtbuild.builder.graph import GraphView, drop_dead_nodes, topological_sort, use_opset
+from trtbuild.builder.passes.lora import LORA_ADD, is_lora_add
 from trtbuild.builder.weight_file import make_initializer
 from trtbuild.configs import LORA_IDS_INPUT
 from trtbuild.plugins import lora as lp
@@ -49,7 +50,7 @@ def lower_lora(model: onnx.ModelProto) -> int:
     if offsets is None:
         return 0
     lowered = 0
-    for add in [n for n in model.graph.node if n.op_type == "Add" and n.name.endswith(".lora_add")]:
+    for add in [n for n in model.graph.node if is_lora_add(n)]:
         concat = view.producer.get(add.input[1])
         deltas = list(concat.input) if concat is not None and concat.name.endswith(".lora_concat") else [add.input[1]]
         branches = [_branch(view, d) for d in deltas]
@@ -60,7 +61,7 @@ def lower_lora(model: onnx.ModelProto) -> int:
         if k % 16 or any(s % 16 for s in splits):
             continue
         a, bt = lp.pack([b[1] for b in branches], [b[2] for b in branches], offsets)
-        name = add.name.removesuffix(".lora_add")
+        name = add.name.removesuffix(LORA_ADD)
         for tensor in (make_initializer(view.staging, name + ".lora_A", a),
                        make_initializer(view.staging, name + ".lora_Bt", bt)):
             view.attach(tensor)

@@ -45,6 +45,7 @@ from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
 from trtbuild.builder.lora import LoraTables, WithLora, read_adapters
 from trtbuild.builder.mlp_activation import gated_activation
 from trtbuild.builder.moe_experts import Experts
+from trtbuild.builder.passes.lora import LORA_ADD
 from trtbuild.builder.quantized import QuantizedLinears, kv_cache_scales
 from trtbuild.builder.rope import PartialRotaryRows, rope_tables
 from trtbuild.builder.weight_file import StagingWeights
@@ -126,7 +127,7 @@ class _NetworkWriter:
         h = self.g.op("MatMul", [x, a], name=prefix + ".lora_a")
         h = self.g.op("Mul", [h, self.lora_mask], name=prefix + ".lora_mask")
         delta = self.g.op("MatMul", [h, b], name=prefix + ".lora_b")
-        return self.g.op("Add", [y, delta], name=prefix + ".lora_add", outputs=outputs)
+        return self.g.op("Add", [y, delta], name=prefix + LORA_ADD, outputs=outputs)
 
     def lm_head(self, h: str, out: str) -> None:
         """logits = h @ lm_head^T. A tied, unquantized head reads the embedding table itself (Gemm with transB), so

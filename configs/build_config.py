@@ -33,14 +33,19 @@ FLOAT_LINEARS_MODES = ("auto", "native", "ort")
 LORA_IDS_INPUT = "lora_ids"
 
 
-def lora_index(names: tuple[str, ...], name: str | None, field: str = "lora") -> int:
+NO_LORA_ADAPTERS = "it was built without any (`trtbuild build --lora NAME=PATH`)"
+
+
+def lora_index(names: tuple[str, ...], name: str | None, field: str = "lora", owner: str = "this engine",
+               none: str = NO_LORA_ADAPTERS) -> int:
     """A request's LoRA adapter as the engine's lora_ids count them: 0 for None (the base model), else 1 + its place
-    in `names` (BuildConfig.lora_names); ValueError naming the request's `field` for a name the engine lacks."""
+    in `names` (BuildConfig.lora_names); ValueError naming the request's `field` for a name `owner` lacks (`none`:
+    what to say when it has no adapters at all)."""
     if name is None:
         return 0
     if name not in names:
-        have = f"it has {', '.join(names)}" if names else "it was built without any (`trtbuild build --lora NAME=PATH`)"
-        raise ValueError(f"{field}: this engine has no LoRA adapter {name!r}; {have}")
+        raise ValueError(f"{field}: {owner} has no LoRA adapter {name!r}; "
+                         + (f"it has {', '.join(names)}" if names else none))
     return 1 + names.index(name)
 
 

@@ -1,6 +1,6 @@
 """LoRA branches (builder/lora.py) through the GEMM fusion passes.
 
-The network writes each adapted linear as GEMM -> [bias Add] -> Add(., delta), the delta its own small
+The network writes each adapted linear as GEMM -> Add(., delta) -> [bias Add], the delta its own small
 MatMul -> Mul(mask) -> MatMul from the linear's input. The branch's nodes carry the names `<linear>.lora_a`,
 `.lora_mask`, `.lora_b` and `.lora_add`: sibling GEMMs are grouped without the branch's first MatMul (which reads
 the same activation), and once siblings are one wide GEMM + Split, their deltas are concatenated and added before
@@ -16,11 +16,16 @@ from onnx import helper
 
 from trtbuild.builder.graph import GraphView, node_attrs, topological_sort
 
-LORA_NODE_SUFFIXES = (".lora_a", ".lora_mask", ".lora_b", ".lora_add")
+LORA_ADD = ".lora_add"  # the suffix of the Add that adds a linear's (or fused siblings') delta
+LORA_NODE_SUFFIXES = (".lora_a", ".lora_mask", ".lora_b", LORA_ADD)
 
 
 def is_lora_node(node: onnx.NodeProto) -> bool:
     return node.name.endswith(LORA_NODE_SUFFIXES)
+
+
+def is_lora_add(node: onnx.NodeProto) -> bool:
+    return node.op_type == "Add" and node.name.endswith(LORA_ADD)
 
 
 def hoist_lora_adds(model: onnx.ModelProto) -> int:
@@ -34,7 +39,7 @@ def hoist_lora_adds(model: onnx.ModelProto) -> int:
         adds = []
         for out in split.output:
             users = view.consumers.get(out, [])
-            if len(users) != 1 or not users[0].name.endswith(".lora_add") or out in view.graph_outputs:
+            if len(users) != 1 or not is_lora_add(users[0]) or out in view.graph_outputs:
                 break
             adds.append(users[0])
         if len(adds) != len(split.output):
@@ -43,7 +48,7 @@ def hoist_lora_adds(model: onnx.ModelProto) -> int:
         base = split.name.removesuffix("_split")
         concat = helper.make_node("Concat", deltas, [base + "_lora_delta"], name=base + ".lora_concat", axis=-1)
         add = helper.make_node("Add", [split.input[0], base + "_lora_delta"], [base + "_lora_out"],
-                               name=base + ".lora_add")
+                               name=base + LORA_ADD)
         split.input[0] = base + "_lora_out"
         del split.output[:]
         split.output.extend(a.output[0] for a in adds)
