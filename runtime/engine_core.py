@@ -11,6 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from trtbuild.builder.engine_dir import engine_target, read_engine_config
 from trtbuild.configs import batch_blocks_needed, lora_index
 from trtbuild.runtime.config import RuntimeConfig
@@ -20,7 +22,7 @@ from trtbuild.runtime.engine_accept import advance, draft_accept, engine_can_ver
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
 from trtbuild.runtime.memory import gpu_memory_for_kv, kv_cache_blocks
 from trtbuild.runtime.request import FinishReason, Request, RequestMetrics
-from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
+from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs, rows_logprobs
 from trtbuild.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from trtbuild.runtime.speculative import make_proposer, verify
 from trtbuild.runtime.tokenizer import Tokenizer, load_generation_eos
@@ -41,6 +43,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: one per prompt token (None for the first, which nothing scores), in the
+    # request's first output with tokens only
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class _Tracked:
     request: Request
     sampling: SamplingState
     detokenizer: IncrementalDetokenizer | None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled as prompt chunks run; None once sent
 
 
 class EngineCore:
@@ -169,7 +175,8 @@ class EngineCore:
                               tokenizer=self.tokenizer, vocab_size=self.vocab_size)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.sampling) if self.tokenizer else None
         self.scheduler.add_request(request)
-        self.tracked[request.request_id] = _Tracked(request, state, detok)
+        scores = None if request.sampling.prompt_logprobs is None else [None] * request.num_prompt_tokens
+        self.tracked[request.request_id] = _Tracked(request, state, detok, scores)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         tracked = self.tracked.get(request_id)
@@ -211,27 +218,41 @@ class EngineCore:
             return None
         return draft_accept(state, chunk.request.spec_token_ids)
 
+    def _score_prompt(self, chunk: ScheduledChunk, rows: np.ndarray) -> None:
+        """Logprobs of the prompt tokens that a chunk's prompt rows predict (a row already scored before a preemption
+        is scored again, and kept)."""
+        scores = self.tracked[chunk.request.request_id].prompt_logprobs
+        first = chunk.start + chunk.num_tokens - chunk.num_logits + 1  # the token the first row predicts
+        targets = chunk.request.prompt_ids[first : first + len(rows)]
+        for position, lp in enumerate(rows_logprobs(rows, targets, chunk.request.sampling.prompt_logprobs), first):
+            scores[position] = scores[position] or lp
+
     def _sample(self, scheduled: SchedulerOutput, output: StepOutput) -> tuple[list[list[int]], dict[str, list]]:
-        """New tokens of each chunk with logits (in order), and their logprobs by request id: the engine's accept
-        results, one batched draw for the chunks without drafts, verification (speculative.verify) for the others."""
-        with_logits = [i for i, c in enumerate(scheduled.chunks) if c.num_logits]
+        """New tokens of each chunk that samples (in order), and their logprobs by request id: the engine's accept
+        results, one batched draw for the chunks without drafts, verification (speculative.verify) for the others.
+        Rows scoring prompt tokens come first in their chunk's rows (_score_prompt)."""
+        chunks = scheduled.chunks
         first_row, row = {}, 0
-        for i in with_logits:  # rows come out only for chunks the engine did not verify
-            if i not in output.accepted:
-                first_row[i], row = row, row + scheduled.chunks[i].num_logits
+        for i, c in enumerate(chunks):  # rows come out only for chunks the engine did not verify
+            if c.num_logits and i not in output.accepted:
+                first_row[i], row = row, row + c.num_logits
+                if c.num_prompt_logits:
+                    self._score_prompt(c, output.logits[first_row[i] : first_row[i] + c.num_prompt_logits])
+                first_row[i] += c.num_prompt_logits  # the rows to sample from
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
         tokens: dict[int, list[int]] = {}
         logprobs: dict[str, list] = {}
-        plain = [i for i in with_logits if not scheduled.chunks[i].num_drafts]
+        plain = [i for i in sampling if not chunks[i].num_drafts]
         if plain:
-            states = [self.tracked[scheduled.chunks[i].request.request_id].sampling for i in plain]
+            states = [self.tracked[chunks[i].request.request_id].sampling for i in plain]
             rows = [first_row[i] for i in plain]
             contiguous = rows == list(range(rows[0], rows[0] + len(rows)))  # NOTE: a view, not a copy of [N, V]
             sampled = self.sampler.sample(output.logits[rows[0]:rows[-1] + 1] if contiguous else output.logits[rows],
                                           states)
             for i, token, lp in zip(plain, sampled.token_ids.tolist(), sampled.logprobs, strict=True):
-                tokens[i], logprobs[scheduled.chunks[i].request.request_id] = [token], [lp]
-        for i in with_logits:
-            c = scheduled.chunks[i]
+                tokens[i], logprobs[chunks[i].request.request_id] = [token], [lp]
+        for i in sampling:
+            c = chunks[i]
             if not c.num_drafts:
                 continue
             rid, drafts = c.request.request_id, c.request.spec_token_ids
@@ -241,10 +262,10 @@ class EngineCore:
                 tokens[i] = list(drafts[:num_accepted]) + [token]
                 logprobs[rid] = [None] * len(tokens[i])
             else:
-                rows = output.logits[first_row[i] : first_row[i] + c.num_logits]
+                rows = output.logits[first_row[i] : first_row[i] + c.num_logits - c.num_prompt_logits]
                 verified = verify(rows, drafts, self.tracked[rid].sampling)
                 tokens[i], logprobs[rid] = verified.token_ids, verified.logprobs
-        return [tokens[i] for i in with_logits], logprobs
+        return [tokens[i] for i in sampling], logprobs
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
@@ -289,15 +310,17 @@ class EngineCore:
                 tokens = tokens[:n]
                 break
         new_logprobs = [lp for lp in logprobs[: len(tokens)] if lp is not None]
+        prompt_logprobs, tracked.prompt_logprobs = tracked.prompt_logprobs, None
         if request.finished:
-            return self._final_output(tracked, tokens, text, new_logprobs)
+            return self._final_output(tracked, tokens, text, new_logprobs, prompt_logprobs)
         return RequestOutput(request.request_id, tokens, text, False, None, new_logprobs,
-                             request.num_prompt_tokens, request.num_output_tokens)
+                             request.num_prompt_tokens, request.num_output_tokens, prompt_logprobs=prompt_logprobs)
 
-    def _final_output(self, tracked: _Tracked, tokens: list[int], text: str, logprobs: list) -> RequestOutput:
+    def _final_output(self, tracked: _Tracked, tokens: list[int], text: str, logprobs: list,
+                      prompt_logprobs: list[TokenLogprobs | None] | None = None) -> RequestOutput:
         request = tracked.request
         if tracked.detokenizer is not None and tracked.detokenizer.finished_by_stop is None:
             text += tracked.detokenizer.flush()
         del self.tracked[request.request_id]
         return RequestOutput(request.request_id, tokens, text, True, request.finish_reason.value, logprobs,
-                             request.num_prompt_tokens, request.num_output_tokens, request.metrics)
+                             request.num_prompt_tokens, request.num_output_tokens, request.metrics, prompt_logprobs)

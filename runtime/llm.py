@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput
-from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
 
 
-@dataclass(frozen=True)
+@dataclass
 class Completion:
     token_ids: list[int]
     text: str
     finish_reason: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # SamplingParams.logprobs: one per output token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs (None: not asked)
 
 
 class LLM:
@@ -29,9 +31,9 @@ class LLM:
         All requests are validated before any is queued (ValueError names the bad field)."""
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
-        for field, values in (("params", params_list), ("lora", loras)):
+        for name, values in (("params", params_list), ("lora", loras)):
             if len(values) != len(prompts):
-                raise ValueError(f"{field}: got {len(values)} for {len(prompts)} prompts")
+                raise ValueError(f"{name}: got {len(values)} for {len(prompts)} prompts")
         requests = [self.core.make_request(p, sp, lora=name)
                     for p, sp, name in zip(prompts, params_list, loras, strict=True)]
         index = {r.request_id: i for i, r in enumerate(requests)}
@@ -47,12 +49,13 @@ class LLM:
 
     def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | Sequence[SamplingParams],
                  lora: str | None | Sequence[str | None] = None) -> list[Completion]:
-        tokens: list[list[int]] = [[] for _ in prompts]
-        texts = [""] * len(prompts)
-        reasons = [""] * len(prompts)
+        done = [Completion([], "", "") for _ in prompts]
         for i, output in self.stream(prompts, params, lora):
-            tokens[i] += output.new_token_ids
-            texts[i] += output.new_text
+            done[i].token_ids.extend(output.new_token_ids)
+            done[i].text += output.new_text
+            done[i].logprobs.extend(output.logprobs)
+            if output.prompt_logprobs is not None:
+                done[i].prompt_logprobs = output.prompt_logprobs
             if output.finished:
-                reasons[i] = output.finish_reason or ""
-        return [Completion(t, s, r) for t, s, r in zip(tokens, texts, reasons, strict=True)]
+                done[i].finish_reason = output.finish_reason or ""
+        return done

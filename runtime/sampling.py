@@ -64,6 +64,8 @@ _RULES = {
     "ignore_eos": ("a bool", lambda v: isinstance(v, bool)),
     "logprobs": (f"None or an integer in [0, {MAX_LOGPROBS}]",
                  lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS)),
+    "prompt_logprobs": (f"None or an integer in [0, {MAX_LOGPROBS}]",
+                        lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS)),
     "include_stop_str_in_output": ("a bool", lambda v: isinstance(v, bool)),
     "skip_special_tokens": ("a bool", lambda v: isinstance(v, bool)),
     "json_schema": ("None or a JSON schema as text", lambda v: v is None or isinstance(v, str)),
@@ -97,6 +99,9 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # a word's last token is banned after the word's other tokens
     ignore_eos: bool = False  # EOS is an ordinary token: it does not stop the request and is never masked
     logprobs: int | None = None  # top-n log probs per generated token (plus the chosen token's); None: none
+    # the same for every prompt token after the first (vLLM's prompt_logprobs): the request's prompt is computed
+    # whole, never read from the prefix cache, and the logits of every prompt position come out of the engine
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # False: special tokens' text is in the output (e.g. a tool call's marker)
     # OpenAI: added to the token's logit before sampling (-100 bans it, 100 all but forces it); a dict works too
@@ -342,9 +347,23 @@ def draw(ids: np.ndarray, probs: np.ndarray, rng: np.random.Generator) -> int:
 
 def token_logprobs(logits: np.ndarray, token_id: int, n: int) -> TokenLogprobs:
     """Log probs of one raw logits row [V]: the chosen token's, its rank, and the top n."""
-    row = logits.astype(np.float64)
-    shifted = row - row.max()
-    logprobs = shifted - np.log(np.exp(shifted).sum())
+    return rows_logprobs(logits[None], [token_id], n)[0]
+
+
+def rows_logprobs(logits: np.ndarray, token_ids: Sequence[int], n: int, rows_at_once: int = 32
+                  ) -> list[TokenLogprobs]:
+    """token_logprobs of each raw logits row [R, V] for its token (float64 scratch of rows_at_once x V)."""
+    out = []
+    for begin in range(0, len(token_ids), rows_at_once):
+        block = logits[begin : begin + rows_at_once].astype(np.float64)
+        block -= block.max(axis=1, keepdims=True)
+        block -= np.log(np.exp(block).sum(axis=1, keepdims=True))
+        out += [_row_logprobs(row, int(t), n) for row, t in zip(block, token_ids[begin : begin + rows_at_once],
+                                                                  strict=True)]
+    return out
+
+
+def _row_logprobs(logprobs: np.ndarray, token_id: int, n: int) -> TokenLogprobs:
     chosen = float(logprobs[token_id])
     top: tuple[tuple[int, float], ...] = ()
     n = min(n, logprobs.size)
@@ -353,7 +372,7 @@ def token_logprobs(logits: np.ndarray, token_id: int, n: int) -> TokenLogprobs:
         ids = np.flatnonzero(logprobs >= kth)
         ids = ids[np.lexsort((ids, -logprobs[ids]))][:n]
         top = tuple((int(i), float(logprobs[i])) for i in ids)
-    return TokenLogprobs(int(token_id), chosen, int((logprobs > chosen).sum()) + 1, top)
+    return TokenLogprobs(token_id, chosen, int((logprobs > chosen).sum()) + 1, top)
 
 
 class Sampler:

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from trtbuild.errors import ConfigError
-from trtbuild.runtime.kv_cache_manager import KVCacheManager
+from trtbuild.runtime.kv_cache_manager import NO_PREFIX, KVCacheManager
 from trtbuild.runtime.request import FinishReason, Request, RequestStatus
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
@@ -43,10 +43,18 @@ class ScheduledChunk:
     request: Request
     start: int  # tokens of this request already computed
     num_tokens: int
-    num_logits: int  # 1 + num_drafts when the chunk reaches the request's newest known token, else 0
+    # rows for the last num_logits tokens: num_prompt_logits rows scoring prompt tokens, then 1 + num_drafts rows to
+    # sample from when the chunk reaches the request's newest known token
+    num_logits: int
     block_ids: tuple[int, ...]
     num_drafts: int = 0  # the chunk's last num_drafts tokens are speculative drafts
     group_block_ids: tuple[tuple[int, ...], ...] = ()  # the tables of the other KV cache groups, if any
+    num_prompt_logits: int = 0  # rows whose position p scores prompt token p + 1 (SamplingParams.prompt_logprobs)
+
+    @property
+    def samples(self) -> bool:
+        """Whether the step samples new tokens for the request from this chunk's last rows."""
+        return self.num_logits > self.num_prompt_logits
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,19 @@ class Scheduler:
         request.spec_token_ids.clear()
         return min(todo, budget, self.config.max_prefill_chunk or budget)
 
+    @staticmethod
+    def scores_prompt(request: Request) -> bool:
+        """Whether the request still needs its prompt's logprobs: asked for, and no output yet (a request preempted
+        after its first token has had them)."""
+        return request.sampling.prompt_logprobs is not None and request.num_output_tokens == 0
+
+    def _prompt_logits(self, request: Request, start: int, num_new: int) -> int:
+        """Rows of a chunk of positions [start, start + num_new) that score prompt tokens: every position before the
+        prompt's last (whose row samples the first output token)."""
+        if not self.scores_prompt(request):
+            return 0
+        return max(0, min(start + num_new, request.num_prompt_tokens - 1) - start)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
@@ -136,7 +157,8 @@ class Scheduler:
                 budget -= num_new
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_batch_size:
             request = self.waiting[0]
-            prefix = self.kv.computed_prefix(request)
+            # NOTE: cached prefix blocks have no logits to score the prompt with, so such a request computes it all
+            prefix = NO_PREFIX if self.scores_prompt(request) else self.kv.computed_prefix(request)
             computed = len(prefix) * self.kv.block_size
             num_new = min(len(request.token_ids) - computed, budget, self.config.max_prefill_chunk or budget)
             reserve = self.lifetime_tokens(request) if self.config.policy == "guaranteed_no_evict" else 0
@@ -155,19 +177,20 @@ class Scheduler:
             start, drafts = request.num_computed_tokens, len(request.spec_token_ids)
             reaches_end = start + num_new == len(request.token_ids) + drafts
             first, *others = self.kv.block_tables(request)
-            chunks.append(ScheduledChunk(request, start, num_new, (1 + drafts) * reaches_end, first, drafts,
-                                         tuple(others)))
+            prompt_rows = self._prompt_logits(request, start, num_new)
+            chunks.append(ScheduledChunk(request, start, num_new, prompt_rows + (1 + drafts) * reaches_end, first,
+                                         drafts, tuple(others), prompt_rows))
         return SchedulerOutput(chunks, preempted)
 
     # ---- after the engine ran ----------------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: list[list[int]]) -> list[tuple[Request, list[int]]]:
-        """Advance computed counts and append each chunk's new tokens (one list per chunk with logits, in order:
+        """Advance computed counts and append each chunk's new tokens (one list per chunk that samples, in order:
         its accepted drafts, then one sampled token), up to the first that stops the request; returns the requests
         that received tokens, with those tokens."""
         got_tokens, sampled_iter = [], iter(sampled)
         for chunk in output.chunks:
             request = chunk.request
-            tokens = next(sampled_iter) if chunk.num_logits else []
+            tokens = next(sampled_iter) if chunk.samples else []
             accepted = max(len(tokens) - 1, 0)  # drafts the engine verified and the sampler kept
             request.spec_token_ids.clear()
             request.num_computed_tokens += chunk.num_tokens - chunk.num_drafts + accepted

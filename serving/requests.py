@@ -105,11 +105,14 @@ class Accumulated:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     last: RequestOutput | None = None  # the newest delta (the final one carries the usage numbers)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs (first delta's)
 
     def add(self, output: RequestOutput) -> Accumulated:
         self.text += output.new_text
         self.token_ids += output.new_token_ids
         self.logprobs += output.logprobs
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.finish_reason, self.last = output.finish_reason, output
         return self
 

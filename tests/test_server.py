@@ -312,6 +312,10 @@ def test_health_reflection_model_info_and_unary_equals_stream(main, servers, llm
         if "logprobs" in sampling:
             assert [lp.token_id for lp in unary.logprobs] == tokens and all(len(lp.top) == 3 for lp in unary.logprobs)
     assert main.generate([1, 403, 407], timeout=TIMEOUT, max_tokens=5).usage.prompt_tokens == 3  # token-id prompt
+    scored = main.generate([1, 403, 407, 300], timeout=TIMEOUT, max_tokens=2, prompt_logprobs=1)
+    (want,) = llm.generate([[1, 403, 407, 300]], SamplingParams(max_tokens=2, prompt_logprobs=1))
+    assert [(lp.token_id, len(lp.top)) for lp in scored.prompt_logprobs] == [(403, 1), (407, 1), (300, 1)]
+    assert [lp.logprob for lp in scored.prompt_logprobs] == pytest.approx([w.logprob for w in want.prompt_logprobs[1:]])
     expected = alone(llm, PROMPTS[0], max_tokens=20)[1]
     for extra in ([], ["--no-stream"]):
         out = subprocess.run([sys.executable, "-m", "trtbuild.cli", "client", "--address", main.address, "--prompt",

@@ -28,6 +28,7 @@ from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
 from trtbuild.serving.openai import harmony
 from trtbuild.serving.openai import protocol as api
 from trtbuild.serving.openai.answer import ChatAnswer
+from trtbuild.serving.openai.completions import EchoedChoice, ScoredToken, completion_prompts
 from trtbuild.serving.openai.metrics import ServingMetrics
 from trtbuild.serving.openai.reasoning import opens_thinking, teaches_reasoning
 from trtbuild.serving.openai.tool_calls import FORMATS, ToolCallFormat, format_of_template
@@ -80,7 +81,8 @@ class OpenAIServer:
     # ---- requests -> engine ------------------------------------------------------------------------------------------
     def _params(self, r: api.ChatCompletionRequest | api.CompletionRequest, prompt_len: int, default_max: int,
                 logprobs: int | None, extra_stop_ids: tuple[int, ...] = (),
-                tools: ToolUse = NO_TOOLS, keep_special_tokens: bool = False) -> SamplingParams:
+                tools: ToolUse = NO_TOOLS, keep_special_tokens: bool = False,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         """`keep_special_tokens`: the answer's parser needs them in the text (unless the request says otherwise)."""
         if bad := r.unsupported():
             raise OpenAIError(400, f"not supported: {', '.join(bad)}", param=bad[0].split()[0])
@@ -102,7 +104,7 @@ class OpenAIServer:
             temperature=r.temperature if r.temperature is not None else 1.0, top_p=r.top_p, top_k=r.top_k,
             min_p=r.min_p, seed=r.seed, stop=r.stop, presence_penalty=r.presence_penalty,
             frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty, min_tokens=r.min_tokens,
-            ignore_eos=r.ignore_eos, logprobs=logprobs, logit_bias=bias or None,
+            ignore_eos=r.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias or None,
             json_schema=tools.json_schema or (r.response_format.schema() if getattr(r, "response_format", None)
                                               else None),
             skip_special_tokens=_first_set(r.skip_special_tokens, False if keep_special_tokens else None),
@@ -195,12 +197,15 @@ class OpenAIServer:
             token=self._token(lp.token_id), logprob=lp.logprob, bytes=list(self._token(lp.token_id).encode()),
             top_logprobs=[api.TopLogprob(token=self._token(t), logprob=p) for t, p in lp.top[:top]]) for lp in lps])
 
-    def _completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> api.CompletionLogprobs:
-        tokens = [self._token(lp.token_id) for lp in lps]
-        offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        return api.CompletionLogprobs(tokens=tokens, token_logprobs=[lp.logprob for lp in lps],
-                                      top_logprobs=[{self._token(t): p for t, p in lp.top} for lp in lps],
-                                      text_offset=offsets)
+    def _completion_logprobs(self, scored: list[ScoredToken], choice: EchoedChoice) -> api.CompletionLogprobs:
+        """The logprobs of a choice's next tokens; their text offsets continue the choice's."""
+        tokens = [self._token(token) for token, _ in scored]
+        offsets = [choice.text_offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        choice.text_offset += sum(map(len, tokens))
+        return api.CompletionLogprobs(
+            tokens=tokens, token_logprobs=[lp.logprob if lp else None for _, lp in scored],
+            top_logprobs=[{self._token(t): p for t, p in lp.top} if lp else None for _, lp in scored],
+            text_offset=offsets)
 
     # ---- endpoints --------------------------------------------------------------------------------------------------
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -240,30 +245,47 @@ class OpenAIServer:
             choices.append(api.ChatChoice(index=i, message=answer.message(w.text),
                                           logprobs=self._chat_logprobs(w.logprobs, top) if r.logprobs else None,
                                           finish_reason=_finish(w.finish_reason, answer.called)))
-        return api.ChatCompletion(id=rid, model=self._served(r), choices=choices, usage=_usage(len(prompt), wholes))
+        return api.ChatCompletion(id=rid, model=self._served(r), choices=choices,
+                                  usage=_usage(len(prompt), sum(len(w.token_ids) for w in wholes)))
 
     async def completion(self, request: Request, r: api.CompletionRequest) -> Any:
-        if isinstance(r.prompt, list) and r.prompt and isinstance(r.prompt[0], str):
-            if len(r.prompt) != 1:
-                raise OpenAIError(400, "send one prompt per request (batched prompts are not supported)",
-                                  param="prompt")
-            r.prompt = r.prompt[0]
-        prompt = self._encode(r.prompt) if isinstance(r.prompt, str) else [int(t) for t in r.prompt]
-        params = self._params(r, len(prompt), 16, r.logprobs)
-        streams = self._submit(prompt, params, r.n, r)
-        rid = api.new_id("cmpl")
+        prompts = completion_prompts(r.prompt, self._encode)
+        echo_only = r.echo and r.max_tokens == 0
+        if r.max_tokens == 0 and not r.echo:
+            raise OpenAIError(400, "max_tokens 0 generates nothing: ask for at least 1 token, or set echo to get the "
+                                   "prompt back (with logprobs: its tokens' log probabilities)", param="max_tokens")
+        if echo_only:  # NOTE: the prompt's last position is computed by the pass that samples one token
+            r = r.model_copy(update={"max_tokens": 1})
+        params = [self._params(r, len(p.token_ids), 16, r.logprobs,
+                               prompt_logprobs=r.logprobs if r.echo else None) for p in prompts]
+        choices, streams = [], []
+        try:
+            for p, sp in zip(prompts, params, strict=True):
+                streams += self._submit(p.token_ids, sp, r.n, r)
+                echoed = p.text if p.text is not None else self.tokenizer.decode(p.token_ids) if self.tokenizer else ""
+                choices += [EchoedChoice(p, echoed, r.echo, echo_only) for _ in range(r.n)]
+        except Exception:
+            for s in streams:
+                s.cancel()
+            raise
+        rid, prompt_tokens = api.new_id("cmpl"), sum(len(p.token_ids) for p in prompts)
         if r.stream:
-            return self._stream(streams, rid, len(prompt), r, chat=False)
+            return self._stream(streams, rid, prompt_tokens, r, chat=False, choices=choices)
         wholes = await self._collect(request, streams)
-        choices = [api.CompletionChoice(index=i, text=w.text, finish_reason=w.finish_reason,
-                                        logprobs=self._completion_logprobs(w.logprobs, 0)
-                                        if r.logprobs is not None else None) for i, w in enumerate(wholes)]
-        return api.Completion(id=rid, model=self._served(r), choices=choices, usage=_usage(len(prompt), wholes))
+        out = []
+        for i, (w, choice) in enumerate(zip(wholes, choices, strict=True)):
+            text, scored = choice.whole(w)
+            out.append(api.CompletionChoice(
+                index=i, text=text, finish_reason=choice.finish_reason(w.finish_reason),
+                logprobs=self._completion_logprobs(scored, choice) if r.logprobs is not None else None))
+        return api.Completion(id=rid, model=self._served(r), choices=out,
+                              usage=_usage(prompt_tokens, sum(c.num_output_tokens for c in choices)))
 
     def _stream(self, streams: list[RequestStream], rid: str, prompt_len: int,
                 r: api.ChatCompletionRequest | api.CompletionRequest, chat: bool,
-                answers: list[ChatAnswer] | None = None) -> StreamingResponse:
-        """`answers`: chat only, each choice's answer."""
+                answers: list[ChatAnswer] | None = None, choices: list[EchoedChoice] | None = None
+                ) -> StreamingResponse:
+        """`answers`: chat only, each choice's answer; `choices`: completions only, what each choice shows."""
         include_usage = bool(r.stream_options and r.stream_options.include_usage)
         model = self._served(r)
 
@@ -275,7 +297,6 @@ class OpenAIServer:
                         api.ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})]))
             try:
                 async for i, out in self._deltas(streams):
-                    offset = len(wholes[i].text)
                     wholes[i].add(out)
                     if chat:
                         lp = self._chat_logprobs(out.logprobs, r.top_logprobs or 0) if r.logprobs else None
@@ -284,15 +305,18 @@ class OpenAIServer:
                             index=i, delta=delta, logprobs=lp,
                             finish_reason=_finish(out.finish_reason, answers[i].called))])
                     else:
-                        lp = self._completion_logprobs(out.logprobs, offset) if r.logprobs is not None else None
+                        text, scored = choices[i].take(out)
+                        lp = self._completion_logprobs(scored, choices[i]) if r.logprobs is not None else None
+                        reason = choices[i].finish_reason(out.finish_reason)
                         chunk = api.Completion(id=rid, model=model, choices=[api.CompletionChoice(
-                            index=i, text=out.new_text, logprobs=lp, finish_reason=out.finish_reason)])
+                            index=i, text=text, logprobs=lp, finish_reason=reason)])
                     yield _sse(chunk)
             except Exception as e:  # the stream has started: the error goes in-band, as vLLM sends it
                 err = _error(e)
                 yield f"data: {json.dumps(api.error_body(str(err), err.kind, err.status, err.param))}\n\n"
             if include_usage:
-                usage = _usage(prompt_len, wholes)
+                usage = _usage(prompt_len, sum(c.num_output_tokens for c in choices) if choices
+                               else sum(len(w.token_ids) for w in wholes))
                 cls = api.ChatCompletionChunk if chat else api.Completion
                 yield _sse(cls(id=rid, model=model, choices=[], usage=usage))
             yield "data: [DONE]\n\n"
@@ -371,6 +395,6 @@ def _sse(model: Any) -> str:
     return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
 
 
-def _usage(prompt_len: int, wholes: list[Accumulated]) -> api.Usage:
-    completion = sum(len(w.token_ids) for w in wholes)
-    return api.Usage(prompt_tokens=prompt_len, completion_tokens=completion, total_tokens=prompt_len + completion)
+def _usage(prompt_tokens: int, completion_tokens: int) -> api.Usage:
+    return api.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)

@@ -178,14 +178,14 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] = Field()
+    prompt: str | list[int] | list[str] | list[list[int]] = Field()  # one prompt, or a batch (completions.py)
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt before each choice's text (and its tokens' logprobs before the output's)
     suffix: str | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        bad += [name for name in ("echo", "suffix") if getattr(self, name)]
+        bad += ["suffix"] if self.suffix else []
         return bad
 
 
@@ -248,8 +248,8 @@ class ChatCompletionChunk(_Response):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token, which nothing predicts
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
