@@ -95,10 +95,8 @@ class ChatTemplate:
         source = _template_source(directory, config)
         if source is None:
             return None
-        special = _special_tokens(_read_json(directory / "special_tokens_map.json"))
-        special.update(_special_tokens(config))
         tokenizer = Tokenizer(directory) if (directory / "tokenizer.json").is_file() else None
-        return cls(source, special, tokenizer)
+        return cls(source, named_special_tokens(directory), tokenizer)
 
     @functools.cached_property
     def renders_tools(self) -> bool:
@@ -208,6 +206,13 @@ def _template_source(directory: Path, config: dict) -> str | None:
         raise TrtbuildError(f"{directory / 'tokenizer_config.json'}: chat_template must be a string or a list of "
                             "{name, template}; copy the model's tokenizer_config.json again.")
     return template or None
+
+
+def named_special_tokens(directory: Path) -> dict[str, str]:
+    """A model directory's bos_token, eos_token, ... as text (tokenizer_config.json over special_tokens_map.json)."""
+    special = _special_tokens(_read_json(Path(directory) / "special_tokens_map.json"))
+    special.update(_special_tokens(_read_json(Path(directory) / "tokenizer_config.json")))
+    return special
 
 
 def _special_tokens(config: dict) -> dict[str, str]:

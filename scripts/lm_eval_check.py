@@ -3,12 +3,14 @@ loglikelihood its `local-completions` model reads from the server's echoed promp
 model computes (not run in CI: lm-eval is not a dependency).
 
     pip install "lm-eval[api]"   # in a venv with --system-site-packages, beside trtbuild
-    python scripts/lm_eval_check.py <HF model folder> [--engine ENGINE] [--work DIR] [--lm-eval lm_eval]
+    python scripts/lm_eval_check.py <HF model folder> [--remote-tokenizer] [--engine ENGINE] [--work DIR]
 
 It writes a 24-question multiple-choice task (stories_mc: a TinyStories sentence and 4 continuations), builds an
 engine from the folder unless one is given, serves it, runs both lm-eval models with --log_samples and prints the
 largest difference of their loglikelihoods. lm-eval's API models add no BOS unless told (`add_bos_token=True`),
-its hf model does for Llama tokenizers: the script gives both the same tokens.
+its hf model does for Llama tokenizers: the script gives both the same tokens. With --remote-tokenizer the API
+model tokenizes through the server's /tokenize (`tokenizer_backend=remote`, which never adds BOS; the hf model is
+then told `add_bos_token=False`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def main() -> int:
     p.add_argument("--engine", type=Path)
     p.add_argument("--work", type=Path)
     p.add_argument("--lm-eval", default="lm_eval", help="the lm_eval command")
+    p.add_argument("--remote-tokenizer", action="store_true", help="tokenize through the server's /tokenize")
     a = p.parse_args()
     work = a.work or Path(tempfile.mkdtemp(prefix="lm-eval-check-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -92,14 +95,16 @@ def main() -> int:
                 break
             except OSError:
                 time.sleep(0.5)
-        api = (f"model=model,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer_backend=huggingface,"
-               f"tokenizer={a.model},tokenized_requests=True,add_bos_token=True,max_retries=1")
+        tokenizer = ("tokenizer_backend=remote" if a.remote_tokenizer
+                     else f"tokenizer_backend=huggingface,tokenizer={a.model},add_bos_token=True")
+        api = f"model=model,base_url=http://127.0.0.1:{port}/v1/completions,{tokenizer},tokenized_requests=True"
         subprocess.run([a.lm_eval, "--model", "local-completions", "--model_args", api, *common, "--output_path",
                         str(work / "trtbuild")], check=True, env=env)
     finally:
         server.terminate()
         server.wait(30)
-    subprocess.run([a.lm_eval, "--model", "hf", "--model_args", f"pretrained={a.model},dtype=float32", "--device",
+    bos = ",add_bos_token=False" if a.remote_tokenizer else ""
+    subprocess.run([a.lm_eval, "--model", "hf", "--model_args", f"pretrained={a.model},dtype=float32{bos}", "--device",
                     "cpu", *common, "--output_path", str(work / "hf")], check=True, env=env)
     ours, theirs = loglikelihoods(work / "trtbuild"), loglikelihoods(work / "hf")
     worst = max(abs(x - y) for x, y in zip(ours, theirs, strict=True))

@@ -1,18 +1,17 @@
 """The OpenAI-compatible HTTP front end (FastAPI): /v1/chat/completions, /v1/completions, /v1/models, /health,
 /metrics, over the same AsyncEngine as the gRPC service.
 
-Each choice of a request is one engine request; a worker thread per choice follows its stream (serving/requests.py)
-and hands the deltas to the event loop. A client that disconnects has its requests aborted, and their KV blocks
-freed, at once: streaming responses end their generator, non-streaming ones are watched.
+Each choice of a request is one engine request, followed by streams.py. A client that disconnects has its requests
+aborted, and their KV blocks freed, at once: streaming responses end their generator, non-streaming ones are watched.
+/v1/completions' batches and echo are in completions.py, the tokenizer endpoints in tokenize.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,7 +22,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from trtbuild.errors import ConfigError
 from trtbuild.runtime.async_engine import AsyncEngine, RequestStream
-from trtbuild.runtime.engine_core import RequestOutput
 from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
 from trtbuild.serving.openai import harmony
 from trtbuild.serving.openai import protocol as api
@@ -31,11 +29,12 @@ from trtbuild.serving.openai.answer import ChatAnswer
 from trtbuild.serving.openai.completions import EchoedChoice, ScoredToken, completion_prompts
 from trtbuild.serving.openai.metrics import ServingMetrics
 from trtbuild.serving.openai.reasoning import opens_thinking, teaches_reasoning
+from trtbuild.serving.openai.streams import collect, deltas
+from trtbuild.serving.openai.tokenize import tokenizer_router
 from trtbuild.serving.openai.tool_calls import FORMATS, ToolCallFormat, format_of_template
 from trtbuild.serving.openai.tool_use import NO_TOOLS, ToolUse, tool_use
-from trtbuild.serving.requests import Accumulated, ErrorKind, error_kind, follow, sampling_params
+from trtbuild.serving.requests import Accumulated, ErrorKind, error_kind, sampling_params
 
-POLL_S = 0.5  # how often a waiting worker thread looks up, so that shutdown is never stuck behind it
 _STATUS = {ErrorKind.INVALID_ARGUMENT: (400, "invalid_request_error"), ErrorKind.QUEUE_FULL: (429, "rate_limit_error"),
            ErrorKind.UNAVAILABLE: (503, "service_unavailable"), ErrorKind.INTERNAL: (500, "internal_error")}
 
@@ -88,7 +87,7 @@ class OpenAIServer:
             raise OpenAIError(400, f"not supported: {', '.join(bad)}", param=bad[0].split()[0])
         if r.n < 1:
             raise OpenAIError(400, f"n must be at least 1, got {r.n}", param="n")
-        self._lora(r)
+        self.lora_of(r)
         max_tokens = getattr(r, "max_completion_tokens", None) or r.max_tokens
         try:
             bias = {int(token): value for token, value in (r.logit_bias or {}).items()}
@@ -111,7 +110,7 @@ class OpenAIServer:
             stop_token_ids=tuple(r.stop_token_ids or ()) + extra_stop_ids or None).items() if v is not None}
         return sampling_params(fields)
 
-    def _lora(self, r: api.ChatCompletionRequest | api.CompletionRequest) -> str | None:
+    def lora_of(self, r: api.ChatCompletionRequest | api.CompletionRequest) -> str | None:
         """The LoRA adapter a request's `model` names (as vLLM serves them), None for the base model."""
         if r.model in (None, self.model_name):
             return None
@@ -123,7 +122,7 @@ class OpenAIServer:
 
     def _served(self, r: api.ChatCompletionRequest | api.CompletionRequest) -> str:
         """The `model` of a response: the adapter the request ran under, else the base model."""
-        return self._lora(r) or self.model_name
+        return self.lora_of(r) or self.model_name
 
     def _submit(self, prompt: list[int], params: SamplingParams, n: int,
                 r: api.ChatCompletionRequest | api.CompletionRequest) -> list[RequestStream]:
@@ -131,80 +130,30 @@ class OpenAIServer:
         try:
             for i in range(n):  # n > 1 with a seed: choice i samples with seed + i, so choices differ
                 seeded = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
-                streams.append(self.engine.submit(prompt, seeded, lora=self._lora(r)))
+                streams.append(self.engine.submit(prompt, seeded, lora=self.lora_of(r)))
         except Exception:
             for s in streams:
                 s.cancel()
             raise
         return streams
 
-    async def _deltas(self, streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice, delta) of every stream as they come; the streams are cancelled if the caller stops early."""
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-
-        def pump(i: int, stream: RequestStream) -> None:
-            try:
-                for output in follow(stream, lambda: False, POLL_S):
-                    loop.call_soon_threadsafe(queue.put_nowait, (i, output))
-            except Exception as e:
-                loop.call_soon_threadsafe(queue.put_nowait, (i, e))
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, (i, None))
-
-        for i, stream in enumerate(streams):
-            loop.run_in_executor(self.workers, pump, i, stream)
-        done = 0
-        try:
-            while done < len(streams):
-                i, item = await queue.get()
-                if item is None:
-                    done += 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for stream in streams:
-                if not stream.finished:
-                    stream.cancel()
-
-    async def _collect(self, request: Request, streams: list[RequestStream]) -> list[Accumulated]:
-        """Non-streaming: every choice added up; a client that disconnects first has its requests aborted."""
-        wholes = [Accumulated() for _ in streams]
-
-        async def watch() -> None:
-            while not all(w.finished for w in wholes):
-                if await request.is_disconnected():
-                    for s in streams:
-                        s.cancel()
-                    return
-                await asyncio.sleep(POLL_S)
-
-        watcher = asyncio.create_task(watch())
-        try:
-            async for i, output in self._deltas(streams):
-                wholes[i].add(output)
-        finally:
-            watcher.cancel()
-        return wholes
-
     # ---- logprobs ---------------------------------------------------------------------------------------------------
-    def _token(self, token_id: int) -> str:
+    def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
 
     def _chat_logprobs(self, lps: list[TokenLogprobs], top: int) -> api.ChoiceLogprobs:
         return api.ChoiceLogprobs(content=[api.TokenLogprob(
-            token=self._token(lp.token_id), logprob=lp.logprob, bytes=list(self._token(lp.token_id).encode()),
-            top_logprobs=[api.TopLogprob(token=self._token(t), logprob=p) for t, p in lp.top[:top]]) for lp in lps])
+            token=self.token_text(lp.token_id), logprob=lp.logprob, bytes=list(self.token_text(lp.token_id).encode()),
+            top_logprobs=[api.TopLogprob(token=self.token_text(t), logprob=p) for t, p in lp.top[:top]]) for lp in lps])
 
     def _completion_logprobs(self, scored: list[ScoredToken], choice: EchoedChoice) -> api.CompletionLogprobs:
         """The logprobs of a choice's next tokens; their text offsets continue the choice's."""
-        tokens = [self._token(token) for token, _ in scored]
+        tokens = [self.token_text(token) for token, _ in scored]
         offsets = [choice.text_offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
         choice.text_offset += sum(map(len, tokens))
         return api.CompletionLogprobs(
             tokens=tokens, token_logprobs=[lp.logprob if lp else None for _, lp in scored],
-            top_logprobs=[{self._token(t): p for t, p in lp.top} if lp else None for _, lp in scored],
+            top_logprobs=[{self.token_text(t): p for t, p in lp.top} if lp else None for _, lp in scored],
             text_offset=offsets)
 
     # ---- endpoints --------------------------------------------------------------------------------------------------
@@ -213,16 +162,24 @@ class OpenAIServer:
             raise OpenAIError(400, "this engine has no tokenizer: send the prompt as token ids", param="prompt")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def render(self, messages: list[api.ChatMessage], tools: ToolUse = NO_TOOLS,
+               variables: dict[str, Any] | None = None, add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's prompt text (in harmony's form for a model that speaks it)."""
+        if self.template is None:
+            raise OpenAIError(400, "this model has no chat template: use /v1/completions", param="messages")
+        chat = [m.for_template(i) for i, m in enumerate(messages)]
+        if self.harmony:
+            chat = harmony.for_template(chat)
+        return self.template.render(chat, add_generation_prompt,
+                                    tools=harmony.described(tools.tools) if self.harmony else tools.tools,
+                                    variables=variables)
+
     async def chat(self, request: Request, r: api.ChatCompletionRequest) -> Any:
         if self.template is None:
             raise OpenAIError(400, "this model has no chat template: use /v1/completions", param="messages")
-        messages = [m.for_template(i) for i, m in enumerate(r.messages)]
-        if self.harmony:
-            messages = harmony.for_template(messages)
         tools = tool_use(r, self.template.renders_tools, self.tool_format, frozenset(self.tokenizer.special_tokens),
                          self.harmony)
-        text = self.template.render(messages, tools=harmony.described(tools.tools) if self.harmony else tools.tools,
-                                    variables=r.chat_template_kwargs)
+        text = self.render(r.messages, tools, r.chat_template_kwargs)
         if self.harmony and tools.function is not None:  # the call's header, then its constrained arguments
             text += harmony.call_header(tools.function)
         prompt = self.tokenizer.encode(text, add_special_tokens=False)
@@ -238,7 +195,7 @@ class OpenAIServer:
         if r.stream:
             return self._stream(streams, rid, len(prompt), r, chat=True, answers=[
                 ChatAnswer(tools, inside, in_harmony) for _ in streams])
-        wholes = await self._collect(request, streams)
+        wholes = await collect(request, streams, self.workers)
         choices = []
         for i, w in enumerate(wholes):
             answer = ChatAnswer(tools, inside, in_harmony)
@@ -271,7 +228,7 @@ class OpenAIServer:
         rid, prompt_tokens = api.new_id("cmpl"), sum(len(p.token_ids) for p in prompts)
         if r.stream:
             return self._stream(streams, rid, prompt_tokens, r, chat=False, choices=choices)
-        wholes = await self._collect(request, streams)
+        wholes = await collect(request, streams, self.workers)
         out = []
         for i, (w, choice) in enumerate(zip(wholes, choices, strict=True)):
             text, scored = choice.whole(w)
@@ -296,7 +253,7 @@ class OpenAIServer:
                     yield _sse(api.ChatCompletionChunk(id=rid, model=model, choices=[
                         api.ChatChunkChoice(index=i, delta={"role": "assistant", "content": ""})]))
             try:
-                async for i, out in self._deltas(streams):
+                async for i, out in deltas(streams, self.workers):
                     wholes[i].add(out)
                     if chat:
                         lp = self._chat_logprobs(out.logprobs, r.top_logprobs or 0) if r.logprobs else None
@@ -322,6 +279,13 @@ class OpenAIServer:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def run(self, request: Request, handler: Callable[[Request, Any], Awaitable[Any]], body: Any) -> Any:
+        """An endpoint's handler, its errors as OpenAI's."""
+        try:
+            return await handler(request, body)
+        except Exception as e:
+            raise _error(e) from None
 
     def _routes(self) -> FastAPI:
         app = FastAPI(title="trtbuild OpenAI-compatible server")
@@ -350,19 +314,15 @@ class OpenAIServer:
                                                        "authentication_error", 401), status_code=401)
             return await call_next(request)
 
-        async def run(request: Request, handler, body: Any) -> Any:
-            try:
-                return await handler(request, body)
-            except Exception as e:
-                raise _error(e) from None
-
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request, body: api.ChatCompletionRequest) -> Any:
-            return await run(request, self.chat, body)
+            return await self.run(request, self.chat, body)
 
         @app.post("/v1/completions")
         async def completions(request: Request, body: api.CompletionRequest) -> Any:
-            return await run(request, self.completion, body)
+            return await self.run(request, self.completion, body)
+
+        app.include_router(tokenizer_router(self))
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
