@@ -47,6 +47,12 @@ class TorchKVPool:
     def reserve(self) -> None:
         """The pool is allocated (and zeroed) up front; nothing is left to fault in."""
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """pool[destination] = pool[source] for each pair (a beam's fork: KVCacheManager.fork)."""
+        if pairs:
+            source, destination = zip(*pairs, strict=True)
+            self.pool[list(destination)] = self.pool[list(source)]
+
     def slots(self, block_ids: list[int] | tuple[int, ...], start: int, end: int) -> np.ndarray:
         positions = np.arange(start, end)
         table = np.asarray(block_ids, dtype=np.int64)

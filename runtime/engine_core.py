@@ -15,6 +15,7 @@ import numpy as np
 
 from trtbuild.builder.engine_dir import engine_target, read_engine_config
 from trtbuild.configs import batch_blocks_needed, lora_index
+from trtbuild.runtime.beam_search import Beam, BeamGroup
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.detokenizer import IncrementalDetokenizer
 from trtbuild.runtime.engine import CpuEngine, DraftAccept, SequenceChunk, StepOutput
@@ -46,6 +47,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one per prompt token (None for the first, which nothing scores), in the
     # request's first output with tokens only
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    beams: list[Beam] | None = None  # SamplingParams.beam_width > 1: the answers, best first (the first is the output)
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ class EngineCore:
                             "(--speculative-tokens %d) are verified on the host instead", build.max_draft_len,
                             config.speculative.num_speculative_tokens)
         self.tracked: dict[str, _Tracked] = {}
+        self.beam_groups: dict[str, BeamGroup] = {}  # by the request id of each of their beams
         self.last_stats: StepStats | None = None
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, build.tokens_per_block,
                  num_blocks * build.tokens_per_block, num_blocks * self.engine.kv.bytes_per_block / 2**20)
@@ -154,7 +157,12 @@ class EngineCore:
             bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"prompt_token_ids: ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        request = Request(request_id or uuid.uuid4().hex, prompt_ids, params, self.eos_token_ids, lora_id=lora_id)
+        request_id = request_id or uuid.uuid4().hex
+        if params.beam_width > self.scheduler.config.max_batch_size:
+            raise ValueError(f"beam_width {params.beam_width} is more than the engine runs at once (max_batch_size "
+                             f"{self.scheduler.config.max_batch_size}); ask for fewer beams")
+        request = Request(request_id, prompt_ids, params, self.eos_token_ids, lora_id=lora_id,
+                          beam_group=request_id if params.beam_width > 1 else None)
         self.scheduler.check_fits(request)
         SamplingState(params, prompt_ids, self.eos_token_ids, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
         return request
@@ -171,17 +179,24 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.tracked:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        state = SamplingState(request.sampling, request.prompt_ids, self.eos_token_ids, token_ids=request.token_ids,
-                              tokenizer=self.tokenizer, vocab_size=self.vocab_size)
+        state = self._sampling_state(request)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.sampling) if self.tokenizer else None
         self.scheduler.add_request(request)
+        if request.beam_group is not None:
+            self.beam_groups[request.request_id] = BeamGroup.start(request, state, self.scheduler.config.max_seq_len)
         scores = None if request.sampling.prompt_logprobs is None else [None] * request.num_prompt_tokens
         self.tracked[request.request_id] = _Tracked(request, state, detok, scores)
+
+    def _sampling_state(self, request: Request) -> SamplingState:
+        return SamplingState(request.sampling, request.prompt_ids, self.eos_token_ids, token_ids=request.token_ids,
+                             tokenizer=self.tokenizer, vocab_size=self.vocab_size)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         tracked = self.tracked.get(request_id)
         if tracked is None:
             return None
+        if request_id in self.beam_groups:
+            return self._end_beam_search(self.beam_groups[request_id], FinishReason.ABORT)
         self.scheduler.finish_requests([tracked.request], FinishReason.ABORT)
         self._release_drafts()
         return self._final_output(tracked, [], "", [])
@@ -195,7 +210,7 @@ class EngineCore:
         k, max_seq_len = self.config.speculative.num_speculative_tokens, self.scheduler.config.max_seq_len
         decoding, limits = [], []
         for request in self.scheduler.running:
-            if request.num_computed_tokens == len(request.token_ids) - 1:
+            if request.num_computed_tokens == len(request.token_ids) - 1 and request.beam_group is None:
                 room = min(request.sampling.max_tokens - request.num_output_tokens,
                            max_seq_len - len(request.token_ids)) - 1
                 decoding.append(request)
@@ -242,7 +257,11 @@ class EngineCore:
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         tokens: dict[int, list[int]] = {}
         logprobs: dict[str, list] = {}
-        plain = [i for i in sampling if not chunks[i].num_drafts]
+        for i in sampling:  # a beam's row waits in its group for the others' (_advance_beams)
+            if (beam := chunks[i].request.request_id) in self.beam_groups:
+                self.beam_groups[beam].rows[beam] = output.logits[first_row[i]]
+                tokens[i] = []
+        plain = [i for i in sampling if not chunks[i].num_drafts and i not in tokens]
         if plain:
             states = [self.tracked[chunks[i].request.request_id].sampling for i in plain]
             rows = [first_row[i] for i in plain]
@@ -283,6 +302,7 @@ class EngineCore:
         tokens, logprobs = self._sample(scheduled, self.engine.execute(chunks))
         outputs = [self._output(self.tracked[request.request_id], new_tokens, logprobs[request.request_id])
                    for request, new_tokens in self.scheduler.update(scheduled, tokens)]
+        outputs += self._advance_beams()
         self._release_drafts()
         self.last_stats = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), scheduled.num_tokens,
                                     len(scheduled.preempted), self.kv.pool.usage, time.perf_counter() - start,
@@ -290,6 +310,48 @@ class EngineCore:
                                     num_accepted_draft_tokens=sum(len(t) - 1 for t in tokens),  # 1 token + accepted
                                     engine_seconds=self.engine.run_seconds - run_before)
         return outputs
+
+    # ---- beam search (runtime/beam_search.py) --------------------------------------------------------------------
+    def _advance_beams(self) -> list[RequestOutput]:
+        """A round of every beam search whose live beams all have their rows; the final output of those it ends."""
+        outputs = []
+        for group in list({id(g): g for g in self.beam_groups.values()}.values()):
+            if not group.ready:
+                continue
+            step = group.select()
+            for parent, child_id, token in step.forks:  # NOTE: before the parents take their own next tokens
+                child, copies = self.scheduler.fork_beam(group.beams[parent], child_id, token)
+                self.engine.kv.copy_blocks(copies)
+                group.add(child, self._sampling_state(child), group.cum[child_id])
+                self.beam_groups[child_id] = group
+            for beam, token in step.extended:
+                self.scheduler.extend_beam(group.beams[beam], token)
+            self._drop_beams(group, step.dropped)
+            if step.done:
+                outputs.append(self._end_beam_search(group, FinishReason.STOP))
+        return outputs
+
+    def _drop_beams(self, group: BeamGroup, beam_ids: list[str]) -> None:
+        self.scheduler.finish_requests(group.drop(beam_ids), FinishReason.STOP)
+        for b in beam_ids:
+            del self.beam_groups[b]
+
+    def _end_beam_search(self, group: BeamGroup, reason: FinishReason) -> RequestOutput:
+        """Finish every beam of the group; the client's output: the best answer, and every answer in `beams`."""
+        self._drop_beams(group, [b.request_id for b in group.live()])
+        tracked = self.tracked.pop(group.root)
+        self.scheduler.end_beam_search(tracked.request)
+        skip = tracked.request.sampling.skip_special_tokens
+
+        def decode(tokens: tuple[int, ...]) -> str:  # an ending token's text is not the answer's, as without beams
+            kept = tokens[:-1] if tokens and tokens[-1] in group.ending_ids else tokens
+            return self.tokenizer.decode(kept, skip_special_tokens=skip)
+
+        beams = group.answers(decode if self.tokenizer else None)
+        best = beams[0] if beams and reason != FinishReason.ABORT else None
+        return RequestOutput(group.root, list(best.token_ids) if best else [], best.text if best else "", True,
+                             (best.finish_reason if best else reason).value, [], tracked.request.num_prompt_tokens,
+                             len(best.token_ids) if best else 0, tracked.request.metrics, beams=beams)
 
     def _output(self, tracked: _Tracked, tokens: list[int], logprobs: list[TokenLogprobs | None]) -> RequestOutput:
         """The delta for the tokens a step appended to the request (several when drafts were accepted)."""

@@ -148,6 +148,12 @@ class KVCacheStorage:
             rows = layers.transpose(2, 0, 1, 3, 4)
             self.pool[slots // block_size, : len(group.layers), :, :, slots % block_size] = rows
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """pool[destination] = pool[source] for each pair (a beam's fork: KVCacheManager.fork)."""
+        if pairs:
+            source, destination = zip(*pairs, strict=True)
+            self.pool[list(destination)] = self.pool[list(source)]
+
     def dequantized(self) -> np.ndarray:
         """The pool as float32 values (for tests and debugging; O(pool)). A quantized pool's scales are per layer, so
         only a one-group pool knows which scales a slot has."""

@@ -120,6 +120,27 @@ class KVCacheManager:
             table.extend(self.pool.allocate(max(total - len(table), 0)))
         return True
 
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Make `child` hold the K/V of the parent's computed tokens: their full blocks shared (one more reference),
+        their partial last block copied into a new block of each group. Returns the (source, destination) blocks the
+        KV storage must copy, or None, changing nothing, when the pool lacks a free block for each copy."""
+        n = parent.num_computed_tokens
+        full, partial = divmod(n, self.block_size)
+        if partial and self.num_groups > self.pool.num_free:
+            return None
+        tables, copies = [], []
+        for table in self.blocks[parent.request_id]:
+            shared = table[:full]
+            self.pool.touch([b for b in shared if b != RELEASED])
+            tables.append(list(shared))
+            if partial:
+                (block,) = self.pool.allocate(1)
+                copies.append((table[full], block))
+                tables[-1].append(block)
+        self.blocks[child.request_id] = tables
+        self.num_cached[child.request_id] = min(self.num_cached.get(parent.request_id, 0), full)
+        return copies
+
     def max_blocks(self, num_tokens: int, chunk_tokens: int) -> int:
         """The most blocks a request of num_tokens tokens holds at once, computing at most chunk_tokens per step."""
         return max_blocks_held(self.windows, self.block_size, num_tokens, chunk_tokens)

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trtbuild.runtime.beam_search import Beam
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput
 from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
@@ -18,6 +19,7 @@ class Completion:
     finish_reason: str
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # SamplingParams.logprobs: one per output token
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs (None: not asked)
+    beams: list[Beam] | None = None  # SamplingParams.beam_width > 1: every answer, best first (the first is this)
 
 
 class LLM:
@@ -56,6 +58,8 @@ class LLM:
             done[i].logprobs.extend(output.logprobs)
             if output.prompt_logprobs is not None:
                 done[i].prompt_logprobs = output.prompt_logprobs
+            if output.beams is not None:
+                done[i].beams = output.beams
             if output.finished:
                 done[i].finish_reason = output.finish_reason or ""
         return done

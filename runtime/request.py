@@ -58,6 +58,7 @@ class Request(TokenHistory):
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of token_ids
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
     lora_id: int = 0  # the LoRA adapter it runs under (0: none; the engine's BuildConfig.lora_names, 1-based)
+    beam_group: str | None = None  # a beam of this client request's beam search (runtime/beam_search.py)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     def __post_init__(self) -> None:

@@ -20,6 +20,10 @@ import numpy as np
 from trtbuild.errors import ConfigError
 
 MAX_LOGPROBS = 20  # most top log probs one request may ask for per token (OpenAI's top_logprobs limit)
+MAX_BEAM_WIDTH = 32
+# what beam search decides by itself (runtime/beam_search.py): these keep their defaults with beam_width > 1
+_NOT_WITH_BEAMS = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": None, "stop": (),
+                   "logprobs": None, "prompt_logprobs": None, "json_schema": None}
 TOP_P_HEAD = 1024  # top-p sorts only this many most likely tokens when they hold enough mass
 
 
@@ -66,6 +70,8 @@ _RULES = {
                  lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS)),
     "prompt_logprobs": (f"None or an integer in [0, {MAX_LOGPROBS}]",
                         lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_LOGPROBS)),
+    "beam_width": (f"an integer in [1, {MAX_BEAM_WIDTH}]", lambda v: _is_int(v) and 1 <= v <= MAX_BEAM_WIDTH),
+    "length_penalty": ("a number", _is_real),
     "include_stop_str_in_output": ("a bool", lambda v: isinstance(v, bool)),
     "skip_special_tokens": ("a bool", lambda v: isinstance(v, bool)),
     "json_schema": ("None or a JSON schema as text", lambda v: v is None or isinstance(v, str)),
@@ -107,6 +113,9 @@ class SamplingParams:
     # OpenAI: added to the token's logit before sampling (-100 bans it, 100 all but forces it); a dict works too
     logit_bias: tuple[tuple[int, float], ...] = ()
     json_schema: str | None = None  # the output is JSON valid under this schema (runtime/guided.py); None: free
+    # > 1: beam search (runtime/beam_search.py) with this many beams, every one returned (TensorRT-LLM's beam_width)
+    beam_width: int = 1
+    length_penalty: float = 1.0  # beam search ranks answers by cumulative logprob / length ** length_penalty (HF)
 
     def __post_init__(self) -> None:
         for name in ("stop", "bad_words"):
@@ -122,6 +131,11 @@ class SamplingParams:
             value = getattr(self, f.name)
             if not ok(value):
                 raise ConfigError(f.name, f"must be {rule}, got {value!r}")
+        if self.beam_width > 1:
+            for name, default in _NOT_WITH_BEAMS.items():
+                if getattr(self, name) != default:
+                    raise ConfigError(name, f"cannot be set with beam_width {self.beam_width}: beam search keeps the "
+                                            f"most likely beams (leave {name} at {default!r})")
         if self.min_tokens > self.max_tokens:
             raise ConfigError("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.json_schema is not None:

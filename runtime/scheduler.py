@@ -73,6 +73,8 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # beam searches admitted: their beams (all running or all waiting) may take this many batch slots
+        self.beam_slots: dict[str, int] = {}
 
     # ---- admission ---------------------------------------------------------------------------------------------
     def lifetime_tokens(self, request: Request) -> int:
@@ -124,14 +126,24 @@ class Scheduler:
             return 0
         return max(0, min(start + num_new, request.num_prompt_tokens - 1) - start)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, last: bool = False) -> None:
+        """Free the request's blocks and send it back to wait (first in line, or `last`), to be recomputed."""
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.spec_token_ids.clear()
         request.status = RequestStatus.WAITING
         request.metrics.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if last:
+            self.waiting.append(request)
+        else:
+            self.waiting.appendleft(request)
+
+    def _idle_beam(self) -> Request | None:
+        """The latest running beam with nothing to compute: its row waits for its group's other beams (kept there,
+        so preempting it costs only its K/V, recomputed when its group next extends it)."""
+        return next((r for r in reversed(self.running)
+                     if r.beam_group is not None and r.num_computed_tokens == len(r.token_ids)), None)
 
     def schedule(self) -> SchedulerOutput:
         budget, chunks, preempted = self.config.max_num_tokens, [], []
@@ -155,7 +167,7 @@ class Scheduler:
             else:
                 scheduled.append((request, num_new))
                 budget -= num_new
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_batch_size:
+        while self.waiting and not preempted and budget > 0 and self._has_slot(self.waiting[0]):
             request = self.waiting[0]
             # NOTE: cached prefix blocks have no logits to score the prompt with, so such a request computes it all
             prefix = NO_PREFIX if self.scores_prompt(request) else self.kv.computed_prefix(request)
@@ -163,8 +175,15 @@ class Scheduler:
             num_new = min(len(request.token_ids) - computed, budget, self.config.max_prefill_chunk or budget)
             reserve = self.lifetime_tokens(request) if self.config.policy == "guaranteed_no_evict" else 0
             if not self.kv.allocate(request, max(computed + num_new, reserve), prefix):
-                break
+                # NOTE: beams waiting for their group's others hold blocks without running; a beam search whose
+                # waiting beam they crowd out would wait forever: they make room, at the back of the line
+                if (idle := self._idle_beam()) is None:
+                    break
+                self._preempt(idle, last=True)
+                continue
             self.waiting.popleft()
+            if request.beam_group is not None:
+                self.beam_slots.setdefault(request.beam_group, request.sampling.beam_width)
             request.num_computed_tokens = computed
             request.status = RequestStatus.RUNNING
             if request.metrics.first_scheduled_time is None:
@@ -181,6 +200,14 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, start, num_new, prompt_rows + (1 + drafts) * reaches_end, first,
                                          drafts, tuple(others), prompt_rows))
         return SchedulerOutput(chunks, preempted)
+
+    def _has_slot(self, request: Request) -> bool:
+        """Whether the batch has room for the request: a beam search reserves a slot per beam when first admitted,
+        since its beams advance together (one left waiting would stall the others in their slots)."""
+        used = sum(self.beam_slots.values()) + sum(r.beam_group is None for r in self.running)
+        if request.beam_group is None:
+            return used < self.config.max_batch_size
+        return request.beam_group in self.beam_slots or used + request.sampling.beam_width <= self.config.max_batch_size
 
     # ---- after the engine ran ----------------------------------------------------------------------------------
     def update(self, output: SchedulerOutput, sampled: list[list[int]]) -> list[tuple[Request, list[int]]]:
@@ -222,6 +249,39 @@ class Scheduler:
         if request.num_output_tokens >= params.max_tokens or len(request.token_ids) >= self.config.max_seq_len:
             return FinishReason.LENGTH
         return None
+
+    # ---- beam search (runtime/beam_search.py decides, this applies) ------------------------------------------------
+    def extend_beam(self, request: Request, token: int) -> None:
+        """A beam's next token (its logits row was computed in an earlier step)."""
+        request.token_ids.append(int(token))
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = time.monotonic()
+
+    def fork_beam(self, parent: Request, child_id: str, token: int) -> tuple[Request, list[tuple[int, int]]]:
+        """A new beam: the parent's tokens and `token`, running beside it on the parent's KV (the returned block
+        copies must reach the KV storage before the next step), or waiting to be recomputed if the pool lacks a
+        block for the copy or the parent is not running."""
+        child = Request(child_id, parent.prompt_ids, parent.sampling, parent.eos_token_ids,
+                        token_ids=list(parent.token_ids), lora_id=parent.lora_id, beam_group=parent.beam_group,
+                        block_hashes=list(parent.block_hashes))
+        copies = self.kv.fork(parent, child) if parent in self.running else None
+        if copies is not None and self.config.policy == "guaranteed_no_evict" and not self.kv.allocate(
+                child, self.lifetime_tokens(child)):  # its whole lifetime, as every admitted request
+            self.kv.free(child)
+            copies = None
+        if copies is None:
+            self.waiting.appendleft(child)
+        else:
+            child.num_computed_tokens, child.status = parent.num_computed_tokens, RequestStatus.RUNNING
+            child.metrics.first_scheduled_time = child.metrics.first_token_time = time.monotonic()
+            self.running.append(child)
+        child.token_ids.append(int(token))
+        return child, copies or []
+
+    def end_beam_search(self, root: Request) -> None:
+        """Give back the batch slots of a beam search whose beams all finished (`root`: the client's request)."""
+        self.beam_slots.pop(root.request_id, None)
+        root.metrics.finished_time = time.monotonic()
 
     def set_draft_tokens(self, request: Request, draft_token_ids: list[int]) -> None:
         """Drafts a proposer made for a decoding request, verified by its next step (counted as known tokens)."""
