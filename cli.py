@@ -199,10 +199,12 @@ def _verify(engine: Path, checkpoint: Path | None, threads: int | None) -> None:
 @speculative_options
 @click.option("--lora", default=None, metavar="NAME",
               help="Run under this LoRA adapter of the engine (built in with `trtbuild build --lora NAME=PATH`).")
+@click.option("--beam-width", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Beam search with this many beams: the best answer is printed, the others after it on stderr.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
 def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, max_tokens: int, temperature: float,
         top_k: int, top_p: float, seed: int | None, speculative_tokens: int, prompt_lookup_max: int,
-        draft_engine: Path | None, lora: str | None, threads: int | None) -> None:
+        draft_engine: Path | None, lora: str | None, beam_width: int, threads: int | None) -> None:
     """Generate text from a prompt (or answer a --chat message), streaming it to the terminal."""
     from trtbuild.runtime.config import RuntimeConfig
     from trtbuild.runtime.llm import LLM
@@ -212,9 +214,9 @@ def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, 
     harmony = harmony_answer(template)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens,
                             stop_token_ids=template.end_of_turn_token_ids if template else (),
-                            skip_special_tokens=harmony is None)
+                            skip_special_tokens=harmony is None, beam_width=beam_width)
     spec = speculative_config(speculative_tokens, prompt_lookup_max, draft_engine)
-    llm = LLM(engine, RuntimeConfig(num_threads=threads, max_batch_size=1, speculative=spec))
+    llm = LLM(engine, RuntimeConfig(num_threads=threads, max_batch_size=beam_width, speculative=spec))
     if template is not None:
         if llm.core.tokenizer is None:
             raise TrtbuildError(f"{engine} has no tokenizer.json, which --chat needs; rebuild with tokenizer files.")
@@ -228,6 +230,8 @@ def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, 
     for _, output in itertools.chain([first], outputs):
         echo_answer(output.new_text, harmony, final=output.finished)
     click.echo()
+    for rank, beam in enumerate((output.beams or [])[1:], start=2):
+        click.echo(f"beam {rank} (score {beam.score:.4f}): {beam.text}", err=True)
 
 
 @main.command()

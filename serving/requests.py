@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from trtbuild.errors import ConfigError
 from trtbuild.runtime.async_engine import EngineDeadError, QueueFullError, RequestStream
+from trtbuild.runtime.beam_search import Beam
 from trtbuild.runtime.engine_core import RequestOutput
 from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
 
@@ -106,6 +107,7 @@ class Accumulated:
     finish_reason: str | None = None
     last: RequestOutput | None = None  # the newest delta (the final one carries the usage numbers)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # SamplingParams.prompt_logprobs (first delta's)
+    beams: list[Beam] | None = None  # SamplingParams.beam_width > 1: the answers, best first (last delta's)
 
     def add(self, output: RequestOutput) -> Accumulated:
         self.text += output.new_text
@@ -113,9 +115,22 @@ class Accumulated:
         self.logprobs += output.logprobs
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
+        if output.beams is not None:
+            self.beams = output.beams
         self.finish_reason, self.last = output.finish_reason, output
         return self
 
     @property
     def finished(self) -> bool:
         return self.last is not None and self.last.finished
+
+
+def answers(wholes: list[Accumulated]) -> list[Accumulated]:
+    """Each request's answer, in order; a beam search's are its beams, best first."""
+    out = []
+    for w in wholes:
+        if w.beams is None:
+            out.append(w)
+        else:
+            out += [Accumulated(b.text, list(b.token_ids), [], b.finish_reason.value, w.last) for b in w.beams]
+    return out

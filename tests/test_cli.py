@@ -17,6 +17,8 @@ from helpers import STORIES260K, require_shared_models
 from trtbuild import __version__
 from trtbuild.cli import main
 from trtbuild.cli_errors import flag_of
+from trtbuild.runtime.llm import LLM
+from trtbuild.runtime.sampling import SamplingParams
 
 HEAVY_MODULES = ("torch", "onnx", "onnxruntime", "transformers", "safetensors", "gguf", "tokenizers", "numpy",
                  "polygraphy", "fastapi", "uvicorn", "prometheus_client")
@@ -125,6 +127,18 @@ def test_convert_build_run_stories260k_greedy(stories):
     assert result.stdout.endswith("\n")
     again = invoke("run", "--engine", stories["engine"], "--prompt", "Once upon a time", "--max-tokens", 40)
     assert again.stdout == result.stdout  # greedy is deterministic
+
+
+def test_run_with_beam_search_prints_the_best_beam_then_the_others(stories):
+    result = invoke("run", "--engine", stories["engine"], "--prompt", "Once upon a time", "--max-tokens", 12,
+                    "--beam-width", 3)
+    assert_ok(result)
+    want = LLM(stories["engine"]).generate(["Once upon a time"], SamplingParams(max_tokens=12, beam_width=3))[0]
+    assert result.stdout == "Once upon a time" + want.text + "\n"
+    assert result.stderr.splitlines() == [f"beam {i} (score {b.score:.4f}): {b.text}"
+                                          for i, b in enumerate(want.beams[1:], start=2)]
+    refused = invoke("run", "--engine", stories["engine"], "--prompt", "x", "--beam-width", 2, "--temperature", 1)
+    assert_user_error(refused, "--temperature cannot be set with beam_width 2")
 
 
 def test_convert_options_reach_the_checkpoint(tmp_path):

@@ -160,6 +160,17 @@ def test_seed_n_stop_and_logprobs(server):
     assert forced.choices[0].logprobs.tokens == [server_token(c, 42)] * 3
 
 
+def test_chat_with_beam_search_answers_every_beam(server, local, chat_engine):
+    messages = [{"role": "user", "content": "Lily went to the park"}]
+    r = server.client().chat.completions.create(model="stories", messages=messages, max_tokens=12, n=2,
+                                                extra_body={"use_beam_search": True})
+    template = ChatTemplate.from_engine_dir(chat_engine)
+    prompt = template.encode(local.core.tokenizer, messages)
+    (want,) = local.generate([prompt], SamplingParams(beam_width=2, max_tokens=12,
+                                                      stop_token_ids=template.end_of_turn_token_ids))
+    assert [ch.message.content for ch in r.choices] == [b.text for b in want.beams]
+
+
 def test_response_format_constrains_the_output_to_json(server):
     c = server.client()
     schema = {"type": "object", "properties": {"happy": {"type": "boolean"}}, "required": ["happy"],

@@ -110,3 +110,21 @@ def test_bad_batches_get_a_400_and_leave_nothing_running(server, body, message):
             and time.monotonic() < deadline:
         time.sleep(0.05)
     assert busy == 0
+
+
+def test_use_beam_search_returns_n_beams_as_choices(server, local):
+    """vLLM's use_beam_search: n is the beam width; each prompt's beams are its choices, best first."""
+    c = server.client()
+    r = c.completions.create(model="stories", prompt=CONTEXTS, max_tokens=10, n=3,
+                             extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    want = local.generate(CONTEXTS, SamplingParams(beam_width=3, max_tokens=10, length_penalty=0.5))
+    assert [ch.index for ch in r.choices] == list(range(6))
+    assert [ch.text for ch in r.choices] == [b.text for done in want for b in done.beams]
+    assert [ch.finish_reason for ch in r.choices] == [b.finish_reason.value for done in want for b in done.beams]
+    assert r.usage.completion_tokens == sum(len(b.token_ids) for done in want for b in done.beams)
+    for body, message in [({"use_beam_search": True, "stream": True}, "use_beam_search answers once"),
+                          ({"length_penalty": 2.0}, "length_penalty ranks beams"),
+                          ({"use_beam_search": True, "temperature": 0.5}, "temperature cannot be set with beam_width"),
+                          ({"use_beam_search": True, "n": 64}, "beam_width must be")]:
+        code, doc = server.post("/v1/completions", {"prompt": "x", "n": 2, **body})
+        assert code == 400 and message in doc["error"]["message"], doc

@@ -316,6 +316,10 @@ def test_health_reflection_model_info_and_unary_equals_stream(main, servers, llm
     (want,) = llm.generate([[1, 403, 407, 300]], SamplingParams(max_tokens=2, prompt_logprobs=1))
     assert [(lp.token_id, len(lp.top)) for lp in scored.prompt_logprobs] == [(403, 1), (407, 1), (300, 1)]
     assert [lp.logprob for lp in scored.prompt_logprobs] == pytest.approx([w.logprob for w in want.prompt_logprobs[1:]])
+    beams = main.generate("Once upon a time", timeout=TIMEOUT, max_tokens=8, beam_width=3, length_penalty=0.5)
+    (want,) = llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, beam_width=3, length_penalty=0.5))
+    assert [(list(b.token_ids), b.text) for b in beams.beams] == [(list(b.token_ids), b.text) for b in want.beams]
+    assert list(beams.token_ids) == list(want.beams[0].token_ids)
     expected = alone(llm, PROMPTS[0], max_tokens=20)[1]
     for extra in ([], ["--no-stream"]):
         out = subprocess.run([sys.executable, "-m", "trtbuild.cli", "client", "--address", main.address, "--prompt",

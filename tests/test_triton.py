@@ -241,7 +241,7 @@ BAD = [  # (inputs, message) over gRPC streaming and HTTP generate
     (dict(text_input="Once", max_tokens=0), "max_tokens must be an integer >= 1"),
     (dict(text_input="Once", temperature=-1.0), "temperature must be a number >= 0"),
     (dict(text_input="Once", end_id=9999), "end_id must be a token id in [0, 512)"),
-    (dict(text_input="Once", beam_width=2), "beam search is not supported"),
+    (dict(text_input="Once", beam_width=2), "beam_width must be 1: this backend returns one sequence"),
     (dict(text_input="Once", min_tokens=9, max_tokens=4), "min_tokens must be <= max_tokens"),
     (dict(input_ids=[1, 600]), "input_ids: ids [600] are outside the vocabulary [0, 512)"),
     (dict(input_ids=[1] + [300] * 299), "the engine's max_seq_len is 256"),

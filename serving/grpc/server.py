@@ -46,7 +46,7 @@ _STATUS = {ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
            ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL}
 _OPTIONAL_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "logprobs",
-                    "prompt_logprobs", "include_stop_str_in_output")
+                    "prompt_logprobs", "include_stop_str_in_output", "beam_width", "length_penalty")
 
 
 # ---- proto <-> runtime ----------------------------------------------------------------------------------------------
@@ -90,7 +90,10 @@ def response(output: RequestOutput) -> pb.GenerateResponse:
     r = pb.GenerateResponse(request_id=output.request_id, token_ids=output.new_token_ids, text=output.new_text,
                             finished=output.finished, logprobs=[_logprobs(lp) for lp in output.logprobs],
                             finish_reason=_FINISH_REASONS.get(output.finish_reason or "", 0),
-                            prompt_logprobs=[_logprobs(lp) for lp in (output.prompt_logprobs or [])[1:]])
+                            prompt_logprobs=[_logprobs(lp) for lp in (output.prompt_logprobs or [])[1:]],
+                            beams=[pb.Beam(token_ids=b.token_ids, text=b.text, cumulative_logprob=b.cumulative_logprob,
+                                           score=b.score, finish_reason=_FINISH_REASONS[b.finish_reason.value])
+                                   for b in output.beams or []])
     if output.finished:
         r.usage.CopyFrom(_usage(output))
     return r
@@ -153,7 +156,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         last = whole.last
         return response(RequestOutput(last.request_id, whole.token_ids, whole.text, last.finished, last.finish_reason,
                                       whole.logprobs, last.num_prompt_tokens, last.num_output_tokens, last.metrics,
-                                      whole.prompt_logprobs))
+                                      whole.prompt_logprobs, whole.beams))
 
     def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext) -> pb.CancelResponse:
         if not request.request_id:

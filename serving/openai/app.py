@@ -26,14 +26,14 @@ from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
 from trtbuild.serving.openai import harmony
 from trtbuild.serving.openai import protocol as api
 from trtbuild.serving.openai.answer import ChatAnswer
-from trtbuild.serving.openai.completions import EchoedChoice, ScoredToken, completion_prompts
+from trtbuild.serving.openai.completions import EchoedChoice, Prompt, ScoredToken, completion_prompts
 from trtbuild.serving.openai.metrics import ServingMetrics
 from trtbuild.serving.openai.reasoning import opens_thinking, teaches_reasoning
 from trtbuild.serving.openai.streams import collect, deltas
 from trtbuild.serving.openai.tokenize import tokenizer_router
 from trtbuild.serving.openai.tool_calls import FORMATS, ToolCallFormat, format_of_template
 from trtbuild.serving.openai.tool_use import NO_TOOLS, ToolUse, tool_use
-from trtbuild.serving.requests import Accumulated, ErrorKind, error_kind, sampling_params
+from trtbuild.serving.requests import Accumulated, ErrorKind, answers, error_kind, sampling_params
 
 _STATUS = {ErrorKind.INVALID_ARGUMENT: (400, "invalid_request_error"), ErrorKind.QUEUE_FULL: (429, "rate_limit_error"),
            ErrorKind.UNAVAILABLE: (503, "service_unavailable"), ErrorKind.INTERNAL: (500, "internal_error")}
@@ -87,6 +87,11 @@ class OpenAIServer:
             raise OpenAIError(400, f"not supported: {', '.join(bad)}", param=bad[0].split()[0])
         if r.n < 1:
             raise OpenAIError(400, f"n must be at least 1, got {r.n}", param="n")
+        if r.use_beam_search and r.stream:
+            raise OpenAIError(400, "use_beam_search answers once every beam is done: send stream false",
+                              param="stream")
+        if r.length_penalty is not None and not r.use_beam_search:
+            raise OpenAIError(400, "length_penalty ranks beams: set use_beam_search too", param="length_penalty")
         self.lora_of(r)
         max_tokens = getattr(r, "max_completion_tokens", None) or r.max_tokens
         try:
@@ -100,7 +105,8 @@ class OpenAIServer:
         fields = {k: v for k, v in dict(
             max_tokens=max_tokens if max_tokens is not None else max(1, min(default_max,
                                                                             self.max_seq_len - prompt_len)),
-            temperature=r.temperature if r.temperature is not None else 1.0, top_p=r.top_p, top_k=r.top_k,
+            temperature=_first_set(r.temperature, 0.0 if r.use_beam_search else 1.0), top_p=r.top_p, top_k=r.top_k,
+            beam_width=r.n if r.use_beam_search else None, length_penalty=r.length_penalty,
             min_p=r.min_p, seed=r.seed, stop=r.stop, presence_penalty=r.presence_penalty,
             frequency_penalty=r.frequency_penalty, repetition_penalty=r.repetition_penalty, min_tokens=r.min_tokens,
             ignore_eos=r.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias or None,
@@ -128,7 +134,8 @@ class OpenAIServer:
                 r: api.ChatCompletionRequest | api.CompletionRequest) -> list[RequestStream]:
         streams = []
         try:
-            for i in range(n):  # n > 1 with a seed: choice i samples with seed + i, so choices differ
+            # n > 1 with a seed: choice i samples with seed + i, so choices differ; a beam search gives all n at once
+            for i in range(1 if params.beam_width > 1 else n):
                 seeded = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
                 streams.append(self.engine.submit(prompt, seeded, lora=self.lora_of(r)))
         except Exception:
@@ -195,7 +202,7 @@ class OpenAIServer:
         if r.stream:
             return self._stream(streams, rid, len(prompt), r, chat=True, answers=[
                 ChatAnswer(tools, inside, in_harmony) for _ in streams])
-        wholes = await collect(request, streams, self.workers)
+        wholes = answers(await collect(request, streams, self.workers))
         choices = []
         for i, w in enumerate(wholes):
             answer = ChatAnswer(tools, inside, in_harmony)
@@ -215,20 +222,26 @@ class OpenAIServer:
             r = r.model_copy(update={"max_tokens": 1})
         params = [self._params(r, len(p.token_ids), 16, r.logprobs,
                                prompt_logprobs=r.logprobs if r.echo else None) for p in prompts]
-        choices, streams = [], []
+        streams, stream_prompts = [], []
         try:
             for p, sp in zip(prompts, params, strict=True):
                 streams += self._submit(p.token_ids, sp, r.n, r)
-                echoed = p.text if p.text is not None else self.tokenizer.decode(p.token_ids) if self.tokenizer else ""
-                choices += [EchoedChoice(p, echoed, r.echo, echo_only) for _ in range(r.n)]
+                stream_prompts += [p] * (len(streams) - len(stream_prompts))
         except Exception:
             for s in streams:
                 s.cancel()
             raise
+
+        def shown(p: Prompt) -> EchoedChoice:
+            echoed = p.text if p.text is not None else self.tokenizer.decode(p.token_ids) if self.tokenizer else ""
+            return EchoedChoice(p, echoed, r.echo, echo_only)
+
         rid, prompt_tokens = api.new_id("cmpl"), sum(len(p.token_ids) for p in prompts)
         if r.stream:
-            return self._stream(streams, rid, prompt_tokens, r, chat=False, choices=choices)
-        wholes = await collect(request, streams, self.workers)
+            return self._stream(streams, rid, prompt_tokens, r, chat=False, choices=list(map(shown, stream_prompts)))
+        collected = await collect(request, streams, self.workers)
+        wholes = answers(collected)  # a beam search's stream has n answers
+        choices = [shown(p) for p, w in zip(stream_prompts, collected, strict=True) for _ in answers([w])]
         out = []
         for i, (w, choice) in enumerate(zip(wholes, choices, strict=True)):
             text, scored = choice.whole(w)

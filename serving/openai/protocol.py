@@ -33,6 +33,8 @@ class _Request(BaseModel):
     min_tokens: int | None = None  # vLLM's extension
     ignore_eos: bool | None = None  # vLLM's extension
     skip_special_tokens: bool | None = None  # vLLM's extension
+    use_beam_search: bool = False  # vLLM's extension: `n` beams searched, every one a choice (runtime/beam_search.py)
+    length_penalty: float | None = None  # vLLM's extension, with use_beam_search
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

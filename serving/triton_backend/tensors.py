@@ -145,7 +145,8 @@ def parse_request(inputs: Mapping[str, np.ndarray], vocab_size: int | None = Non
         if not kwargs.get("ignore_eos"):  # end_id replaces the model's EOS tokens
             kwargs.update(ignore_eos=True, stop_token_ids=[end_id])
     if "beam_width" in inputs and _scalar("beam_width", inputs["beam_width"]) != 1:
-        raise ValueError("beam_width must be 1: beam search is not supported")
+        raise ValueError("beam_width must be 1: this backend returns one sequence per request (beam search is served "
+                         "by `trtbuild serve`: gRPC beam_width, OpenAI use_beam_search)")
     flags = {name: bool(_scalar(name, inputs[name])) for name in ("stream", "streaming", "return_log_probs",
                                                                   "exclude_input_in_output") if name in inputs}
     if flags.get("return_log_probs"):
