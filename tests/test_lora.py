@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from helpers import STORIES260K, make_peft_adapter, make_random_hf_model, peft_logits
+from prometheus_client.parser import text_string_to_metric_families
 from test_openai import Server
 
 from trtbuild.builder.build import build_engine
@@ -141,6 +143,16 @@ def test_openai_model_names_the_adapter(lora_engine):
         assert base.choices[0].text != want and base.model == "stories"
         status, body = server.post("/v1/completions", {"model": "chat", "prompt": "Once", "max_tokens": 2})
         assert status == 404 and "`stories`, `sql`, `poem`" in body["error"]["message"]
+        body = {"model": "sql", "prompt": "Once", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        stream = urllib.request.Request(server.base + "/v1/completions", json.dumps(body).encode(),
+                                        {"Content-Type": "application/json"})
+        with urllib.request.urlopen(stream, timeout=60) as running:
+            running.readline()  # the request is running while the metrics are scraped
+            families = text_string_to_metric_families(server.scrape())
+            (info,) = [f for f in families if f.name == "vllm:lora_requests_info"]
+        (sample,) = info.samples
+        assert sample.labels == {"model_name": "stories", "running_lora_adapters": "sql", "waiting_lora_adapters": "",
+                                 "max_lora": "2"}
     finally:
         server.stop()
 

@@ -86,10 +86,12 @@ class Server:
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
 
-    def metrics(self) -> dict[str, float]:
+    def scrape(self) -> str:
         with urllib.request.urlopen(self.base + "/metrics", timeout=TIMEOUT) as r:
-            text = r.read().decode()
-        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+            return r.read().decode()
+
+    def metrics(self) -> dict[str, float]:
+        return {s.name: s.value for f in text_string_to_metric_families(self.scrape()) for s in f.samples}
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -6,7 +6,12 @@ front end it came from (AsyncEngine.on_finished). Each server has its own regist
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from trtbuild.runtime.async_engine import AsyncEngine
 from trtbuild.runtime.engine_core import RequestOutput
@@ -54,6 +59,8 @@ class ServingMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to the last token.", _LATENCY_BUCKETS)
         self.label = label
         engine.on_finished.append(self.observe)
+        if core.lora_names:
+            registry.register(_LoraRequests(engine, model_name))
 
     def observe(self, output: RequestOutput) -> None:
         """One finished request (on the engine loop's thread)."""
@@ -74,3 +81,23 @@ class ServingMetrics:
             self.e2e.observe(m.finished_time - m.arrival_time)
             if m.first_token_time is not None and output.num_output_tokens > 1:
                 self.tpot.observe((m.finished_time - m.first_token_time) / (output.num_output_tokens - 1))
+
+
+class _LoraRequests(Collector):
+    """vLLM's vllm:lora_requests_info: the adapters of the running and of the waiting requests (comma-separated
+    labels, read when scraped) and how many the engine has; its value is the time of the scrape."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.core, self.model_name = engine.core, model_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        names = self.core.lora_names
+
+        def adapters(requests: list) -> str:  # NOTE: list() of the engine loop's containers is atomic under the GIL
+            return ",".join(sorted({names[r.lora_id - 1] for r in requests if r.lora_id}))
+
+        gauge = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                  labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        gauge.add_metric([self.model_name, adapters(list(self.core.scheduler.running)),
+                          adapters(list(self.core.scheduler.waiting)), str(len(names))], time.time())
+        yield gauge
