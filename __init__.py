@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 # in blocks of 16 and codebooks (GGUF Q2_K, Q3_K, IQ4_NL, IQ4_XS); 11: sub-scales as nibbles (uint8, Q2_K's);
 # 12: codebooks for 2/3-bit codes and scale_exponent (GGUF's IQ1-IQ3 lattice types); 13: KV cache groups
 # (Gemma 2 / 3, OLMo 3); 14: PagedAttention's sinks input, SwiGLU's alpha / beta / limit and biases of tables of
-# experts (gpt-oss); 15: LoRA adapters (build_config.lora_adapters, the lora_ids input)
-ENGINE_FORMAT_VERSION = 15
+# experts (gpt-oss); 15: LoRA adapters (build_config.lora_adapters, the lora_ids input); 16: build_config.task
+# (embedding engines: the final hidden states as the hidden_states output)
+ENGINE_FORMAT_VERSION = 16
 CHECKPOINT_FORMAT_VERSION = 1

@@ -26,6 +26,7 @@ from trtbuild.configs.build_config import (
     FLOAT_LINEARS_MODES,
     QUANT_LINEARS_MODES,
     SPECULATIVE_DECODING_MODES,
+    TASKS,
 )
 from trtbuild.errors import TrtbuildError
 from trtbuild.quantization import CALIBRATED_QUANT_ALGOS, LM_HEAD_QUANT_ALGOS, KVCacheQuantAlgo, KVPoolDtype
@@ -130,6 +131,9 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
               help="A LoRA adapter (a PEFT adapter folder, or llama.cpp's LoRA .gguf) built in beside the base "
                    "weights; a request runs under it by name (the OpenAI API's `model`, gRPC's `lora`, Triton's "
                    "`lora_name`, `trtbuild run|client --lora NAME`). Repeat for more adapters.")
+@click.option("--task", type=click.Choice(TASKS), default="generate", show_default=True,
+              help="embed: the engine returns each prompt's last hidden state, normalized (an embedding model's "
+                   "last-token pooling; served at the OpenAI API's /v1/embeddings) instead of generating text.")
 @click.option("--verify", "verify_after", is_flag=True,
               help="Then run the engine against an unfused build of the checkpoint with polygraphy and print each "
                    "output's error against its tolerance (as `trtbuild verify`); exit non-zero if one fails.")
@@ -137,7 +141,7 @@ def build(checkpoint: Path, output: Path, target: str, dtype: str, max_batch_siz
           max_num_tokens: int, tokens_per_block: int, no_fuse: bool, int4_accuracy_level: str,
           kv_pool_dtype: str | None, attention: str, quant_linears: str, float_linears: str, autotune: str,
           timing_cache: Path | None, speculative_decoding_mode: str, max_draft_len: int | None,
-          lora_adapters: tuple[tuple[str, str], ...], verify_after: bool) -> None:
+          lora_adapters: tuple[tuple[str, str], ...], task: str, verify_after: bool) -> None:
     """Compile a checkpoint into an engine directory for one target."""
     from trtbuild.builder.build import build_engine
 
@@ -150,7 +154,7 @@ def build(checkpoint: Path, output: Path, target: str, dtype: str, max_batch_siz
                  quant_linears=quant_linears, float_linears=float_linears, autotune=autotune, timer=timer,
                  timing_cache=timing_cache, speculative_decoding_mode=speculative_decoding_mode,
                  max_draft_len=max_draft_len if max_draft_len is not None else
-                 (4 if speculative_decoding_mode == "draft-tokens" else 0), lora_adapters=lora_adapters)
+                 (4 if speculative_decoding_mode == "draft-tokens" else 0), lora_adapters=lora_adapters, task=task)
     click.echo(f"wrote engine {output}")
     if autotune != "off" and target == "cpu":
         click.echo(_tactics_summary(output))

@@ -30,7 +30,6 @@ from trtbuild.quantization import KVPoolDtype
 
 log = logging.getLogger(__name__)
 
-OUTPUTS = ("logits", "new_kv")
 PREFILL_LENGTHS = (20, 7)  # two sequences of different lengths, crossing block boundaries; a few dozen tokens
 SEED = 0
 
@@ -164,12 +163,16 @@ def check_checkpoint(info: EngineInfo, checkpoint: Path | None) -> None:
 def verify_engine(engine_dir: Path, checkpoint: Path | None, num_threads: int | None = None,
                   echo: Callable[[str], None] = log.info) -> VerifyReport:
     """Build the unfused reference of `checkpoint`, run it and the engine at `engine_dir` on the same steps with
-    polygraphy, and compare `logits` and `new_kv`. The report says what passed; `report.check()` raises if not."""
+    polygraphy, and compare `logits` (an embed engine's `hidden_states`) and `new_kv`. The report says what passed;
+    `report.check()` raises if not."""
     from trtbuild.builder.build import build_engine
+    from trtbuild.builder.network import engine_outputs
 
     info = read_engine_config(Path(engine_dir), expect_target="cpu")
     check_checkpoint(info, checkpoint)
-    precision, tolerances = tolerances_for(info.model, info.build)
+    precision, by_kind = tolerances_for(info.model, info.build)
+    rows = engine_outputs(info.build)[0]  # an embed engine's rows are hidden states, held to the logits' tolerance
+    tolerances = {rows if name == "logits" else name: t for name, t in by_kind.items()}
     with tempfile.TemporaryDirectory(prefix="trtbuild-verify-") as tmp:
         echo(f"building the unfused reference of {checkpoint} in {tmp}")
         unfused = dataclasses.replace(info.build, fuse=False, autotune="off", attention="split",
@@ -178,7 +181,7 @@ def verify_engine(engine_dir: Path, checkpoint: Path | None, num_threads: int | 
         echo("running the engine and the reference")
         steps, results = _run_engine_and_reference(info, reference, num_threads)
         outputs = _judge(results, steps, tolerances)
-        if tolerances is QUANTIZED_TOLERANCES and not all(o.passed for o in outputs):
+        if by_kind is QUANTIZED_TOLERANCES and not all(o.passed for o in outputs):
             # NOTE: the outputs are kept, so the reference's files go first: one engine at a time in `tmp` (an 8B
             # engine's reference is GBs)
             shutil.rmtree(reference.path)
@@ -266,8 +269,8 @@ def _judge(results, steps: _Steps, tolerances: dict[str, Tolerance]) -> list[Out
     reference is."""
     from polygraphy.comparator import Comparator, SimpleCompareFunc
 
-    ranges = {name: max(float(np.abs(it[name]).max(initial=0.0)) for it in results[REFERENCE]) for name in OUTPUTS}
-    atol = {name: tolerances[name].resolve(ranges[name]) for name in OUTPUTS}
+    ranges = {name: max(float(np.abs(it[name]).max(initial=0.0)) for it in results[REFERENCE]) for name in tolerances}
+    atol = {name: tolerances[name].resolve(ranges[name]) for name in tolerances}
     compare = SimpleCompareFunc(atol=atol, rtol={name: t.rtol for name, t in tolerances.items()},
                                 check_error_stat="elemwise")
     names = list(results.keys())
@@ -276,7 +279,7 @@ def _judge(results, steps: _Steps, tolerances: dict[str, Tolerance]) -> list[Out
                                            compare_func=compare)
     per_step = accuracy[0][(ENGINE, REFERENCE)]  # [step] -> {output: OutputCompareResult}
     outputs = []
-    for name in OUTPUTS:
+    for name in tolerances:
         errors = [(r[name], step) for r, step in zip(per_step, steps.descriptions, strict=True)]
         worst = max(errors, key=lambda e: _nan_high(e[0].max_absdiff))
         passed, against_exact = all(bool(e) for e, _ in errors), None

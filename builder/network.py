@@ -66,6 +66,7 @@ from trtbuild.quantization import kv_pool_elem_type
 ENGINE_INPUTS = ("input_ids", "position_ids", "query_start_loc", "past_lengths", "block_tables", "logits_indices",
                  "kv_cache")
 ENGINE_OUTPUTS = ("logits", "new_kv")
+HIDDEN_STATES_OUTPUT = "hidden_states"  # an embed engine's rows (BuildConfig.task), in place of the logits
 ACCEPT_INPUTS = ("logits_out_rows",) + sa.INPUTS[1:]  # the accept op's inputs but its logits rows, which it reads
 KV_SCALES_METADATA = "trtbuild.kv_cache_scales"
 
@@ -77,7 +78,8 @@ def engine_inputs(config: ModelConfig, build: BuildConfig) -> tuple[str, ...]:
 
 
 def engine_outputs(build: BuildConfig) -> tuple[str, ...]:
-    return ENGINE_OUTPUTS + (sa.OUTPUTS if build.draft_tokens else ())
+    rows = (HIDDEN_STATES_OUTPUT,) if build.task == "embed" else ENGINE_OUTPUTS[:1]
+    return rows + ENGINE_OUTPUTS[1:] + (sa.OUTPUTS if build.draft_tokens else ())
 
 
 def kv_cache_shape(config: ModelConfig, build: BuildConfig, num_blocks: int | str) -> list:
@@ -174,6 +176,18 @@ class _NetworkWriter:
             y = self.g.op("Mul", [y, self.g.const(np.array(self.c.residual_multiplier, np.float32),
                                                   "residual_multiplier")], name=prefix + "residual_scaled")
         return y
+
+    def head(self, h: str) -> None:
+        """The logits of the selected rows' final hidden states `h`: the LM head, its transforms, and the accept op
+        of a draft-tokens engine."""
+        logits = "all_logits" if self.build.draft_tokens else "logits"
+        transforms = self.logit_transforms()  # the last one writes the logits themselves
+        y = "head_logits" if transforms else logits
+        self.lm_head(h, y)
+        for i, transform in enumerate(transforms):
+            y = transform(y, [logits] if i == len(transforms) - 1 else None)
+        if self.build.draft_tokens:
+            self.accept("all_logits")
 
     def logit_transforms(self) -> list[Callable[[str, list[str] | None], str]]:
         """What the lm_head's output goes through, in order: Granite's division by logits_scaling (as a product),
@@ -296,19 +310,18 @@ class _NetworkWriter:
         g.scope = ""
         selected = g.op("Gather", [x, logits_indices], axis=0, name="select_logit_tokens")
         h = self.rms_norm(selected, "transformer.ln_f.weight")
-        logits = "all_logits" if self.build.draft_tokens else "logits"
-        transforms = self.logit_transforms()  # the last one writes the logits themselves
-        y = "head_logits" if transforms else logits
-        self.lm_head(h, y)
-        for i, transform in enumerate(transforms):
-            y = transform(y, [logits] if i == len(transforms) - 1 else None)
-        if self.build.draft_tokens:
-            self.accept("all_logits")
+        if self.build.task == "embed":  # NOTE: the rows are the pooled hidden states themselves: no LM head
+            g.op("Identity", [h], name="hidden_states", outputs=[HIDDEN_STATES_OUTPUT])
+        else:
+            self.head(h)
         # [K0; V0; K1; ...] stacked on the token axis is [L * 2 * T, KVH, D]: one copy, then a free reshape
         stacked = g.op("Concat", new_kv, axis=0, name="new_kv_stacked")
         g.op("Reshape", [stacked, g.const(np.array([c.num_hidden_layers, 2, -1, c.num_key_value_heads, c.head_size]),
                                           "new_kv_shape")], name="new_kv", outputs=["new_kv"])
-        g.output("logits", f32, ["num_logits_out" if self.build.draft_tokens else "num_logits", c.vocab_size])
+        if self.build.task == "embed":
+            g.output(HIDDEN_STATES_OUTPUT, f32, ["num_logits", c.hidden_size])
+        else:
+            g.output("logits", f32, ["num_logits_out" if self.build.draft_tokens else "num_logits", c.vocab_size])
         g.output("new_kv", f32, [c.num_hidden_layers, 2, "num_tokens", c.num_key_value_heads, c.head_size])
         if self.build.draft_tokens:
             for name in sa.OUTPUTS:

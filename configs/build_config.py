@@ -29,6 +29,9 @@ QUANT_LINEARS_MODES = ("auto", "native", "ort")
 # how the CPU target computes unquantized linears (builder/dense_linears.py): native (trtbuild::DenseMatMul over the
 # weights in the narrowest float type exact for them, cpu_ops/) or ort (MatMul on float32 weights); auto: as above
 FLOAT_LINEARS_MODES = ("auto", "native", "ort")
+# what an engine computes for the rows it is asked for: generate (logits over the vocabulary) or embed (the final
+# hidden state, after the last norm: an embedding model's last-token pooling, as vLLM's --task embed)
+TASKS = ("generate", "embed")
 # the engine input of an engine built with LoRA adapters: each packed token's adapter (0: none; builder/lora.py)
 LORA_IDS_INPUT = "lora_ids"
 
@@ -73,6 +76,7 @@ class BuildConfig:
     # LoRA adapters built in beside the base weights, ((name, PEFT folder or llama.cpp adapter .gguf), ...): a request
     # names the one it runs under (builder/lora.py); the engine's `lora_ids` input says which, per token
     lora_adapters: tuple[tuple[str, str], ...] = ()
+    task: str = "generate"  # TASKS
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -106,6 +110,12 @@ class BuildConfig:
         names = [a[0] for a in self.lora_adapters]
         if any(len(a) != 2 for a in self.lora_adapters) or len(set(names)) != len(names):
             raise ConfigError("lora_adapters", f"must be distinct (name, path) pairs, got {list(self.lora_adapters)}.")
+        if self.task not in TASKS:
+            raise ConfigError("task", f"must be one of {', '.join(TASKS)}, got {self.task!r}.")
+        if self.task == "embed" and (self.target != "cpu" or self.draft_tokens):
+            raise ConfigError("task", "embed builds for the cpu target without draft tokens (an embedding request "
+                                      f"samples nothing), got target {self.target} and speculative decoding mode "
+                                      f"{self.speculative_decoding_mode}.")
         if self.draft_tokens != (self.max_draft_len > 0) or self.max_draft_len < 0:
             raise ConfigError("max_draft_len", "must be at least 1 with speculative_decoding_mode draft-tokens and 0 "
                                                f"without, got {self.max_draft_len}.")

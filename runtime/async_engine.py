@@ -99,12 +99,12 @@ class AsyncEngine:
 
     # ---- caller side -------------------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-               lora: str | None = None) -> RequestStream:
-        """Validate and enqueue (under LoRA adapter `lora`, if named); raises ValueError (bad field), QueueFullError
-        or EngineDeadError."""
+               lora: str | None = None, embed: bool = False) -> RequestStream:
+        """Validate and enqueue (under LoRA adapter `lora`, if named; `embed`: for the prompt's embedding, on an
+        embed engine); raises ValueError (bad field), QueueFullError or EngineDeadError."""
         if self._error is not None:
             raise EngineDeadError(f"the engine loop stopped: {self._error}")
-        request = self.core.make_request(prompt, params, request_id, lora)
+        request = self.core.make_request(prompt, params, request_id, lora, embed)
         with self._lock:
             if self._stopped:
                 raise EngineDeadError("the engine loop has stopped (shut down)")

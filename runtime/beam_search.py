@@ -48,7 +48,7 @@ class BeamStep:
     done: bool  # the search is over: every live beam ends
 
 
-@dataclass
+@dataclass(eq=False)  # NOTE: hashed by identity: the engine core keeps each group once, by its beams' ids
 class BeamGroup:
     """The beam search of one client request (`root`); beams are keyed by request id."""
 

@@ -8,21 +8,22 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from trtbuild.builder.engine_dir import engine_target, read_engine_config
 from trtbuild.configs import batch_blocks_needed, lora_index
-from trtbuild.runtime.beam_search import Beam, BeamGroup
+from trtbuild.runtime.beam_search import BeamGroup
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.detokenizer import IncrementalDetokenizer
 from trtbuild.runtime.engine import CpuEngine, DraftAccept, SequenceChunk, StepOutput
 from trtbuild.runtime.engine_accept import advance, draft_accept, engine_can_verify
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
 from trtbuild.runtime.memory import gpu_memory_for_kv, kv_cache_blocks
-from trtbuild.runtime.request import FinishReason, Request, RequestMetrics
+from trtbuild.runtime.outputs import RequestOutput, StepStats
+from trtbuild.runtime.request import FinishReason, Request
 from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs, rows_logprobs
 from trtbuild.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from trtbuild.runtime.speculative import make_proposer, verify
@@ -32,43 +33,12 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class RequestOutput:
-    """What one step produced for one request (a streaming delta); the last one has finished=True."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    metrics: RequestMetrics | None = None
-    # SamplingParams.prompt_logprobs: one per prompt token (None for the first, which nothing scores), in the
-    # request's first output with tokens only
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    beams: list[Beam] | None = None  # SamplingParams.beam_width > 1: the answers, best first (the first is the output)
-
-
-@dataclass(frozen=True)
-class StepStats:
-    num_running: int
-    num_waiting: int
-    num_scheduled_tokens: int
-    num_preempted: int
-    kv_cache_usage: float
-    seconds: float
-    num_draft_tokens: int = 0  # speculative drafts among the scheduled tokens
-    num_accepted_draft_tokens: int = 0
-    engine_seconds: float = 0.0  # of `seconds`, inside the engine call (ONNX Runtime); the rest is host work
-
-
-@dataclass
 class _Tracked:
     request: Request
     sampling: SamplingState
     detokenizer: IncrementalDetokenizer | None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # filled as prompt chunks run; None once sent
+    embedding: np.ndarray | None = None  # an embed engine's answer, once its prompt's last row came
 
 
 class EngineCore:
@@ -108,6 +78,7 @@ class EngineCore:
         self.tokenizer = Tokenizer(engine_dir) if (engine_dir / "tokenizer.json").is_file() else None
         self.eos_token_ids = tuple(dict.fromkeys(model.eos_token_ids + load_generation_eos(engine_dir)))
         self.vocab_size = model.vocab_size
+        self.embeds = build.task == "embed"  # every request's answer is its prompt's embedding (BuildConfig.task)
         self.sampler = Sampler()
         self.proposer = None
         if config.speculative:
@@ -136,10 +107,15 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                     lora: str | None = None) -> Request:
+                     lora: str | None = None, embed: bool = False) -> Request:
         """Tokenize and validate a request without touching engine state (safe from any thread). `lora`: the name
-        of one of the engine's LoRA adapters to run it under (None: the base model).
+        of one of the engine's LoRA adapters to run it under (None: the base model); `embed`: the request asks for
+        its prompt's embedding, which only an embed engine gives (and all it gives).
         Raises ValueError with a message naming the offending field."""
+        if embed != self.embeds:
+            raise ValueError("this engine embeds (built with `trtbuild build --task embed`): ask it for embeddings "
+                             "(the OpenAI API's /v1/embeddings, LLM.embed)" if self.embeds else
+                             "this engine generates text: embeddings need an engine built with `--task embed`")
         lora_id = self.lora_id(lora)
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -255,6 +231,11 @@ class EngineCore:
                     self._score_prompt(c, output.logits[first_row[i] : first_row[i] + c.num_prompt_logits])
                 first_row[i] += c.num_prompt_logits  # the rows to sample from
         sampling = [i for i, c in enumerate(chunks) if c.samples]
+        if self.embeds:  # NOTE: an embed engine's rows are final hidden states, a prompt's last is its embedding
+            for i in sampling:
+                row = output.logits[first_row[i]].astype(np.float32)
+                self.tracked[chunks[i].request.request_id].embedding = row / max(float(np.linalg.norm(row)), 1e-12)
+            return [[] for _ in sampling], {}
         tokens: dict[int, list[int]] = {}
         logprobs: dict[str, list] = {}
         for i in sampling:  # a beam's row waits in its group for the others' (_advance_beams)
@@ -303,6 +284,8 @@ class EngineCore:
         outputs = [self._output(self.tracked[request.request_id], new_tokens, logprobs[request.request_id])
                    for request, new_tokens in self.scheduler.update(scheduled, tokens)]
         outputs += self._advance_beams()
+        if self.embeds:
+            outputs += [self._embedded(c.request) for c in scheduled.chunks if c.samples]
         self._release_drafts()
         self.last_stats = StepStats(len(self.scheduler.running), len(self.scheduler.waiting), scheduled.num_tokens,
                                     len(scheduled.preempted), self.kv.pool.usage, time.perf_counter() - start,
@@ -311,11 +294,18 @@ class EngineCore:
                                     engine_seconds=self.engine.run_seconds - run_before)
         return outputs
 
+    def _embedded(self, request: Request) -> RequestOutput:
+        """The answer of a request to an embed engine: its prompt's embedding, once its prompt is computed."""
+        self.scheduler.finish_requests([request], FinishReason.STOP)
+        tracked = self.tracked.pop(request.request_id)
+        return RequestOutput(request.request_id, [], "", True, FinishReason.STOP.value, [], request.num_prompt_tokens,
+                             0, request.metrics, embedding=tracked.embedding)
+
     # ---- beam search (runtime/beam_search.py) --------------------------------------------------------------------
     def _advance_beams(self) -> list[RequestOutput]:
         """A round of every beam search whose live beams all have their rows; the final output of those it ends."""
         outputs = []
-        for group in list({id(g): g for g in self.beam_groups.values()}.values()):
+        for group in list(dict.fromkeys(self.beam_groups.values())):
             if not group.ready:
                 continue
             step = group.select()

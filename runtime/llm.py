@@ -6,6 +6,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from trtbuild.runtime.beam_search import Beam
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput
@@ -27,7 +29,8 @@ class LLM:
         self.core = EngineCore(Path(engine_dir), config)
 
     def stream(self, prompts: Sequence[str | list[int]], params: SamplingParams | Sequence[SamplingParams],
-               lora: str | None | Sequence[str | None] = None) -> Iterator[tuple[int, RequestOutput]]:
+               lora: str | None | Sequence[str | None] = None, embed: bool = False
+               ) -> Iterator[tuple[int, RequestOutput]]:
         """Run every prompt to completion, yielding (prompt index, output delta) as tokens are sampled. `lora`: the
         engine's LoRA adapter to run them under, or one per prompt (None: the base model).
         All requests are validated before any is queued (ValueError names the bad field)."""
@@ -36,7 +39,7 @@ class LLM:
         for name, values in (("params", params_list), ("lora", loras)):
             if len(values) != len(prompts):
                 raise ValueError(f"{name}: got {len(values)} for {len(prompts)} prompts")
-        requests = [self.core.make_request(p, sp, lora=name)
+        requests = [self.core.make_request(p, sp, lora=name, embed=embed)
                     for p, sp, name in zip(prompts, params_list, loras, strict=True)]
         index = {r.request_id: i for i, r in enumerate(requests)}
         for r in requests:
@@ -48,6 +51,15 @@ class LLM:
         finally:  # a consumer that stops early must not leave requests holding KV blocks
             for r in requests:
                 self.core.abort_request(r.request_id)
+
+    def embed(self, prompts: Sequence[str | list[int]], lora: str | None | Sequence[str | None] = None
+              ) -> list[np.ndarray]:
+        """Each prompt's embedding [hidden_size], L2-normalized: its last token's final hidden state (an engine built
+        with `--task embed`)."""
+        out: list[np.ndarray] = [np.empty(0)] * len(prompts)
+        for i, output in self.stream(prompts, SamplingParams(max_tokens=1), lora, embed=True):
+            out[i] = output.embedding
+        return out
 
     def generate(self, prompts: Sequence[str | list[int]], params: SamplingParams | Sequence[SamplingParams],
                  lora: str | None | Sequence[str | None] = None) -> list[Completion]:

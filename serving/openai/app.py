@@ -27,6 +27,7 @@ from trtbuild.serving.openai import harmony
 from trtbuild.serving.openai import protocol as api
 from trtbuild.serving.openai.answer import ChatAnswer
 from trtbuild.serving.openai.completions import EchoedChoice, Prompt, ScoredToken, completion_prompts
+from trtbuild.serving.openai.embeddings import embeddings_router
 from trtbuild.serving.openai.metrics import ServingMetrics
 from trtbuild.serving.openai.reasoning import opens_thinking, teaches_reasoning
 from trtbuild.serving.openai.streams import collect, deltas
@@ -164,7 +165,7 @@ class OpenAIServer:
             text_offset=offsets)
 
     # ---- endpoints --------------------------------------------------------------------------------------------------
-    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise OpenAIError(400, "this engine has no tokenizer: send the prompt as token ids", param="prompt")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -213,7 +214,7 @@ class OpenAIServer:
                                   usage=_usage(len(prompt), sum(len(w.token_ids) for w in wholes)))
 
     async def completion(self, request: Request, r: api.CompletionRequest) -> Any:
-        prompts = completion_prompts(r.prompt, self._encode)
+        prompts = completion_prompts(r.prompt, self.encode)
         echo_only = r.echo and r.max_tokens == 0
         if r.max_tokens == 0 and not r.echo:
             raise OpenAIError(400, "max_tokens 0 generates nothing: ask for at least 1 token, or set echo to get the "
@@ -336,6 +337,7 @@ class OpenAIServer:
             return await self.run(request, self.completion, body)
 
         app.include_router(tokenizer_router(self))
+        app.include_router(embeddings_router(self))
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
