@@ -8,7 +8,7 @@ trtbuild builds the file as it is with `--task embed` (last-token pooling, L2-no
 `--pooling last` and its /v1/embeddings' normalization). Each round starts one server, then the other (alternating
 which first), and times on it: one request of `--inputs` inputs of `--tokens` token ids each (input tokens per
 second), and `--singles` requests of one input in turn (median latency). The first round also checks that both give
-the same vectors: the smallest cosine similarity over the inputs is printed (both quantize activations for the
+the same vectors: the smallest cosine similarity over the batch's inputs is printed (both quantize activations for the
 quantized dot products, so it is near but not exactly 1). Medians over the rounds, and ratios.
 """
 
@@ -69,14 +69,16 @@ def serve(name: str, args: argparse.Namespace, engine: Path) -> tuple[subprocess
 
 
 def measure(base: str, inputs: list[list[int]], args: argparse.Namespace) -> tuple[dict[str, float], np.ndarray]:
+    """NOTE: the warm-up, the batch and the single requests have inputs of their own: none is in a prefix cache."""
     url = base + "/v1/embeddings"
-    post(url, {"input": inputs[:1]})  # warm-up
+    warm_up, batch, singles = inputs[:1], inputs[1 : 1 + args.inputs], inputs[1 + args.inputs :]
+    post(url, {"input": warm_up})
     start = time.perf_counter()
-    data = post(url, {"input": inputs})["data"]
+    data = post(url, {"input": batch})["data"]
     batch_s = time.perf_counter() - start
     vectors = np.array([d["embedding"] for d in sorted(data, key=lambda d: d["index"])], dtype=np.float64)
     latencies = []
-    for x in inputs[: args.singles]:
+    for x in singles:
         start = time.perf_counter()
         post(url, {"input": [x]})
         latencies.append(time.perf_counter() - start)
@@ -109,7 +111,7 @@ def main() -> None:
                      max_num_tokens=2048)
     vocab = ModelConfig.load(work / "ckpt" / "config.json").vocab_size
     rng = np.random.default_rng(0)
-    inputs = rng.integers(100, min(vocab, 32000) - 100, size=(args.inputs, args.tokens)).tolist()
+    inputs = rng.integers(100, min(vocab, 32000) - 100, size=(1 + args.inputs + args.singles, args.tokens)).tolist()
     names = ["trtbuild", "llama.cpp"]
     results: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     vectors: dict[str, np.ndarray] = {}
