@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 from helpers import STORIES260K, make_peft_adapter, make_random_hf_model, require_shared_models
 
+# fixtures shared by several test files, one module per theme (tests/ is on sys.path: pyproject's pythonpath)
+pytest_plugins = ["convert_fixtures", "passes_fixtures", "quantize_fixtures", "quantized_engine_fixtures"]
+
 
 def _import_triton_interpreted() -> None:
     """Import triton, when installed, for its interpreter (kernels/load.py sets TRITON_INTERPRET=1 only meanwhile).

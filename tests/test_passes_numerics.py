@@ -14,8 +14,6 @@ import pytest
 from passes_helpers import BUILD, ENGINE_OPTIONS, LAYERS, VOCAB, check_lowered
 
 from trtbuild import cpu_ops
-from trtbuild.builder.convert.checkpoint import load_checkpoint
-from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
 from trtbuild.builder.lower_cpu import lower_paged_attention
 from trtbuild.builder.network import build_network
@@ -24,32 +22,6 @@ from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 
 ALL = (fuse_qkv, fuse_gate_up, fuse_rope_into_attention, fuse_add_rmsnorm)
 RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def checkpoint(random_hf_model, tmp_path_factory):
-    """family -> (ModelConfig, checkpoint tensors), converted once per module."""
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            out = tmp_path_factory.mktemp(f"passes_{family}") / "ckpt"
-            convert(random_hf_model(family), out)
-            cache[family] = load_checkpoint(out)
-        return cache[family]
-
-    return get
-
-
-@pytest.fixture
-def network(checkpoint):
-    """family -> (config, tensors, a fresh unfused network)."""
-
-    def get(family: str):
-        config, tensors = checkpoint(family)
-        return config, tensors, build_network(config, tensors, BUILD)
-
-    return get
 
 
 # --- numerics ---------------------------------------------------------------------------------------------------

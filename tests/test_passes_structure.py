@@ -10,42 +10,13 @@ import pytest
 from onnx import helper, numpy_helper
 from passes_helpers import BUILD, LAYERS, check_lowered
 
-from trtbuild.builder.convert.checkpoint import load_checkpoint
-from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
 from trtbuild.builder.lower_cpu import lower_paged_attention
-from trtbuild.builder.network import build_network
 from trtbuild.builder.passes import PASSES, fuse_add_rmsnorm, fuse_gate_up, fuse_qkv, fuse_rope_into_attention
 from trtbuild.plugins import paged_attention as pa
 
 FAMILIES = ["llama", "llama3_rope", "qwen2", "qwen3", "mistral"]
 PA_ATTRIBUTES = {"layer_idx", "num_heads", "num_kv_heads", "head_size", "tokens_per_block", "scale", "rotary"}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(random_hf_model, tmp_path_factory):
-    """family -> (ModelConfig, checkpoint tensors), converted once per module."""
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            out = tmp_path_factory.mktemp(f"passes_{family}") / "ckpt"
-            convert(random_hf_model(family), out)
-            cache[family] = load_checkpoint(out)
-        return cache[family]
-
-    return get
-
-
-@pytest.fixture
-def network(checkpoint):
-    """family -> (config, tensors, a fresh unfused network)."""
-
-    def get(family: str):
-        config, tensors = checkpoint(family)
-        return config, tensors, build_network(config, tensors, BUILD)
-
-    return get
 
 
 def ops(model: onnx.ModelProto) -> collections.Counter:

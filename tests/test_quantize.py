@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import STORIES260K, make_random_hf_model, require_shared_models
+from helpers import STORIES260K
 from quant_helpers import compare_logits
 from safetensors.torch import load_file
 
@@ -31,51 +29,13 @@ from trtbuild.quantization import (
     unpack_int4_torch,
 )
 from trtbuild.quantize.formats import dequantize_weight
-from trtbuild.quantize.options import QuantizeOptions
-from trtbuild.quantize.quantize import quantize
 from trtbuild.quantize.reference import dequantize_checkpoint, reference_model, write_dequantized_checkpoint
 
-CALIB = dict(calib_size=8, calib_max_seq_len=64)
 TINY = dict(hidden=64, inter=96, q=64, kv=32, layers=2, vocab=512)
 LINEARS = {"attention.q": ("q", "hidden", "col"), "attention.k": ("kv", "hidden", "col"),
            "attention.v": ("kv", "hidden", "col"), "attention.dense": ("hidden", "q", "row"),
            "mlp.gate": ("inter", "hidden", "col"), "mlp.fc": ("inter", "hidden", "col"),
            "mlp.proj": ("hidden", "inter", "row")}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    """A random 2-layer llama (hidden 64, GQA) with stories260K's tokenizer (vocab 512)."""
-    require_shared_models()
-    hf = make_random_hf_model("llama", tmp_path_factory.mktemp("tiny") / "hf", overrides={"vocab_size": 512})
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(STORIES260K / name, hf / name)
-    return hf
-
-
-@pytest.fixture(scope="module")
-def runs(tiny, tmp_path_factory):
-    """factory(qformat, kv, model=tiny, **options) -> (QuantizeResult, checkpoint dir), cached."""
-    cache: dict = {}
-
-    def get(qformat: str, kv: str | None = None, model: Path | None = None, **options):
-        model = model or tiny
-        if qformat == "int4_awq":
-            options.setdefault("awq_block_size", 32)
-        key = (qformat, kv, str(model), json.dumps(options, sort_keys=True, default=str))
-        if key not in cache:
-            out = tmp_path_factory.mktemp("q") / "ckpt"
-            cache[key] = (quantize(QuantizeOptions(model, out, qformat, kv_cache_qformat=kv, **CALIB, **options)), out)
-        return cache[key]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def unquantized(tiny, tmp_path_factory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("conv") / "ckpt"
-    convert(tiny, out)
-    return load_checkpoint(out)[1]
 
 
 def spec(qformat: str, prefix: str, group: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

@@ -62,22 +62,6 @@ STEPS = [  # prefill + first chunk; decode + continuing chunk + fresh prompt; de
 
 
 @pytest.fixture(scope="module")
-def base(random_hf_model, tmp_path_factory):
-    """family -> (full-precision checkpoint dir, calibration amax), once per module."""
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            hf = random_hf_model(family)
-            out = tmp_path_factory.mktemp(f"q_{family}") / "ckpt"
-            convert(hf, out)
-            cache[family] = out, calibrate(hf, ids(48, 7) + A + B + C)
-        return cache[family]
-
-    return get
-
-
-@pytest.fixture(scope="module")
 def case(base, tmp_path_factory):
     """case id -> (config, tensors, engine dir, full-precision tensors)."""
     cache = {}

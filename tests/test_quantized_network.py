@@ -8,32 +8,15 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, numpy_helper
-from quant_helpers import calibrate, quantize_checkpoint
-from quantized_engine_helpers import LAYERS, OPTIONS, A, B, C, _ops, ids, rel_err
+from quant_helpers import quantize_checkpoint
+from quantized_engine_helpers import LAYERS, OPTIONS, _ops, rel_err
 
 from trtbuild.builder.build import build_engine
 from trtbuild.builder.convert.checkpoint import load_checkpoint
-from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.network import build_network
 from trtbuild.configs import BuildConfig
 from trtbuild.configs.model_config import QuantConfig
 from trtbuild.errors import TrtbuildError
-
-
-@pytest.fixture(scope="module")
-def base(random_hf_model, tmp_path_factory):
-    """family -> (full-precision checkpoint dir, calibration amax), once per module."""
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            hf = random_hf_model(family)
-            out = tmp_path_factory.mktemp(f"q_{family}") / "ckpt"
-            convert(hf, out)
-            cache[family] = out, calibrate(hf, ids(48, 7) + A + B + C)
-        return cache[family]
-
-    return get
 
 
 @pytest.mark.parametrize("algo", ["fp8", "int4_awq", "int8_sq"])
