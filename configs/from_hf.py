@@ -300,6 +300,8 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     hf = text_model_config(hf)
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
+    if isinstance(arch, str) and arch.endswith("Model") and arch[:-5] + "ForCausalLM" in SUPPORTED_ARCHITECTURES:
+        arch = arch[:-5] + "ForCausalLM"  # its base model without the head, as embedding models are saved
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
             f"unsupported architecture {arch!r}; trtbuild converts {', '.join(SUPPORTED_ARCHITECTURES)} and the "

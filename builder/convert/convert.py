@@ -75,6 +75,10 @@ def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dic
     base = dataclasses.replace(config, quantization=QuantConfig(), mapping=Mapping())  # the unsharded source
     needed = expected_tensors(base, range(config.num_hidden_layers), first_stage=True, last_stage=True)
     missing = [n for n in needed if n not in plan]
+    if missing == [lm_head]:
+        raise CheckpointError("the model has no LM head (lm_head.weight) and does not tie it to its embeddings "
+                              "(tie_word_embeddings false): a base model without its head is converted only when "
+                              "tied; not supported yet otherwise.")
     if missing:
         raise CheckpointError(
             f"the model lacks {len(missing)} tensors the {config.architecture} layout needs (first: {missing[0]}); "

@@ -45,6 +45,8 @@ def open_hf(model_dir: Path) -> tuple[dict[str, Any], dict[str, SourceTensor]]:
             raise CheckpointError(f"{f} is corrupt or truncated ({e}); download it again.") from None
         for name in st:
             sources[name] = SourceTensor(st.shape(name), lambda st=st, name=name: _read(st, name))
+    if "embed_tokens.weight" in sources:  # NOTE: a base model (Qwen3Model, ...), as embedding models are saved
+        sources = {n if n.startswith("lm_head.") else "model." + n: s for n, s in sources.items()}
     return hf_config, sources
 
 
