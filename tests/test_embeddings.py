@@ -120,3 +120,31 @@ def test_openai_embeddings_endpoint(qwen3, embed_engine, llama_engine):
         assert code == 400 and "embeddings need an engine built with" in doc["error"]["message"]
     finally:
         generating.stop()
+
+
+def test_grpc_embed_rpc(qwen3, embed_engine, tmp_path):
+    import grpc
+    from test_server import Server as GrpcServer
+
+    want = hf_embeddings(qwen3, PROMPTS[:1])[0]
+    server = GrpcServer(embed_engine, tmp_path / "log")
+    try:
+        client = server.client()
+        assert client.model_info().task == "embed"
+        out = client.embed(PROMPTS[0], timeout=60)
+        assert np.abs(np.array(out.embedding) - want).max() < 1e-5 and out.usage.prompt_tokens == len(PROMPTS[0])
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate(PROMPTS[0], timeout=60, max_tokens=2)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "this engine embeds" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            client.stub.Embed(client_request(PROMPTS[0]), timeout=60)
+        assert "sampling: an embedding request samples nothing" in e.value.details()
+    finally:
+        server.stop()
+
+
+def client_request(prompt):
+    from trtbuild.serving.grpc.client import make_request
+
+    return make_request(prompt, max_tokens=3)  # with sampling options set
+

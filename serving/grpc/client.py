@@ -81,6 +81,13 @@ class GenerationClient:
         return self.stub.Generate(make_request(prompt, request_id, lora, **sampling), timeout=timeout,
                                   metadata=self.metadata)
 
+    def embed(self, prompt: str | Sequence[int], *, request_id: str = "", timeout: float | None = None,
+              lora: str | None = None) -> pb.EmbedResponse:
+        """The prompt's embedding (an engine built with `--task embed`)."""
+        request = make_request(prompt, request_id, lora)
+        request.ClearField("sampling")
+        return self.stub.Embed(request, timeout=timeout, metadata=self.metadata)
+
     def cancel(self, request_id: str) -> bool:
         """Abort an unfinished request; False when no unfinished request has this id."""
         return self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=self.timeout,

@@ -123,12 +123,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         message = f"{error}; retry later" if kind is ErrorKind.QUEUE_FULL else str(error)
         context.abort(_STATUS[kind], message)
 
-    def _outputs(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[RequestOutput]:
-        """Submit the request and yield its outputs; the request is aborted if the RPC ends first."""
+    def _outputs(self, request: pb.GenerateRequest, context: grpc.ServicerContext, embed: bool = False
+                 ) -> Iterator[RequestOutput]:
+        """Submit the request (`embed`: for its prompt's embedding) and yield its outputs; the request is aborted if
+        the RPC ends first."""
         engine = self._engine(context)
         try:
-            stream = engine.submit(request_prompt(request), sampling_params(request.sampling),
-                                   request.request_id or None, request.lora if request.HasField("lora") else None)
+            if embed and request.HasField("sampling"):
+                raise ValueError("sampling: an embedding request samples nothing; leave it unset")
+            params = SamplingParams(max_tokens=1) if embed else sampling_params(request.sampling)
+            stream = engine.submit(request_prompt(request), params, request.request_id or None,
+                                   request.lora if request.HasField("lora") else None, embed)
         except (ValueError, QueueFullError, EngineDeadError) as e:
             self._abort(context, e)
         with self._lock:
@@ -158,6 +163,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                       whole.logprobs, last.num_prompt_tokens, last.num_output_tokens, last.metrics,
                                       whole.prompt_logprobs, whole.beams))
 
+    def Embed(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> pb.EmbedResponse:
+        *_, last = self._outputs(request, context, embed=True)
+        if last.embedding is None:
+            context.abort(grpc.StatusCode.CANCELLED, f"request {last.request_id} ended before its prompt was embedded")
+        return pb.EmbedResponse(request_id=last.request_id, embedding=last.embedding.tolist(), usage=_usage(last))
+
     def Cancel(self, request: pb.CancelRequest, context: grpc.ServicerContext) -> pb.CancelResponse:
         if not request.request_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty; give the id of the request")
@@ -180,7 +191,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             kv_cache_tokens=core.kv.pool.num_blocks * core.kv.block_size, policy=sched.policy,
             prefix_caching=core.kv.pool.enable_caching, max_queue_size=self.max_queue_size,
             has_tokenizer=core.tokenizer is not None, eos_token_ids=core.eos_token_ids,
-            trtbuild_version=__version__, lora_names=core.lora_names)
+            trtbuild_version=__version__, lora_names=core.lora_names, task=info.build.task)
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.Stats:
         engine = self._engine(context)

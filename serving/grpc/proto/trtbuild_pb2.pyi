@@ -156,6 +156,16 @@ class GenerateResponse(_message.Message):
     beams: _containers.RepeatedCompositeFieldContainer[Beam]
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., beams: _Optional[_Iterable[_Union[Beam, _Mapping]]] = ...) -> None: ...
 
+class EmbedResponse(_message.Message):
+    __slots__ = ("request_id", "embedding", "usage")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    usage: Usage
+    def __init__(self, request_id: _Optional[str] = ..., embedding: _Optional[_Iterable[float]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
 class CancelRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -173,7 +183,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("architecture", "dtype", "vocab_size", "num_layers", "max_seq_len", "max_batch_size", "max_num_tokens", "tokens_per_block", "kv_cache_blocks", "kv_cache_tokens", "policy", "prefix_caching", "max_queue_size", "has_tokenizer", "eos_token_ids", "trtbuild_version", "lora_names")
+    __slots__ = ("architecture", "dtype", "vocab_size", "num_layers", "max_seq_len", "max_batch_size", "max_num_tokens", "tokens_per_block", "kv_cache_blocks", "kv_cache_tokens", "policy", "prefix_caching", "max_queue_size", "has_tokenizer", "eos_token_ids", "trtbuild_version", "lora_names", "task")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +201,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TRTBUILD_VERSION_FIELD_NUMBER: _ClassVar[int]
     LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     dtype: str
     vocab_size: int
@@ -208,7 +219,8 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     trtbuild_version: str
     lora_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_num_tokens: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., max_queue_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., trtbuild_version: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    task: str
+    def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_num_tokens: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., max_queue_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., trtbuild_version: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ..., task: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

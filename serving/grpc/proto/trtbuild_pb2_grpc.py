@@ -44,6 +44,11 @@ class GenerationStub:
                 request_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/trtbuild.v1.Generation/Embed',
+                request_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/trtbuild.v1.Generation/Cancel',
                 request_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.CancelRequest.SerializeToString,
@@ -73,6 +78,13 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """The whole generation in one response (token_ids, text and logprobs of every step, concatenated).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """The prompt's embedding, on an engine built with `--task embed` (ModelInfo.task); `sampling` must be unset.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -109,6 +121,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateRequest.FromString,
                     response_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateRequest.FromString,
+                    response_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.EmbedResponse.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -180,6 +197,33 @@ class Generation:
             '/trtbuild.v1.Generation/Generate',
             trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateRequest.SerializeToString,
             trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trtbuild.v1.Generation/Embed',
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GenerateRequest.SerializeToString,
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
