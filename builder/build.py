@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
     """Refuse, before any work, what the chosen target cannot build."""
+    if not config.has_lm_head and build.task != "embed":
+        raise TrtbuildError("the checkpoint has no LM head (converted from a base model saved without one, as "
+                            "embedding models are): build it with --task embed.")
     if config.is_moe and build.target != "cpu":
         raise TrtbuildError(f"{config.architecture} is a mixture of experts, which the {build.target} target has no "
                             "kernel for yet; build it with --target cpu.")

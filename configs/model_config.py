@@ -182,6 +182,8 @@ class ModelConfig:
     rotary_dim: int | None = None  # dimensions of each head RoPE rotates (partial rotary, Phi-4-mini); None: all
     no_rope_layers: tuple[int, ...] = ()  # layers whose attention applies no RoPE (SmolLM3: every fourth)
     tie_word_embeddings: bool = False
+    # False: a base model saved without its LM head and not tied (an embedding model): its engines embed only
+    has_lm_head: bool = True
     qkv_bias: bool = False
     dense_bias: bool = False  # the attention's output projection has a bias (gpt-oss, Llama with attention_bias)
     qk_norm: bool = False

@@ -51,24 +51,32 @@ def test_embeddings_are_hugging_faces_last_token_states_batched_chunked_and_cach
     assert llm.core.kv.pool.num_free == llm.core.kv.pool.num_blocks
 
 
-def test_a_base_model_saved_without_its_head_converts_when_tied(tmp_path, engine_from_hf):
-    """Embedding models are often saved as their base model (Qwen3Model: no `model.` prefix, no lm_head)."""
+def test_a_base_model_saved_without_its_head_builds_an_embed_engine(tmp_path, engine_from_hf):
+    """Embedding models are often saved as their base model (Qwen3Model: no `model.` prefix, no lm_head): tied, the
+    checkpoint has the head anyway; untied, it has none (has_lm_head false) and builds only with --task embed."""
+    import json
+
     from transformers import AutoModel
 
+    from trtbuild.builder.build import build_engine
     from trtbuild.builder.convert.convert import convert
-    from trtbuild.errors import CheckpointError
+    from trtbuild.errors import TrtbuildError
 
     for tied in (True, False):
         full = make_random_hf_model("qwen3", tmp_path / f"full_{tied}", overrides={"tie_word_embeddings": tied})
-        AutoModel.from_pretrained(full).save_pretrained(tmp_path / f"base_{tied}")
+        base = tmp_path / f"base_{tied}"
+        AutoModel.from_pretrained(full).save_pretrained(base)
         for f in full.glob("tokenizer*"):
-            (tmp_path / f"base_{tied}" / f.name).write_bytes(f.read_bytes())
-    engine = engine_from_hf(tmp_path / "base_True", task="embed")
-    (got,) = LLM(engine, RuntimeConfig(warm_up=False)).embed(PROMPTS[:1])
-    (want,) = hf_embeddings(tmp_path / "base_True", PROMPTS[:1])
-    assert np.abs(got - want).max() < 1e-5
-    with pytest.raises(CheckpointError, match="has no LM head .* not supported yet otherwise"):
-        convert(tmp_path / "base_False", tmp_path / "ckpt")
+            (base / f.name).write_bytes(f.read_bytes())
+        engine = engine_from_hf(base, task="embed")
+        (got,) = LLM(engine, RuntimeConfig(warm_up=False)).embed(PROMPTS[:1])
+        (want,) = hf_embeddings(base, PROMPTS[:1])
+        assert np.abs(got - want).max() < 1e-5
+    convert(tmp_path / "base_False", tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["has_lm_head"] is False
+    with pytest.raises(TrtbuildError, match="the checkpoint has no LM head .* build it with --task embed"):
+        build_engine(tmp_path / "ckpt", tmp_path / "engine")
+    assert not (tmp_path / "engine").exists()
 
 
 def test_an_embed_engine_embeds_and_a_generating_engine_generates(embed_engine, llama_engine):

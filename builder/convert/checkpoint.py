@@ -52,7 +52,7 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
         else:
             names += [p + f"mlp.{x}.weight" for x in ("gate", "fc", "proj")]
     if last_stage:
-        names += ["transformer.ln_f.weight", "lm_head.weight"]
+        names += ["transformer.ln_f.weight"] + (["lm_head.weight"] if config.has_lm_head else [])
     q = config.quantization
     for prefix in model_linear_prefixes(config, layers, last_stage):
         names += q.scale_names(prefix)

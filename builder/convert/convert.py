@@ -75,10 +75,6 @@ def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dic
     base = dataclasses.replace(config, quantization=QuantConfig(), mapping=Mapping())  # the unsharded source
     needed = expected_tensors(base, range(config.num_hidden_layers), first_stage=True, last_stage=True)
     missing = [n for n in needed if n not in plan]
-    if missing == [lm_head]:
-        raise CheckpointError("the model has no LM head (lm_head.weight) and does not tie it to its embeddings "
-                              "(tie_word_embeddings false): a base model without its head is converted only when "
-                              "tied; not supported yet otherwise.")
     if missing:
         raise CheckpointError(
             f"the model lacks {len(missing)} tensors the {config.architecture} layout needs (first: {missing[0]}); "
@@ -208,6 +204,8 @@ def convert(model: Path, output: Path, dtype: str = "auto", tp_size: int = 1, pp
     prepare_output_dir(output)  # fail before the slow part, never overwrite anything
     try:
         config = model_config_from_hf(hf_config, dtype).with_mapping(Mapping(tp_size=tp_size, pp_size=pp_size))
+        if "lm_head.weight" not in source and not config.tie_word_embeddings:
+            config = dataclasses.replace(config, has_lm_head=False)  # NOTE: a base model (hf_reader.open_hf)
         check_mapping(config, config.mapping)
         plan = checkpoint_plan(source if is_gguf else norm_multipliers(source, config), config)
         if weight_only is not None and weight_only.bits == 4 and weight_only.group_size is None:

@@ -157,7 +157,8 @@ def linear_prefixes(layers: Iterable[int], last_stage: bool, moe: bool = False, 
 
 def model_linear_prefixes(config: ModelConfig, layers: Iterable[int], last_stage: bool) -> list[str]:
     """`linear_prefixes` of `config`'s model."""
-    return linear_prefixes(layers, last_stage, config.is_moe, config.shared_expert_intermediate_size > 0)
+    return linear_prefixes(layers, last_stage and config.has_lm_head, config.is_moe,
+                           config.shared_expert_intermediate_size > 0)
 
 
 def is_linear(prefix: str) -> bool:
