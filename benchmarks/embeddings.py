@@ -27,6 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).parent))
+from peers import wait_healthy  # noqa: E402
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -38,19 +41,6 @@ def post(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=3600) as r:
         return json.loads(r.read())
-
-
-def wait_healthy(base: str, proc: subprocess.Popen) -> None:
-    for _ in range(1200):
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}: {proc.args}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit(f"the server never became healthy: {proc.args}")
 
 
 def serve(name: str, args: argparse.Namespace, engine: Path) -> tuple[subprocess.Popen, str]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from peers import batched_context, run_timed, step_tokens  # noqa: E402
+from peers import batched_context, run_timed, step_tokens, wait_healthy  # noqa: E402
 
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -148,13 +148,7 @@ def llama_parallel(gguf: Path, adapter: Path | None, args: argparse.Namespace) -
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+        wait_healthy(base, server)
         vocab = args.vocab
 
         def one(s: int) -> None:

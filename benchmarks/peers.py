@@ -38,6 +38,22 @@ class CommandFailed(RuntimeError):
     pass
 
 
+def wait_healthy(base: str, proc: subprocess.Popen) -> None:
+    """Wait until the HTTP server at `base` (llama-server, `trtbuild serve --http-port`) answers /health with 200."""
+    import urllib.request
+
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}: {proc.args}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit(f"the server never became healthy: {proc.args}")
+
+
 def run_timed(cmd: list[str], cwd: Path | None = None) -> tuple[str, int]:
     """(stdout, peak RSS in bytes) of a command run under /usr/bin/time; CommandFailed with its output if it fails."""
     out = subprocess.run(["/usr/bin/time", "-f", "PEAK_RSS_KB %M", *cmd], capture_output=True, text=True, cwd=cwd)

@@ -21,10 +21,11 @@ from trtbuild.runtime.detokenizer import IncrementalDetokenizer
 from trtbuild.runtime.engine import CpuEngine, DraftAccept, SequenceChunk, StepOutput
 from trtbuild.runtime.engine_accept import advance, draft_accept, engine_can_verify
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
+from trtbuild.runtime.logprobs import TokenLogprobs, rows_logprobs
 from trtbuild.runtime.memory import gpu_memory_for_kv, kv_cache_blocks
 from trtbuild.runtime.outputs import RequestOutput, StepStats
 from trtbuild.runtime.request import FinishReason, Request
-from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs, rows_logprobs
+from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState
 from trtbuild.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from trtbuild.runtime.speculative import make_proposer, verify
 from trtbuild.runtime.tokenizer import Tokenizer, load_generation_eos

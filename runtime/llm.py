@@ -11,7 +11,8 @@ import numpy as np
 from trtbuild.runtime.beam_search import Beam
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput
-from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
+from trtbuild.runtime.logprobs import TokenLogprobs
+from trtbuild.runtime.sampling import SamplingParams
 
 
 @dataclass

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from trtbuild.runtime.beam_search import Beam
+from trtbuild.runtime.logprobs import TokenLogprobs
 from trtbuild.runtime.request import RequestMetrics
-from trtbuild.runtime.sampling import TokenLogprobs
 
 
 @dataclass

@@ -26,14 +26,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from trtbuild.errors import ConfigError
-from trtbuild.runtime.sampling import (
-    SamplingState,
-    TokenLogprobs,
-    draw,
-    process_logits,
-    sampling_distribution,
-    token_logprobs,
-)
+from trtbuild.runtime.logprobs import TokenLogprobs, token_logprobs
+from trtbuild.runtime.sampling import SamplingState, draw, process_logits, sampling_distribution
 
 if TYPE_CHECKING:
     from trtbuild.builder.engine_dir import EngineInfo

@@ -20,7 +20,8 @@ from trtbuild.errors import ConfigError
 from trtbuild.runtime.async_engine import EngineDeadError, QueueFullError, RequestStream
 from trtbuild.runtime.beam_search import Beam
 from trtbuild.runtime.engine_core import RequestOutput
-from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
+from trtbuild.runtime.logprobs import TokenLogprobs
+from trtbuild.runtime.sampling import SamplingParams
 
 DRAIN_S = 5.0  # how long a cancelled request is followed to its end (its abort output), after which we stop waiting
 

@@ -26,7 +26,8 @@ from trtbuild.errors import TrtbuildError
 from trtbuild.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput
-from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
+from trtbuild.runtime.logprobs import TokenLogprobs
+from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.serving import requests
 from trtbuild.serving.grpc.proto import trtbuild_pb2 as pb
 from trtbuild.serving.grpc.proto import trtbuild_pb2_grpc as pb_grpc

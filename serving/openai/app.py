@@ -22,7 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from trtbuild.errors import ConfigError
 from trtbuild.runtime.async_engine import AsyncEngine, RequestStream
-from trtbuild.runtime.sampling import SamplingParams, TokenLogprobs
+from trtbuild.runtime.logprobs import TokenLogprobs
+from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.serving.openai import harmony
 from trtbuild.serving.openai import protocol as api
 from trtbuild.serving.openai.answer import ChatAnswer

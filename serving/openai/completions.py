@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from trtbuild.runtime.engine_core import RequestOutput
-from trtbuild.runtime.sampling import TokenLogprobs
+from trtbuild.runtime.logprobs import TokenLogprobs
 from trtbuild.serving.requests import Accumulated
 
 # (token id, its logprobs or None: the prompt's first token, or logprobs not asked for)
