@@ -47,7 +47,7 @@ from trtbuild.builder.mlp_activation import gated_activation
 from trtbuild.builder.moe_experts import Experts
 from trtbuild.builder.passes.lora import LORA_ADD
 from trtbuild.builder.quantized import QuantizedLinears, kv_cache_scales
-from trtbuild.builder.rope import PartialRotaryRows, rope_tables
+from trtbuild.builder.rope import EngineRotaryRows, reorders_rotary_rows, rope_tables
 from trtbuild.builder.weight_file import StagingWeights
 from trtbuild.builder.weight_only_linear import emit_nbits_gather
 from trtbuild.configs import (
@@ -340,12 +340,12 @@ def build_network(config: ModelConfig, tensors: Mapping[str, torch.Tensor], buil
                   staging: StagingWeights | None = None, lora: LoraTables | None = None) -> onnx.ModelProto:
     """The unfused network for one single-rank checkpoint. `tensors` may read each tensor lazily; with `staging`,
     the weights go to that file one at a time as the network is written (otherwise they stay in the model). A
-    partial-rotary model's q / k rows are reordered for the whole-head RoPE (builder/rope.py). `lora`: the build's
-    adapters, if already read (otherwise they are read from build.lora_adapters)."""
+    partial or interleaved rotary model's q / k rows are reordered for the whole-head RoPE (builder/rope.py).
+    `lora`: the build's adapters, if already read (otherwise they are read from build.lora_adapters)."""
     if lora is None:
         lora = read_adapters(build.lora_adapters, config)
     if lora is not None:
         tensors = WithLora(tensors, lora)
-    if config.rotary_dim is not None:
-        tensors = PartialRotaryRows(tensors, config)
+    if reorders_rotary_rows(config):
+        tensors = EngineRotaryRows(tensors, config)
     return _NetworkWriter(config, tensors, build, staging, lora).write()

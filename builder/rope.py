@@ -1,11 +1,12 @@
 """RoPE cos/sin tables, computed exactly as Hugging Face computes them (fp32), for positions 0..max_positions-1, and
-the q/k row order that lets partial rotary embeddings run on the engine's whole-head RoPE.
+the q/k row order that lets partial and interleaved rotary embeddings run on the engine's whole-head RoPE.
 
 The engine rotates the pairs (i, i + head_size / 2) of every head (NeoX / HF rotate_half layout). A model that
-rotates only its first `rotary_dim` dimensions pairs (i, i + rotary_dim / 2) and passes the rest through. q . k is the
-same under any one reordering of both q's and k's dimensions, so the builder reorders each q and k head's rows
-(`rotary_row_order`) to put the rotated pairs where the engine rotates and the others on pairs whose cos is 1 and sin
-0; v and the attention's output keep their order.
+rotates only its first `rotary_dim` dimensions pairs (i, i + rotary_dim / 2) and passes the rest through; an
+interleaved one (GPT-J style: GLM-4, ERNIE 4.5) pairs (2i, 2i + 1). q . k is the same under any one reordering of
+both q's and k's dimensions, so the builder reorders each q and k head's rows (`rotary_row_order`) to put the rotated
+pairs where the engine rotates and the others on pairs whose cos is 1 and sin 0; v and the attention's output keep
+their order.
 """
 
 from __future__ import annotations
@@ -141,19 +142,27 @@ def rope_tables(config: ModelConfig, max_positions: int) -> tuple[np.ndarray, np
     return cos.numpy(), sin.numpy()
 
 
-def rotary_row_order(head_size: int, rotary: int) -> np.ndarray:
-    """Engine dimension n of a head holds model dimension order[n]: the rotated pairs (i, i + rotary / 2) on the
-    engine's pairs (i, i + head_size / 2) for i < rotary / 2, the passed-through dimensions on the remaining pairs."""
+def rotary_row_order(head_size: int, rotary: int, interleaved: bool = False) -> np.ndarray:
+    """Engine dimension n of a head holds model dimension order[n]: the model's rotated pairs ((i, i + rotary / 2),
+    or (2i, 2i + 1) where `interleaved`) on the engine's pairs (i, i + head_size / 2) for i < rotary / 2, the
+    passed-through dimensions on the remaining pairs."""
     half, r = head_size // 2, rotary // 2
+    firsts, seconds = ((np.arange(0, rotary, 2), np.arange(1, rotary, 2)) if interleaved
+                       else (np.arange(r), np.arange(r, rotary)))
     passed = np.arange(rotary, head_size)
-    return np.concatenate([np.arange(r), passed[: half - r], np.arange(r, rotary), passed[half - r:]])
+    return np.concatenate([firsts, passed[: half - r], seconds, passed[half - r:]])
+
+
+def reorders_rotary_rows(config: ModelConfig) -> bool:
+    """Whether the model's q / k rows need `EngineRotaryRows` (partial or interleaved RoPE)."""
+    return config.rotary_dim is not None or config.rotary_interleaved
 
 
 _ROTATED = re.compile(r"^transformer\.layers\.\d+\.attention\.([qk])(_norm)?\.(weight|bias|weights_scaling_factor|"
                       r"weights_zero_point|lora_b)$")
 
 
-class PartialRotaryRows(Mapping):
+class EngineRotaryRows(Mapping):
     """A checkpoint's tensors with every q and k head's output rows (and q / k norm weights) in `rotary_row_order`:
     weights, biases and the per-row scales and zero points of quantized linears; their input-side scales keep
     their order. Lazy: a tensor is reordered when it is looked up."""
@@ -162,7 +171,7 @@ class PartialRotaryRows(Mapping):
         """`inverse`: the other way, from the engine's row order back to the model's (tensors computed on
         reordered rows, as the quantizer's)."""
         self.tensors, self.config = tensors, config
-        order = rotary_row_order(config.head_size, rotary_dim(config))
+        order = rotary_row_order(config.head_size, rotary_dim(config), config.rotary_interleaved)
         self.order = np.argsort(order) if inverse else order
 
     def __getitem__(self, name: str) -> Any:

@@ -40,6 +40,14 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     # biases on the router and experts (and, by attention_bias, on q / k / v / o); attention sinks; sliding and full
     # layers alternate; clamped SwiGLU experts
     "GptOssForCausalLM": ("gpt_oss", False, False),
+    # Llama with interleaved (GPT-J style) RoPE, tied embeddings by default
+    "Ernie4_5ForCausalLM": ("ernie4_5", False, False),
+    # interleaved RoPE over half of each head, q / k / v biases (attention_bias), gate and up fused, and four norms
+    # per layer: before and after the attention and the MLP (Gemma 2's sandwich, in plain RMSNorms)
+    "Glm4ForCausalLM": ("glm4", False, False),
+    # OLMo 2's norms after attention and MLP with per-head q / k norms; with a sliding window, every fourth layer
+    # full and without RoPE (NoPE), the others windowed
+    "Exaone4ForCausalLM": ("exaone4", False, True),
 }
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> (the text
 # model's architecture, the transformers config class whose defaults complete the released, sparse `text_config`)
@@ -146,10 +154,13 @@ def _yarn_parameter(key: str, value: Any, minimum: float | None = None, inclusiv
     return float(value)
 
 
-def _no_rope_layers(hf: dict[str, Any], family: str) -> tuple[int, ...]:
+def _no_rope_layers(hf: dict[str, Any], family: str, layer_types: tuple[str, ...]) -> tuple[int, ...]:
     """SmolLM3's `no_rope_layers` (1: the layer applies RoPE, 0: it does not) as the indices of the NoPE layers, or
     every `no_rope_layer_interval`-th layer (4 by default) where the list is absent, as transformers makes it; a list
-    longer than the layers (a model cut to its first layers) is read up to them."""
+    longer than the layers (a model cut to its first layers) is read up to them. EXAONE 4 with a sliding window:
+    its full-attention layers."""
+    if family == "exaone4":
+        return tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention") if layer_types else ()
     layers = int(hf["num_hidden_layers"])
     flags = hf.get("no_rope_layers")
     if flags is None and family == "smollm3":
@@ -176,7 +187,7 @@ def _round_to_dtype(value: float, dtype: str) -> float:
 
 
 # families whose layers alternate sliding-window and full attention -> the pattern's default period (every n-th full)
-_LAYER_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo3": 4, "gpt_oss": 2}
+_LAYER_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo3": 4, "gpt_oss": 2, "exaone4": 4}
 
 
 def _layer_types(hf: dict[str, Any], family: str) -> tuple[str, ...]:
@@ -186,9 +197,13 @@ def _layer_types(hf: dict[str, Any], family: str) -> tuple[str, ...]:
     if family not in _LAYER_PATTERNS or not hf.get("sliding_window"):
         return ()
     types = hf.get("layer_types")
-    if types is None:
-        pattern = int(hf.get("sliding_window_pattern") or _LAYER_PATTERNS[family])
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    pattern = hf.get("sliding_window_pattern") or _LAYER_PATTERNS[family]
+    if types is None and isinstance(pattern, str):  # EXAONE 4's "LLLG": L a sliding layer, G a full one, repeated
+        if not pattern or set(pattern) - set("LG"):
+            raise CheckpointError(f"sliding_window_pattern {pattern!r} is not a string of L (local) and G (global).")
+        types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(layers)]
+    elif types is None:
+        types = ["sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers)]
     return tuple(types[:layers])
 
 
@@ -288,6 +303,15 @@ def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
             "moe_bias": family == "gpt_oss"}
 
 
+def _norm_layout(family: str) -> dict[str, Any]:
+    """Where the family's layers normalize, beyond Llama's norms before attention and MLP."""
+    if family in ("olmo2", "olmo3", "exaone4"):  # after them instead (OLMo 2 / 3 normalize q / k whole)
+        return {"output_norms": True, "input_norms": False, "qk_norm_full": family != "exaone4"}
+    if family == "glm4":  # before and after them
+        return {"output_norms": True}
+    return {"qk_norm_full": True} if family == "olmoe" else {}
+
+
 def _gpt_oss_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """gpt-oss's attention sinks and clamped SwiGLU (its q / k / v / o biases are `attention_bias`'s)."""
     if family != "gpt_oss":
@@ -310,9 +334,12 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     family, qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
     # NOTE: these families' attention_bias puts a bias on the output projection too
     dense_bias = family in ("llama", "granite", "granitemoe", "gpt_oss") and bool(hf.get("attention_bias", False))
-    qkv_bias = qkv_bias or dense_bias
-    if hf.get("mlp_bias"):
-        raise CheckpointError("mlp_bias=true is not supported.")
+    qkv_bias = qkv_bias or dense_bias or (family == "glm4" and bool(hf.get("attention_bias", True)))
+    if hf.get("mlp_bias") or (family == "ernie4_5" and hf.get("use_bias")):
+        raise CheckpointError("biases on the MLP's projections (mlp_bias / use_bias) are not supported.")
+    if family == "glm4" and "partial_rotary_factor" not in hf and "partial_rotary_factor" not in (
+            hf.get("rope_parameters") or {}):
+        hf = {**hf, "partial_rotary_factor": 0.5}  # Glm4Config's default
     heads = int(hf["num_attention_heads"])
     head_size = int(hf.get("head_dim") or hf["hidden_size"] // heads)
     rope_params, local_base = _rope_parameters(hf, family)
@@ -345,8 +372,9 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         rotary_base=float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
         rotary_scaling=rope_scaling,
         rotary_dim=rotary_dim,
-        no_rope_layers=_no_rope_layers(hf, family),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in GEMMA_FAMILIES)),
+        rotary_interleaved=family in ("ernie4_5", "glm4"),
+        no_rope_layers=_no_rope_layers(hf, family, layer_types if window else ()),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, "ernie4_5"))),
         qkv_bias=qkv_bias,
         dense_bias=dense_bias,
         qk_norm=qk_norm,
@@ -359,6 +387,5 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         **_gemma_fields(hf, family, hf_dtype if hf_dtype in DTYPES else "float32"),
         **_granite_fields(hf, family),
         **_moe_fields(hf, family),
-        **({"output_norms": True, "input_norms": False, "qk_norm_full": True} if family in ("olmo2", "olmo3") else {}),
-        **({"qk_norm_full": True} if family == "olmoe" else {}),
+        **_norm_layout(family),
     )

@@ -180,6 +180,9 @@ class ModelConfig:
     rotary_base: float = 10000.0
     rotary_scaling: dict[str, Any] | None = None
     rotary_dim: int | None = None  # dimensions of each head RoPE rotates (partial rotary, Phi-4-mini); None: all
+    # RoPE rotates adjacent pairs (2i, 2i + 1) of each head (GPT-J style: GLM-4, ERNIE 4.5), not the halves
+    # (i, i + rotary_dim / 2); the checkpoint keeps the model's q / k rows, the builder reorders them (builder/rope.py)
+    rotary_interleaved: bool = False
     no_rope_layers: tuple[int, ...] = ()  # layers whose attention applies no RoPE (SmolLM3: every fourth)
     tie_word_embeddings: bool = False
     # False: a base model saved without its LM head and not tied (an embedding model): its engines embed only

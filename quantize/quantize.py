@@ -123,7 +123,7 @@ def quantize(options: QuantizeOptions) -> QuantizeResult:
 
 
 def _quantize(options: QuantizeOptions, qconfig: QuantConfig, texts: list[str]) -> QuantizeResult:
-    from trtbuild.builder.rope import PartialRotaryRows
+    from trtbuild.builder.rope import EngineRotaryRows
     from trtbuild.quantize.awq import DEFAULT_GRID_POINTS
     from trtbuild.quantize.calib import calibration_samples
     from trtbuild.quantize.calibrate import (
@@ -191,7 +191,7 @@ def _quantize(options: QuantizeOptions, qconfig: QuantConfig, texts: list[str]) 
     exported = export_quantized(torch_model, qconfig.quant_algo or "", hf_quantized, qconfig.weight_group_size,
                                 qconfig.kv_cache_quant_algo, qconfig.per_token_activations)
     if isinstance(getattr(torch_model.model, "rotary_emb", None), EngineRotaryEmbedding):
-        exported = dict(PartialRotaryRows(exported, config, inverse=True))  # its q / k rows were the engine's
+        exported = dict(EngineRotaryRows(exported, config, inverse=True))  # its q / k rows were the engine's
     tensors.update(exported)
     if own_head:
         tensors.update(export_weight_only_int8("lm_head", torch_model.get_submodule(modules["lm_head"])))

@@ -84,7 +84,7 @@ def hf_tensors_of_checkpoint(tensors: dict[str, torch.Tensor], config: Any) -> d
     """A checkpoint's tensors under their HF names, with HF's values (Gemma's norms as the w of its 1 + w)."""
     from trtbuild.builder.convert.names import checkpoint_to_hf_name
 
-    hf = {h: t for name, t in tensors.items() if (h := checkpoint_to_hf_name(name, config.output_norms)) is not None}
+    hf = {h: t for name, t in tensors.items() if (h := checkpoint_to_hf_name(name, config)) is not None}
     return hf_norm_weights(hf, config.family)
 
 
@@ -125,11 +125,16 @@ def hf_config_from_model_config(c: Any) -> dict[str, Any]:
         cfg["rope_scaling"] = dict(c.rotary_scaling)
     if c.rotary_dim is not None:
         cfg["partial_rotary_factor"] = c.rotary_dim / c.head_size
+    if c.family == "glm4":  # NOTE: Glm4Config's default pad token (151329) may lie past a smaller vocabulary
+        cfg.update(attention_bias=c.qkv_bias, partial_rotary_factor=(c.rotary_dim or c.head_size) / c.head_size,
+                   pad_token_id=None)
+    if c.family == "ernie4_5":
+        cfg["use_bias"] = False
     if c.family == "smollm3":
         cfg["no_rope_layers"] = [int(i not in c.no_rope_layers) for i in range(c.num_hidden_layers)]
     if c.family in GEMMA_FAMILIES:
         cfg.update(hidden_activation=c.hidden_act, embedding_multiplier=c.embedding_multiplier)
-    if c.family in ("gemma2", "gemma3", "olmo3"):
+    if c.family in ("gemma2", "gemma3", "olmo3", "exaone4"):  # NOTE: Exaone4Config cannot derive it without a window
         cfg["layer_types"] = list(c.layer_types)
     if c.family in ("gemma2", "gemma3"):
         scalar = round(c.score_scale**-2, 6)  # transformers wants an int where it is one
@@ -175,12 +180,44 @@ def _as_mistral(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor]
 
 def _in_engine_row_order(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """HF tensors with q / k rows in the engine's order (builder/rope.py), for a Mistral model on whole-head RoPE."""
-    from trtbuild.builder.rope import PartialRotaryRows
+    from trtbuild.builder.rope import EngineRotaryRows
 
     names = {n: re.sub(r"^model\.layers\.(\d+)\.self_attn\.([qk])_proj\.weight$",
                        r"transformer.layers.\1.attention.\2.weight", n) for n in tensors}
-    rows = PartialRotaryRows({names[n]: t for n, t in tensors.items()}, config)
+    rows = EngineRotaryRows({names[n]: t for n, t in tensors.items()}, config)
     return {n: rows[names[n]] for n in tensors}
+
+
+# Families whose transformers MLP fuses gate and up (GLM-4's Phi3MLP) but not q/k/v: their MLPs are swapped for
+# SeparateGateUpMLP, so that the quantizer calibrates and exports gate and up one by one, as the checkpoint holds them.
+SEPARATE_GATE_UP = ("Glm4ForCausalLM",)
+
+
+class SeparateGateUpMLP(torch.nn.Module):
+    """A fused gate_up_proj MLP as separate gate_proj / up_proj / down_proj linears computing the same thing."""
+
+    def __init__(self, fused: torch.nn.Module) -> None:
+        super().__init__()
+        hidden, features = fused.gate_up_proj.in_features, fused.down_proj.in_features
+        self.gate_proj = torch.nn.Linear(hidden, features, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, features, bias=False)
+        self.down_proj, self.act_fn = fused.down_proj, fused.activation_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _with_separate_gate_up(model: torch.nn.Module, tensors: dict[str, torch.Tensor], hf_config: dict[str, Any]
+                           ) -> dict[str, torch.Tensor]:
+    """Swap `model`'s MLPs for SeparateGateUpMLP; `tensors` with any fused gate_up_proj split to match."""
+    from trtbuild.builder.convert.fused import split_fused
+    from trtbuild.builder.convert.hf_reader import SourceTensor
+    from trtbuild.configs.from_hf import model_config_from_hf
+
+    for layer in model.model.layers:
+        layer.mlp = SeparateGateUpMLP(layer.mlp)
+    sources = {n: SourceTensor(tuple(t.shape), lambda t=t: t) for n, t in tensors.items()}
+    return {n: s.load() for n, s in split_fused(sources, model_config_from_hf(hf_config)).items()}
 
 
 class EngineRotaryEmbedding(torch.nn.Module):
@@ -232,6 +269,8 @@ def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
     embedding_scale = getattr(model.get_input_embeddings(), "embed_scale", None)
     if embedding_scale is not None:  # Gemma: the checkpoint's multiplier (transformers' sqrt(hidden) in the
         embedding_scale.fill_(model_config_from_hf(config_dict).embedding_multiplier)  # source dtype), not fp32's
+    if arch in SEPARATE_GATE_UP:
+        source.hf_tensors = _with_separate_gate_up(model, source.hf_tensors, config_dict)
     embedding, head = "model.embed_tokens.weight", "lm_head.weight"
     state = source.hf_tensors
     tied = model.lm_head.weight is model.get_input_embeddings().weight

@@ -1,7 +1,7 @@
 """Test helpers (importable as `gguf_helpers`): HF model folders with tokenizers and chat templates, and a GGUF writer
 that does what llama.cpp's convert_hf_to_gguf.py does for Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 1/2/3,
-Granite, OLMo 2 / 3 and the mixtures of experts Qwen3-MoE, Mixtral, OLMoE and Granite MoE (with --outtype
-f32)."""
+Granite, OLMo 2 / 3, ERNIE 4.5, GLM-4, EXAONE 4 and the mixtures of experts Qwen3-MoE, Mixtral, OLMoE and Granite MoE
+(with --outtype f32)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,10 @@ FAMILIES = {
     "granitemoe": ("granitemoe", "spm", "Granite MoE Tiny"),
     "qwen2_moe": ("qwen2moe", "bpe", "Qwen2 MoE Tiny"),
     "gpt_oss": ("gpt-oss", "bpe", "GPT OSS Tiny"),
+    "ernie4_5": ("ernie4_5", "spm", "ERNIE 4.5 Tiny"),
+    "glm4": ("glm4", "bpe", "GLM 4 Tiny"),
+    "exaone4": ("exaone4", "bpe", "EXAONE 4.0 Tiny"),
+    "exaone4_window": ("exaone4", "bpe", "EXAONE 4.0 Tiny"),
 }
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)$")
 
@@ -342,7 +346,10 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     _add_yarn_parameters(w, cfg)
     if arch.startswith("gemma"):
         _add_gemma_parameters(w, cfg, arch)
-    if cfg["model_type"] == "olmo3":  # Olmo2Model.set_gguf_parameters
+    if arch == "glm4":  # Glm4Model.set_gguf_parameters
+        w.add_rope_dimension_count(int(head_dim * (cfg.get("partial_rotary_factor")
+                                                   or rope.get("partial_rotary_factor"))))
+    if cfg["model_type"] in ("olmo3", "exaone4") and cfg.get("sliding_window"):  # Olmo2Model, Exaone4Model
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
     if experts := cfg.get("num_experts") or cfg.get("num_local_experts"):  # TextModel.set_gguf_parameters

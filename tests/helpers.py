@@ -108,6 +108,20 @@ RANDOM_CONFIGS = {
                                      num_local_experts=8, num_experts_per_tok=2, sliding_window=6, swiglu_limit=0.1,
                                      rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
                                      bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # interleaved RoPE (adjacent pairs), heads wider than hidden / heads, tied embeddings
+    "ernie4_5": ("Ernie4_5Config", dict(_COMMON, head_dim=32, rope_theta=500000.0, tie_word_embeddings=True,
+                                        bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # interleaved RoPE over the first half of each head, q / k / v biases, gate and up fused, norms before and after
+    # attention and MLP
+    "glm4": ("Glm4Config", dict(_COMMON, head_dim=32, rope_theta=10000.0, partial_rotary_factor=0.5,
+                                attention_bias=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # norms after attention and MLP, per-head q / k norms; _window: layers 0-2 windowed (6) with RoPE, layer 3 full
+    # without
+    "exaone4": ("Exaone4Config", dict(_COMMON, rope_theta=1000000.0, sliding_window=None, bos_token_id=1,
+                                      eos_token_id=2, pad_token_id=0, layer_types=["full_attention"] * 2)),
+    "exaone4_window": ("Exaone4Config", dict(_COMMON, num_hidden_layers=4, rope_theta=1000000.0, sliding_window=6,
+                                             sliding_window_pattern=4, bos_token_id=1, eos_token_id=2,
+                                             pad_token_id=0)),
 }
 
 

@@ -13,7 +13,7 @@ import torch
 from trtbuild.builder.convert.fused import split_fused
 from trtbuild.builder.convert.hf_reader import SourceTensor
 from trtbuild.builder.rope import (
-    PartialRotaryRows,
+    EngineRotaryRows,
     attention_factor,
     inverse_frequencies,
     rope_tables,
@@ -119,7 +119,7 @@ def test_partial_rotary_rows_reorder_q_k_outputs_only():
          "transformer.layers.0.attention.k.weights_scaling_factor": torch.arange(32.0),
          "transformer.layers.0.attention.k.prequant_scaling_factor": torch.arange(64.0),
          "transformer.layers.0.attention.v.weight": torch.arange(32 * 64.0).reshape(32, 64)}
-    rows = PartialRotaryRows(t, config)
+    rows = EngineRotaryRows(t, config)
     q = rows["transformer.layers.0.attention.q.weight"]
     for h in range(4):
         assert torch.equal(q[16 * h: 16 * h + 16], t["transformer.layers.0.attention.q.weight"][16 * h + order])

@@ -66,7 +66,7 @@ def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dic
     """Checkpoint name -> source tensor for every tensor the checkpoint needs; checks names and shapes first."""
     plan = {}
     for hf_name, src in stack_experts(split_fused(source, config), config).items():
-        if (name := hf_to_checkpoint_name(hf_name, config.output_norms, config.is_moe)) is not None:
+        if (name := hf_to_checkpoint_name(hf_name, config)) is not None:
             plan[name] = src
     # Tied models store one of the two (which one depends on who saved them); the checkpoint holds both.
     embedding, lm_head = EMBEDDING, "lm_head.weight"

@@ -33,6 +33,9 @@ _OUTPUT_NORMS = ("post_attention_norm.weight", "post_ffw_norm.weight")
 _OLMO2_LAYER_TENSORS = (*(f"attn_{p}.weight" for p in "qkv"), "attn_output.weight", *_QK_NORM, *_OUTPUT_NORMS,
                         *(f"ffn_{p}.weight" for p in ("gate", "up", "down")))
 
+# GLM-4: q / k / v with biases, gate and up in one ffn_up, norms before and after attention and MLP
+_GLM4_LAYER_TENSORS = (*SEPARATE_LAYER_TENSORS[:-2], "ffn_up.weight", *_OUTPUT_NORMS)
+
 # A mixture of experts' layer: attention as usual, then the router and the experts stacked ([experts, out, in])
 _ATTENTION_LAYER_TENSORS = (*(f"{n}.weight" for n in ("attn_norm", "ffn_norm", "attn_output")),
                             *(f"attn_{p}.weight" for p in "qkv"))
@@ -64,6 +67,8 @@ class GgufArch:
     # a mixture of experts: whether llama.cpp renormalizes the router's weights over the chosen experts (its
     # build_moe_ffn's norm_w, fixed per architecture); None: a dense model
     moe_normalize: bool | None = None
+    # GGUF layer tensor -> HF name where the architecture's differ from the common table's (gguf_reader.py)
+    renames: tuple[tuple[str, str], ...] = ()
 
 
 GGUF_ARCHITECTURES: dict[str, GgufArch] = {
@@ -96,6 +101,12 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
                                                                                           "down")),
                          moe_normalize=False),
     "gpt-oss": GgufArch("GptOssForCausalLM", "gpt_oss", False, _GPT_OSS_LAYER_TENSORS, moe_normalize=True),
+    # ERNIE 4.5 and GLM-4 rotate interleaved pairs (llama.cpp's "norm" RoPE) on rows stored as in HF
+    "ernie4_5": GgufArch("Ernie4_5ForCausalLM", "ernie4_5", False),
+    "glm4": GgufArch("Glm4ForCausalLM", "glm4", False, _GLM4_LAYER_TENSORS, optional_layer_tensors=_QKV_BIAS, renames=(
+        ("ffn_up.weight", "mlp.gate_up_proj.weight"), ("post_attention_norm.weight", "post_self_attn_layernorm.weight"),
+        ("post_ffw_norm.weight", "post_mlp_layernorm.weight"))),
+    "exaone4": GgufArch("Exaone4ForCausalLM", "exaone4", False, _OLMO2_LAYER_TENSORS, output_norms=True),
 }
 # Layers llama.cpp gives the larger Gemmas (27B), whose attention scale it takes from hidden / heads, not head_dim
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -119,7 +130,7 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
             f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
             f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, SmolLM3, TinyLlama, Qwen2/2.5, Qwen3, "
             "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3, Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral, Granite MoE, "
-            "gpt-oss ...). Convert the HF checkpoint instead."
+            "gpt-oss, ERNIE 4.5, GLM-4, EXAONE 4 ...). Convert the HF checkpoint instead."
         )
     if arch == "llama" and meta.get("llama.expert_count"):
         return arch, GGUF_ARCHITECTURES["mixtral"]
@@ -331,7 +342,7 @@ def hf_config(
                    norm_topk_prob=arch.moe_normalize,
                    shared_expert_intermediate_size=int(meta.get(f"{prefix}.expert_shared_feed_forward_length") or 0))
     pattern = meta.get(f"{prefix}.attention.sliding_window_pattern")
-    if arch.model_type == "olmo3" and isinstance(pattern, list):
+    if arch.model_type in ("olmo3", "exaone4") and isinstance(pattern, list):
         cfg["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
     if arch.model_type in ("granite", "granitemoe"):  # llama.cpp's names for Granite's multipliers
         for theirs, ours in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),

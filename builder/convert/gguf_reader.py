@@ -1,5 +1,5 @@
-"""Read a GGUF file (llama, mistral, qwen2, qwen3, phi3, smollm3) into Hugging Face form: an HF config dict and an
-HF-named float32 state dict.
+"""Read a GGUF file (of an architecture in gguf_config.GGUF_ARCHITECTURES) into Hugging Face form: an HF config
+dict and an HF-named float32 state dict.
 
 The rest of the converter only deals with HF names. This module opens the file, reads its metadata and maps tensors to
 HF names; `gguf_config.py` turns the metadata into the HF config and `gguf_tokenizer.py` rebuilds the tokenizer.
@@ -188,6 +188,7 @@ def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any
     n_layers = cfg["num_hidden_layers"]
     required = arch.layer_tensors
     layer_names = _FUSED_LAYER_NAMES if arch.fused else _OUTPUT_NORM_LAYER_NAMES if arch.output_norms else _LAYER_NAMES
+    layer_names = {**layer_names, **dict(arch.renames)}
     allowed = {*required, *arch.optional_layer_tensors}
     permuted = ("attn_q.", "attn_k.") if arch.permute_qk else ()
     missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in shapes]

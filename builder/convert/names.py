@@ -62,6 +62,12 @@ _OUTPUT_NORM_LAYER_MAP = {
     "pre_feedforward_layernorm.weight": "post_layernorm.weight",
     "post_feedforward_layernorm.weight": "mlp.output_norm.weight",
 }
+# GLM-4's four norms: its `post_attention_layernorm` is Llama's (before the MLP), the output norms have their own names
+_GLM4_LAYER_MAP = {
+    **_LAYER_MAP,
+    "post_self_attn_layernorm.weight": "attention.output_norm.weight",
+    "post_mlp_layernorm.weight": "mlp.output_norm.weight",
+}
 # A mixture of experts' MLP, its experts stacked by builder/convert/experts.py
 _MOE_LAYER_MAP = {
     **{k: v for k, v in _LAYER_MAP.items() if not k.startswith("mlp.")},
@@ -82,8 +88,6 @@ _GLOBAL_MAP = {
     "model.norm.weight": "transformer.ln_f.weight",
     "lm_head.weight": "lm_head.weight",
 }
-_CKPT_TO_HF_LAYER = {v: k for k, v in _LAYER_MAP.items()}
-_CKPT_TO_HF_OUTPUT_NORM_LAYER = {v: k for k, v in _OUTPUT_NORM_LAYER_MAP.items()}
 _CKPT_TO_HF_GLOBAL = {v: k for k, v in _GLOBAL_MAP.items()}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # A vision-language model's text decoder (Gemma 3 4B+): its tensors as the text model's
@@ -119,26 +123,36 @@ _SPLIT_AXIS = {
 }
 
 
-def hf_to_checkpoint_name(hf_name: str, output_norms: bool = False, moe: bool = False) -> str | None:
-    """The checkpoint name of an HF tensor, or None for tensors the engine does not use (e.g. rotary inv_freq);
-    `output_norms`: of a model with Gemma 2 / 3's or OLMo 2 / 3's layer norms; `moe`: of a mixture of experts, its
-    experts stacked (builder/convert/experts.py)."""
+def _layer_map(config: ModelConfig | None) -> dict[str, str]:
+    """HF layer tensor name -> checkpoint name, for `config`'s family (None: Llama's names)."""
+    if config is None:
+        return _LAYER_MAP
+    if config.family == "glm4":
+        return _GLM4_LAYER_MAP
+    if config.output_norms:  # Gemma 2 / 3, OLMo 2 / 3, EXAONE 4
+        return _OUTPUT_NORM_LAYER_MAP
+    return _MOE_LAYER_MAP if config.is_moe else _LAYER_MAP
+
+
+def hf_to_checkpoint_name(hf_name: str, config: ModelConfig | None = None) -> str | None:
+    """The checkpoint name of an HF tensor of `config`'s family (None: Llama's names; a mixture of experts' stacked
+    as builder/convert/experts.py names them), or None for tensors the engine does not use (e.g. rotary inv_freq)."""
     hf_name = _TEXT_MODEL_HEAD.sub("lm_head.", _TEXT_MODEL_PREFIX.sub("model.", hf_name))
     if hf_name in _GLOBAL_MAP:
         return _GLOBAL_MAP[hf_name]
     m = _HF_LAYER.match(hf_name)
-    layer_map = _OUTPUT_NORM_LAYER_MAP if output_norms else _MOE_LAYER_MAP if moe else _LAYER_MAP
+    layer_map = _layer_map(config)
     if m and m.group(2) in layer_map:
         return f"transformer.layers.{m.group(1)}.{layer_map[m.group(2)]}"
     return None
 
 
-def checkpoint_to_hf_name(name: str, output_norms: bool = False) -> str | None:
+def checkpoint_to_hf_name(name: str, config: ModelConfig | None = None) -> str | None:
     """The HF name of a checkpoint tensor (the inverse of `hf_to_checkpoint_name`), None for scale tensors."""
     if name in _CKPT_TO_HF_GLOBAL:
         return _CKPT_TO_HF_GLOBAL[name]
     m = _CKPT_LAYER.match(name)
-    layer_map = _CKPT_TO_HF_OUTPUT_NORM_LAYER if output_norms else _CKPT_TO_HF_LAYER
+    layer_map = {v: k for k, v in _layer_map(config).items()}
     if m and m.group(2) in layer_map:
         return f"model.layers.{m.group(1)}.{layer_map[m.group(2)]}"
     return None
