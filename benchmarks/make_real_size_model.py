@@ -1,8 +1,9 @@
 """Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B, Llama-3.2-1B / Llama-3.1-8B, SmolLM3-3B (NoPE
 layers), Granite 3.3 2B (Granite's multipliers), Gemma 3 1B / Gemma 2 2B (sandwich norms, sliding-window layers, soft-
-capping), OLMoE-1B-7B / Granite 3.1 3B-A800M (mixtures of experts; GGUF only) or Phi-3.5-mini / Phi-4-mini (3.8B:
-fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings; with a byte-level BPE as Phi-4 has), as an
-HF folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written with
+capping), ERNIE-4.5-0.3B / GLM-4-9B (interleaved RoPE), EXAONE-4.0-1.2B (post norms), OLMoE-1B-7B / Granite 3.1
+3B-A800M (mixtures of experts; GGUF only) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up, LongRoPE,
+Phi-4-mini's partial rotary embeddings; with a byte-level BPE as Phi-4 has), as an HF folder (bf16 safetensors;
+`--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written with
 the `gguf` package, for measuring convert / build / load / decode at real sizes. No weights are downloaded: the
 weights are random (seeded) and the tokenizer is a small byte-level BPE trained here on this repository's docs,
 padded to the model's vocabulary as the real tokenizers are, with the family's special tokens and chat template.
@@ -18,6 +19,9 @@ padded to the model's vocabulary as the real tokenizers are, with the family's s
     python benchmarks/make_real_size_model.py --out /work/models/olmo2 --shape olmo2-1b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/olmoe --shape olmoe-1b-7b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/gmoe --shape granite-moe-3b --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/ernie --shape ernie4.5-0.3b --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/exaone4 --shape exaone4-1.2b --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/glm4 --shape glm4-9b --no-hf --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
 would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
@@ -44,9 +48,12 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from gguf_tensors import encode, gguf_type, llama3_rope_freqs, llama_permute  # noqa: E402
 from real_shapes import (  # noqa: E402
+    ERNIE,
+    EXAONE4,
     GEMMA2,
     GEMMA3,
     GEMMAS,
+    GLM4,
     GRANITE,
     GRANITEMOE,
     LLAMA3,
@@ -63,6 +70,7 @@ from real_shapes import (  # noqa: E402
 )
 
 HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",  # GLM-4
               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "self_attn.q_norm": "attn_q_norm",
@@ -109,10 +117,17 @@ def make_hf(out: Path, shape: Shape, tok, seed: int, dtype: str) -> None:
     config_cls = {QWEN2: transformers.Qwen2Config, PHI3: transformers.Phi3Config, SMOLLM3: transformers.SmolLM3Config,
                   GEMMA2: transformers.Gemma2Config, GEMMA3: transformers.Gemma3TextConfig,
                   GRANITE: transformers.GraniteConfig, OLMO2: transformers.Olmo2Config,
-                  }.get(shape.family, transformers.LlamaConfig)
+                  ERNIE: transformers.Ernie4_5Config, GLM4: transformers.Glm4Config,
+                  EXAONE4: transformers.Exaone4Config}.get(shape.family, transformers.LlamaConfig)
     kwargs.update(shape.multipliers or {})
+    if shape.head_size:
+        kwargs["head_dim"] = shape.head_size
     if shape.family in GEMMAS:  # query_pre_attn_scalar: the head size, as in the released ones
-        kwargs.update(head_dim=shape.head_dim, query_pre_attn_scalar=shape.head_dim)
+        kwargs["query_pre_attn_scalar"] = shape.head_dim
+    if shape.family is GLM4:
+        kwargs.update(partial_rotary_factor=shape.partial_rotary_factor, attention_bias=True)
+    if shape.family is EXAONE4:  # NOTE: Exaone4Config cannot derive it without a window
+        kwargs.update(sliding_window=None, layer_types=["full_attention"] * shape.num_hidden_layers)
     if shape.family is PHI3:
         kwargs["original_max_position_embeddings"] = shape.rope_scaling["original_max_position_embeddings"]
         kwargs["partial_rotary_factor"] = shape.partial_rotary_factor
@@ -138,18 +153,21 @@ def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "model.embed_tokens.weight", (shape.vocab_size, h)
     for i in range(shape.num_hidden_layers):
         p = f"model.layers.{i}."
-        if shape.family is not OLMO2:  # OLMo 2 normalizes the attention's and the MLP's outputs, not their inputs
+        if shape.family not in (OLMO2, EXAONE4):  # which normalize the attention's and MLP's outputs, not inputs
             yield p + "input_layernorm.weight", (h,)
         if shape.family is PHI3:  # fused, as Phi-3 holds them
             yield p + "self_attn.qkv_proj.weight", (q + 2 * kv, h)
         for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)) if shape.family is not PHI3 else ():
             yield p + f"self_attn.{proj}.weight", (rows, h)
-            if shape.family is QWEN2:
+            if shape.family in (QWEN2, GLM4):
                 yield p + f"self_attn.{proj}.bias", (rows,)
-        if shape.family in (GEMMA3, OLMO2, OLMOE):  # per head, or (OLMo 2, OLMoE) over the whole projection
-            yield p + "self_attn.q_norm.weight", (shape.head_dim if shape.family is GEMMA3 else q,)
-            yield p + "self_attn.k_norm.weight", (shape.head_dim if shape.family is GEMMA3 else kv,)
+        if shape.family in (GEMMA3, OLMO2, OLMOE, EXAONE4):  # per head, or (OLMo 2, OLMoE) over the whole projection
+            per_head = shape.family in (GEMMA3, EXAONE4)
+            yield p + "self_attn.q_norm.weight", (shape.head_dim if per_head else q,)
+            yield p + "self_attn.k_norm.weight", (shape.head_dim if per_head else kv,)
         yield p + "self_attn.o_proj.weight", (h, q)
+        if shape.family is GLM4:
+            yield p + "post_self_attn_layernorm.weight", (h,)
         yield p + "post_attention_layernorm.weight", (h,)
         if shape.family in GEMMAS:
             yield p + "pre_feedforward_layernorm.weight", (h,)
@@ -158,7 +176,7 @@ def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield p + "mlp.gate.weight", (e, h)
             yield from ((p + f"mlp.experts.{x}_proj.weight", (e, f, h)) for x in ("gate", "up"))
             yield p + "mlp.experts.down_proj.weight", (e, h, f)
-        elif shape.family is PHI3:
+        elif shape.family in (PHI3, GLM4):
             yield p + "mlp.gate_up_proj.weight", (2 * shape.intermediate_size, h)
         else:
             yield p + "mlp.gate_proj.weight", (shape.intermediate_size, h)
@@ -167,6 +185,8 @@ def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield p + "mlp.down_proj.weight", (h, shape.intermediate_size)
         if shape.family in POST_NORMED:
             yield p + "post_feedforward_layernorm.weight", (h,)
+        if shape.family is GLM4:
+            yield p + "post_mlp_layernorm.weight", (h,)
     yield "model.norm.weight", (h,)
     if not shape.tie_word_embeddings:
         yield "lm_head.weight", (shape.vocab_size, h)
@@ -210,6 +230,11 @@ def write_metadata(w, shape: Shape, tok) -> None:
     if fam in PERMUTED:  # LlamaModel.set_gguf_parameters
         w.add_rope_dimension_count(shape.head_dim)
         w.add_vocab_size(shape.vocab_size)
+    if shape.head_size:  # TextModel.set_gguf_parameters, where the config gives head_dim
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
+    if fam is GLM4:  # Glm4Model.set_gguf_parameters
+        w.add_rope_dimension_count(shape.rotary_dim)
     if fam is PHI3:  # Phi3MiniModel.set_gguf_parameters
         orig = shape.rope_scaling["original_max_position_embeddings"]
         scale = shape.max_position_embeddings / orig
@@ -227,8 +252,6 @@ def write_metadata(w, shape: Shape, tok) -> None:
         w.add_residual_scale(m["residual_multiplier"])
         w.add_logit_scale(m["logits_scaling"])
     if fam in GEMMAS:  # Gemma2Model / Gemma3Model.set_gguf_parameters
-        w.add_key_length(shape.head_dim)
-        w.add_value_length(shape.head_dim)
         w.add_sliding_window(shape.sliding_window)
         if fam is GEMMA2:
             w.add_attn_logit_softcapping(50.0)
@@ -291,7 +314,7 @@ def make_gguf(path: Path, shape: Shape, tok, hf: Path | None, seed: int, form: s
     write_metadata(w, shape, tok)
     plan = []
     factors = {}
-    if shape.family is LLAMA3:
+    if shape.family in (LLAMA3, EXAONE4) and shape.rope_scaling:  # LlamaModel, Exaone4Model
         factors["rope_freqs.weight"] = llama3_rope_freqs(shape)
     elif shape.family is PHI3:  # LongRoPE's two sets, as llama.cpp's Phi3MiniModel writes them
         factors = {f"rope_factors_{k}.weight": np.array(shape.rope_scaling[f"{k}_factor"], dtype=np.float32)

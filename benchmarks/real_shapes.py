@@ -91,7 +91,23 @@ _HARMONY_TEMPLATE = (
     '{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- "<|start|>assistant" }}{%- endif %}')
 GPT_OSS = Family("gpt-oss", "gpt-4o", LLAMA3.digits, HARMONY_SPECIALS, "<|startoftext|>", "<|return|>", "<|endoftext|>",
                  _HARMONY_TEMPLATE)
-POST_NORMED = (GEMMA2, GEMMA3, OLMO2)  # the families whose GGUF names the norms after attention / MLP as Gemma's
+# ERNIE 4.5: Llama's layout with interleaved RoPE (q / k rows stored as in HF)
+ERNIE = Family("ernie4_5", LLAMA3.pre, LLAMA3.digits, ("<unk>", "<s>", "</s>", "<|end_of_sentence|>"), "<s>",
+               "</s>", "<unk>", "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+               "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+# GLM-4: interleaved RoPE over half of each head, q / k / v biases, gate and up fused, norms before and after
+# attention and MLP
+GLM4 = Family("glm4", "glm4", LLAMA3.digits, ("<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>",
+                                              "<|assistant|>"), None, "<|endoftext|>", "<|endoftext|>",
+              "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# EXAONE 4: OLMo 2's norms after attention and MLP, per-head q / k norms
+EXAONE4 = Family("exaone4", LLAMA3.pre, LLAMA3.digits, ("[PAD]", "[BOS]", "[|endofturn|]", "[|system|]", "[|user|]",
+                                                         "[|assistant|]"), "[BOS]", "[|endofturn|]", "[PAD]",
+                 "{% for m in messages %}[|{{ m['role'] }}|]{{ m['content'] }}[|endofturn|]\n{% endfor %}"
+                 "{% if add_generation_prompt %}[|assistant|]{% endif %}")
+# the families whose GGUF names the norms after attention / MLP as Gemma's
+POST_NORMED = (GEMMA2, GEMMA3, OLMO2, EXAONE4)
 PERMUTED = (LLAMA3, SMOLLM3, GRANITE, GRANITEMOE)  # the families llama.cpp's LlamaModel converts: q / k rows permuted
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
@@ -153,6 +169,10 @@ SHAPES = {  # the released models' configs
                             experts_per_tok=8),
     "olmoe-1b-7b": Shape(OLMOE, 2048, 16, 16, 16, 1024, 50304, False, 1e4, None, 4096, 1e-5, experts=64,
                          experts_per_tok=8),
+    "ernie4.5-0.3b": Shape(ERNIE, 1024, 18, 16, 2, 3072, 103424, True, 5e5, None, 131072, 1e-5, head_size=128),
+    "exaone4-1.2b": Shape(EXAONE4, 2048, 30, 32, 8, 4096, 102400, True, 1e6, dict(LLAMA3_ROPE, factor=16.0), 65536,
+                          1e-5, head_size=64),
+    "glm4-9b": Shape(GLM4, 4096, 40, 32, 2, 13696, 151552, False, 1e4, None, 32768, 1e-5, None, 0.5, head_size=128),
     "granite-2b": Shape(GRANITE, 2048, 40, 32, 8, 8192, 49159, True, 1e7, None, 131072, 1e-5, multipliers=dict(
         embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)),
 }
