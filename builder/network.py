@@ -150,6 +150,14 @@ class _NetworkWriter:
         return self.g.op("RMSNormalization", [x, w], axis=-1, epsilon=self.c.norm_epsilon,
                          name=weight_name.removesuffix(".weight"))
 
+    def norm(self, x: str, weight_name: str) -> str:
+        """A layer's or the final norm, of the model's norm_type (Cohere's LayerNorm has a weight and no bias)."""
+        if self.c.norm_type == "rms":
+            return self.rms_norm(x, weight_name)
+        w = self.g.weight(weight_name, self.tensor(weight_name))
+        return self.g.op("LayerNormalization", [x, w], axis=-1, epsilon=self.c.norm_epsilon,
+                         name=weight_name.removesuffix(".weight"))
+
     def mlp(self, h: str, layer: str, module: str = "mlp.") -> str:
         """The MLP of one layer (`layer`: its `transformer.layers.{i}.`): gate and up, the activation, down."""
         gate, up = self.linear(h, layer + module + "gate"), self.linear(h, layer + module + "fc")
@@ -280,7 +288,7 @@ class _NetworkWriter:
         for i in range(c.num_hidden_layers):
             p = f"transformer.layers.{i}."
             g.scope = p
-            h = self.rms_norm(x, p + "input_layernorm.weight") if c.input_norms else x
+            h = self.norm(x, p + "input_layernorm.weight") if c.input_norms else x
             q, k, v = (self.linear(h, p + f"attention.{n}", bias=c.qkv_bias) for n in "qkv")
             if c.qk_norm:
                 q = self.head_norm(q, p + "attention.q_norm.weight", c.num_attention_heads)
@@ -302,14 +310,17 @@ class _NetworkWriter:
                 scale=float(c.score_scale), rotary=0, **kv_quant, **window, **softcap,
             )
             attn = self.branch_output(self.linear(attn, p + "attention.dense", bias=c.dense_bias), p + "attention.")
-            x = g.op("Add", [x, attn], name=p + "attn_residual")
-            h = self.rms_norm(x, p + "post_layernorm.weight") if c.input_norms else x
+            if not c.parallel_residual:  # NOTE: Cohere's MLP reads the attention's input h
+                x = g.op("Add", [x, attn], name=p + "attn_residual")
+                h = self.norm(x, p + "post_layernorm.weight") if c.input_norms else x
             mlp = self.branch_output((self.experts if c.is_moe else self.mlp)(h, p), p + "mlp.")
+            if c.parallel_residual:
+                mlp = g.op("Add", [attn, mlp], name=p + "attn_mlp")
             x = g.op("Add", [x, mlp], name=p + "mlp_residual")
             new_kv += [k_new, v_new]
         g.scope = ""
         selected = g.op("Gather", [x, logits_indices], axis=0, name="select_logit_tokens")
-        h = self.rms_norm(selected, "transformer.ln_f.weight")
+        h = self.norm(selected, "transformer.ln_f.weight")
         if self.build.task == "embed":  # NOTE: the rows are the pooled hidden states themselves: no LM head
             g.op("Identity", [h], name="hidden_states", outputs=[HIDDEN_STATES_OUTPUT])
         else:

@@ -48,6 +48,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     # OLMo 2's norms after attention and MLP with per-head q / k norms; with a sliding window, every fourth layer
     # full and without RoPE (NoPE), the others windowed
     "Exaone4ForCausalLM": ("exaone4", False, True),
+    # LayerNorms (no bias), attention and MLP in parallel off one norm, interleaved RoPE, logits times logit_scale;
+    # Cohere 2 (Command R7B): three windowed layers with RoPE, then a full one without (NoPE)
+    "CohereForCausalLM": ("cohere", False, False),
+    "Cohere2ForCausalLM": ("cohere2", False, False),
 }
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> (the text
 # model's architecture, the transformers config class whose defaults complete the released, sparse `text_config`)
@@ -161,6 +165,9 @@ def _no_rope_layers(hf: dict[str, Any], family: str, layer_types: tuple[str, ...
     its full-attention layers."""
     if family == "exaone4":
         return tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention") if layer_types else ()
+    if family == "cohere2":  # NOTE: without a window transformers' Cohere 2 rotates no layer
+        return tuple(i for i, kind in enumerate(layer_types or ["full_attention"] * int(hf["num_hidden_layers"]))
+                     if kind == "full_attention")
     layers = int(hf["num_hidden_layers"])
     flags = hf.get("no_rope_layers")
     if flags is None and family == "smollm3":
@@ -187,7 +194,7 @@ def _round_to_dtype(value: float, dtype: str) -> float:
 
 
 # families whose layers alternate sliding-window and full attention -> the pattern's default period (every n-th full)
-_LAYER_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo3": 4, "gpt_oss": 2, "exaone4": 4}
+_LAYER_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo3": 4, "gpt_oss": 2, "exaone4": 4, "cohere2": 4}
 
 
 def _layer_types(hf: dict[str, Any], family: str) -> tuple[str, ...]:
@@ -309,7 +316,18 @@ def _norm_layout(family: str) -> dict[str, Any]:
         return {"output_norms": True, "input_norms": False, "qk_norm_full": family != "exaone4"}
     if family == "glm4":  # before and after them
         return {"output_norms": True}
+    if family in ("cohere", "cohere2"):  # one LayerNorm both read
+        return {"norm_type": "layer", "parallel_residual": True}
     return {"qk_norm_full": True} if family == "olmoe" else {}
+
+
+def _cohere_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """Cohere's logit_scale (the logits' multiplier, 1/16 unless given), refusing its per-head q / k LayerNorms."""
+    if family not in ("cohere", "cohere2"):
+        return {}
+    if hf.get("use_qk_norm"):
+        raise CheckpointError("use_qk_norm=true (Command R+'s per-head q / k LayerNorms) is not supported.")
+    return {"logits_scaling": 1.0 / float(hf.get("logit_scale") or 0.0625)}
 
 
 def _gpt_oss_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
@@ -333,7 +351,8 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         )
     family, qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
     # NOTE: these families' attention_bias puts a bias on the output projection too
-    dense_bias = family in ("llama", "granite", "granitemoe", "gpt_oss") and bool(hf.get("attention_bias", False))
+    dense_bias = family in ("llama", "granite", "granitemoe", "gpt_oss", "cohere", "cohere2") and bool(
+        hf.get("attention_bias", False))
     qkv_bias = qkv_bias or dense_bias or (family == "glm4" and bool(hf.get("attention_bias", True)))
     if hf.get("mlp_bias") or (family == "ernie4_5" and hf.get("use_bias")):
         raise CheckpointError("biases on the MLP's projections (mlp_bias / use_bias) are not supported.")
@@ -367,14 +386,16 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
         head_size=head_size,
-        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_epsilon=float(hf.get("layer_norm_eps") or 1e-5) if family in ("cohere", "cohere2")
+        else float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         rotary_base=float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
         rotary_scaling=rope_scaling,
         rotary_dim=rotary_dim,
-        rotary_interleaved=family in ("ernie4_5", "glm4"),
+        rotary_interleaved=family in ("ernie4_5", "glm4", "cohere", "cohere2"),
         no_rope_layers=_no_rope_layers(hf, family, layer_types if window else ()),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, "ernie4_5"))),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, "ernie4_5", "cohere",
+                                                                          "cohere2"))),
         qkv_bias=qkv_bias,
         dense_bias=dense_bias,
         qk_norm=qk_norm,
@@ -386,6 +407,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         local_rotary_base=local_base if window and "sliding_attention" in layer_types else None,
         **_gemma_fields(hf, family, hf_dtype if hf_dtype in DTYPES else "float32"),
         **_granite_fields(hf, family),
+        **_cohere_fields(hf, family),
         **_moe_fields(hf, family),
         **_norm_layout(family),
     )

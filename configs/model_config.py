@@ -23,6 +23,8 @@ GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 # (g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1): swiglu_alpha, swiglu_limit)
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# the layers' and the final norm: RMSNorm, or (Cohere) LayerNorm: mean-centred, scaled by its weight, no bias
+NORM_TYPES = ("rms", "layer")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -203,6 +205,10 @@ class ModelConfig:
     attention_scale: float | None = None  # what q.k is multiplied by; None: head_size ** -0.5
     output_norms: bool = False  # attention and MLP outputs are RMS-normalized before their adds (Gemma 2 / 3, OLMo 2)
     input_norms: bool = True  # attention and MLP inputs are RMS-normalized (every family but OLMo 2)
+    norm_type: str = "rms"  # NORM_TYPES
+    # attention and MLP both read the layer's one normed input, and their outputs join the residual together (Cohere:
+    # x + attn(norm(x)) + mlp(norm(x))); no post_layernorm
+    parallel_residual: bool = False
     qk_norm_full: bool = False  # qk_norm spans the whole q / k projection (OLMo 2), not each head (Qwen3, Gemma 3)
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
@@ -246,6 +252,11 @@ class ModelConfig:
         if not all(isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in self.no_rope_layers):
             raise CheckpointError(f"config.json: no_rope_layers must list layer indices below num_hidden_layers "
                                   f"({self.num_hidden_layers}), got {list(self.no_rope_layers)}")
+        if self.norm_type not in NORM_TYPES:
+            raise CheckpointError(f"config.json: norm_type must be one of {', '.join(NORM_TYPES)}, got "
+                                  f"{self.norm_type!r}")
+        if self.parallel_residual and not self.input_norms:
+            raise CheckpointError("config.json: parallel_residual needs input_norms (the one norm both blocks read)")
         if self.hidden_act not in HIDDEN_ACTS:
             raise CheckpointError(f"config.json: hidden_act must be one of {', '.join(HIDDEN_ACTS)}, got "
                                   f"{self.hidden_act!r}")

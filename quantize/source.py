@@ -134,7 +134,10 @@ def hf_config_from_model_config(c: Any) -> dict[str, Any]:
         cfg["no_rope_layers"] = [int(i not in c.no_rope_layers) for i in range(c.num_hidden_layers)]
     if c.family in GEMMA_FAMILIES:
         cfg.update(hidden_activation=c.hidden_act, embedding_multiplier=c.embedding_multiplier)
-    if c.family in ("gemma2", "gemma3", "olmo3", "exaone4"):  # NOTE: Exaone4Config cannot derive it without a window
+    if c.family in ("cohere", "cohere2"):
+        cfg.update(layer_norm_eps=c.norm_epsilon, logit_scale=1.0 / c.logits_scaling, attention_bias=c.qkv_bias)
+    # NOTE: Exaone4Config cannot derive them without a window
+    if c.family in ("gemma2", "gemma3", "olmo3", "exaone4", "cohere2"):
         cfg["layer_types"] = list(c.layer_types)
     if c.family in ("gemma2", "gemma3"):
         scalar = round(c.score_scale**-2, 6)  # transformers wants an int where it is one

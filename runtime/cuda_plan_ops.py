@@ -33,6 +33,11 @@ def add_rmsnorm(k: Kernels, a: dict[str, Any], x: torch.Tensor, residual: torch.
     return k["rmsnorm"].add_rmsnorm(x, weight, a["eps"], residual=residual)
 
 
+def layernorm(k: Kernels, a: dict[str, Any], x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """LayerNorm over the last axis with a weight and no bias (Cohere's), computed in float32."""
+    return (F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None, a["eps"]).to(x.dtype),)
+
+
 def linear(k: Kernels, a: dict[str, Any], x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """x @ W^T with W [out, in]: cuBLAS on a GPU (float32, float16, bfloat16)."""
     return (F.linear(x, weight),)
@@ -128,7 +133,7 @@ def speculative_accept(k: Kernels, a: dict[str, Any], logits: torch.Tensor, acce
                                                       uniforms)
 
 
-OPS: dict[str, Op] = {f.__name__: f for f in (gather_rows, rmsnorm, add_rmsnorm, linear, weight_only_linear, add,
-                                              mul, concat, split, reshape, swiglu, silu_mul, geglu, gelu_mul, gelu,
-                                              tanh, scale, paged_attention, kv_write, speculative_accept)}
+OPS: dict[str, Op] = {f.__name__: f for f in (gather_rows, rmsnorm, add_rmsnorm, layernorm, linear, weight_only_linear,
+                                              add, mul, concat, split, reshape, swiglu, silu_mul, geglu, gelu_mul,
+                                              gelu, tanh, scale, paged_attention, kv_write, speculative_accept)}
 OPS["embedding"] = gather_rows

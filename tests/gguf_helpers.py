@@ -1,7 +1,7 @@
 """Test helpers (importable as `gguf_helpers`): HF model folders with tokenizers and chat templates, and a GGUF writer
 that does what llama.cpp's convert_hf_to_gguf.py does for Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 1/2/3,
-Granite, OLMo 2 / 3, ERNIE 4.5, GLM-4, EXAONE 4 and the mixtures of experts Qwen3-MoE, Mixtral, OLMoE and Granite MoE
-(with --outtype f32)."""
+Granite, OLMo 2 / 3, ERNIE 4.5, GLM-4, EXAONE 4, Cohere / Cohere 2 and the mixtures of experts Qwen3-MoE, Mixtral,
+OLMoE and Granite MoE (with --outtype f32)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,8 @@ FAMILIES = {
     "glm4": ("glm4", "bpe", "GLM 4 Tiny"),
     "exaone4": ("exaone4", "bpe", "EXAONE 4.0 Tiny"),
     "exaone4_window": ("exaone4", "bpe", "EXAONE 4.0 Tiny"),
+    "cohere": ("command-r", "bpe", "Command R Tiny"),
+    "cohere2": ("cohere2", "bpe", "Command R7B Tiny"),
 }
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)$")
 
@@ -333,7 +335,10 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     w.add_head_count_kv(kv_heads)
     rope = cfg.get("rope_parameters") or {}
     w.add_rope_freq_base(cfg.get("rope_theta") or rope.get("full_attention", rope)["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if "layer_norm_eps" in cfg:  # TextModel.set_gguf_parameters: a LayerNorm model's epsilon
+        w.add_layer_norm_eps(cfg["layer_norm_eps"])
+    else:
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if "head_dim" in cfg:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -346,6 +351,12 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     _add_yarn_parameters(w, cfg)
     if arch.startswith("gemma"):
         _add_gemma_parameters(w, cfg, arch)
+    if arch in ("command-r", "cohere2"):  # CommandR2Model / Cohere2Model.set_gguf_parameters
+        w.add_logit_scale(cfg["logit_scale"])
+    if arch == "cohere2":
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_rope_dimension_count(head_dim)
     if arch == "glm4":  # Glm4Model.set_gguf_parameters
         w.add_rope_dimension_count(int(head_dim * (cfg.get("partial_rotary_factor")
                                                    or rope.get("partial_rotary_factor"))))

@@ -122,6 +122,15 @@ RANDOM_CONFIGS = {
     "exaone4_window": ("Exaone4Config", dict(_COMMON, num_hidden_layers=4, rope_theta=1000000.0, sliding_window=6,
                                              sliding_window_pattern=4, bos_token_id=1, eos_token_id=2,
                                              pad_token_id=0)),
+    # LayerNorms, attention and MLP in parallel off one norm, interleaved RoPE, logits x 0.25, q / k / v / o biases,
+    # tied (llama.cpp's Cohere files have no output tensor)
+    "cohere": ("CohereConfig", dict(_COMMON, rope_theta=10000.0, logit_scale=0.25, layer_norm_eps=1e-5,
+                                    attention_bias=True, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                                    pad_token_id=0)),
+    # + layers 0-2 windowed (6) with RoPE, layer 3 full without
+    "cohere2": ("Cohere2Config", dict(_COMMON, num_hidden_layers=4, rope_theta=50000.0, logit_scale=0.25,
+                                      sliding_window=6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                                      pad_token_id=0)),
 }
 
 

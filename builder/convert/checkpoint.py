@@ -30,7 +30,9 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
     for i in layers:
         p = f"transformer.layers.{i}."
         if config.input_norms:
-            names += [p + "input_layernorm.weight", p + "post_layernorm.weight"]
+            names += [p + "input_layernorm.weight"]
+        if config.input_norms and not config.parallel_residual:
+            names += [p + "post_layernorm.weight"]
         names += [p + "attention.dense.weight"]
         names += [p + f"attention.{x}.weight" for x in "qkv"]
         if config.qkv_bias:

@@ -36,6 +36,9 @@ _OLMO2_LAYER_TENSORS = (*(f"attn_{p}.weight" for p in "qkv"), "attn_output.weigh
 # GLM-4: q / k / v with biases, gate and up in one ffn_up, norms before and after attention and MLP
 _GLM4_LAYER_TENSORS = (*SEPARATE_LAYER_TENSORS[:-2], "ffn_up.weight", *_OUTPUT_NORMS)
 
+# Cohere: one norm per layer, which attention and MLP both read
+_COHERE_LAYER_TENSORS = tuple(t for t in SEPARATE_LAYER_TENSORS if t != "ffn_norm.weight")
+
 # A mixture of experts' layer: attention as usual, then the router and the experts stacked ([experts, out, in])
 _ATTENTION_LAYER_TENSORS = (*(f"{n}.weight" for n in ("attn_norm", "ffn_norm", "attn_output")),
                             *(f"attn_{p}.weight" for p in "qkv"))
@@ -107,6 +110,10 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
         ("ffn_up.weight", "mlp.gate_up_proj.weight"), ("post_attention_norm.weight", "post_self_attn_layernorm.weight"),
         ("post_ffw_norm.weight", "post_mlp_layernorm.weight"))),
     "exaone4": GgufArch("Exaone4ForCausalLM", "exaone4", False, _OLMO2_LAYER_TENSORS, output_norms=True),
+    # Command R / Aya (CohereForCausalLM) and Command R7B (Cohere2ForCausalLM): interleaved RoPE as HF stores it
+    "command-r": GgufArch("CohereForCausalLM", "cohere", False, _COHERE_LAYER_TENSORS,
+                          optional_layer_tensors=(*_QKV_BIAS, "attn_output.bias")),
+    "cohere2": GgufArch("Cohere2ForCausalLM", "cohere2", False, _COHERE_LAYER_TENSORS),
 }
 # Layers llama.cpp gives the larger Gemmas (27B), whose attention scale it takes from hidden / heads, not head_dim
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -130,7 +137,7 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
             f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
             f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, SmolLM3, TinyLlama, Qwen2/2.5, Qwen3, "
             "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3, Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral, Granite MoE, "
-            "gpt-oss, ERNIE 4.5, GLM-4, EXAONE 4 ...). Convert the HF checkpoint instead."
+            "gpt-oss, ERNIE 4.5, GLM-4, EXAONE 4, Command R / Aya, Command R7B ...). Convert the HF checkpoint instead."
         )
     if arch == "llama" and meta.get("llama.expert_count"):
         return arch, GGUF_ARCHITECTURES["mixtral"]
@@ -314,7 +321,8 @@ def hf_config(
         "head_dim": head_dim,
         "vocab_size": int(vocab),
         "max_position_embeddings": int(meta.get(f"{prefix}.context_length", 2048)),
-        "rms_norm_eps": _f32(meta.get(f"{prefix}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rms_norm_eps": _f32(meta.get(f"{prefix}.attention.layer_norm_rms_epsilon")
+                             or meta.get(f"{prefix}.attention.layer_norm_epsilon") or 1e-5),
         "rope_theta": _f32(meta.get(f"{prefix}.rope.freq_base", 10000.0)),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in shapes,
@@ -344,6 +352,8 @@ def hf_config(
     pattern = meta.get(f"{prefix}.attention.sliding_window_pattern")
     if arch.model_type in ("olmo3", "exaone4") and isinstance(pattern, list):
         cfg["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
+    if arch.model_type in ("cohere", "cohere2"):  # LayerNorms, and the logits' multiplier
+        cfg.update(layer_norm_eps=cfg["rms_norm_eps"], logit_scale=_f32(need("logit_scale")))
     if arch.model_type in ("granite", "granitemoe"):  # llama.cpp's names for Granite's multipliers
         for theirs, ours in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
                              ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
