@@ -47,7 +47,7 @@ from trtbuild.builder.mlp_activation import gated_activation
 from trtbuild.builder.moe_experts import Experts
 from trtbuild.builder.passes.lora import LORA_ADD
 from trtbuild.builder.quantized import QuantizedLinears, kv_cache_scales
-from trtbuild.builder.rope import EngineRotaryRows, reorders_rotary_rows, rope_tables
+from trtbuild.builder.rope import EngineRotaryRows, attn_temperature_table, reorders_rotary_rows, rope_tables
 from trtbuild.builder.weight_file import StagingWeights
 from trtbuild.builder.weight_only_linear import emit_nbits_gather
 from trtbuild.configs import (
@@ -236,6 +236,15 @@ class _NetworkWriter:
         normed = self.rms_norm(per_head, weight_name)
         return self.g.op("Reshape", [normed, self.g.const(np.array([0, heads * self.c.head_size]), "flat_shape")])
 
+    def query_temperature(self, positions: str) -> str | None:
+        """[tokens, 1]: what each token's q is multiplied by (Ministral 3's attention temperature), or None where the
+        engine's positions all lie below its length (the factor is 1 there)."""
+        table = attn_temperature_table(self.c, self.build.max_seq_len)
+        if table is None:
+            return None
+        return self.g.op("Gather", [self.g.weight("attn_temperature", table), positions], axis=0,
+                         name="attn_temperature_rows")
+
     def rope(self, x: str, heads: int, positions_2d: str, cos: str, sin: str) -> str:
         x3 = self.g.op("Unsqueeze", [x, self.g.const(np.array([0]), "axis0")])
         y3 = self.g.op("RotaryEmbedding", [x3, cos, sin, positions_2d], num_heads=heads)
@@ -273,6 +282,7 @@ class _NetworkWriter:
 
         rope = self.rope_inputs()
         positions_2d = g.op("Unsqueeze", [positions, g.const(np.array([0]), "axis0")], name="positions_2d")
+        temperature = self.query_temperature(positions)
 
         if c.quantization.embedding_weight_only:
             x = emit_nbits_gather(g, input_ids, "transformer.vocab_embedding", self.tensors, c.hidden_size)
@@ -293,6 +303,8 @@ class _NetworkWriter:
             if c.qk_norm:
                 q = self.head_norm(q, p + "attention.q_norm.weight", c.num_attention_heads)
                 k = self.head_norm(k, p + "attention.k_norm.weight", c.num_key_value_heads)
+            if temperature is not None:  # NOTE: a per-token factor commutes with RoPE, so the RoPE fusion still applies
+                q = g.op("Mul", [q, temperature], name=p + "attention.q_temperature")
             sliding = c.is_sliding(i)
             group, slot = layer_slot(groups, i)
             if i not in c.no_rope_layers:  # SmolLM3's NoPE layers attend without positions

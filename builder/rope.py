@@ -142,6 +142,17 @@ def rope_tables(config: ModelConfig, max_positions: int) -> tuple[np.ndarray, np
     return cos.numpy(), sin.numpy()
 
 
+def attn_temperature_table(config: ModelConfig, max_positions: int) -> np.ndarray | None:
+    """[max_positions, 1] float32: what q is multiplied by at each position (Ministral 3's attention temperature,
+    1 + scale * log(1 + floor(position / length)), computed in float64), or None where every position lies below
+    the length (the factor is 1 there) or the model has none."""
+    scale, length = config.attn_temperature_scale, config.attn_temperature_length
+    if scale is None or max_positions <= length:
+        return None
+    steps = np.floor(np.arange(max_positions, dtype=np.float64) / length)
+    return (1.0 + scale * np.log1p(steps)).astype(np.float32)[:, None]
+
+
 def rotary_row_order(head_size: int, rotary: int, interleaved: bool = False) -> np.ndarray:
     """Engine dimension n of a head holds model dimension order[n]: the model's rotated pairs ((i, i + rotary / 2),
     or (2i, 2i + 1) where `interleaved`) on the engine's pairs (i, i + head_size / 2) for i < rotary / 2, the

@@ -52,11 +52,17 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     # Cohere 2 (Command R7B): three windowed layers with RoPE, then a full one without (NoPE)
     "CohereForCausalLM": ("cohere", False, False),
     "Cohere2ForCausalLM": ("cohere2", False, False),
+    # Mistral with YaRN and Llama 4's attention temperature (q scaled up past YaRN's original context)
+    "Ministral3ForCausalLM": ("ministral3", False, False),
 }
-# Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> (the text
-# model's architecture, the transformers config class whose defaults complete the released, sparse `text_config`)
-TEXT_MODELS_OF: dict[str, tuple[str, str]] = {
-    "Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
+# Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> the text
+# config's model_type (None: whatever it says) -> (the text model's architecture, the transformers config class whose
+# defaults complete the released, sparse `text_config`)
+TEXT_MODELS_OF: dict[str, dict[str | None, tuple[str, str]]] = {
+    "Gemma3ForConditionalGeneration": {None: ("Gemma3ForCausalLM", "Gemma3TextConfig")},
+    # Mistral Small 3.1 / 3.2 (a Mistral text model), Ministral 3 (3B / 8B / 14B)
+    "Mistral3ForConditionalGeneration": {"mistral": ("MistralForCausalLM", "MistralConfig"),
+                                         "ministral3": ("Ministral3ForCausalLM", "Ministral3Config")},
 }
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 
@@ -262,7 +268,12 @@ def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
         return hf
     import transformers
 
-    text_arch, config_class = TEXT_MODELS_OF[archs[0]]
+    kinds = TEXT_MODELS_OF[archs[0]]
+    kind = (hf.get("text_config") or {}).get("model_type")
+    if kind not in kinds and None not in kinds:
+        raise CheckpointError(f"the {archs[0]}'s text model is a {kind!r}; trtbuild builds its "
+                              f"{', '.join(k for k in kinds if k)} text models.")
+    text_arch, config_class = kinds.get(kind) or kinds[None]
     try:
         text = getattr(transformers, config_class)(**copy.deepcopy(hf.get("text_config") or {})).to_dict()
     except (TypeError, ValueError) as e:
@@ -330,6 +341,18 @@ def _cohere_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     return {"logits_scaling": 1.0 / float(hf.get("logit_scale") or 0.0625)}
 
 
+def _temperature_fields(rope_params: dict[str, Any]) -> dict[str, Any]:
+    """Ministral 3's attention temperature (Llama 4's): its beta, over YaRN's original context."""
+    beta = rope_params.get("llama_4_scaling_beta")
+    if not beta:
+        return {}
+    length = rope_params.get("original_max_position_embeddings")
+    if not length:
+        raise CheckpointError("llama_4_scaling_beta is set but rope_parameters gives no "
+                              "original_max_position_embeddings, the length its temperature steps over.")
+    return {"attn_temperature_scale": float(beta), "attn_temperature_length": int(length)}
+
+
 def _gpt_oss_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """gpt-oss's attention sinks and clamped SwiGLU (its q / k / v / o biases are `attention_bias`'s)."""
     if family != "gpt_oss":
@@ -338,7 +361,17 @@ def _gpt_oss_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
             "swiglu_limit": float(hf.get("swiglu_limit", 7.0))}
 
 
+# pre-quantized HF checkpoints the converter reads as they are (gpt-oss's MXFP4 experts: builder/convert/mxfp4.py)
+_READ_QUANT_METHODS = ("mxfp4",)
+
+
 def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    if hf.get("quantization_config") and method not in _READ_QUANT_METHODS:
+        raise CheckpointError(f"this checkpoint is pre-quantized (quantization_config quant_method {method!r}); "
+                              "trtbuild converts full-precision Hugging Face weights: use the model's BF16 / FP16 "
+                              "release, or a GGUF file of it (then `trtbuild quantize` for FP8 / INT4-AWQ / "
+                              "INT8-SmoothQuant).")
     hf = text_model_config(hf)
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
@@ -365,7 +398,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     rotary_dim = _rotary_dim(hf, rope_params, head_size)
     rope_scaling = _rope_scaling(hf, rope_params, rotary_dim or head_size, family)
     # the families whose HF attention honours sliding_window (Gemma 2 / 3 in their sliding layers)
-    window_by_default = family in ("mistral", "mixtral", "phi3", *_LAYER_PATTERNS)
+    window_by_default = family in ("mistral", "mixtral", "phi3", "ministral3", *_LAYER_PATTERNS)
     window = hf.get("sliding_window") if hf.get("use_sliding_window", window_by_default) else None
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -408,6 +441,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         **_gemma_fields(hf, family, hf_dtype if hf_dtype in DTYPES else "float32"),
         **_granite_fields(hf, family),
         **_cohere_fields(hf, family),
+        **_temperature_fields(hf.get("rope_scaling") or rope_params),
         **_moe_fields(hf, family),
         **_norm_layout(family),
     )

@@ -185,7 +185,11 @@ class ModelConfig:
     # RoPE rotates adjacent pairs (2i, 2i + 1) of each head (GPT-J style: GLM-4, ERNIE 4.5), not the halves
     # (i, i + rotary_dim / 2); the checkpoint keeps the model's q / k rows, the builder reorders them (builder/rope.py)
     rotary_interleaved: bool = False
-    no_rope_layers: tuple[int, ...] = ()  # layers whose attention applies no RoPE (SmolLM3: every fourth)
+    no_rope_layers: tuple[int, ...] = ()
+    # Ministral 3 (Llama 4's attention temperature): q is multiplied by 1 + attn_temperature_scale *
+    # log(1 + floor(position / attn_temperature_length)), which is 1 below that length; None: not at all
+    attn_temperature_scale: float | None = None
+    attn_temperature_length: int | None = None  # layers whose attention applies no RoPE (SmolLM3: every fourth)
     tie_word_embeddings: bool = False
     # False: a base model saved without its LM head and not tied (an embedding model): its engines embed only
     has_lm_head: bool = True
@@ -264,6 +268,12 @@ class ModelConfig:
             raise CheckpointError("config.json: swiglu_alpha and swiglu_limit are set with (and only with) hidden_act "
                                   f"swiglu_oai; got hidden_act {self.hidden_act!r}, swiglu_alpha "
                                   f"{self.swiglu_alpha!r}, swiglu_limit {self.swiglu_limit!r}")
+        if (self.attn_temperature_scale is None) != (self.attn_temperature_length is None) or not (
+                self.attn_temperature_length is None or (isinstance(self.attn_temperature_length, int)
+                                                         and self.attn_temperature_length > 0)):
+            raise CheckpointError("config.json: attn_temperature_scale and attn_temperature_length are set together, "
+                                  "the length a positive number of positions; got "
+                                  f"{self.attn_temperature_scale!r}, {self.attn_temperature_length!r}")
         if not self.layer_types:
             kind = "sliding_attention" if self.sliding_window else "full_attention"
             object.__setattr__(self, "layer_types", (kind,) * self.num_hidden_layers)  # frozen: set once, here

@@ -123,6 +123,8 @@ def hf_config_from_model_config(c: Any) -> dict[str, Any]:
         cfg["attention_bias"] = c.qkv_bias
     if c.rotary_scaling:
         cfg["rope_scaling"] = dict(c.rotary_scaling)
+    if c.attn_temperature_scale is not None:  # Ministral 3: over YaRN's original context
+        cfg["rope_scaling"]["llama_4_scaling_beta"] = c.attn_temperature_scale
     if c.rotary_dim is not None:
         cfg["partial_rotary_factor"] = c.rotary_dim / c.head_size
     if c.family == "glm4":  # NOTE: Glm4Config's default pad token (151329) may lie past a smaller vocabulary

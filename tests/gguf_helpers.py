@@ -1,7 +1,7 @@
 """Test helpers (importable as `gguf_helpers`): HF model folders with tokenizers and chat templates, and a GGUF writer
 that does what llama.cpp's convert_hf_to_gguf.py does for Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 1/2/3,
-Granite, OLMo 2 / 3, ERNIE 4.5, GLM-4, EXAONE 4, Cohere / Cohere 2 and the mixtures of experts Qwen3-MoE, Mixtral,
-OLMoE and Granite MoE (with --outtype f32)."""
+Granite, OLMo 2 / 3, ERNIE 4.5, GLM-4, EXAONE 4, Cohere / Cohere 2, Ministral 3 and the mixtures of experts
+Qwen3-MoE, Mixtral, OLMoE and Granite MoE (with --outtype f32)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ PROBE_TEXTS = (
     "a</s>\n  b</s> <s> c",
 )
 # the architectures llama.cpp's LlamaModel converts (q / k rows permuted)
-PERMUTED = ("llama", "smollm3", "granite", "granitemoe")
+PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "mistral3")
 # HF family -> (GGUF architecture llama.cpp writes, vocabulary kind, general.name)
 FAMILIES = {
     "llama": ("llama", "spm", "Llama Tiny"),
@@ -74,6 +74,7 @@ FAMILIES = {
     "exaone4_window": ("exaone4", "bpe", "EXAONE 4.0 Tiny"),
     "cohere": ("command-r", "bpe", "Command R Tiny"),
     "cohere2": ("cohere2", "bpe", "Command R7B Tiny"),
+    "ministral3": ("mistral3", "spm", "Ministral 3 Tiny"),
 }
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)$")
 
@@ -351,6 +352,9 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     _add_yarn_parameters(w, cfg)
     if arch.startswith("gemma"):
         _add_gemma_parameters(w, cfg, arch)
+    if arch == "mistral3":  # Ministral3Model.set_gguf_parameters
+        w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+        w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
     if arch in ("command-r", "cohere2"):  # CommandR2Model / Cohere2Model.set_gguf_parameters
         w.add_logit_scale(cfg["logit_scale"])
     if arch == "cohere2":

@@ -131,6 +131,12 @@ RANDOM_CONFIGS = {
     "cohere2": ("Cohere2Config", dict(_COMMON, num_hidden_layers=4, rope_theta=50000.0, logit_scale=0.25,
                                       sliding_window=6, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
                                       pad_token_id=0)),
+    # Mistral with YaRN past an original context of 8 (4 times it) and the attention temperature stepping up every 8
+    # positions (0.5 log(1 + floor(pos / 8)))
+    "ministral3": ("Ministral3Config", dict(_COMMON, head_dim=16, sliding_window=None, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)),
 }
 
 

@@ -114,6 +114,8 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     "command-r": GgufArch("CohereForCausalLM", "cohere", False, _COHERE_LAYER_TENSORS,
                           optional_layer_tensors=(*_QKV_BIAS, "attn_output.bias")),
     "cohere2": GgufArch("Cohere2ForCausalLM", "cohere2", False, _COHERE_LAYER_TENSORS),
+    # Ministral 3: llama.cpp's LlamaModel layout (q / k permuted) with YaRN and the attention temperature
+    "mistral3": GgufArch("Ministral3ForCausalLM", "ministral3", True),
 }
 # Layers llama.cpp gives the larger Gemmas (27B), whose attention scale it takes from hidden / heads, not head_dim
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -137,7 +139,8 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
             f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
             f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, SmolLM3, TinyLlama, Qwen2/2.5, Qwen3, "
             "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3, Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral, Granite MoE, "
-            "gpt-oss, ERNIE 4.5, GLM-4, EXAONE 4, Command R / Aya, Command R7B ...). Convert the HF checkpoint instead."
+            "gpt-oss, ERNIE 4.5, GLM-4, EXAONE 4, Command R / Aya, Command R7B, Ministral 3 ...). Convert the HF "
+            "checkpoint instead."
         )
     if arch == "llama" and meta.get("llama.expert_count"):
         return arch, GGUF_ARCHITECTURES["mixtral"]
@@ -188,9 +191,9 @@ def _yarn(meta: dict[str, Any], prefix: str, factor: float | None, cfg: dict[str
     where the config gives them.
 
     NOTE: llama.cpp runs some files differently from transformers. It reads the yarn_* keys only for a few
-    architectures, none of trtbuild's (grok all but the log multiplier; mistral3 the betas and the log multiplier;
-    the DeepSeeks the log multiplier): it runs trtbuild's with betas 32 / 1 and the attention scaling
-    0.1 ln(factor) + 1 whatever the file says, where this follows the HF model the file was made from. It always
+    architectures (grok all but the log multiplier; mistral3 the betas and the log multiplier; the DeepSeeks the log
+    multiplier): it runs trtbuild's others with betas 32 / 1 and the attention scaling 0.1 ln(factor) + 1 whatever
+    the file says, where this follows the HF model the file was made from. It always
     rounds the ramp's bounds (transformers' truncate: true; gpt-oss's HF config says false). Its generic
     `rope.scaling.attn_factor` multiplies the YaRN scaling, as here."""
 
@@ -352,6 +355,12 @@ def hf_config(
     pattern = meta.get(f"{prefix}.attention.sliding_window_pattern")
     if arch.model_type in ("olmo3", "exaone4") and isinstance(pattern, list):
         cfg["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
+    if beta := meta.get(f"{prefix}.attention.temperature_scale"):  # Ministral 3, over YaRN's original context
+        if (cfg.get("rope_scaling") or {}).get("rope_type") != "yarn":
+            raise CheckpointError(f"This GGUF scales its attention's temperature ({prefix}.attention.temperature_scale)"
+                                  " but its RoPE is not YaRN, whose original context that scaling steps over; the "
+                                  "file is incomplete: re-export it.")
+        cfg["rope_scaling"]["llama_4_scaling_beta"] = _f32(beta)
     if arch.model_type in ("cohere", "cohere2"):  # LayerNorms, and the logits' multiplier
         cfg.update(layer_norm_eps=cfg["rms_norm_eps"], logit_scale=_f32(need("logit_scale")))
     if arch.model_type in ("granite", "granitemoe"):  # llama.cpp's names for Granite's multipliers

@@ -42,12 +42,15 @@ _UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]
 _CONTRACTION, _LEAD = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?", r"[^\r\n\p{L}\p{N}]?"
 _GPT4O = _PreTokenizer(f"{_LEAD}{_UPPER}*{_LOWER}+{_CONTRACTION}|{_LEAD}{_UPPER}+{_LOWER}*{_CONTRACTION}"
                        r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Mistral's tekken (Mistral Nemo / Small, Ministral 3): o200k's word split without contractions, digits one by one
+_TEKKEN = _PreTokenizer(f"{_LEAD}{_UPPER}*{_LOWER}+|{_LEAD}{_UPPER}+{_LOWER}*"
+                        r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+", ignore_merges=True, add_bos=True)
 _GLM4 = _PreTokenizer(_LLAMA3.split, ignore_merges=True)  # llama.cpp's CHATGLM4: Llama 3's split, no BOS
 _GPT2 = _PreTokenizer(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)")  # EXAONE 4
-# tokenizer.ggml.pre -> pre-tokenizer (the names llama.cpp's llama-vocab.cpp maps to LLAMA3, QWEN2, GPT4O, CHATGLM4
-# and GPT2)
+# tokenizer.ggml.pre -> pre-tokenizer (the names llama.cpp's llama-vocab.cpp maps to LLAMA3, QWEN2, GPT4O, CHATGLM4,
+# GPT2 and TEKKEN)
 _PRE_TOKENIZERS = {"qwen2": _QWEN2, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "gpt-4o": _GPT4O,
-                   "glm4": _GLM4, "exaone4": _GPT2}
+                   "glm4": _GLM4, "exaone4": _GPT2, "tekken": _TEKKEN}
 
 
 def pre_tokenizer_split(pre: str) -> str:
