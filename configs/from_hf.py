@@ -8,7 +8,7 @@ import copy
 from typing import Any
 
 from trtbuild.configs import hf_rope
-from trtbuild.configs.model_config import DTYPES, GEMMA_FAMILIES, HIDDEN_ACTS, ModelConfig
+from trtbuild.configs.model_config import COHERE_FAMILIES, DTYPES, GEMMA_FAMILIES, HIDDEN_ACTS, ModelConfig
 from trtbuild.errors import CheckpointError
 
 # HF `architectures[0]` -> (family, qkv_bias, qk_norm)
@@ -224,14 +224,14 @@ def _norm_layout(family: str) -> dict[str, Any]:
         return {"output_norms": True, "input_norms": False, "qk_norm_full": family != "exaone4"}
     if family == "glm4":  # before and after them
         return {"output_norms": True}
-    if family in ("cohere", "cohere2"):  # one LayerNorm both read
+    if family in COHERE_FAMILIES:  # one LayerNorm both read
         return {"norm_type": "layer", "parallel_residual": True}
     return {"qk_norm_full": True} if family == "olmoe" else {}
 
 
 def _cohere_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """Cohere's logit_scale (the logits' multiplier, 1/16 unless given), refusing its per-head q / k LayerNorms."""
-    if family not in ("cohere", "cohere2"):
+    if family not in COHERE_FAMILIES:
         return {}
     if hf.get("use_qk_norm"):
         raise CheckpointError("use_qk_norm=true (Command R+'s per-head q / k LayerNorms) is not supported.")
@@ -269,7 +269,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         )
     family, qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
     # NOTE: these families' attention_bias puts a bias on the output projection too
-    dense_bias = family in ("llama", "granite", "granitemoe", "gpt_oss", "cohere", "cohere2") and bool(
+    dense_bias = family in ("llama", "granite", "granitemoe", "gpt_oss", *COHERE_FAMILIES) and bool(
         hf.get("attention_bias", False))
     qkv_bias = qkv_bias or dense_bias or (family == "glm4" and bool(hf.get("attention_bias", True)))
     if hf.get("mlp_bias") or (family == "ernie4_5" and hf.get("use_bias")):
@@ -304,16 +304,16 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
         head_size=head_size,
-        norm_epsilon=float(hf.get("layer_norm_eps") or 1e-5) if family in ("cohere", "cohere2")
+        norm_epsilon=float(hf.get("layer_norm_eps") or 1e-5) if family in COHERE_FAMILIES
         else float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         rotary_base=float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
         rotary_scaling=rope_scaling,
         rotary_dim=rotary_dim,
-        rotary_interleaved=family in ("ernie4_5", "glm4", "cohere", "cohere2"),
+        rotary_interleaved=family in ("ernie4_5", "glm4", *COHERE_FAMILIES),
         no_rope_layers=_no_rope_layers(hf, family, layer_types if window else ()),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, "ernie4_5", "cohere",
-                                                                          "cohere2"))),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *COHERE_FAMILIES,
+                                                                          "ernie4_5"))),
         qkv_bias=qkv_bias,
         dense_bias=dense_bias,
         qk_norm=qk_norm,

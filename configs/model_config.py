@@ -19,6 +19,7 @@ from trtbuild.errors import CheckpointError
 from trtbuild.quantization import LM_HEAD_QUANT_ALGOS, QUANT_ALGOS, KVCacheQuantAlgo, QuantAlgo
 
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
+COHERE_FAMILIES = ("cohere", "cohere2")
 # the MLP's gate activation: SwiGLU, GeGLU with tanh-approximated GELU, or gpt-oss's clamped SwiGLU
 # (g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1): swiglu_alpha, swiglu_limit)
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")

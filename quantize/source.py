@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trtbuild.configs.model_config import GEMMA_FAMILIES, ModelConfig
+from trtbuild.configs.model_config import COHERE_FAMILIES, GEMMA_FAMILIES, ModelConfig
 from trtbuild.errors import CheckpointError, ConfigError
 
 
@@ -136,7 +136,7 @@ def hf_config_from_model_config(c: Any) -> dict[str, Any]:
         cfg["no_rope_layers"] = [int(i not in c.no_rope_layers) for i in range(c.num_hidden_layers)]
     if c.family in GEMMA_FAMILIES:
         cfg.update(hidden_activation=c.hidden_act, embedding_multiplier=c.embedding_multiplier)
-    if c.family in ("cohere", "cohere2"):
+    if c.family in COHERE_FAMILIES:
         cfg.update(layer_norm_eps=c.norm_epsilon, logit_scale=1.0 / c.logits_scaling, attention_bias=c.qkv_bias)
     # NOTE: Exaone4Config cannot derive them without a window
     if c.family in ("gemma2", "gemma3", "olmo3", "exaone4", "cohere2"):
@@ -167,8 +167,7 @@ def _as_mistral(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor]
                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The Mistral config and HF tensors computing what a Phi-3 model computes: the same RoPE (LongRoPE included)
     and sliding window."""
-    from trtbuild.builder.convert.fused import split_fused
-    from trtbuild.builder.convert.hf_reader import SourceTensor
+    from trtbuild.builder.convert.fused import split_fused_tensors
     from trtbuild.configs.from_hf import model_config_from_hf
 
     config = model_config_from_hf(hf_config)
@@ -178,8 +177,7 @@ def _as_mistral(hf_config: dict[str, Any], tensors: dict[str, torch.Tensor]
     # NOTE: a partial rotary model's RoPE is the engine's (build_torch_model swaps it in): its own is never used
     mistral["rope_parameters"] = {"rope_type": "default", **({} if config.rotary_dim else config.rotary_scaling or {}),
                                   "rope_theta": config.rotary_base}
-    sources = {n: SourceTensor(tuple(t.shape), lambda t=t: t) for n, t in tensors.items()}
-    split = {n: s.load() for n, s in split_fused(sources, config).items()}
+    split = split_fused_tensors(tensors, config)
     return mistral, _in_engine_row_order(split, config) if config.rotary_dim else split
 
 
@@ -215,14 +213,12 @@ class SeparateGateUpMLP(torch.nn.Module):
 def _with_separate_gate_up(model: torch.nn.Module, tensors: dict[str, torch.Tensor], hf_config: dict[str, Any]
                            ) -> dict[str, torch.Tensor]:
     """Swap `model`'s MLPs for SeparateGateUpMLP; `tensors` with any fused gate_up_proj split to match."""
-    from trtbuild.builder.convert.fused import split_fused
-    from trtbuild.builder.convert.hf_reader import SourceTensor
+    from trtbuild.builder.convert.fused import split_fused_tensors
     from trtbuild.configs.from_hf import model_config_from_hf
 
     for layer in model.model.layers:
         layer.mlp = SeparateGateUpMLP(layer.mlp)
-    sources = {n: SourceTensor(tuple(t.shape), lambda t=t: t) for n, t in tensors.items()}
-    return {n: s.load() for n, s in split_fused(sources, model_config_from_hf(hf_config)).items()}
+    return split_fused_tensors(tensors, model_config_from_hf(hf_config))
 
 
 class EngineRotaryEmbedding(torch.nn.Module):

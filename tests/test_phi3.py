@@ -151,7 +151,7 @@ def test_the_quantizers_mistral_form_holds_partial_rotary_q_k_rows_in_the_engine
 def test_a_gguf_with_one_longrope_factor_set_is_refused():
     import numpy as np
 
-    from trtbuild.builder.convert.gguf_config import _rope_scaling
+    from trtbuild.builder.convert.gguf_rope import rope_scaling as _rope_scaling
 
     cfg = {"max_position_embeddings": 4096, "head_dim": 16, "rope_theta": 10000.0}
     with pytest.raises(CheckpointError, match="rope_factors_long.weight and rope_factors_short.weight but not the "

@@ -169,7 +169,7 @@ def test_yarn_metadata_gives_the_hf_rope_scaling(tmp_path: Path, case: str) -> N
 
 def test_a_gpt_oss_file_runs_yarn_unrounded_as_its_hf_config_says() -> None:
     """GptOssConfig's truncate: false, which the GGUF does not record (llama.cpp rounds the ramp's bounds)."""
-    from trtbuild.builder.convert.gguf_config import _rope_scaling
+    from trtbuild.builder.convert.gguf_rope import rope_scaling as _rope_scaling
 
     meta = {f"gpt-oss.rope.scaling.{k}": v for k, v in (("type", "yarn"), ("factor", 32.0),
                                                          ("original_context_length", 4096), ("yarn_beta_fast", 32.0),

@@ -65,3 +65,9 @@ def split_fused(sources: dict[str, SourceTensor], config: ModelConfig) -> dict[s
                 (n, src.shape[1]), lambda src=src, a=start, b=start + n: take_rows(src.load(), a, b), src.nbits)
             start += n
     return out
+
+
+def split_fused_tensors(tensors: dict[str, Any], config: ModelConfig) -> dict[str, Any]:
+    """`split_fused` of tensors in memory (HF-named), the parts loaded."""
+    sources = {n: SourceTensor(tuple(t.shape), lambda t=t: t) for n, t in tensors.items()}
+    return {n: s.load() for n, s in split_fused(sources, config).items()}
