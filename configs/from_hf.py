@@ -8,6 +8,7 @@ import copy
 from typing import Any
 
 from trtbuild.configs import hf_rope
+from trtbuild.configs.hf_quantization import prequantized_weights
 from trtbuild.configs.model_config import COHERE_FAMILIES, DTYPES, GEMMA_FAMILIES, HIDDEN_ACTS, ModelConfig
 from trtbuild.errors import CheckpointError
 
@@ -177,7 +178,8 @@ def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(f"the model's config.json has an invalid text_config ({e}).") from None
     dtype = hf.get("torch_dtype") or hf.get("dtype") or text.get("torch_dtype") or text.get("dtype")
     eos = hf.get("eos_token_id", text.get("eos_token_id"))
-    return {**text, "architectures": [text_arch], "torch_dtype": dtype, "eos_token_id": eos}
+    quant = {"quantization_config": hf["quantization_config"]} if hf.get("quantization_config") else {}
+    return {**text, "architectures": [text_arch], "torch_dtype": dtype, "eos_token_id": eos, **quant}
 
 
 def _granite_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
@@ -246,17 +248,8 @@ def _gpt_oss_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
             "swiglu_limit": float(hf.get("swiglu_limit", 7.0))}
 
 
-# pre-quantized HF checkpoints the converter reads as they are (gpt-oss's MXFP4 experts: builder/convert/mxfp4.py)
-_READ_QUANT_METHODS = ("mxfp4",)
-
-
 def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
-    method = (hf.get("quantization_config") or {}).get("quant_method")
-    if hf.get("quantization_config") and method not in _READ_QUANT_METHODS:
-        raise CheckpointError(f"this checkpoint is pre-quantized (quantization_config quant_method {method!r}); "
-                              "trtbuild converts full-precision Hugging Face weights: use the model's BF16 / FP16 "
-                              "release, or a GGUF file of it (then `trtbuild quantize` for FP8 / INT4-AWQ / "
-                              "INT8-SmoothQuant).")
+    prequantized_weights(hf)  # NOTE: refuses a quantization the readers do not undo (configs/hf_quantization.py)
     hf = text_model_config(hf)
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None

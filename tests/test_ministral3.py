@@ -43,14 +43,6 @@ def test_the_released_vision_model_gives_its_text_model():
         model_config_from_hf({**MINISTRAL_3B, "text_config": {**_TEXT, "model_type": "mistral4"}})
 
 
-def test_a_pre_quantized_release_is_refused_with_what_to_use():
-    """Ministral 3's instruct releases hold FP8 weights with their scales: read as plain weights they would be
-    wrong, so the converter refuses them (gpt-oss's MXFP4 experts are read as they are)."""
-    fp8 = {**MINISTRAL_3B, "quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}}
-    with pytest.raises(CheckpointError, match="pre-quantized .*'fp8'.*BF16"):
-        model_config_from_hf(fp8)
-
-
 def test_gguf_keys_give_the_same_model():
     """llama.cpp's Ministral3Model writes YaRN (with the log multiplier) and the temperature's beta; the length is
     YaRN's original context, as llama.cpp takes it."""

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from trtbuild.builder.convert.safetensors_io import SafetensorsError, SafetensorsFile
+from trtbuild.configs.hf_quantization import prequantized_weights
 from trtbuild.errors import CheckpointError
 
 
@@ -25,7 +26,8 @@ class SourceTensor:
 
 
 def open_hf(model_dir: Path) -> tuple[dict[str, Any], dict[str, SourceTensor]]:
-    """(hf_config_dict, HF name -> SourceTensor) of a safetensors checkpoint folder; no tensor is read yet."""
+    """(hf_config_dict, HF name -> SourceTensor) of a safetensors checkpoint folder; no tensor is read yet. An FP8
+    checkpoint's weights load dequantized (builder/convert/fp8_weights.py)."""
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{model_dir} has no config.json; point --model at a Hugging Face model folder.")
@@ -45,6 +47,10 @@ def open_hf(model_dir: Path) -> tuple[dict[str, Any], dict[str, SourceTensor]]:
             raise CheckpointError(f"{f} is corrupt or truncated ({e}); download it again.") from None
         for name in st:
             sources[name] = SourceTensor(st.shape(name), lambda st=st, name=name: _read(st, name))
+    if (fp8 := prequantized_weights(hf_config)) is not None:
+        from trtbuild.builder.convert.fp8_weights import dequantized_sources
+
+        sources = dequantized_sources(sources, fp8)
     if "embed_tokens.weight" in sources:  # NOTE: a base model (Qwen3Model, ...), as embedding models are saved
         sources = {n if n.startswith("lm_head.") else "model." + n: s for n, s in sources.items()}
     return hf_config, sources
