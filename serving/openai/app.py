@@ -3,7 +3,8 @@
 
 Each choice of a request is one engine request, followed by streams.py. A client that disconnects has its requests
 aborted, and their KV blocks freed, at once: streaming responses end their generator, non-streaming ones are watched.
-/v1/completions' batches and echo are in completions.py, the tokenizer endpoints in tokenize.py.
+/v1/completions' batches and echo are in completions.py (its `suffix`: fill-in-the-middle, runtime/fim.py), the
+tokenizer endpoints in tokenize.py, llama.cpp's /infill in infill.py.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from trtbuild.errors import ConfigError
 from trtbuild.runtime.async_engine import AsyncEngine, RequestStream
+from trtbuild.runtime.fim import FimTokens, infill_prompt
 from trtbuild.runtime.logprobs import TokenLogprobs
 from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.serving.openai import harmony
@@ -29,6 +31,7 @@ from trtbuild.serving.openai import protocol as api
 from trtbuild.serving.openai.answer import ChatAnswer
 from trtbuild.serving.openai.completions import EchoedChoice, Prompt, ScoredToken, completion_prompts
 from trtbuild.serving.openai.embeddings import embeddings_router
+from trtbuild.serving.openai.infill import infill_router
 from trtbuild.serving.openai.metrics import ServingMetrics
 from trtbuild.serving.openai.reasoning import opens_thinking, teaches_reasoning
 from trtbuild.serving.openai.streams import collect, deltas
@@ -68,6 +71,7 @@ class OpenAIServer:
         core = engine.core
         self.tokenizer, self.max_seq_len = core.tokenizer, core.scheduler.config.max_seq_len
         self.template = ChatTemplate.from_engine_dir(core.engine.info.path) if self.tokenizer else None
+        self.fim = FimTokens.of(self.tokenizer) if self.tokenizer else None
         self.harmony = tool_call_parser == harmony.NAME or (
             tool_call_parser == "auto" and self.template is not None and harmony.teaches_harmony(self.template.source))
         self.tool_format: ToolCallFormat | None = (
@@ -171,6 +175,14 @@ class OpenAIServer:
             raise OpenAIError(400, "this engine has no tokenizer: send the prompt as token ids", param="prompt")
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def fim_tokens(self, param: str) -> FimTokens:
+        """The model's fill-in-the-middle tokens, or a 400 naming `param` for a model that has none."""
+        if self.fim is None:
+            raise OpenAIError(400, "this model has no fill-in-the-middle tokens (<|fim_prefix|>, <fim_prefix>, <PRE>, "
+                                   "...) in its tokenizer: serve a code model trained for it (Qwen2.5-Coder, StarCoder "
+                                   "2, DeepSeek-Coder, CodeLlama, Codestral)", param=param)
+        return self.fim
+
     def render(self, messages: list[api.ChatMessage], tools: ToolUse = NO_TOOLS,
                variables: dict[str, Any] | None = None, add_generation_prompt: bool = True) -> str:
         """The conversation as the model's prompt text (in harmony's form for a model that speaks it)."""
@@ -215,14 +227,24 @@ class OpenAIServer:
                                   usage=_usage(len(prompt), sum(len(w.token_ids) for w in wholes)))
 
     async def completion(self, request: Request, r: api.CompletionRequest) -> Any:
-        prompts = completion_prompts(r.prompt, self.encode)
+        stop_ids: tuple[int, ...] = ()
+        if r.suffix:  # fill in the middle: each prompt is a prefix
+            if r.echo:
+                raise OpenAIError(400, "echo and suffix do not go together: a middle has no prompt to echo",
+                                  param="echo")
+            fim = self.fim_tokens("suffix")
+            prompts = completion_prompts(r.prompt, self.encode,
+                                         lambda p: infill_prompt(self.tokenizer, fim, p, r.suffix))
+            stop_ids = fim.stop_ids
+        else:
+            prompts = completion_prompts(r.prompt, self.encode)
         echo_only = r.echo and r.max_tokens == 0
         if r.max_tokens == 0 and not r.echo:
             raise OpenAIError(400, "max_tokens 0 generates nothing: ask for at least 1 token, or set echo to get the "
                                    "prompt back (with logprobs: its tokens' log probabilities)", param="max_tokens")
         if echo_only:  # NOTE: the prompt's last position is computed by the pass that samples one token
             r = r.model_copy(update={"max_tokens": 1})
-        params = [self._params(r, len(p.token_ids), 16, r.logprobs,
+        params = [self._params(r, len(p.token_ids), 16, r.logprobs, stop_ids,
                                prompt_logprobs=r.logprobs if r.echo else None) for p in prompts]
         streams, stream_prompts = [], []
         try:
@@ -339,6 +361,7 @@ class OpenAIServer:
 
         app.include_router(tokenizer_router(self))
         app.include_router(embeddings_router(self))
+        app.include_router(infill_router(self))
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:

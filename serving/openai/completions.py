@@ -26,12 +26,17 @@ class Prompt:
     token_ids: list[int]
 
 
-def completion_prompts(prompt: str | list, encode: Callable[[str], list[int]]) -> list[Prompt]:
-    """The request's prompts, in order (ValueError for an empty batch or an empty prompt)."""
+def completion_prompts(prompt: str | list, encode: Callable[[str], list[int]],
+                       infill: Callable[[str | list[int]], list[int]] | None = None) -> list[Prompt]:
+    """The request's prompts, in order (ValueError for an empty batch or an empty prompt). With `infill` each
+    prompt, text or token ids, is the prefix of a fill-in-the-middle prompt."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
         raise ValueError("prompt: the batch of prompts is empty")
+    if infill is not None:
+        return [Prompt(p if isinstance(p, str) else None, infill(p if isinstance(p, str) else [int(t) for t in p]))
+                for p in prompt]
     prompts = [Prompt(p, encode(p)) if isinstance(p, str) else Prompt(None, [int(t) for t in p]) for p in prompt]
     if empty := [i for i, p in enumerate(prompts) if not p.token_ids]:
         raise ValueError(f"prompt: prompt {empty[0]} of the batch is empty" if len(prompts) > 1 else "prompt is empty")

@@ -183,12 +183,7 @@ class CompletionRequest(_Request):
     prompt: str | list[int] | list[str] | list[list[int]] = Field()  # one prompt, or a batch (completions.py)
     logprobs: int | None = None
     echo: bool = False  # the prompt before each choice's text (and its tokens' logprobs before the output's)
-    suffix: str | None = None
-
-    def unsupported(self) -> list[str]:
-        bad = super().unsupported()
-        bad += ["suffix"] if self.suffix else []
-        return bad
+    suffix: str | None = None  # fill in the middle between the prompt and this (runtime/fim.py)
 
 
 # ---- responses ------------------------------------------------------------------------------------------------------
