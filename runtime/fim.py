@@ -1,6 +1,6 @@
 """Fill-in-the-middle (FIM): the prompt a code model completes between a prefix and a suffix.
 
-Code models (Qwen2.5-Coder, StarCoder 2, DeepSeek-Coder, CodeLlama, Granite Code, Codestral) learned to write the
+Code models (Qwen2.5-Coder, StarCoder 2, DeepSeek-Coder, CodeLlama, Granite Code) learned to write the
 middle of a file from `[FIM_PRE] prefix [FIM_SUF] suffix [FIM_MID]`, their special tokens found by spelling as
 llama.cpp finds them. Repository-level context (other files) goes before it, as Qwen2.5-Coder learned it and
 llama.cpp's /infill sends it:

@@ -180,7 +180,7 @@ class OpenAIServer:
         if self.fim is None:
             raise OpenAIError(400, "this model has no fill-in-the-middle tokens (<|fim_prefix|>, <fim_prefix>, <PRE>, "
                                    "...) in its tokenizer: serve a code model trained for it (Qwen2.5-Coder, StarCoder "
-                                   "2, DeepSeek-Coder, CodeLlama, Codestral)", param=param)
+                                   "2, DeepSeek-Coder, CodeLlama, Granite Code)", param=param)
         return self.fim
 
     def render(self, messages: list[api.ChatMessage], tools: ToolUse = NO_TOOLS,
