@@ -203,7 +203,6 @@ BAD = [  # (path, body, status, message)
     ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1.0}}, 400, "logit_bias keys must be token ids"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias must be"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias must be token ids below"),
-    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "not supported: suffix"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "The model `gpt-4` does not exist"),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n must be at least 1"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature must be"),
