@@ -1,9 +1,9 @@
 """Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B, Llama-3.2-1B / Llama-3.1-8B, SmolLM3-3B (NoPE
 layers), Granite 3.3 2B (Granite's multipliers), Gemma 3 1B / Gemma 2 2B (sandwich norms, sliding-window layers, soft-
-capping), ERNIE-4.5-0.3B / GLM-4-9B (interleaved RoPE), EXAONE-4.0-1.2B (post norms), OLMoE-1B-7B / Granite 3.1
-3B-A800M (mixtures of experts; GGUF only) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up, LongRoPE,
-Phi-4-mini's partial rotary embeddings; with a byte-level BPE as Phi-4 has), as an HF folder (bf16 safetensors;
-`--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written with
+capping), ERNIE-4.5-0.3B / GLM-4-9B (interleaved RoPE), EXAONE-4.0-1.2B (post norms), AFM-4.5B (an MLP without a
+gate), OLMoE-1B-7B / Granite 3.1 3B-A800M (mixtures of experts; GGUF only) or Phi-3.5-mini / Phi-4-mini (3.8B: fused
+q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings; with a byte-level BPE as Phi-4 has), as an HF
+folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written with
 the `gguf` package, for measuring convert / build / load / decode at real sizes. No weights are downloaded: the
 weights are random (seeded) and the tokenizer is a small byte-level BPE trained here on this repository's docs,
 padded to the model's vocabulary as the real tokenizers are, with the family's special tokens and chat template.
@@ -22,6 +22,7 @@ padded to the model's vocabulary as the real tokenizers are, with the family's s
     python benchmarks/make_real_size_model.py --out /work/models/ernie --shape ernie4.5-0.3b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/exaone4 --shape exaone4-1.2b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/glm4 --shape glm4-9b --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/afm --shape afm-4.5b --no-hf --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
 would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
@@ -48,6 +49,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from gguf_tensors import encode, gguf_type, llama3_rope_freqs, llama_permute  # noqa: E402
 from real_shapes import (  # noqa: E402
+    ARCEE,
     ERNIE,
     EXAONE4,
     GEMMA2,
@@ -118,7 +120,8 @@ def make_hf(out: Path, shape: Shape, tok, seed: int, dtype: str) -> None:
                   GEMMA2: transformers.Gemma2Config, GEMMA3: transformers.Gemma3TextConfig,
                   GRANITE: transformers.GraniteConfig, OLMO2: transformers.Olmo2Config,
                   ERNIE: transformers.Ernie4_5Config, GLM4: transformers.Glm4Config,
-                  EXAONE4: transformers.Exaone4Config}.get(shape.family, transformers.LlamaConfig)
+                  EXAONE4: transformers.Exaone4Config, ARCEE: transformers.ArceeConfig
+                  }.get(shape.family, transformers.LlamaConfig)
     kwargs.update(shape.multipliers or {})
     if shape.head_size:
         kwargs["head_dim"] = shape.head_size
@@ -179,7 +182,8 @@ def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
         elif shape.family in (PHI3, GLM4):
             yield p + "mlp.gate_up_proj.weight", (2 * shape.intermediate_size, h)
         else:
-            yield p + "mlp.gate_proj.weight", (shape.intermediate_size, h)
+            if shape.family is not ARCEE:  # whose MLP has no gate
+                yield p + "mlp.gate_proj.weight", (shape.intermediate_size, h)
             yield p + "mlp.up_proj.weight", (shape.intermediate_size, h)
         if not shape.experts:
             yield p + "mlp.down_proj.weight", (h, shape.intermediate_size)
@@ -233,6 +237,10 @@ def write_metadata(w, shape: Shape, tok) -> None:
     if shape.head_size:  # TextModel.set_gguf_parameters, where the config gives head_dim
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
+    if shape.rope_scaling and shape.rope_scaling["rope_type"] == "yarn":  # TextModel.set_gguf_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(shape.rope_scaling["factor"])
+        w.add_rope_scaling_orig_ctx_len(shape.rope_scaling["original_max_position_embeddings"])
     if fam is GLM4:  # Glm4Model.set_gguf_parameters
         w.add_rope_dimension_count(shape.rotary_dim)
     if fam is PHI3:  # Phi3MiniModel.set_gguf_parameters

@@ -106,9 +106,13 @@ EXAONE4 = Family("exaone4", LLAMA3.pre, LLAMA3.digits, ("[PAD]", "[BOS]", "[|end
                                                          "[|assistant|]"), "[BOS]", "[|endofturn|]", "[PAD]",
                  "{% for m in messages %}[|{{ m['role'] }}|]{{ m['content'] }}[|endofturn|]\n{% endfor %}"
                  "{% if add_generation_prompt %}[|assistant|]{% endif %}")
+# Arcee (AFM-4.5B): Llama's layout with an MLP without a gate (relu(up(x))^2), Llama 3's tokenizer kind
+ARCEE = Family("arcee", LLAMA3.pre, LLAMA3.digits, LLAMA3.specials, LLAMA3.bos, LLAMA3.eos, LLAMA3.pad,
+               LLAMA3.chat_template)
 # the families whose GGUF names the norms after attention / MLP as Gemma's
 POST_NORMED = (GEMMA2, GEMMA3, OLMO2, EXAONE4)
-PERMUTED = (LLAMA3, SMOLLM3, GRANITE, GRANITEMOE)  # the families llama.cpp's LlamaModel converts: q / k rows permuted
+# the families llama.cpp's LlamaModel converts: q / k rows permuted
+PERMUTED = (LLAMA3, SMOLLM3, GRANITE, GRANITEMOE, ARCEE)
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 
@@ -173,6 +177,8 @@ SHAPES = {  # the released models' configs
     "exaone4-1.2b": Shape(EXAONE4, 2048, 30, 32, 8, 4096, 102400, True, 1e6, dict(LLAMA3_ROPE, factor=16.0), 65536,
                           1e-5, head_size=64),
     "glm4-9b": Shape(GLM4, 4096, 40, 32, 2, 13696, 151552, False, 1e4, None, 32768, 1e-5, None, 0.5, head_size=128),
+    "afm-4.5b": Shape(ARCEE, 2560, 36, 20, 4, 18432, 128004, False, 1e4, dict(
+        rope_type="yarn", factor=20.0, original_max_position_embeddings=4096), 65536, 1e-5, head_size=128),
     "granite-2b": Shape(GRANITE, 2048, 40, 32, 8, 8192, 49159, True, 1e7, None, 131072, 1e-5, multipliers=dict(
         embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)),
 }

@@ -13,7 +13,7 @@ Each node maps to one kernel (kernels/ for the Triton ones, torch for the rest):
   silu(gate) * up (separate GEMMs)        silu_mul             torch (weight-only gate and up stay two GEMMs)
   Split -> Gelu(gate, tanh) * up (fused)  geglu                kernels/swiglu.py (Gemma's MLP)
   Gelu(gate) * up (otherwise)             gelu_mul             torch, with the Gelu's approximate
-  Gelu, Tanh (alone)                      gelu, tanh           torch
+  Gelu, Tanh, Relu (alone)                gelu, tanh, relu     torch (Relu, then Mul(x, x): Arcee's relu^2)
   Mul(x, constant scalar)                 scale                torch (embedding and residual multipliers, logits
                                                                scaling; with Tanh, the soft-cap c2 * tanh(c1 * x))
   Add, Split, Reshape                     add, split, reshape  torch
@@ -203,8 +203,8 @@ class _PlanWriter:
             self.emit("concat", n, list(n.input), list(n.output), axis=int(a["axis"]))
         elif op == "Gelu" and n.domain in ("", "ai.onnx"):
             self.emit("gelu", n, [n.input[0]], list(n.output), approximate=a.get("approximate", "none"))
-        elif op == "Tanh":
-            self.emit("tanh", n, [n.input[0]], list(n.output))
+        elif op in ("Tanh", "Relu"):
+            self.emit(op.lower(), n, [n.input[0]], list(n.output))
         elif op == "Split":
             sizes = self.const(n.input[1]).tolist() if len(n.input) > 1 else None
             self.emit("split", n, [n.input[0]], list(n.output), sizes=sizes, axis=int(a.get("axis", 0)))

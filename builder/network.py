@@ -43,7 +43,7 @@ from onnx import TensorProto
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
 from trtbuild.builder.lora import LoraTables, WithLora, read_adapters
-from trtbuild.builder.mlp_activation import gated_activation
+from trtbuild.builder.mlp_activation import activation, gated_activation
 from trtbuild.builder.moe_experts import Experts
 from trtbuild.builder.passes.lora import LORA_ADD
 from trtbuild.builder.quantized import QuantizedLinears, kv_cache_scales
@@ -159,9 +159,14 @@ class _NetworkWriter:
                          name=weight_name.removesuffix(".weight"))
 
     def mlp(self, h: str, layer: str, module: str = "mlp.") -> str:
-        """The MLP of one layer (`layer`: its `transformer.layers.{i}.`): gate and up, the activation, down."""
+        """The MLP of one layer (`layer`: its `transformer.layers.{i}.`): gate and up, the activation, down (without a
+        gate: up, its activation, down)."""
+        name = layer + module.removeprefix("mlp.")
+        if not self.c.gated_mlp:
+            return self.linear(activation(self.g, self.c, self.linear(h, layer + module + "fc"), name),
+                               layer + module + "proj")
         gate, up = self.linear(h, layer + module + "gate"), self.linear(h, layer + module + "fc")
-        act = gated_activation(self.g, self.c, gate, up, layer + module.removeprefix("mlp."))
+        act = gated_activation(self.g, self.c, gate, up, name)
         return self.linear(act, layer + module + "proj")
 
     def experts(self, h: str, layer: str) -> str:

@@ -55,7 +55,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Cohere2ForCausalLM": ("cohere2", False, False),
     # Mistral with YaRN and Llama 4's attention temperature (q scaled up past YaRN's original context)
     "Ministral3ForCausalLM": ("ministral3", False, False),
+    # Llama whose MLP has no gate: down(relu(up(x))^2) (AFM-4.5B)
+    "ArceeForCausalLM": ("arcee", False, False),
 }
+_UNGATED_MLP_FAMILIES = ("arcee",)
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> the text
 # config's model_type (None: whatever it says) -> (the text model's architecture, the transformers config class whose
 # defaults complete the released, sparse `text_config`)
@@ -314,6 +317,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         eos_token_ids=eos_ids,
         sliding_window=int(window) if window else None,
         **(_gpt_oss_fields(hf, family) or {"hidden_act": _hidden_act(hf, family)}),
+        gated_mlp=family not in _UNGATED_MLP_FAMILIES,
         layer_types=layer_types,
         local_rotary_base=local_base if window and "sliding_attention" in layer_types else None,
         **_gemma_fields(hf, family, hf_dtype if hf_dtype in DTYPES else "float32"),

@@ -20,9 +20,10 @@ from trtbuild.quantization import LM_HEAD_QUANT_ALGOS, QUANT_ALGOS, KVCacheQuant
 
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 COHERE_FAMILIES = ("cohere", "cohere2")
-# the MLP's gate activation: SwiGLU, GeGLU with tanh-approximated GELU, or gpt-oss's clamped SwiGLU
-# (g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1): swiglu_alpha, swiglu_limit)
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "swiglu_oai")
+# the MLP's activation: of the gate (SwiGLU, GeGLU with tanh-approximated GELU, or gpt-oss's clamped SwiGLU:
+# g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1): swiglu_alpha, swiglu_limit),
+# or, in an MLP without a gate (gated_mlp false), of the up projection: relu2 is relu(x)^2 (Arcee)
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "swiglu_oai", "relu2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # the layers' and the final norm: RMSNorm, or (Cohere) LayerNorm: mean-centred, scaled by its weight, no bias
 NORM_TYPES = ("rms", "layer")
@@ -201,6 +202,7 @@ class ModelConfig:
     hidden_act: str = "silu"  # HIDDEN_ACTS
     swiglu_alpha: float | None = None  # swiglu_oai's gate slope (gpt-oss: 1.702)
     swiglu_limit: float | None = None  # swiglu_oai's clamp (gpt-oss: 7)
+    gated_mlp: bool = True  # False: the MLP is proj(act(fc(x))), without a gate (Arcee's ReLU^2 MLP)
     sliding_window: int | None = None  # each token sees its last sliding_window tokens (builder/network.py)
     # per layer, LAYER_TYPES: only sliding_attention layers apply sliding_window (Gemma 2 / 3). Not given: every
     # layer alike (sliding_attention where the model has a window), filled in on creation so config.json says it
@@ -265,6 +267,12 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTS:
             raise CheckpointError(f"config.json: hidden_act must be one of {', '.join(HIDDEN_ACTS)}, got "
                                   f"{self.hidden_act!r}")
+        if not self.gated_mlp and (self.hidden_act == "swiglu_oai" or self.num_experts):
+            raise CheckpointError("config.json: gated_mlp false (an MLP without a gate) does not go with hidden_act "
+                                  "swiglu_oai or experts")
+        if self.gated_mlp and self.hidden_act == "relu2":
+            raise CheckpointError("config.json: hidden_act relu2 is the activation of an MLP without a gate "
+                                  "(gated_mlp false)")
         if (self.hidden_act == "swiglu_oai") != (self.swiglu_alpha is not None and self.swiglu_limit is not None):
             raise CheckpointError("config.json: swiglu_alpha and swiglu_limit are set with (and only with) hidden_act "
                                   f"swiglu_oai; got hidden_act {self.hidden_act!r}, swiglu_alpha "

@@ -58,7 +58,7 @@ class QuantizeResult:
 
 def split_linears(config: ModelConfig) -> tuple[list[str], list[str]]:
     """(quantized, excluded) linear prefixes; warns about each exclude pattern that matches nothing."""
-    prefixes = linear_prefixes(range(config.num_hidden_layers), last_stage=True)
+    prefixes = linear_prefixes(range(config.num_hidden_layers), last_stage=True, gated=config.gated_mlp)
     q = config.quantization
     for pattern in q.exclude_modules:
         if not any(fnmatch.fnmatchcase(p, pattern) for p in prefixes):

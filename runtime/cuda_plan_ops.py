@@ -95,6 +95,10 @@ def tanh(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, 
     return (torch.tanh(x),)
 
 
+def relu(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.relu(x),)
+
+
 def scale(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """x times a constant scalar: Gemma's embedding multiplier, and the two around its final-logit Tanh."""
     return (x * a["value"],)
@@ -135,5 +139,5 @@ def speculative_accept(k: Kernels, a: dict[str, Any], logits: torch.Tensor, acce
 
 OPS: dict[str, Op] = {f.__name__: f for f in (gather_rows, rmsnorm, add_rmsnorm, layernorm, linear, weight_only_linear,
                                               add, mul, concat, split, reshape, swiglu, silu_mul, geglu, gelu_mul,
-                                              gelu, tanh, scale, paged_attention, kv_write, speculative_accept)}
+                                              gelu, tanh, relu, scale, paged_attention, kv_write, speculative_accept)}
 OPS["embedding"] = gather_rows

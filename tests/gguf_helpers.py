@@ -39,7 +39,7 @@ PROBE_TEXTS = (
     "a</s>\n  b</s> <s> c",
 )
 # the architectures llama.cpp's LlamaModel converts (q / k rows permuted)
-PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "mistral3")
+PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee")
 # HF family -> (GGUF architecture llama.cpp writes, vocabulary kind, general.name)
 FAMILIES = {
     "llama": ("llama", "spm", "Llama Tiny"),
@@ -75,6 +75,7 @@ FAMILIES = {
     "cohere": ("command-r", "bpe", "Command R Tiny"),
     "cohere2": ("cohere2", "bpe", "Command R7B Tiny"),
     "ministral3": ("mistral3", "spm", "Ministral 3 Tiny"),
+    "arcee": ("arcee", "bpe", "AFM Tiny"),
 }
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)$")
 

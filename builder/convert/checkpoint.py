@@ -52,7 +52,7 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
             if config.shared_expert_intermediate_size:
                 names += [p + "mlp.shared_gate.weight"] + [p + f"mlp.shared.{x}.weight" for x in ("gate", "fc", "proj")]
         else:
-            names += [p + f"mlp.{x}.weight" for x in ("gate", "fc", "proj")]
+            names += [p + f"mlp.{x}.weight" for x in (("gate", "fc", "proj") if config.gated_mlp else ("fc", "proj"))]
     if last_stage:
         names += ["transformer.ln_f.weight"] + (["lm_head.weight"] if config.has_lm_head else [])
     q = config.quantization

@@ -73,6 +73,7 @@ class GgufArch:
     moe_normalize: bool | None = None
     # GGUF layer tensor -> HF name where the architecture's differ from the common table's (gguf_reader.py)
     renames: tuple[tuple[str, str], ...] = ()
+    hidden_act: str = "silu"  # the MLP's activation, fixed per architecture in llama.cpp
 
 
 GGUF_ARCHITECTURES: dict[str, GgufArch] = {
@@ -117,6 +118,9 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     "cohere2": GgufArch("Cohere2ForCausalLM", "cohere2", False, _COHERE_LAYER_TENSORS),
     # Ministral 3: llama.cpp's LlamaModel layout (q / k permuted) with YaRN and the attention temperature
     "mistral3": GgufArch("Ministral3ForCausalLM", "ministral3", True),
+    # Arcee (AFM): LlamaModel's layout (q / k permuted) with an MLP of ffn_up and ffn_down only, relu(x)^2 between
+    "arcee": GgufArch("ArceeForCausalLM", "arcee", True, (*_BASE_LAYER_TENSORS, *(f"attn_{p}.weight" for p in "qkv"),
+                                                          "ffn_up.weight"), hidden_act="relu2"),
 }
 # Layers llama.cpp gives the larger Gemmas (27B), whose attention scale it takes from hidden / heads, not head_dim
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -210,7 +214,7 @@ def hf_config(
         "rms_norm_eps": f32(meta.get(f"{prefix}.attention.layer_norm_rms_epsilon")
                              or meta.get(f"{prefix}.attention.layer_norm_epsilon") or 1e-5),
         "rope_theta": f32(meta.get(f"{prefix}.rope.freq_base", 10000.0)),
-        "hidden_act": "silu",
+        "hidden_act": arch.hidden_act,
         "tie_word_embeddings": "output.weight" not in shapes,
         "attention_bias": "blk.0.attn_q.bias" in shapes,
         "mlp_bias": False,

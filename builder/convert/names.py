@@ -158,12 +158,13 @@ def checkpoint_to_hf_name(name: str, config: ModelConfig | None = None) -> str |
     return None
 
 
-def linear_prefixes(layers: Iterable[int], last_stage: bool, moe: bool = False, shared_expert: bool = False
-                    ) -> list[str]:
+def linear_prefixes(layers: Iterable[int], last_stage: bool, moe: bool = False, shared_expert: bool = False,
+                    gated: bool = True) -> list[str]:
     """Checkpoint prefixes of the linears a quantizer may quantize (`P.weight` is [out, in]), in checkpoint order; a
     mixture of experts' (`moe`) MLPs are its stacked experts and its `shared_expert` (its routers and the shared
-    expert's gate stay in float)."""
-    linears = [s for s in LAYER_LINEARS if not (moe and s.startswith("mlp."))] + list(EXPERT_LINEARS if moe else ())
+    expert's gate stay in float); an MLP that is not `gated` has no mlp.gate."""
+    linears = [s for s in LAYER_LINEARS if not (moe and s.startswith("mlp.")) and (gated or s != "mlp.gate")]
+    linears += list(EXPERT_LINEARS if moe else ())
     linears += list(SHARED_EXPERT_LINEARS if shared_expert else ())
     out = [f"transformer.layers.{i}.{s}" for i in layers for s in linears]
     return out + (["lm_head"] if last_stage else [])
@@ -172,7 +173,7 @@ def linear_prefixes(layers: Iterable[int], last_stage: bool, moe: bool = False, 
 def model_linear_prefixes(config: ModelConfig, layers: Iterable[int], last_stage: bool) -> list[str]:
     """`linear_prefixes` of `config`'s model."""
     return linear_prefixes(layers, last_stage and config.has_lm_head, config.is_moe,
-                           config.shared_expert_intermediate_size > 0)
+                           config.shared_expert_intermediate_size > 0, config.gated_mlp)
 
 
 def is_linear(prefix: str) -> bool:
