@@ -6,7 +6,7 @@ Each node maps to one kernel (kernels/ for the Triton ones, torch for the rest):
   Gather(activation, rows)                gather_rows          torch index_select
   RMSNormalization                        rmsnorm              kernels/rmsnorm.py (no residual)
   SkipSimplifiedLayerNormalization        add_rmsnorm          kernels/rmsnorm.py (residual add + RMSNorm)
-  LayerNormalization (weight, no bias)    layernorm            torch (Cohere's norms)
+  LayerNormalization (weight[, bias])     layernorm            torch (Cohere's and StarCoder 2's norms)
   MatMul / Gemm(transB) on a constant     linear               torch (cuBLAS): weight stored [out, in]
   MatMulNBits (weight-only int8/int4)     weight_only_linear   kernels/weight_only_gemm.py on the checkpoint codes
   Split -> silu(gate) * up (fused gate|up) swiglu              kernels/swiglu.py on the Split's input
@@ -176,8 +176,8 @@ class _PlanWriter:
         elif op == "RMSNormalization" and a.get("axis", -1) == -1:
             self.emit("rmsnorm", n, [n.input[0], self.weight(n.input[1], self.const(n.input[1]))], list(n.output),
                       eps=float(a.get("epsilon", 1e-5)))
-        elif op == "LayerNormalization" and a.get("axis", -1) == -1 and len(n.input) == 2:
-            self.emit("layernorm", n, [n.input[0], self.weight(n.input[1], self.const(n.input[1]))],
+        elif op == "LayerNormalization" and a.get("axis", -1) == -1 and all(i in v.initializers for i in n.input[1:]):
+            self.emit("layernorm", n, [n.input[0], *(self.weight(i, self.const(i)) for i in n.input[1:])],
                       [n.output[0]], eps=float(a.get("epsilon", 1e-5)))
         elif op == "SkipSimplifiedLayerNormalization":
             self.emit("add_rmsnorm", n, [n.input[0], n.input[1], self.weight(n.input[2], self.const(n.input[2]))],

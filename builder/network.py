@@ -151,23 +151,27 @@ class _NetworkWriter:
                          name=weight_name.removesuffix(".weight"))
 
     def norm(self, x: str, weight_name: str) -> str:
-        """A layer's or the final norm, of the model's norm_type (Cohere's LayerNorm has a weight and no bias)."""
+        """A layer's or the final norm, of the model's norm_type (a LayerNorm with a bias where norm_bias: Cohere's
+        has none)."""
         if self.c.norm_type == "rms":
             return self.rms_norm(x, weight_name)
-        w = self.g.weight(weight_name, self.tensor(weight_name))
-        return self.g.op("LayerNormalization", [x, w], axis=-1, epsilon=self.c.norm_epsilon,
-                         name=weight_name.removesuffix(".weight"))
+        prefix = weight_name.removesuffix(".weight")
+        inputs = [x, self.g.weight(weight_name, self.tensor(weight_name))]
+        if self.c.norm_bias:
+            inputs.append(self.g.weight(prefix + ".bias", self.tensor(prefix + ".bias")))
+        return self.g.op("LayerNormalization", inputs, axis=-1, epsilon=self.c.norm_epsilon, name=prefix)
 
     def mlp(self, h: str, layer: str, module: str = "mlp.") -> str:
         """The MLP of one layer (`layer`: its `transformer.layers.{i}.`): gate and up, the activation, down (without a
         gate: up, its activation, down)."""
         name = layer + module.removeprefix("mlp.")
-        if not self.c.gated_mlp:
-            return self.linear(activation(self.g, self.c, self.linear(h, layer + module + "fc"), name),
-                               layer + module + "proj")
-        gate, up = self.linear(h, layer + module + "gate"), self.linear(h, layer + module + "fc")
-        act = gated_activation(self.g, self.c, gate, up, name)
-        return self.linear(act, layer + module + "proj")
+        bias = self.c.mlp_bias and module == "mlp."  # NOTE: Qwen2-MoE's shared expert has none
+        if self.c.gated_mlp:  # NOTE: gate first: the gate / up fusion and the SwiGLU lowering read them in this order
+            gate, up = (self.linear(h, layer + module + p, bias=bias) for p in ("gate", "fc"))
+            act = gated_activation(self.g, self.c, gate, up, name)
+        else:
+            act = activation(self.g, self.c, self.linear(h, layer + module + "fc", bias=bias), name)
+        return self.linear(act, layer + module + "proj", bias=bias)
 
     def experts(self, h: str, layer: str) -> str:
         """A mixture of experts' MLP: the router's logits, then the experts (builder/moe_experts.py), plus Qwen2-MoE's

@@ -57,8 +57,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Ministral3ForCausalLM": ("ministral3", False, False),
     # Llama whose MLP has no gate: down(relu(up(x))^2) (AFM-4.5B)
     "ArceeForCausalLM": ("arcee", False, False),
+    # LayerNorms with biases, biases on every projection (use_bias), a GELU MLP without a gate, sliding windows
+    "Starcoder2ForCausalLM": ("starcoder2", False, False),
 }
-_UNGATED_MLP_FAMILIES = ("arcee",)
+_UNGATED_MLP_FAMILIES = ("arcee", "starcoder2")
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> the text
 # config's model_type (None: whatever it says) -> (the text model's architecture, the transformers config class whose
 # defaults complete the released, sparse `text_config`)
@@ -223,6 +225,15 @@ def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
             "moe_bias": family == "gpt_oss"}
 
 
+def _norm_epsilon(hf: dict[str, Any], family: str) -> float:
+    """The norms' epsilon, under each family's key."""
+    if family in COHERE_FAMILIES:
+        return float(hf.get("layer_norm_eps") or 1e-5)
+    if family == "starcoder2":
+        return float(hf.get("norm_epsilon") or 1e-5)
+    return float(hf.get("rms_norm_eps", 1e-6))
+
+
 def _norm_layout(family: str) -> dict[str, Any]:
     """Where the family's layers normalize, beyond Llama's norms before attention and MLP."""
     if family in ("olmo2", "olmo3", "exaone4"):  # after them instead (OLMo 2 / 3 normalize q / k whole)
@@ -231,6 +242,8 @@ def _norm_layout(family: str) -> dict[str, Any]:
         return {"output_norms": True}
     if family in COHERE_FAMILIES:  # one LayerNorm both read
         return {"norm_type": "layer", "parallel_residual": True}
+    if family == "starcoder2":  # LayerNorms with biases where Llama has RMSNorms
+        return {"norm_type": "layer", "norm_bias": True}
     return {"qk_norm_full": True} if family == "olmoe" else {}
 
 
@@ -266,10 +279,13 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     family, qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
     # NOTE: these families' attention_bias puts a bias on the output projection too
     dense_bias = family in ("llama", "granite", "granitemoe", "gpt_oss", *COHERE_FAMILIES) and bool(
-        hf.get("attention_bias", False))
+        hf.get("attention_bias", False)) or (family == "starcoder2" and bool(hf.get("use_bias", True)))
     qkv_bias = qkv_bias or dense_bias or (family == "glm4" and bool(hf.get("attention_bias", True)))
-    if hf.get("mlp_bias") or (family == "ernie4_5" and hf.get("use_bias")):
-        raise CheckpointError("biases on the MLP's projections (mlp_bias / use_bias) are not supported.")
+    mlp_bias = bool(hf.get("mlp_bias")) or (family == "starcoder2" and dense_bias)
+    if family == "ernie4_5" and hf.get("use_bias"):
+        raise CheckpointError("ERNIE 4.5 with use_bias (biases on every projection) is not supported.")
+    if mlp_bias and family not in ("llama", "starcoder2"):
+        raise CheckpointError(f"biases on the MLP's projections (mlp_bias) are not supported for {family}.")
     if family == "glm4" and "partial_rotary_factor" not in hf and "partial_rotary_factor" not in (
             hf.get("rope_parameters") or {}):
         hf = {**hf, "partial_rotary_factor": 0.5}  # Glm4Config's default
@@ -279,7 +295,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     rotary_dim = hf_rope.rotary_dim(hf, rope_params, head_size)
     rope_scaling = hf_rope.rope_scaling(hf, rope_params, rotary_dim or head_size, family)
     # the families whose HF attention honours sliding_window (Gemma 2 / 3 in their sliding layers)
-    window_by_default = family in ("mistral", "mixtral", "phi3", "ministral3", *_LAYER_PATTERNS)
+    window_by_default = family in ("mistral", "mixtral", "phi3", "ministral3", "starcoder2", *_LAYER_PATTERNS)
     window = hf.get("sliding_window") if hf.get("use_sliding_window", window_by_default) else None
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -300,8 +316,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         num_attention_heads=heads,
         num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
         head_size=head_size,
-        norm_epsilon=float(hf.get("layer_norm_eps") or 1e-5) if family in COHERE_FAMILIES
-        else float(hf.get("rms_norm_eps", 1e-6)),
+        norm_epsilon=_norm_epsilon(hf, family),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         rotary_base=float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
         rotary_scaling=rope_scaling,
@@ -309,7 +324,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         rotary_interleaved=family in ("ernie4_5", "glm4", *COHERE_FAMILIES),
         no_rope_layers=_no_rope_layers(hf, family, layer_types if window else ()),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *COHERE_FAMILIES,
-                                                                          "ernie4_5"))),
+                                                                          "ernie4_5", "starcoder2"))),
         qkv_bias=qkv_bias,
         dense_bias=dense_bias,
         qk_norm=qk_norm,
@@ -318,6 +333,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         sliding_window=int(window) if window else None,
         **(_gpt_oss_fields(hf, family) or {"hidden_act": _hidden_act(hf, family)}),
         gated_mlp=family not in _UNGATED_MLP_FAMILIES,
+        mlp_bias=mlp_bias,
         layer_types=layer_types,
         local_rotary_base=local_base if window and "sliding_attention" in layer_types else None,
         **_gemma_fields(hf, family, hf_dtype if hf_dtype in DTYPES else "float32"),

@@ -25,7 +25,8 @@ COHERE_FAMILIES = ("cohere", "cohere2")
 # or, in an MLP without a gate (gated_mlp false), of the up projection: relu2 is relu(x)^2 (Arcee)
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "swiglu_oai", "relu2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-# the layers' and the final norm: RMSNorm, or (Cohere) LayerNorm: mean-centred, scaled by its weight, no bias
+# the layers' and the final norm: RMSNorm, or LayerNorm: mean-centred, scaled by its weight (plus, with norm_bias, a
+# bias: StarCoder 2; Cohere's has none)
 NORM_TYPES = ("rms", "layer")
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -213,6 +214,8 @@ class ModelConfig:
     output_norms: bool = False  # attention and MLP outputs are RMS-normalized before their adds (Gemma 2 / 3, OLMo 2)
     input_norms: bool = True  # attention and MLP inputs are RMS-normalized (every family but OLMo 2)
     norm_type: str = "rms"  # NORM_TYPES
+    norm_bias: bool = False  # the LayerNorms (norm_type layer) add a bias (StarCoder 2)
+    mlp_bias: bool = False  # the MLP's projections (gate, fc, proj) have biases (StarCoder 2, Llama's mlp_bias)
     # attention and MLP both read the layer's one normed input, and their outputs join the residual together (Cohere:
     # x + attn(norm(x)) + mlp(norm(x))); no post_layernorm
     parallel_residual: bool = False
@@ -262,6 +265,10 @@ class ModelConfig:
         if self.norm_type not in NORM_TYPES:
             raise CheckpointError(f"config.json: norm_type must be one of {', '.join(NORM_TYPES)}, got "
                                   f"{self.norm_type!r}")
+        if self.norm_bias and self.norm_type != "layer":
+            raise CheckpointError("config.json: norm_bias is for LayerNorms (norm_type layer)")
+        if self.mlp_bias and self.num_experts:
+            raise CheckpointError("config.json: mlp_bias is for dense MLPs; experts carry moe_bias")
         if self.parallel_residual and not self.input_norms:
             raise CheckpointError("config.json: parallel_residual needs input_norms (the one norm both blocks read)")
         if self.hidden_act not in HIDDEN_ACTS:

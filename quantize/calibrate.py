@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from trtbuild.builder.convert.names import hf_to_checkpoint_name
+from trtbuild.configs import ModelConfig
 from trtbuild.errors import TrtbuildError
 from trtbuild.quantization import KVCacheQuantAlgo, QuantAlgo
 from trtbuild.quantize.awq import DEFAULT_GRID_POINTS, AWQLayerCalibrator, alpha_grid
@@ -38,12 +39,12 @@ def import_mtq() -> Any:
     return mtq
 
 
-def linear_modules(model: torch.nn.Module) -> dict[str, str]:
-    """{checkpoint prefix: HF module name} of every linear the checkpoint format can quantize."""
+def linear_modules(model: torch.nn.Module, config: ModelConfig) -> dict[str, str]:
+    """{checkpoint prefix: HF module name} of every linear of `config`'s model the checkpoint format can quantize."""
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) or hasattr(module, "weight_quantizer"):
-            prefix = hf_to_checkpoint_name(f"{name}.weight")
+            prefix = hf_to_checkpoint_name(f"{name}.weight", config)
             if prefix is not None and prefix.endswith(".weight"):
                 out[prefix.removesuffix(".weight")] = name
     return out
@@ -58,6 +59,8 @@ def mtq_config(qformat: str, kv_cache_qformat: str | None, block_size: int, excl
     if qformat == QuantAlgo.INT8_SQ and smoothquant_alpha is not None:
         config["algorithm"] = {"method": "smoothquant", "alpha": float(smoothquant_alpha)}
     entries: list[dict[str, Any]] = config["quant_cfg"]
+    # NOTE: modelopt quantizes nn.LayerNorm's input too (StarCoder 2's norms); engines quantize linears' inputs only
+    entries.append({"quantizer_name": "*", "parent_class": "nn.LayerNorm", "enable": False})
     if quantize_lm_head:
         entries[:] = [e for e in entries if e.get("quantizer_name") != "*lm_head*"]
     if qformat == QuantAlgo.INT4_AWQ:

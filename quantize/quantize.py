@@ -172,7 +172,7 @@ def _quantize(options: QuantizeOptions, qconfig: QuantConfig, texts: list[str]) 
     seconds["load"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    modules = linear_modules(torch_model)
+    modules = linear_modules(torch_model, config)
     hf_quantized = {p: modules[p] for p in quantized}
     mcfg = mtq_config(qconfig.quant_algo or "", qconfig.kv_cache_quant_algo, qconfig.weight_group_size,
                       [modules[p] for p in excluded], quantize_lm_head="lm_head" in hf_quantized,

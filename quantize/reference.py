@@ -104,7 +104,7 @@ def reference_model(ckpt_dir: Path, activations: bool = True, kv_cache: bool = T
     model = build_torch_model(source, untie=True)  # a quantized lm_head differs from the embedding
     kind = activation_kind(config.quantization.quant_algo or "")
     per_token = config.quantization.per_token_activations and activations
-    for prefix, name in linear_modules(model).items():
+    for prefix, name in linear_modules(model, config).items():
         pre = tensors.get(f"{prefix}.prequant_scaling_factor")
         act = tensors.get(f"{prefix}.activation_scaling_factor") if activations else None
         dynamic = per_token and not config.quantization.is_excluded(prefix)

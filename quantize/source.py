@@ -132,6 +132,10 @@ def hf_config_from_model_config(c: Any) -> dict[str, Any]:
                    pad_token_id=None)
     if c.family == "ernie4_5":
         cfg["use_bias"] = False
+    if c.family == "llama":
+        cfg["mlp_bias"] = c.mlp_bias
+    if c.family == "starcoder2":
+        cfg.update(norm_epsilon=c.norm_epsilon, use_bias=c.mlp_bias)
     if c.family == "smollm3":
         cfg["no_rope_layers"] = [int(i not in c.no_rope_layers) for i in range(c.num_hidden_layers)]
     if c.family in GEMMA_FAMILIES:

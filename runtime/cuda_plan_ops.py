@@ -33,9 +33,11 @@ def add_rmsnorm(k: Kernels, a: dict[str, Any], x: torch.Tensor, residual: torch.
     return k["rmsnorm"].add_rmsnorm(x, weight, a["eps"], residual=residual)
 
 
-def layernorm(k: Kernels, a: dict[str, Any], x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """LayerNorm over the last axis with a weight and no bias (Cohere's), computed in float32."""
-    return (F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None, a["eps"]).to(x.dtype),)
+def layernorm(k: Kernels, a: dict[str, Any], x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """LayerNorm over the last axis with a weight, and a bias or none (Cohere's), computed in float32."""
+    bias = None if bias is None else bias.float()
+    return (F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias, a["eps"]).to(x.dtype),)
 
 
 def linear(k: Kernels, a: dict[str, Any], x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -76,6 +76,7 @@ FAMILIES = {
     "cohere2": ("cohere2", "bpe", "Command R7B Tiny"),
     "ministral3": ("mistral3", "spm", "Ministral 3 Tiny"),
     "arcee": ("arcee", "bpe", "AFM Tiny"),
+    "starcoder2": ("starcoder2", "bpe", "StarCoder2 Tiny"),
 }
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)$")
 

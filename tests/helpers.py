@@ -32,8 +32,8 @@ RANDOM_CONFIGS = {
     "llama3_rope": ("LlamaConfig", dict(_COMMON, rope_theta=500000.0, tie_word_embeddings=True, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64})),
-    # q, k, v and o biases (attention_bias)
-    "llama_bias": ("LlamaConfig", dict(_COMMON, rope_theta=10000.0, attention_bias=True)),
+    # q, k, v and o biases (attention_bias), and the MLP's (mlp_bias)
+    "llama_bias": ("LlamaConfig", dict(_COMMON, rope_theta=10000.0, attention_bias=True, mlp_bias=True)),
     "qwen2": ("Qwen2Config", dict(_COMMON, rope_theta=1000000.0)),
     # YaRN past an original context of 64 (Qwen2.5's long-context form, 4 times it): pairs 0 to 2 of each head run
     # on the ramp's blend of original and interpolated speeds, the others interpolated, cos / sin scaled by 1.14
@@ -137,6 +137,10 @@ RANDOM_CONFIGS = {
         "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 8,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5},
         bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # LayerNorms with biases, biases on every projection, a GELU MLP without a gate, a sliding window of 6
+    "starcoder2": ("Starcoder2Config", dict(_COMMON, hidden_act="gelu_pytorch_tanh", use_bias=True, norm_epsilon=1e-6,
+                                            sliding_window=6, rope_theta=100000.0, tie_word_embeddings=True,
+                                            bos_token_id=1, eos_token_id=2)),
     # Llama whose MLP has no gate (relu(up(x))^2), with YaRN past an original context of 64 as AFM-4.5B runs
     "arcee": ("ArceeConfig", dict(_COMMON, hidden_act="relu2", rope_theta=10000.0, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},

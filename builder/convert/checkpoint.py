@@ -52,9 +52,15 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
             if config.shared_expert_intermediate_size:
                 names += [p + "mlp.shared_gate.weight"] + [p + f"mlp.shared.{x}.weight" for x in ("gate", "fc", "proj")]
         else:
-            names += [p + f"mlp.{x}.weight" for x in (("gate", "fc", "proj") if config.gated_mlp else ("fc", "proj"))]
+            mlp = ("gate", "fc", "proj") if config.gated_mlp else ("fc", "proj")
+            names += [p + f"mlp.{x}.weight" for x in mlp] + ([p + f"mlp.{x}.bias" for x in mlp] if config.mlp_bias
+                                                             else [])
+        if config.norm_bias:
+            names += [p + n for n in ("input_layernorm.bias", "post_layernorm.bias")[:1 if config.parallel_residual
+                                                                                        else 2]]
     if last_stage:
-        names += ["transformer.ln_f.weight"] + (["lm_head.weight"] if config.has_lm_head else [])
+        names += ["transformer.ln_f.weight"] + (["transformer.ln_f.bias"] if config.norm_bias else [])
+        names += ["lm_head.weight"] if config.has_lm_head else []
     q = config.quantization
     for prefix in model_linear_prefixes(config, layers, last_stage):
         names += q.scale_names(prefix)
@@ -103,8 +109,11 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "transformer.vocab_embedding.weight": (c.vocab_size, c.hidden_size),
         "lm_head.weight": (c.vocab_size, c.hidden_size),
         "transformer.ln_f.weight": (c.hidden_size,),
+        "transformer.ln_f.bias": (c.hidden_size,),
         "input_layernorm.weight": (c.hidden_size,),
         "post_layernorm.weight": (c.hidden_size,),
+        "input_layernorm.bias": (c.hidden_size,),
+        "post_layernorm.bias": (c.hidden_size,),
         "attention.output_norm.weight": (c.hidden_size,),
         "mlp.output_norm.weight": (c.hidden_size,),
         "attention.q.weight": (c.q_size, c.hidden_size),
@@ -121,6 +130,9 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "mlp.gate.weight": (c.intermediate_size, c.hidden_size),
         "mlp.fc.weight": (c.intermediate_size, c.hidden_size),
         "mlp.proj.weight": (c.hidden_size, c.intermediate_size),
+        "mlp.gate.bias": (c.intermediate_size,),
+        "mlp.fc.bias": (c.intermediate_size,),
+        "mlp.proj.bias": (c.hidden_size,),
         "mlp.router.weight": (c.num_experts, c.hidden_size),
         "mlp.router.bias": (c.num_experts,),
         "mlp.experts.gate.bias": (c.num_experts, c.moe_intermediate_size),

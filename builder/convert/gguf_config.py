@@ -119,6 +119,13 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     # Ministral 3: llama.cpp's LlamaModel layout (q / k permuted) with YaRN and the attention temperature
     "mistral3": GgufArch("Ministral3ForCausalLM", "ministral3", True),
     # Arcee (AFM): LlamaModel's layout (q / k permuted) with an MLP of ffn_up and ffn_down only, relu(x)^2 between
+    # StarCoder 2: LayerNorms with biases, biases on every projection, a GELU MLP without a gate; NeoX RoPE (rows as
+    # in HF); llama.cpp runs it without the sliding window
+    "starcoder2": GgufArch("Starcoder2ForCausalLM", "starcoder2", False, (
+        *_BASE_LAYER_TENSORS, *(f"attn_{p}.weight" for p in "qkv"), "ffn_up.weight", *_QKV_BIAS,
+        *(f"{n}.bias" for n in ("attn_norm", "ffn_norm", "attn_output", "ffn_up", "ffn_down"))),
+        hidden_act="gelu_pytorch_tanh", renames=tuple((f"ffn_{g}.{w}", f"mlp.c_{hf}.{w}") for g, hf in (
+            ("up", "fc"), ("down", "proj")) for w in ("weight", "bias"))),
     "arcee": GgufArch("ArceeForCausalLM", "arcee", True, (*_BASE_LAYER_TENSORS, *(f"attn_{p}.weight" for p in "qkv"),
                                                           "ffn_up.weight"), hidden_act="relu2"),
 }
@@ -248,6 +255,8 @@ def hf_config(
                                   " but its RoPE is not YaRN, whose original context that scaling steps over; the "
                                   "file is incomplete: re-export it.")
         cfg["rope_scaling"]["llama_4_scaling_beta"] = f32(beta)
+    if arch.model_type == "starcoder2":  # LayerNorms
+        cfg["norm_epsilon"] = cfg["rms_norm_eps"]
     if arch.model_type in COHERE_FAMILIES:  # LayerNorms, and the logits' multiplier
         cfg.update(layer_norm_eps=cfg["rms_norm_eps"], logit_scale=f32(need("logit_scale")))
     if arch.model_type in ("granite", "granitemoe"):  # llama.cpp's names for Granite's multipliers

@@ -25,6 +25,10 @@ from trtbuild.errors import CheckpointError
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    # StarCoder 2's LayerNorm and MLP biases
+    "attn_norm.bias": "input_layernorm.bias",
+    "ffn_norm.bias": "post_attention_layernorm.bias",
+    **{f"ffn_{p}.bias": f"mlp.{p}_proj.bias" for p in ("gate", "up", "down")},
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -53,6 +57,7 @@ _FUSED_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv.weight": "self_attn.qkv_proj.wei
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
+    "output_norm.bias": "model.norm.bias",
     "output.weight": "lm_head.weight",
 }
 log = logging.getLogger(__name__)

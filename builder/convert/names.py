@@ -53,6 +53,17 @@ _LAYER_MAP = {
     "mlp.gate_proj.weight": "mlp.gate.weight",
     "mlp.up_proj.weight": "mlp.fc.weight",
     "mlp.down_proj.weight": "mlp.proj.weight",
+    # the MLP's biases (Llama's mlp_bias)
+    **{f"mlp.{hf}.bias": f"mlp.{ours}.bias" for hf, ours in (("gate_proj", "gate"), ("up_proj", "fc"),
+                                                              ("down_proj", "proj"))},
+}
+# StarCoder 2: LayerNorms with biases, and its MLP's names
+_STARCODER2_LAYER_MAP = {
+    **{k: v for k, v in _LAYER_MAP.items() if not k.startswith("mlp.")},
+    "input_layernorm.bias": "input_layernorm.bias",
+    "post_attention_layernorm.bias": "post_layernorm.bias",
+    **{f"mlp.{hf}.{w}": f"mlp.{ours}.{w}" for hf, ours in (("c_fc", "fc"), ("c_proj", "proj")) for w in ("weight",
+                                                                                                        "bias")},
 }
 # Gemma 2 / 3's and OLMo 2 / 3's output norms: their `post_attention_layernorm` normalizes the attention's output
 # (Llama's is the norm before the MLP, which Gemma calls `pre_feedforward_layernorm`).
@@ -86,6 +97,7 @@ _MOE_LAYER_MAP = {
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "transformer.vocab_embedding.weight",
     "model.norm.weight": "transformer.ln_f.weight",
+    "model.norm.bias": "transformer.ln_f.bias",
     "lm_head.weight": "lm_head.weight",
 }
 _CKPT_TO_HF_GLOBAL = {v: k for k, v in _GLOBAL_MAP.items()}
@@ -117,6 +129,8 @@ _SPLIT_AXIS = {
     "attention.dense.weight": 1,
     "mlp.gate.weight": 0,
     "mlp.fc.weight": 0,
+    "mlp.gate.bias": 0,
+    "mlp.fc.bias": 0,
     "mlp.proj.weight": 1,
     "transformer.vocab_embedding.weight": 0,
     "lm_head.weight": 0,
@@ -129,6 +143,8 @@ def _layer_map(config: ModelConfig | None) -> dict[str, str]:
         return _LAYER_MAP
     if config.family == "glm4":
         return _GLM4_LAYER_MAP
+    if config.family == "starcoder2":
+        return _STARCODER2_LAYER_MAP
     if config.output_norms:  # Gemma 2 / 3, OLMo 2 / 3, EXAONE 4
         return _OUTPUT_NORM_LAYER_MAP
     return _MOE_LAYER_MAP if config.is_moe else _LAYER_MAP
