@@ -1,12 +1,13 @@
 """Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B, Llama-3.2-1B / Llama-3.1-8B, SmolLM3-3B (NoPE
 layers), Granite 3.3 2B (Granite's multipliers), Gemma 3 1B / Gemma 2 2B (sandwich norms, sliding-window layers, soft-
-capping), ERNIE-4.5-0.3B / GLM-4-9B (interleaved RoPE), EXAONE-4.0-1.2B (post norms), AFM-4.5B (an MLP without a
-gate), OLMoE-1B-7B / Granite 3.1 3B-A800M (mixtures of experts; GGUF only) or Phi-3.5-mini / Phi-4-mini (3.8B: fused
-q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings; with a byte-level BPE as Phi-4 has), as an HF
-folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written with
-the `gguf` package, for measuring convert / build / load / decode at real sizes. No weights are downloaded: the
-weights are random (seeded) and the tokenizer is a small byte-level BPE trained here on this repository's docs,
-padded to the model's vocabulary as the real tokenizers are, with the family's special tokens and chat template.
+capping), ERNIE-4.5-0.3B / GLM-4-9B (interleaved RoPE), EXAONE-4.0-1.2B (post norms), AFM-4.5B / StarCoder2-3B (MLPs
+without a gate; StarCoder 2's LayerNorms and biases), OLMoE-1B-7B / Granite 3.1 3B-A800M (mixtures of experts; GGUF
+only) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings;
+with a byte-level BPE as Phi-4 has), as an HF folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a
+GGUF with a Q4_K / Q6_K mix written with the `gguf` package, for measuring convert / build / load / decode at real
+sizes. No weights are downloaded: the weights are random (seeded) and the tokenizer is a small byte-level BPE trained
+here on this repository's docs, padded to the model's vocabulary as the real tokenizers are, with the family's special
+tokens and chat template.
 
     python benchmarks/make_real_size_model.py --out /work/models/qwen1p5b [--shape 0.5b|1.5b|llama-1b]
     python benchmarks/make_real_size_model.py --out /work/models/llama8b --shape llama-8b --no-hf
@@ -23,6 +24,7 @@ padded to the model's vocabulary as the real tokenizers are, with the family's s
     python benchmarks/make_real_size_model.py --out /work/models/exaone4 --shape exaone4-1.2b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/glm4 --shape glm4-9b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/afm --shape afm-4.5b --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/sc2 --shape starcoder2-3b --no-hf --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
 would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
@@ -67,6 +69,7 @@ from real_shapes import (  # noqa: E402
     QWEN2,
     SHAPES,
     SMOLLM3,
+    STARCODER2,
     Family,
     Shape,
 )
@@ -75,6 +78,7 @@ HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",  # GLM-4
               "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+              "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down",  # StarCoder 2
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "self_attn.q_norm": "attn_q_norm",
               "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
               **{f"mlp.experts.{p}_proj": f"ffn_{p}_exps" for p in ("gate", "up", "down")}}
@@ -120,8 +124,8 @@ def make_hf(out: Path, shape: Shape, tok, seed: int, dtype: str) -> None:
                   GEMMA2: transformers.Gemma2Config, GEMMA3: transformers.Gemma3TextConfig,
                   GRANITE: transformers.GraniteConfig, OLMO2: transformers.Olmo2Config,
                   ERNIE: transformers.Ernie4_5Config, GLM4: transformers.Glm4Config,
-                  EXAONE4: transformers.Exaone4Config, ARCEE: transformers.ArceeConfig
-                  }.get(shape.family, transformers.LlamaConfig)
+                  EXAONE4: transformers.Exaone4Config, ARCEE: transformers.ArceeConfig,
+                  STARCODER2: transformers.Starcoder2Config}.get(shape.family, transformers.LlamaConfig)
     kwargs.update(shape.multipliers or {})
     if shape.head_size:
         kwargs["head_dim"] = shape.head_size
@@ -129,6 +133,8 @@ def make_hf(out: Path, shape: Shape, tok, seed: int, dtype: str) -> None:
         kwargs["query_pre_attn_scalar"] = shape.head_dim
     if shape.family is GLM4:
         kwargs.update(partial_rotary_factor=shape.partial_rotary_factor, attention_bias=True)
+    if shape.family is STARCODER2:  # LayerNorms' epsilon, under its name
+        kwargs["norm_epsilon"] = shape.rms_norm_eps
     if shape.family is EXAONE4:  # NOTE: Exaone4Config cannot derive it without a window
         kwargs.update(sliding_window=None, layer_types=["full_attention"] * shape.num_hidden_layers)
     if shape.family is PHI3:
@@ -156,22 +162,26 @@ def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "model.embed_tokens.weight", (shape.vocab_size, h)
     for i in range(shape.num_hidden_layers):
         p = f"model.layers.{i}."
+        biased = shape.family is STARCODER2  # LayerNorms and every projection with biases
         if shape.family not in (OLMO2, EXAONE4):  # which normalize the attention's and MLP's outputs, not inputs
             yield p + "input_layernorm.weight", (h,)
+            yield from [(p + "input_layernorm.bias", (h,))] if biased else []
         if shape.family is PHI3:  # fused, as Phi-3 holds them
             yield p + "self_attn.qkv_proj.weight", (q + 2 * kv, h)
         for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)) if shape.family is not PHI3 else ():
             yield p + f"self_attn.{proj}.weight", (rows, h)
-            if shape.family in (QWEN2, GLM4):
+            if shape.family in (QWEN2, GLM4, STARCODER2):
                 yield p + f"self_attn.{proj}.bias", (rows,)
         if shape.family in (GEMMA3, OLMO2, OLMOE, EXAONE4):  # per head, or (OLMo 2, OLMoE) over the whole projection
             per_head = shape.family in (GEMMA3, EXAONE4)
             yield p + "self_attn.q_norm.weight", (shape.head_dim if per_head else q,)
             yield p + "self_attn.k_norm.weight", (shape.head_dim if per_head else kv,)
         yield p + "self_attn.o_proj.weight", (h, q)
+        yield from [(p + "self_attn.o_proj.bias", (h,))] if biased else []
         if shape.family is GLM4:
             yield p + "post_self_attn_layernorm.weight", (h,)
         yield p + "post_attention_layernorm.weight", (h,)
+        yield from [(p + "post_attention_layernorm.bias", (h,))] if biased else []
         if shape.family in GEMMAS:
             yield p + "pre_feedforward_layernorm.weight", (h,)
         if shape.experts:  # the router, and the experts stacked as llama.cpp's converters write them
@@ -179,26 +189,32 @@ def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield p + "mlp.gate.weight", (e, h)
             yield from ((p + f"mlp.experts.{x}_proj.weight", (e, f, h)) for x in ("gate", "up"))
             yield p + "mlp.experts.down_proj.weight", (e, h, f)
+        elif biased:  # StarCoder 2's names
+            f = shape.intermediate_size
+            yield from ((p + "mlp.c_fc.weight", (f, h)), (p + "mlp.c_fc.bias", (f,)), (p + "mlp.c_proj.weight", (h, f)),
+                        (p + "mlp.c_proj.bias", (h,)))
         elif shape.family in (PHI3, GLM4):
             yield p + "mlp.gate_up_proj.weight", (2 * shape.intermediate_size, h)
         else:
             if shape.family is not ARCEE:  # whose MLP has no gate
                 yield p + "mlp.gate_proj.weight", (shape.intermediate_size, h)
             yield p + "mlp.up_proj.weight", (shape.intermediate_size, h)
-        if not shape.experts:
+        if not shape.experts and not biased:
             yield p + "mlp.down_proj.weight", (h, shape.intermediate_size)
         if shape.family in POST_NORMED:
             yield p + "post_feedforward_layernorm.weight", (h,)
         if shape.family is GLM4:
             yield p + "post_mlp_layernorm.weight", (h,)
     yield "model.norm.weight", (h,)
+    if shape.family is STARCODER2:
+        yield "model.norm.bias", (h,)
     if not shape.tie_word_embeddings:
         yield "lm_head.weight", (shape.vocab_size, h)
 
 
 def gguf_name(hf_name: str, family: Family) -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+           "model.norm.bias": "output_norm.bias", "lm_head.weight": "output.weight"}
     if hf_name in top:
         return top[hf_name]
     _, _, i, rest = hf_name.split(".", 3)
@@ -230,7 +246,10 @@ def write_metadata(w, shape: Shape, tok) -> None:
     w.add_head_count(shape.num_attention_heads)
     w.add_head_count_kv(shape.num_key_value_heads)
     w.add_rope_freq_base(shape.rope_theta)
-    w.add_layer_norm_rms_eps(shape.rms_norm_eps)
+    if fam is STARCODER2:  # LayerNorms (TextModel.set_gguf_parameters, from norm_epsilon)
+        w.add_layer_norm_eps(shape.rms_norm_eps)
+    else:
+        w.add_layer_norm_rms_eps(shape.rms_norm_eps)
     if fam in PERMUTED:  # LlamaModel.set_gguf_parameters
         w.add_rope_dimension_count(shape.head_dim)
         w.add_vocab_size(shape.vocab_size)

@@ -109,6 +109,11 @@ EXAONE4 = Family("exaone4", LLAMA3.pre, LLAMA3.digits, ("[PAD]", "[BOS]", "[|end
 # Arcee (AFM-4.5B): Llama's layout with an MLP without a gate (relu(up(x))^2), Llama 3's tokenizer kind
 ARCEE = Family("arcee", LLAMA3.pre, LLAMA3.digits, LLAMA3.specials, LLAMA3.bos, LLAMA3.eos, LLAMA3.pad,
                LLAMA3.chat_template)
+# StarCoder 2: LayerNorms and every projection with biases, a GELU MLP without a gate; its FIM specials, digits one by
+# one (llama.cpp's "starcoder" pre-tokenizer)
+STARCODER2 = Family("starcoder2", "starcoder", r"\p{N}", ("<|endoftext|>", "<fim_prefix>", "<fim_middle>",
+                                                           "<fim_suffix>", "<fim_pad>", "<repo_name>", "<file_sep>"),
+                    None, "<|endoftext|>", "<|endoftext|>", QWEN2.chat_template)
 # the families whose GGUF names the norms after attention / MLP as Gemma's
 POST_NORMED = (GEMMA2, GEMMA3, OLMO2, EXAONE4)
 # the families llama.cpp's LlamaModel converts: q / k rows permuted
@@ -179,6 +184,7 @@ SHAPES = {  # the released models' configs
     "glm4-9b": Shape(GLM4, 4096, 40, 32, 2, 13696, 151552, False, 1e4, None, 32768, 1e-5, None, 0.5, head_size=128),
     "afm-4.5b": Shape(ARCEE, 2560, 36, 20, 4, 18432, 128004, False, 1e4, dict(
         rope_type="yarn", factor=20.0, original_max_position_embeddings=4096), 65536, 1e-5, head_size=128),
+    "starcoder2-3b": Shape(STARCODER2, 3072, 30, 24, 2, 12288, 49152, True, 999999.4420358813, None, 16384, 1e-5),
     "granite-2b": Shape(GRANITE, 2048, 40, 32, 8, 8192, 49159, True, 1e7, None, 131072, 1e-5, multipliers=dict(
         embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)),
 }

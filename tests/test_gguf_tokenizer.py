@@ -92,6 +92,19 @@ def test_gpt_4o_splits_words_before_capitals_keeping_contractions_and_digits_by_
     assert pieces == ["Hello", "World's", "Ġ", "123", "45", "Ġfoo", "BAR", "ĊĊ", "Ġ", "Ġx"]
 
 
+@pytest.mark.parametrize("pre", ["starcoder", "smollm", "command-r"])
+def test_starcoder_splits_digits_first_as_its_hf_tokenizer(tmp_path: Path, pre: str) -> None:
+    """StarCoder 2's and SmolLM2's tokenizer.json split every digit off, then run GPT-2's regex on the rest (llama.cpp's
+    STARCODER group: the two regexes one after the other, which no single regex reproduces: "x  1" keeps its two
+    spaces together)."""
+    tok, _, _ = _export(tmp_path, pre)
+    hf = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    for text in ("x  1", "abc123 def", "  x1\n\n  y", "i've 3.14 + 42", "def f(a, b):\n    return a+b"):
+        assert tok.pre_tokenizer.pre_tokenize_str(text) == hf.pre_tokenize_str(text), text
+    assert [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("x  1")] == ["x", "ĠĠ", "1"]
+
+
 def test_chat_templates_go_to_tokenizer_config(tmp_path: Path) -> None:
     meta = {"tokenizer.chat_template": "{{ messages[0]['content'] }}", "tokenizer.chat_template.tool_use": "tools"}
     _, cfg, _ = _export(tmp_path, "qwen2", meta)

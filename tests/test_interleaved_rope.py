@@ -75,7 +75,7 @@ def test_released_ernie_config():
     assert c.tie_word_embeddings and not c.qkv_bias and not c.output_norms
     assert model_config_from_hf({k: v for k, v in ERNIE_03B.items() if k != "tie_word_embeddings"}
                                 ).tie_word_embeddings  # Ernie4_5Config's default
-    with pytest.raises(CheckpointError, match="biases on the MLP"):
+    with pytest.raises(CheckpointError, match="ERNIE 4.5 with use_bias"):
         model_config_from_hf({**ERNIE_03B, "use_bias": True})
 
 

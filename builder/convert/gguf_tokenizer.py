@@ -28,6 +28,7 @@ class _PreTokenizer:
     """How the original tokenizer.json splits text before BPE, for one `tokenizer.ggml.pre`."""
 
     split: str  # the regex of its Split pre-tokenizer (isolated), followed by ByteLevel without a regex
+    digits_first: bool = False  # every digit split off before `split` runs on the rest (llama.cpp's STARCODER)
     nfc: bool = False  # NFC normalizer first
     ignore_merges: bool = False  # a pre-token that is in the vocabulary is one token, whatever the merges say
     add_bos: bool = False  # llama.cpp's default when the GGUF has no tokenizer.ggml.add_bos_token
@@ -47,10 +48,15 @@ _TEKKEN = _PreTokenizer(f"{_LEAD}{_UPPER}*{_LOWER}+|{_LEAD}{_UPPER}+{_LOWER}*"
                         r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+", ignore_merges=True, add_bos=True)
 _GLM4 = _PreTokenizer(_LLAMA3.split, ignore_merges=True)  # llama.cpp's CHATGLM4: Llama 3's split, no BOS
 _GPT2 = _PreTokenizer(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)")  # EXAONE 4
+# StarCoder 2, SmolLM / SmolLM2, Command R and the others llama.cpp groups with them: digits one by one first, then
+# GPT-2's split on what is between
+_STARCODER = _PreTokenizer(_GPT2.split, digits_first=True)
 # tokenizer.ggml.pre -> pre-tokenizer (the names llama.cpp's llama-vocab.cpp maps to LLAMA3, QWEN2, GPT4O, CHATGLM4,
-# GPT2 and TEKKEN)
+# GPT2, TEKKEN and STARCODER)
 _PRE_TOKENIZERS = {"qwen2": _QWEN2, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "gpt-4o": _GPT4O,
-                   "glm4": _GLM4, "exaone4": _GPT2, "tekken": _TEKKEN}
+                   "glm4": _GLM4, "exaone4": _GPT2, "tekken": _TEKKEN,
+                   **dict.fromkeys(("starcoder", "smollm", "command-r", "refact", "codeshell", "exaone", "minerva-7b",
+                                    "mellum2"), _STARCODER)}
 
 
 def pre_tokenizer_split(pre: str) -> str:
@@ -77,6 +83,7 @@ def _byte_level_bpe(path: Path, meta: dict[str, Any], pre: _PreTokenizer) -> Any
         tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
+            *([pre_tokenizers.Digits(individual_digits=True)] if pre.digits_first else []),
             pre_tokenizers.Split(Regex(pre.split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
