@@ -118,7 +118,6 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     "cohere2": GgufArch("Cohere2ForCausalLM", "cohere2", False, _COHERE_LAYER_TENSORS),
     # Ministral 3: llama.cpp's LlamaModel layout (q / k permuted) with YaRN and the attention temperature
     "mistral3": GgufArch("Ministral3ForCausalLM", "ministral3", True),
-    # Arcee (AFM): LlamaModel's layout (q / k permuted) with an MLP of ffn_up and ffn_down only, relu(x)^2 between
     # StarCoder 2: LayerNorms with biases, biases on every projection, a GELU MLP without a gate; NeoX RoPE (rows as
     # in HF); llama.cpp runs it without the sliding window
     "starcoder2": GgufArch("Starcoder2ForCausalLM", "starcoder2", False, (
@@ -126,6 +125,7 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
         *(f"{n}.bias" for n in ("attn_norm", "ffn_norm", "attn_output", "ffn_up", "ffn_down"))),
         hidden_act="gelu_pytorch_tanh", renames=tuple((f"ffn_{g}.{w}", f"mlp.c_{hf}.{w}") for g, hf in (
             ("up", "fc"), ("down", "proj")) for w in ("weight", "bias"))),
+    # Arcee (AFM): LlamaModel's layout (q / k permuted) with an MLP of ffn_up and ffn_down only, relu(x)^2 between
     "arcee": GgufArch("ArceeForCausalLM", "arcee", True, (*_BASE_LAYER_TENSORS, *(f"attn_{p}.weight" for p in "qkv"),
                                                           "ffn_up.weight"), hidden_act="relu2"),
 }

@@ -155,17 +155,21 @@ class _Run:
         self.cached = 0
 
     async def outputs(self, streams: list) -> AsyncIterator[tuple[RequestOutput, str]]:
-        async for _, out in deltas(streams, self.server.workers):
-            now = time.monotonic()
-            self.first_token_time = self.first_token_time or (now if out.new_token_ids else None)
-            self.tokens += out.new_token_ids
-            self.finish_reason = out.finish_reason
-            self.cached = out.metrics.num_prefix_cached_tokens if out.metrics else self.cached
-            text = self.cut.add(out.new_text, now)
-            yield out, text
-            if self.cut.cut:
-                self.finish_reason = "length"
-                break  # NOTE: leaving deltas() cancels the engine request, which frees its KV blocks
+        engine_outputs = deltas(streams, self.server.workers)
+        try:
+            async for _, out in engine_outputs:
+                now = time.monotonic()
+                self.first_token_time = self.first_token_time or (now if out.new_token_ids else None)
+                self.tokens += out.new_token_ids
+                self.finish_reason = out.finish_reason
+                self.cached = out.metrics.num_prefix_cached_tokens if out.metrics else self.cached
+                text = self.cut.add(out.new_text, now)
+                yield out, text
+                if self.cut.cut:
+                    self.finish_reason = "length"
+                    return
+        finally:  # NOTE: closing deltas() cancels a request cut short at once, which frees its KV blocks
+            await engine_outputs.aclose()
 
     async def events(self, streams: list) -> AsyncIterator[str]:
         try:
