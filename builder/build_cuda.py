@@ -64,6 +64,9 @@ def check_cuda_buildable(config: ModelConfig, build: BuildConfig) -> None:
                                     "ones); build them for cpu.")
     if config.quantization.kv_cache_quant_algo:
         raise ConfigError("target", "cuda does not run a quantized KV cache yet; build it for cpu.")
+    if config.qk_norm_after_rope:
+        raise ConfigError("target", "cuda does not run q / k norms after RoPE (Hunyuan) yet: its attention kernel "
+                                    "rotates q and k itself; build it for cpu.")
     if build.kv_pool_dtype != "float32":
         raise ConfigError("kv_pool_dtype", "the cuda target's KV pool has the compute dtype (--dtype); leave "
                                            "--kv-pool-dtype at float32.")

@@ -237,8 +237,14 @@ class _NetworkWriter:
         local = dataclasses.replace(c, rotary_base=c.local_rotary_base, rotary_scaling=None)
         return {False: full, True: tables(local, "rope_local_")}
 
+    def qk_norms(self, q: str, k: str, layer: str) -> tuple[str, str]:
+        c = self.c
+        return (self.head_norm(q, layer + "attention.q_norm.weight", c.num_attention_heads),
+                self.head_norm(k, layer + "attention.k_norm.weight", c.num_key_value_heads))
+
     def head_norm(self, x: str, weight_name: str, heads: int) -> str:
-        """Qwen3's per-head RMSNorm of q or k, before RoPE; OLMo 2's spans the whole projection."""
+        """Qwen3's per-head RMSNorm of q or k, before RoPE (Hunyuan's, after it); OLMo 2's spans the whole
+        projection."""
         if self.c.qk_norm_full:
             return self.rms_norm(x, weight_name)
         per_head = self.g.op("Reshape", [x, self.g.const(np.array([0, heads, self.c.head_size]), "heads_shape")])
@@ -309,9 +315,8 @@ class _NetworkWriter:
             g.scope = p
             h = self.norm(x, p + "input_layernorm.weight") if c.input_norms else x
             q, k, v = (self.linear(h, p + f"attention.{n}", bias=c.qkv_bias) for n in "qkv")
-            if c.qk_norm:
-                q = self.head_norm(q, p + "attention.q_norm.weight", c.num_attention_heads)
-                k = self.head_norm(k, p + "attention.k_norm.weight", c.num_key_value_heads)
+            if c.qk_norm and not c.qk_norm_after_rope:
+                q, k = self.qk_norms(q, k, p)
             if temperature is not None:  # NOTE: a per-token factor commutes with RoPE, so the RoPE fusion still applies
                 q = g.op("Mul", [q, temperature], name=p + "attention.q_temperature")
             sliding = c.is_sliding(i)
@@ -319,6 +324,8 @@ class _NetworkWriter:
             if i not in c.no_rope_layers:  # SmolLM3's NoPE layers attend without positions
                 q = self.rope(q, c.num_attention_heads, positions_2d, *rope[sliding])
                 k = self.rope(k, c.num_key_value_heads, positions_2d, *rope[sliding])
+            if c.qk_norm_after_rope:  # NOTE: the RoPE stays outside the attention op (no fusion past the norms)
+                q, k = self.qk_norms(q, k, p)
             window = {"window": groups[group].window} if groups[group].window else {}
             kv_quant = {} if self.kv_scales is None else dict(kv_cache_quant_algo=c.quantization.kv_cache_quant_algo,
                                                               kv_cache_scale=[float(s) for s in self.kv_scales[i]])

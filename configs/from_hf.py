@@ -59,6 +59,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "ArceeForCausalLM": ("arcee", False, False),
     # LayerNorms with biases, biases on every projection (use_bias), a GELU MLP without a gate, sliding windows
     "Starcoder2ForCausalLM": ("starcoder2", False, False),
+    # per-head q / k norms after RoPE, NTK-alpha RoPE (a fixed, larger base)
+    "HunYuanDenseV1ForCausalLM": ("hunyuan_dense", False, True),
 }
 _UNGATED_MLP_FAMILIES = ("arcee", "starcoder2")
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> the text
@@ -244,6 +246,8 @@ def _norm_layout(family: str) -> dict[str, Any]:
         return {"norm_type": "layer", "parallel_residual": True}
     if family == "starcoder2":  # LayerNorms with biases where Llama has RMSNorms
         return {"norm_type": "layer", "norm_bias": True}
+    if family == "hunyuan_dense":
+        return {"qk_norm_after_rope": True}
     return {"qk_norm_full": True} if family == "olmoe" else {}
 
 
@@ -291,6 +295,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         hf = {**hf, "partial_rotary_factor": 0.5}  # Glm4Config's default
     heads = int(hf["num_attention_heads"])
     head_size = int(hf.get("head_dim") or hf["hidden_size"] // heads)
+    hf = hf_rope.with_ntk_alpha(hf, head_size) if family == "hunyuan_dense" else hf
     rope_params, local_base = hf_rope.rope_parameters(hf, family)
     rotary_dim = hf_rope.rotary_dim(hf, rope_params, head_size)
     rope_scaling = hf_rope.rope_scaling(hf, rope_params, rotary_dim or head_size, family)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from trtbuild.errors import CheckpointError
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
@@ -122,3 +124,17 @@ def temperature_fields(rope_params: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError("llama_4_scaling_beta is set but rope_parameters gives no "
                               "original_max_position_embeddings, the length its temperature steps over.")
     return {"attn_temperature_scale": float(beta), "attn_temperature_length": int(length)}
+
+
+def with_ntk_alpha(hf: dict[str, Any], head_size: int) -> dict[str, Any]:
+    """Hunyuan's "dynamic" RoPE with a fixed `alpha` (NTK-aware, as transformers and llama.cpp run it): the base
+    theta * alpha ** (d / (d - 2)) with no other scaling; a config without alpha as it is."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not params.get("alpha"):
+        return hf
+    if params.get("rope_type", params.get("type")) != "dynamic":
+        raise CheckpointError(f"rope scaling {params.get('rope_type')!r} with an alpha is not supported.")
+    theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
+    # NOTE: in float32, as transformers' inverse frequencies and llama.cpp's rope.freq_base hold it
+    base = float(np.float32(theta * float(params["alpha"]) ** (head_size / (head_size - 2))))
+    return {**hf, "rope_theta": base, "rope_scaling": None, "rope_parameters": {"rope_theta": base}}

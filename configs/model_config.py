@@ -220,6 +220,7 @@ class ModelConfig:
     # x + attn(norm(x)) + mlp(norm(x))); no post_layernorm
     parallel_residual: bool = False
     qk_norm_full: bool = False  # qk_norm spans the whole q / k projection (OLMo 2), not each head (Qwen3, Gemma 3)
+    qk_norm_after_rope: bool = False  # the per-head q / k norms apply to the rotated q / k (Hunyuan), not before
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     residual_multiplier: float = 1.0  # attention and MLP outputs are multiplied by this before their adds (Granite)
@@ -265,6 +266,8 @@ class ModelConfig:
         if self.norm_type not in NORM_TYPES:
             raise CheckpointError(f"config.json: norm_type must be one of {', '.join(NORM_TYPES)}, got "
                                   f"{self.norm_type!r}")
+        if self.qk_norm_after_rope and not (self.qk_norm and not self.qk_norm_full):
+            raise CheckpointError("config.json: qk_norm_after_rope needs per-head q / k norms (qk_norm)")
         if self.norm_bias and self.norm_type != "layer":
             raise CheckpointError("config.json: norm_bias is for LayerNorms (norm_type layer)")
         if self.mlp_bias and self.num_experts:

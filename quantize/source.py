@@ -158,7 +158,8 @@ def hf_config_from_model_config(c: Any) -> dict[str, Any]:
     return cfg
 
 
-_MODEL_TYPES = {"gemma3": "gemma3_text"}  # transformers' model_type where it is not the family's name
+# transformers' model_type where it is not the family's name
+_MODEL_TYPES = {"gemma3": "gemma3_text", "hunyuan_dense": "hunyuan_v1_dense"}
 
 
 # Families whose transformers model fuses q/k/v and gate/up: their torch model is the Mistral model (Llama with a

@@ -77,6 +77,7 @@ FAMILIES = {
     "ministral3": ("mistral3", "spm", "Ministral 3 Tiny"),
     "arcee": ("arcee", "bpe", "AFM Tiny"),
     "starcoder2": ("starcoder2", "bpe", "StarCoder2 Tiny"),
+    "hunyuan_dense": ("hunyuan-dense", "bpe", "Hunyuan Tiny"),
 }
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)$")
 
@@ -337,7 +338,12 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     rope = cfg.get("rope_parameters") or {}
-    w.add_rope_freq_base(cfg.get("rope_theta") or rope.get("full_attention", rope)["rope_theta"])
+    base = cfg.get("rope_theta") or rope.get("full_attention", rope)["rope_theta"]
+    if arch == "hunyuan-dense" and rope.get("alpha"):  # HunYuanModel.set_gguf_parameters: alpha folded into the base
+        base *= rope["alpha"] ** (head_dim / (head_dim - 2))
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        w.add_rope_scaling_factor(1)
+    w.add_rope_freq_base(base)
     if "layer_norm_eps" in cfg:  # TextModel.set_gguf_parameters: a LayerNorm model's epsilon
         w.add_layer_norm_eps(cfg["layer_norm_eps"])
     else:

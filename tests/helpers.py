@@ -141,6 +141,10 @@ RANDOM_CONFIGS = {
     "starcoder2": ("Starcoder2Config", dict(_COMMON, hidden_act="gelu_pytorch_tanh", use_bias=True, norm_epsilon=1e-6,
                                             sliding_window=6, rope_theta=100000.0, tie_word_embeddings=True,
                                             bos_token_id=1, eos_token_id=2)),
+    # per-head q / k norms after RoPE; NTK-alpha RoPE (base 10000 * 1000 ** (32 / 30))
+    "hunyuan_dense": ("HunYuanDenseV1Config", dict(_COMMON, head_dim=32, rope_parameters={
+        "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)),
     # Llama whose MLP has no gate (relu(up(x))^2), with YaRN past an original context of 64 as AFM-4.5B runs
     "arcee": ("ArceeConfig", dict(_COMMON, hidden_act="relu2", rope_theta=10000.0, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},

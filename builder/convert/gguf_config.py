@@ -125,6 +125,11 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
         *(f"{n}.bias" for n in ("attn_norm", "ffn_norm", "attn_output", "ffn_up", "ffn_down"))),
         hidden_act="gelu_pytorch_tanh", renames=tuple((f"ffn_{g}.{w}", f"mlp.c_{hf}.{w}") for g, hf in (
             ("up", "fc"), ("down", "proj")) for w in ("weight", "bias"))),
+    # Hunyuan dense: per-head q / k norms (after RoPE), the NTK-alpha base folded into rope.freq_base by the converter
+    "hunyuan-dense": GgufArch("HunYuanDenseV1ForCausalLM", "hunyuan_v1_dense", False,
+                              (*SEPARATE_LAYER_TENSORS, *_QK_NORM), renames=(
+                                  ("attn_q_norm.weight", "self_attn.query_layernorm.weight"),
+                                  ("attn_k_norm.weight", "self_attn.key_layernorm.weight"))),
     # Arcee (AFM): LlamaModel's layout (q / k permuted) with an MLP of ffn_up and ffn_down only, relu(x)^2 between
     "arcee": GgufArch("ArceeForCausalLM", "arcee", True, (*_BASE_LAYER_TENSORS, *(f"attn_{p}.weight" for p in "qkv"),
                                                           "ffn_up.weight"), hidden_act="relu2"),

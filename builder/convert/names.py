@@ -65,6 +65,10 @@ _STARCODER2_LAYER_MAP = {
     **{f"mlp.{hf}.{w}": f"mlp.{ours}.{w}" for hf, ours in (("c_fc", "fc"), ("c_proj", "proj")) for w in ("weight",
                                                                                                         "bias")},
 }
+# Hunyuan: its q / k norms' names
+_HUNYUAN_LAYER_MAP = {**{k: v for k, v in _LAYER_MAP.items() if "_norm." not in k},
+                      "self_attn.query_layernorm.weight": "attention.q_norm.weight",
+                      "self_attn.key_layernorm.weight": "attention.k_norm.weight"}
 # Gemma 2 / 3's and OLMo 2 / 3's output norms: their `post_attention_layernorm` normalizes the attention's output
 # (Llama's is the norm before the MLP, which Gemma calls `pre_feedforward_layernorm`).
 _OUTPUT_NORM_LAYER_MAP = {
@@ -145,6 +149,8 @@ def _layer_map(config: ModelConfig | None) -> dict[str, str]:
         return _GLM4_LAYER_MAP
     if config.family == "starcoder2":
         return _STARCODER2_LAYER_MAP
+    if config.family == "hunyuan_dense":
+        return _HUNYUAN_LAYER_MAP
     if config.output_norms:  # Gemma 2 / 3, OLMo 2 / 3, EXAONE 4
         return _OUTPUT_NORM_LAYER_MAP
     return _MOE_LAYER_MAP if config.is_moe else _LAYER_MAP

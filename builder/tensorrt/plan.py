@@ -73,6 +73,9 @@ def check_tensorrt_buildable(config: ModelConfig, build: BuildConfig) -> None:
                                     "for cpu or cuda.")
     if quant.kv_cache_quant_algo:
         raise ConfigError("target", "tensorrt does not run a quantized KV cache yet; build it for cpu.")
+    if config.qk_norm_after_rope:
+        raise ConfigError("target", "tensorrt does not run q / k norms after RoPE (Hunyuan) yet: its attention "
+                                    "plugin rotates q and k itself; build it for cpu.")
     if build.kv_pool_dtype != "float32":
         raise ConfigError("kv_pool_dtype", "the tensorrt target's KV pool is float32; leave --kv-pool-dtype at "
                                            "float32.")
