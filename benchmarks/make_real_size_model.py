@@ -40,7 +40,7 @@ import math
 import sys
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -62,10 +62,8 @@ from real_shapes import (  # noqa: E402
     GRANITEMOE,
     LLAMA3,
     OLMO2,
-    OLMOE,
     PERMUTED,
     PHI3,
-    POST_NORMED,
     QWEN2,
     SHAPES,
     SMOLLM3,
@@ -73,18 +71,8 @@ from real_shapes import (  # noqa: E402
     Family,
     Shape,
 )
+from shape_tensors import gguf_name, hf_tensors  # noqa: E402
 
-HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-              "post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",  # GLM-4
-              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-              "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down",  # StarCoder 2
-              "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
-              **{f"mlp.experts.{p}_proj": f"ffn_{p}_exps" for p in ("gate", "up", "down")}}
-# Gemma 2 / 3's four norms: their post_attention_layernorm normalizes the attention's output
-GEMMA_TO_GGUF = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
-                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 ROWS_PER_CHUNK = 4096  # rows drawn and encoded at a time: bounds memory for the 128k-row token tables
 
 
@@ -153,73 +141,6 @@ def make_hf(out: Path, shape: Shape, tok, seed: int, dtype: str) -> None:
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(out, safe_serialization=True, max_shard_size="20GB")
     del model
-
-
-def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(HF name, shape) of every weight, in the order HF checkpoints list them per layer."""
-    h, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
-    q = shape.num_attention_heads * shape.head_dim
-    yield "model.embed_tokens.weight", (shape.vocab_size, h)
-    for i in range(shape.num_hidden_layers):
-        p = f"model.layers.{i}."
-        biased = shape.family is STARCODER2  # LayerNorms and every projection with biases
-        if shape.family not in (OLMO2, EXAONE4):  # which normalize the attention's and MLP's outputs, not inputs
-            yield p + "input_layernorm.weight", (h,)
-            yield from [(p + "input_layernorm.bias", (h,))] if biased else []
-        if shape.family is PHI3:  # fused, as Phi-3 holds them
-            yield p + "self_attn.qkv_proj.weight", (q + 2 * kv, h)
-        for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)) if shape.family is not PHI3 else ():
-            yield p + f"self_attn.{proj}.weight", (rows, h)
-            if shape.family in (QWEN2, GLM4, STARCODER2):
-                yield p + f"self_attn.{proj}.bias", (rows,)
-        if shape.family in (GEMMA3, OLMO2, OLMOE, EXAONE4):  # per head, or (OLMo 2, OLMoE) over the whole projection
-            per_head = shape.family in (GEMMA3, EXAONE4)
-            yield p + "self_attn.q_norm.weight", (shape.head_dim if per_head else q,)
-            yield p + "self_attn.k_norm.weight", (shape.head_dim if per_head else kv,)
-        yield p + "self_attn.o_proj.weight", (h, q)
-        yield from [(p + "self_attn.o_proj.bias", (h,))] if biased else []
-        if shape.family is GLM4:
-            yield p + "post_self_attn_layernorm.weight", (h,)
-        yield p + "post_attention_layernorm.weight", (h,)
-        yield from [(p + "post_attention_layernorm.bias", (h,))] if biased else []
-        if shape.family in GEMMAS:
-            yield p + "pre_feedforward_layernorm.weight", (h,)
-        if shape.experts:  # the router, and the experts stacked as llama.cpp's converters write them
-            e, f = shape.experts, shape.intermediate_size
-            yield p + "mlp.gate.weight", (e, h)
-            yield from ((p + f"mlp.experts.{x}_proj.weight", (e, f, h)) for x in ("gate", "up"))
-            yield p + "mlp.experts.down_proj.weight", (e, h, f)
-        elif biased:  # StarCoder 2's names
-            f = shape.intermediate_size
-            yield from ((p + "mlp.c_fc.weight", (f, h)), (p + "mlp.c_fc.bias", (f,)), (p + "mlp.c_proj.weight", (h, f)),
-                        (p + "mlp.c_proj.bias", (h,)))
-        elif shape.family in (PHI3, GLM4):
-            yield p + "mlp.gate_up_proj.weight", (2 * shape.intermediate_size, h)
-        else:
-            if shape.family is not ARCEE:  # whose MLP has no gate
-                yield p + "mlp.gate_proj.weight", (shape.intermediate_size, h)
-            yield p + "mlp.up_proj.weight", (shape.intermediate_size, h)
-        if not shape.experts and not biased:
-            yield p + "mlp.down_proj.weight", (h, shape.intermediate_size)
-        if shape.family in POST_NORMED:
-            yield p + "post_feedforward_layernorm.weight", (h,)
-        if shape.family is GLM4:
-            yield p + "post_mlp_layernorm.weight", (h,)
-    yield "model.norm.weight", (h,)
-    if shape.family is STARCODER2:
-        yield "model.norm.bias", (h,)
-    if not shape.tie_word_embeddings:
-        yield "lm_head.weight", (shape.vocab_size, h)
-
-
-def gguf_name(hf_name: str, family: Family) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "model.norm.bias": "output_norm.bias", "lm_head.weight": "output.weight"}
-    if hf_name in top:
-        return top[hf_name]
-    _, _, i, rest = hf_name.split(".", 3)
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{i}.{(GEMMA_TO_GGUF if family in POST_NORMED else HF_TO_GGUF)[module]}.{kind}"
 
 
 def random_rows(name: str, shape: tuple[int, ...], seed: int) -> Callable[[int, int], np.ndarray]:
