@@ -17,7 +17,7 @@ bitsandbytes) is refused with what to use instead: read as plain weights it woul
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from trtbuild.errors import CheckpointError
 
@@ -87,6 +87,6 @@ def _block(value: Any, key: str) -> tuple[int, int] | None:
     return int(value[0]), int(value[1])
 
 
-def _refuse(what: str) -> None:
+def _refuse(what: str) -> NoReturn:
     raise CheckpointError(f"this checkpoint is pre-quantized ({what} weights), which trtbuild does not read; "
                           + _INSTEAD)

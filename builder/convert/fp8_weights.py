@@ -28,9 +28,10 @@ def dequantized_sources(sources: dict[str, SourceTensor], form: Fp8Weights) -> d
     as W * S in float32, its scale and the run-time scales left out; every other tensor as it is."""
     kept = {name: src for name, src in sources.items() if name.rsplit(".", 1)[-1] not in _RUN_TIME_SCALES}
     scales = {name[: -len(form.scale_suffix)]: name for name in kept if name.endswith(form.scale_suffix)}
+    scale_names = set(scales.values())
     out: dict[str, SourceTensor] = {}
     for name, src in kept.items():
-        if name in scales.values():
+        if name in scale_names:
             continue
         if name in scales:
             scale = sources[scales[name]]

@@ -132,7 +132,7 @@ class OpenAIServer:
         raise OpenAIError(404, f"The model `{r.model}` does not exist; this server serves {served}",
                           "not_found_error", "model")
 
-    def _served(self, r: api.ChatCompletionRequest | api.CompletionRequest) -> str:
+    def served_model(self, r: api.ChatCompletionRequest | api.CompletionRequest) -> str:
         """The `model` of a response: the adapter the request ran under, else the base model."""
         return self.lora_of(r) or self.model_name
 
@@ -223,7 +223,7 @@ class OpenAIServer:
             choices.append(api.ChatChoice(index=i, message=answer.message(w.text),
                                           logprobs=self._chat_logprobs(w.logprobs, top) if r.logprobs else None,
                                           finish_reason=_finish(w.finish_reason, answer.called)))
-        return api.ChatCompletion(id=rid, model=self._served(r), choices=choices,
+        return api.ChatCompletion(id=rid, model=self.served_model(r), choices=choices,
                                   usage=_usage(len(prompt), sum(len(w.token_ids) for w in wholes)))
 
     async def completion(self, request: Request, r: api.CompletionRequest) -> Any:
@@ -272,7 +272,7 @@ class OpenAIServer:
             out.append(api.CompletionChoice(
                 index=i, text=text, finish_reason=choice.finish_reason(w.finish_reason),
                 logprobs=self._completion_logprobs(scored, choice) if r.logprobs is not None else None))
-        return api.Completion(id=rid, model=self._served(r), choices=out,
+        return api.Completion(id=rid, model=self.served_model(r), choices=out,
                               usage=_usage(prompt_tokens, sum(c.num_output_tokens for c in choices)))
 
     def _stream(self, streams: list[RequestStream], rid: str, prompt_len: int,
@@ -281,7 +281,7 @@ class OpenAIServer:
                 ) -> StreamingResponse:
         """`answers`: chat only, each choice's answer; `choices`: completions only, what each choice shows."""
         include_usage = bool(r.stream_options and r.stream_options.include_usage)
-        model = self._served(r)
+        model = self.served_model(r)
 
         async def events() -> AsyncIterator[str]:
             wholes = [Accumulated() for _ in streams]

@@ -35,7 +35,7 @@ def completion_prompts(prompt: str | list, encode: Callable[[str], list[int]],
     if not prompt:
         raise ValueError("prompt: the batch of prompts is empty")
     if infill is not None:
-        return [Prompt(p if isinstance(p, str) else None, infill(p if isinstance(p, str) else [int(t) for t in p]))
+        return [Prompt(p, infill(p)) if isinstance(p, str) else Prompt(None, infill([int(t) for t in p]))
                 for p in prompt]
     prompts = [Prompt(p, encode(p)) if isinstance(p, str) else Prompt(None, [int(t) for t in p]) for p in prompt]
     if empty := [i for i, p in enumerate(prompts) if not p.token_ids]:

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from trtbuild.serving.openai.app import OpenAIServer
 
 # the sampler chains llama-server runs by default, and the ones llama.vim / llama.vscode send
-_ACCEPTED_SAMPLERS = ({"top_k", "top_p", "min_p", "temperature", "infill", "penalties", "dry", "top_n_sigma",
-                       "typ_p", "xtc"})
+_ACCEPTED_SAMPLERS = frozenset({"top_k", "top_p", "min_p", "temperature", "infill", "penalties", "dry",
+                                "top_n_sigma", "typ_p", "xtc"})
 APPLIED_SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
 
 
@@ -95,8 +95,8 @@ class MiddleCut:
         self.first_token_time = self.first_token_time if self.first_token_time is not None else now
         start = len(self.text)
         self.text += new_text
-        if self.n_indent > 0:
-            line_start = 0
+        if self.n_indent > 0:  # NOTE: the lines before the one `new_text` continues were judged already
+            line_start = max(self.text.rfind("\n", 0, start), 0)
             while (nl := self.text.find("\n", line_start)) != -1:
                 line_start = nl + 1
                 body = self.text[line_start:].lstrip(" \t")
@@ -189,7 +189,7 @@ class _Run:
         n_prompt, n_out = len(self.prompt) - self.cached, len(self.tokens)
         body = {
             "index": 0, "content": content, "tokens": [], "id_slot": -1, "stop": True,
-            "model": self.server._served(self.r), "tokens_predicted": n_out, "tokens_evaluated": len(self.prompt),
+            "model": self.server.served_model(self.r), "tokens_predicted": n_out, "tokens_evaluated": len(self.prompt),
             "tokens_cached": self.cached, "truncated": False, "has_new_line": "\n" in self.cut.text,
             "stop_type": "limit" if self.finish_reason == "length" else "eos", "stopping_word": "",
             "prompt": self.server.tokenizer.decode(self.prompt, skip_special_tokens=False),
