@@ -131,6 +131,11 @@ def convert(model: Path, output: Path, dtype: str, tp_size: int, pp_size: int, w
               help="A LoRA adapter (a PEFT adapter folder, or llama.cpp's LoRA .gguf) built in beside the base "
                    "weights; a request runs under it by name (the OpenAI API's `model`, gRPC's `lora`, Triton's "
                    "`lora_name`, `trtbuild run|client --lora NAME`). Repeat for more adapters.")
+@click.option("--max-loras", type=click.IntRange(min=0), default=0,
+              help="Instead of --lora: slots for this many LoRA adapters that the running engine loads and unloads "
+                   "(`trtbuild serve --lora-modules NAME=PATH`, POST /v1/load_lora_adapter), as vLLM's.")
+@click.option("--max-lora-rank", type=click.IntRange(min=1), default=None,
+              help="The highest adapter rank the slots take [default: 16 with --max-loras].")
 @click.option("--task", type=click.Choice(TASKS), default="generate", show_default=True,
               help="embed: the engine returns each prompt's last hidden state, normalized (an embedding model's "
                    "last-token pooling; served at the OpenAI API's /v1/embeddings) instead of generating text.")
@@ -141,7 +146,8 @@ def build(checkpoint: Path, output: Path, target: str, dtype: str, max_batch_siz
           max_num_tokens: int, tokens_per_block: int, no_fuse: bool, int4_accuracy_level: str,
           kv_pool_dtype: str | None, attention: str, quant_linears: str, float_linears: str, autotune: str,
           timing_cache: Path | None, speculative_decoding_mode: str, max_draft_len: int | None,
-          lora_adapters: tuple[tuple[str, str], ...], task: str, verify_after: bool) -> None:
+          lora_adapters: tuple[tuple[str, str], ...], max_loras: int, max_lora_rank: int | None, task: str,
+          verify_after: bool) -> None:
     """Compile a checkpoint into an engine directory for one target."""
     from trtbuild.builder.build import build_engine
 
@@ -154,7 +160,9 @@ def build(checkpoint: Path, output: Path, target: str, dtype: str, max_batch_siz
                  quant_linears=quant_linears, float_linears=float_linears, autotune=autotune, timer=timer,
                  timing_cache=timing_cache, speculative_decoding_mode=speculative_decoding_mode,
                  max_draft_len=max_draft_len if max_draft_len is not None else
-                 (4 if speculative_decoding_mode == "draft-tokens" else 0), lora_adapters=lora_adapters, task=task)
+                 (4 if speculative_decoding_mode == "draft-tokens" else 0), lora_adapters=lora_adapters,
+                 max_loras=max_loras, max_lora_rank=(max_lora_rank or 16) if max_loras else (max_lora_rank or 0),
+                 task=task)
     click.echo(f"wrote engine {output}")
     if autotune != "off" and target == "cpu":
         click.echo(_tactics_summary(output))
@@ -201,8 +209,9 @@ def _verify(engine: Path, checkpoint: Path | None, threads: int | None) -> None:
 @click.option("--system", default=None, help="System message before --chat.")
 @sampling_options
 @speculative_options
-@click.option("--lora", default=None, metavar="NAME",
-              help="Run under this LoRA adapter of the engine (built in with `trtbuild build --lora NAME=PATH`).")
+@click.option("--lora", default=None, metavar="NAME[=PATH]",
+              help="Run under this LoRA adapter of the engine (built in with `trtbuild build --lora NAME=PATH`); "
+                   "NAME=PATH loads the adapter at PATH into a slot first (an engine built with --max-loras).")
 @click.option("--beam-width", type=click.IntRange(min=1), default=1, show_default=True,
               help="Beam search with this many beams: the best answer is printed, the others after it on stderr.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="ONNX Runtime intra-op threads.")
@@ -221,6 +230,9 @@ def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, 
                             skip_special_tokens=harmony is None, beam_width=beam_width)
     spec = speculative_config(speculative_tokens, prompt_lookup_max, draft_engine)
     llm = LLM(engine, RuntimeConfig(num_threads=threads, max_batch_size=beam_width, speculative=spec))
+    if lora is not None and "=" in lora:
+        lora, _, path = lora.partition("=")
+        llm.load_lora(lora, path)
     if template is not None:
         if llm.core.tokenizer is None:
             raise TrtbuildError(f"{engine} has no tokenizer.json, which --chat needs; rebuild with tokenizer files.")

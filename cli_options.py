@@ -27,7 +27,7 @@ def lora_adapter_options(ctx: click.Context, param: click.Parameter,
     for value in values:
         name, sep, folder = value.partition("=")
         if not sep or not name or not folder:
-            raise click.BadParameter(f"{value!r}: give NAME=PATH, e.g. --lora sql=./sql-lora", ctx, param)
+            raise click.BadParameter(f"{value!r}: give NAME=PATH, e.g. {param.opts[0]} sql=./sql-lora", ctx, param)
         if not Path(folder).exists():
             raise click.BadParameter(f"{value!r}: {folder} does not exist (give a PEFT adapter folder, with "
                                      "adapter_config.json and adapter_model.safetensors, or a LoRA .gguf)", ctx, param)

@@ -10,7 +10,14 @@ from pathlib import Path
 import click
 
 from trtbuild.cli_chat import chat_messages, chat_template
-from trtbuild.cli_options import existing, out, runtime_config, sampling_options, serving_options
+from trtbuild.cli_options import (
+    existing,
+    lora_adapter_options,
+    out,
+    runtime_config,
+    sampling_options,
+    serving_options,
+)
 from trtbuild.errors import TrtbuildError
 from trtbuild.serving.openai.harmony import NAME as HARMONY
 from trtbuild.serving.openai.tool_calls import FORMATS as TOOL_CALL_FORMATS
@@ -36,15 +43,20 @@ from trtbuild.serving.openai.tool_calls import FORMATS as TOOL_CALL_FORMATS
               help="auto: a model whose chat template knows <think> / </think> (or harmony's analysis channel) "
                    "answers its thinking as reasoning_content, apart from the content; none: the thinking stays in "
                    "the content.")
+@click.option("--lora-modules", multiple=True, callback=lora_adapter_options, metavar="NAME=PATH",
+              help="Load this LoRA adapter (a PEFT folder or llama.cpp's LoRA .gguf) into a slot of the engine "
+                   "(built with --max-loras) before serving; requests name it as the model. Repeatable.")
 @serving_options
 def serve(engine: Path, host: str, port: int, http_port: int | None, api_key: str | None,
-          served_model_name: str | None, tool_call_parser: str, reasoning_parser: str, **serving) -> None:
+          served_model_name: str | None, tool_call_parser: str, reasoning_parser: str,
+          lora_modules: tuple[tuple[str, str], ...], **serving) -> None:
     """Serve an engine over gRPC (trtbuild.v1.Generation, health, reflection), and the OpenAI API with --http-port,
     until SIGTERM / Ctrl-C."""
     from trtbuild.serving.grpc.server import serve as run_server
 
     run_server(engine, host=host, port=port, config=runtime_config(**serving), http_port=http_port, api_key=api_key,
-               model_name=served_model_name, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+               model_name=served_model_name, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+               lora_modules=lora_modules)
 
 
 @click.command()

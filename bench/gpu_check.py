@@ -66,7 +66,7 @@ def attention_bandwidth(cuda_engine: Path, batch: int, context: int) -> dict[str
     from triton.testing import do_bench
 
     from trtbuild.builder.engine_dir import read_engine_config
-    from trtbuild.kernels.load import load_kernels
+    from trtbuild.gpu_kernels.load import load_kernels
 
     info = read_engine_config(cuda_engine, expect_target="cuda")
     m, b = info.model, info.build

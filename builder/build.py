@@ -19,6 +19,7 @@ from trtbuild.builder.convert.checkpoint import (
 )
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, CPU_WEIGHTS_FILE, cpu_fingerprint, write_engine_config
 from trtbuild.builder.lora import read_adapters
+from trtbuild.builder.lora_slots import read_slot_tables
 from trtbuild.builder.network import build_network, engine_inputs, engine_outputs
 from trtbuild.builder.quantized import check_quantization
 from trtbuild.builder.tensorrt.plan import check_tensorrt_buildable
@@ -278,7 +279,8 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         onnx.checker.check_model(str(output / CPU_ENGINE_FILE))  # by path: it reads the graph file, not the weights
         copy_tokenizer_files(checkpoint, output)
         io = io_spec(model)
-        assert [i["name"] for i in io["inputs"]] == list(engine_inputs(config, build))
+        tables = {name for t in read_slot_tables(model) for name in (t.a, t.b)}  # LoRA slots' (builder/lora_slots.py)
+        assert [i["name"] for i in io["inputs"] if i["name"] not in tables] == list(engine_inputs(config, build))
         assert [o["name"] for o in io["outputs"]] == list(engine_outputs(build))
         write_engine_config(output, config, build, cpu_fingerprint(), io, applied, {CPU_WEIGHTS_FILE: weight_bytes},
                             tactics)

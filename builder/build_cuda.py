@@ -38,7 +38,7 @@ def cuda_fingerprint() -> dict[str, Any]:
             "cuda_version": torch.version.cuda if gpu else None,
             "torch_version": torch.__version__.split("+")[0],
             # NOTE: the version from its metadata, not `import triton`: the kernels must be the first to import it
-            # (kernels/load.py), so that without a GPU triton's library is decorated for its interpreter
+            # (gpu_kernels/load.py), so that without a GPU triton's library is decorated for its interpreter
             "triton_version": version("triton")}
 
 
@@ -84,14 +84,14 @@ def check_tensorrt_available() -> None:
 
 def tactics(config: ModelConfig, build: BuildConfig, timing_cache: Path | None) -> dict[str, Any]:
     """The kernels' tile sizes as the engine's tactics. NOTE: real autotuning times candidates on the GPU it builds
-    for (kernels/autotune.py); without one the launchers' defaults are recorded and the reason with them."""
+    for (gpu_kernels/autotune.py); without one the launchers' defaults are recorded and the reason with them."""
     if build.autotune == "off":
         return {name: {"chosen": dict(t), "source": "default"} for name, t in DEFAULT_TACTICS.items()}
     if not torch.cuda.is_available():
         return {name: {"chosen": dict(t), "source": "default: autotuning needs a GPU, none here"}
                 for name, t in DEFAULT_TACTICS.items()}
-    from trtbuild.kernels.autotune import tune_cuda
-    from trtbuild.kernels.load import load_kernels
+    from trtbuild.gpu_kernels.autotune import tune_cuda
+    from trtbuild.gpu_kernels.load import load_kernels
 
     tuned = tune_cuda(config, build, cuda_fingerprint(), timing_cache, load_kernels(interpret=False))
     return {**{name: {"chosen": dict(t), "source": "default"} for name, t in DEFAULT_TACTICS.items()}, **tuned}

@@ -1,26 +1,26 @@
 """The fused ONNX graph -> the CUDA target's execution plan: a list of steps (kernel, inputs, outputs, attributes)
 and the weights they read, pre-packed for the GPU (layout and dtype), run by runtime/cuda_engine.py.
 
-Each node maps to one kernel (kernels/ for the Triton ones, torch for the rest):
+Each node maps to one kernel (gpu_kernels/ for the Triton ones, torch for the rest):
   Gather(table, ids)                      embedding            torch index_select
   Gather(activation, rows)                gather_rows          torch index_select
-  RMSNormalization                        rmsnorm              kernels/rmsnorm.py (no residual)
-  SkipSimplifiedLayerNormalization        add_rmsnorm          kernels/rmsnorm.py (residual add + RMSNorm)
+  RMSNormalization                        rmsnorm              gpu_kernels/rmsnorm.py (no residual)
+  SkipSimplifiedLayerNormalization        add_rmsnorm          gpu_kernels/rmsnorm.py (residual add + RMSNorm)
   LayerNormalization (weight[, bias])     layernorm            torch (Cohere's and StarCoder 2's norms)
   MatMul / Gemm(transB) on a constant     linear               torch (cuBLAS): weight stored [out, in]
-  MatMulNBits (weight-only int8/int4)     weight_only_linear   kernels/weight_only_gemm.py on the checkpoint codes
-  Split -> silu(gate) * up (fused gate|up) swiglu              kernels/swiglu.py on the Split's input
+  MatMulNBits (weight-only int8/int4)     weight_only_linear   gpu_kernels/weight_only_gemm.py on the checkpoint codes
+  Split -> silu(gate) * up (fused gate|up) swiglu              gpu_kernels/swiglu.py on the Split's input
   silu(gate) * up (separate GEMMs)        silu_mul             torch (weight-only gate and up stay two GEMMs)
-  Split -> Gelu(gate, tanh) * up (fused)  geglu                kernels/swiglu.py (Gemma's MLP)
+  Split -> Gelu(gate, tanh) * up (fused)  geglu                gpu_kernels/swiglu.py (Gemma's MLP)
   Gelu(gate) * up (otherwise)             gelu_mul             torch, with the Gelu's approximate
   Gelu, Tanh, Relu (alone)                gelu, tanh, relu     torch (Relu, then Mul(x, x): Arcee's relu^2)
   Mul(x, constant scalar)                 scale                torch (embedding and residual multipliers, logits
                                                                scaling; with Tanh, the soft-cap c2 * tanh(c1 * x))
   Add, Split, Reshape                     add, split, reshape  torch
-  trtbuild::PagedAttention                paged_attention      kernels/paged_attention.py, then kv_write: this
+  trtbuild::PagedAttention                paged_attention      gpu_kernels/paged_attention.py, then kv_write: this
                                                                layer's K/V scattered into the pool (torch); the
                                                                sinks (a constant) are the last input, attr sinks
-  trtbuild::SpeculativeAccept             speculative_accept   kernels/speculative_accept.py on the lm_head rows
+  trtbuild::SpeculativeAccept             speculative_accept   gpu_kernels/speculative_accept.py on the lm_head rows
                                                                (draft-tokens engines: plan inputs and outputs
                                                                gain the op's, as builder/network.py describes)
 The network's `new_kv` output (Concat + Reshape of every layer's K/V) is dropped: the engine writes each layer's K/V

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trtbuild.configs import ModelConfig
+from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.errors import TrtbuildError
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -204,6 +204,8 @@ class LoraTables(Mapping):
     linear prefix P that any adapter adapts, and the mask table [1 + adapters, R]. Adapter i (1-based, as in
     `lora_ids`) owns columns offsets[i - 1] .. + its rank."""
 
+    runtime = False  # the tables are engine inputs that the runtime fills (builder/lora_slots.py), not weights
+
     def __init__(self, adapters: list[LoraAdapter], shapes: dict[str, tuple[int, int]]) -> None:
         """`shapes`: linear_shapes of the base model."""
         self.adapters, self.shapes = adapters, shapes
@@ -256,6 +258,20 @@ class LoraTables(Mapping):
 
     def __len__(self) -> int:
         return 2 * len(self.prefixes)
+
+
+class SlotTables(LoraTables):
+    """The network's view of an engine's slots: `max_loras` empty adapters of rank `max_lora_rank` over every
+    linear that an adapter may adapt, whose tables the network takes as engine inputs (`runtime`)."""
+
+    runtime = True
+
+    def __init__(self, config: ModelConfig, build: BuildConfig) -> None:
+        shapes = linear_shapes(config)
+        super().__init__([LoraAdapter(f"slot{s}", build.max_lora_rank, {}) for s in range(build.max_loras)], shapes)
+        layers = range(config.num_hidden_layers)
+        self.prefixes = [f"transformer.layers.{i}.{linear}" for i in layers for linear in shapes]
+        self._prefix_set = set(self.prefixes)
 
 
 class WithLora(Mapping):

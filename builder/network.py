@@ -42,7 +42,8 @@ import torch
 from onnx import TensorProto
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
-from trtbuild.builder.lora import LoraTables, WithLora, read_adapters
+from trtbuild.builder.lora import LoraTables, SlotTables, WithLora, read_adapters
+from trtbuild.builder.lora_slots import stacked_tables, write_slot_tables
 from trtbuild.builder.mlp_activation import activation, gated_activation
 from trtbuild.builder.moe_experts import Experts
 from trtbuild.builder.passes.lora import LORA_ADD
@@ -73,7 +74,7 @@ KV_SCALES_METADATA = "trtbuild.kv_cache_scales"
 
 def engine_inputs(config: ModelConfig, build: BuildConfig) -> tuple[str, ...]:
     groups = [group_input("block_tables", g) for g in range(1, len(kv_cache_groups(config, build)))]
-    lora = (LORA_IDS_INPUT,) if build.lora_adapters else ()
+    lora = (LORA_IDS_INPUT,) if build.num_lora_ids else ()
     return ENGINE_INPUTS + tuple(groups) + lora + (ACCEPT_INPUTS if build.draft_tokens else ())
 
 
@@ -124,8 +125,13 @@ class _NetworkWriter:
     def lora_delta(self, x: str, y: str, prefix: str, outputs: list[str] | None) -> str:
         """y + ((x @ A^T) * mask) @ B^T over every adapter's columns (builder/lora.py). The node names end in
         LORA_NODE_SUFFIXES, which the GEMM fusion passes read (builder/passes/lora.py)."""
-        a = self.g.weight(prefix + ".lora_a", self.tensor(prefix + ".lora_a").T)  # [in, R] for MatMul
-        b = self.g.weight(prefix + ".lora_b", self.tensor(prefix + ".lora_b").T)  # [R, out]
+        if self.lora.runtime:  # LoRA slots: tables the runtime writes (builder/lora_slots.py)
+            out, fan_in = self.lora.shapes[prefix.split(".", 3)[3]]
+            a = self.g.input(prefix + ".lora_a", TensorProto.FLOAT, [fan_in, self.lora.columns])
+            b = self.g.input(prefix + ".lora_b", TensorProto.FLOAT, [self.lora.columns, out])
+        else:
+            a = self.g.weight(prefix + ".lora_a", self.tensor(prefix + ".lora_a").T)  # [in, R] for MatMul
+            b = self.g.weight(prefix + ".lora_b", self.tensor(prefix + ".lora_b").T)  # [R, out]
         h = self.g.op("MatMul", [x, a], name=prefix + ".lora_a")
         h = self.g.op("Mul", [h, self.lora_mask], name=prefix + ".lora_mask")
         delta = self.g.op("MatMul", [h, b], name=prefix + ".lora_b")
@@ -372,6 +378,8 @@ class _NetworkWriter:
         if self.kv_scales is not None:
             entry = model.metadata_props.add()
             entry.key, entry.value = KV_SCALES_METADATA, json.dumps(self.kv_scales.tolist())
+        if self.lora is not None and self.lora.runtime:
+            write_slot_tables(model, stacked_tables(self.lora))
         return model
 
 
@@ -382,7 +390,7 @@ def build_network(config: ModelConfig, tensors: Mapping[str, torch.Tensor], buil
     partial or interleaved rotary model's q / k rows are reordered for the whole-head RoPE (builder/rope.py).
     `lora`: the build's adapters, if already read (otherwise they are read from build.lora_adapters)."""
     if lora is None:
-        lora = read_adapters(build.lora_adapters, config)
+        lora = SlotTables(config, build) if build.max_loras else read_adapters(build.lora_adapters, config)
     if lora is not None:
         tensors = WithLora(tensors, lora)
     if reorders_rotary_rows(config):

@@ -76,6 +76,10 @@ class BuildConfig:
     # LoRA adapters built in beside the base weights, ((name, PEFT folder or llama.cpp adapter .gguf), ...): a request
     # names the one it runs under (builder/lora.py); the engine's `lora_ids` input says which, per token
     lora_adapters: tuple[tuple[str, str], ...] = ()
+    # LoRA slots instead (builder/lora_slots.py): room for max_loras adapters of rank up to max_lora_rank that a
+    # running engine loads and unloads (as vLLM's --max-loras / --max-lora-rank); 0: none
+    max_loras: int = 0
+    max_lora_rank: int = 0
     task: str = "generate"  # TASKS
 
     def __post_init__(self) -> None:
@@ -110,6 +114,7 @@ class BuildConfig:
         names = [a[0] for a in self.lora_adapters]
         if any(len(a) != 2 for a in self.lora_adapters) or len(set(names)) != len(names):
             raise ConfigError("lora_adapters", f"must be distinct (name, path) pairs, got {list(self.lora_adapters)}.")
+        self._check_lora_slots()
         if self.task not in TASKS:
             raise ConfigError("task", f"must be one of {', '.join(TASKS)}, got {self.task!r}.")
         if self.task == "embed" and (self.target != "cpu" or self.draft_tokens):
@@ -125,10 +130,27 @@ class BuildConfig:
         """The engine verifies drafts itself (SpeculativeAccept)."""
         return self.speculative_decoding_mode == "draft-tokens"
 
+    def _check_lora_slots(self) -> None:
+        if self.max_loras < 0 or self.max_lora_rank < 0 or (self.max_loras > 0) != (self.max_lora_rank > 0):
+            raise ConfigError("max_loras", "max_loras and max_lora_rank are both at least 1 (an engine with LoRA "
+                                           f"slots) or both 0, got {self.max_loras} and {self.max_lora_rank}.")
+        if self.max_loras and self.lora_adapters:
+            raise ConfigError("max_loras", "an engine either builds its adapters in (lora_adapters, `--lora`) or "
+                                           "has slots to load them at run time (`--max-loras`), not both; with "
+                                           "slots, load them with `trtbuild serve --lora-modules NAME=PATH`.")
+        if self.max_loras and self.target != "cpu":
+            raise ConfigError("max_loras", f"LoRA slots run on the cpu target only, not {self.target}; build the "
+                                           "adapters in with `--lora NAME=PATH` instead.")
+
     @property
     def lora_names(self) -> tuple[str, ...]:
-        """The adapters a request may name, in the order of their `lora_ids` (1, 2, ...; 0 is the base model)."""
+        """The adapters built in, in the order of their `lora_ids` (1, 2, ...; 0 is the base model)."""
         return tuple(a[0] for a in self.lora_adapters)
+
+    @property
+    def num_lora_ids(self) -> int:
+        """How many adapters a step's `lora_ids` may name (1 .. this; 0 is none): built in, or slots."""
+        return self.max_loras or len(self.lora_adapters)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -63,6 +63,14 @@ struct DenseTable {
   }
 };
 
+struct Problem {
+  const float* x;
+  const void* b;
+  float* y;
+  int64_t m, n, k;
+  const float* bias;  // [N], or null
+};
+
 #ifndef TRTBUILD_NO_AVX512
 
 // NOTE: a group's weights are one stream from memory, read once per step, and the hardware prefetcher does not stay
@@ -73,14 +81,6 @@ void prefetch(const void* b, int64_t at) {
   constexpr int64_t bytes = W == Weight::kFloat ? 4 : 2;
   _mm_prefetch(static_cast<const char*>(b) + at * bytes + kPrefetchBytes, _MM_HINT_T0);
 }
-
-struct Problem {
-  const float* x;
-  const void* b;
-  float* y;
-  int64_t m, n, k;
-  const float* bias;  // [N], or null
-};
 
 // Rows 16g .. 16g + 16R - 1 of tokens t0 .. t0 + T - 1. With few accumulators (decode), k is split into U
 // interleaved chains so that the FMAs' latency hides behind independent ones.

@@ -12,7 +12,9 @@ import queue
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput
 from trtbuild.runtime.request import FinishReason
@@ -43,6 +45,14 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+
+
+@dataclass
+class _LoraUpdate:
+    """A change to the adapters the engine serves, applied between steps (runtime/lora_slots.py)."""
+
+    apply: Callable[[], None]
+    done: Future = field(default_factory=Future)
 
 
 class RequestStream:
@@ -84,7 +94,7 @@ class AsyncEngine:
         self.max_queued_tokens = core.config.max_queued_tokens or max(
             QUEUED_TOKENS_PER_POOL_TOKEN * pool_tokens, core.scheduler.config.max_seq_len)
         self._queued_tokens = 0  # prompt tokens of the requests in _streams
-        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _LoraUpdate | None] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
         self._error: BaseException | None = None
@@ -130,6 +140,24 @@ class AsyncEngine:
             self._commands.put(_Abort(request_id))
         return known
 
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Serve LoRA adapter `name` from `path` (a slot engine's): read and checked in the caller's thread, put in
+        a free slot between steps. Raises LoraLoadError (what to do is in its message) or EngineDeadError."""
+        adapter = self.core.lora.prepare(name, path)
+        self._update(lambda: self.core.load_lora(adapter))
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving LoRA adapter `name`; the requests already under it finish under it."""
+        self._update(lambda: self.core.unload_lora(name))
+
+    def _update(self, apply: Callable[[], None]) -> None:
+        command = _LoraUpdate(apply)
+        with self._lock:  # NOTE: under the lock, so that the loop's end either sees the command or refuses it here
+            if self._stopped or self._error is not None:
+                raise EngineDeadError("the engine loop has stopped")
+            self._commands.put(command)
+        command.done.result()
+
     @property
     def dead(self) -> bool:
         """The loop stopped on an internal error: every request is refused (health checks report it)."""
@@ -145,8 +173,14 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     # ---- loop thread -------------------------------------------------------------------------------------------
-    def _apply(self, command: _Add | _Abort) -> None:
-        if isinstance(command, _Add):
+    def _apply(self, command: _Add | _Abort | _LoraUpdate) -> None:
+        if isinstance(command, _LoraUpdate):
+            try:
+                command.apply()
+                command.done.set_result(None)
+            except Exception as e:  # NOTE: the caller's error (LoraLoadError), raised in its thread
+                command.done.set_exception(e)
+        elif isinstance(command, _Add):
             try:
                 self.core.add_request(command.request)
             except ValueError as e:
@@ -222,6 +256,16 @@ class AsyncEngine:
                 with self._lock:
                     self._stopped = True
                     streams, self._streams, self._queued_tokens = list(self._streams.values()), {}, 0
+                self._refuse_queued_updates()
                 for stream in streams:
                     stream.put(RequestOutput(stream.request_id, [], "", True, FinishReason.ABORT.value,
                                              num_prompt_tokens=stream.num_prompt_tokens))
+
+    def _refuse_queued_updates(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _LoraUpdate):
+                command.done.set_exception(EngineDeadError("the engine loop stopped before the LoRA change"))

@@ -18,7 +18,7 @@ from trtbuild.builder.cuda_plan import TORCH_DTYPES, Plan
 from trtbuild.builder.engine_dir import EngineInfo, read_engine_config
 from trtbuild.configs import LORA_IDS_INPUT, KVCacheGroup, group_input
 from trtbuild.errors import EngineCompatibilityError, TrtbuildError
-from trtbuild.kernels.load import load_kernels
+from trtbuild.gpu_kernels.load import load_kernels
 from trtbuild.runtime.cuda_plan_ops import OPS
 from trtbuild.runtime.engine import SequenceChunk, StepOutput, accept_feeds, check_chunks, pack_chunks
 
@@ -179,7 +179,7 @@ class CudaEngine:
         one-token sequences in the scratch block (for a CUDA graph of that batch size)."""
         groups = range(len(self.kv.groups))
         host, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots, len(groups),
-                                  lora=bool(self.info.build.lora_adapters))
+                                  lora=bool(self.info.build.num_lora_ids))
         pad = 0 if pad_to is None else pad_to - len(chunks)
         if pad:  # one-token sequences at position 0 whose only block (in every group) is the scratch block
             scratch, tokens = self.kv.scratch_block, len(host["input_ids"])

@@ -1,7 +1,7 @@
 """The kernels a CUDA plan's steps name (builder/cuda_plan.py), over torch tensors on one device.
 
 Each op takes the step's input tensors, its attributes and the loaded kernel modules, and returns its outputs. The
-Triton kernels run compiled on a GPU, or in Triton's interpreter on CPU tensors (kernels/load.py).
+Triton kernels run compiled on a GPU, or in Triton's interpreter on CPU tensors (gpu_kernels/load.py).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from trtbuild.cpu_ops import library_for_engine
 from trtbuild.errors import EngineCompatibilityError
 from trtbuild.quantization import kv_pool_dtype
 from trtbuild.runtime.kv_cache import KVCacheStorage
+from trtbuild.runtime.lora_slots import LoraSlotArrays
 from trtbuild.runtime.memory import require_memory
 
 LOAD_OVERHEAD_BYTES = 256 << 20  # ONNX Runtime's session, arenas and this process, beside the weights
@@ -105,9 +106,9 @@ def check_chunks(b: BuildConfig, chunks: list[SequenceChunk], max_draft_len: int
             raise ValueError(f"num_logits {c.num_logits} is outside 0..{len(c.token_ids)} for sequence {c.seq_id}")
         if end > b.max_seq_len:
             raise ValueError(f"sequence {c.seq_id} reaches {end} tokens, beyond max_seq_len {b.max_seq_len}")
-        if not 0 <= c.lora_id <= len(b.lora_adapters):
+        if not 0 <= c.lora_id <= b.num_lora_ids:
             raise ValueError(f"sequence {c.seq_id}: LoRA adapter {c.lora_id} of an engine built with "
-                             f"{len(b.lora_adapters)} (0 is none)")
+                             f"{b.num_lora_ids} (0 is none)")
         if len(c.group_block_ids) != num_groups - 1:
             raise ValueError(f"sequence {c.seq_id} has {1 + len(c.group_block_ids)} block tables; this engine's KV "
                              f"cache has {num_groups} groups, one table each")
@@ -250,6 +251,7 @@ class CpuEngine:
                 raise EngineCompatibilityError(f"{path} has a {self.kv_quant_algo} KV cache but no KV scales; "
                                                "rebuild the engine.")
             self.kv_scales = np.array(json.loads(meta), dtype=np.float32)
+        self.lora_slots = LoraSlotArrays.of(self.session, self.info)
         self.allocate_kv_cache(num_blocks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -325,8 +327,10 @@ class CpuEngine:
         """The engine inputs of one call over checked chunks (the pool itself as `kv_cache`), and the pool slots
         their new K/V go to."""
         feeds, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots, len(self.kv.groups),
-                                   lora=bool(self.info.build.lora_adapters))
+                                   lora=bool(self.info.build.num_lora_ids))
         feeds["kv_cache"] = self.kv.pool
+        if self.lora_slots is not None:
+            feeds.update(self.lora_slots.arrays)
         if self.max_draft_len:
             feeds.update(accept_feeds(chunks, self.max_draft_len))
         return feeds, slots

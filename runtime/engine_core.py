@@ -10,11 +10,12 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from trtbuild.builder.engine_dir import engine_target, read_engine_config
-from trtbuild.configs import batch_blocks_needed, lora_index
+from trtbuild.configs import batch_blocks_needed
 from trtbuild.runtime.beam_search import BeamGroup
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.detokenizer import IncrementalDetokenizer
@@ -22,6 +23,7 @@ from trtbuild.runtime.engine import CpuEngine, DraftAccept, SequenceChunk, StepO
 from trtbuild.runtime.engine_accept import advance, draft_accept, engine_can_verify
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
 from trtbuild.runtime.logprobs import TokenLogprobs, rows_logprobs
+from trtbuild.runtime.lora_slots import LoraAdapters
 from trtbuild.runtime.memory import gpu_memory_for_kv, kv_cache_blocks
 from trtbuild.runtime.outputs import RequestOutput, StepStats
 from trtbuild.runtime.request import FinishReason, Request
@@ -29,6 +31,9 @@ from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState
 from trtbuild.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from trtbuild.runtime.speculative import make_proposer, verify
 from trtbuild.runtime.tokenizer import Tokenizer, load_generation_eos
+
+if TYPE_CHECKING:
+    from trtbuild.builder.lora import LoraAdapter
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +96,7 @@ class EngineCore:
                 log.warning("the engine verifies at most %d drafts itself (--max-draft-len); steps with more drafts "
                             "(--speculative-tokens %d) are verified on the host instead", build.max_draft_len,
                             config.speculative.num_speculative_tokens)
+        self.lora = LoraAdapters(build, model, getattr(self.engine, "lora_slots", None))
         self.tracked: dict[str, _Tracked] = {}
         self.beam_groups: dict[str, BeamGroup] = {}  # by the request id of each of their beams
         self.last_stats: StepStats | None = None
@@ -117,7 +123,7 @@ class EngineCore:
             raise ValueError("this engine embeds (built with `trtbuild build --task embed`): ask it for embeddings "
                              "(the OpenAI API's /v1/embeddings, LLM.embed)" if self.embeds else
                              "this engine generates text: embeddings need an engine built with `--task embed`")
-        lora_id = self.lora_id(lora)
+        lora_id, lora_key = self.lora.id_of(lora)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this engine has no tokenizer; send prompt token ids")
@@ -138,7 +144,7 @@ class EngineCore:
         if params.beam_width > self.scheduler.config.max_batch_size:
             raise ValueError(f"beam_width {params.beam_width} is more than the engine runs at once (max_batch_size "
                              f"{self.scheduler.config.max_batch_size}); ask for fewer beams")
-        request = Request(request_id, prompt_ids, params, self.eos_token_ids, lora_id=lora_id,
+        request = Request(request_id, prompt_ids, params, self.eos_token_ids, lora_id=lora_id, lora_key=lora_key,
                           beam_group=request_id if params.beam_width > 1 else None)
         self.scheduler.check_fits(request)
         SamplingState(params, prompt_ids, self.eos_token_ids, tokenizer=self.tokenizer, vocab_size=self.vocab_size)
@@ -146,16 +152,25 @@ class EngineCore:
 
     @property
     def lora_names(self) -> tuple[str, ...]:
-        """The LoRA adapters the engine was built with, which requests may name."""
-        return self.engine.info.build.lora_names
+        """The LoRA adapters requests may name now (built in, or loaded into the engine's slots)."""
+        return self.lora.names
 
-    def lora_id(self, name: str | None) -> int:
-        """The engine's index of adapter `name` (0: None, the base model); ValueError for a name it lacks."""
-        return lora_index(self.lora_names, name)
+    def load_lora(self, adapter: LoraAdapter) -> None:
+        """Serve an adapter read by `self.lora.prepare` (between steps); LoraLoadError when it cannot."""
+        self.lora.release({t.request.lora_id for t in self.tracked.values()})
+        self.lora.install(adapter)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (between steps); the requests already under it finish under it."""
+        self.lora.unload(name)
+        self.lora.release({t.request.lora_id for t in self.tracked.values()})
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.tracked:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if not self.lora.holds(request.lora_id, request.lora_key):
+            raise ValueError(f"lora: the adapter {self.lora.name_of(request.lora_id) or ''!r} was unloaded before "
+                             "the request started; send it again naming a loaded one")
         state = self._sampling_state(request)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.sampling) if self.tokenizer else None
         self.scheduler.add_request(request)

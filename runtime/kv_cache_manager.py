@@ -68,7 +68,7 @@ class KVCacheManager:
         while len(hashes) < num_tokens // bs:
             i = len(hashes)
             # NOTE: K/V computed under a LoRA adapter are not the base model's: its blocks chain from their own root
-            root = hash(("lora", request.lora_id)) if request.lora_id else None
+            root = hash(("lora", request.lora_key)) if request.lora_id else None
             hashes.append(hash_block(hashes[-1] if hashes else root, request.token_ids[i * bs : (i + 1) * bs]))
         return hashes[: num_tokens // bs]
 

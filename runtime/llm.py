@@ -53,6 +53,14 @@ class LLM:
             for r in requests:
                 self.core.abort_request(r.request_id)
 
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Serve a LoRA adapter (a PEFT folder or llama.cpp's adapter .gguf) under `name`, in one of the engine's
+        slots (`trtbuild build --max-loras`); LoraLoadError says why it cannot."""
+        self.core.load_lora(self.core.lora.prepare(name, path))
+
+    def unload_lora(self, name: str) -> None:
+        self.core.unload_lora(name)
+
     def embed(self, prompts: Sequence[str | list[int]], lora: str | None | Sequence[str | None] = None
               ) -> list[np.ndarray]:
         """Each prompt's embedding [hidden_size], L2-normalized: its last token's final hidden state (an engine built

@@ -57,7 +57,8 @@ class Request(TokenHistory):
     finish_reason: FinishReason | None = None
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks of token_ids
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
-    lora_id: int = 0  # the LoRA adapter it runs under (0: none; the engine's BuildConfig.lora_names, 1-based)
+    lora_id: int = 0  # the LoRA adapter it runs under (0: none; 1-based, runtime/lora_slots.py: LoraAdapters)
+    lora_key: int = 0  # ... and that adapter's load, which its prefix-cache blocks chain from
     beam_group: str | None = None  # a beam of this client request's beam search (runtime/beam_search.py)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 

@@ -262,7 +262,8 @@ class Scheduler:
         copies must reach the KV storage before the next step), or waiting to be recomputed if the pool lacks a
         block for the copy or the parent is not running."""
         child = Request(child_id, parent.prompt_ids, parent.sampling, parent.eos_token_ids,
-                        token_ids=list(parent.token_ids), lora_id=parent.lora_id, beam_group=parent.beam_group,
+                        token_ids=list(parent.token_ids), lora_id=parent.lora_id, lora_key=parent.lora_key,
+                        beam_group=parent.beam_group,
                         block_hashes=list(parent.block_hashes))
         copies = self.kv.fork(parent, child) if parent in self.running else None
         if copies is not None and self.config.policy == "guaranteed_no_evict" and not self.kv.allocate(

@@ -103,7 +103,7 @@ class TensorRTEngine:
 
     def feeds(self, chunks: list[SequenceChunk]) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
         """The engine inputs of one step (CpuEngine's, less the pool) and the pool slots of its new K/V."""
-        return pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots, lora=bool(self.info.build.lora_adapters))
+        return pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots, lora=bool(self.info.build.num_lora_ids))
 
     def run(self, host: dict[str, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """execute_async_v3 under the first profile that admits the step; returns logits and new_kv (device)."""

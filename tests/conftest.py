@@ -15,7 +15,7 @@ pytest_plugins = ["convert_fixtures", "passes_fixtures", "quantize_fixtures", "q
 
 
 def _import_triton_interpreted() -> None:
-    """Import triton, when installed, for its interpreter (kernels/load.py sets TRITON_INTERPRET=1 only meanwhile).
+    """Import triton, when installed, for its interpreter (gpu_kernels/load.py sets TRITON_INTERPRET=1 only meanwhile).
     triton.jit picks interpreter or GPU compilation when it decorates, and triton's own library (tl.sum,
     tl.sigmoid, ...) is decorated when triton is imported, which other tests cause early (torch._dynamo imports triton
     whenever it is installed). The kernel tests need that library interpreted; nothing else here runs Triton code."""
@@ -23,7 +23,7 @@ def _import_triton_interpreted() -> None:
         return
     if os.environ.get("TRTBUILD_KERNELS_DEVICE") == "cuda":  # scripts/gpu_check.sh: the kernels on the GPU
         return
-    from trtbuild.kernels.load import load_kernels
+    from trtbuild.gpu_kernels.load import load_kernels
 
     load_kernels(interpret=True)
 

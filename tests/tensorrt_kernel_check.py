@@ -12,7 +12,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from trtbuild.kernels.load import patch_interpreter_for_numpy  # noqa: E402
+from trtbuild.gpu_kernels.load import patch_interpreter_for_numpy  # noqa: E402
 from trtbuild.plugins.paged_attention import reference_paged_attention  # noqa: E402
 from trtbuild.plugins.tensorrt import kernels as K  # noqa: E402
 from trtbuild.plugins.tensorrt.paged_attention import TACTICS  # noqa: E402

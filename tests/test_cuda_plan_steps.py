@@ -21,7 +21,7 @@ from triton.runtime import interpreter  # noqa: E402
 from trtbuild.builder.cuda_plan import Plan, emit_plan  # noqa: E402
 from trtbuild.builder.graph import GraphBuilder  # noqa: E402
 from trtbuild.errors import TrtbuildError  # noqa: E402
-from trtbuild.kernels.load import load_kernels  # noqa: E402
+from trtbuild.gpu_kernels.load import load_kernels  # noqa: E402
 from trtbuild.plugins import paged_attention as pa  # noqa: E402
 from trtbuild.runtime.cuda_plan_ops import OPS  # noqa: E402
 

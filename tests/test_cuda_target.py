@@ -71,7 +71,8 @@ def test_cuda_plan_matches_cpu_engine(engine_pair, model):
         assert got.shape == want.shape == (sum(c.num_logits for c in chunks), cpu.info.model.vocab_size)
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=f"step {i}")
     # the K/V each step wrote, slot by slot (the scratch block past the pool's blocks aside)
-    np.testing.assert_allclose(cuda.kv.pool[: cuda.kv.num_blocks].float().cpu().numpy(), cpu.kv.pool, atol=1e-5)
+    np.testing.assert_allclose(cuda.kv.pool[: cuda.kv.num_blocks].float().cpu().numpy(), cpu.kv.pool, atol=1e-5,
+                               rtol=1e-6)  # NOTE: ONNX Runtime's GEMMs round differently per instruction set
 
 
 def test_cuda_engine_directory_describes_itself(engine_pair):

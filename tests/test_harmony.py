@@ -204,7 +204,8 @@ class ScriptedEngine:
     def __init__(self, directory: Path, answer: str) -> None:
         tokenizer = Tokenizer(directory)
         self.core = SimpleNamespace(tokenizer=tokenizer, engine=SimpleNamespace(info=SimpleNamespace(path=directory)),
-                                    scheduler=SimpleNamespace(config=SimpleNamespace(max_seq_len=4096)), lora_names=())
+                                    scheduler=SimpleNamespace(config=SimpleNamespace(max_seq_len=4096)), lora_names=(),
+                                    lora=SimpleNamespace(max_loras=0, dynamic=False))
         self.max_queue_size, self.on_finished, self.dead = 4, [], False
         self.answer, self.params, self.prompts = answer, [], []
 

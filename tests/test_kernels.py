@@ -1,4 +1,4 @@
-"""The CUDA target's Triton kernels (kernels/) against numpy references, run by Triton's interpreter on the CPU.
+"""The CUDA target's Triton kernels (gpu_kernels/) against numpy references, run by Triton's interpreter on the CPU.
 
 TRITON_INTERPRET=1 is set only while the kernel modules are imported (triton.jit reads it when it decorates;
 conftest.py imports triton's own library the same way), so the variable does not leak into other tests. Only float32
@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e .[
 import triton.language as tl  # noqa: E402
 from triton.runtime import interpreter  # noqa: E402
 
-from trtbuild.kernels.load import load_kernels  # noqa: E402
+from trtbuild.gpu_kernels.load import load_kernels  # noqa: E402
 from trtbuild.plugins import speculative_accept as sa  # noqa: E402
 from trtbuild.plugins import swiglu as sw  # noqa: E402
 from trtbuild.quantization import pack_int4, unpack_int4  # noqa: E402

@@ -1,4 +1,4 @@
-"""The CUDA target's paged-attention Triton kernel (kernels/paged_attention.py) against the numpy reference, run as
+"""The CUDA target's paged-attention Triton kernel (gpu_kernels/paged_attention.py) against the numpy reference, run as
 tests/test_kernels.py runs the others (Triton's interpreter on the CPU, or compiled for the GPU by
 scripts/gpu_check.sh)."""
 

@@ -1,5 +1,5 @@
 """TensorRT Python plugins (`tensorrt.plugin`, AOT) for our ops, one file per plugin; their kernels are the Triton
-kernels of kernels/ compiled to PTX when TensorRT builds the engine. `register_all()` needs tensorrt; importing this
+kernels of gpu_kernels/ compiled to PTX when TensorRT builds the engine. `register_all()` needs tensorrt; importing this
 package does not."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Triton kernels of kernels/paged_attention.py behind the calling convention of a TensorRT AOT plugin: the
+"""The Triton kernels of gpu_kernels/paged_attention.py behind the calling convention of a TensorRT AOT plugin: the
 kernel's runtime parameters are the plugin's input pointers, then its extra scalar arguments, then its output
 pointers. Everything else (shapes, strides, scale) is fixed per node, so it is compiled in as constexprs.
 
@@ -12,7 +12,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from trtbuild.kernels.paged_attention import LOG2E, MIN_DOT, _paged_attention_kernel, _rope_k_kernel
+from trtbuild.gpu_kernels.paged_attention import LOG2E, MIN_DOT, _paged_attention_kernel, _rope_k_kernel
 
 TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
@@ -89,7 +89,7 @@ class AttentionShape:
 
 def attention_constexprs(s: AttentionShape, block_m: int, block_n: int) -> dict[str, Any]:
     """The constexprs of trt_paged_attention(_rotary) for one node and one tile tactic (as the launcher picks
-    them in kernels/paged_attention.py)."""
+    them in gpu_kernels/paged_attention.py)."""
     group_pad = triton.next_power_of_2(s.group)
     half = s.head_size // 2
     return {"LAYER": s.layer_idx, "HEADS": s.num_heads, "KV_HEADS": s.num_kv_heads, "HALF_D": half,

@@ -2,7 +2,7 @@
 node): `trtbuild::PagedAttentionKernel` (rotary=0, 7 inputs) and `trtbuild::RotaryPagedAttentionKernel` (rotary=1,
 10 inputs: q is rotated in the kernel, K arrives rotated from `trtbuild::RotaryK`). One output, attn_out [T, H*D].
 
-The kernel is kernels/paged_attention.py's, compiled to PTX for this GPU per node and tactic (a tile size), launched
+The kernel is gpu_kernels/paged_attention.py's, compiled to PTX for this GPU per node and tactic (a tile size), launched
 by TensorRT over (sequences, query tiles of the longest possible run, KV heads). Written against TensorRT 10's
 `tensorrt.plugin`; never run (no TensorRT here)."""
 

@@ -1,6 +1,6 @@
 """TensorRT AOT plugin `trtbuild::RotaryK`: the new tokens' K rotated once (rotate-half RoPE) into k_new
 [T, KVH, D], the PagedAttention contract's second output, which the rotary attention plugin then reads. Kernel:
-kernels/paged_attention.py's `_rope_k_kernel`, one program per token. Written against TensorRT 10's
+gpu_kernels/paged_attention.py's `_rope_k_kernel`, one program per token. Written against TensorRT 10's
 `tensorrt.plugin`; never run (no TensorRT here)."""
 
 from __future__ import annotations

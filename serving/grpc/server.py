@@ -322,9 +322,11 @@ class GenerationServer:
 
 def serve(engine_dir: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT, config: RuntimeConfig | None = None,
           grace: float = 5.0, http_port: int | None = None, api_key: str | None = None,
-          model_name: str | None = None, tool_call_parser: str = "auto", reasoning_parser: str = "auto") -> None:
+          model_name: str | None = None, tool_call_parser: str = "auto", reasoning_parser: str = "auto",
+          lora_modules: tuple[tuple[str, str], ...] = ()) -> None:
     """Serve until SIGTERM or SIGINT (from the main thread). Binds loopback unless told otherwise.
-    `tool_call_parser`, `reasoning_parser`: the OpenAI API's (serving/openai/app.py)."""
+    `tool_call_parser`, `reasoning_parser`: the OpenAI API's (serving/openai/app.py). `lora_modules`: (name, path)
+    of LoRA adapters to load into the engine's slots before it serves."""
     config = config or RuntimeConfig()
     max_queue_size = config.max_queue_size
     stop = threading.Event()
@@ -337,6 +339,9 @@ def serve(engine_dir: Path, host: str = "127.0.0.1", port: int = DEFAULT_PORT, c
         try:
             print(f"trtbuild serve listening on {server.address}", flush=True)
             core = server.load(engine_dir, config)
+            for name, path in lora_modules:
+                server.servicer.engine.load_lora(name, path)
+                print(f"trtbuild serve: LoRA adapter {name} loaded from {path}", flush=True)
             kv, pool = core.kv, core.kv.pool
             print(f"trtbuild serve: KV cache {pool.num_blocks} blocks x {kv.block_size} tokens = "
                   f"{pool.num_blocks * kv.block_size} tokens; policy {core.scheduler.config.policy}; "

@@ -4,7 +4,7 @@
 Each choice of a request is one engine request, followed by streams.py. A client that disconnects has its requests
 aborted, and their KV blocks freed, at once: streaming responses end their generator, non-streaming ones are watched.
 /v1/completions' batches and echo are in completions.py (its `suffix`: fill-in-the-middle, runtime/fim.py), the
-tokenizer endpoints in tokenize.py, llama.cpp's /infill in infill.py.
+tokenizer endpoints in tokenize.py, llama.cpp's /infill in infill.py, vLLM's LoRA loading in lora_admin.py.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from trtbuild.serving.openai.answer import ChatAnswer
 from trtbuild.serving.openai.completions import EchoedChoice, Prompt, ScoredToken, completion_prompts
 from trtbuild.serving.openai.embeddings import embeddings_router
 from trtbuild.serving.openai.infill import infill_router
+from trtbuild.serving.openai.lora_admin import lora_admin_router
 from trtbuild.serving.openai.metrics import ServingMetrics
 from trtbuild.serving.openai.reasoning import opens_thinking, teaches_reasoning
 from trtbuild.serving.openai.streams import collect, deltas
@@ -359,9 +360,8 @@ class OpenAIServer:
         async def completions(request: Request, body: api.CompletionRequest) -> Any:
             return await self.run(request, self.completion, body)
 
-        app.include_router(tokenizer_router(self))
-        app.include_router(embeddings_router(self))
-        app.include_router(infill_router(self))
+        for router in (tokenizer_router, embeddings_router, infill_router, lora_admin_router):
+            app.include_router(router(self))
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:

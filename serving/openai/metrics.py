@@ -59,7 +59,7 @@ class ServingMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to the last token.", _LATENCY_BUCKETS)
         self.label = label
         engine.on_finished.append(self.observe)
-        if core.lora_names:
+        if core.lora.max_loras:  # adapters built in, or slots for them
             registry.register(_LoraRequests(engine, model_name))
 
     def observe(self, output: RequestOutput) -> None:
@@ -91,13 +91,13 @@ class _LoraRequests(Collector):
         self.core, self.model_name = engine.core, model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        names = self.core.lora_names
+        lora = self.core.lora
 
         def adapters(requests: list) -> str:  # NOTE: list() of the engine loop's containers is atomic under the GIL
-            return ",".join(sorted({names[r.lora_id - 1] for r in requests if r.lora_id}))
+            return ",".join(sorted({lora.name_of(r.lora_id) or "" for r in requests if r.lora_id}))
 
         gauge = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests.",
                                   labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         gauge.add_metric([self.model_name, adapters(list(self.core.scheduler.running)),
-                          adapters(list(self.core.scheduler.waiting)), str(len(names))], time.time())
+                          adapters(list(self.core.scheduler.waiting)), str(lora.max_loras)], time.time())
         yield gauge

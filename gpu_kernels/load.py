@@ -56,7 +56,7 @@ def load_kernels(interpret: bool) -> dict[str, ModuleType]:
                                "interpreter (there is no GPU here); set TRITON_INTERPRET=1 before starting")
         mods = {}
         for name in KERNEL_MODULES:
-            full = f"trtbuild.kernels.{name}"
+            full = f"trtbuild.gpu_kernels.{name}"
             mod = sys.modules.get(full) or importlib.import_module(full)
             mods[name] = importlib.reload(mod) if _interpreted(mod) != interpret else mod
     finally:
