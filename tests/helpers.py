@@ -9,9 +9,18 @@ from pathlib import Path
 
 import pytest
 
+from trtbuild import cpu_ops
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput, StepStats
 
 REPO = Path(__file__).resolve().parents[1]
+
+# What this CPU runs of trtbuild's native ops (cpu_ops/): their AVX-512 kernels, and BlockQuantMatMul's VNNI ones.
+# Without them the builder's auto tactics choose ONNX Runtime's ops, and an explicit `native` is refused.
+AVX512, VNNI = cpu_ops.has_avx512(), cpu_ops.has_vnni()
+needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU has no AVX-512, which the native op is written with "
+                                                     "(engines built here use ONNX Runtime's ops instead)")
+needs_vnni = pytest.mark.skipif(not VNNI, reason="this CPU has no AVX-512 VNNI, which trtbuild::BlockQuantMatMul is "
+                                                 "written with (engines built here use MatMulNBits instead)")
 
 
 def shared_dir() -> Path:
