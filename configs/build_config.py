@@ -47,9 +47,15 @@ def lora_index(names: tuple[str, ...], name: str | None, field: str = "lora", ow
     if name is None:
         return 0
     if name not in names:
-        raise ValueError(f"{field}: {owner} has no LoRA adapter {name!r}; "
-                         + (f"it has {', '.join(names)}" if names else none))
+        raise unknown_lora(names, name, field, owner, none)
     return 1 + names.index(name)
+
+
+def unknown_lora(names: tuple[str, ...], name: str, field: str = "lora", owner: str = "this engine",
+                 none: str = NO_LORA_ADAPTERS) -> ValueError:
+    """The error of a request naming LoRA adapter `name` that `owner` lacks (lora_index)."""
+    return ValueError(f"{field}: {owner} has no LoRA adapter {name!r}; " + (f"it has {', '.join(names)}" if names
+                                                                             else none))
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from trtbuild.builder.lora_slots import SLOTS_METADATA, SlotTable, engine_rows, parse_slot_tables, write_slot
-from trtbuild.configs import BuildConfig, ModelConfig, lora_index
-from trtbuild.configs.build_config import NO_LORA_ADAPTERS
+from trtbuild.configs import BuildConfig, ModelConfig
+from trtbuild.configs.build_config import NO_LORA_ADAPTERS, unknown_lora
 from trtbuild.errors import EngineCompatibilityError, TrtbuildError
 
 if TYPE_CHECKING:
@@ -101,9 +101,10 @@ class LoraAdapters:
         """(lora id, key) of adapter `name` (0, 0: None, the base model); ValueError for a name it lacks."""
         if name is None:
             return 0, 0
-        lora_index(self.names, name, none=NONE_LOADED if self.dynamic else NO_LORA_ADAPTERS)  # ValueError if absent
-        i = next(i for i, s in enumerate(self.slots) if s is not None and not s.draining and s.name == name)
-        return i + 1, self.slots[i].key
+        for i, slot in enumerate(list(self.slots)):  # NOTE: a copy: the loop thread may change a slot meanwhile
+            if slot is not None and not slot.draining and slot.name == name:
+                return i + 1, slot.key
+        raise unknown_lora(self.names, name, none=NONE_LOADED if self.dynamic else NO_LORA_ADAPTERS)
 
     def name_of(self, lora_id: int) -> str | None:
         """The adapter in slot `lora_id` - 1 (draining ones included; None: the base model or an empty slot)."""

@@ -12,6 +12,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import VNNI, needs_vnni
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild import cpu_ops
@@ -126,6 +127,7 @@ def format_case(bits: int, block: int, scales_kind: str, mins_kind: str | None, 
     return codes, scales, mins
 
 
+@needs_vnni
 @pytest.mark.parametrize("bits,block,scales_kind,mins_kind,k", FORMATS)
 def test_block_quant_matmul_matches_its_reference(library, bits, block, scales_kind, mins_kind, k):
     """Token counts around the tiles of 16 and 8 and a task's tokens; rows not a multiple of 16 nor of a task's 64 or
@@ -184,10 +186,10 @@ CODEBOOK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("values,bits,block,scales_kind,k,largest", CODEBOOK_CASES)
-def test_codes_of_few_values_into_a_codebook(library, values, bits, block, scales_kind, k, largest):
-    """8-bit codes that take 16 values or fewer (8, 4) are held as 4-bit (3-, 2-bit) indices into a codebook of
-    those codes (`compact`), and multiplied and gathered as the 8-bit codes are."""
+def codebook_case(values, bits, block, scales_kind, k, largest) -> tuple:
+    """(rng, the codebook's indices, the 8-bit codes, their scales, the packed table, its codebook) of a
+    CODEBOOK_CASES case, checking that `compact` holds the codes as indices into a codebook and `pack` stores the
+    scales as it should."""
     rng = np.random.default_rng(k + block + bits)
     n = 200
     wide = np.array(values, dtype=np.uint8)[rng.integers(0, len(values), (n, k))]
@@ -203,13 +205,30 @@ def test_codes_of_few_values_into_a_codebook(library, values, bits, block, scale
         scales = scales.astype(np.float32)
     table = pack(codes, scales, bits)
     assert table.scales.dtype == STORED[scales_kind] and (table.scale_exponent < 0) == (scales_kind == "lattice")
-    sess = block_quant_session(library, OP_TYPE, k, n, bits, table, block, codebook)
+    return rng, codes, wide, scales, table, codebook
+
+
+@needs_vnni
+@pytest.mark.parametrize("values,bits,block,scales_kind,k,largest", CODEBOOK_CASES)
+def test_codes_of_few_values_into_a_codebook(library, values, bits, block, scales_kind, k, largest):
+    """8-bit codes that take 16 values or fewer (8, 4) are held as 4-bit (3-, 2-bit) indices into a codebook of
+    those codes (`compact`), and multiplied as the 8-bit codes are."""
+    rng, codes, wide, scales, table, codebook = codebook_case(values, bits, block, scales_kind, k, largest)
+    sess = block_quant_session(library, OP_TYPE, k, len(wide), bits, table, block, codebook)
     for m in (1, 9, 70):
         x = rng.standard_normal((m, k)).astype(np.float32)
         want = reference_block_quant_matmul(x, codes, scales, bits, codebook=codebook)
         np.testing.assert_allclose(want, reference_block_quant_matmul(x, wide, scales, 8))  # what the 8-bit codes give
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
-    gather = block_quant_session(library, GATHER_OP_TYPE, k, n, bits, table, block, codebook)
+
+
+@pytest.mark.parametrize("values,bits,block,scales_kind,k,largest", CODEBOOK_CASES)
+def test_codes_of_few_values_are_gathered_through_their_codebook(library, values, bits, block, scales_kind, k,
+                                                                 largest):
+    """The rows BlockQuantGather reads from a codebook's indices are those of the 8-bit codes (any CPU: the gather
+    needs no AVX-512)."""
+    _, _, wide, scales, table, codebook = codebook_case(values, bits, block, scales_kind, k, largest)
+    gather = block_quant_session(library, GATHER_OP_TYPE, k, len(wide), bits, table, block, codebook)
     ids = np.array([0, 15, 16, 199, 5], dtype=np.int64)
     np.testing.assert_array_equal(gather.run(None, {"ids": ids})[0],
                                   reference_block_quant_gather(ids, wide, scales, 8))
@@ -229,21 +248,33 @@ def mxfp4_weight(rng: np.random.Generator, n: int, k: int, magnitude: float = 1.
 MXFP4_BOOK = (*sorted(set(int(c) for c in gguf_quants.MXFP4_CODES)), 128)  # its 15 distinct codes, then padding
 
 
-@pytest.mark.parametrize("k,magnitude,stored", [(352, 1.0, np.float16), (512, 1.0, np.int8), (352, 1e-7, np.float32)],
-                         ids=["float16", "two_level", "below_float16"])
+MXFP4_CASES = pytest.mark.parametrize("k,magnitude,stored", [(352, 1.0, np.float16), (512, 1.0, np.int8),
+                                                              (352, 1e-7, np.float32)],
+                                      ids=["float16", "two_level", "below_float16"])
+
+
+def mxfp4_case(k: int, magnitude: float, stored: type) -> tuple:
+    """(rng, raw GGUF blocks, their nbits form, its packed table, bits, codebook) of an MXFP4_CASES case, checking
+    that `pack_nbits` packs it as the build does."""
+    rng = np.random.default_rng(k)
+    raw, w = mxfp4_weight(rng, 200, k, magnitude)
+    assert w.scales[1, 1] == 2.0 ** -128
+    table, bits, codebook = pack_nbits(w.codes, w.scales, None, 200, k, 8)
+    assert bits == 4 and codebook == MXFP4_BOOK and table.scales.dtype == stored
+    assert (table.super_scales is not None) == (stored == np.int8)
+    return rng, raw, w, table, bits, codebook
+
+
+@needs_vnni
+@MXFP4_CASES
 def test_mxfp4_weights_are_4_bit_indices_into_their_15_values(library, k, magnitude, stored):
     """GGUF's MXFP4 as converted (8-bit codes e2m1 x 2 + 128, scales 2^(e - 128)) packs as the build packs it
     (`pack_nbits`): 4-bit indices into a codebook of its 15 codes, scales in float16 where every one is exact in it
     (an all-zero block's 2^-128 does not count: its weights are 0 under any scale), as int8 x float16 per 256 where K
     allows, float32 where they lie below float16's range; BlockQuantMatMul computes the reference, and the gathered
-    rows are gguf-py's dequantized values to the bit."""
-    rng = np.random.default_rng(k)
+    rows are gguf-py's dequantized values to the bit (test_mxfp4_rows_gather_as_gguf_py_dequantizes_them)."""
+    rng, raw, w, table, bits, codebook = mxfp4_case(k, magnitude, stored)
     n = 200
-    raw, w = mxfp4_weight(rng, n, k, magnitude)
-    assert w.scales[1, 1] == 2.0 ** -128
-    table, bits, codebook = pack_nbits(w.codes, w.scales, None, n, k, 8)
-    assert bits == 4 and codebook == MXFP4_BOOK and table.scales.dtype == stored
-    assert (table.super_scales is not None) == (stored == np.int8)
     indices = compact(w.codes, 8).codes
     sess = block_quant_session(library, OP_TYPE, k, n, bits, table, 32, codebook)
     weight = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4)
@@ -255,11 +286,29 @@ def test_mxfp4_weights_are_4_bit_indices_into_their_15_values(library, k, magnit
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
         exact = x.astype(np.float64) @ weight.T.astype(np.float64)
         assert np.abs(got - exact).max() < 0.02 * np.abs(exact).max()  # int8 activations' rounding only
-    gather = block_quant_session(library, GATHER_OP_TYPE, k, n, bits, table, 32, codebook)
+
+
+@MXFP4_CASES
+def test_mxfp4_rows_gather_as_gguf_py_dequantizes_them(library, k, magnitude, stored):
+    """MXFP4 packed as the build packs it: BlockQuantGather's rows are gguf-py's dequantized values to the bit (any
+    CPU: the gather needs no AVX-512)."""
+    _, raw, _, table, bits, codebook = mxfp4_case(k, magnitude, stored)
+    weight = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.MXFP4)
+    gather = block_quant_session(library, GATHER_OP_TYPE, k, 200, bits, table, 32, codebook)
     ids = np.array([0, 1, 15, 16, 199], dtype=np.int64)
     np.testing.assert_array_equal(gather.run(None, {"ids": ids})[0], weight[ids])
 
 
+@pytest.mark.skipif(VNNI, reason="this CPU has AVX-512 VNNI: BlockQuantMatMul runs")
+def test_block_quant_matmul_refuses_a_cpu_without_vnni(library):
+    """Without AVX-512 VNNI the op refuses to run, saying how to build without it."""
+    codes, scales, _ = format_case(4, 32, "float32", None, 352, 16, seed=0)
+    with pytest.raises(Exception, match=r"this CPU has no AVX-512 VNNI; rebuild the engine with `--quant-linears ort`"):
+        block_quant_session(library, OP_TYPE, 352, 16, 4, pack(codes, scales, 4)).run(
+            None, {"x": np.zeros((1, 352), np.float32)})
+
+
+@needs_vnni
 def test_block_quant_matmul_refuses_what_it_cannot_run(library):
     def run(k: int, table: PackedTable, bits: int = 4) -> None:
         block_quant_session(library, OP_TYPE, k, 8, bits, table).run(None, {"x": np.zeros((1, k), np.float32)})

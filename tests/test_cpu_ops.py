@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+from helpers import needs_avx512
 from onnx import TensorProto, helper
 from test_native_swiglu import glu_session
 from test_paged_attention import (
@@ -125,6 +126,7 @@ def test_real_head_sizes_match_reference(library, heads, kv_heads, head, block, 
                                                                   (8, 2, 256, 16)])
 @pytest.mark.parametrize("seqs", [[(37, 1), (0, 21), (16, 5), (15, 1), (100, 3)], [(129, 1)]],
                          ids=["mixed", "one_decode_token"])
+@needs_avx512  # the vectorized path, the only one that reads a float16 pool
 def test_float16_pool_matches_reference(library, heads, kv_heads, head, block, seqs):
     """A float16 pool is read in place, widened to float32, and the step's own keys and values are attended as
     the pool will hold them (rounded to float16); k_new and v_new stay float32 and unrounded."""
@@ -134,8 +136,8 @@ def test_float16_pool_matches_reference(library, heads, kv_heads, head, block, s
         np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize(("head", "pool_dtype"), [(64, np.float32), (48, np.float16), (24, np.float32)],
-                         ids=["vectorized", "float16_pool", "generic"])
+@pytest.mark.parametrize(("head", "pool_dtype"), [(64, np.float32), pytest.param(48, np.float16, marks=needs_avx512),
+                                                  (24, np.float32)], ids=["vectorized", "float16_pool", "generic"])
 @pytest.mark.parametrize("window", [1, 5, 16, 21, 200])
 def test_a_sliding_window_hides_the_oldest_keys(library, head, pool_dtype, window):
     """Each query sees its last `window` keys only: windows inside a block, at a block, across the past / new
@@ -153,8 +155,8 @@ def test_a_sliding_window_hides_the_oldest_keys(library, head, pool_dtype, windo
         assert not np.allclose(got[0].reshape(full.shape), full, atol=1e-3)
 
 
-@pytest.mark.parametrize(("head", "pool_dtype"), [(64, np.float32), (48, np.float16), (24, np.float32)],
-                         ids=["vectorized", "float16_pool", "generic"])
+@pytest.mark.parametrize(("head", "pool_dtype"), [(64, np.float32), pytest.param(48, np.float16, marks=needs_avx512),
+                                                  (24, np.float32)], ids=["vectorized", "float16_pool", "generic"])
 @pytest.mark.parametrize(("softcap", "window", "q_gain"), [(0.5, 0, 1.0), (3.0, 0, 1.0), (50.0, 0, 4.0),
                                                            (2.0, 5, 1.0), (5.0, 0, 40.0), (1.0, 21, 1000.0)],
                          ids=["tight", "loose", "gemma2_cap", "windowed", "large_scores", "huge_scores_windowed"])
@@ -183,7 +185,8 @@ def sinks_of(heads: int, seed: int, gain: float = 3.0) -> np.ndarray:
 @pytest.mark.parametrize(("heads", "kv_heads", "head", "block", "pool_dtype"),
                          [(14, 2, 64, 16, np.float32), (8, 2, 128, 4, np.float32), (6, 3, 48, 16, np.float32),
                           (4, 1, 16, 16, np.float32), (4, 1, 256, 16, np.float32), (8, 2, 24, 8, np.float32),
-                          (14, 2, 64, 16, np.float16), (8, 2, 128, 4, np.float16), (8, 8, 64, 16, np.float16)],
+                          *(pytest.param(*case, np.float16, marks=needs_avx512)
+                            for case in ((14, 2, 64, 16), (8, 2, 128, 4), (8, 8, 64, 16)))],
                          ids=["d64_gqa7", "d128", "d48", "d16_mqa", "d256", "generic_d24", "d64_float16_pool",
                               "d128_float16_pool", "d64_float16_pool_mha"])
 @pytest.mark.parametrize(("seqs", "window"), [([(37, 1), (0, 21), (16, 5), (15, 1), (100, 3)], 0),
@@ -240,6 +243,7 @@ def test_sinks_of_the_wrong_size_are_an_error(library):
         sess.run(None, data)
 
 
+@needs_avx512
 def test_float16_pool_attends_new_rows_as_stored(library):
     """In a fresh prefill every attended row is new, and the outputs follow the rounded rows, not the unrounded
     ones. NOTE: a key whose float32 RoPE lands on a float16 tie may round the other way than the float64

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
-from helpers import make_random_hf_model, prefill_logits, require_shared_models
+from helpers import VNNI, make_random_hf_model, prefill_logits, require_shared_models
 from safetensors.numpy import load_file, save_file
 from test_gguf_convert import assert_same_checkpoint
 
@@ -20,7 +20,7 @@ from trtbuild.builder.build import build_engine
 from trtbuild.builder.convert.convert import WeightOnly, convert
 from trtbuild.builder.convert.mxfp4 import ggml_blocks
 from trtbuild.builder.convert.safetensors_io import SafetensorsFile
-from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
+from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, read_engine_config
 from trtbuild.errors import ConfigError
 
 Q = gguf.GGMLQuantizationType
@@ -121,9 +121,17 @@ def test_mxfp4_experts_run_as_tables_of_experts_with_their_biases_and_clamped_sw
     graph = onnx.load(str(native / CPU_ENGINE_FILE), load_external_data=False).graph
     tables = [n for n in graph.node if n.op_type == "BlockQuantMatMul" and any(a.name == "experts"
                                                                                for a in n.attribute)]
-    assert len(tables) == 8 and all(n.input[3] for n in tables)  # gate | up and down per layer, with biases
-    swiglu = [n for n in graph.node if n.op_type == "SwiGLU"]
-    assert len(swiglu) == 4 and all({a.name for a in n.attribute} >= {"alpha", "beta", "limit"} for n in swiglu)
+    if VNNI:
+        assert len(tables) == 8 and all(n.input[3] for n in tables)  # gate | up and down per layer, with biases
+        swiglu = [n for n in graph.node if n.op_type == "SwiGLU"]
+        assert len(swiglu) == 4 and all({a.name for a in n.attribute} >= {"alpha", "beta", "limit"} for n in swiglu)
+    else:  # the auto build's fallback where the tables cannot run: ONNX Runtime's MoE, with the biases and the clamp
+        assert not tables and not any(n.op_type == "MoERoute" for n in graph.node)
+        moe = [n for n in graph.node if n.op_type == "MoE"]
+        assert len(moe) == 4 and all(len(n.input) == 6 and n.input[3] and n.input[5] for n in moe)
+        assert all(onnx.helper.get_attribute_value(a) == 7.0 for n in moe for a in n.attribute
+                   if a.name == "swiglu_limit")
+        assert read_engine_config(native).build.quant_linears == "ort"
     ids = np.random.default_rng(5).integers(3, 300, size=9).tolist()
     got, want = prefill_logits(native, ids), prefill_logits(ort, ids)
     error = np.abs(got - want) / np.abs(want).max()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from helpers import AVX512
 from kv_helpers import BLOCK, HEAD, KV_HEADS, LAYERS, changed_slots, slot_kv
 
 from trtbuild.configs import BuildConfig, ModelConfig, QuantConfig
@@ -146,5 +147,7 @@ def test_the_default_pool_is_float16_where_weights_are_16_bit_or_quantized(dtype
     heads = 4
     model = ModelConfig("LlamaForCausalLM", "llama", dtype, heads * head, 16, 32, LAYERS, heads, 2, head, 1e-5, 64,
                         quantization=quant)
+    if not AVX512 and target == "cpu":  # the native op reads a float16 pool with AVX-512 only (float16_pool_unreadable)
+        want = "float32"
     assert default_build_config(model, target=target).kv_pool_dtype == want
     assert default_build_config(model, target=target, kv_pool_dtype="float32").kv_pool_dtype == "float32"

@@ -1,7 +1,7 @@
 """LoRA slots (builder/lora_slots.py, runtime/lora_slots.py): adapters loaded into a running engine give PEFT's
 logits, in one step with the base model and each other; unloading drains; a reused slot shares no cached K/V with
 the adapter before; the OpenAI server's /v1/load_lora_adapter and /v1/unload_lora_adapter; every bad load refused
-with what to do."""
+with what to do; the gRPC service's LoadLoraAdapter / UnloadLoraAdapter."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import threading
 import urllib.request
 
+import grpc
 import numpy as np
 import pytest
 from conftest import RUNTIME_ENGINE_OPTIONS
@@ -30,6 +31,8 @@ from trtbuild.runtime.engine_core import EngineCore
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.lora_slots import LoraLoadError
 from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.serving.grpc.client import GenerationClient
+from trtbuild.serving.grpc.server import GenerationServer
 
 IDS = [3, 17, 42, 9, 100, 5, 77, 12, 60, 1, 250, 31]
 LINEARS = ["ort", "native"] if cpu_ops.has_avx512() else ["ort"]  # NOTE: LoraAdd is written with AVX-512
@@ -265,3 +268,27 @@ def test_loads_race_with_requests(slot_engine, lora_adapters):
             assert [t for out in stream for t in out.new_token_ids] == want
     finally:
         engine.shutdown()
+
+
+def test_grpc_loads_and_unloads_adapters(slot_engine, lora_engine, lora_adapters):
+    want = LLM(lora_engine, RuntimeConfig(num_threads=1)).generate(["Once"], SamplingParams(max_tokens=6),
+                                                                   lora="sql")[0].token_ids
+    server = GenerationServer(port=0, max_queue_size=4)
+    try:
+        server.load(slot_engine, RuntimeConfig(num_threads=1))
+        with GenerationClient(server.address, timeout=60) as client:
+            assert client.model_info().max_loras == 2 and not client.model_info().lora_names
+            assert client.load_lora_adapter("sql", str(lora_adapters["sql"])) == ["sql"]
+            assert list(client.generate("Once", lora="sql", max_tokens=6).token_ids) == want
+            with pytest.raises(grpc.RpcError) as e:
+                client.load_lora_adapter("sql", str(lora_adapters["poem"]))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "already loaded" in e.value.details()
+            assert client.unload_lora_adapter("sql") == []
+            with pytest.raises(grpc.RpcError) as e:
+                client.unload_lora_adapter("sql")
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(grpc.RpcError) as e:
+                client.generate("Once", lora="sql", max_tokens=2)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "none loaded" in e.value.details()
+    finally:
+        server.stop(grace=1.0)

@@ -93,6 +93,16 @@ class GenerationClient:
         return self.stub.Cancel(pb.CancelRequest(request_id=request_id), timeout=self.timeout,
                                 metadata=self.metadata).found
 
+    def load_lora_adapter(self, name: str, path: str) -> list[str]:
+        """Load a LoRA adapter (a path on the server's machine) into a slot of the served engine; returns the
+        adapters loaded now."""
+        return list(self.stub.LoadLoraAdapter(pb.LoadLoraAdapterRequest(lora_name=name, lora_path=str(path)),
+                                              timeout=self.timeout, metadata=self.metadata).lora_names)
+
+    def unload_lora_adapter(self, name: str) -> list[str]:
+        return list(self.stub.UnloadLoraAdapter(pb.UnloadLoraAdapterRequest(lora_name=name), timeout=self.timeout,
+                                                metadata=self.metadata).lora_names)
+
     def model_info(self) -> pb.ModelInfo:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self.timeout, metadata=self.metadata)
 

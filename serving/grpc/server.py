@@ -11,7 +11,7 @@ import logging
 import secrets
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NoReturn
@@ -27,6 +27,7 @@ from trtbuild.runtime.async_engine import AsyncEngine, EngineDeadError, QueueFul
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput
 from trtbuild.runtime.logprobs import TokenLogprobs
+from trtbuild.runtime.lora_slots import LoraLoadError
 from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.serving import requests
 from trtbuild.serving.grpc.proto import trtbuild_pb2 as pb
@@ -192,7 +193,32 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             kv_cache_tokens=core.kv.pool.num_blocks * core.kv.block_size, policy=sched.policy,
             prefix_caching=core.kv.pool.enable_caching, max_queue_size=self.max_queue_size,
             has_tokenizer=core.tokenizer is not None, eos_token_ids=core.eos_token_ids,
-            trtbuild_version=__version__, lora_names=core.lora_names, task=info.build.task)
+            trtbuild_version=__version__, lora_names=core.lora_names, task=info.build.task,
+            max_loras=info.build.max_loras)
+
+    def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,
+                        context: grpc.ServicerContext) -> pb.LoraAdaptersResponse:
+        engine = self._engine(context)
+        if not request.lora_name or not request.lora_path:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give both lora_name and lora_path")
+        return self._lora_change(context, lambda: engine.load_lora(request.lora_name, request.lora_path))
+
+    def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest,
+                          context: grpc.ServicerContext) -> pb.LoraAdaptersResponse:
+        engine = self._engine(context)
+        if engine.core.lora.dynamic and request.lora_name not in engine.core.lora_names:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no LoRA adapter {request.lora_name!r} is loaded; loaded: "
+                                                     f"{', '.join(engine.core.lora_names) or 'none'}")
+        return self._lora_change(context, lambda: engine.unload_lora(request.lora_name))
+
+    def _lora_change(self, context: grpc.ServicerContext, change: Callable[[], None]) -> pb.LoraAdaptersResponse:
+        try:
+            change()
+        except LoraLoadError as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, e.message)
+        except EngineDeadError as e:
+            self._abort(context, e)
+        return pb.LoraAdaptersResponse(lora_names=self._engine(context).core.lora_names)
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.Stats:
         engine = self._engine(context)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*trtbuild/serving/grpc/proto/trtbuild.proto\x12\x0btrtbuild.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xa8\x06\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x11\n\tbad_words\x18\r \x03(\t\x12,\n\rbad_words_ids\x18\x0e \x03(\x0b\x32\x15.trtbuild.v1.TokenIds\x12\x17\n\nignore_eos\x18\x0f \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\x03H\x0b\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08H\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x03H\r\x88\x01\x01\x12\x17\n\nbeam_width\x18\x13 \x01(\x03H\x0e\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x14 \x01(\x01H\x0f\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x12\n\x10_prompt_logprobsB\r\n\x0b_beam_widthB\x11\n\x0f_length_penalty\"\xab\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.trtbuild.v1.SamplingOptions\x12\x11\n\x04lora\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\t\n\x07_promptB\x07\n\x05_lora\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"f\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x03\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.trtbuild.v1.TopLogprob\"\xd6\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x15\n\routput_tokens\x18\x02 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x03 \x01(\x03\x12\x19\n\x0cqueue_time_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06ttft_s\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x03\x42\x0f\n\r_queue_time_sB\t\n\x07_ttft_sB\x08\n\x06_e2e_s\"\x84\x01\n\x04\x42\x65\x61m\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x63umulative_logprob\x18\x03 \x01(\x01\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.trtbuild.v1.FinishReason\"\xb3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.trtbuild.v1.FinishReason\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.trtbuild.v1.TokenLogprobs\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.trtbuild.v1.Usage\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.trtbuild.v1.TokenLogprobs\x12 \n\x05\x62\x65\x61ms\x18\t \x03(\x0b\x32\x11.trtbuild.v1.Beam\"Y\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tembedding\x18\x02 \x03(\x02\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.trtbuild.v1.Usage\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x93\x03\n\tModelInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x12\n\nnum_layers\x18\x04 \x01(\x03\x12\x13\n\x0bmax_seq_len\x18\x05 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\x03\x12\x16\n\x0emax_num_tokens\x18\x07 \x01(\x03\x12\x18\n\x10tokens_per_block\x18\x08 \x01(\x03\x12\x17\n\x0fkv_cache_blocks\x18\t \x01(\x03\x12\x17\n\x0fkv_cache_tokens\x18\n \x01(\x03\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x16\n\x0eprefix_caching\x18\x0c \x01(\x08\x12\x16\n\x0emax_queue_size\x18\r \x01(\x03\x12\x15\n\rhas_tokenizer\x18\x0e \x01(\x08\x12\x15\n\reos_token_ids\x18\x0f \x03(\x03\x12\x18\n\x10trtbuild_version\x18\x10 \x01(\t\x12\x12\n\nlora_names\x18\x11 \x03(\t\x12\x0c\n\x04task\x18\x12 \x01(\t\"\x11\n\x0fGetStatsRequest\"\x93\x01\n\tStepStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x03\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\x03\x12\x15\n\rnum_preempted\x18\x04 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"\xe1\x02\n\x05Stats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x03\x12\x16\n\x0enum_unfinished\x18\x03 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x16\n\x0ekv_free_blocks\x18\x05 \x01(\x03\x12\x17\n\x0fkv_total_blocks\x18\x06 \x01(\x03\x12\x14\n\x0cnum_finished\x18\x07 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x03\x12)\n\tlast_step\x18\t \x01(\x0b\x32\x16.trtbuild.v1.StepStats\x12=\n\x0e\x66inish_reasons\x18\n \x03(\x0b\x32%.trtbuild.v1.Stats.FinishReasonsEntry\x1a\x34\n\x12\x46inishReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xb4\x03\n\nGeneration\x12O\n\x0eGenerateStream\x12\x1c.trtbuild.v1.GenerateRequest\x1a\x1d.trtbuild.v1.GenerateResponse0\x01\x12G\n\x08Generate\x12\x1c.trtbuild.v1.GenerateRequest\x1a\x1d.trtbuild.v1.GenerateResponse\x12\x41\n\x05\x45mbed\x12\x1c.trtbuild.v1.GenerateRequest\x1a\x1a.trtbuild.v1.EmbedResponse\x12\x41\n\x06\x43\x61ncel\x12\x1a.trtbuild.v1.CancelRequest\x1a\x1b.trtbuild.v1.CancelResponse\x12H\n\x0cGetModelInfo\x12 .trtbuild.v1.GetModelInfoRequest\x1a\x16.trtbuild.v1.ModelInfo\x12<\n\x08GetStats\x12\x1c.trtbuild.v1.GetStatsRequest\x1a\x12.trtbuild.v1.Statsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*trtbuild/serving/grpc/proto/trtbuild.proto\x12\x0btrtbuild.v1\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"*\n\x14LoraAdaptersResponse\x12\x12\n\nlora_names\x18\x01 \x03(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xa8\x06\n\x0fSamplingOptions\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x11\n\tbad_words\x18\r \x03(\t\x12,\n\rbad_words_ids\x18\x0e \x03(\x0b\x32\x15.trtbuild.v1.TokenIds\x12\x17\n\nignore_eos\x18\x0f \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\x03H\x0b\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08H\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x03H\r\x88\x01\x01\x12\x17\n\nbeam_width\x18\x13 \x01(\x03H\x0e\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x14 \x01(\x01H\x0f\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x1d\n\x1b_include_stop_str_in_outputB\x12\n\x10_prompt_logprobsB\r\n\x0b_beam_widthB\x11\n\x0f_length_penalty\"\xab\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.trtbuild.v1.SamplingOptions\x12\x11\n\x04lora\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\t\n\x07_promptB\x07\n\x05_lora\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"f\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x03\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.trtbuild.v1.TopLogprob\"\xd6\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x15\n\routput_tokens\x18\x02 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prefix_tokens\x18\x03 \x01(\x03\x12\x19\n\x0cqueue_time_s\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06ttft_s\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05\x65\x32\x65_s\x18\x06 \x01(\x01H\x02\x88\x01\x01\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\x03\x42\x0f\n\r_queue_time_sB\t\n\x07_ttft_sB\x08\n\x06_e2e_s\"\x84\x01\n\x04\x42\x65\x61m\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x63umulative_logprob\x18\x03 \x01(\x01\x12\r\n\x05score\x18\x04 \x01(\x01\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.trtbuild.v1.FinishReason\"\xb3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.trtbuild.v1.FinishReason\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.trtbuild.v1.TokenLogprobs\x12!\n\x05usage\x18\x07 \x01(\x0b\x32\x12.trtbuild.v1.Usage\x12\x33\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1a.trtbuild.v1.TokenLogprobs\x12 \n\x05\x62\x65\x61ms\x18\t \x03(\x0b\x32\x11.trtbuild.v1.Beam\"Y\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tembedding\x18\x02 \x03(\x02\x12!\n\x05usage\x18\x03 \x01(\x0b\x32\x12.trtbuild.v1.Usage\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43\x61ncelResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xa6\x03\n\tModelInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x12\n\nnum_layers\x18\x04 \x01(\x03\x12\x13\n\x0bmax_seq_len\x18\x05 \x01(\x03\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\x03\x12\x16\n\x0emax_num_tokens\x18\x07 \x01(\x03\x12\x18\n\x10tokens_per_block\x18\x08 \x01(\x03\x12\x17\n\x0fkv_cache_blocks\x18\t \x01(\x03\x12\x17\n\x0fkv_cache_tokens\x18\n \x01(\x03\x12\x0e\n\x06policy\x18\x0b \x01(\t\x12\x16\n\x0eprefix_caching\x18\x0c \x01(\x08\x12\x16\n\x0emax_queue_size\x18\r \x01(\x03\x12\x15\n\rhas_tokenizer\x18\x0e \x01(\x08\x12\x15\n\reos_token_ids\x18\x0f \x03(\x03\x12\x18\n\x10trtbuild_version\x18\x10 \x01(\t\x12\x12\n\nlora_names\x18\x11 \x03(\t\x12\x0c\n\x04task\x18\x12 \x01(\t\x12\x11\n\tmax_loras\x18\x13 \x01(\x03\"\x11\n\x0fGetStatsRequest\"\x93\x01\n\tStepStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x03\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\x03\x12\x15\n\rnum_preempted\x18\x04 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x01\x12\x0f\n\x07seconds\x18\x06 \x01(\x01\"\xe1\x02\n\x05Stats\x12\x13\n\x0bnum_running\x18\x01 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x03\x12\x16\n\x0enum_unfinished\x18\x03 \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x16\n\x0ekv_free_blocks\x18\x05 \x01(\x03\x12\x17\n\x0fkv_total_blocks\x18\x06 \x01(\x03\x12\x14\n\x0cnum_finished\x18\x07 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x03\x12)\n\tlast_step\x18\t \x01(\x0b\x32\x16.trtbuild.v1.StepStats\x12=\n\x0e\x66inish_reasons\x18\n \x03(\x0b\x32%.trtbuild.v1.Stats.FinishReasonsEntry\x1a\x34\n\x12\x46inishReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xee\x04\n\nGeneration\x12O\n\x0eGenerateStream\x12\x1c.trtbuild.v1.GenerateRequest\x1a\x1d.trtbuild.v1.GenerateResponse0\x01\x12G\n\x08Generate\x12\x1c.trtbuild.v1.GenerateRequest\x1a\x1d.trtbuild.v1.GenerateResponse\x12\x41\n\x05\x45mbed\x12\x1c.trtbuild.v1.GenerateRequest\x1a\x1a.trtbuild.v1.EmbedResponse\x12\x41\n\x06\x43\x61ncel\x12\x1a.trtbuild.v1.CancelRequest\x1a\x1b.trtbuild.v1.CancelResponse\x12H\n\x0cGetModelInfo\x12 .trtbuild.v1.GetModelInfoRequest\x1a\x16.trtbuild.v1.ModelInfo\x12<\n\x08GetStats\x12\x1c.trtbuild.v1.GetStatsRequest\x1a\x12.trtbuild.v1.Stats\x12Y\n\x0fLoadLoraAdapter\x12#.trtbuild.v1.LoadLoraAdapterRequest\x1a!.trtbuild.v1.LoraAdaptersResponse\x12]\n\x11UnloadLoraAdapter\x12%.trtbuild.v1.UnloadLoraAdapterRequest\x1a!.trtbuild.v1.LoraAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,42 +33,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATS_FINISHREASONSENTRY']._loaded_options = None
   _globals['_STATS_FINISHREASONSENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2999
-  _globals['_FINISHREASON']._serialized_end=3119
-  _globals['_TOKENIDS']._serialized_start=59
-  _globals['_TOKENIDS']._serialized_end=82
-  _globals['_SAMPLINGOPTIONS']._serialized_start=85
-  _globals['_SAMPLINGOPTIONS']._serialized_end=893
-  _globals['_GENERATEREQUEST']._serialized_start=896
-  _globals['_GENERATEREQUEST']._serialized_end=1067
-  _globals['_TOPLOGPROB']._serialized_start=1069
-  _globals['_TOPLOGPROB']._serialized_end=1116
-  _globals['_TOKENLOGPROBS']._serialized_start=1118
-  _globals['_TOKENLOGPROBS']._serialized_end=1220
-  _globals['_USAGE']._serialized_start=1223
-  _globals['_USAGE']._serialized_end=1437
-  _globals['_BEAM']._serialized_start=1440
-  _globals['_BEAM']._serialized_end=1572
-  _globals['_GENERATERESPONSE']._serialized_start=1575
-  _globals['_GENERATERESPONSE']._serialized_end=1882
-  _globals['_EMBEDRESPONSE']._serialized_start=1884
-  _globals['_EMBEDRESPONSE']._serialized_end=1973
-  _globals['_CANCELREQUEST']._serialized_start=1975
-  _globals['_CANCELREQUEST']._serialized_end=2010
-  _globals['_CANCELRESPONSE']._serialized_start=2012
-  _globals['_CANCELRESPONSE']._serialized_end=2043
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2045
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2066
-  _globals['_MODELINFO']._serialized_start=2069
-  _globals['_MODELINFO']._serialized_end=2472
-  _globals['_GETSTATSREQUEST']._serialized_start=2474
-  _globals['_GETSTATSREQUEST']._serialized_end=2491
-  _globals['_STEPSTATS']._serialized_start=2494
-  _globals['_STEPSTATS']._serialized_end=2641
-  _globals['_STATS']._serialized_start=2644
-  _globals['_STATS']._serialized_end=2997
-  _globals['_STATS_FINISHREASONSENTRY']._serialized_start=2945
-  _globals['_STATS_FINISHREASONSENTRY']._serialized_end=2997
-  _globals['_GENERATION']._serialized_start=3122
-  _globals['_GENERATION']._serialized_end=3558
+  _globals['_FINISHREASON']._serialized_start=3173
+  _globals['_FINISHREASON']._serialized_end=3293
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=59
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=121
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=123
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=168
+  _globals['_LORAADAPTERSRESPONSE']._serialized_start=170
+  _globals['_LORAADAPTERSRESPONSE']._serialized_end=212
+  _globals['_TOKENIDS']._serialized_start=214
+  _globals['_TOKENIDS']._serialized_end=237
+  _globals['_SAMPLINGOPTIONS']._serialized_start=240
+  _globals['_SAMPLINGOPTIONS']._serialized_end=1048
+  _globals['_GENERATEREQUEST']._serialized_start=1051
+  _globals['_GENERATEREQUEST']._serialized_end=1222
+  _globals['_TOPLOGPROB']._serialized_start=1224
+  _globals['_TOPLOGPROB']._serialized_end=1271
+  _globals['_TOKENLOGPROBS']._serialized_start=1273
+  _globals['_TOKENLOGPROBS']._serialized_end=1375
+  _globals['_USAGE']._serialized_start=1378
+  _globals['_USAGE']._serialized_end=1592
+  _globals['_BEAM']._serialized_start=1595
+  _globals['_BEAM']._serialized_end=1727
+  _globals['_GENERATERESPONSE']._serialized_start=1730
+  _globals['_GENERATERESPONSE']._serialized_end=2037
+  _globals['_EMBEDRESPONSE']._serialized_start=2039
+  _globals['_EMBEDRESPONSE']._serialized_end=2128
+  _globals['_CANCELREQUEST']._serialized_start=2130
+  _globals['_CANCELREQUEST']._serialized_end=2165
+  _globals['_CANCELRESPONSE']._serialized_start=2167
+  _globals['_CANCELRESPONSE']._serialized_end=2198
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2200
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2221
+  _globals['_MODELINFO']._serialized_start=2224
+  _globals['_MODELINFO']._serialized_end=2646
+  _globals['_GETSTATSREQUEST']._serialized_start=2648
+  _globals['_GETSTATSREQUEST']._serialized_end=2665
+  _globals['_STEPSTATS']._serialized_start=2668
+  _globals['_STEPSTATS']._serialized_end=2815
+  _globals['_STATS']._serialized_start=2818
+  _globals['_STATS']._serialized_end=3171
+  _globals['_STATS_FINISHREASONSENTRY']._serialized_start=3119
+  _globals['_STATS_FINISHREASONSENTRY']._serialized_end=3171
+  _globals['_GENERATION']._serialized_start=3296
+  _globals['_GENERATION']._serialized_end=3918
 # @@protoc_insertion_point(module_scope)

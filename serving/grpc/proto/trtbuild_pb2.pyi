@@ -18,6 +18,26 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdaptersResponse(_message.Message):
+    __slots__ = ("lora_names",)
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -183,7 +203,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("architecture", "dtype", "vocab_size", "num_layers", "max_seq_len", "max_batch_size", "max_num_tokens", "tokens_per_block", "kv_cache_blocks", "kv_cache_tokens", "policy", "prefix_caching", "max_queue_size", "has_tokenizer", "eos_token_ids", "trtbuild_version", "lora_names", "task")
+    __slots__ = ("architecture", "dtype", "vocab_size", "num_layers", "max_seq_len", "max_batch_size", "max_num_tokens", "tokens_per_block", "kv_cache_blocks", "kv_cache_tokens", "policy", "prefix_caching", "max_queue_size", "has_tokenizer", "eos_token_ids", "trtbuild_version", "lora_names", "task", "max_loras")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +222,7 @@ class ModelInfo(_message.Message):
     TRTBUILD_VERSION_FIELD_NUMBER: _ClassVar[int]
     LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     dtype: str
     vocab_size: int
@@ -220,7 +241,8 @@ class ModelInfo(_message.Message):
     trtbuild_version: str
     lora_names: _containers.RepeatedScalarFieldContainer[str]
     task: str
-    def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_num_tokens: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., max_queue_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., trtbuild_version: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ..., task: _Optional[str] = ...) -> None: ...
+    max_loras: int
+    def __init__(self, architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_num_tokens: _Optional[int] = ..., tokens_per_block: _Optional[int] = ..., kv_cache_blocks: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., policy: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., max_queue_size: _Optional[int] = ..., has_tokenizer: _Optional[bool] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., trtbuild_version: _Optional[str] = ..., lora_names: _Optional[_Iterable[str]] = ..., task: _Optional[str] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -64,6 +64,16 @@ class GenerationStub:
                 request_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.Stats.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/trtbuild.v1.Generation/LoadLoraAdapter',
+                request_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/trtbuild.v1.Generation/UnloadLoraAdapter',
+                request_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.LoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -109,6 +119,21 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Loads a LoRA adapter (a PEFT folder or llama.cpp's adapter .gguf, a path on the server's machine) into a free
+        slot of an engine built with LoRA slots (ModelInfo.max_loras); GenerateRequest.lora names it from then on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """New requests cannot name the adapter any more; the ones already under it finish under it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +166,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GetStatsRequest.FromString,
                     response_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.Stats.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.LoraAdaptersResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.LoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -305,6 +340,60 @@ class Generation:
             '/trtbuild.v1.Generation/GetStats',
             trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.GetStatsRequest.SerializeToString,
             trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trtbuild.v1.Generation/LoadLoraAdapter',
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.LoadLoraAdapterRequest.SerializeToString,
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.LoraAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trtbuild.v1.Generation/UnloadLoraAdapter',
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            trtbuild_dot_serving_dot_grpc_dot_proto_dot_trtbuild__pb2.LoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
