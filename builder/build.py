@@ -17,7 +17,13 @@ from trtbuild.builder.convert.checkpoint import (
     prepare_output_dir,
     remove_partial_output,
 )
-from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, CPU_WEIGHTS_FILE, cpu_fingerprint, write_engine_config
+from trtbuild.builder.engine_dir import (
+    CPU_ENGINE_FILE,
+    CPU_WEIGHTS_FILE,
+    cpu_features,
+    cpu_fingerprint,
+    write_engine_config,
+)
 from trtbuild.builder.lora import read_adapters
 from trtbuild.builder.lora_slots import read_slot_tables
 from trtbuild.builder.network import build_network, engine_inputs, engine_outputs
@@ -105,14 +111,14 @@ def lower_for_target(model: onnx.ModelProto, build: BuildConfig) -> list[str]:
     from trtbuild.builder.new_kv_dtype import new_kv_in_pool_dtype
     from trtbuild.builder.passes import run_passes
     from trtbuild.builder.passes.lora import hoist_lora_adds
-    from trtbuild.builder.passes.lower_quant_cpu import lower_quantized_linears
+    from trtbuild.builder.passes.lower_quant_cpu import lower_quantized_linears, u8s8_exact
 
     applied = []
     if build.fuse:
         counts = run_passes(model, build.target)
         applied = [f"{name}:{n}" for name, n in counts.items()]
     # always: the engine must run low-bit kernels, not dequantized copies
-    quantized = lower_quantized_linears(model, build.int4_accuracy_level)
+    quantized = lower_quantized_linears(model, build.int4_accuracy_level, u8s8_exact(cpu_features()))
     if quantized:
         applied.append(f"lower_quantized_linears:{quantized}")
     if hoisted := hoist_lora_adds(model):  # the quantized siblings' Splits that lower_quantized_linears made

@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from helpers import AVX512, needs_avx512, needs_vnni
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild import cpu_ops
@@ -19,6 +20,8 @@ from trtbuild.plugins import block_quant_matmul as bq
 from trtbuild.plugins import dense_matmul as dm
 
 K, N = 64, 40
+# each kind's op runs with its instruction set only: DenseMatMul AVX-512, BlockQuantMatMul AVX-512 VNNI
+KINDS = [pytest.param("dense", marks=needs_avx512), pytest.param("block", marks=needs_vnni)]
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:
@@ -51,7 +54,7 @@ def linear_model(kind: str, rng: np.random.Generator, after: list[onnx.NodeProto
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(dm.DOMAIN, 1)]), w
 
 
-@pytest.mark.parametrize("kind", ["dense", "block"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_bias_add_becomes_the_linears_bias_input(kind):
     rng = np.random.default_rng(0)
     bias = rng.standard_normal(N).astype(np.float32)
@@ -64,7 +67,7 @@ def test_a_bias_add_becomes_the_linears_bias_input(kind):
     np.testing.assert_allclose(session(model).run(None, {"x": x})[0], want, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["dense", "block"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_fused_linears_split_outputs_take_their_biases_and_zeros_where_none(kind):
     """q, k, v of a fused linear: q and v have a bias Add, k none (its rows of the bias are zero)."""
     rng = np.random.default_rng(1)
@@ -94,6 +97,7 @@ def test_what_is_not_a_bias_is_left_alone():
     assert fold_linear_biases(model) == 0 and len(model.graph.node) == 5
 
 
+@needs_avx512
 def test_a_bias_of_the_wrong_size_is_an_error():
     rng = np.random.default_rng(3)
     model, _ = linear_model("dense", rng, [], ["y"], [numpy_helper.from_array(np.zeros(N - 1, np.float32), "bias")])
@@ -107,6 +111,12 @@ def test_a_qwen2_engine_keeps_no_bias_add(random_hf_model, engine_from_hf):
     graph = onnx.load(str(engine / CPU_ENGINE_FILE), load_external_data=False).graph
     constants = {t.name for t in graph.initializer}
     layers = read_engine_config(engine).model.num_hidden_layers
-    assert f"linear_biases:{layers}" in read_engine_config(engine).passes  # each layer's fused q+k+v
-    assert not [n for n in graph.node if n.op_type == "Add" and constants & set(n.input)]  # the residual's stays
-    assert sum(n.op_type == "DenseMatMul" and len(n.input) == 3 for n in graph.node) == layers
+    bias_adds = [n for n in graph.node if n.op_type == "Add" and constants & set(n.input)]  # the residual's stays
+    if AVX512:
+        assert f"linear_biases:{layers}" in read_engine_config(engine).passes  # each layer's fused q+k+v
+        assert not bias_adds
+        assert sum(n.op_type == "DenseMatMul" and len(n.input) == 3 for n in graph.node) == layers
+    else:  # no AVX-512: MatMul computes the float linears, and each fused q+k+v's bias stays one Add after it
+        assert not [p for p in read_engine_config(engine).passes if p.startswith(("linear_biases", "dense_linears"))]
+        producers = {o: n.op_type for n in graph.node for o in n.output}
+        assert [producers.get(i) for n in bias_adds for i in n.input if i not in constants] == ["MatMul"] * layers

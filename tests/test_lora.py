@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import STORIES260K, make_peft_adapter, make_random_hf_model, peft_logits
+from helpers import STORIES260K, VNNI, make_peft_adapter, make_random_hf_model, needs_avx512, peft_logits
 from prometheus_client.parser import text_string_to_metric_families
 from test_openai import Server
 
@@ -35,7 +35,8 @@ FAMILIES = {"llama": (["q_proj", "v_proj"], "all-linear"),
             "qwen2": (["k_proj", "o_proj", "down_proj"], "all-linear")}
 
 
-@pytest.fixture(scope="module", params=[(f, linears) for f in FAMILIES for linears in ("native", "ort")])
+@pytest.fixture(scope="module", params=[p for f in FAMILIES for p in (pytest.param((f, "native"), marks=needs_avx512),
+                                                                      (f, "ort"))])
 def adapted(request, tmp_path_factory):
     """(engine with adapters a and b, HF base, {name: adapter dir}) of a random model of each family, its float
     linears and LoRA branches native (trtbuild::LoraAdd) or standard ONNX ops."""
@@ -272,7 +273,9 @@ def test_a_gguf_adapter_over_a_quantized_gguf_base(tmp_path, family):
         info = read_engine_config(engine)
         passes = dict(p.split(":") for p in info.passes)
         assert passes["lower_quantized_linears"] == "10" and passes["hoist_lora_adds"] == "4"  # q/k/v, gate/up
-        assert passes["native_swiglu"] == "2" and passes.get("linear_biases") == ("2" if family == "qwen2" else None)
+        # the q / k / v biases join BlockQuantMatMul, which needs VNNI (MatMulNBits keeps them as Adds)
+        assert passes["native_swiglu"] == "2"
+        assert passes.get("linear_biases") == ("2" if family == "qwen2" and VNNI else None)
         chunks = [SequenceChunk(i, IDS, 0, len(IDS), [2 * i, 2 * i + 1], lora_id=i) for i in range(2)]
         logits.append(CpuEngine(info, num_threads=1, num_blocks=4).step(chunks))
     np.testing.assert_allclose(logits[1], logits[0], atol=1e-5, rtol=0)
@@ -291,6 +294,7 @@ def test_verify_runs_the_adapters_against_the_unfused_build(lora_engine):
     verify_engine(lora_engine, lora_engine.parent / "ckpt", num_threads=1).check()
 
 
+@needs_avx512
 @pytest.mark.parametrize("weight_type", ["float16", "bfloat16", "float32"])
 def test_lora_add_matches_its_reference(library, weight_type):
     """trtbuild::LoraAdd on three sibling blocks (48, 16, 32 columns), three adapters of ranks 4, 2 and 3, runs of

@@ -16,6 +16,7 @@ import json
 import numpy as np
 import onnx
 import pytest
+from helpers import AVX512, VNNI
 from onnx import TensorProto, numpy_helper
 from quant_helpers import Reference, calibrate, quantize_checkpoint
 from quantized_engine_helpers import LAYERS, OPTIONS, A, B, C, _ops, ids, rel_err
@@ -116,18 +117,24 @@ def test_lowered_graph_runs_low_bit_kernels(name, case):
     assert len(nbits) == (linears if algo == "int4_awq" else 0) + head_int8
     assert {n: a["bits"] for n, a in nbits.items() if a["bits"] == 8} == ({"lm_head": 8} if head_int8 else {})
     assert ops["MatMulIntegerToFloat"] == (linears if algo == "int8_sq" else 0)
-    if algo is None:  # KV-only quantization: the fused full-precision GEMMs stay, on float32 weights
+    if algo is None and AVX512:  # KV-only quantization: the fused full-precision GEMMs stay, on float32 weights
         assert ops["DenseMatMul"] == 4 * LAYERS + 1 and not ops["Gemm"]  # the lm_head too
         assert ops["MatMul"] == 2 * LAYERS  # the attention's (a quantized pool: standard-op attention)
         return
-    # the float32 tables left: RoPE's, and the full-precision weights packed for DenseMatMul / DenseGather
+    if algo is None:  # no AVX-512 for DenseMatMul: ONNX Runtime's MatMul (the lm_head: Gemm) on the float32 weights
+        assert not ops["DenseMatMul"] and ops["Gemm"] == 1
+        assert ops["MatMul"] == 4 * LAYERS + 2 * LAYERS  # the linears', the attention's
+        return
+    # the float32 tables left: RoPE's, and the full-precision weights packed for DenseMatMul / DenseGather (without
+    # AVX-512: ONNX Runtime's MatMul / Gemm / Gather read them as they are)
+    dense, dense_t = (".dense", ".dense_t") if AVX512 else ("", "")
     float_tables = {t.name for t in model.graph.initializer
                     if t.data_type == TensorProto.FLOAT and len(t.dims) > 1 and min(t.dims) > 1}
-    expected = {"rope_cos", "rope_sin", "transformer.vocab_embedding.weight.dense"} | (
-        {"lm_head.weight.dense"} if "lm_head" in exclude and not head_int8 else set())
-    assert float_tables == expected | {e + ".weight.dense_t" for e in excluded}  # no fp32 copy of a quantized weight
+    expected = {"rope_cos", "rope_sin", "transformer.vocab_embedding.weight" + dense} | (
+        {"lm_head.weight" + dense} if "lm_head" in exclude and not head_int8 else set())
+    assert float_tables == expected | {e + ".weight" + dense_t for e in excluded}  # no fp32 copy of a quantized weight
     for e in excluded:
-        assert next(n for n in model.graph.node if n.name == e).op_type == "DenseMatMul"
+        assert next(n for n in model.graph.node if n.name == e).op_type == ("DenseMatMul" if AVX512 else "MatMul")
     by_type = collections.Counter(t.data_type for t in model.graph.initializer if len(t.dims) == 2)
     if algo == "fp8":  # no CPU fp8 GEMM: 1-byte weights, dequantized as the MatMul runs
         assert by_type[TensorProto.FLOAT8E4M3FN] == 7 * LAYERS + ("lm_head" not in exclude)
@@ -136,7 +143,12 @@ def test_lowered_graph_runs_low_bit_kernels(name, case):
         assert {a["bits"] for n, a in nbits.items() if n != "lm_head"} == {4}
         assert by_type[TensorProto.UINT8] == 0 and ops["DequantizeLinear"] == 0  # B is [N, K/g, g/2]: 3-D
     if algo == "int8_sq":
-        assert by_type[TensorProto.INT8] == linears and ops["DequantizeLinear"] == 0
+        assert ops["DequantizeLinear"] == 0
+        # int8 weights where ONNX Runtime's u8s8 GEMM sums exactly (AVX-512 VNNI); elsewhere uint8 ones with a zero
+        # point of 128, the weight zero point input (5) set (builder/passes/lower_quant_cpu.py: u8s8_exact)
+        assert by_type[TensorProto.INT8] == (linears if VNNI else 0)
+        gemms = [n for n in model.graph.node if n.op_type == "MatMulIntegerToFloat"]
+        assert [len(n.input) > 5 and bool(n.input[5]) for n in gemms] == [not VNNI] * linears
 
 
 @pytest.mark.parametrize("name", ["llama-int4_awq-kv_int8", "llama-int8_sq-kv_fp8", "llama-fp8"])

@@ -200,3 +200,41 @@ def test_int8_weight_only_lowering(k):
         None, {"x": x})[0]
     want = x.astype(np.float64) @ (w * s.astype(np.float64))
     assert rel_err(y, want) <= 1e-5
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_int8_lowering_sums_exactly_where_it_is_chosen(signed):
+    """int8 x int8: MatMul(DQ(Q(x)), DQ(W)) becomes MatMulIntegerToFloat, with int8 weights (exact only where the
+    u8s8 GEMM accumulates in int32: AVX-512 VNNI) or uint8 ones with zero point 128 (exact everywhere). Full-range
+    weights against activations far from zero: the inputs that saturate an int16 pair sum."""
+    import onnxruntime as ort
+    from onnx import helper
+
+    from trtbuild.builder.engine_dir import cpu_features
+    from trtbuild.builder.passes.lower_quant_cpu import lower_quantized_linears, u8s8_exact
+
+    if signed and not u8s8_exact(cpu_features()):
+        pytest.skip("this CPU's u8s8 GEMM saturates int16 pair sums (no AVX-512 VNNI): builds here use uint8 weights")
+    rng = np.random.default_rng(0)
+    k, n = 64, 48
+    w = rng.choice(np.array([-127, -100, 100, 127], np.int8), size=(k, n))
+    s_x, s_w = np.float32(0.01), rng.uniform(1e-3, 1e-2, size=n).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "sx"], ["xq"], name="act_quant"),
+         helper.make_node("DequantizeLinear", ["xq", "sx"], ["xd"], name="act_dequant"),
+         helper.make_node("DequantizeLinear", ["W", "sw"], ["Wf"], name="fc_weight_dequant", axis=1),
+         helper.make_node("MatMul", ["xd", "Wf"], ["y"], name="fc")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", n])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(s_w, "sw"),
+         numpy_helper.from_array(np.array(s_x), "sx"),
+         numpy_helper.from_array(np.array(0, np.int8), "zero")])
+    graph.node[0].input.append("zero")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    assert lower_quantized_linears(model, 1, signed_int8_weights=signed) == 1
+    (gemm,) = [node for node in model.graph.node if node.op_type == "MatMulIntegerToFloat"]
+    assert (len(gemm.input) == 6) != signed  # uint8 weights carry their zero point
+    x = (rng.choice([-1, 1], size=(8, k)) * rng.integers(100, 128, size=(8, k)) * s_x).astype(np.float32)
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    exact = (np.round(x / s_x).astype(np.int64) @ w.astype(np.int64)) * (s_x * s_w.astype(np.float64))
+    np.testing.assert_allclose(y, exact, rtol=1e-5, atol=1e-4)

@@ -11,7 +11,8 @@ that compute in low precision, reading 1-byte or half-byte weights from the engi
         per token (s_x [T, 1] computed from x, blocked Q/DQ over the last axis): the blocked QuantizeLinear with
         zero point 128 -> MatMulIntegerToFloat(a_scale 1, s_w, a_zero_point 128) -> Mul(s_x)
         (uint8 activations with zero point 128 are the int8 values + 128 exactly, and MLAS' u8s8 GEMM is ~100x
-        faster than its s8s8 path on x86)
+        faster than its s8s8 path on x86). On a CPU without AVX-512 VNNI the weights are uint8 W + 128 with
+        b_zero_point 128 instead (u8s8_exact: there the u8s8 GEMM adds pairs of products in saturating int16)
   fp8   left as it is: DequantizeLinear(float8 W) -> MatMul (no CPU kernel multiplies fp8; ONNX Runtime keeps the
         float8 initializer and dequantizes it when the MatMul runs) with Q/DQ(fp8) on the activation.
 
@@ -135,10 +136,21 @@ def _site(view: GraphView, node: onnx.NodeProto) -> tuple | None:
             else _int8_site(view, node, dq) if elem == TensorProto.INT8 else None)
 
 
-def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
+def u8s8_exact(cpu_features: list[str]) -> bool:
+    """Whether ONNX Runtime's uint8 x int8 GEMM sums exactly on a CPU with these features. With AVX-512 VNNI it
+    accumulates every product in int32; without it (AVX2, AVX-512BW) MLAS adds pairs of u8 x s8 products in int16
+    with saturation, which clips wherever two weights of |w| > 64 meet activations far from the zero point (errors
+    of ~20% of a dot product measured on an AVX2 CPU). Its uint8 x uint8 GEMM widens to 16 bits first: exact,
+    ~1.3x slower there. NOTE: the engine records the CPU features it was built with and refuses a CPU without them
+    (builder/engine_dir.py), so an engine built for u8s8 never runs where it clips."""
+    return "avx512_vnni" in cpu_features
+
+
+def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int, signed_int8_weights: bool = True) -> int:
     """Rewrite every int4 / int8 quantized linear to its ONNX Runtime kernel; returns how many linears changed.
     `accuracy_level` is MatMulNBits' (BuildConfig.int4_accuracy_level): 1 computes in fp32 and matches the format to
-    ~1e-6; 4 quantizes activations to int8 per block (VNNI kernels, ~7e-3 relative error)."""
+    ~1e-6; 4 quantizes activations to int8 per block (VNNI kernels, ~7e-3 relative error). `signed_int8_weights`:
+    int8 x int8 linears keep int8 weights (u8s8_exact of the build machine) or become uint8 with zero point 128."""
     view = GraphView(model)
     # NOTE: sites are grouped by key first and their weights read again group by group, so that one group's
     # weights are in memory at a time, not the whole model's.
@@ -183,7 +195,10 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
             # than MatMulInteger -> Cast -> Mul at 2048 tokens, where those passes over the output are memory bound).
             _, x, x_scale = key
             per_token = key[0] == "int8_per_token"
-            view.add_initializer(base + ".weight_int8", np.concatenate([m[1] for m in members], axis=1))
+            weights = np.concatenate([m[1] for m in members], axis=1)
+            if not signed_int8_weights:
+                weights = (weights.astype(np.int16) + 128).astype(np.uint8)
+            view.add_initializer(base + ".weight_int8", weights)
             view.add_initializer(base + ".weight_scale", np.concatenate([m[2] for m in members]))
             view.add_initializer(base + ".act_zero_point", np.array(128, dtype=np.uint8))
             zp = act_zp = base + ".act_zero_point"
@@ -201,7 +216,8 @@ def lower_quantized_linears(model: onnx.ModelProto, accuracy_level: int) -> int:
                                  **quant_attrs),
                 helper.make_node("MatMulIntegerToFloat", [base + "_act_u8", base + ".weight_int8",
                                                           base + ".unit_scale" if per_token else x_scale,
-                                                          base + ".weight_scale", zp],
+                                                          base + ".weight_scale", zp,
+                                                          *([] if signed_int8_weights else [zp])],
                                  [base + "_scaled" if per_token else wide], name=base, domain=MS_DOMAIN)]
             if per_token:  # the GEMM's epilogue takes one activation scale; the token's is applied after it
                 new_nodes.append(helper.make_node("Mul", [base + "_scaled", x_scale], [wide],
