@@ -2,7 +2,7 @@
 in one run (llama.cpp applies `--lora` adapters at run time; trtbuild builds them into the engine, builder/lora.py).
 
     python benchmarks/lora.py --gguf base.gguf [--adapter adapter.gguf | --rank 16] [--llama-bin DIR] [--threads 2]
-        [--rounds 3] [--prompt 128] [--gen 128] [--parallel 16] [--work DIR] [--json out.json]
+        [--rounds 3] [--prompt 128] [--gen 128] [--parallel 16] [--slots N] [--no-llama] [--work DIR] [--json out.json]
 
 Without `--adapter`, a random rank-`--rank` adapter of every linear of every layer is written as llama.cpp's
 convert_lora_to_gguf.py writes one (float16 A / B, alpha 2 x rank). Measured: batch-1 decode (`--gen` tokens after
@@ -11,7 +11,10 @@ over the whole run, prefill included), for:
   trtbuild: an engine without the adapter; the engine with it, requests under it; the same engine, requests
             under no adapter (what adapters built in cost the base model's requests);
   llama.cpp: without `--lora` and with it: llama-completion for batch-1 decode, llama-server's slots for the
-             concurrent requests (llama-bench takes no adapter and llama-batched-bench ignores `--lora`).
+             concurrent requests (llama-bench takes no adapter and llama-batched-bench ignores `--lora`);
+  with `--slots N`, trtbuild's engine with N LoRA slots of rank `--rank` (`--max-loras`, builder/lora_slots.py),
+             the adapter loaded into one at start: requests under it, and under none (`--no-llama`: without the
+             llama.cpp configurations, e.g. where it is not built).
 Every configuration runs in its own process, rounds alternate them, and the table gives medians and the ratios.
 """
 
@@ -58,8 +61,8 @@ def make_adapter(base: Path, out: Path, rank: int, seed: int = 0) -> Path:
     return out
 
 
-def build(gguf: Path, adapter: Path | None, work: Path, args: argparse.Namespace) -> Path:
-    engine = work / ("engine_lora" if adapter else "engine")
+def build(gguf: Path, adapter: Path | None, work: Path, args: argparse.Namespace, slots: int = 0) -> Path:
+    engine = work / (f"engine_slots{slots}" if slots else "engine_lora" if adapter else "engine")
     if (engine / "config.json").is_file():
         return engine
     ckpt = work / "ckpt"
@@ -67,12 +70,14 @@ def build(gguf: Path, adapter: Path | None, work: Path, args: argparse.Namespace
         run_timed(["trtbuild", "convert", "--model", str(gguf), "--output", str(ckpt)])
     run_timed(["trtbuild", "build", "--checkpoint", str(ckpt), "--output", str(engine), "--max-batch-size",
                str(args.parallel), "--max-seq-len", str(max(256, args.prompt + args.gen)), "--max-num-tokens",
-               str(step_tokens(args)), *(["--lora", f"adapter={adapter}"] if adapter else [])])
+               str(step_tokens(args)), *(["--lora", f"adapter={adapter}"] if adapter and not slots else []),
+               *(["--max-loras", str(slots), "--max-lora-rank", str(args.rank)] if slots else [])])
     return engine
 
 
 def measure(engine: Path, lora: str | None, part: str, args: argparse.Namespace) -> dict[str, float]:
-    """In this process: `single`, batch-1 decode after one prompt; `parallel`, the concurrent requests."""
+    """In this process: `single`, batch-1 decode after one prompt; `parallel`, the concurrent requests. A slot
+    engine first loads `args.adapter` as `adapter`."""
     from trtbuild.builder.engine_dir import read_engine_config
     from trtbuild.runtime.config import RuntimeConfig
     from trtbuild.runtime.engine_core import EngineCore
@@ -83,6 +88,8 @@ def measure(engine: Path, lora: str | None, part: str, args: argparse.Namespace)
     blocks = seqs * -(-(args.prompt + args.gen + 1) // per_block)  # every request's whole lifetime, as llama.cpp's
     core = EngineCore(engine, RuntimeConfig(num_threads=args.threads, max_batch_size=seqs, enable_prefix_caching=False,
                                             kv_cache_blocks=blocks))
+    if core.lora.dynamic:
+        core.load_lora(core.lora.prepare("adapter", args.adapter))
     vocab = core.vocab_size
     prompts = [[(7 * i + 3 * s) % (vocab - 10) + 5 for i in range(args.prompt)] for s in range(seqs)]
     extra = 1 if part == "single" else 0  # single: the prefill step's token is not counted, as llama's T_TG
@@ -104,7 +111,8 @@ def trtbuild_round(engine: Path, lora: str | None, args: argparse.Namespace) -> 
     for part in ("single", "parallel"):
         out, _ = run_timed([sys.executable, __file__, "--measure", str(engine), "--lora", lora or "", "--part", part,
                             "--threads", str(args.threads), "--prompt", str(args.prompt), "--gen", str(args.gen),
-                            "--parallel", str(args.parallel)])
+                            "--parallel", str(args.parallel), *(["--adapter", str(args.adapter)] if args.adapter
+                                                                  else [])])
         result.update(json.loads(out.splitlines()[-1]))
     return result
 
@@ -184,6 +192,8 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--parallel", type=int, default=16)
     p.add_argument("--ubatch", type=int, default=512)
+    p.add_argument("--slots", type=int, default=0, help="Also an engine of this many LoRA slots (--max-loras).")
+    p.add_argument("--no-llama", action="store_true", help="Leave llama.cpp out.")
     p.add_argument("--work", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--measure", type=Path, default=None, help=argparse.SUPPRESS)
@@ -195,15 +205,20 @@ def main() -> None:
         return
     work = args.work or Path(tempfile.mkdtemp(prefix="trtbuild-lora-"))
     work.mkdir(parents=True, exist_ok=True)
-    adapter = args.adapter or make_adapter(args.gguf, work / f"adapter-r{args.rank}.gguf", args.rank)
+    adapter = args.adapter = args.adapter or make_adapter(args.gguf, work / f"adapter-r{args.rank}.gguf", args.rank)
     plain, adapted = build(args.gguf, None, work, args), build(args.gguf, adapter, work, args)
+    slotted = build(args.gguf, adapter, work, args, args.slots) if args.slots else None
     args.vocab = json.loads((plain / "config.json").read_text())["model_config"]["vocab_size"]
     shutil.rmtree(work / "ckpt", ignore_errors=True)
     configs = {"trtbuild": lambda: trtbuild_round(plain, None, args),
                "trtbuild+lora": lambda: trtbuild_round(adapted, "adapter", args),
-               "trtbuild+lora, base requests": lambda: trtbuild_round(adapted, None, args),
-               "llama.cpp": lambda: llama_round(args.gguf, None, args),
-               "llama.cpp+lora": lambda: llama_round(args.gguf, adapter, args)}
+               "trtbuild+lora, base requests": lambda: trtbuild_round(adapted, None, args)}
+    if slotted is not None:
+        configs[f"trtbuild {args.slots} slots+lora"] = lambda: trtbuild_round(slotted, "adapter", args)
+        configs[f"trtbuild {args.slots} slots, base requests"] = lambda: trtbuild_round(slotted, None, args)
+    if not args.no_llama:
+        configs["llama.cpp"] = lambda: llama_round(args.gguf, None, args)
+        configs["llama.cpp+lora"] = lambda: llama_round(args.gguf, adapter, args)
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in configs}
     for r in range(args.rounds):
         for name, run in configs.items():
@@ -217,10 +232,17 @@ def main() -> None:
         print(f"| {name} | {m['decode_tok_s']:.1f} | {m['parallel_output_tok_s']:.1f} |")
     ratio = lambda a, b, k: medians[a][k] / medians[b][k]  # noqa: E731
     for k, what in (("decode_tok_s", "batch-1 decode"), ("parallel_output_tok_s", f"{args.parallel} concurrent")):
-        print(f"{what}: trtbuild+lora / llama.cpp+lora {ratio('trtbuild+lora', 'llama.cpp+lora', k):.2f}x; "
-              f"adapter cost (with / without): trtbuild {ratio('trtbuild+lora', 'trtbuild', k):.2f}, "
-              f"llama.cpp {ratio('llama.cpp+lora', 'llama.cpp', k):.2f}, trtbuild's base requests on the adapted "
-              f"engine {ratio('trtbuild+lora, base requests', 'trtbuild', k):.2f}")
+        parts = [f"adapter cost (with / without): trtbuild {ratio('trtbuild+lora', 'trtbuild', k):.2f}",
+                 "trtbuild's base requests on the adapted engine "
+                 f"{ratio('trtbuild+lora, base requests', 'trtbuild', k):.2f}"]
+        if not args.no_llama:
+            parts = [f"trtbuild+lora / llama.cpp+lora {ratio('trtbuild+lora', 'llama.cpp+lora', k):.2f}x",
+                     *parts, f"llama.cpp {ratio('llama.cpp+lora', 'llama.cpp', k):.2f}"]
+        if slotted is not None:
+            parts += [f"{args.slots} slots / built in, under the adapter "
+                      f"{ratio(f'trtbuild {args.slots} slots+lora', 'trtbuild+lora', k):.2f}, base requests "
+                      f"{ratio(f'trtbuild {args.slots} slots, base requests', 'trtbuild', k):.2f}"]
+        print(f"{what}: " + "; ".join(parts))
     if args.json:
         args.json.write_text(json.dumps({"rounds": rounds, "medians": medians}, indent=1))
 
