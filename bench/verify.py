@@ -201,12 +201,31 @@ class _Once:
     """A session handed to polygraphy's runner once: released when the runner deactivates, so that the engine and
     the reference are not both in memory."""
 
-    def __init__(self, session) -> None:
-        self.session = session
+    def __init__(self, engine) -> None:
+        self.engine = engine
 
     def __call__(self):
-        session, self.session = self.session, None
-        return session
+        engine, self.engine = self.engine, None
+        return _OwnLoraTables(engine)
+
+
+class _OwnLoraTables:
+    """A CpuEngine's session that feeds its own LoRA slot tables (builder/lora_slots.py: all slots empty) and
+    hides them from polygraphy: an engine's tables may be packed for trtbuild::LoraAdd, the reference's not."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        tables = engine.lora_slots.arrays if engine.lora_slots is not None else {}
+        self.tables, self.inputs = tables, [i for i in engine.session.get_inputs() if i.name not in tables]
+
+    def get_inputs(self) -> list:
+        return self.inputs
+
+    def run(self, output_names, feeds, *args, **kwargs):
+        return self.engine.session.run(output_names, {**feeds, **self.tables}, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine.session, name)
 
 
 REFERENCE, ENGINE, EXACT = "unfused-reference", "engine", "fp32-compute"  # polygraphy runner names
@@ -224,7 +243,7 @@ def _runner(info: EngineInfo, steps: _Steps, num_threads: int | None, name: str)
 
     from trtbuild.runtime.engine import CpuEngine
 
-    return OnnxrtRunner(lambda: CpuEngine(info, num_threads=num_threads, num_blocks=steps.num_blocks).session,
+    return OnnxrtRunner(lambda: _OwnLoraTables(CpuEngine(info, num_threads=num_threads, num_blocks=steps.num_blocks)),
                         name=name)
 
 
@@ -250,17 +269,24 @@ def _run_engine_and_reference(info: EngineInfo, reference: EngineInfo,
 
     descriptions, feeds, num_blocks = _step_chunks(info)
     ref = CpuEngine(reference, num_threads=num_threads, num_blocks=num_blocks)
-    data = [dict(ref.feeds(feeds[0])[0], kv_cache=ref.kv.pool.copy())]
+    data = [_step_data(ref, feeds[0])]
     if len(feeds) > 1:  # the decode step reads the K/V the reference's prefill wrote, and follows its greedy tokens
         logits = ref.step(feeds[0])
         last = np.cumsum([c.num_logits for c in feeds[0]]) - 1
         decode = [dataclasses.replace(c, token_ids=[int(logits[i].argmax())]) for c, i in zip(feeds[1], last,
                                                                                                 strict=True)]
-        data.append(dict(ref.feeds(decode)[0], kv_cache=ref.kv.pool.copy()))
+        data.append(_step_data(ref, decode))
     steps = _Steps(descriptions, data, num_blocks)
-    runners = [OnnxrtRunner(_Once(ref.session), name=REFERENCE), _runner(info, steps, num_threads, ENGINE)]
+    runners = [OnnxrtRunner(_Once(ref), name=REFERENCE), _runner(info, steps, num_threads, ENGINE)]
     del ref
     return steps, _run(None, runners, data)
+
+
+def _step_data(ref, chunks: list) -> dict[str, np.ndarray]:
+    """One step's feeds by the reference's packing, its K/V pool included and its LoRA slot tables left out (each
+    runner feeds its own: _OwnLoraTables)."""
+    own = ref.lora_slots.arrays if ref.lora_slots is not None else {}
+    return {k: v for k, v in ref.feeds(chunks)[0].items() if k not in own} | {"kv_cache": ref.kv.pool.copy()}
 
 
 def _judge(results, steps: _Steps, tolerances: dict[str, Tolerance]) -> list[OutputError]:

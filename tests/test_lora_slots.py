@@ -12,6 +12,7 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from conftest import RUNTIME_ENGINE_OPTIONS
 from helpers import STORIES260K, make_peft_adapter, make_random_hf_model, peft_logits
 from test_openai import Server
@@ -21,6 +22,7 @@ from trtbuild.builder.build import build_engine
 from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.lora import read_adapter
 from trtbuild.builder.lora_slots import PACKED, STACKED, SlotTable, write_slot
+from trtbuild.cli import main
 from trtbuild.configs import BuildConfig
 from trtbuild.errors import ConfigError
 from trtbuild.plugins.lora import reference_lora_add
@@ -292,3 +294,27 @@ def test_grpc_loads_and_unloads_adapters(slot_engine, lora_engine, lora_adapters
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "none loaded" in e.value.details()
     finally:
         server.stop(grace=1.0)
+
+
+def test_verify_runs_a_slot_engine_against_the_unfused_build(slotted):
+    """`trtbuild verify` of a slot engine: each side feeds its own (empty) tables, packed for LoraAdd or not."""
+    from trtbuild.bench.verify import verify_engine
+
+    engine = slotted[0].engine.info.path
+    verify_engine(engine, engine.parent / "ckpt", num_threads=1).check()
+
+
+def test_cli_slot_flags(slot_engine, lora_engine, lora_adapters, tmp_path):
+    runner = CliRunner()
+    ckpt = slot_engine.parent / "ckpt"
+    result = runner.invoke(main, ["build", "--checkpoint", str(ckpt), "--output", str(tmp_path / "e"),
+                                  "--max-loras", "2", "--lora", f"sql={lora_adapters['sql']}"])
+    assert result.exit_code != 0 and "not both" in result.output and not (tmp_path / "e").exists()
+    result = runner.invoke(main, ["run", "--engine", str(slot_engine), "--prompt", "Once upon a time", "--lora",
+                                  f"sql={lora_adapters['sql']}", "--max-tokens", "8", "--threads", "1"])
+    want = LLM(lora_engine, RuntimeConfig(num_threads=1)).generate(["Once upon a time"], SamplingParams(max_tokens=8),
+                                                                   lora="sql")[0].text
+    assert result.exit_code == 0 and result.output.rstrip("\n") == "Once upon a time" + want
+    result = runner.invoke(main, ["run", "--engine", str(lora_engine), "--prompt", "Once", "--lora",
+                                  f"x={lora_adapters['sql']}", "--max-tokens", "2", "--threads", "1"])
+    assert result.exit_code != 0 and "built without LoRA slots" in result.output
