@@ -246,14 +246,42 @@ void attend_vectorized(const Task& a) {
 }
 #endif
 
-// A task of any head size, over a float32 pool.
+// Whether this build reads a float16 pool on the generic path (F16C widens the rows; every AVX-512 CPU has it).
+constexpr bool kGenericHalf =
+#if defined(__F16C__)
+    true;
+#else
+    false;
+#endif
+
+// Row `row` (d values) as float32: the pool's own memory for a float32 pool, else widened into `buffer`.
+template <typename T>
+inline const float* widened(const T* row, int64_t d, std::vector<float>& buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    (void)d, (void)buffer;
+    return row;
+  } else {
+    buffer.resize(static_cast<size_t>(d));
+#if defined(__F16C__)
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8)
+      _mm256_storeu_ps(buffer.data() + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i))));
+    for (; i < d; ++i) buffer[i] = _cvtsh_ss(row[i]);
+#endif
+    return buffer.data();
+  }
+}
+
+// A task of any head size, over a float32 pool or (kGenericHalf) a float16 one.
+template <typename T>
 void attend_generic(const Task& a) {
+  thread_local std::vector<float> row_buffer;
   const int64_t nh = a.nh, visible = a.visible - a.first, d = a.s.d;  // keys a.first .. as 0 ..
   thread_local std::vector<float> probs;  // [nh, visible]
   probs.resize(static_cast<size_t>(nh * visible));
   const float* q = a.queries();
   for (int64_t j = 0; j < visible; ++j) {
-    const float* k = a.row<float>(a.first + j, 0);
+    const float* k = widened(a.row<T>(a.first + j, 0), d, row_buffer);
     for (int64_t h = 0; h < nh; ++h) probs[h * visible + j] = a.s.scale * dot(q + h * d, k, d);
   }
   if (const float cap = a.s.softcap; cap > 0.0f)
@@ -270,7 +298,7 @@ void attend_generic(const Task& a) {
   float* out = a.out();
   std::fill(out, out + nh * d, 0.0f);
   for (int64_t j = 0; j < visible; ++j) {
-    const float* v = a.row<float>(a.first + j, 1);
+    const float* v = widened(a.row<T>(a.first + j, 1), d, row_buffer);
     for (int64_t h = 0; h < nh; ++h) axpy(probs[h * visible + j], v, out + h * d, d);
   }
 }
@@ -308,17 +336,24 @@ void attend(void* data, size_t task) {
 #if defined(__AVX512F__)
   if (vectorized(a.s.d)) return a.s.half ? attend_vectorized<uint16_t>(a) : attend_vectorized<float>(a);
 #endif
-  attend_generic(a);
+  return a.s.half ? attend_generic<uint16_t>(a) : attend_generic<float>(a);
 }
 
 // this step's keys or values as the float16 pool will hold them (rounded to nearest even, as numpy rounds when the
-// runtime writes new_kv to the pool); n is a multiple of 16
+// runtime writes new_kv to the pool)
 void round_to_half(const float* x, int64_t n, std::vector<uint16_t>& out) {
   out.resize(static_cast<size_t>(n));
+  int64_t i = 0;
 #if defined(__AVX512F__)
-  for (int64_t i = 0; i < n; i += 16)
+  for (; i + 16 <= n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.data() + i),
                         _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out.data() + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #endif
 }
 
@@ -364,9 +399,9 @@ struct PagedAttentionKernel {
     const ONNXTensorElementDataType pool_type = ctx.GetInput(3).GetTensorTypeAndShapeInfo().GetElementType();
     const bool half = pool_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
     if (!half && pool_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail("kv_cache must be float32 or float16");
-    if (half && !vectorized(d))
-      fail("a float16 kv_cache needs AVX-512 and a head_size of 16 to 128 in steps of 16, or 256; build with "
-           "--kv-pool-dtype float32 or --attention split");
+    if (half && !vectorized(d) && !kGenericHalf)
+      fail("a float16 kv_cache needs F16C (or AVX-512 and a head_size of 16 to 128 in steps of 16, or 256); build "
+           "with --kv-pool-dtype float32 or --attention split");
     const std::vector<int64_t> table_shape = ctx.GetInput(4).GetTensorTypeAndShapeInfo().GetShape();
     if (pool_shape.size() != 6 || pool_shape[3] != kv_heads || pool_shape[4] != bs || pool_shape[5] != d)
       fail("kv_cache must be [blocks, layers, 2, num_kv_heads, tokens_per_block, head_size]");

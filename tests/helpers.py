@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from trtbuild import cpu_ops
+from trtbuild.builder.engine_dir import cpu_features
 from trtbuild.runtime.engine_core import EngineCore, RequestOutput, StepStats
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,6 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 AVX512, VNNI = cpu_ops.has_avx512(), cpu_ops.has_vnni()
 needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU has no AVX-512, which the native op is written with "
                                                      "(engines built here use ONNX Runtime's ops instead)")
+# A float16 KV pool: the native attention reads it on its AVX-512 path, or widened by F16C on its generic one
+F16C = "f16c" in cpu_features()
+needs_f16c = pytest.mark.skipif(not F16C, reason="this CPU has no F16C, which the native attention widens a float16 "
+                                                 "KV pool with (engines built here keep a float32 pool)")
 needs_vnni = pytest.mark.skipif(not VNNI, reason="this CPU has no AVX-512 VNNI, which trtbuild::BlockQuantMatMul is "
                                                  "written with (engines built here use MatMulNBits instead)")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
-from helpers import needs_avx512
+from helpers import needs_f16c
 from onnx import TensorProto, helper
 from test_native_swiglu import glu_session
 from test_paged_attention import (
@@ -126,7 +126,7 @@ def test_real_head_sizes_match_reference(library, heads, kv_heads, head, block, 
                                                                   (8, 2, 256, 16)])
 @pytest.mark.parametrize("seqs", [[(37, 1), (0, 21), (16, 5), (15, 1), (100, 3)], [(129, 1)]],
                          ids=["mixed", "one_decode_token"])
-@needs_avx512  # the vectorized path, the only one that reads a float16 pool
+@needs_f16c
 def test_float16_pool_matches_reference(library, heads, kv_heads, head, block, seqs):
     """A float16 pool is read in place, widened to float32, and the step's own keys and values are attended as
     the pool will hold them (rounded to float16); k_new and v_new stay float32 and unrounded."""
@@ -136,7 +136,7 @@ def test_float16_pool_matches_reference(library, heads, kv_heads, head, block, s
         np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize(("head", "pool_dtype"), [(64, np.float32), pytest.param(48, np.float16, marks=needs_avx512),
+@pytest.mark.parametrize(("head", "pool_dtype"), [(64, np.float32), pytest.param(48, np.float16, marks=needs_f16c),
                                                   (24, np.float32)], ids=["vectorized", "float16_pool", "generic"])
 @pytest.mark.parametrize("window", [1, 5, 16, 21, 200])
 def test_a_sliding_window_hides_the_oldest_keys(library, head, pool_dtype, window):
@@ -155,7 +155,7 @@ def test_a_sliding_window_hides_the_oldest_keys(library, head, pool_dtype, windo
         assert not np.allclose(got[0].reshape(full.shape), full, atol=1e-3)
 
 
-@pytest.mark.parametrize(("head", "pool_dtype"), [(64, np.float32), pytest.param(48, np.float16, marks=needs_avx512),
+@pytest.mark.parametrize(("head", "pool_dtype"), [(64, np.float32), pytest.param(48, np.float16, marks=needs_f16c),
                                                   (24, np.float32)], ids=["vectorized", "float16_pool", "generic"])
 @pytest.mark.parametrize(("softcap", "window", "q_gain"), [(0.5, 0, 1.0), (3.0, 0, 1.0), (50.0, 0, 4.0),
                                                            (2.0, 5, 1.0), (5.0, 0, 40.0), (1.0, 21, 1000.0)],
@@ -185,7 +185,7 @@ def sinks_of(heads: int, seed: int, gain: float = 3.0) -> np.ndarray:
 @pytest.mark.parametrize(("heads", "kv_heads", "head", "block", "pool_dtype"),
                          [(14, 2, 64, 16, np.float32), (8, 2, 128, 4, np.float32), (6, 3, 48, 16, np.float32),
                           (4, 1, 16, 16, np.float32), (4, 1, 256, 16, np.float32), (8, 2, 24, 8, np.float32),
-                          *(pytest.param(*case, np.float16, marks=needs_avx512)
+                          *(pytest.param(*case, np.float16, marks=needs_f16c)
                             for case in ((14, 2, 64, 16), (8, 2, 128, 4), (8, 8, 64, 16)))],
                          ids=["d64_gqa7", "d128", "d48", "d16_mqa", "d256", "generic_d24", "d64_float16_pool",
                               "d128_float16_pool", "d64_float16_pool_mha"])
@@ -243,7 +243,7 @@ def test_sinks_of_the_wrong_size_are_an_error(library):
         sess.run(None, data)
 
 
-@needs_avx512
+@needs_f16c
 def test_float16_pool_attends_new_rows_as_stored(library):
     """In a fresh prefill every attended row is new, and the outputs follow the rounded rows, not the unrounded
     ones. NOTE: a key whose float32 RoPE lands on a float16 tie may round the other way than the float64
@@ -256,11 +256,15 @@ def test_float16_pool_attends_new_rows_as_stored(library):
     assert np.abs(got - rounded).mean() < 5e-6 < 2e-5 < np.abs(got - unrounded).mean()
 
 
-def test_float16_pool_with_an_unvectorized_head_size_is_refused(library):
-    sess, data, _ = real_shape_case(4, 2, 8, 16, [(5, 1)], seed=0, pool_dtype=np.float16)
-    with pytest.raises(Exception, match="float16 kv_cache needs AVX-512 and a head_size of 16 to 128 in steps of 16, "
-                                        "or 256"):
-        sess.run(None, data)
+@needs_f16c
+@pytest.mark.parametrize("head", [8, 24, 36])
+def test_float16_pool_of_any_head_size_is_read_on_the_generic_path(library, head):
+    """Head sizes the vectorized path does not take (and, without AVX-512, all of them): the rows widened by F16C,
+    the step's own keys and values rounded as the pool will hold them, as on the vectorized path."""
+    sess, data, attrs = real_shape_case(4, 2, head, 16, [(37, 1), (0, 21), (16, 5)], seed=head, pool_dtype=np.float16)
+    got = sess.run(None, data)
+    for name, g, w in zip(pa.OUTPUTS, got, reference(data, attrs), strict=True):
+        np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize(("op_type", "want"), [(sw.OP_TYPE, sw.reference_swiglu),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import RANDOM_CONFIGS, needs_avx512
+from helpers import RANDOM_CONFIGS, needs_f16c
 from kv_helpers import ceil_blocks, changed_slots, req, slot_kv
 
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
@@ -174,7 +174,7 @@ def test_a_step_mixing_decodes_with_a_long_chunk_runs_as_two_calls_with_the_same
 
 
 # the native op reads a float16 pool with AVX-512 only (a `native` build is refused without it)
-@pytest.mark.parametrize("attention", [pytest.param("native", marks=needs_avx512), "split"])
+@pytest.mark.parametrize("attention", [pytest.param("native", marks=needs_f16c), "split"])
 def test_float16_pool_halves_the_bytes_and_rounds_each_stored_value_once(random_hf_model, engine_from_hf, attention):
     """`kv_pool_dtype: float16`, with either attention (the native op reads the float16 pool in place at this head
     size, 16): the pool holds float16 (half the bytes per token), every new K/V is rounded once to float16 when

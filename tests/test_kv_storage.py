@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from helpers import AVX512
+from helpers import F16C
 from kv_helpers import BLOCK, HEAD, KV_HEADS, LAYERS, changed_slots, slot_kv
 
 from trtbuild.configs import BuildConfig, ModelConfig, QuantConfig
@@ -136,7 +136,7 @@ def test_reserve_makes_the_whole_pool_resident_and_keeps_it_zero():
     ("float16", QuantConfig(), 64, "cpu", "float16"),
     ("float32", QuantConfig(quant_algo="weight_only", group_size=32), 64, "cpu", "float16"),  # a quantized GGUF
     ("float32", QuantConfig(quant_algo="fp8", kv_cache_quant_algo="fp8"), 64, "cpu", "float32"),  # its own pool
-    ("bfloat16", QuantConfig(), 8, "cpu", "float32"),  # the native op does not read float16 at head size 8
+    ("bfloat16", QuantConfig(), 8, "cpu", "float16"),  # head size 8: the generic path reads float16 (F16C)
     ("bfloat16", QuantConfig(), 64, "cuda", "float32"),  # the GPU targets' pool has the compute dtype
 ])
 def test_the_default_pool_is_float16_where_weights_are_16_bit_or_quantized(dtype, quant, head, target, want):
@@ -147,7 +147,7 @@ def test_the_default_pool_is_float16_where_weights_are_16_bit_or_quantized(dtype
     heads = 4
     model = ModelConfig("LlamaForCausalLM", "llama", dtype, heads * head, 16, 32, LAYERS, heads, 2, head, 1e-5, 64,
                         quantization=quant)
-    if not AVX512 and target == "cpu":  # the native op reads a float16 pool with AVX-512 only (float16_pool_unreadable)
+    if target == "cpu" and want == "float16" and not F16C:  # the native op widens a float16 pool with F16C
         want = "float32"
     assert default_build_config(model, target=target).kv_pool_dtype == want
     assert default_build_config(model, target=target, kv_pool_dtype="float32").kv_pool_dtype == "float32"
