@@ -267,3 +267,15 @@ def prefill_logits(engine_dir: Path, ids: list[int]):
     groups, blocks = len(info.kv_cache_groups), -(-len(ids) // info.build.tokens_per_block)
     engine = CpuEngine(info, num_threads=1, num_blocks=groups * blocks)
     return engine.step(in_every_group([SequenceChunk(0, ids, 0, len(ids), list(range(blocks)))], groups, blocks))
+
+
+def prefix_cached_tokens(core: EngineCore, prompt: list[int], lora: str | None = None) -> int:
+    """Run `prompt` for one token under LoRA adapter `lora` on `core`; how many of its tokens came from the
+    prefix cache."""
+    from trtbuild.runtime.sampling import SamplingParams
+
+    request = core.make_request(prompt, SamplingParams(max_tokens=1), lora=lora)
+    core.add_request(request)
+    while core.has_unfinished():
+        core.step()
+    return request.metrics.num_prefix_cached_tokens

@@ -12,7 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from helpers import STORIES260K, VNNI, make_peft_adapter, make_random_hf_model, needs_avx512, peft_logits
+from helpers import (
+    STORIES260K,
+    VNNI,
+    make_peft_adapter,
+    make_random_hf_model,
+    needs_avx512,
+    peft_logits,
+    prefix_cached_tokens,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from test_openai import Server
 
@@ -82,14 +90,9 @@ def test_adapters_leave_the_fusions_in_place(adapted):
 def test_prefix_blocks_are_kept_apart_per_adapter(lora_engine):
     core = EngineCore(lora_engine, RuntimeConfig(num_threads=1))
     prompt = list(range(5, 5 + 40))  # 5 full blocks of 8
-    params = SamplingParams(max_tokens=1)
 
     def cached(lora: str | None) -> int:
-        request = core.make_request(prompt, params, lora=lora)
-        core.add_request(request)
-        while core.has_unfinished():
-            core.step()
-        return request.metrics.num_prefix_cached_tokens
+        return prefix_cached_tokens(core, prompt, lora)
 
     assert cached(None) == 0
     assert cached("sql") == 0  # the base model's K/V are not the adapter's

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import RUNTIME_ENGINE_OPTIONS
-from helpers import STORIES260K, make_peft_adapter, make_random_hf_model, peft_logits
+from helpers import STORIES260K, make_peft_adapter, make_random_hf_model, peft_logits, prefix_cached_tokens
 from test_openai import Server
 
 from trtbuild import cpu_ops
@@ -139,14 +139,10 @@ def test_a_loaded_adapter_generates_as_the_built_in_one(slot_engine, lora_engine
 
 def test_a_reused_slot_shares_no_cached_blocks(slot_engine, lora_adapters):
     core = EngineCore(slot_engine, RuntimeConfig(num_threads=1))
-    prompt, params = list(range(5, 5 + 40)), SamplingParams(max_tokens=1)  # 5 full blocks of 8
+    prompt = list(range(5, 5 + 40))  # 5 full blocks of 8
 
     def cached(lora: str | None) -> int:
-        request = core.make_request(prompt, params, lora=lora)
-        core.add_request(request)
-        while core.has_unfinished():
-            core.step()
-        return request.metrics.num_prefix_cached_tokens
+        return prefix_cached_tokens(core, prompt, lora)
 
     core.load_lora(core.lora.prepare("sql", lora_adapters["sql"]))
     assert (cached("sql"), cached("sql")) == (0, 32)
