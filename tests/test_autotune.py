@@ -10,9 +10,10 @@ import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
-from helpers import STORIES260K, require_shared_models
+from helpers import F16C, STORIES260K, require_shared_models
 
 from trtbuild.bench.autotune import time_graph
+from trtbuild.builder import engine_dir
 from trtbuild.builder.autotune import ShapeClass, TimingCache, best, shape_classes
 from trtbuild.builder.build import build_engine
 from trtbuild.builder.convert.convert import convert
@@ -57,13 +58,17 @@ def test_attention_variants_compute_the_same_attention(checkpoint, tmp_path):
     assert sum(n.op_type == "PagedAttention" and n.domain == "trtbuild" for n in graph.node) == layers
 
 
-def test_an_unbuilt_build_picks_native_attention_where_the_library_builds(checkpoint, tmp_path):
+def test_an_unbuilt_build_picks_native_attention_where_the_library_builds(checkpoint, tmp_path, monkeypatch):
     assert read_engine_config(build_engine(checkpoint, tmp_path / "e", **LIMITS)).build.attention == "native"
     fp16_pool = build_engine(checkpoint, tmp_path / "f", kv_pool_dtype="float16", **LIMITS)
-    assert read_engine_config(fp16_pool).build.attention == "split"  # float16 pools: head sizes 16-128 and 256 only
+    # a float16 pool at head size 8: the generic path reads it where F16C widens the rows
+    assert read_engine_config(fp16_pool).build.attention == ("native" if F16C else "split")
+    monkeypatch.setattr(engine_dir, "cpu_features", lambda: ["avx2", "fma"])  # a CPU with neither F16C nor AVX-512
+    assert read_engine_config(build_engine(checkpoint, tmp_path / "g", kv_pool_dtype="float16", **LIMITS)
+                              ).build.attention == "split"
     with pytest.raises(ConfigError, match="native cannot be used: the native op reads a float16 KV pool .* head "
                                           "size 8"):
-        build_engine(checkpoint, tmp_path / "g", kv_pool_dtype="float16", attention="native", **LIMITS)
+        build_engine(checkpoint, tmp_path / "h", kv_pool_dtype="float16", attention="native", **LIMITS)
 
 
 def test_autotune_records_tactics_and_the_cache_spares_a_rebuild(checkpoint, tmp_path):

@@ -173,7 +173,7 @@ def test_a_step_mixing_decodes_with_a_long_chunk_runs_as_two_calls_with_the_same
     assert not np.array_equal(split_pool, start)
 
 
-# the native op reads a float16 pool with AVX-512 only (a `native` build is refused without it)
+# the native op reads a float16 pool with AVX-512 or F16C (a `native` build is refused without either)
 @pytest.mark.parametrize("attention", [pytest.param("native", marks=needs_f16c), "split"])
 def test_float16_pool_halves_the_bytes_and_rounds_each_stored_value_once(random_hf_model, engine_from_hf, attention):
     """`kv_pool_dtype: float16`, with either attention (the native op reads the float16 pool in place at this head
