@@ -284,9 +284,10 @@ def run(engine: Path, prompt: str | None, chat: str | None, system: str | None, 
 @speculative_options
 @click.option("--kv-cache-blocks", type=click.IntRange(min=1), default=None,
               help="KV blocks of the in-process engines [default: the runtime's, as `trtbuild serve`].")
-@click.option("--lora", default=None, metavar="NAME",
+@click.option("--lora", default=None, metavar="NAME[=PATH]",
               help="Send every request under this LoRA adapter of the engine (its base model if unset); "
-                   "--compare-engine runs under it too.")
+                   "--compare-engine runs under it too. NAME=PATH first loads the adapter into a slot of each "
+                   "in-process engine (built with --max-loras).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
 def bench(engine: Path | None, address: str | None, backend: str, api_key: str | None, dataset: Path | None,
           num_requests: int | None, input_len: int | None, output_len: int | None, seed: int,
@@ -298,13 +299,14 @@ def bench(engine: Path | None, address: str | None, backend: str, api_key: str |
     from trtbuild.bench.report import format_report, to_json
     from trtbuild.bench.run import BenchOptions, run_bench
 
+    lora_name, _, lora_path = (lora or "").partition("=")  # NAME, or NAME=PATH to load into a slot first
     options = BenchOptions(engine=engine, address=address, backend=backend, api_key=api_key, dataset=dataset,
                            num_requests=num_requests, input_len=input_len, output_len=output_len, seed=seed,
                            concurrency=concurrency, request_rate=request_rate, timeout=timeout, threads=threads,
                            compare_sequential=compare_sequential, compare_engine=compare_engine, compare_hf=compare_hf,
                            rounds=rounds, speculative=speculative_config(speculative_tokens, prompt_lookup_max,
                                                                          draft_engine),
-                           kv_cache_blocks=kv_cache_blocks, lora=lora)
+                           kv_cache_blocks=kv_cache_blocks, lora=lora_name or None, lora_path=lora_path or None)
     report = run_bench(options, log=lambda message: click.echo(message, err=True))
     click.echo(to_json(report) if as_json else format_report(report))
 

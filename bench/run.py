@@ -56,6 +56,7 @@ class BenchOptions:
     rounds: int = 1  # the engine and its comparisons, alternated; speedups are the medians of the rounds' ratios
     kv_cache_blocks: int | None = None  # in-process engines' KV pool [None: the runtime's default]
     lora: str | None = None  # every request (and --compare-engine's) runs under this LoRA adapter [None: the base]
+    lora_path: str | None = None  # loaded first as `lora` into a slot of each in-process engine (--max-loras)
 
 
 SPEEDUPS = ("speedup_vs_sequential", "speedup_vs_engine", "speedup_vs_hf")
@@ -77,7 +78,10 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda _: None) -
         raise TrtbuildError("speculative decoding is a server option: start `trtbuild serve --speculative-tokens N`")
     if opts.compare_engine is not None and opts.engine is None:
         raise TrtbuildError("--compare-engine compares two in-process engines: give --engine DIR too")
-    if opts.lora is not None and opts.compare_engine is not None:  # checked before the first run, not after it
+    if opts.lora_path is not None and opts.engine is None:
+        raise TrtbuildError("a server loads its LoRA adapters itself (`trtbuild serve --lora-modules NAME=PATH`, "
+                            "POST /v1/load_lora_adapter): pass --lora NAME")
+    if opts.lora is not None and opts.lora_path is None and opts.compare_engine is not None:  # before the first run
         check_adapter(opts.lora, read_engine_config(opts.compare_engine).build.lora_names,
                       f"--compare-engine {opts.compare_engine} (run under the same adapter)")
     if opts.lora is not None and opts.compare_hf is not None:
@@ -111,7 +115,8 @@ def _one_round(opts: BenchOptions, dataset: list[BenchRequest] | None, threads: 
                log: Callable[[str], None]) -> dict[str, Any]:
     """The engine, then each asked-for baseline, one at a time."""
     log(f"loading {opts.engine or opts.address} ...")
-    target: Target = (EngineTarget(opts.engine, threads, opts.speculative, opts.kv_cache_blocks, opts.lora)
+    target: Target = (EngineTarget(opts.engine, threads, opts.speculative, opts.kv_cache_blocks, opts.lora,
+                                   opts.lora_path)
                       if opts.engine is not None
                       else OpenAITarget(opts.address, opts.api_key, lora=opts.lora) if opts.backend == "openai"
                       else ServerTarget(opts.address, api_key=opts.api_key, lora=opts.lora))
@@ -135,7 +140,8 @@ def _one_round(opts: BenchOptions, dataset: list[BenchRequest] | None, threads: 
     report["engine"] = report["speedup_vs_engine"] = None
     if opts.compare_engine is not None:
         log(f"running the same requests on {opts.compare_engine} ...")
-        other = EngineTarget(opts.compare_engine, threads, opts.speculative, opts.kv_cache_blocks, opts.lora)
+        other = EngineTarget(opts.compare_engine, threads, opts.speculative, opts.kv_cache_blocks, opts.lora,
+                             opts.lora_path)
         try:
             if other.vocab_size != target.vocab_size:
                 raise TrtbuildError(f"--compare-engine {opts.compare_engine} has a vocabulary of {other.vocab_size} "

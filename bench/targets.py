@@ -46,18 +46,22 @@ class EngineTarget:
     Every request runs under LoRA adapter `lora` (None: the base model)."""
 
     def __init__(self, engine_dir: Path, threads: int | None, speculative: SpeculativeConfig | None = None,
-                 kv_cache_blocks: int | None = None, lora: str | None = None) -> None:
+                 kv_cache_blocks: int | None = None, lora: str | None = None, lora_path: str | None = None) -> None:
+        """`lora_path`: load the adapter there as `lora` into a slot of the engine first (built with --max-loras)."""
         from trtbuild.runtime.async_engine import AsyncEngine
         from trtbuild.runtime.config import RuntimeConfig
         from trtbuild.runtime.engine_core import EngineCore
 
         info = read_engine_config(Path(engine_dir))  # the adapter is checked before the engine loads
-        check_adapter(lora, info.build.lora_names, f"engine {engine_dir}")
+        if lora_path is None:
+            check_adapter(lora, info.build.lora_names, f"engine {engine_dir}")
         self.lora = lora
         self.name = f"engine {engine_dir}" + (f" ({speculative.method} drafts {speculative.num_speculative_tokens})"
                                               if speculative else "")
         self.core = core = EngineCore(Path(engine_dir), RuntimeConfig(num_threads=threads, speculative=speculative,
                                                                       kv_cache_blocks=kv_cache_blocks))
+        if lora_path is not None:
+            core.load_lora(core.lora.prepare(lora, lora_path))
         self.vocab_size = core.vocab_size
         self.threads = core.engine.session.get_session_options().intra_op_num_threads  # what the engine runs with
         self.special_ids = frozenset(core.eos_token_ids) | (core.tokenizer.special_ids if core.tokenizer else set())

@@ -314,3 +314,19 @@ def test_cli_slot_flags(slot_engine, lora_engine, lora_adapters, tmp_path):
     result = runner.invoke(main, ["run", "--engine", str(lora_engine), "--prompt", "Once", "--lora",
                                   f"x={lora_adapters['sql']}", "--max-tokens", "2", "--threads", "1"])
     assert result.exit_code != 0 and "built without LoRA slots" in result.output
+
+
+def test_bench_loads_the_adapter_into_each_engine(slot_engine, lora_adapters):
+    """`trtbuild bench --lora NAME=PATH`: the adapter is loaded into the engine's slot (and --compare-engine's)
+    before the first request, and the report names it; a server loads its own."""
+    runner = CliRunner()
+    common = ["--num-requests", "2", "--input-len", "8", "--output-len", "4", "--concurrency", "2", "--threads", "1",
+              "--json"]
+    result = runner.invoke(main, ["bench", "--engine", str(slot_engine), "--compare-engine", str(slot_engine),
+                                  "--lora", f"sql={lora_adapters['sql']}", *common])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["lora"] == "sql" and report["completed"] == 2
+    result = runner.invoke(main, ["bench", "--address", "127.0.0.1:1", "--lora", f"sql={lora_adapters['sql']}",
+                                  *common])
+    assert result.exit_code != 0 and "a server loads its LoRA adapters itself" in result.output
