@@ -228,8 +228,12 @@ class LoraTables(Mapping):
             table[1 + i, self.offsets[i] : self.offsets[i + 1]] = 1
         return table
 
+    def shape(self, prefix: str) -> tuple[int, int]:
+        """[out, in] of the linear at checkpoint prefix `prefix` (`transformer.layers.0.attention.q`)."""
+        return self.shapes[prefix.rpartition(".layers.")[2].partition(".")[2]]
+
     def _stacked(self, prefix: str, which: int) -> np.ndarray:
-        size = self.shapes[prefix.rpartition(".layers.")[2].partition(".")[2]][1 - which]  # in (of A), out (of B)
+        size = self.shape(prefix)[1 - which]  # in (of A), out (of B)
         out = np.zeros((self.columns, size) if which == 0 else (size, self.columns), dtype=np.float32)
         for i, adapter in enumerate(self.adapters):
             if prefix in adapter.weights:

@@ -45,8 +45,7 @@ class SlotTable:
 
 
 def stacked_tables(tables: LoraTables) -> list[SlotTable]:
-    return [SlotTable(f"{p}.lora_a", f"{p}.lora_b", STACKED, (p,), (tables.shapes[p.split(".", 3)[3]][0],))
-            for p in tables.prefixes]
+    return [SlotTable(f"{p}.lora_a", f"{p}.lora_b", STACKED, (p,), (tables.shape(p)[0],)) for p in tables.prefixes]
 
 
 def read_slot_tables(model: onnx.ModelProto) -> list[SlotTable]:

@@ -126,7 +126,7 @@ class _NetworkWriter:
         """y + ((x @ A^T) * mask) @ B^T over every adapter's columns (builder/lora.py). The node names end in
         LORA_NODE_SUFFIXES, which the GEMM fusion passes read (builder/passes/lora.py)."""
         if self.lora.runtime:  # LoRA slots: tables the runtime writes (builder/lora_slots.py)
-            out, fan_in = self.lora.shapes[prefix.split(".", 3)[3]]
+            out, fan_in = self.lora.shape(prefix)
             a = self.g.input(prefix + ".lora_a", TensorProto.FLOAT, [fan_in, self.lora.columns])
             b = self.g.input(prefix + ".lora_b", TensorProto.FLOAT, [self.lora.columns, out])
         else:

@@ -55,10 +55,6 @@ class LoraSlotArrays:
         shapes = {i.name: i.shape for i in session.get_inputs()}
         return cls(parse_slot_tables(meta), shapes, info.build)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays.values())
-
     def write(self, slot: int, weights: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         """Put an adapter's weights (builder/lora_slots.py: engine_rows) in `slot` (0-based); {} empties it."""
         write_slot(self.arrays, self.tables, slot, self.rank, weights)
@@ -79,9 +75,8 @@ class LoraAdapters:
 
     def __init__(self, build: BuildConfig, model: ModelConfig, arrays: LoraSlotArrays | None) -> None:
         self.model, self.arrays = model, arrays
-        self.slots: list[_Slot | None] = [_Slot(n, i + 1) for i, n in enumerate(build.lora_names)]
-        if arrays is not None:
-            self.slots = [None] * arrays.num_slots
+        self.slots: list[_Slot | None] = ([None] * arrays.num_slots if arrays is not None else
+                                          [_Slot(n, i + 1) for i, n in enumerate(build.lora_names)])
         self._keys = itertools.count(len(self.slots) + 1)
 
     @property
