@@ -46,7 +46,8 @@ def native_problem(int4_accuracy_level: int) -> str | None:
     from trtbuild import cpu_ops
 
     return ("int4_accuracy_level 1 asks for fp32 compute" if int4_accuracy_level != 4 else
-            "this CPU has no AVX-512 VNNI" if not cpu_ops.has_vnni() else cpu_ops.unavailable_reason())
+            "this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C" if not cpu_ops.runs_block_quant() else
+            cpu_ops.unavailable_reason())
 
 
 def count_native(model: onnx.ModelProto) -> int:

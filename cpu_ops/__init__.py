@@ -23,7 +23,8 @@ from trtbuild.errors import TrtbuildError
 log = logging.getLogger(__name__)
 SOURCES = ("register.cc", "paged_attention.cc", "block_matmul.cc", "block_gather.cc", "dense_matmul.cc", "swiglu.cc",
            "moe_route.cc", "lora.cc")
-HEADERS = ("cpu_ops.h", "packed_table.h", "quantized_x.h", "simd_math.h", "float_weights.h")
+HEADERS = ("cpu_ops.h", "packed_table.h", "quantized_x.h", "simd_math.h", "float_weights.h", "block_problem.h",
+           "block_tile_avx512.h", "block_tile_avx2.h")
 DOMAIN = "trtbuild"
 WITHOUT_NATIVE_OPS = "--attention split --quant-linears ort --float-linears ort"  # the build flags that need no library
 _HERE = Path(__file__).parent
@@ -82,10 +83,19 @@ def library_path() -> Path:
 
 
 def has_vnni() -> bool:
-    """Whether this CPU has the AVX-512 VNNI dot products BlockQuantMatMul is written with."""
+    """Whether this CPU has AVX-512 VNNI's dot products (BlockQuantMatMul's fastest tiles; int8 GEMMs that sum
+    exactly in ONNX Runtime)."""
     from trtbuild.builder.engine_dir import cpu_features
 
     return {"avx512f", "avx512bw", "avx512_vnni"} <= set(cpu_features())
+
+
+def runs_block_quant() -> bool:
+    """Whether BlockQuantMatMul has tiles for this CPU: AVX-512 VNNI, or AVX2 with FMA and F16C (cpu_ops/quantized_x.h
+    picks the same way when the library compiles)."""
+    from trtbuild.builder.engine_dir import cpu_features
+
+    return has_vnni() or {"avx2", "fma", "f16c"} <= set(cpu_features())
 
 
 def has_avx512() -> bool:

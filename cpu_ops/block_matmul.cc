@@ -21,11 +21,14 @@
 // sum is ever needed. The zero point is folded into the start value (-zp x the sum of the block's activation
 // codes); a minimum is multiplied by the block's sum of x as quantized. A tile of up to 16 tokens reuses each
 // unpacked weight vector from registers; one group's codes are a single contiguous stream, which is what keeps
-// batch-1 decode at the memory's rate.
-#include "packed_table.h"
-#include "quantized_x.h"
-
-#include <immintrin.h>
+// batch-1 decode at the memory's rate. Without VNNI, AVX2 computes the same integers (block_tile_avx2.h): each
+// 64-byte vector as two halves of 8 rows, a dot product as maddubs then madd.
+#include "block_problem.h"
+#if defined(TRTBUILD_BLOCK_VNNI)
+#include "block_tile_avx512.h"
+#elif defined(TRTBUILD_BLOCK_AVX2)
+#include "block_tile_avx2.h"
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -36,14 +39,6 @@
 namespace trtbuild_cpu_ops {
 namespace {
 
-constexpr int64_t kBlock = kTableChunk;
-constexpr int64_t kRows = kTableRows;
-// Tokens per tile: a full tile, then at most one half tile, then one of the 7 smaller ones. NOTE: 16 rather than 8
-// halves the weight unpacking per token: 1.5B 128-token prefill steps 7-13% faster (docs/performance.md, sixth
-// session); 16 accumulators, 8 weight vectors and the dot products' 4 still fit AVX-512's 32 registers.
-constexpr int kTokens = 16;
-constexpr int kHalfTile = kTokens / 2;
-constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of its loads a tile asks for its codes
 // A task is 4 groups (one chunk of tokens) or 8 groups (several) of one chunk of tokens whose activation codes
 // fill about 256 KiB (at least 64 tokens), so that they stay in cache while every group of the task reuses them.
 // NOTE: a task of every token re-read all of x per group, from memory once x outgrew the cache (a 2048-token
@@ -52,133 +47,9 @@ constexpr int64_t kTaskCodeBytes = 256 << 10;
 constexpr int64_t kTaskGroupsShort = 4;
 constexpr int64_t kTaskGroupsLong = 8;
 
-struct Problem {
-  const uint8_t* b;
-  TableScales table;
-  int64_t supers;  // super-blocks per row (two-level scales)
-  float* y;
-  const QuantizedX* qx;
-  int64_t m, n, k;
-  int64_t task_tokens, group_tasks, groups_per_task;  // tasks: token chunk major, group chunk minor
-  const float* bias;  // [n] of this problem's rows, or null
-  const uint8_t* codebook;  // 16 codes the 2/3/4-bit ones index (LUT), or null
-  float weight_factor;  // 2^scale_exponent (PackedTable)
-  // grouped (experts): the table's first group and qx's first token of this problem's rows and tokens
-  int64_t group_base = 0, token_base = 0;
-};
-
-#ifndef TRTBUILD_NO_VNNI
-// The 16 rows' values of block `at` (of all groups' blocks), in super-block `super_at` for two-level ones.
-template <ScaleKind KIND>
-__m512 load_block_values(const BlockValues& v, int64_t at, int64_t super_at) {
-  if constexpr (KIND == ScaleKind::kHalf) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(v.sub) + at));
-  } else if constexpr (KIND == ScaleKind::kFloat) {
-    return _mm512_loadu_ps(static_cast<const float*>(v.sub) + at * kRows);
-  } else if constexpr (KIND == ScaleKind::kTwoLevelNibbles) {  // block `at` of 16: nibble at % 2 of chunk at / 2
-    const __m128i both = _mm_loadu_si128(static_cast<const __m128i*>(v.sub) + at / 2);
-    const __m128i sub = _mm_and_si128(at % 2 ? _mm_srli_epi16(both, 4) : both, _mm_set1_epi8(0x0F));
-    const __m256i super = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.super) + super_at);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sub)), _mm512_cvtph_ps(super));
-  } else {  // NOTE: int8 x float16 is exact in float32, and so equals the checkpoint's float32 scale
-    const __m128i sub = _mm_loadu_si128(static_cast<const __m128i*>(v.sub) + at);
-    const __m256i super = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v.super) + super_at);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sub)), _mm512_cvtph_ps(super));
-  }
-}
-
-// Rows 16g .. 16g + 15 of tokens t0 .. t0 + T - 1.
-template <int BITS, ScaleKind KIND, bool BLOCK16, bool MINS, bool LUT, int T>
-void tile(const Problem& p, int64_t g, int64_t t0) {
-  constexpr int64_t kBytes = kRows * kBlock * BITS / 8;  // one block of one group
-  const QuantizedX& q = *p.qx;
-  const int64_t nb = q.blocks;
-  const int64_t gt = p.group_base + g;  // the table's group (g: the output's)
-  const uint8_t* codes = p.b + gt * nb * kBytes;
-  constexpr int kBase = base_bits(BITS);
-  const __m512i low = _mm512_set1_epi8(static_cast<char>((1 << kBase) - 1));
-  // NOTE: shuffle_epi8 looks up within each 128-bit lane: the 16 codes in every lane
-  const __m512i codebook =
-      LUT ? _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codebook))) : low;
-  __m512 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i w[8];
-    // NOTE: as DenseMatMul's weights, the codes are one stream the hardware prefetcher falls behind on once a tile
-    // has several tokens (1.5B Q8_0, batch-16 decode step: ~12% faster asking ahead)
-    for (int64_t line = 0; line < kBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(codes + b * kBytes + kPrefetchBytes + line), _MM_HINT_T0);
-    if constexpr (kBase != 8) {
-      for (int j = 0; j < kBase; ++j) {
-        const __m512i v = _mm512_loadu_si512(codes + b * kBytes + j * 64);
-        w[j] = _mm512_and_si512(v, low);
-        for (int s = 1; s < 8 / kBase; ++s) w[j + s * kBase] = _mm512_and_si512(_mm512_srli_epi16(v, s * kBase), low);
-      }
-      for (int plane = 0; plane < BITS - kBase; ++plane) {  // each vector's further bits are byte masks
-        const uint8_t* high = codes + b * kBytes + base_bytes(BITS) + plane * 64;
-        const __m512i value = _mm512_set1_epi8(static_cast<char>((1 << kBase) << plane));
-        for (int j = 0; j < 8; ++j) {
-          uint64_t bits;
-          std::memcpy(&bits, high + 8 * j, sizeof bits);  // NOTE: the planes need not be 8-byte aligned
-          w[j] = _mm512_mask_add_epi8(w[j], _cvtu64_mask64(bits), w[j], value);
-        }
-      }
-    } else {
-      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(codes + b * kBytes + j * 64);
-    }
-    if constexpr (LUT)
-      for (int j = 0; j < 8; ++j) w[j] = _mm512_shuffle_epi8(codebook, w[j]);
-    // NOTE: a 16-block chunk has two scale vectors, one per half
-    const int64_t super_at = gt * p.supers + b * kBlock / kSuperBlock;
-    const __m512 ws = load_block_values<KIND>(p.table.scales, (gt * nb + b) * (BLOCK16 ? 2 : 1), super_at);
-    const __m512 ws_hi = BLOCK16 ? load_block_values<KIND>(p.table.scales, (gt * nb + b) * 2 + 1, super_at) : ws;
-    const __m512 mins = MINS ? load_block_values<KIND>(p.table.mins, (gt * nb + b) * (BLOCK16 ? 2 : 1), super_at)
-                             : ws;
-    const __m512 mins_hi =
-        MINS && BLOCK16 ? load_block_values<KIND>(p.table.mins, (gt * nb + b) * 2 + 1, super_at) : mins;
-    for (int t = 0; t < T; ++t) {
-      const int64_t at = (p.token_base + t0 + t) * nb + b;
-      const int32_t* x4 = reinterpret_cast<const int32_t*>(q.codes.data() + at * kBlock);
-      // four short dependency chains: two per half (4-bit: vectors 4..7 are the high nibbles, elements
-      // 16 + 4(j - 4) = 4j, so they take the same activation codes)
-      __m512i lo0 = _mm512_set1_epi32(q.bias[2 * at]), lo1 = _mm512_setzero_si512();
-      __m512i hi0 = _mm512_set1_epi32(q.bias[2 * at + 1]), hi1 = _mm512_setzero_si512();
-      lo0 = _mm512_dpbusd_epi32(lo0, w[0], _mm512_set1_epi32(x4[0]));
-      lo1 = _mm512_dpbusd_epi32(lo1, w[1], _mm512_set1_epi32(x4[1]));
-      hi0 = _mm512_dpbusd_epi32(hi0, w[4], _mm512_set1_epi32(x4[4]));
-      hi1 = _mm512_dpbusd_epi32(hi1, w[5], _mm512_set1_epi32(x4[5]));
-      lo0 = _mm512_dpbusd_epi32(lo0, w[2], _mm512_set1_epi32(x4[2]));
-      lo1 = _mm512_dpbusd_epi32(lo1, w[3], _mm512_set1_epi32(x4[3]));
-      hi0 = _mm512_dpbusd_epi32(hi0, w[6], _mm512_set1_epi32(x4[6]));
-      hi1 = _mm512_dpbusd_epi32(hi1, w[7], _mm512_set1_epi32(x4[7]));
-      const __m512 xs = _mm512_set1_ps(q.scale[at]);
-      const __m512i lo = _mm512_add_epi32(lo0, lo1), hi = _mm512_add_epi32(hi0, hi1);
-      if (BLOCK16) {
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_mul_ps(ws, xs), acc[t]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_mul_ps(ws_hi, xs), acc[t]);
-      } else {
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), _mm512_mul_ps(ws, xs), acc[t]);
-      }
-      if (MINS) {  // a minimum times the sum of its block of x as quantized
-        const float* scaled_sum = q.scaled_sum.data() + 3 * at;
-        if (BLOCK16) {
-          acc[t] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(scaled_sum[0]), acc[t]);
-          acc[t] = _mm512_fnmadd_ps(mins_hi, _mm512_set1_ps(scaled_sum[1]), acc[t]);
-        } else {
-          acc[t] = _mm512_fnmadd_ps(mins, _mm512_set1_ps(scaled_sum[2]), acc[t]);
-        }
-      }
-    }
-  }
-  const int64_t rows = std::min(kRows, p.n - g * kRows);
-  const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
-  const __m512 bias = p.bias ? _mm512_maskz_loadu_ps(keep, p.bias + g * kRows) : _mm512_setzero_ps();
-  // NOTE: a power of two: y is what float32 scales (and minimums) 2^scale_exponent times larger give, bit for bit
-  const __m512 factor = _mm512_set1_ps(p.weight_factor);
-  for (int t = 0; t < T; ++t)
-    _mm512_mask_storeu_ps(p.y + (t0 + t) * p.n + g * kRows, keep, _mm512_fmadd_ps(acc[t], factor, bias));
-}
-
+#ifdef TRTBUILD_NO_BLOCK_QUANT
+constexpr int kTokens = 1;  // no tiles: the op refuses to run (BlockQuantMatMulKernel)
+#else
 template <int BITS, ScaleKind KIND, bool BLOCK16, bool MINS, bool LUT, int T>
 void tail(const Problem& p, int64_t g, int64_t t0, int64_t left) {
   if constexpr (T > 0) {
@@ -190,7 +61,7 @@ void tail(const Problem& p, int64_t g, int64_t t0, int64_t left) {
 
 template <int BITS, ScaleKind KIND, bool BLOCK16, bool MINS, bool LUT = false>
 void run_task(void* data, size_t task) {
-#ifndef TRTBUILD_NO_VNNI
+#ifndef TRTBUILD_NO_BLOCK_QUANT
   const Problem& p = *static_cast<const Problem*>(data);
   const int64_t groups = (p.n + kRows - 1) / kRows;
   const int64_t t0 = static_cast<int64_t>(task) / p.group_tasks * p.task_tokens;
@@ -274,8 +145,9 @@ struct BlockQuantMatMulKernel {
   BlockQuantMatMulKernel(const OrtApi&, const OrtKernelInfo* info)
       : table("BlockQuantMatMul", info), k(table.k), n(table.n), bits(table.bits), block(table.block),
         experts(optional_attribute<int64_t>(Ort::ConstKernelInfo(info), "experts", 0)) {
-#ifdef TRTBUILD_NO_VNNI
-    table.fail("this CPU has no AVX-512 VNNI; rebuild the engine with `--quant-linears ort`");
+#ifdef TRTBUILD_NO_BLOCK_QUANT
+    table.fail("this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C; rebuild the engine with "
+               "`--quant-linears ort`");
 #endif
     if (experts < 0 || (experts && n % (experts * kRows)))
       table.fail("experts must divide N into tables of whole groups of 16 rows");

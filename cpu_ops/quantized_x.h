@@ -8,8 +8,14 @@
 #include <cstdint>
 #include <vector>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__)
-#define TRTBUILD_NO_VNNI 1
+// The instruction set BlockQuantMatMul's tiles and this quantization are written with: AVX-512 VNNI, else AVX2
+// (with FMA and F16C, as every AVX2 CPU since 2013 has), else none (the op refuses to run).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TRTBUILD_BLOCK_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TRTBUILD_BLOCK_AVX2 1
+#else
+#define TRTBUILD_NO_BLOCK_QUANT 1
 #endif
 
 namespace trtbuild_cpu_ops {
@@ -30,13 +36,21 @@ struct QuantizedX {
   std::vector<float> scaled_sum;
 };
 
+#if defined(TRTBUILD_BLOCK_AVX2)
+inline int32_t sum_lanes(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+#endif
+
 inline void quantize_x(const float* x, int64_t m, int64_t k, int32_t zp, bool sums, QuantizedX& q) {
   q.blocks = k / kTableChunk;
   q.codes.resize(m * k);
   q.bias.resize(m * q.blocks * 2);
   q.scale.resize(m * q.blocks);
   q.scaled_sum.resize(sums ? m * q.blocks * 3 : 0);
-#ifndef TRTBUILD_NO_VNNI
+#if defined(TRTBUILD_BLOCK_VNNI)
   for (int64_t i = 0; i < m * q.blocks; ++i) {
     const float* src = x + i * kTableChunk;
     const __m512 v0 = _mm512_loadu_ps(src), v1 = _mm512_loadu_ps(src + 16);
@@ -47,6 +61,36 @@ inline void quantize_x(const float* x, int64_t m, int64_t k, int32_t zp, bool su
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * kTableChunk), _mm512_cvtsepi32_epi8(c0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * kTableChunk + 16), _mm512_cvtsepi32_epi8(c1));
     const int32_t sum0 = _mm512_reduce_add_epi32(c0), sum1 = _mm512_reduce_add_epi32(c1);
+    q.bias[2 * i] = -zp * sum0;
+    q.bias[2 * i + 1] = -zp * sum1;
+    q.scale[i] = amax / 127.0f;
+    if (sums) {
+      const float scale = q.scale[i];
+      q.scaled_sum[3 * i] = scale * static_cast<float>(sum0);
+      q.scaled_sum[3 * i + 1] = scale * static_cast<float>(sum1);
+      q.scaled_sum[3 * i + 2] = scale * (static_cast<float>(sum0) + static_cast<float>(sum1));
+    }
+  }
+#elif defined(TRTBUILD_BLOCK_AVX2)
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  // packs_epi32 then packs_epi16 interleave 4-byte groups across the two 128-bit lanes; this puts them back
+  const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < m * q.blocks; ++i) {
+    const float* src = x + i * kTableChunk;
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(src + 8 * j);
+    const __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                     _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i c[4];  // NOTE: cvtps rounds half to even (the default MXCSR), as the reference's rint
+    for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.codes.data() + i * kTableChunk),
+                        _mm256_permutevar8x32_epi32(bytes, in_order));
+    const int32_t sum0 = sum_lanes(_mm256_add_epi32(c[0], c[1])), sum1 = sum_lanes(_mm256_add_epi32(c[2], c[3]));
     q.bias[2 * i] = -zp * sum0;
     q.bias[2 * i + 1] = -zp * sum1;
     q.scale[i] = amax / 127.0f;

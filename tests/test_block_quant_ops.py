@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from helpers import VNNI, needs_vnni
+from helpers import BLOCK_QUANT, needs_block_quant
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild import cpu_ops
@@ -127,7 +127,7 @@ def format_case(bits: int, block: int, scales_kind: str, mins_kind: str | None, 
     return codes, scales, mins
 
 
-@needs_vnni
+@needs_block_quant
 @pytest.mark.parametrize("bits,block,scales_kind,mins_kind,k", FORMATS)
 def test_block_quant_matmul_matches_its_reference(library, bits, block, scales_kind, mins_kind, k):
     """Token counts around the tiles of 16 and 8 and a task's tokens; rows not a multiple of 16 nor of a task's 64 or
@@ -150,6 +150,27 @@ def test_block_quant_matmul_matches_its_reference(library, bits, block, scales_k
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
         w = reference_block_quant_gather(np.arange(n), codes, scales, bits, mins)
         assert np.abs(got - x @ w.T).max() < 0.02 * np.abs(x @ w.T).max()  # and near the float product
+
+
+@needs_block_quant
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("minimums", [False, True])
+def test_block_quant_matmul_sums_the_largest_codes_exactly(library, bits, minimums):
+    """Every code at its largest (or 0) against activation codes of +-127 (x of one magnitude per block): the dot
+    products' largest sums, which the AVX2 tiles add in int16 before widening (and split for 8-bit codes) and would
+    saturate if they added more (cpu_ops/block_tile_avx2.h)."""
+    k, n, top = 352, 40, (1 << bits) - 1
+    codes = np.full((n, k), top, dtype=np.uint8)
+    codes[1::2, 1::2] = 0  # odd rows alternate top and 0
+    scales = np.full((n, k // 32), 0.01, dtype=np.float32)
+    mins = np.full((n, k // 32), 0.5, dtype=np.float32) if minimums else None
+    sess = block_quant_session(library, OP_TYPE, k, n, bits, pack(codes, scales, bits, mins))
+    x = np.ones((9, k), dtype=np.float32)
+    x[1] = -1.0
+    x[2, ::2] = -1.0  # alternating signs
+    x[3:] *= np.random.default_rng(bits).choice([-3.0, 2.0], size=(6, k // 32)).repeat(32, axis=1)
+    want = reference_block_quant_matmul(x, codes, scales, bits, mins)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("bits,block,scales_kind,mins_kind,k", [f for f in FORMATS if f[2] != "float32"])
@@ -208,7 +229,7 @@ def codebook_case(values, bits, block, scales_kind, k, largest) -> tuple:
     return rng, codes, wide, scales, table, codebook
 
 
-@needs_vnni
+@needs_block_quant
 @pytest.mark.parametrize("values,bits,block,scales_kind,k,largest", CODEBOOK_CASES)
 def test_codes_of_few_values_into_a_codebook(library, values, bits, block, scales_kind, k, largest):
     """8-bit codes that take 16 values or fewer (8, 4) are held as 4-bit (3-, 2-bit) indices into a codebook of
@@ -265,7 +286,7 @@ def mxfp4_case(k: int, magnitude: float, stored: type) -> tuple:
     return rng, raw, w, table, bits, codebook
 
 
-@needs_vnni
+@needs_block_quant
 @MXFP4_CASES
 def test_mxfp4_weights_are_4_bit_indices_into_their_15_values(library, k, magnitude, stored):
     """GGUF's MXFP4 as converted (8-bit codes e2m1 x 2 + 128, scales 2^(e - 128)) packs as the build packs it
@@ -299,16 +320,17 @@ def test_mxfp4_rows_gather_as_gguf_py_dequantizes_them(library, k, magnitude, st
     np.testing.assert_array_equal(gather.run(None, {"ids": ids})[0], weight[ids])
 
 
-@pytest.mark.skipif(VNNI, reason="this CPU has AVX-512 VNNI: BlockQuantMatMul runs")
-def test_block_quant_matmul_refuses_a_cpu_without_vnni(library):
-    """Without AVX-512 VNNI the op refuses to run, saying how to build without it."""
+@pytest.mark.skipif(BLOCK_QUANT, reason="this CPU has AVX-512 VNNI or AVX2: BlockQuantMatMul runs")
+def test_block_quant_matmul_refuses_a_cpu_without_its_instructions(library):
+    """Without AVX-512 VNNI or AVX2 the op refuses to run, saying how to build without it."""
     codes, scales, _ = format_case(4, 32, "float32", None, 352, 16, seed=0)
-    with pytest.raises(Exception, match=r"this CPU has no AVX-512 VNNI; rebuild the engine with `--quant-linears ort`"):
+    with pytest.raises(Exception, match=r"this CPU has neither AVX-512 VNNI nor AVX2 with FMA and F16C; rebuild the "
+                                        r"engine with `--quant-linears ort`"):
         block_quant_session(library, OP_TYPE, 352, 16, 4, pack(codes, scales, 4)).run(
             None, {"x": np.zeros((1, 352), np.float32)})
 
 
-@needs_vnni
+@needs_block_quant
 def test_block_quant_matmul_refuses_what_it_cannot_run(library):
     def run(k: int, table: PackedTable, bits: int = 4) -> None:
         block_quant_session(library, OP_TYPE, k, 8, bits, table).run(None, {"x": np.zeros((1, k), np.float32)})

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
-from helpers import VNNI, make_random_hf_model, prefill_logits, require_shared_models
+from helpers import BLOCK_QUANT, make_random_hf_model, prefill_logits, require_shared_models
 from safetensors.numpy import load_file, save_file
 from test_gguf_convert import assert_same_checkpoint
 
@@ -121,7 +121,7 @@ def test_mxfp4_experts_run_as_tables_of_experts_with_their_biases_and_clamped_sw
     graph = onnx.load(str(native / CPU_ENGINE_FILE), load_external_data=False).graph
     tables = [n for n in graph.node if n.op_type == "BlockQuantMatMul" and any(a.name == "experts"
                                                                                for a in n.attribute)]
-    if VNNI:
+    if BLOCK_QUANT:
         assert len(tables) == 8 and all(n.input[3] for n in tables)  # gate | up and down per layer, with biases
         swiglu = [n for n in graph.node if n.op_type == "SwiGLU"]
         assert len(swiglu) == 4 and all({a.name for a in n.attribute} >= {"alpha", "beta", "limit"} for n in swiglu)

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from helpers import AVX512, needs_avx512, needs_vnni
+from helpers import AVX512, needs_avx512, needs_block_quant
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild import cpu_ops
@@ -20,8 +20,8 @@ from trtbuild.plugins import block_quant_matmul as bq
 from trtbuild.plugins import dense_matmul as dm
 
 K, N = 64, 40
-# each kind's op runs with its instruction set only: DenseMatMul AVX-512, BlockQuantMatMul AVX-512 VNNI
-KINDS = [pytest.param("dense", marks=needs_avx512), pytest.param("block", marks=needs_vnni)]
+# each kind's op runs with its instruction set only: DenseMatMul AVX-512, BlockQuantMatMul AVX-512 VNNI or AVX2
+KINDS = [pytest.param("dense", marks=needs_avx512), pytest.param("block", marks=needs_block_quant)]
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from helpers import (
+    BLOCK_QUANT,
     STORIES260K,
-    VNNI,
     make_peft_adapter,
     make_random_hf_model,
     needs_avx512,
@@ -276,9 +276,9 @@ def test_a_gguf_adapter_over_a_quantized_gguf_base(tmp_path, family):
         info = read_engine_config(engine)
         passes = dict(p.split(":") for p in info.passes)
         assert passes["lower_quantized_linears"] == "10" and passes["hoist_lora_adds"] == "4"  # q/k/v, gate/up
-        # the q / k / v biases join BlockQuantMatMul, which needs VNNI (MatMulNBits keeps them as Adds)
+        # the q / k / v biases join BlockQuantMatMul, which needs AVX-512 VNNI or AVX2 (MatMulNBits keeps them as Adds)
         assert passes["native_swiglu"] == "2"
-        assert passes.get("linear_biases") == ("2" if family == "qwen2" and VNNI else None)
+        assert passes.get("linear_biases") == ("2" if family == "qwen2" and BLOCK_QUANT else None)
         chunks = [SequenceChunk(i, IDS, 0, len(IDS), [2 * i, 2 * i + 1], lora_id=i) for i in range(2)]
         logits.append(CpuEngine(info, num_threads=1, num_blocks=4).step(chunks))
     np.testing.assert_allclose(logits[1], logits[0], atol=1e-5, rtol=0)

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
-from helpers import VNNI, make_random_hf_model, prefill_logits, require_shared_models
+from helpers import BLOCK_QUANT, make_random_hf_model, prefill_logits, require_shared_models
 from test_gguf_convert import assert_same_checkpoint
 
 from trtbuild.builder.build import build_engine
@@ -89,7 +89,7 @@ def test_a_quantized_moe_gguf_keeps_its_experts_as_the_file_holds_them(tmp_path,
     graph = onnx.load(str(engines[0] / CPU_ENGINE_FILE), load_external_data=False).graph
     tables = [n for n in graph.node
               if n.op_type == "BlockQuantMatMul" and any(a.name == "experts" for a in n.attribute)]
-    if VNNI:
+    if BLOCK_QUANT:
         assert len(tables) == 4 and sum(n.op_type == "MoERoute" for n in graph.node) == 2  # gate | up, down per layer
         assert not any(n.op_type == "MoE" for n in graph.node)
     else:  # the auto build's fallback where the tables cannot run: ONNX Runtime's MoE over the experts dequantized
@@ -122,7 +122,7 @@ def test_weight_only_experts_run_as_tables_of_experts_or_in_float(tmp_path, fami
     ops = [{n.op_type for n in onnx.load(str(e / CPU_ENGINE_FILE), load_external_data=False).graph.node}
            for e in (native, ort)]
     assert "MoE" in ops[1] and "MoERoute" not in ops[1]
-    if VNNI:
+    if BLOCK_QUANT:
         assert "MoERoute" in ops[0] and "MoE" not in ops[0]
     else:  # the auto build falls back to the float MoE where the tables cannot run: it is the ort engine
         assert ops[0] == ops[1] and read_engine_config(native).build.quant_linears == "ort"
@@ -139,7 +139,7 @@ def test_weight_only_experts_fall_back_to_float_where_the_native_ops_cannot_run(
 
     hf = make_random_hf_model("olmoe", tmp_path / "hf")
     convert(hf, tmp_path / "ckpt", weight_only=WeightOnly(8, 32))
-    monkeypatch.setattr(cpu_ops, "has_vnni", lambda: False)
+    monkeypatch.setattr(cpu_ops, "runs_block_quant", lambda: False)
     engine = build_engine(tmp_path / "ckpt", tmp_path / "engine", **OPTIONS)
     ops = {n.op_type for n in onnx.load(str(engine / CPU_ENGINE_FILE), load_external_data=False).graph.node}
     assert "MoE" in ops and "MoERoute" not in ops and read_engine_config(engine).build.quant_linears == "ort"

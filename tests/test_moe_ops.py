@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import onnxruntime as ort
 import pytest
-from helpers import needs_vnni
+from helpers import needs_block_quant
 from onnx import TensorProto, helper, numpy_helper
 from test_block_quant_ops import MXFP4_BOOK, TABLE_INPUTS, custom_op_session, format_case, mxfp4_weight
 
@@ -94,7 +94,7 @@ def check_experts(sess: ort.InferenceSession, k: int, seed: int, reference) -> N
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
-@needs_vnni
+@needs_block_quant
 @pytest.mark.parametrize("bits,block,scales_kind,mins_kind,k", FORMATS)
 def test_a_table_of_experts_multiplies_each_expert_s_tokens_by_its_own_rows(library, bits, block, scales_kind,
                                                                             mins_kind, k):
@@ -108,7 +108,7 @@ def test_a_table_of_experts_multiplies_each_expert_s_tokens_by_its_own_rows(libr
         sess.run(None, {"x": np.zeros((2, k), np.float32), "offsets": np.array([0, 2, 1, 3, 3], np.int64)})
 
 
-@needs_vnni
+@needs_block_quant
 @pytest.mark.parametrize("bits,block,scales_kind,mins_kind,k", [FORMATS[0], FORMATS[2]], ids=["Q4_0", "Q4_K"])
 def test_each_expert_adds_its_own_rows_biases(library, bits, block, scales_kind, mins_kind, k):
     """A bias [N] with `experts`: expert e's tokens get the biases of its rows e * ROWS .. (e + 1) * ROWS - 1."""
@@ -129,7 +129,7 @@ def test_each_expert_adds_its_own_rows_biases(library, bits, block, scales_kind,
         experts_session(library, table, k, n, bits, block, bias[:ROWS]).run(None, {"x": x, "offsets": offsets})
 
 
-@needs_vnni
+@needs_block_quant
 def test_a_table_of_mxfp4_experts_with_biases(library):
     """gpt-oss's experts: MXFP4 weights (4-bit indices into its 15 codes; float16 scales, K being no multiple of 256,
     as gpt-oss's 2880) with a bias per row; against the reference and against gguf-py's dequantized weights."""

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import onnx
 import pytest
-from helpers import VNNI, make_random_hf_model, needs_vnni
+from helpers import BLOCK_QUANT, make_random_hf_model, needs_block_quant
 
 from trtbuild.bench.autotune import time_graph
 from trtbuild.builder.build import build_engine
@@ -45,7 +45,7 @@ def steps(engine_dir) -> list[np.ndarray]:
     return [prefill, decode]
 
 
-@needs_vnni
+@needs_block_quant
 def test_native_linears_replace_matmulnbits_and_agree_with_it(checkpoint, tmp_path):
     native = build_engine(checkpoint, tmp_path / "native", **LIMITS)
     ort = build_engine(checkpoint, tmp_path / "ort", quant_linears="ort", **LIMITS)
@@ -80,12 +80,12 @@ def test_quant_linears_ort_or_where_native_does_not_apply(checkpoint, tmp_path):
         build_engine(checkpoint, tmp_path / "bad2", quant_linears="fast", **LIMITS)
 
 
-def test_a_cpu_without_vnni_keeps_matmulnbits(checkpoint, tmp_path, monkeypatch):
+def test_a_cpu_without_block_quant_tiles_keeps_matmulnbits(checkpoint, tmp_path, monkeypatch):
     from trtbuild import cpu_ops
 
-    monkeypatch.setattr(cpu_ops, "has_vnni", lambda: False)
+    monkeypatch.setattr(cpu_ops, "runs_block_quant", lambda: False)
     assert read_engine_config(build_engine(checkpoint, tmp_path / "a", **LIMITS)).build.quant_linears == "ort"
-    with pytest.raises(ConfigError, match="native cannot be used: this CPU has no AVX-512 VNNI"):
+    with pytest.raises(ConfigError, match="native cannot be used: this CPU has neither AVX-512 VNNI nor AVX2"):
         build_engine(checkpoint, tmp_path / "b", quant_linears="native", **LIMITS)
 
 
@@ -93,7 +93,7 @@ def test_autotune_times_native_and_ort_linears(checkpoint, tmp_path):
     engine = build_engine(checkpoint, tmp_path / "e", timer=time_graph, autotune="fast", **LIMITS)
     info = read_engine_config(engine)
     tactic = info.tactics["quant_linears"]
-    if VNNI:
+    if BLOCK_QUANT:
         assert tactic["source"] == "measured" and set(tactic["timings_ms"]) == {"native", "ort"}
     else:  # BlockQuantMatMul cannot run here: MatMulNBits is the only candidate, nothing is timed
         assert tactic == {"chosen": "ort", "timings_ms": {}, "source": "only candidate"}
@@ -146,8 +146,8 @@ def test_lowering_one_linear_keeps_its_product(bits, block):
     # NOTE: MLAS quantizes activations per weight block (16 here), so it differs by rounding, not more
     exact = x @ ((codes.astype(np.float32) - ZERO_POINT[bits]) * np.repeat(s.reshape(n, -1), block, axis=1)).T
     assert np.abs(matmulnbits - exact).max() < 0.02 * np.abs(exact).max()
-    if not VNNI:  # the lowered graph refuses to run here (the builder's auto tactics never lower on such a CPU)
-        with pytest.raises(Exception, match="this CPU has no AVX-512 VNNI"):
+    if not BLOCK_QUANT:  # the lowered graph refuses to run here (the builder's auto tactics never lower on such a CPU)
+        with pytest.raises(Exception, match="this CPU has neither AVX-512 VNNI nor AVX2"):
             run(model)
         return
     got = run(model)
@@ -176,7 +176,7 @@ def tied_gguf_engines(tmp_path, qtype, hidden: int = 128, tied: bool = True, suf
             build_engine(tmp_path / "ckpt", tmp_path / "ort", quant_linears="ort", **LIMITS))
 
 
-@needs_vnni
+@needs_block_quant
 def test_a_tied_quantized_embedding_is_held_once(tmp_path):
     """A GGUF whose lm_head is its Q8_0 token table: the embedding gathers rows of the lm_head's packed table
     (BlockQuantGather), and the engine file holds that table once."""
@@ -193,7 +193,7 @@ def test_a_tied_quantized_embedding_is_held_once(tmp_path):
         np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())
 
 
-@needs_vnni
+@needs_block_quant
 def test_q5_0_weights_are_packed_in_5_bits(tmp_path):
     """A GGUF whose linears and tied token table are Q5_0 (converted as 8-bit codes within 16 of 128): the native
     linears and the embedding's gather hold them in 5.5 bits a weight, not 8.5, and compute what MatMulNBits
@@ -219,7 +219,7 @@ def test_q5_0_weights_are_packed_in_5_bits(tmp_path):
         assert (got.argmax(axis=-1) == want.argmax(axis=-1)).all()
 
 
-@needs_vnni
+@needs_block_quant
 @pytest.mark.parametrize("qtype,bits,mins,two_level", [("Q4_K", 4, True, True), ("Q5_K", 5, True, True),
                                                        ("Q6_K", 6, False, True), ("Q5_1", 5, True, False),
                                                        ("Q3_K", 3, False, True), ("Q2_K", 2, True, True),
@@ -313,7 +313,7 @@ def test_gguf_blocks_are_held_as_ggml_holds_them(tmp_path, monkeypatch, qtype, b
             np.testing.assert_array_equal(got, want)
 
 
-@needs_vnni
+@needs_block_quant
 @pytest.mark.parametrize("qtype,bits,inputs", [("Q4_K", 4, 6), ("Q3_K", 3, 4)])
 def test_an_untied_table_is_gathered_packed(tmp_path, qtype, bits, inputs):
     """An untied Q4_K token table (converted with float zero points, which ONNX Runtime's GatherBlockQuantized does
@@ -399,7 +399,7 @@ def test_a_llama_gguf_of_lattice_weights_computes_its_float_model(tmp_path):
     native = build_engine(tmp_path / "ckpt", tmp_path / "native", **LIMITS)
     exact = build_engine(tmp_path / "float_ckpt", tmp_path / "float", **LIMITS)
     graph = onnx.load(str(native / CPU_ENGINE_FILE), load_external_data=False).graph
-    if VNNI:
+    if BLOCK_QUANT:
         assert "codebook" in str(graph)
     else:  # BlockQuantMatMul cannot run here: MatMulNBits on the 8-bit codes
         assert "codebook" not in str(graph) and "MatMulNBits" in [n.op_type for n in graph.node]
@@ -408,7 +408,7 @@ def test_a_llama_gguf_of_lattice_weights_computes_its_float_model(tmp_path):
         assert (got.argmax(axis=-1) == want.argmax(axis=-1)).mean() >= 0.9
 
 
-@needs_vnni
+@needs_block_quant
 def test_siblings_merge_only_where_their_codes_have_one_form(tmp_path):
     """llama.cpp's IQ4_XS files keep attn_v in Q5_K: each layer's q and k (4-bit indices into a codebook) run as one
     kernel and its v (5-bit codes with minimums) as another, not all three in 8 bits with float zero points."""
