@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 from tqdm import tqdm
@@ -33,6 +34,9 @@ from trtbuild.builder.weight_file import StagingWeights, save_engine_files
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.errors import ConfigError, TrtbuildError
 from trtbuild.quantization import KVPoolDtype
+
+if TYPE_CHECKING:
+    from trtbuild.builder.dense_linears import DenseLinears
 
 log = logging.getLogger(__name__)
 
@@ -139,16 +143,19 @@ class TacticLowering:
     lowers."""
 
     def __init__(self) -> None:
+        from trtbuild import cpu_ops
         from trtbuild.builder.dense_linears import DenseLinears
         from trtbuild.builder.native_linears import NativeLinears
         from trtbuild.builder.passes.lower_quant_cpu import FloatZeroPoints
 
         self.native_linears = NativeLinears()
         self.float_zero_points = FloatZeroPoints()
-        self.dense_linears = DenseLinears()
+        # NOTE: DenseMatMul's AVX2 tiles beat MLAS's SGEMM only where they read 16-bit weights (dense_linears.py)
+        self.dense_linears = DenseLinears(sixteen_bit_only=not cpu_ops.has_avx512())
 
     def __call__(self, model: onnx.ModelProto, build: BuildConfig) -> list[str]:
         """Lower `model` in place; returns the native lowerings applied, as "name:count"."""
+        from trtbuild import cpu_ops
         from trtbuild.builder.linear_bias import fold_linear_biases
         from trtbuild.builder.lower_cpu import lower_paged_attention
         from trtbuild.builder.native_lora import lower_lora
@@ -158,8 +165,10 @@ class TacticLowering:
         counts = {"native_linears": self.native_linears.lower(model) if build.quant_linears == "native" else 0}
         # what the native linears did not take; NOTE: before the dense linears, which then take the correction GEMMs
         counts["float_zero_points"] = self.float_zero_points.expand(model)
-        # NOTE: before the dense linears, which would take the LoRA branches' MatMuls
-        counts["native_lora"] = lower_lora(model) if build.float_linears == "native" else 0
+        # NOTE: before the dense linears, which would take the LoRA branches' MatMuls. LoraAdd is written with AVX-512
+        # only: elsewhere the branches stay standard ops beside the native dense linears
+        lora_add = build.float_linears == "native" and cpu_ops.has_avx512()
+        counts["native_lora"] = lower_lora(model) if lora_add else 0
         counts["dense_linears"] = self.dense_linears.lower(model) if build.float_linears == "native" else 0
         if counts["native_linears"] or counts["dense_linears"]:
             counts["linear_biases"] = fold_linear_biases(model)
@@ -205,18 +214,18 @@ def quant_linear_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple
     return _native_then_ort("quant_linears", build.quant_linears, problem, "MatMulNBits")
 
 
-def float_linear_candidates(model: onnx.ModelProto, build: BuildConfig) -> tuple[str, ...]:
+def float_linear_candidates(model: onnx.ModelProto, build: BuildConfig, dense: DenseLinears) -> tuple[str, ...]:
     """How this engine's unquantized linears may be computed, preferred first (builder/dense_linears.py): the one
     asked for, or (auto) native where it applies and runs here, then MatMul on float32 weights. The autotuner times
     them all."""
     from trtbuild import cpu_ops
-    from trtbuild.builder.dense_linears import DenseLinears
 
     if build.float_linears == "ort":
         return ("ort",)
-    problem = ("this CPU has no AVX-512" if not cpu_ops.has_avx512() else cpu_ops.unavailable_reason() or
-               ("no linear or embedding has unquantized weights" if not DenseLinears.count(model)
-                else None))
+    nothing = ("no linear or embedding has 16-bit weights, the only ones this CPU's DenseMatMul (AVX2) takes"
+               if dense.sixteen_bit_only else "no linear or embedding has unquantized weights")
+    problem = ("this CPU has neither AVX-512 nor AVX2 with FMA and F16C" if not cpu_ops.runs_dense() else
+               cpu_ops.unavailable_reason() or (nothing if not dense.count(model) else None))
     return _native_then_ort("float_linears", build.float_linears, problem, "MatMul on float32 weights")
 
 
@@ -269,7 +278,7 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
         lowering = TacticLowering()
         candidates = {"attention": attention_candidates(model, build),
                       "quant_linears": quant_linear_candidates(model, build),
-                      "float_linears": float_linear_candidates(model, build)}
+                      "float_linears": float_linear_candidates(model, build, lowering.dense_linears)}
         tactics = {}
         if build.autotune != "off":
             tactics = tune(model, config, build, output, lowering, candidates, timer, cache)

@@ -9,7 +9,8 @@ the lm_head's copy when the two are tied. Converting back to float32 in the kern
 what MatMul did, from half the bytes where the weights came in 16 bits: batch-1 decode reads every weight once per
 token, and so does llama.cpp from an F16 file. Float32 weights (an F32 checkpoint, a folded SmoothQuant scale) keep
 their bytes: the kernel's 16-row streams still decode faster than MLAS's SGEMM and run long steps at its rate
-(benchmarks/dense_linear.py).
+(benchmarks/dense_linear.py), with AVX-512. With AVX2 only (`sixteen_bit_only`), the kernel wins where it reads half
+the bytes, and MLAS's SGEMM runs float32 weights faster from 16 tokens on: such tables stay MatMuls there.
 """
 
 from __future__ import annotations
@@ -49,12 +50,23 @@ def _gathered_table(view: GraphView, node: onnx.NodeProto) -> tuple[str, bool] |
 
 
 class DenseLinears:
-    """Rewrites the linears (and embedding gathers) over float32 initializers, in place. Packs each table once
-    however many graph copies it lowers (the autotuner lowers one per candidate)."""
+    """Rewrites the linears (and embedding gathers) over float32 initializers, in place; with `sixteen_bit_only`,
+    only those whose weights are exact in 16 bits. Packs each table once however many graph copies it lowers (the
+    autotuner lowers one per candidate)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sixteen_bit_only: bool = False) -> None:
+        self.sixteen_bit_only = sixteen_bit_only
         # (initializer, transposed) -> (packed initializer, N, K)
         self._packed: dict[tuple[str, bool], tuple[onnx.TensorProto, int, int]] = {}
+        self._weight_types: dict[str, str] = {}  # initializer -> dm.exact_type of its values
+
+    def _weight_type(self, view: GraphView, name: str) -> str:
+        if name not in self._weight_types:
+            self._weight_types[name] = dm.exact_type(view.constant(name))
+        return self._weight_types[name]
+
+    def _takes(self, view: GraphView, found: tuple[str, bool] | None) -> bool:
+        return found is not None and (not self.sixteen_bit_only or self._weight_type(view, found[0]) != "float32")
 
     def _pack(self, view: GraphView, name: str, transposed: bool) -> tuple[onnx.TensorProto, int, int]:
         """The packed table of initializer `name` (staged like it, not yet in any graph), N and K."""
@@ -63,25 +75,24 @@ class DenseLinears:
             w = view.constant(name)
             w = np.ascontiguousarray(w.T) if transposed else w
             packed = make_initializer(view.staging, f"{name}.dense{'_t' if transposed else ''}",
-                                      dm.pack(w, dm.exact_type(w)))
+                                      dm.pack(w, self._weight_type(view, name)))
             self._packed[key] = (packed, *w.shape)
         return self._packed[key]
 
-    @staticmethod
-    def count(model: onnx.ModelProto) -> int:
+    def count(self, model: onnx.ModelProto) -> int:
         """How many linears and gathers of `model` this pass would rewrite."""
         view = GraphView(model)
-        return sum((_weights(view, node) or _gathered_table(view, node)) is not None for node in model.graph.node)
+        return sum(self._takes(view, _weights(view, node) or _gathered_table(view, node)) for node in model.graph.node)
 
     def lower(self, model: onnx.ModelProto) -> int:
         """Replace the eligible linears and gathers of `model`; returns how many linears."""
         view = GraphView(model)
         linears = 0
         for node in model.graph.node:
-            if (found := _weights(view, node)) is not None:
+            if self._takes(view, found := _weights(view, node)):
                 _become(view, node, dm.OP_TYPE, node.input[0], *self._pack(view, *found))
                 linears += 1
-            elif (table := _gathered_table(view, node)) is not None:
+            elif self._takes(view, table := _gathered_table(view, node)):
                 # NOTE: a table a Gemm also reads is [N, K] as the gather's: the same packed copy serves both
                 _become(view, node, dm.GATHER_OP_TYPE, node.input[1], *self._pack(view, *table))
         if any(n.domain == dm.DOMAIN and n.op_type in (dm.OP_TYPE, dm.GATHER_OP_TYPE) for n in model.graph.node):

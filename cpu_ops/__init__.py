@@ -99,10 +99,19 @@ def runs_block_quant() -> bool:
 
 
 def has_avx512() -> bool:
-    """Whether this CPU has the AVX-512 DenseMatMul is written with."""
+    """Whether this CPU has AVX-512: the vectorized attention and LoraAdd are written with it, and DenseMatMul's
+    widest tiles."""
     from trtbuild.builder.engine_dir import cpu_features
 
     return "avx512f" in cpu_features()
+
+
+def runs_dense() -> bool:
+    """Whether DenseMatMul / DenseGather have tiles for this CPU: AVX-512, or AVX2 with FMA and F16C
+    (cpu_ops/float_weights.h picks the same way when the library compiles)."""
+    from trtbuild.builder.engine_dir import cpu_features
+
+    return has_avx512() or {"avx2", "fma", "f16c"} <= set(cpu_features())
 
 
 @functools.lru_cache(maxsize=1)

@@ -5,7 +5,8 @@
 // float32 (exactly) in one instruction and multiplied by x[t, k] broadcast to all lanes: each lane accumulates one
 // output row, so there are no horizontal sums, and a group's weights are one contiguous stream. A 16-bit weight is
 // half the bytes of the float32 copy ONNX Runtime's MatMul would read, which is what batch-1 decode waits on.
-// A tile is up to 8 tokens x 32 rows (16 accumulators). Long steps are cut into tasks of 64 tokens x 8 groups, so
+// A tile is up to 8 tokens x 32 rows (16 accumulators) with AVX-512; with AVX2 (float_weights.h: Floats16, each
+// 16 lanes two registers) 4 tokens x 16 rows. Long steps are cut into tasks of 64 tokens x 8 groups, so
 // a task's activations and weights stay in cache while each is reused.
 // DenseGather: rows `ids` of the packed table, as float32, shaped [*ids.shape, K] (a tied embedding reads its
 // lm_head's packed weights).
@@ -22,12 +23,16 @@
 namespace trtbuild_cpu_ops {
 namespace {
 
-#if !defined(__AVX512F__)
-#define TRTBUILD_NO_AVX512 1
-#endif
-
 constexpr int64_t kRows = 16;  // rows per group: one per float32 lane
-constexpr int kTokens = 8;     // tokens per tile
+// A tile is kTokens tokens x kTileGroups groups of 16 rows: 16 accumulator registers with AVX-512 (32 of them), 8
+// with AVX2's 16 (the weights, a broadcast and the FMAs' chains need the rest).
+#if defined(__AVX512F__)
+constexpr int kTokens = 8;
+constexpr int kTileGroups = 2;
+#else
+constexpr int kTokens = 6;
+constexpr int kTileGroups = 1;
+#endif
 constexpr int64_t kTaskTokens = 64;
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of its loads a tile asks for its weights
 constexpr int64_t kTaskGroupsLong = 8;   // groups per task when a step has more than one task of tokens
@@ -42,8 +47,8 @@ struct DenseTable {
     k = ki.GetAttribute<int64_t>("K");
     n = ki.GetAttribute<int64_t>("N");
     if (k < 1 || n < 1) fail("K and N must be positive");
-#ifdef TRTBUILD_NO_AVX512
-    fail("this CPU has no AVX-512; rebuild the engine with `--float-linears ort`");
+#ifndef TRTBUILD_FLOATS16
+    fail("this CPU has neither AVX-512 nor AVX2 with FMA and F16C; rebuild the engine with `--float-linears ort`");
 #endif
   }
 
@@ -71,7 +76,7 @@ struct Problem {
   const float* bias;  // [N], or null
 };
 
-#ifndef TRTBUILD_NO_AVX512
+#ifdef TRTBUILD_FLOATS16
 
 // NOTE: a group's weights are one stream from memory, read once per step, and the hardware prefetcher does not stay
 // far enough ahead of it while a tile's FMAs run: asking 2 KiB ahead made a 1.5B F16 batch-16 decode step ~20% faster
@@ -86,19 +91,20 @@ void prefetch(const void* b, int64_t at) {
 // interleaved chains so that the FMAs' latency hides behind independent ones.
 template <Weight W, int T, int R>
 void tile(const Problem& p, int64_t g, int64_t t0) {
-  constexpr int U = T * R >= 8 ? 1 : T * R >= 4 ? 2 : 4;
+  constexpr int kChains = T * R * kRegistersPer16;
+  constexpr int U = kChains >= 8 ? 1 : kChains >= 4 ? 2 : 4;
   const int64_t k = p.k;
   const float* x = p.x + t0 * k;
-  __m512 acc[U][T][R];
+  Floats16 acc[U][T][R];
   for (int u = 0; u < U; ++u)
     for (int t = 0; t < T; ++t)
-      for (int r = 0; r < R; ++r) acc[u][t][r] = _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) acc[u][t][r] = zero16();
   int64_t i = 0;
   // NOTE: the unroll pragmas keep every accumulator in a register (a spilled one serializes its chain on memory)
   for (; i + U <= k; i += U) {
 #pragma GCC unroll 4
     for (int u = 0; u < U; ++u) {
-      __m512 w[R];
+      Floats16 w[R];
 #pragma GCC unroll 2
       for (int r = 0; r < R; ++r) {
         w[r] = load16<W>(p.b, ((g + r) * k + i + u) * kRows);
@@ -106,26 +112,25 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
       }
 #pragma GCC unroll 8
       for (int t = 0; t < T; ++t) {
-        const __m512 xv = _mm512_set1_ps(x[t * k + i + u]);
+        const Floats16 xv = broadcast16(x[t * k + i + u]);
 #pragma GCC unroll 2
-        for (int r = 0; r < R; ++r) acc[u][t][r] = _mm512_fmadd_ps(w[r], xv, acc[u][t][r]);
+        for (int r = 0; r < R; ++r) acc[u][t][r] = fmadd16(w[r], xv, acc[u][t][r]);
       }
     }
   }
   for (; i < k; ++i) {
     for (int r = 0; r < R; ++r) {
-      const __m512 w = load16<W>(p.b, ((g + r) * k + i) * kRows);
-      for (int t = 0; t < T; ++t) acc[0][t][r] = _mm512_fmadd_ps(w, _mm512_set1_ps(x[t * k + i]), acc[0][t][r]);
+      const Floats16 w = load16<W>(p.b, ((g + r) * k + i) * kRows);
+      for (int t = 0; t < T; ++t) acc[0][t][r] = fmadd16(w, broadcast16(x[t * k + i]), acc[0][t][r]);
     }
   }
   for (int r = 0; r < R; ++r) {
     const int64_t rows = std::min(kRows, p.n - (g + r) * kRows);
-    const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
     for (int t = 0; t < T; ++t) {
-      __m512 sum = acc[0][t][r];
-      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][t][r]);
-      if (p.bias) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(keep, p.bias + (g + r) * kRows));
-      _mm512_mask_storeu_ps(p.y + (t0 + t) * p.n + (g + r) * kRows, keep, sum);
+      Floats16 sum = acc[0][t][r];
+      for (int u = 1; u < U; ++u) sum = add16(sum, acc[u][t][r]);
+      if (p.bias) sum = add16(sum, load_rows16(p.bias + (g + r) * kRows, rows));
+      store_rows16(p.y + (t0 + t) * p.n + (g + r) * kRows, sum, rows);
     }
   }
 }
@@ -163,7 +168,7 @@ struct Job {
 
 template <Weight W>
 void run_task(void* data, size_t task) {
-#ifndef TRTBUILD_NO_AVX512
+#ifdef TRTBUILD_FLOATS16
   const Job& job = *static_cast<const Job*>(data);
   const Problem& p = job.p;
   const int64_t groups = (p.n + kRows - 1) / kRows;
@@ -172,8 +177,8 @@ void run_task(void* data, size_t task) {
   const int64_t t0 = tt * kTaskTokens, t1 = std::min(p.m, t0 + kTaskTokens);
   const int64_t g1 = std::min(groups, (gt + 1) * job.tasks.groups_per_task);
   int64_t g = gt * job.tasks.groups_per_task;
-  for (; g + 2 <= g1; g += 2) tokens<W, 2>(p, g, t0, t1);
-  if (g < g1) tokens<W, 1>(p, g, t0, t1);
+  for (; g + kTileGroups <= g1; g += kTileGroups) tokens<W, kTileGroups>(p, g, t0, t1);
+  for (; g < g1; ++g) tokens<W, 1>(p, g, t0, t1);
 #else
   (void)data, (void)task;
 #endif
@@ -233,7 +238,7 @@ struct DenseGatherKernel {
       } else {
         const uint16_t* bits = static_cast<const uint16_t*>(data) + at;
         for (int64_t i = 0; i < k; ++i) {
-#ifndef TRTBUILD_NO_AVX512
+#ifdef TRTBUILD_FLOATS16
           out[i] = weight == Weight::kHalf ? _cvtsh_ss(bits[i * kRows])
                                            : _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(bits[i * kRows] << 16)));
 #else

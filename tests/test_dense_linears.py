@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from helpers import AVX512, make_random_hf_model, needs_avx512
+from helpers import AVX512, DENSE, make_random_hf_model, needs_dense
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild import cpu_ops
@@ -46,7 +46,7 @@ def test_exact_type_and_packing():
     np.testing.assert_array_equal(dm.unpack(b, 37), w)
 
 
-@needs_avx512
+@needs_dense
 @pytest.mark.parametrize("weight_type", ["float16", "bfloat16", "float32"])
 def test_dense_matmul_matches_its_reference(library, weight_type):
     """Token counts around the tile of 8 and the task of 64; rows not a multiple of 16 (nor of a task's 32 or 128);
@@ -65,7 +65,7 @@ def test_dense_matmul_matches_its_reference(library, weight_type):
     assert sess.run(None, {"x": np.zeros((0, k), np.float32)})[0].shape == (0, n)
 
 
-@needs_avx512
+@needs_dense
 @pytest.mark.parametrize("weight_type", ["float16", "bfloat16", "float32"])
 def test_dense_gather_reads_rows_of_the_packed_table(library, weight_type):
     k, n = 40, 37
@@ -81,7 +81,7 @@ def test_dense_gather_reads_rows_of_the_packed_table(library, weight_type):
         sess.run(None, {"ids": np.array([37], dtype=np.int64)})
 
 
-@needs_avx512
+@needs_dense
 def test_dense_matmul_refuses_what_it_cannot_run(library):
     node = helper.make_node(dm.OP_TYPE, ["x", "B"], ["y"], domain=dm.DOMAIN, K=32, N=20)
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", 32])
@@ -95,14 +95,15 @@ def test_dense_matmul_refuses_what_it_cannot_run(library):
                    np.zeros((2, 32, 16), np.float16)).run(None, {"x": np.zeros((1, 31), np.float32)})
 
 
-@pytest.mark.skipif(AVX512, reason="this CPU has AVX-512: the native ops run (the tests above)")
+@pytest.mark.skipif(DENSE, reason="this CPU has AVX-512 or AVX2: the native ops run (the tests above)")
 @pytest.mark.parametrize("op_type", [dm.OP_TYPE, dm.GATHER_OP_TYPE])
-def test_dense_ops_refuse_a_cpu_without_avx512(library, op_type):
-    """Without AVX-512 (the library built without its kernels) a session with either op is refused, saying how."""
+def test_dense_ops_refuse_a_cpu_without_their_instructions(library, op_type):
+    """Without AVX-512 or AVX2 (the library built without its kernels) a session with either op is refused, saying
+    how."""
     node = helper.make_node(op_type, ["x", "B"], ["y"], domain=dm.DOMAIN, K=32, N=20)
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT if op_type == dm.OP_TYPE else TensorProto.INT64, None)
-    with pytest.raises(Exception, match=f"trtbuild::{op_type}: this CPU has no AVX-512; rebuild the engine with "
-                                        "`--float-linears ort`"):
+    with pytest.raises(Exception, match=f"trtbuild::{op_type}: this CPU has neither AVX-512 nor AVX2 with FMA and "
+                                        "F16C; rebuild the engine with `--float-linears ort`"):
         op_session(library, node, x, None, dm.pack(np.zeros((20, 32), np.float32), "float16"))
 
 
@@ -120,7 +121,7 @@ def ops(engine_dir) -> list[str]:
     return [n.op_type for n in onnx.load(str(engine_dir / CPU_ENGINE_FILE), load_external_data=False).graph.node]
 
 
-@needs_avx512
+@needs_dense
 def test_a_16_bit_checkpoint_runs_its_linears_natively_from_16_bit_weights_held_once(checkpoint, tmp_path):
     from test_native_linears import steps
 
@@ -141,20 +142,28 @@ def test_a_16_bit_checkpoint_runs_its_linears_natively_from_16_bit_weights_held_
 def test_float_linears_ort_where_native_does_not_apply(checkpoint, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="float_linears must be one of auto, native, ort"):
         build_engine(checkpoint, tmp_path / "bad", float_linears="fast", **LIMITS)
-    monkeypatch.setattr(cpu_ops, "has_avx512", lambda: False)
+    monkeypatch.setattr(cpu_ops, "runs_dense", lambda: False)
     assert read_engine_config(build_engine(checkpoint, tmp_path / "a", **LIMITS)).build.float_linears == "ort"
-    with pytest.raises(ConfigError, match="native cannot be used: this CPU has no AVX-512"):
+    with pytest.raises(ConfigError, match="native cannot be used: this CPU has neither AVX-512 nor AVX2"):
         build_engine(checkpoint, tmp_path / "b", float_linears="native", **LIMITS)
 
 
-@needs_avx512
+@needs_dense
 def test_a_float32_checkpoint_runs_its_linears_natively_on_float32_weights(tmp_path):
     """Weights that no 16-bit type holds keep their float32 bytes in the packed table: same file size, the same
-    logits as MatMul up to summation order."""
+    logits as MatMul up to summation order. With AVX2 only, such weights stay MatMuls (MLAS's SGEMM is faster on
+    them there), and native is refused saying so."""
     from test_native_linears import steps
 
     hf = make_random_hf_model("qwen2", tmp_path / "hf", overrides=dict(hidden_size=64, intermediate_size=96))
     convert(hf, tmp_path / "ckpt")
+    if not AVX512:
+        assert read_engine_config(build_engine(tmp_path / "ckpt", tmp_path / "a", **LIMITS)).build.float_linears == \
+            "ort"
+        with pytest.raises(ConfigError, match="no linear or embedding has 16-bit weights, the only ones this CPU's "
+                                              r"DenseMatMul \(AVX2\) takes"):
+            build_engine(tmp_path / "ckpt", tmp_path / "b", float_linears="native", **LIMITS)
+        return
     native = build_engine(tmp_path / "ckpt", tmp_path / "native", **LIMITS)
     ort_engine = build_engine(tmp_path / "ckpt", tmp_path / "ort", float_linears="ort", **LIMITS)
     assert read_engine_config(native).build.float_linears == "native"
@@ -173,7 +182,7 @@ def test_autotune_times_native_and_ort_float_linears(checkpoint, tmp_path):
     engine = build_engine(checkpoint, tmp_path / "tuned", autotune="fast", timer=time_graph, **LIMITS)
     info = read_engine_config(engine)
     tactic = info.tactics["float_linears"]
-    if AVX512:
+    if DENSE:
         assert tactic["source"] == "measured" and set(tactic["timings_ms"]) == {"native", "ort"}
     else:  # native cannot run here: MatMul is the only candidate, nothing to time
         assert tactic == {"chosen": "ort", "timings_ms": {}, "source": "only candidate"}

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from helpers import AVX512, needs_avx512, needs_block_quant
+from helpers import AVX512, needs_block_quant, needs_dense
 from onnx import TensorProto, helper, numpy_helper
 
 from trtbuild import cpu_ops
@@ -20,8 +20,8 @@ from trtbuild.plugins import block_quant_matmul as bq
 from trtbuild.plugins import dense_matmul as dm
 
 K, N = 64, 40
-# each kind's op runs with its instruction set only: DenseMatMul AVX-512, BlockQuantMatMul AVX-512 VNNI or AVX2
-KINDS = [pytest.param("dense", marks=needs_avx512), pytest.param("block", marks=needs_block_quant)]
+# each kind's op runs with its instruction sets only: DenseMatMul AVX-512 or AVX2, BlockQuantMatMul AVX-512 VNNI or AVX2
+KINDS = [pytest.param("dense", marks=needs_dense), pytest.param("block", marks=needs_block_quant)]
 
 
 def session(model: onnx.ModelProto) -> ort.InferenceSession:
@@ -97,7 +97,7 @@ def test_what_is_not_a_bias_is_left_alone():
     assert fold_linear_biases(model) == 0 and len(model.graph.node) == 5
 
 
-@needs_avx512
+@needs_dense
 def test_a_bias_of_the_wrong_size_is_an_error():
     rng = np.random.default_rng(3)
     model, _ = linear_model("dense", rng, [], ["y"], [numpy_helper.from_array(np.zeros(N - 1, np.float32), "bias")])
@@ -112,11 +112,11 @@ def test_a_qwen2_engine_keeps_no_bias_add(random_hf_model, engine_from_hf):
     constants = {t.name for t in graph.initializer}
     layers = read_engine_config(engine).model.num_hidden_layers
     bias_adds = [n for n in graph.node if n.op_type == "Add" and constants & set(n.input)]  # the residual's stays
-    if AVX512:
+    if AVX512:  # DenseMatMul takes this float32 model's weights (AVX2 tiles take only 16-bit ones)
         assert f"linear_biases:{layers}" in read_engine_config(engine).passes  # each layer's fused q+k+v
         assert not bias_adds
         assert sum(n.op_type == "DenseMatMul" and len(n.input) == 3 for n in graph.node) == layers
-    else:  # no AVX-512: MatMul computes the float linears, and each fused q+k+v's bias stays one Add after it
+    else:  # MatMul computes the float linears, and each fused q+k+v's bias stays one Add after it
         assert not [p for p in read_engine_config(engine).passes if p.startswith(("linear_biases", "dense_linears"))]
         producers = {o: n.op_type for n in graph.node for o in n.output}
         assert [producers.get(i) for n in bias_adds for i in n.input if i not in constants] == ["MatMul"] * layers
