@@ -6,7 +6,7 @@
 // output row, so there are no horizontal sums, and a group's weights are one contiguous stream. A 16-bit weight is
 // half the bytes of the float32 copy ONNX Runtime's MatMul would read, which is what batch-1 decode waits on.
 // A tile is up to 8 tokens x 32 rows (16 accumulators) with AVX-512; with AVX2 (float_weights.h: Floats16, each
-// 16 lanes two registers) 4 tokens x 16 rows. Long steps are cut into tasks of 64 tokens x 8 groups, so
+// 16 lanes two registers) 6 tokens x 16 rows. Long steps are cut into tasks of 64 tokens x 8 groups, so
 // a task's activations and weights stay in cache while each is reused.
 // DenseGather: rows `ids` of the packed table, as float32, shaped [*ids.shape, K] (a tied embedding reads its
 // lm_head's packed weights).
@@ -24,8 +24,9 @@ namespace trtbuild_cpu_ops {
 namespace {
 
 constexpr int64_t kRows = 16;  // rows per group: one per float32 lane
-// A tile is kTokens tokens x kTileGroups groups of 16 rows: 16 accumulator registers with AVX-512 (32 of them), 8
-// with AVX2's 16 (the weights, a broadcast and the FMAs' chains need the rest).
+// A tile is kTokens tokens x kTileGroups groups of 16 rows: 16 accumulator registers of AVX-512's 32, 12 of AVX2's
+// 16 (two weight registers and a broadcast take the rest). NOTE: AVX2 with 6 tokens ran a float16 K=896 N=4864
+// linear 1.3-1.5x faster than with 4 from 16 tokens on (benchmarks/dense_linear.py, alternated builds).
 #if defined(__AVX512F__)
 constexpr int kTokens = 8;
 constexpr int kTileGroups = 2;
