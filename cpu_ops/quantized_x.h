@@ -34,6 +34,18 @@ struct QuantizedX {
   std::vector<float> scale;
   // for minimums, [M, blocks, 3]: the scale times the sum of the first half's codes, the second's, and all 32
   std::vector<float> scaled_sum;
+
+  // Block i's start values, scale and (with `sums`) scaled sums, from its largest |x| and its halves' code sums.
+  void set_block(int64_t i, float amax, int32_t sum0, int32_t sum1, int32_t zp, bool sums) {
+    bias[2 * i] = -zp * sum0;
+    bias[2 * i + 1] = -zp * sum1;
+    scale[i] = amax / 127.0f;
+    if (sums) {
+      scaled_sum[3 * i] = scale[i] * static_cast<float>(sum0);
+      scaled_sum[3 * i + 1] = scale[i] * static_cast<float>(sum1);
+      scaled_sum[3 * i + 2] = scale[i] * (static_cast<float>(sum0) + static_cast<float>(sum1));
+    }
+  }
 };
 
 #if defined(TRTBUILD_BLOCK_AVX2)
@@ -61,15 +73,7 @@ inline void quantize_x(const float* x, int64_t m, int64_t k, int32_t zp, bool su
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * kTableChunk), _mm512_cvtsepi32_epi8(c0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q.codes.data() + i * kTableChunk + 16), _mm512_cvtsepi32_epi8(c1));
     const int32_t sum0 = _mm512_reduce_add_epi32(c0), sum1 = _mm512_reduce_add_epi32(c1);
-    q.bias[2 * i] = -zp * sum0;
-    q.bias[2 * i + 1] = -zp * sum1;
-    q.scale[i] = amax / 127.0f;
-    if (sums) {
-      const float scale = q.scale[i];
-      q.scaled_sum[3 * i] = scale * static_cast<float>(sum0);
-      q.scaled_sum[3 * i + 1] = scale * static_cast<float>(sum1);
-      q.scaled_sum[3 * i + 2] = scale * (static_cast<float>(sum0) + static_cast<float>(sum1));
-    }
+    q.set_block(i, amax, sum0, sum1, zp, sums);
   }
 #elif defined(TRTBUILD_BLOCK_AVX2)
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
@@ -91,15 +95,7 @@ inline void quantize_x(const float* x, int64_t m, int64_t k, int32_t zp, bool su
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.codes.data() + i * kTableChunk),
                         _mm256_permutevar8x32_epi32(bytes, in_order));
     const int32_t sum0 = sum_lanes(_mm256_add_epi32(c[0], c[1])), sum1 = sum_lanes(_mm256_add_epi32(c[2], c[3]));
-    q.bias[2 * i] = -zp * sum0;
-    q.bias[2 * i + 1] = -zp * sum1;
-    q.scale[i] = amax / 127.0f;
-    if (sums) {
-      const float scale = q.scale[i];
-      q.scaled_sum[3 * i] = scale * static_cast<float>(sum0);
-      q.scaled_sum[3 * i + 1] = scale * static_cast<float>(sum1);
-      q.scaled_sum[3 * i + 2] = scale * (static_cast<float>(sum0) + static_cast<float>(sum1));
-    }
+    q.set_block(i, amax, sum0, sum1, zp, sums);
   }
 #else
   (void)x, (void)zp, (void)sums;
