@@ -150,12 +150,14 @@ class TacticLowering:
 
         self.native_linears = NativeLinears()
         self.float_zero_points = FloatZeroPoints()
-        # NOTE: DenseMatMul's AVX2 tiles beat MLAS's SGEMM only where they read 16-bit weights (dense_linears.py)
-        self.dense_linears = DenseLinears(sixteen_bit_only=not cpu_ops.has_avx512())
+        # NOTE: DenseMatMul's AVX2 tiles beat MLAS's SGEMM only where they read 16-bit weights (dense_linears.py);
+        # LoraAdd is written with AVX-512 only: elsewhere LoRA branches stay standard ops beside the dense linears
+        avx512 = cpu_ops.has_avx512()
+        self.dense_linears = DenseLinears(sixteen_bit_only=not avx512)
+        self.lora_add = avx512
 
     def __call__(self, model: onnx.ModelProto, build: BuildConfig) -> list[str]:
         """Lower `model` in place; returns the native lowerings applied, as "name:count"."""
-        from trtbuild import cpu_ops
         from trtbuild.builder.linear_bias import fold_linear_biases
         from trtbuild.builder.lower_cpu import lower_paged_attention
         from trtbuild.builder.native_lora import lower_lora
@@ -165,10 +167,9 @@ class TacticLowering:
         counts = {"native_linears": self.native_linears.lower(model) if build.quant_linears == "native" else 0}
         # what the native linears did not take; NOTE: before the dense linears, which then take the correction GEMMs
         counts["float_zero_points"] = self.float_zero_points.expand(model)
-        # NOTE: before the dense linears, which would take the LoRA branches' MatMuls. LoraAdd is written with AVX-512
-        # only: elsewhere the branches stay standard ops beside the native dense linears
-        lora_add = build.float_linears == "native" and cpu_ops.has_avx512()
-        counts["native_lora"] = lower_lora(model) if lora_add else 0
+        # NOTE: before the dense linears, which would take the LoRA branches' MatMuls
+        native_lora = build.float_linears == "native" and self.lora_add
+        counts["native_lora"] = lower_lora(model) if native_lora else 0
         counts["dense_linears"] = self.dense_linears.lower(model) if build.float_linears == "native" else 0
         if counts["native_linears"] or counts["dense_linears"]:
             counts["linear_biases"] = fold_linear_biases(model)

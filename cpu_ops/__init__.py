@@ -90,12 +90,17 @@ def has_vnni() -> bool:
     return {"avx512f", "avx512bw", "avx512_vnni"} <= set(cpu_features())
 
 
-def runs_block_quant() -> bool:
-    """Whether BlockQuantMatMul has tiles for this CPU: AVX-512 VNNI, or AVX2 with FMA and F16C (cpu_ops/quantized_x.h
-    picks the same way when the library compiles)."""
+def has_avx2_tiles() -> bool:
+    """Whether this CPU has what the native linears' AVX2 tiles need: AVX2 with FMA and F16C."""
     from trtbuild.builder.engine_dir import cpu_features
 
-    return has_vnni() or {"avx2", "fma", "f16c"} <= set(cpu_features())
+    return {"avx2", "fma", "f16c"} <= set(cpu_features())
+
+
+def runs_block_quant() -> bool:
+    """Whether BlockQuantMatMul has tiles for this CPU: AVX-512 VNNI, or AVX2 (cpu_ops/quantized_x.h picks the same
+    way when the library compiles)."""
+    return has_vnni() or has_avx2_tiles()
 
 
 def has_avx512() -> bool:
@@ -107,11 +112,9 @@ def has_avx512() -> bool:
 
 
 def runs_dense() -> bool:
-    """Whether DenseMatMul / DenseGather have tiles for this CPU: AVX-512, or AVX2 with FMA and F16C
-    (cpu_ops/float_weights.h picks the same way when the library compiles)."""
-    from trtbuild.builder.engine_dir import cpu_features
-
-    return has_avx512() or {"avx2", "fma", "f16c"} <= set(cpu_features())
+    """Whether DenseMatMul / DenseGather have tiles for this CPU: AVX-512, or AVX2 (cpu_ops/float_weights.h picks
+    the same way when the library compiles)."""
+    return has_avx512() or has_avx2_tiles()
 
 
 @functools.lru_cache(maxsize=1)
