@@ -157,11 +157,13 @@ def test_block_quant_matmul_matches_its_reference(library, bits, block, scales_k
 @pytest.mark.parametrize("minimums", [False, True])
 def test_block_quant_matmul_sums_the_largest_codes_exactly(library, bits, minimums):
     """Every code at its largest (or 0) against activation codes of +-127 (x of one magnitude per block): the dot
-    products' largest sums, which the AVX2 tiles add in int16 before widening (and split for 8-bit codes) and would
-    saturate if they added more (cpu_ops/block_tile_avx2.h)."""
+    products' largest sums, which the AVX2 tiles add in int16 before widening and would saturate if they added more
+    (cpu_ops/block_tile_avx2.h). 8-bit codes without minimums are multiplied as signed there, where code 0 (-128)
+    is the largest magnitude."""
     k, n, top = 352, 40, (1 << bits) - 1
     codes = np.full((n, k), top, dtype=np.uint8)
     codes[1::2, 1::2] = 0  # odd rows alternate top and 0
+    codes[2::4] = 0
     scales = np.full((n, k // 32), 0.01, dtype=np.float32)
     mins = np.full((n, k // 32), 0.5, dtype=np.float32) if minimums else None
     sess = block_quant_session(library, OP_TYPE, k, n, bits, pack(codes, scales, bits, mins))
