@@ -288,11 +288,8 @@ void attend_generic(const Task& a) {
     for (float& p : probs) p = cap * std::tanh(p / cap);
   for (int64_t h = 0; h < nh; ++h) {
     float* p = probs.data() + h * visible;
-    const float inv = inverse_denominator(a, h, *std::max_element(p, p + visible), [&](float max_score) {
-      float sum = 0.0f;
-      for (int64_t j = 0; j < visible; ++j) sum += (p[j] = std::exp(p[j] - max_score));
-      return sum;
-    });
+    const float inv = inverse_denominator(a, h, *std::max_element(p, p + visible),
+                                          [&](float max_score) { return exp_shifted(p, visible, max_score); });
     for (int64_t j = 0; j < visible; ++j) p[j] *= inv;
   }
   float* out = a.out();
