@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 # 12: codebooks for 2/3-bit codes and scale_exponent (GGUF's IQ1-IQ3 lattice types); 13: KV cache groups
 # (Gemma 2 / 3, OLMo 3); 14: PagedAttention's sinks input, SwiGLU's alpha / beta / limit and biases of tables of
 # experts (gpt-oss); 15: LoRA adapters (build_config.lora_adapters, the lora_ids input); 16: build_config.task
-# (embedding engines: the final hidden states as the hidden_states output)
-ENGINE_FORMAT_VERSION = 16
+# (embedding engines: the final hidden states as the hidden_states output); 17: BlockQuantMatMul / Gather's high_bits
+# (3/5/6-bit codes' further bits packed as the base, what builds on AVX2 CPUs choose)
+ENGINE_FORMAT_VERSION = 17
 CHECKPOINT_FORMAT_VERSION = 1

@@ -148,7 +148,7 @@ class TacticLowering:
         from trtbuild.builder.native_linears import NativeLinears
         from trtbuild.builder.passes.lower_quant_cpu import FloatZeroPoints
 
-        self.native_linears = NativeLinears()
+        self.native_linears = NativeLinears(cpu_ops.high_bits_layout())
         self.float_zero_points = FloatZeroPoints()
         # NOTE: DenseMatMul's AVX2 tiles beat MLAS's SGEMM only where they read 16-bit weights (dense_linears.py);
         # LoraAdd is written with AVX-512 only: elsewhere LoRA branches stay standard ops beside the dense linears

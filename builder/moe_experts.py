@@ -81,6 +81,10 @@ class Experts:
     def __init__(self, g: GraphBuilder, config: ModelConfig, tensors: Mapping[str, torch.Tensor],
                  quant: QuantizedLinears, native: bool) -> None:
         self.g, self.c, self.tensors, self.quant, self.native = g, config, tensors, quant, native
+        if native:  # NOTE: the tables are packed here, not in the CPU lowering: in the layout this CPU reads fastest
+            from trtbuild import cpu_ops
+
+            self.high_bits = cpu_ops.high_bits_layout()
 
     def emit(self, h: str, logits: str, prefix: str) -> str:
         """The experts' output for the normalized hidden states `h` and the router's `logits` (`prefix`: the
@@ -170,13 +174,12 @@ class Experts:
         block = min(t.block, bq.BLOCK)
         repeat = t.block // block  # NOTE: a block of 64 or 128 is 2 or 4 blocks of 32 with one scale: exact
         scales, zero_points = (None if a is None else np.repeat(a, repeat, axis=1) for a in (t.scales, t.zero_points))
-        table, bits, codebook = pack_nbits(t.codes, scales, zero_points, n, k, t.bits)
+        table, bits, codebook = pack_nbits(t.codes, scales, zero_points, n, k, t.bits, self.high_bits)
         inputs = [self.g.weight(f"{name}.bq_{field}", value) if value is not None else ""
                   for field, value in zip(bq.TABLE_FIELDS, table.tensors(), strict=True)]
         codes, scales_name, *optional = inputs
         attrs = {"K": k, "N": n, "bits": bits, "block_size": block, "experts": self.c.num_experts,
-                 **({"codebook": list(codebook)} if codebook else {}),
-                 **({"scale_exponent": table.scale_exponent} if table.scale_exponent else {})}
+                 **({"codebook": list(codebook)} if codebook else {}), **table.attributes()}
         bias_name = self.g.weight(f"{name}.bias", bias.reshape(-1)) if bias is not None else ""
         return self.g.op(bq.OP_TYPE, [x, codes, scales_name, bias_name, *optional, offsets], domain=bq.DOMAIN,
                          name=name, **attrs)

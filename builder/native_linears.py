@@ -57,20 +57,20 @@ def count_native(model: onnx.ModelProto) -> int:
 
 class Packed(NamedTuple):
     """A linear's weights in the native layout: one initializer per bq.PackedTable field (None where absent), the
-    bits the codes are packed in and the codebook they index (bq.compact), its rows (N), and its scale_exponent:
-    the weights are 2^scale_exponent times what its scales say (bq.pack)."""
+    bits the codes are packed in and the codebook they index (bq.compact), its rows (N), and the attributes its
+    bq.PackedTable sets (scale_exponent, high_bits)."""
 
     tensors: tuple[onnx.TensorProto | None, ...]
     bits: int
     rows: int
     codebook: tuple[int, ...] | None = None
-    scale_exponent: int = 0
+    table_attributes: dict | None = None
 
     def attributes(self, k: int, block: int) -> dict:
         """The op's attributes for this table, K columns in blocks of `block`."""
         codebook = {"codebook": list(self.codebook)} if self.codebook else {}
-        exponent = {"scale_exponent": self.scale_exponent} if self.scale_exponent else {}
-        return {"K": k, "N": self.rows, "bits": self.bits, "block_size": block, **codebook, **exponent}
+        return {"K": k, "N": self.rows, "bits": self.bits, "block_size": block, **codebook,
+                **(self.table_attributes or {})}
 
     def inputs(self, first: str, bias_slot: bool) -> list[str]:
         """The op's inputs: `first` (x or ids), B, scales, then the optional ones (BlockQuantMatMul's bias slot
@@ -86,9 +86,11 @@ class NativeLinears:
     """Rewrites eligible linears in place; packs each weight once however many graph copies it lowers (the
     autotuner lowers a copy per candidate), keeping the packed initializers as they were staged. The embedding's
     gather becomes a BlockQuantGather: over the lm_head's packed table when it is tied to it (the same codes, scales
-    and zero points), so the engine holds that table once; else over its own."""
+    and zero points), so the engine holds that table once; else over its own. `high_bits`: how the tables hold 3/5/6-bit
+    codes' further bits (bq.HIGH_BITS; cpu_ops.high_bits_layout says which this machine's tiles read fastest)."""
 
-    def __init__(self) -> None:
+    def __init__(self, high_bits: str = "planes") -> None:
+        self.high_bits = high_bits
         # keyed by a weight's MatMulNBits-form initializers: codes, scales and any zero points
         self._packed: dict[tuple[str, ...], Packed] = {}
         self._tied: dict[tuple[str, ...], tuple[str, ...] | None] = {}  # a table's -> its linear's
@@ -113,7 +115,7 @@ class NativeLinears:
     def _table(self, view: GraphView, key: tuple[str, ...], n: int, k: int, bits: int) -> Packed:
         """The packed form of weights `key`, packed now if no graph copy has been lowered with them yet."""
         if key not in self._packed:
-            self._packed[key] = _pack(view, key, n, k, bits)
+            self._packed[key] = _pack(view, key, n, k, bits, self.high_bits)
         packed = self._packed[key]
         for t in packed.tensors:
             if t is not None:
@@ -185,10 +187,11 @@ class NativeLinears:
         return len([n for n in model.graph.node if n.op_type == bq.OP_TYPE and n.domain == bq.DOMAIN])
 
 
-def pack_nbits(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, n: int, k: int, bits: int
-               ) -> tuple[bq.PackedTable, int, tuple[int, ...] | None]:
-    """MatMulNBits-form weights (codes, scales and optional float zero points) in the native layout: (the table,
-    the bits its codes are packed in, the codebook they index or None)."""
+def pack_nbits(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, n: int, k: int, bits: int,
+               high_bits: str = "planes") -> tuple[bq.PackedTable, int, tuple[int, ...] | None]:
+    """MatMulNBits-form weights (codes, scales and optional float zero points) in the native layout, 3/5/6-bit codes'
+    further bits as `high_bits` says: (the table, the bits its codes are packed in, the codebook they index or
+    None)."""
     codes = bq.unpack_nbits(codes, n, k, bits)
     scales = scales.reshape(n, -1)
     mins = None
@@ -197,7 +200,7 @@ def pack_nbits(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | 
     else:
         scales = _zero_blocks_unscaled(codes, scales, bq.ZERO_POINT[bits])
     codes, bits, codebook = bq.compact(codes, bits, zero_point=mins is None)
-    return bq.pack(codes, scales, bits, mins), bits, codebook
+    return bq.pack(codes, scales, bits, mins, high_bits), bits, codebook
 
 
 def _zero_blocks_unscaled(codes: np.ndarray, scales: np.ndarray, zero_point: int) -> np.ndarray:
@@ -217,11 +220,11 @@ def _zero_blocks_unscaled(codes: np.ndarray, scales: np.ndarray, zero_point: int
     return scales
 
 
-def _pack(view: GraphView, inputs: tuple[str, ...], n: int, k: int, bits: int) -> Packed:
+def _pack(view: GraphView, inputs: tuple[str, ...], n: int, k: int, bits: int, high_bits: str) -> Packed:
     """Pack a linear's or table's MatMulNBits-form weights (`inputs`: codes, scales and, if any, float zero points)
     into new initializers named after them."""
     table, bits, codebook = pack_nbits(view.constant(inputs[0]), view.constant(inputs[1]),
-                                       view.constant(inputs[2]) if len(inputs) == 3 else None, n, k, bits)
+                                       view.constant(inputs[2]) if len(inputs) == 3 else None, n, k, bits, high_bits)
     tensors = []
     for field, value in zip(bq.TABLE_FIELDS, table.tensors(), strict=True):  # in the op's input order
         if value is not None:
@@ -229,7 +232,7 @@ def _pack(view: GraphView, inputs: tuple[str, ...], n: int, k: int, bits: int) -
             view.add_initializer(name, value)
             value = view.initializers[name]
         tensors.append(value)
-    return Packed(tuple(tensors), bits, n, codebook, table.scale_exponent)
+    return Packed(tuple(tensors), bits, n, codebook, table.attributes())
 
 
 def _become(node: onnx.NodeProto, op_type: str, inputs: list[str], attrs: dict) -> None:

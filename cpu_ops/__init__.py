@@ -103,6 +103,14 @@ def runs_block_quant() -> bool:
     return has_vnni() or has_avx2_tiles()
 
 
+def high_bits_layout() -> str:
+    """How BlockQuantMatMul tables built here hold 3/5/6-bit codes' further bits (plugins/block_quant_matmul.py:
+    HIGH_BITS): byte-mask planes for the AVX-512 VNNI tiles, which add a plane under a mask in one instruction;
+    packed as the base codes are for the AVX2 ones, which would spend five instructions expanding a mask. Either
+    tile reads either layout."""
+    return "planes" if has_vnni() else "packed"
+
+
 def has_avx512() -> bool:
     """Whether this CPU has AVX-512: the vectorized attention and LoraAdd are written with it, and DenseMatMul's
     widest tiles."""

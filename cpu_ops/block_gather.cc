@@ -37,15 +37,13 @@ struct BlockQuantGatherKernel {
     const uint8_t* codes = b.GetTensorData<uint8_t>();
     const int32_t zp = table.zero_point(scales);
     const std::vector<uint8_t>& codebook = table.codebook;
-    const int base = base_bits(bits);
     for (int64_t t = 0; t < count; ++t) {
       const int64_t row = rows[t];
       if (row < 0 || row >= n)
         table.fail("id " + std::to_string(row) + " is outside the table's " + std::to_string(n));
       const int64_t g = row / kRows, lane = row % kRows;
       for (int64_t c = 0; c < chunks; ++c) {
-        const uint8_t* chunk = codes + (g * chunks + c) * bytes + lane * 4;
-        const uint8_t* planes = codes + (g * chunks + c) * bytes + base_bytes(bits);  // bit 64j + 4 lane + i
+        const uint8_t* chunk = codes + (g * chunks + c) * bytes;
         float* out = y + t * k + c * kChunk;
         float scale[2], minimum[2] = {0.0f, 0.0f};  // of the chunk's two halves (one block of 32, or two of 16)
         for (int h = 0; h < 2; ++h) {
@@ -53,14 +51,9 @@ struct BlockQuantGatherKernel {
           scale[h] = scales.scales.at(scales.kind, blocks, supers, block, g, at, lane);
           if (scales.has_mins()) minimum[h] = scales.mins.at(scales.kind, blocks, supers, block, g, at, lane);
         }
-        for (int j = 0; j < 8; ++j) {  // elements 4j .. 4j + 3: bits base * (j / base) of vector j % base
-          const uint8_t* four = chunk + j % base * 64;
-          const int shift = base * (j / base);
+        for (int j = 0; j < 8; ++j) {  // elements 4j .. 4j + 3
           for (int i = 0; i < 4; ++i) {
-            int32_t code = (four[i] >> shift) & ((1 << base) - 1);
-            const int64_t bit = 64 * j + 4 * lane + i;
-            for (int plane = 0; plane < bits - base; ++plane)
-              code |= ((planes[plane * 64 + bit / 8] >> (bit % 8)) & 1) << (base + plane);
+            int32_t code = table.code(chunk, lane, j, i);
             if (!codebook.empty()) code = codebook[code];
             out[4 * j + i] = (static_cast<float>(code - zp) * scale[j / 4] - minimum[j / 4]) * table.weight_factor;
           }

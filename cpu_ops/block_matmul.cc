@@ -6,7 +6,9 @@
 //     4r..4r+3) holds row 16g + r's elements 32c + 4j .. +3 (so vectors 0-3 are a chunk's first 16 elements and 4-7
 //     its last 16). 8-bit: as they are. Base b = 4 (4/5/6-bit) or 2 (2/3-bit): b stored vectors, vector j in bits
 //     b * (j / b) .. of stored vector j % b (4-bit: j < 4 in the low nibbles, j + 4 in the high ones); then for 3, 5
-//     and 6 bits one 64-byte plane per further bit, whose 64-bit word j is a byte mask of vector j's bit.
+//     and 6 bits one 64-byte plane per further bit, whose 64-bit word j is a byte mask of vector j's bit, or
+//     (high_bits "packed") those h = bits - b further bits packed as the base is: h stored vectors, vector j's in
+//     bits h * (j / h) .. of stored vector j % h.
 //   scales [G, K / block, 16]: the scale of row 16g + r in each block, float, float16 (where that is exact, as it is
 //     for GGUF's 32-blocks: 11% fewer bytes per 4-bit weight), or int8 times a float16 super-scale per 256 elements
 //     (GGUF's k-quants, exactly: 4.6 bits per Q4_K weight instead of 6 with float scales and minimums); in blocks
@@ -199,7 +201,7 @@ struct BlockQuantMatMulKernel {
     Problem base{ctx.GetInput(1).GetTensorData<uint8_t>(), scales, table.supers(), y.GetTensorMutableData<float>(),
                  &qx, m, n, k, 0, 0, 0,
                  bias(ctx, 3, n, [&](const std::string& what) { table.fail(what); }),
-                 table.codebook.empty() ? nullptr : table.codebook.data(), table.weight_factor};
+                 table.codebook.empty() ? nullptr : table.codebook.data(), table.weight_factor, table.packed_high};
     if (!experts) {
       const Problem p = problem(base, m, n);
       ctx.ParallelFor(task(scales), tasks(p), 0, const_cast<Problem*>(&p));

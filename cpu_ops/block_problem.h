@@ -23,6 +23,7 @@ struct Problem {
   const float* bias;  // [n] of this problem's rows, or null
   const uint8_t* codebook;  // 16 codes the 2/3/4-bit ones index (LUT), or null
   float weight_factor;  // 2^scale_exponent (PackedTable)
+  bool packed_high;  // 3/5/6-bit codes' further bits packed as the base (PackedTable), not byte-mask planes
   // grouped (experts): the table's first group and qx's first token of this problem's rows and tokens
   int64_t group_base = 0, token_base = 0;
 };

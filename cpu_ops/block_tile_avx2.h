@@ -59,7 +59,8 @@ inline __m256i byte_mask(uint32_t bits) {
 // NOTE: forced inline: as a call it passed the vectors through memory, and a 6-bit linear of one token took 1.27x
 // as long (K=2048 N=32768, 2 threads, AMD EPYC Zen 3).
 template <int BITS, bool LUT, bool SIGNED>
-__attribute__((always_inline)) inline void unpack_half(const uint8_t* chunk, int h, __m256i codebook, __m256i (&w)[8]) {
+__attribute__((always_inline)) inline void unpack_half(const uint8_t* chunk, int h, bool packed_high, __m256i codebook,
+                                                       __m256i (&w)[8]) {
   constexpr int kBase = base_bits(BITS);
   if constexpr (kBase != 8) {
     const __m256i low = _mm256_set1_epi8(static_cast<char>((1 << kBase) - 1));
@@ -68,13 +69,28 @@ __attribute__((always_inline)) inline void unpack_half(const uint8_t* chunk, int
       w[j] = _mm256_and_si256(v, low);
       for (int s = 1; s < 8 / kBase; ++s) w[j + s * kBase] = _mm256_and_si256(_mm256_srli_epi16(v, s * kBase), low);
     }
-    for (int plane = 0; plane < BITS - kBase; ++plane) {  // 64-bit word j of a plane: vector j's bytes, bit by bit
-      const uint8_t* high = chunk + base_bytes(BITS) + plane * 64;
-      const __m256i value = _mm256_set1_epi8(static_cast<char>((1 << kBase) << plane));
-      for (int j = 0; j < 8; ++j) {
-        uint32_t bits;
-        std::memcpy(&bits, high + 8 * j + 4 * h, sizeof bits);
-        w[j] = _mm256_add_epi8(w[j], _mm256_and_si256(byte_mask(bits), value));
+    constexpr int kHigh = BITS - kBase;
+    const uint8_t* further = chunk + base_bytes(BITS);
+    if (kHigh > 0 && packed_high) {  // vector j's kHigh bits in bits kHigh * (j / kHigh) of stored vector j % kHigh
+      const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << kHigh) - 1) << kBase));
+      for (int s = 0; s < kHigh; ++s) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(further + s * 64 + 32 * h));
+        for (int j = s; j < 8; j += kHigh) {  // NOTE: 16-bit shifts; the mask keeps each byte's own bits
+          const int from = kHigh * (j / kHigh);
+          const __m256i moved = from < kBase   ? _mm256_slli_epi16(v, kBase - from)
+                                : from > kBase ? _mm256_srli_epi16(v, from - kBase)
+                                               : v;
+          w[j] = _mm256_or_si256(w[j], _mm256_and_si256(moved, mask));
+        }
+      }
+    } else {
+      for (int plane = 0; plane < kHigh; ++plane) {  // 64-bit word j of a plane: vector j's bytes, bit by bit
+        const __m256i value = _mm256_set1_epi8(static_cast<char>((1 << kBase) << plane));
+        for (int j = 0; j < 8; ++j) {
+          uint32_t bits;
+          std::memcpy(&bits, further + plane * 64 + 8 * j + 4 * h, sizeof bits);
+          w[j] = _mm256_add_epi8(w[j], _mm256_and_si256(byte_mask(bits), value));
+        }
       }
     }
   } else {
@@ -162,7 +178,7 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
     const int64_t at_values = (gt * nb + b) * (BLOCK16 ? 2 : 1);  // a 16-block chunk has a value per half
     for (int h = 0; h < 2; ++h) {
       __m256i w[8];
-      unpack_half<BITS, LUT, kSigned && !LUT>(chunk, h, codebook, w);
+      unpack_half<BITS, LUT, kSigned && !LUT>(chunk, h, p.packed_high, codebook, w);
       __m256i magnitude[8];  // |w|, of signed codes only
       if constexpr (kSigned)
         for (int j = 0; j < 8; ++j) magnitude[j] = _mm256_abs_epi8(w[j]);

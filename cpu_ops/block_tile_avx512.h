@@ -63,13 +63,28 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
         w[j] = _mm512_and_si512(v, low);
         for (int s = 1; s < 8 / kBase; ++s) w[j + s * kBase] = _mm512_and_si512(_mm512_srli_epi16(v, s * kBase), low);
       }
-      for (int plane = 0; plane < BITS - kBase; ++plane) {  // each vector's further bits are byte masks
-        const uint8_t* high = codes + b * kBytes + base_bytes(BITS) + plane * 64;
-        const __m512i value = _mm512_set1_epi8(static_cast<char>((1 << kBase) << plane));
-        for (int j = 0; j < 8; ++j) {
-          uint64_t bits;
-          std::memcpy(&bits, high + 8 * j, sizeof bits);  // NOTE: the planes need not be 8-byte aligned
-          w[j] = _mm512_mask_add_epi8(w[j], _cvtu64_mask64(bits), w[j], value);
+      constexpr int kHigh = BITS - kBase;
+      const uint8_t* further = codes + b * kBytes + base_bytes(BITS);
+      if (kHigh > 0 && p.packed_high) {  // vector j's kHigh bits in bits kHigh * (j / kHigh) of stored vector j % kHigh
+        const __m512i mask = _mm512_set1_epi8(static_cast<char>(((1 << kHigh) - 1) << kBase));
+        for (int s = 0; s < kHigh; ++s) {
+          const __m512i v = _mm512_loadu_si512(further + s * 64);
+          for (int j = s; j < 8; j += kHigh) {  // NOTE: 16-bit shifts; the mask keeps each byte's own bits
+            const int from = kHigh * (j / kHigh);
+            const __m512i moved = from < kBase   ? _mm512_slli_epi16(v, kBase - from)
+                                  : from > kBase ? _mm512_srli_epi16(v, from - kBase)
+                                                 : v;
+            w[j] = _mm512_or_si512(w[j], _mm512_and_si512(moved, mask));
+          }
+        }
+      } else {
+        for (int plane = 0; plane < kHigh; ++plane) {  // each vector's further bits are byte masks
+          const __m512i value = _mm512_set1_epi8(static_cast<char>((1 << kBase) << plane));
+          for (int j = 0; j < 8; ++j) {
+            uint64_t bits;
+            std::memcpy(&bits, further + plane * 64 + 8 * j, sizeof bits);  // NOTE: need not be 8-byte aligned
+            w[j] = _mm512_mask_add_epi8(w[j], _cvtu64_mask64(bits), w[j], value);
+          }
         }
       }
     } else {

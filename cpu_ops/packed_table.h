@@ -16,7 +16,7 @@ constexpr int64_t kTableChunk = 32;  // elements per chunk of a row (and per act
 constexpr int64_t kSuperBlock = 256;  // elements per super-block of two-level scales
 
 // A chunk's codes are a base layout of 2, 4 or 8 bits a code (base_bits 64-byte vectors), then, for 3, 5 and 6
-// bits, one 64-byte plane per further bit.
+// bits, 64 bytes per further bit: byte-mask planes, or those bits packed as the base is (`high_bits`).
 constexpr int base_bits(int64_t bits) { return bits <= 3 ? 2 : bits <= 6 ? 4 : 8; }
 constexpr int64_t base_bytes(int64_t bits) { return kTableRows * kTableChunk * base_bits(bits) / 8; }
 inline int32_t zero_point(int64_t bits) { return 1 << (bits - 1); }
@@ -86,6 +86,9 @@ struct PackedTable {
   // 2^scale_exponent multiplies every weight: the scales and minimums are stored times its inverse where their
   // two-level form needs float16 super-scales below float16's normal range (GGUF's lattice types' d / 8).
   float weight_factor = 1.0f;
+  // high_bits "packed": a 3/5/6-bit code's further bits are packed as its base bits are (vector j's in bits
+  // h * (j / h) of stored vector j % h, h of them); "planes" (the default): one byte-mask plane per further bit
+  bool packed_high = false;
 
   PackedTable(const char* op_name, const OrtKernelInfo* info) : op(op_name) {
     Ort::ConstKernelInfo ki(info);
@@ -105,6 +108,24 @@ struct PackedTable {
     const int64_t exponent = optional_int(info, "scale_exponent", 0);
     if (exponent < -64 || exponent > 64) fail("scale_exponent must lie in -64 .. 64");
     weight_factor = std::ldexp(1.0f, static_cast<int>(exponent));
+    const std::string high = optional_string(info, "high_bits", "planes");
+    if (high != "planes" && high != "packed") fail("high_bits must be \"planes\" or \"packed\", got \"" + high + "\"");
+    packed_high = high == "packed";
+  }
+
+  // Code i (0 .. 3) of lane `lane` of vector j (0 .. 7) of a chunk's codes (scalar: for the gather).
+  int32_t code(const uint8_t* chunk, int64_t lane, int j, int i) const {
+    const int base = base_bits(bits), high = static_cast<int>(bits) - base;
+    const int64_t byte = 4 * lane + i;
+    int32_t c = (chunk[j % base * 64 + byte] >> (base * (j / base))) & ((1 << base) - 1);
+    const uint8_t* further = chunk + base_bytes(bits);
+    if (high && packed_high) {
+      c |= ((further[j % high * 64 + byte] >> (high * (j / high))) & ((1 << high) - 1)) << base;
+    } else {
+      for (int plane = 0; plane < high; ++plane)  // bit 64j + byte of the plane
+        c |= ((further[plane * 64 + 8 * j + byte / 8] >> (byte % 8)) & 1) << (base + plane);
+    }
+    return c;
   }
 
   // The zero point of the codes the dot products see: none with minimums, 128 for a codebook's 8-bit codes.
@@ -176,6 +197,18 @@ struct PackedTable {
     std::vector<int64_t> values(size);
     Ort::ThrowOnError(Ort::GetApi().KernelInfoGetAttributeArray_int64(info, name, values.data(), &size));
     return values;
+  }
+
+  static std::string optional_string(const OrtKernelInfo* info, const char* name, const char* otherwise) {
+    size_t size = 0;
+    if (OrtStatus* absent = Ort::GetApi().KernelInfoGetAttribute_string(info, name, nullptr, &size)) {
+      Ort::GetApi().ReleaseStatus(absent);
+      return otherwise;
+    }
+    std::string value(size, '\0');
+    Ort::ThrowOnError(Ort::GetApi().KernelInfoGetAttribute_string(info, name, value.data(), &size));
+    value.resize(size > 0 ? size - 1 : 0);  // NOTE: the size counts the terminating null
+    return value;
   }
 
   static int64_t optional_int(const OrtKernelInfo* info, const char* name, int64_t otherwise) {

@@ -10,8 +10,12 @@ sum of x as quantized. The weights are packed at build time, 16 rows interleaved
   B uint8 [G, K / 32, 16 * 32 * bits / 8], G = ceil(N / 16): in chunk c of group g, the 8 vectors j of 64 bytes
     whose bytes 4r .. 4r + 3 hold row 16g + r's codes 32c + 4j .. +3. 8-bit: those. Else, with base b = 4 (4/5/6-bit)
     or 2 (2/3-bit), b stored vectors of the codes' low b bits, vector j in bits b * (j / b) .. of stored vector
-    j % b (4-bit: j < 4 in the low nibbles, j + 4 in the high ones); then one 64-byte plane per further bit (3, 5
-    and 6 bits): bit 64j + 4r + i is that of row 16g + r's element 32c + 4j + i.
+    j % b (4-bit: j < 4 in the low nibbles, j + 4 in the high ones); then, for 3, 5 and 6 bits, the h = bits - b
+    further bits of each code (`high_bits`, attribute, optional):
+      "planes" (the default): one 64-byte plane per further bit, whose bit 64j + 4r + i is that of row 16g + r's
+        element 32c + 4j + i (a byte mask of vector j: AVX-512 adds it under the mask in one instruction);
+      "packed": h 64-byte vectors packed as the base is, vector j's further bits in bits h * (j / h) .. of stored
+        vector j % h (one shift and mask a vector with AVX2, where expanding a mask to bytes takes five).
   scales [G, K / block, 16]: S[g, b, r] is the scale of row 16g + r in block b, stored (`pack`) in the first form
     that holds every scale exactly: int8 times a float16 super-scale [G, K / 256, 16] per row and 256 elements
     (GGUF's k-quants are such products: Q4_K then takes 4.6 bits a weight, not 6; in blocks of 16 with sub-values
@@ -48,6 +52,7 @@ BLOCK = 32  # activation blocks, and the weights' chunks
 WEIGHT_BLOCKS = (16, 32)
 ROWS = 16  # rows per group: one per int32 lane of a 512-bit vector
 BITS = (2, 3, 4, 5, 6, 8)
+HIGH_BITS = ("planes", "packed")  # how the codes' bits above the base are laid out (the module docstring)
 ZERO_POINT = {bits: 1 << (bits - 1) for bits in BITS}
 _NARROWER = {4: (2, 3), 8: (5, 6)}  # the packed widths a checkpoint's codes may fit in, smallest first
 SUPER_BLOCK = 256  # elements per super-scale of two-level scales
@@ -56,7 +61,8 @@ MINS_TOLERANCE = 1e-6  # how near (relative) a compact form of the minimums must
 
 class PackedTable(NamedTuple):
     """A linear's weights in the kernel's layout: the inputs B, scales and the optional ones (plugins/README.md),
-    and the `scale_exponent` attribute: the weights are 2^scale_exponent times what the inputs hold."""
+    and the attributes `scale_exponent` (the weights are 2^scale_exponent times what the inputs hold) and
+    `high_bits` (how B holds the codes' bits above the base)."""
 
     codes: np.ndarray
     scales: np.ndarray  # float32, float16, or int8 with super_scales
@@ -64,13 +70,19 @@ class PackedTable(NamedTuple):
     mins: np.ndarray | None = None  # like scales, with super_mins where scales are int8
     super_mins: np.ndarray | None = None
     scale_exponent: int = 0
+    high_bits: str = "planes"
 
     def tensors(self) -> tuple[np.ndarray | None, ...]:
         """The op's table inputs, in order (None where absent)."""
         return tuple(self)[:len(TABLE_FIELDS)]
 
+    def attributes(self) -> dict:
+        """The op's attributes that this table sets, beside K, N, bits and block_size (absent: the default)."""
+        return {**({"scale_exponent": self.scale_exponent} if self.scale_exponent else {}),
+                **({"high_bits": self.high_bits} if self.high_bits != "planes" else {})}
 
-TABLE_FIELDS = PackedTable._fields[:-1]  # the tensors
+
+TABLE_FIELDS = PackedTable._fields[:5]  # the tensors
 
 
 def unpack_nbits(b: np.ndarray, n: int, k: int, bits: int) -> np.ndarray:
@@ -268,14 +280,22 @@ def _half(values: np.ndarray, tolerance: float = 0.0) -> np.ndarray | None:
 
 
 def base_bits(bits: int) -> int:
-    """The bits per code of the packed layout's base vectors (the rest are bit planes): 2, 4 or 8."""
+    """The bits per code of the packed layout's base vectors (the rest are `high_bits`): 2, 4 or 8."""
     return 2 if bits <= 3 else 4 if bits <= 6 else 8
 
 
 _PACK_GROUPS = 512  # groups of 16 rows packed at a time: a vocabulary-sized table's temporaries stay ~10 MB
 
 
-def _pack_codes(codes: np.ndarray, bits: int, pad: int) -> np.ndarray:
+def _interleave(c: np.ndarray, width: int) -> np.ndarray:
+    """Codes c [G, r, c, j, i] of `width` bits packed as the base is: vector j in bits width * (j // width) of
+    stored vector j % width; [G, chunks, width * 64] bytes."""
+    stored = np.bitwise_or.reduce([c[:, :, :, s * width:(s + 1) * width] << np.uint8(s * width)
+                                   for s in range(8 // width)], axis=0)
+    return np.ascontiguousarray(stored.transpose(0, 2, 3, 1, 4)).reshape(c.shape[0], c.shape[2], -1)
+
+
+def _pack_codes(codes: np.ndarray, bits: int, pad: int, high_bits: str) -> np.ndarray:
     """B of the contract for codes [rows, K], rows past the last multiple of 16 padded with code `pad`."""
     n, k = codes.shape
     groups, chunks = -(-n // ROWS), k // BLOCK
@@ -284,16 +304,16 @@ def _pack_codes(codes: np.ndarray, bits: int, pad: int) -> np.ndarray:
     # [G, r, c, j, i]: element 32c + 4j + i of row 16g + r
     c = padded.reshape(groups, ROWS, chunks, 8, 4)
     base = base_bits(bits)
-    planes = []
-    for plane in range(bits - base):  # [G, c, j, r, i] the further bits, 64 per j
-        planes.append(np.packbits(((c >> (base + plane)) & 1).transpose(0, 2, 3, 1, 4).reshape(groups, chunks, 8, 64),
-                                  axis=-1, bitorder="little").reshape(groups, chunks, 64))
-    if base < 8:  # vector j in bits base * (j // base) of stored vector j % base
-        c = c & np.uint8((1 << base) - 1)
-        c = np.bitwise_or.reduce([c[:, :, :, s * base:(s + 1) * base] << np.uint8(s * base)
-                                  for s in range(8 // base)], axis=0)
-    return np.concatenate([np.ascontiguousarray(c.transpose(0, 2, 3, 1, 4)).reshape(groups, chunks, -1), *planes],
-                          axis=2)
+    if base == 8:
+        return np.ascontiguousarray(c.transpose(0, 2, 3, 1, 4)).reshape(groups, chunks, -1)
+    high = []
+    if bits > base and high_bits == "packed":
+        high.append(_interleave(c >> np.uint8(base), bits - base))
+    else:
+        for plane in range(bits - base):  # [G, c, j, r, i] the further bits, 64 per j
+            mask = ((c >> (base + plane)) & 1).transpose(0, 2, 3, 1, 4).reshape(groups, chunks, 8, 64)
+            high.append(np.packbits(mask, axis=-1, bitorder="little").reshape(groups, chunks, 64))
+    return np.concatenate([_interleave(c & np.uint8((1 << base) - 1), base), *high], axis=2)
 
 
 def _two_level_by_rows(values: np.ndarray, per_super: int, tolerance: float) -> tuple[np.ndarray, np.ndarray] | None:
@@ -307,14 +327,20 @@ def _two_level_by_rows(values: np.ndarray, per_super: int, tolerance: float) -> 
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
-def pack(codes: np.ndarray, scales: np.ndarray, bits: int, mins: np.ndarray | None = None) -> PackedTable:
+def pack(codes: np.ndarray, scales: np.ndarray, bits: int, mins: np.ndarray | None = None,
+         high_bits: str = "planes") -> PackedTable:
     """The kernel's tensors from codes [N, K] (0 .. 2^bits - 1), per-block scales [N, K / block] and, for W = scale *
-    code - minimum (the codes then have no zero point), per-block minimums like the scales."""
+    code - minimum (the codes then have no zero point), per-block minimums like the scales; 3/5/6-bit codes' further
+    bits laid out as `high_bits` says (HIGH_BITS)."""
+    if high_bits not in HIGH_BITS:
+        raise ValueError(f"high_bits must be one of {HIGH_BITS}, got {high_bits!r}")
+    if bits == base_bits(bits):  # no further bits: the attribute stays at its default
+        high_bits = "planes"
     n, k = codes.shape
     groups = -(-n // ROWS)
     blocks = scales.size // n
     step = _PACK_GROUPS * ROWS
-    b = np.concatenate([_pack_codes(codes[r:r + step], bits, 0 if mins is not None else ZERO_POINT[bits])
+    b = np.concatenate([_pack_codes(codes[r:r + step], bits, 0 if mins is not None else ZERO_POINT[bits], high_bits)
                         for r in range(0, n, step)])
     values = [np.zeros((groups * ROWS, blocks), dtype=np.float32) for _ in range(1 if mins is None else 2)]
     values[0][:n] = scales.reshape(n, blocks)
@@ -338,10 +364,11 @@ def pack(codes: np.ndarray, scales: np.ndarray, bits: int, mins: np.ndarray | No
             (sub, sup), *rest = split
             mins_tables = tuple(layout(t) for t in rest[0]) if rest else (None, None)
             tables = (layout(sub), layout(sup), *mins_tables)
-            return PackedTable(b, *tables, scale_exponent=-shift)
+            return PackedTable(b, *tables, scale_exponent=-shift, high_bits=high_bits)
     halves = [_half(v, tol) for v, tol in zip(values, tolerances, strict=False)]
     stored = halves if all(h is not None for h in halves) else values
-    return PackedTable(b, layout(stored[0]), None, layout(stored[1]) if mins is not None else None)
+    return PackedTable(b, layout(stored[0]), None, layout(stored[1]) if mins is not None else None,
+                       high_bits=high_bits)
 
 
 def _weight_codes(codes: np.ndarray, bits: int, mins: np.ndarray | None,

@@ -21,6 +21,7 @@ from trtbuild.builder.convert.weight_only import NBitsWeight
 from trtbuild.builder.native_linears import pack_nbits
 from trtbuild.plugins.block_quant_matmul import (
     GATHER_OP_TYPE,
+    HIGH_BITS,
     OP_TYPE,
     ZERO_POINT,
     PackedTable,
@@ -45,8 +46,7 @@ def block_quant_session(library: str, op: str, k: int, n: int, bits: int, table:
     while not inputs[-1]:
         inputs.pop()
     node = helper.make_node(op, inputs, ["y"], domain=cpu_ops.DOMAIN, K=k, N=n, bits=bits, block_size=block,
-                            **({"codebook": list(codebook)} if codebook is not None else {}),
-                            **({"scale_exponent": table.scale_exponent} if table.scale_exponent else {}))
+                            **({"codebook": list(codebook)} if codebook is not None else {}), **table.attributes())
     x = helper.make_tensor_value_info("ids", TensorProto.INT64, ["T"]) if op == GATHER_OP_TYPE else \
         helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])
     graph = helper.make_graph([node], "g", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
@@ -153,9 +153,31 @@ def test_block_quant_matmul_matches_its_reference(library, bits, block, scales_k
 
 
 @needs_block_quant
+@pytest.mark.parametrize("bits,block,scales_kind,mins_kind,k", [f for f in FORMATS if f[0] in (3, 5, 6)])
+def test_both_layouts_of_the_further_bits_give_the_same_products_and_rows(library, bits, block, scales_kind,
+                                                                           mins_kind, k):
+    """A 3/5/6-bit table whose further bits are packed as its base (what builds on AVX2 CPUs choose) multiplies to
+    the very floats its byte-mask planes give (the same integers), and gathers the same rows."""
+    n = 37
+    codes, scales, mins = format_case(bits, block, scales_kind, mins_kind, k, n, seed=bits + k)
+    planes, packed = (pack(codes, scales, bits, mins, high_bits) for high_bits in HIGH_BITS)
+    assert packed.attributes().get("high_bits") == "packed" and "high_bits" not in planes.attributes()
+    assert packed.codes.shape == planes.codes.shape and not np.array_equal(packed.codes, planes.codes)
+    x = np.random.default_rng(bits).standard_normal((19, k)).astype(np.float32)  # a tile, a half tile, the rest
+    ys = [block_quant_session(library, OP_TYPE, k, n, bits, t, block).run(None, {"x": x})[0] for t in (planes, packed)]
+    np.testing.assert_array_equal(ys[1], ys[0])
+    want = reference_block_quant_matmul(x, codes, scales, bits, mins)
+    np.testing.assert_allclose(ys[1], want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    ids = np.array([0, 15, 16, 36, 5], dtype=np.int64)
+    rows = block_quant_session(library, GATHER_OP_TYPE, k, n, bits, packed, block).run(None, {"ids": ids})[0]
+    np.testing.assert_array_equal(rows, reference_block_quant_gather(ids, codes, scales, bits, mins))
+
+
+@needs_block_quant
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("minimums", [False, True])
-def test_block_quant_matmul_sums_the_largest_codes_exactly(library, bits, minimums):
+@pytest.mark.parametrize("high_bits", HIGH_BITS)
+def test_block_quant_matmul_sums_the_largest_codes_exactly(library, bits, minimums, high_bits):
     """Every code at its largest (or 0) against activation codes of +-127 (x of one magnitude per block): the dot
     products' largest sums, which the AVX2 tiles add in int16 before widening and would saturate if they added more
     (cpu_ops/block_tile_avx2.h). 8-bit codes without minimums are multiplied as signed there, where code 0 (-128)
@@ -166,7 +188,7 @@ def test_block_quant_matmul_sums_the_largest_codes_exactly(library, bits, minimu
     codes[2::4] = 0
     scales = np.full((n, k // 32), 0.01, dtype=np.float32)
     mins = np.full((n, k // 32), 0.5, dtype=np.float32) if minimums else None
-    sess = block_quant_session(library, OP_TYPE, k, n, bits, pack(codes, scales, bits, mins))
+    sess = block_quant_session(library, OP_TYPE, k, n, bits, pack(codes, scales, bits, mins, high_bits))
     x = np.ones((9, k), dtype=np.float32)
     x[1] = -1.0
     x[2, ::2] = -1.0  # alternating signs
@@ -351,6 +373,8 @@ def test_block_quant_matmul_refuses_what_it_cannot_run(library):
     with pytest.raises(Exception, match="two-level scales need K a multiple of 256"):
         run(64, PackedTable(np.zeros((1, 2, 256), np.uint8), np.ones((1, 2, 16), np.int8),
                             np.ones((1, 0, 16), np.float16)))
+    with pytest.raises(Exception, match='high_bits must be "planes" or "packed", got "masks"'):
+        run(64, PackedTable(np.zeros((1, 2, 320), np.uint8), np.ones((1, 2, 16), np.float16), high_bits="masks"), 5)
     with pytest.raises(Exception, match="the minimums must have the scales' type and shape"):
         run(64, PackedTable(np.zeros((1, 2, 256), np.uint8), np.ones((1, 2, 16), np.float16), None,
                             np.ones((1, 2, 16), np.float32)))

@@ -1,4 +1,5 @@
-"""`pack` and its helpers (plugins/block_quant_matmul.py): codebooks, two-level scales, narrowing, row chunks."""
+"""`pack` and its helpers (plugins/block_quant_matmul.py): codebooks, two-level scales, narrowing, row chunks, the
+layouts of the further bits."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 from test_block_quant_ops import IQ3_S_CODES, format_case, k_quant_values
 
+from trtbuild.plugins import block_quant_matmul as bq
 from trtbuild.plugins.block_quant_matmul import (
     compact,
     compact_form,
@@ -154,3 +156,27 @@ def test_packing_in_row_chunks_gives_the_same_tables(monkeypatch, bits, block, s
         if want is not None:
             np.testing.assert_array_equal(got, want)
             assert got.dtype == want.dtype
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6])
+def test_further_bits_are_laid_out_as_the_contract_says(bits):
+    """Each code read back from B by the module docstring's formulas, in both layouts of its further bits."""
+    rng = np.random.default_rng(bits)
+    n, k = 20, 64  # two groups, the second half padding; two chunks
+    codes = rng.integers(0, 1 << bits, (n, k), dtype=np.uint8)
+    base, high = bq.base_bits(bits), bits - bq.base_bits(bits)
+    for layout in bq.HIGH_BITS:
+        b = bq.pack(codes, np.ones((n, k // 32), np.float32), bits, high_bits=layout).codes
+        assert b.shape == (2, 2, 16 * 32 * bits // 8)
+        for row, col in [(0, 0), (3, 5), (15, 63), (16, 31), (19, 40)]:
+            g, r, c, j, i = row // 16, row % 16, col // 32, col % 32 // 4, col % 4
+            chunk = b[g, c]
+            code = int(chunk[j % base * 64 + 4 * r + i] >> (base * (j // base))) & ((1 << base) - 1)
+            further = chunk[base * 64:]
+            if layout == "packed":
+                code |= (int(further[j % high * 64 + 4 * r + i] >> (high * (j // high))) & ((1 << high) - 1)) << base
+            else:
+                bit = 64 * j + 4 * r + i
+                for plane in range(high):
+                    code |= (int(further[plane * 64 + bit // 8] >> (bit % 8)) & 1) << (base + plane)
+            assert code == codes[row, col], (layout, row, col)
