@@ -42,6 +42,15 @@ __m512 activation16(__m512 g) {
   // NOTE: exp16 caps its argument at 88, so a very negative gate gives g / (1 + 1.6e38), i.e. 0, not a NaN
   return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+template <Act A>
+__m256 activation8(__m256 g) {  // as activation16 (exp8 caps its argument at 88 too)
+  __m256 z = g;
+  if constexpr (A == Act::kGeluTanh)
+    z = _mm256_mul_ps(_mm256_set1_ps(kGeluZ),
+                      _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), _mm256_mul_ps(g, g)), g, g));
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+}
 #endif
 
 // SwiGLU's clamped form; the defaults are plain silu(g) * u.
@@ -66,6 +75,15 @@ __m512 clamped_swiglu16(__m512 g, __m512 u, const Clamp& c) {
   const __m512 z = _mm512_mul_ps(_mm512_set1_ps(-c.alpha), g);
   const __m512 act = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(z)));
   return _mm512_mul_ps(act, _mm512_add_ps(u, _mm512_set1_ps(c.beta)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+__m256 clamped_swiglu8(__m256 g, __m256 u, const Clamp& c) {  // as clamped_swiglu16
+  const __m256 limit = _mm256_set1_ps(c.limit);
+  g = _mm256_min_ps(limit, g);
+  u = _mm256_min_ps(limit, _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), limit), u));
+  const __m256 z = _mm256_mul_ps(_mm256_set1_ps(-c.alpha), g);
+  const __m256 act = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(z)));
+  return _mm256_mul_ps(act, _mm256_add_ps(u, _mm256_set1_ps(c.beta)));
 }
 #endif
 
@@ -93,6 +111,11 @@ void glu_rows(void* data, size_t task) {
         _mm512_mask_storeu_ps(y + i, m, clamped_swiglu16(g, _mm512_maskz_loadu_ps(m, up + i), p.clamp));
       else
         _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(activation16<A>(g), _mm512_maskz_loadu_ps(m, up + i)));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= p.f; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i);
+      _mm256_storeu_ps(y + i, CLAMPED ? clamped_swiglu8(g, u, p.clamp) : _mm256_mul_ps(activation8<A>(g), u));
     }
 #endif
     for (; i < p.f; ++i) y[i] = CLAMPED ? clamped_swiglu(gate[i], up[i], p.clamp) : activation<A>(gate[i]) * up[i];
