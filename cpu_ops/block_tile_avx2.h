@@ -128,7 +128,7 @@ __m256i dots(const __m256i (&w)[8], const int32_t* x4, __m256i start) {
   return start;
 }
 
-// start + the lane-wise dot products of signed 8-bit codes w[j] (|w| in `magnitude`) with their 4 activation codes
+// The lane-wise dot products of signed 8-bit codes w[j] (|w| in `magnitude`) with their 4 activation codes
 // x4[j]: maddubs of |w| and x with w's sign, llama.cpp's way for Q8_0. NOTE: |w| <= 128 and |x| <= 127, so a pair
 // sums to at most 32512 and never saturates: one maddubs per vector, where unsigned codes need two.
 template <int J0, int N>
@@ -163,9 +163,10 @@ void tile(const Problem& p, int64_t g, int64_t t0) {
   const int64_t nb = q.blocks;
   const int64_t gt = p.group_base + g;  // the table's group (g: the output's)
   const uint8_t* codes = p.b + gt * nb * kBytes;
+  // a codebook's 8-bit codes, as signed ones when they are multiplied so
   const __m256i codebook = LUT ? _mm256_xor_si256(_mm256_broadcastsi128_si256(_mm_loadu_si128(
                                                       reinterpret_cast<const __m128i*>(p.codebook))),
-                                                  _mm256_set1_epi8(static_cast<char>(0x80)))
+                                                  _mm256_set1_epi8(static_cast<char>(kSigned ? 0x80 : 0)))
                                : _mm256_setzero_si256();
   __m256 acc[2][T];
   for (int h = 0; h < 2; ++h)

@@ -169,8 +169,11 @@ def test_softcap_bends_the_scores(library, head, pool_dtype, softcap, window, q_
     sess, data, attrs = real_shape_case(8, 2, head, 16, seqs, seed=int(softcap * 10) + window + 300,
                                         pool_dtype=pool_dtype, window=window, softcap=softcap, q_gain=q_gain)
     got = sess.run(None, data)
+    # NOTE: scores of ~1e3 (q_gain 1000) carry float32 rounding of ~1e-4 that differs with the order a path sums in
+    # (16 lanes, 2 x 8 lanes, the reference's BLAS), and a soft-cap of 1 passes it on where a score is near 0
+    tolerance = 1e-5 if q_gain < 1000 else 5e-5
     for name, g, w in zip(pa.OUTPUTS, got, reference(data, attrs), strict=True):
-        np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(g.reshape(w.shape), w, rtol=tolerance, atol=tolerance, err_msg=name)
     uncapped = reference(data, {k: v for k, v in attrs.items() if k != "softcap"})[0]
     assert not np.allclose(got[0].reshape(uncapped.shape), uncapped, atol=1e-3)
 
