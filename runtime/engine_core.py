@@ -109,8 +109,8 @@ class EngineCore:
             if self.proposer is not None:
                 self.proposer.warm_up(limits.max_batch_size, limits.max_num_tokens)
             self.start_seconds["warm_up"] = time.perf_counter() - start
-            log.info("warmed up: KV pool resident and one %d-token step in %.2f s", limits.max_num_tokens,
-                     self.start_seconds["warm_up"])
+            log.info("warmed up: KV pool resident and one step of %d sequences in %.2f s",
+                     max(1, min(limits.max_batch_size, limits.max_num_tokens)), self.start_seconds["warm_up"])
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,

@@ -106,9 +106,9 @@ def test_start_up_makes_the_kv_pool_resident(llama_engine):
 
 
 def test_start_up_warm_up_writes_only_block_0_and_changes_no_tokens(llama_engine):
-    """The start-up step (the engine's largest batch: max_batch_size prompts sharing max_num_tokens) runs before any
-    request owns a block and writes only block 0; a pool of 6 blocks hands block 0 out again, and every request
-    gets the tokens an engine without the warm-up gives it."""
+    """The start-up step (the engine's largest batch: max_batch_size sequences of one token) runs before any request
+    owns a block and writes only block 0; a pool of 6 blocks hands block 0 out again, and every request gets the
+    tokens an engine without the warm-up gives it."""
     cold = EngineCore(llama_engine, config(warm_up=False, kv_cache_blocks=6))
     warm = EngineCore(llama_engine, config(kv_cache_blocks=6, max_num_tokens=64, max_batch_size=4))
     assert not cold.engine.kv.pool.any()
