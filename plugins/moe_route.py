@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trtbuild.plugins import block_quant_matmul as bq
+from trtbuild.plugins.block_quant_reference import reference_block_quant_matmul
 
 DOMAIN = "trtbuild"
 OP_TYPE = "MoERoute"
@@ -39,7 +39,7 @@ def reference_block_quant_matmul_experts(x: np.ndarray, offsets: np.ndarray, cod
                                          bias: np.ndarray | None = None) -> np.ndarray:
     """A table of experts (the op's `experts` mode): y [M, N / E] in float64, each run of x's rows offsets[e] ..
     offsets[e + 1] times expert e's rows e·N/E .. (e + 1)·N/E of the table (codes [N, K], scales and optional
-    minimums [N, K / block]) as `block_quant_matmul.reference_block_quant_matmul`, plus their slice of `bias` [N]
+    minimums [N, K / block]) as `block_quant_reference.reference_block_quant_matmul`, plus their slice of `bias` [N]
     where there is one. Rows past offsets[E] stay 0 here (the op leaves them unwritten)."""
     n = codes.shape[0]
     rows = n // experts
@@ -49,7 +49,7 @@ def reference_block_quant_matmul_experts(x: np.ndarray, offsets: np.ndarray, cod
         run, table = slice(int(offsets[e]), int(offsets[e + 1])), slice(e * rows, (e + 1) * rows)
         if run.stop > run.start:
             s, m = (None if a is None else a[table].reshape(-1) for a in per_row)
-            y[run] = bq.reference_block_quant_matmul(x[run], codes[table], s, bits, m, codebook)
+            y[run] = reference_block_quant_matmul(x[run], codes[table], s, bits, m, codebook)
             if bias is not None:
                 y[run] += bias[table].astype(np.float64)
     return y

@@ -28,9 +28,8 @@ from trtbuild.plugins.block_quant_matmul import (
     compact,
     narrow,
     pack,
-    reference_block_quant_gather,
-    reference_block_quant_matmul,
 )
+from trtbuild.plugins.block_quant_reference import reference_block_quant_gather, reference_block_quant_matmul
 
 TABLE_INPUTS = ("B", "S", "S_super", "mins", "mins_super")
 

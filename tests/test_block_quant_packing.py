@@ -13,10 +13,10 @@ from trtbuild.plugins.block_quant_matmul import (
     compact_form,
     narrow,
     pack,
-    reference_block_quant_gather,
     two_level,
     unpack_nbits,
 )
+from trtbuild.plugins.block_quant_reference import reference_block_quant_gather
 
 
 def test_compact_takes_a_codebook_only_where_it_holds_8_bit_codes_in_fewer_bits():
