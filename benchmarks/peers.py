@@ -3,16 +3,17 @@
 
     python benchmarks/peers.py --gguf model.gguf [--hf-dir hf/] [--llama-bin ~/.cache/trtbuild-peers/llama-build/bin]
         [--threads 2] [--rounds 3] [--prompt 128] [--gen 128] [--parallel 16] [--ubatch 512] [--work /tmp/peers]
-        [--json out.json]
+        [--depth 0] [--json out.json]
 
 Measured, like llama-bench: prefill of one `--prompt`-token prompt (tok/s; its time is the TTFT), batch-1 decode of
 `--gen` tokens (tok/s), and `--parallel` concurrent requests of `--prompt` + `--gen` tokens (output tok/s over the
-whole run, prefill included), plus each system's peak RSS. trtbuild runs the engine built from the GGUF as it is
-(its quantized tensors stay quantized, its build options the defaults), with KV pools of the tokens llama.cpp's
-contexts hold. Every system runs in its own process, one after another; rounds alternate the systems (this VM's
-speed drifts) and the table gives medians and trtbuild / peer ratios. A peer that is not there is reported as
-missing. Both run steps of at most `--ubatch` tokens (llama.cpp's n_ubatch). `--smoke` is a seconds-long run for CI
-(tiny lengths, one round).
+whole run, prefill included), plus each system's peak RSS. With `--depth D`, batch-1 decode runs after a D-token
+context (`llama-bench -d D`; trtbuild: a D-token prompt first), where attention reads D keys a token. trtbuild runs
+the engine built from the GGUF as it is (its quantized tensors stay quantized, its build options the defaults), with
+KV pools of the tokens llama.cpp's contexts hold. Every system runs in its own process, one after another; rounds
+alternate the systems (this VM's speed drifts) and the table gives medians and trtbuild / peer ratios. A peer that
+is not there is reported as missing. Both run steps of at most `--ubatch` tokens (llama.cpp's n_ubatch). `--smoke`
+is a seconds-long run for CI (tiny lengths, one round).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def build_trtbuild(gguf: Path, work: Path, args: argparse.Namespace) -> Path:
     shutil.rmtree(ckpt, ignore_errors=True)
     for cmd in (["convert", "--model", str(gguf), "--output", str(ckpt)],
                 ["build", "--checkpoint", str(ckpt), "--output", str(engine), "--max-batch-size", str(args.parallel),
-                 "--max-seq-len", str(max(256, args.prompt + args.gen)),
+                 "--max-seq-len", str(max(256, single_context(args))),
                  "--max-num-tokens", str(step_tokens(args))]):
         run_timed(["trtbuild", *cmd])
     shutil.rmtree(ckpt)
@@ -108,9 +109,10 @@ def measure_trtbuild(engine: Path, part: str, args: argparse.Namespace) -> dict[
                                           kv_cache_blocks=blocks(args.prompt + args.gen, args.parallel) + slack))
         return {"parallel_output_tok_s": parallel["output_throughput"]}
     core = EngineCore(engine, RuntimeConfig(num_threads=args.threads, max_batch_size=1, enable_prefix_caching=False,
-                                            kv_cache_blocks=blocks(args.prompt + args.gen, 1)))
+                                            kv_cache_blocks=blocks(single_context(args), 1)))
     vocab = core.vocab_size
-    prompt = [(7 * i + 3) % (vocab - 10) + 5 for i in range(args.prompt)]
+    tokens = lambda n: [(7 * i + 3) % (vocab - 10) + 5 for i in range(n)]  # noqa: E731
+    prompt = tokens(args.prompt)
 
     def prefill() -> float:
         core.add_request(core.make_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
@@ -123,9 +125,11 @@ def measure_trtbuild(engine: Path, part: str, args: argparse.Namespace) -> dict[
     # beside llama.cpp's 21 GB) otherwise pays for faulting its weights back in from disk in the timed one
     prefill()
     prefill_s = prefill()
-    # batch-1 decode: a 1-token prompt, then `gen` tokens; the first step (the prompt) is not counted
-    core.add_request(core.make_request(prompt[:1], SamplingParams(max_tokens=args.gen + 1, ignore_eos=True)))
-    core.step()
+    # batch-1 decode: a `depth`-token (at least 1) prompt, then `gen` tokens; the prompt's steps are not counted
+    core.add_request(core.make_request(tokens(max(1, args.depth)),
+                                       SamplingParams(max_tokens=args.gen + 1, ignore_eos=True)))
+    while not any(out.new_token_ids for out in core.step()):
+        pass
     start = time.perf_counter()
     while core.has_unfinished():
         core.step()
@@ -139,7 +143,7 @@ def trtbuild_round(engine: Path, args: argparse.Namespace) -> dict[str, float]:
     for part in ("single", "parallel"):
         out, rss = run_timed([sys.executable, __file__, "--measure-trtbuild", str(engine), "--part", part,
                               "--threads", str(args.threads), "--prompt", str(args.prompt), "--gen", str(args.gen),
-                              "--parallel", str(args.parallel)])
+                              "--parallel", str(args.parallel), "--depth", str(args.depth)])
         result.update(json.loads(out.splitlines()[-1]))
         peak = max(peak, rss)
     return {**result, "peak_rss_mib": peak / 2**20}
@@ -150,6 +154,11 @@ def step_tokens(args: argparse.Namespace) -> int:
     tokens of llama.cpp's steps. NOTE: a step's working memory grows with its tokens (Gemma 3 1B: peak RSS 1016
     MiB in 512-token steps, 1332 MiB in 2048-token ones, prefill 4% faster), so the two compare at equal steps."""
     return min(max(args.prompt, 256), args.ubatch)
+
+
+def single_context(args: argparse.Namespace) -> int:
+    """KV tokens of the one-sequence runs: the prompt, or the decode's context and its first token, and the output."""
+    return max(args.prompt, args.depth + 1) + args.gen
 
 
 # ---- llama.cpp ------------------------------------------------------------------------------------------------------
@@ -165,6 +174,10 @@ def llama_round(gguf: Path, bin_dir: Path, args: argparse.Namespace) -> dict[str
     tests = json.loads(out)
     prefill = next(t["avg_ts"] for t in tests if t["n_prompt"] == args.prompt and t["n_gen"] == 0)
     decode = next(t["avg_ts"] for t in tests if t["n_gen"] == args.gen and t["n_prompt"] == 0)
+    if args.depth:  # NOTE: its own run: `-d` would put the prefill after the context too
+        out, rss_d = run_timed([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(args.gen),
+                                "-d", str(args.depth), "-r", "1", "-o", "json", *threads])
+        decode, rss = json.loads(out)[0]["avg_ts"], max(rss, rss_d)
     ctx = batched_context(args)
     table, rss_b = run_timed([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-c", str(ctx), "-npp",
                               str(args.prompt), "-ntg", str(args.gen), "-npl", str(args.parallel), *threads])
@@ -251,9 +264,10 @@ def table(medians: dict[str, dict[str, float]], missing: dict[str, str], args: a
         lines.append("| " + " | ".join(cells) + " |")
     for peer, why in missing.items():
         lines.append(f"missing: {peer} ({why})")
+    depth = f" after a {args.depth}-token context" if args.depth else ""
     lines.append(f"({args.rounds} round(s), medians; {args.threads} threads; prompt {args.prompt}, generate "
-                 f"{args.gen}, {args.parallel} concurrent, steps of at most {step_tokens(args)} tokens; ratios > 1: "
-                 "trtbuild better)")
+                 f"{args.gen}{depth}, {args.parallel} concurrent, steps of at most {step_tokens(args)} tokens; "
+                 "ratios > 1: trtbuild better)")
     return "\n".join(lines)
 
 
@@ -267,6 +281,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--parallel", type=int, default=16)
+    p.add_argument("--depth", type=int, default=0, help="Tokens of context before the batch-1 decode.")
     p.add_argument("--ubatch", type=int, default=512,
                    help="Most tokens per step: llama.cpp's -ub (its default), the trtbuild engine's max_num_tokens.")
     p.add_argument("--work", type=Path, default=None, help="Where the engine is built [a temporary folder].")
