@@ -88,6 +88,19 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// Lane j of the result is the sum of v[j]'s 8 lanes (transpose_sum16's pairs and quads, then one 128-bit swap).
+inline __m256 transpose_sum8(const __m256* v) {
+  __m256 pairs[4], quads[2];
+  for (int i = 0; i < 4; ++i)
+    pairs[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) {
+    const __m256d a = _mm256_castps_pd(pairs[2 * i]), b = _mm256_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(quads[0], quads[1], 0x20),
+                       _mm256_permute2f128_ps(quads[0], quads[1], 0x31));
+}
+
 // e^x of 8 floats, as exp16 computes it, with 2^n made in the exponent bits: x is kept within [-87, 88] so that n
 // stays within float's normal exponents (e^-87 = 1.6e-38 stands for anything smaller).
 inline __m256 exp8(__m256 x) {

@@ -71,7 +71,7 @@ def real_shape_case(heads: int, kv_heads: int, head: int, block: int, seqs: list
     rng = np.random.default_rng(seed)
     width = max(-(-(past + n) // block) for past, n in seqs)
     tables = rng.permutation(len(seqs) * width).reshape(len(seqs), width).astype(np.int64)
-    tokens, max_pos = sum(n for _, n in seqs), 512
+    tokens, max_pos = sum(n for _, n in seqs), max(512, *(past + n for past, n in seqs))
     angles = np.arange(max_pos)[:, None] * 10000.0 ** (-np.arange(0, head, 2) / head)[None, :]
     data = {"q": rng.standard_normal((tokens, heads * head), dtype=np.float32) * np.float32(q_gain),
             "k": rng.standard_normal((tokens, kv_heads * head), dtype=np.float32),
@@ -137,11 +137,13 @@ def test_float16_pool_matches_reference(library, heads, kv_heads, head, block, s
 
 
 @pytest.mark.parametrize(("head", "pool_dtype"), [(64, np.float32), pytest.param(48, np.float16, marks=needs_f16c),
-                                                  (24, np.float32)], ids=["vectorized", "float16_pool", "generic"])
+                                                  (24, np.float32), (20, np.float32)],
+                         ids=["vectorized", "float16_pool", "d24", "generic"])
 @pytest.mark.parametrize("window", [1, 5, 16, 21, 200])
 def test_a_sliding_window_hides_the_oldest_keys(library, head, pool_dtype, window):
     """Each query sees its last `window` keys only: windows inside a block, at a block, across the past / new
-    boundary, longer than any sequence (then as without one), over the vectorized, float16 and generic paths."""
+    boundary, longer than any sequence (then as without one), over the vectorized, float16 and generic paths (a
+    head of 24 is AVX2's, and generic on AVX-512; one of 20 generic everywhere)."""
     seqs = [(37, 1), (0, 21), (16, 5), (15, 1), (100, 3)]
     # NOTE: seed 16 makes one rotated key round to float16 differently in the reference (from float64) than in the
     # op (from float32), 4e-5 off with or without a window; these seeds do not
@@ -156,7 +158,8 @@ def test_a_sliding_window_hides_the_oldest_keys(library, head, pool_dtype, windo
 
 
 @pytest.mark.parametrize(("head", "pool_dtype"), [(64, np.float32), pytest.param(48, np.float16, marks=needs_f16c),
-                                                  (24, np.float32)], ids=["vectorized", "float16_pool", "generic"])
+                                                  (24, np.float32), (20, np.float32)],
+                         ids=["vectorized", "float16_pool", "d24", "generic"])
 @pytest.mark.parametrize(("softcap", "window", "q_gain"), [(0.5, 0, 1.0), (3.0, 0, 1.0), (50.0, 0, 4.0),
                                                            (2.0, 5, 1.0), (5.0, 0, 40.0), (1.0, 21, 1000.0)],
                          ids=["tight", "loose", "gemma2_cap", "windowed", "large_scores", "huge_scores_windowed"])
@@ -246,6 +249,44 @@ def test_sinks_of_the_wrong_size_are_an_error(library):
         sess.run(None, data)
 
 
+@pytest.mark.parametrize("head", [8, 24, 40, 72, 80, 112, 136, 256])
+@pytest.mark.parametrize("pool_dtype", [np.float32, pytest.param(np.float16, marks=needs_f16c)],
+                         ids=["float32_pool", "float16_pool"])
+def test_every_head_size_of_eights_matches_reference_over_long_pasts(library, head, pool_dtype):
+    """Multiples of 8 (AVX2's path scores 32 of a head's values a pass, then 24, 16 or 8; AVX-512's takes 16 to 128
+    in steps of 16 and 256, the generic path the rest) against pasts of a few hundred keys, across the AVX2 path's
+    128-key blocks of values, with a query head left over from its pairs (7 of a KV head) and one split over tasks."""
+    # NOTE: few new tokens, and seeds, such that no new key's float32 RoPE rounds to float16 otherwise than the
+    # reference's float64 one (the more new keys, the likelier such a tie; see the sliding-window test)
+    for seed, seqs in ((head + 7, [(300, 1), (250, 3), (127, 2), (0, 5)]), (head + 8, [(333, 1)])):
+        sess, data, attrs = real_shape_case(14, 2, head, 16, seqs, seed=seed, pool_dtype=pool_dtype)
+        got = sess.run(None, data)
+        for name, g, w in zip(pa.OUTPUTS, got, reference(data, attrs), strict=True):
+            np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=f"{name} {seqs}")
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head", "seqs"),
+                         [(14, 2, 64, [(2000, 1)]), (4, 1, 64, [(700, 1), (0, 1), (5, 1)]), (4, 1, 128, [(1500, 1)]),
+                          (8, 2, 20, [(900, 1)])],
+                         ids=["gqa_two_ranges", "mqa_beside_short_contexts", "mqa_four_ranges", "generic_d20"])
+@pytest.mark.parametrize(("pool_dtype", "window", "softcap", "sinks"),
+                         [(np.float32, 0, 0.0, False), (np.float32, 600, 0.0, False), (np.float32, 0, 20.0, True),
+                          pytest.param(np.float16, 0, 0.0, True, marks=needs_f16c)],
+                         ids=["plain", "window600", "softcap_sinks", "float16_pool_sinks"])
+def test_long_contexts_of_few_tokens_split_their_keys_over_tasks(library, heads, kv_heads, head, seqs, pool_dtype,
+                                                                 window, softcap, sinks):
+    """Steps of fewer (token, KV head) pairs than four over contexts of 512 keys or more split each token's keys
+    into ranges of 256 or more, a task each, combined by their log-sum-exps: two and four ranges, empty ranges of
+    short contexts beside a long one, a window that shortens the context, soft-capping, and sinks (added once,
+    at the combination)."""
+    sess, data, attrs = real_shape_case(heads, kv_heads, head, 16, seqs, seed=head + len(seqs), pool_dtype=pool_dtype,
+                                        window=window, softcap=softcap,
+                                        sinks=sinks_of(heads, seed=heads) if sinks else None)
+    got = sess.run(None, data)
+    for name, g, w in zip(pa.OUTPUTS, got, reference(data, attrs), strict=True):
+        np.testing.assert_allclose(g.reshape(w.shape), w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 @needs_f16c
 def test_float16_pool_attends_new_rows_as_stored(library):
     """In a fresh prefill every attended row is new, and the outputs follow the rounded rows, not the unrounded
@@ -262,8 +303,8 @@ def test_float16_pool_attends_new_rows_as_stored(library):
 @needs_f16c
 @pytest.mark.parametrize("head", [8, 24, 36])
 def test_float16_pool_of_any_head_size_is_read_on_the_generic_path(library, head):
-    """Head sizes the vectorized path does not take (and, without AVX-512, all of them): the rows widened by F16C,
-    the step's own keys and values rounded as the pool will hold them, as on the vectorized path."""
+    """Head sizes no vectorized path takes (36; 8 and 24 on AVX-512 builds): the rows widened by F16C, the step's
+    own keys and values rounded as the pool will hold them, as on the vectorized paths."""
     sess, data, attrs = real_shape_case(4, 2, head, 16, [(37, 1), (0, 21), (16, 5)], seed=head, pool_dtype=np.float16)
     got = sess.run(None, data)
     for name, g, w in zip(pa.OUTPUTS, got, reference(data, attrs), strict=True):
