@@ -119,12 +119,7 @@ void attend_avx2(const Task& a) {
   rows.resize(static_cast<size_t>(stride + visible));
   zeros.assign(static_cast<size_t>(d), T{});
   const T** values = rows.data() + stride;
-  for (int64_t j = 0; j < visible; ++j) {  // NOTE: one block-table lookup (and division) per block, not per row
-    const int64_t key = a.first + j;
-    const bool next_in_block = j > 0 && key < a.past && key % a.s.bs;
-    rows[j] = next_in_block ? rows[j - 1] + d : a.row<T>(key, 0);
-    values[j] = next_in_block ? values[j - 1] + d : a.row<T>(key, 1);
-  }
+  a.rows(rows.data(), values);
   for (int64_t j = visible; j < stride; ++j) rows[j] = zeros.data();
   const float* q = a.queries();
   // NOTE: the pool's rows are scattered over a pool far larger than the caches, a few KiB per block: while 8 keys

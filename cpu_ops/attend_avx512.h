@@ -92,12 +92,7 @@ void attend_vectorized(const Task& a) {
   inv.resize(static_cast<size_t>(a.nh));
   alignas(64) static const T zeros[16 * DV] = {};
   const T** values = rows.data() + stride;
-  for (int64_t j = 0; j < visible; ++j) {  // NOTE: one block-table lookup (and division) per block, not per row
-    const int64_t key = a.first + j;
-    const bool next_in_block = j > 0 && key < a.past && key % a.s.bs;
-    rows[j] = next_in_block ? rows[j - 1] + kD : a.row<T>(key, 0);
-    values[j] = next_in_block ? values[j - 1] + kD : a.row<T>(key, 1);
-  }
+  a.rows(rows.data(), values);
   for (int64_t j = visible; j < stride; ++j) rows[j] = zeros;
   const float* q = a.queries();
   const __m512 scale = _mm512_set1_ps(a.s.scale);

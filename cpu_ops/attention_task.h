@@ -71,6 +71,17 @@ struct Task {
     return static_cast<const T*>(which ? s.v_new : s.k_new) + ((start + j - past) * s.kv_heads + g) * d;
   }
 
+  // keys[j] and values[j]: the rows of keys first + j (j < visible - first)
+  template <typename T>
+  void rows(const T** keys, const T** values) const {
+    for (int64_t j = 0; j < visible - first; ++j) {  // NOTE: one block-table lookup (and division) per block
+      const int64_t key = first + j;
+      const bool next_in_block = j > 0 && key < past && key % s.bs;
+      keys[j] = next_in_block ? keys[j - 1] + s.d : row<T>(key, 0);
+      values[j] = next_in_block ? values[j - 1] + s.d : row<T>(key, 1);
+    }
+  }
+
   const float* queries() const { return s.q + (t * s.heads + h0) * s.d; }
   float* out() const { return output; }
 };

@@ -80,10 +80,13 @@ void attend_generic(const Task& a) {
   thread_local std::vector<float> row_buffer;
   const int64_t nh = a.nh, visible = a.visible - a.first, d = a.s.d;  // keys a.first .. as 0 ..
   thread_local std::vector<float> probs;  // [nh, visible]
+  thread_local std::vector<const T*> rows;  // keys, then values
   probs.resize(static_cast<size_t>(nh * visible));
+  rows.resize(static_cast<size_t>(2 * visible));
+  a.rows(rows.data(), rows.data() + visible);
   const float* q = a.queries();
   for (int64_t j = 0; j < visible; ++j) {
-    const float* k = widened(a.row<T>(a.first + j, 0), d, row_buffer);
+    const float* k = widened(rows[j], d, row_buffer);
     for (int64_t h = 0; h < nh; ++h) probs[h * visible + j] = a.s.scale * dot(q + h * d, k, d);
   }
   if (const float cap = a.s.softcap; cap > 0.0f)
@@ -97,7 +100,7 @@ void attend_generic(const Task& a) {
   float* out = a.out();
   std::fill(out, out + nh * d, 0.0f);
   for (int64_t j = 0; j < visible; ++j) {
-    const float* v = widened(a.row<T>(a.first + j, 1), d, row_buffer);
+    const float* v = widened(rows[visible + j], d, row_buffer);
     for (int64_t h = 0; h < nh; ++h) axpy(probs[h * visible + j], v, out + h * d, d);
   }
 }
