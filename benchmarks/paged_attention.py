@@ -4,7 +4,7 @@ a past of P tokens each, and one prefill; alternated rounds, medians of microsec
 nodes, divided by 24, so that session.run's own overhead hardly counts).
 
     python benchmarks/paged_attention.py [--batches 1,4,16] [--past 128] [--prefill 128] [--threads 2] [--rounds 7]
-        [--compare-library OLD.so] [--float16-pool] [--sinks]
+        [--compare-library OLD.so] [--float16-pool] [--sinks] [--softcap 50]
 
 Prints microseconds per node of the current library on a float32 pool; with `--compare-library` (a copy of an
 earlier build of the library) it runs the same calls through that library too, and with `--float16-pool` through
@@ -30,7 +30,8 @@ from trtbuild.plugins import paged_attention as pa
 HEADS, KV_HEADS, HEAD, BLOCK, LAYERS, MAX_POS = 14, 2, 64, 16, 24, 4096
 
 
-def session(library: str, threads: int, pool_type: int, sinks: bool = False) -> ort.InferenceSession:
+def session(library: str, threads: int, pool_type: int, sinks: bool = False,
+            softcap: float = 0.0) -> ort.InferenceSession:
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     inputs = [helper.make_tensor_value_info(n, t, s) for n, t, s in (
         ("q", f32, ["T", HEADS * HEAD]), ("k", f32, ["T", KV_HEADS * HEAD]), ("v", f32, ["T", KV_HEADS * HEAD]),
@@ -40,7 +41,8 @@ def session(library: str, threads: int, pool_type: int, sinks: bool = False) -> 
         + ((("sinks", f32, [HEADS]),) if sinks else ())]
     nodes = [helper.make_node(pa.OP_TYPE, [i.name for i in inputs], [f"{o}{layer}" for o in pa.OUTPUTS],
                               domain=pa.DOMAIN, layer_idx=layer, num_heads=HEADS, num_kv_heads=KV_HEADS,
-                              head_size=HEAD, tokens_per_block=BLOCK, scale=HEAD**-0.5, rotary=1)
+                              head_size=HEAD, tokens_per_block=BLOCK, scale=HEAD**-0.5, rotary=1,
+                              **({"softcap": softcap} if softcap else {}))
              for layer in range(LAYERS)]
     outputs = [helper.make_tensor_value_info(o, f32, None) for n in nodes for o in n.output]
     model = helper.make_model(helper.make_graph(nodes, "attention", inputs, outputs),
@@ -87,6 +89,7 @@ def main() -> None:
     p.add_argument("--compare-library", help="an earlier build of the library, run on the same calls")
     p.add_argument("--float16-pool", action="store_true", help="also run the current library on a float16 pool")
     p.add_argument("--sinks", action="store_true", help="also run the current library with attention sinks")
+    p.add_argument("--softcap", type=float, default=0.0, help="every run with this soft-cap of the scores (Gemma 2)")
     args = p.parse_args()
     current = str(cpu_ops.library_path())
     variants = {"current": (current, TensorProto.FLOAT)}
@@ -98,7 +101,8 @@ def main() -> None:
             variants["compared float16 pool"] = (args.compare_library, TensorProto.FLOAT16)
     if args.sinks:
         variants["sinks"] = (current, TensorProto.FLOAT)
-    sessions = {name: session(lib, args.threads, pool, name == "sinks") for name, (lib, pool) in variants.items()}
+    sessions = {name: session(lib, args.threads, pool, name == "sinks", args.softcap)
+                for name, (lib, pool) in variants.items()}
     pool_dtype = {name: helper.tensor_dtype_to_np_dtype(pool) for name, (_, pool) in variants.items()}
     rng = np.random.default_rng(0)
     cases = {f"decode B={b} past={args.past}": [(args.past, 1)] * b for b in map(int, args.batches.split(","))}

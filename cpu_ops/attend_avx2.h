@@ -147,8 +147,7 @@ void attend_avx2(const Task& a) {
   float* out = a.out();
   for (int64_t h = 0; h < nh; ++h) {
     float* p = probs.data() + h * stride;
-    if (cap > 0.0f)
-      for (int64_t j = 0; j < visible; ++j) p[j] = cap * std::tanh(p[j] / cap);
+    if (cap > 0.0f) soft_cap(p, visible, cap);
     const float inv = inverse_denominator(a, h, max_of(p, visible),
                                           [&](float max_score) { return exp_shifted(p, visible, max_score); });
     for (int64_t j = 0; j < visible; ++j) p[j] *= inv;

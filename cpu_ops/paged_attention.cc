@@ -89,8 +89,7 @@ void attend_generic(const Task& a) {
     const float* k = widened(rows[j], d, row_buffer);
     for (int64_t h = 0; h < nh; ++h) probs[h * visible + j] = a.s.scale * dot(q + h * d, k, d);
   }
-  if (const float cap = a.s.softcap; cap > 0.0f)
-    for (float& p : probs) p = cap * std::tanh(p / cap);
+  if (const float cap = a.s.softcap; cap > 0.0f) soft_cap(probs.data(), nh * visible, cap);
   for (int64_t h = 0; h < nh; ++h) {
     float* p = probs.data() + h * visible;
     const float inv = inverse_denominator(a, h, *std::max_element(p, p + visible),

@@ -116,6 +116,18 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 
+// tanh of 8 floats, as tanh16 computes it (exp8 keeps e^2x within float's range, so the result stays in [-1, 1])
+inline __m256 tanh8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f), x2 = _mm256_mul_ps(x, x);
+  const __m256 e = exp8(_mm256_add_ps(x, x));
+  const __m256 far = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+  __m256 p = _mm256_set1_ps(62.0f / 2835.0f);
+  for (const float c : {-17.0f / 315.0f, 2.0f / 15.0f, -1.0f / 3.0f}) p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(c));
+  const __m256 near = _mm256_fmadd_ps(_mm256_mul_ps(x, x2), p, x);
+  const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  return _mm256_blendv_ps(far, near, _mm256_cmp_ps(magnitude, _mm256_set1_ps(0.25f), _CMP_LT_OQ));
+}
+
 // NOTE: without -ffast-math the compiler keeps a scalar sum's order and so never vectorizes it: one add at a time,
 // each waiting for the last. With that and std::exp, the generic attention took 1.35-2.3x as long (Qwen2.5-0.5B
 // shape, decode and prefill steps: benchmarks/paged_attention.py --compare-library, AMD EPYC Zen 3).
@@ -153,6 +165,21 @@ inline void axpy(float w, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
 }
 #endif
+
+// p[j] = cap * tanh(p[j] / cap) for j < n (attention's soft-capping)
+inline void soft_cap(float* p, int64_t n, float cap) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16)
+    _mm512_storeu_ps(p + j, _mm512_mul_ps(_mm512_set1_ps(cap),
+                                          tanh16(_mm512_div_ps(_mm512_loadu_ps(p + j), _mm512_set1_ps(cap)))));
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(p + j, _mm256_mul_ps(_mm256_set1_ps(cap),
+                                          tanh8(_mm256_div_ps(_mm256_loadu_ps(p + j), _mm256_set1_ps(cap)))));
+#endif
+  for (; j < n; ++j) p[j] = cap * std::tanh(p[j] / cap);
+}
 
 // p[j] = e^(p[j] - m) for j < n; returns their sum (eight at a time with AVX2 alone: AVX-512's attention has its own).
 inline float exp_shifted(float* p, int64_t n, float m) {
