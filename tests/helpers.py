@@ -54,6 +54,8 @@ RANDOM_CONFIGS = {
     # q, k, v and o biases (attention_bias), and the MLP's (mlp_bias)
     "llama_bias": ("LlamaConfig", dict(_COMMON, rope_theta=10000.0, attention_bias=True, mlp_bias=True)),
     "qwen2": ("Qwen2Config", dict(_COMMON, rope_theta=1000000.0)),
+    # contexts past 512 keys, where a decode step's attention splits each token's keys into ranges over tasks
+    "qwen2_long": ("Qwen2Config", dict(_COMMON, rope_theta=1000000.0, max_position_embeddings=1024)),
     # YaRN past an original context of 64 (Qwen2.5's long-context form, 4 times it): pairs 0 to 2 of each head run
     # on the ramp's blend of original and interpolated speeds, the others interpolated, cos / sin scaled by 1.14
     "qwen2_yarn": ("Qwen2Config", dict(_COMMON, rope_theta=1000000.0, rope_scaling={

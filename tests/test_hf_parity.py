@@ -99,6 +99,26 @@ def test_yarn_past_its_original_context(hf_and_engine):
         assert_close(engine.step([chunk(0, [ids[pos]], pos, groups=groups)])[0], expected[pos])
 
 
+def test_decode_steps_after_a_long_context(random_hf_model, engine_from_hf):
+    """A 700-token prompt in chunks of 256, then decode steps up to position 711: a decode step of one sequence over
+    more than 512 keys splits each token's keys into ranges, a task each, combined by their log-sum-exps
+    (cpu_ops/attention_task.h); prefill and decode logits match transformers."""
+    from transformers import AutoModelForCausalLM
+
+    path = random_hf_model("qwen2_long")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = CpuEngine(engine_from_hf(path, max_batch_size=1, max_num_tokens=256, max_seq_len=1024), num_threads=2,
+                       num_blocks=130)
+    ids = prompt(hf.config.vocab_size, 712, seed=7)
+    expected, blocks = hf_logits(hf, ids), list(range(128))
+    for start in range(0, 700, 256):
+        n = min(256, 700 - start)
+        got = engine.step([SequenceChunk(0, ids[start:start + n], start, n, blocks)])
+        assert_close(got, expected[start:start + n])
+    for pos in range(700, len(ids)):
+        assert_close(engine.step([SequenceChunk(0, [ids[pos]], pos, 1, blocks)])[0], expected[pos])
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_mixed_batch_and_chunked_prefill(name, hf_and_engine):
     """One step holding a decode token, a first prefill chunk and a continuing prefill chunk of different lengths."""
