@@ -151,10 +151,9 @@ class TacticLowering:
         self.native_linears = NativeLinears(cpu_ops.high_bits_layout())
         self.float_zero_points = FloatZeroPoints()
         # NOTE: DenseMatMul's AVX2 tiles beat MLAS's SGEMM only where they read 16-bit weights (dense_linears.py);
-        # LoraAdd is written with AVX-512 only: elsewhere LoRA branches stay standard ops beside the dense linears
-        avx512 = cpu_ops.has_avx512()
-        self.dense_linears = DenseLinears(sixteen_bit_only=not avx512)
-        self.lora_add = avx512
+        # LoraAdd runs on AVX-512 or AVX2, whichever linears its branches sit beside
+        self.dense_linears = DenseLinears(sixteen_bit_only=not cpu_ops.has_avx512())
+        self.lora_add = cpu_ops.runs_dense()
 
     def __call__(self, model: onnx.ModelProto, build: BuildConfig) -> list[str]:
         """Lower `model` in place; returns the native lowerings applied, as "name:count"."""

@@ -112,16 +112,15 @@ def high_bits_layout() -> str:
 
 
 def has_avx512() -> bool:
-    """Whether this CPU has AVX-512: the vectorized attention and LoraAdd are written with it, and DenseMatMul's
-    widest tiles."""
+    """Whether this CPU has AVX-512: the widest tiles of the vectorized attention, DenseMatMul and LoraAdd."""
     from trtbuild.builder.engine_dir import cpu_features
 
     return "avx512f" in cpu_features()
 
 
 def runs_dense() -> bool:
-    """Whether DenseMatMul / DenseGather have tiles for this CPU: AVX-512, or AVX2 (cpu_ops/float_weights.h picks
-    the same way when the library compiles)."""
+    """Whether DenseMatMul / DenseGather and LoraAdd have tiles for this CPU: AVX-512, or AVX2 (cpu_ops/float_weights.h
+    picks the same way when the library compiles)."""
     return has_avx512() or has_avx2_tiles()
 
 

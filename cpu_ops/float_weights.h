@@ -35,6 +35,8 @@ inline __mmask16 first_lanes(int64_t rows) { return static_cast<__mmask16>((1u <
 // the first `rows` (1..16) floats at p; the other lanes 0 (load) or untouched (store)
 inline Floats16 load_rows16(const float* p, int64_t rows) { return _mm512_maskz_loadu_ps(first_lanes(rows), p); }
 inline void store_rows16(float* p, Floats16 v, int64_t rows) { _mm512_mask_storeu_ps(p, first_lanes(rows), v); }
+inline void store16(float* p, Floats16 v) { _mm512_storeu_ps(p, v); }
+inline float reduce_add16(Floats16 v) { return _mm512_reduce_add_ps(v); }
 
 template <Weight W>
 Floats16 load16(const void* b, int64_t at) {  // 16 weights from element `at`, as float32 (exact)
@@ -69,6 +71,16 @@ inline Floats16 load_rows16(const float* p, int64_t rows) {
 inline void store_rows16(float* p, Floats16 v, int64_t rows) {
   _mm256_maskstore_ps(p, first_lanes8(rows), v.lo);
   _mm256_maskstore_ps(p + 8, first_lanes8(rows - 8), v.hi);
+}
+inline void store16(float* p, Floats16 v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline float reduce_add16(Floats16 v) {
+  const __m256 sum = _mm256_add_ps(v.lo, v.hi);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 template <Weight W>

@@ -22,8 +22,13 @@ namespace {
 constexpr int64_t kRowsPerTask = 4;
 constexpr int64_t kFewTokens = 4;
 constexpr int64_t kTokensPerTask = 8;
-constexpr int64_t kTileTokens = 4;  // tokens whose FMAs share one load of the weights
 constexpr int64_t kColumnsPerTask = 256;
+#if defined(TRTBUILD_FLOATS16)
+// NOTE: AVX2's 16 registers hold a quarter of AVX-512's 32 x 16 floats: one token a tile (4 rows of A: 8 registers)
+// and 32 columns of Bt, where AVX-512 takes 4 tokens and 64 columns
+constexpr int64_t kTileTokens = kRegistersPer16 == 1 ? 4 : 1;  // tokens whose FMAs share one load of the weights
+constexpr int kTileColumns16 = kRegistersPer16 == 1 ? 4 : 2;   // columns of a phase-2 tile, in 16s
+#endif
 
 struct LoraProblem {
   const float* y;
@@ -42,8 +47,8 @@ struct LoraProblem {
   const int64_t* block_end;
 };
 
-#if defined(__AVX512F__)
-// Up to 4 consecutive tokens from t that share t's adapter (and at most `limit` of them): a tile's weights are
+#if defined(TRTBUILD_FLOATS16)
+// Up to kTileTokens consecutive tokens from t that share t's adapter (and at most `limit` of them): a tile's weights are
 // loaded once for all its tokens.
 int64_t tile_tokens(const LoraProblem& p, int64_t t, int64_t limit) {
   int64_t n = 1;
@@ -54,19 +59,19 @@ int64_t tile_tokens(const LoraProblem& p, int64_t t, int64_t limit) {
 template <Weight W, int T>
 void dot_tile(const LoraProblem& p, int64_t t, int64_t c0, int64_t rows) {  // h[t .. t + T, c0 .. c0 + rows)
   const int64_t base = ((p.ids[t] - 1) * p.c + c0) * p.k;
-  __m512 acc[T][kRowsPerTask];
+  Floats16 acc[T][kRowsPerTask];
   for (auto& tile : acc)
-    for (auto& v : tile) v = _mm512_setzero_ps();
+    for (auto& v : tile) v = zero16();
   for (int64_t i = 0; i < p.k; i += 16) {
-    __m512 xv[T];
-    for (int u = 0; u < T; ++u) xv[u] = _mm512_loadu_ps(p.x + (t + u) * p.k + i);
+    Floats16 xv[T];
+    for (int u = 0; u < T; ++u) xv[u] = load16<Weight::kFloat>(p.x, (t + u) * p.k + i);
     for (int64_t r = 0; r < rows; ++r) {
-      const __m512 w = load16<W>(p.a, base + r * p.k + i);
-      for (int u = 0; u < T; ++u) acc[u][r] = _mm512_fmadd_ps(w, xv[u], acc[u][r]);
+      const Floats16 w = load16<W>(p.a, base + r * p.k + i);
+      for (int u = 0; u < T; ++u) acc[u][r] = fmadd16(w, xv[u], acc[u][r]);
     }
   }
   for (int u = 0; u < T; ++u)
-    for (int64_t r = 0; r < rows; ++r) p.h[(t + u) * p.c + c0 + r] = _mm512_reduce_add_ps(acc[u][r]);
+    for (int64_t r = 0; r < rows; ++r) p.h[(t + u) * p.c + c0 + r] = reduce_add16(acc[u][r]);
 }
 
 template <Weight W>
@@ -93,27 +98,27 @@ void project(void* data, size_t task) {  // phase 1: rows [c0, c1) of h for toke
 // out[t .. t + T, col .. col + 16 V) = y + sum_r Bt[a - 1, r, cols] h[t, j R + r]
 template <Weight W, int T, int V>
 void add_tile(const LoraProblem& p, int64_t t, int64_t j, int64_t col) {
-  __m512 acc[T][V];
+  Floats16 acc[T][V];
   for (int u = 0; u < T; ++u)
-    for (int v = 0; v < V; ++v) acc[u][v] = _mm512_loadu_ps(p.y + (t + u) * p.n + col + 16 * v);
+    for (int v = 0; v < V; ++v) acc[u][v] = load16<Weight::kFloat>(p.y, (t + u) * p.n + col + 16 * v);
   const float* h = p.h + t * p.c + j * p.r;
   const int64_t base = (p.ids[t] - 1) * p.r * p.n + col;
   for (int64_t r = 0; r < p.r; ++r) {
-    __m512 w[V];
+    Floats16 w[V];
     for (int v = 0; v < V; ++v) w[v] = load16<W>(p.bt, base + r * p.n + 16 * v);
     for (int u = 0; u < T; ++u) {
-      const __m512 hv = _mm512_set1_ps(h[u * p.c + r]);
-      for (int v = 0; v < V; ++v) acc[u][v] = _mm512_fmadd_ps(w[v], hv, acc[u][v]);
+      const Floats16 hv = broadcast16(h[u * p.c + r]);
+      for (int v = 0; v < V; ++v) acc[u][v] = fmadd16(w[v], hv, acc[u][v]);
     }
   }
   for (int u = 0; u < T; ++u)
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(p.out + (t + u) * p.n + col + 16 * v, acc[u][v]);
+    for (int v = 0; v < V; ++v) store16(p.out + (t + u) * p.n + col + 16 * v, acc[u][v]);
 }
 
 template <Weight W, int T>
 void add_tokens(const LoraProblem& p, int64_t t, int64_t j, int64_t c0, int64_t c1) {
   int64_t col = c0;
-  for (; col + 64 <= c1; col += 64) add_tile<W, T, 4>(p, t, j, col);
+  for (; col + 16 * kTileColumns16 <= c1; col += 16 * kTileColumns16) add_tile<W, T, kTileColumns16>(p, t, j, col);
   switch ((c1 - col) / 16) {
     case 1: add_tile<W, T, 1>(p, t, j, col); break;
     case 2: add_tile<W, T, 2>(p, t, j, col); break;
@@ -169,8 +174,8 @@ struct LoraAddKernel {
       start += splits[j];
       block_end.push_back(start);
     }
-#if !defined(__AVX512F__)
-    fail("this CPU has no AVX-512; rebuild the engine with `--float-linears ort`");
+#if !defined(TRTBUILD_FLOATS16)
+    fail("this CPU has neither AVX-512 nor AVX2 with FMA and F16C; rebuild the engine with `--float-linears ort`");
 #endif
   }
 
@@ -213,7 +218,7 @@ struct LoraAddKernel {
     LoraProblem p{y.GetTensorData<float>(), x.GetTensorData<float>(), id, a.GetTensorRawData(),
                   bt.GetTensorRawData(), out, h.data(), m, n, k, r, c, few ? 1 : kTokensPerTask,
                   few ? kRowsPerTask : c, column_block.data(), column_start.data(), block_end.data()};
-#if defined(__AVX512F__)
+#if defined(TRTBUILD_FLOATS16)
     if (any) {
       auto phase1 = w == Weight::kHalf ? project<Weight::kHalf> : w == Weight::kBFloat ? project<Weight::kBFloat>
                                                                                       : project<Weight::kFloat>;

@@ -15,19 +15,17 @@ from trtbuild.runtime.engine_core import EngineCore, RequestOutput, StepStats
 
 REPO = Path(__file__).resolve().parents[1]
 
-# What this CPU runs of trtbuild's native ops (cpu_ops/): their AVX-512 kernels, and BlockQuantMatMul's tiles (AVX-512
-# VNNI or AVX2). Without them the builder's auto tactics choose ONNX Runtime's ops, and an explicit `native` is
+# What this CPU runs of trtbuild's native ops (cpu_ops/): their AVX-512 or AVX2 kernels, and BlockQuantMatMul's tiles
+# (AVX-512 VNNI or AVX2). Without them the builder's auto tactics choose ONNX Runtime's ops, and an explicit `native` is
 # refused. VNNI alone also decides how int8 GEMMs are lowered (builder/passes/lower_quant_cpu.py).
 AVX512, VNNI, BLOCK_QUANT = cpu_ops.has_avx512(), cpu_ops.has_vnni(), cpu_ops.runs_block_quant()
 DENSE = cpu_ops.runs_dense()  # DenseMatMul / DenseGather: AVX-512 or AVX2
-needs_avx512 = pytest.mark.skipif(not AVX512, reason="this CPU has no AVX-512, which the native op is written with "
-                                                     "(engines built here use ONNX Runtime's ops instead)")
-# A float16 KV pool: the native attention reads it on its AVX-512 path, or widened by F16C on its generic one
+# A float16 KV pool: the native attention widens its rows with F16C (every AVX-512 CPU has it)
 F16C = "f16c" in cpu_features()
 needs_f16c = pytest.mark.skipif(not F16C, reason="this CPU has no F16C, which the native attention widens a float16 "
                                                  "KV pool with (engines built here keep a float32 pool)")
 needs_dense = pytest.mark.skipif(not DENSE, reason="this CPU has neither AVX-512 nor AVX2, which trtbuild::DenseMatMul "
-                                                   "is written with (engines built here use MatMul instead)")
+                                                   "and LoraAdd are written with (engines built here use MatMul)")
 needs_block_quant = pytest.mark.skipif(
     not BLOCK_QUANT, reason="this CPU has neither AVX-512 VNNI nor AVX2, which trtbuild::BlockQuantMatMul is written "
                             "with (engines built here use MatMulNBits instead)")

@@ -17,7 +17,7 @@ from helpers import (
     STORIES260K,
     make_peft_adapter,
     make_random_hf_model,
-    needs_avx512,
+    needs_dense,
     peft_logits,
     prefix_cached_tokens,
 )
@@ -43,7 +43,7 @@ FAMILIES = {"llama": (["q_proj", "v_proj"], "all-linear"),
             "qwen2": (["k_proj", "o_proj", "down_proj"], "all-linear")}
 
 
-@pytest.fixture(scope="module", params=[p for f in FAMILIES for p in (pytest.param((f, "native"), marks=needs_avx512),
+@pytest.fixture(scope="module", params=[p for f in FAMILIES for p in (pytest.param((f, "native"), marks=needs_dense),
                                                                       (f, "ort"))])
 def adapted(request, tmp_path_factory):
     """(engine with adapters a and b, HF base, {name: adapter dir}) of a random model of each family, its float
@@ -297,7 +297,7 @@ def test_verify_runs_the_adapters_against_the_unfused_build(lora_engine):
     verify_engine(lora_engine, lora_engine.parent / "ckpt", num_threads=1).check()
 
 
-@needs_avx512
+@needs_dense
 @pytest.mark.parametrize("weight_type", ["float16", "bfloat16", "float32"])
 def test_lora_add_matches_its_reference(library, weight_type):
     """trtbuild::LoraAdd on three sibling blocks (48, 16, 32 columns), three adapters of ranks 4, 2 and 3, runs of

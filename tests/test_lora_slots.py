@@ -37,7 +37,7 @@ from trtbuild.serving.grpc.client import GenerationClient
 from trtbuild.serving.grpc.server import GenerationServer
 
 IDS = [3, 17, 42, 9, 100, 5, 77, 12, 60, 1, 250, 31]
-LINEARS = ["ort", "native"] if cpu_ops.has_avx512() else ["ort"]  # NOTE: LoraAdd is written with AVX-512
+LINEARS = ["ort", "native"] if cpu_ops.runs_dense() else ["ort"]  # NOTE: LoraAdd needs AVX-512 or AVX2
 FAMILIES = {"llama": ["q_proj", "v_proj"], "phi3_partial": ["qkv_proj"], "qwen2": ["k_proj", "o_proj", "down_proj"]}
 
 
