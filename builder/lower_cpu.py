@@ -48,17 +48,14 @@ def native_unavailable(model: onnx.ModelProto) -> str | None:
 
 
 def float16_pool_unreadable(head_sizes: set[int]) -> str | None:
-    """Why the native op cannot read a float16 KV pool with these head sizes on this CPU; None if it can: its
-    AVX-512 path (head sizes 16-128 in steps of 16, or 256), or its generic path where the CPU has F16C to widen the
-    rows (cpu_ops/paged_attention.cc)."""
-    from trtbuild import cpu_ops
+    """Why the native op cannot read a float16 KV pool of these head sizes on this CPU; None if it can: every path
+    widens the rows with F16C (cpu_ops/paged_attention.cc: kReadsHalf), whatever the head size."""
     from trtbuild.builder.engine_dir import cpu_features
 
-    vectorized = cpu_ops.has_avx512() and all((16 <= d <= 128 and d % 16 == 0) or d == 256 for d in head_sizes)
-    if not vectorized and "f16c" not in cpu_features():
+    if "f16c" not in cpu_features():
         sizes = ", ".join(map(str, sorted(head_sizes)))
-        return (f"the native op reads a float16 KV pool with F16C, or AVX-512 and head sizes 16-128 in steps of 16 "
-                f"or 256 (this CPU has neither F16C nor AVX-512 for head size {sizes})")
+        return (f"the native op reads a float16 KV pool by widening its rows with F16C, which this CPU lacks (a "
+                f"pool of head size {sizes})")
     return None
 
 

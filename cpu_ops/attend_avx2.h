@@ -20,7 +20,9 @@ namespace trtbuild_cpu_ops::attention {
 
 // 8 floats from float32, or from float16 (bits in uint16_t) widened exactly
 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 widen8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 widen8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 constexpr int64_t kChunk = 32;      // a head's values one pass holds: 4 registers
 constexpr int64_t kKeyBlock = 128;  // keys whose values one block of the weighted sum reads (<= 16 KiB at head 64)

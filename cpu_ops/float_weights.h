@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cpu_ops.h"
+#include "simd_math.h"
 
 namespace trtbuild_cpu_ops {
 enum class Weight { kFloat, kHalf, kBFloat };
@@ -76,12 +77,7 @@ inline void store16(float* p, Floats16 v) {
   _mm256_storeu_ps(p, v.lo);
   _mm256_storeu_ps(p + 8, v.hi);
 }
-inline float reduce_add16(Floats16 v) {
-  const __m256 sum = _mm256_add_ps(v.lo, v.hi);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+inline float reduce_add16(Floats16 v) { return sum8(_mm256_add_ps(v.lo, v.hi)); }
 
 template <Weight W>
 Floats16 load16(const void* b, int64_t at) {

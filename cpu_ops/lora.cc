@@ -48,8 +48,8 @@ struct LoraProblem {
 };
 
 #if defined(TRTBUILD_FLOATS16)
-// Up to kTileTokens consecutive tokens from t that share t's adapter (and at most `limit` of them): a tile's weights are
-// loaded once for all its tokens.
+// Up to kTileTokens consecutive tokens from t that share t's adapter (and at most `limit` of them): a tile's weights
+// are loaded once for all its tokens.
 int64_t tile_tokens(const LoraProblem& p, int64_t t, int64_t limit) {
   int64_t n = 1;
   while (n < kTileTokens && n < limit && p.ids[t + n] == p.ids[t]) ++n;

@@ -48,8 +48,8 @@ void rope(float* x, int64_t heads, int64_t d, const float* cos_row, const float*
   }
 }
 
-// Whether this build reads a float16 pool on the generic path (F16C widens the rows; every AVX-512 CPU has it).
-constexpr bool kGenericHalf =
+// Whether this build reads a float16 pool: every path widens its rows with F16C (every AVX-512 CPU has it).
+constexpr bool kReadsHalf =
 #if defined(__F16C__)
     true;
 #else
@@ -74,7 +74,7 @@ inline const float* widened(const T* row, int64_t d, std::vector<float>& buffer)
   }
 }
 
-// A task of any head size, over a float32 pool or (kGenericHalf) a float16 one.
+// A task of any head size, over a float32 pool or (kReadsHalf) a float16 one.
 template <typename T>
 void attend_generic(const Task& a) {
   thread_local std::vector<float> row_buffer;
@@ -104,18 +104,6 @@ void attend_generic(const Task& a) {
   }
 }
 
-// Whether head size d takes a vectorized path (AVX-512, or AVX2 with FMA and F16C).
-bool vectorized(int64_t d) {
-#if defined(__AVX512F__)
-  return avx512_attends(d);
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  return avx2_attends(d);
-#else
-  (void)d;
-  return false;
-#endif
-}
-
 void attend(void* data, size_t task) {
   const Task a(*static_cast<const Step*>(data), task);
   if (a.visible <= a.first) {  // an empty range of a short context: weighed 0 by combine_ranges
@@ -123,9 +111,9 @@ void attend(void* data, size_t task) {
     return;
   }
 #if defined(__AVX512F__)
-  if (vectorized(a.s.d)) return a.s.half ? attend_avx512<uint16_t>(a) : attend_avx512<float>(a);
+  if (avx512_attends(a.s.d)) return a.s.half ? attend_avx512<uint16_t>(a) : attend_avx512<float>(a);
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  if (vectorized(a.s.d)) return a.s.half ? attend_avx2<uint16_t>(a) : attend_avx2<float>(a);
+  if (avx2_attends(a.s.d)) return a.s.half ? attend_avx2<uint16_t>(a) : attend_avx2<float>(a);
 #endif
   return a.s.half ? attend_generic<uint16_t>(a) : attend_generic<float>(a);
 }
@@ -133,18 +121,18 @@ void attend(void* data, size_t task) {
 // out[t, h] = the ranges' outputs weighed by their share of the softmax sum, exp(lse - m) / sum over ranges (and the
 // sink) of exp(lse - m), m the largest log-sum-exp: every token has a non-empty range.
 void combine_ranges(const Step& s) {
-  std::vector<float> weights(static_cast<size_t>(s.splits));
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t h = 0; h < s.heads; ++h) {
       const auto lse = [&](int64_t r) { return s.range_lse[(r * s.tokens + t) * s.heads + h]; };
       float top = s.sinks ? s.sinks[h] : -std::numeric_limits<float>::infinity(), sum = 0.0f;
       for (int64_t r = 0; r < s.splits; ++r) top = std::max(top, lse(r));
-      for (int64_t r = 0; r < s.splits; ++r) sum += (weights[r] = std::exp(lse(r) - top));
+      for (int64_t r = 0; r < s.splits; ++r) sum += std::exp(lse(r) - top);
       if (s.sinks) sum += std::exp(s.sinks[h] - top);
       float* out = s.out + (t * s.heads + h) * s.d;
       std::fill(out, out + s.d, 0.0f);
-      for (int64_t r = 0; r < s.splits; ++r)
-        if (weights[r] > 0.0f) axpy(weights[r] / sum, s.range_out + ((r * s.tokens + t) * s.heads + h) * s.d, out, s.d);
+      for (int64_t r = 0; r < s.splits; ++r)  // NOTE: an empty range (weight 0) left its output unwritten
+        if (const float w = std::exp(lse(r) - top); w > 0.0f)
+          axpy(w / sum, s.range_out + ((r * s.tokens + t) * s.heads + h) * s.d, out, s.d);
     }
 }
 
@@ -208,7 +196,7 @@ struct PagedAttentionKernel {
     const ONNXTensorElementDataType pool_type = ctx.GetInput(3).GetTensorTypeAndShapeInfo().GetElementType();
     const bool half = pool_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
     if (!half && pool_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail("kv_cache must be float32 or float16");
-    if (half && !kGenericHalf)
+    if (half && !kReadsHalf)
       fail("a float16 kv_cache needs a CPU with F16C; build with --kv-pool-dtype float32 or --attention split");
     const std::vector<int64_t> table_shape = ctx.GetInput(4).GetTensorTypeAndShapeInfo().GetShape();
     if (pool_shape.size() != 6 || pool_shape[3] != kv_heads || pool_shape[4] != bs || pool_shape[5] != d)
