@@ -2,6 +2,10 @@
 prompt each, then `steps` decode steps of all of them, profiled by ONNX Runtime (`CpuEngine(profile_prefix=...)`).
 
     python benchmarks/step_profile.py <engine dir> [--batch 16] [--context 128] [--steps 6] [--threads 2] [--by-node]
+        [--prefill]
+
+`--prefill` profiles the prompt steps instead: each profiled step is the `context`-token prompts of all `batch`
+sequences, written over the same blocks again.
 
 Prints the wall time per step, the time inside session.run, and each op type's kernel time per step and node count
 (`--by-node`: each node name's, with layer numbers replaced by `*`, so a layer's linears are told apart).
@@ -30,6 +34,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--by-node", action="store_true", help="group by node name (layer numbers as *), not op type")
+    p.add_argument("--prefill", action="store_true", help="profile the prompt steps, not the decode steps")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         info = read_engine_config(args.engine)
@@ -43,8 +48,11 @@ def main() -> None:
             engine.step(in_every_group([SequenceChunk(b, prompt, 0, 1, tables[b])], groups, per_group))
         start = time.perf_counter()
         for i in range(args.steps):
-            engine.step(in_every_group([SequenceChunk(b, [7], args.context + i, 1, tables[b])
-                                        for b in range(args.batch)], groups, per_group))
+            if args.prefill:
+                chunks = [SequenceChunk(b, prompt, 0, 1, tables[b]) for b in range(args.batch)]
+            else:
+                chunks = [SequenceChunk(b, [7], args.context + i, 1, tables[b]) for b in range(args.batch)]
+            engine.step(in_every_group(chunks, groups, per_group))
         wall = (time.perf_counter() - start) / args.steps
         events = json.loads(Path(engine.session.end_profiling()).read_text())
     runs = [e for e in events if e.get("name") == "model_run"][-args.steps:]
@@ -56,7 +64,8 @@ def main() -> None:
             key = re.sub(r"\d+", "*", e["name"].removesuffix("_kernel_time")) if args.by_node else e["args"]["op_name"]
             kernel_us[key] += e["dur"]
             nodes[key] += 1
-    print(f"{args.engine}: batch {args.batch}, context {args.context}, {args.threads} threads")
+    kind = "prompt steps" if args.prefill else "decode steps"
+    print(f"{args.engine}: {kind}, batch {args.batch}, context {args.context}, {args.threads} threads")
     print(f"step {wall * 1e3:.1f} ms, in session.run {sum(r['dur'] for r in runs) / args.steps / 1e3:.1f} ms")
     for op, us in kernel_us.most_common():
         print(f"  {op:60s} {us / args.steps / 1e3:8.2f} ms  {nodes[op] // args.steps:4d} nodes")

@@ -19,10 +19,9 @@ from trtbuild.builder.convert.checkpoint import (
     remove_partial_output,
 )
 from trtbuild.builder.engine_dir import (
-    CPU_ENGINE_FILE,
-    CPU_WEIGHTS_FILE,
     cpu_features,
     cpu_fingerprint,
+    cpu_rank_files,
     write_engine_config,
 )
 from trtbuild.builder.lora import read_adapters
@@ -58,11 +57,7 @@ def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
         else:
             check_cuda_buildable(config, build)
     if config.mapping.world_size > 1:
-        raise TrtbuildError(
-            f"the {build.target} target builds single-rank checkpoints, and this one has "
-            f"{config.mapping.world_size} ranks "
-            f"(tp={config.mapping.tp_size}, pp={config.mapping.pp_size}); re-run `trtbuild convert` with "
-            "--tp-size 1 --pp-size 1.")
+        check_parallel_buildable(config, build)
     check_quantization(config, build)
     if build.max_seq_len > config.max_position_embeddings:
         raise ConfigError("max_seq_len", f"{build.max_seq_len} exceeds the model's max_position_embeddings "
@@ -71,6 +66,28 @@ def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
     if build.max_num_tokens < build.max_batch_size:
         raise ConfigError("max_num_tokens", f"{build.max_num_tokens} is below max_batch_size {build.max_batch_size}: "
                                             "a decode step of a full batch would not fit.")
+
+
+def check_parallel_buildable(config: ModelConfig, build: BuildConfig) -> None:
+    """A checkpoint of several ranks builds for the cpu target, as tensor-parallel ranks (builder/tensor_parallel.py)
+    that meet in the native library's collectives."""
+    mapping = config.mapping
+    again = "re-run `trtbuild convert` with --tp-size 1 --pp-size 1"
+    if mapping.pp_size > 1 or build.target != "cpu":
+        where = "pipeline-parallel ranks" if mapping.pp_size > 1 else f"ranks for the {build.target} target"
+        raise TrtbuildError(f"this checkpoint has {mapping.world_size} ranks (tp={mapping.tp_size}, "
+                            f"pp={mapping.pp_size}); trtbuild builds no {where} yet: {again}, or build a "
+                            "tensor-parallel one (--tp-size only) for --target cpu.")
+    if build.lora_adapters or build.max_loras:
+        raise TrtbuildError(f"LoRA adapters are not split over tensor-parallel ranks: {again} to build with LoRA.")
+    if build.autotune != "off":
+        raise ConfigError("autotune", "times one rank's graph alone, but a tensor-parallel rank waits on the others "
+                                      "at every collective: build with --autotune off.")
+    from trtbuild import cpu_ops
+
+    if (reason := cpu_ops.unavailable_reason()) is not None:
+        raise TrtbuildError(f"tensor-parallel ranks meet in the native CPU library's collectives, which cannot be "
+                            f"built here ({reason}); {again}.")
 
 
 def default_build_config(config: ModelConfig, **overrides) -> BuildConfig:
@@ -261,45 +278,50 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
     cache = TimingCache(timing_cache if build.target != "tensorrt" else None)
     lora = read_adapters(build.lora_adapters, config)  # checked against the model before any work
     prepare_output_dir(output)
-    steps = tqdm(total=5, desc="building engine", unit="step", leave=False)
+    ranks = config.mapping.world_size
+    steps = tqdm(total=5 * ranks, desc="building engine", unit="step", leave=False)
     try:
-        _, tensors = open_checkpoint(checkpoint, rank=0)
-        steps.set_postfix_str("network"), steps.update()
-        staging = StagingWeights(output / (CPU_WEIGHTS_FILE + ".staging"))
-        model = build_network(config, tensors, build, staging, lora)
-        steps.set_postfix_str("passes + lowering"), steps.update()
-        if build.target in ("cuda", "tensorrt"):
-            finish = _finish_cuda if build.target == "cuda" else _finish_tensorrt
-            finish(checkpoint, output, config, build, model, timing_cache)
-            steps.update(3)
-            return output
-        applied = lower_for_target(model, build)
-        steps.set_postfix_str("autotuning"), steps.update()
-        lowering = TacticLowering()
-        candidates = {"attention": attention_candidates(model, build),
-                      "quant_linears": quant_linear_candidates(model, build),
-                      "float_linears": float_linear_candidates(model, build, lowering.dense_linears)}
-        tactics = {}
-        if build.autotune != "off":
-            tactics = tune(model, config, build, output, lowering, candidates, timer, cache)
-        build = dataclasses.replace(build, **{family: tactics[family]["chosen"] if tactics else options[0]
-                                              for family, options in candidates.items()})
-        applied += lowering(model, build)
-        if build.quant_linears == "native":
-            from trtbuild.builder.native_linears import describe_tables
+        weight_files: dict[str, int] = {}
+        for rank in range(ranks):  # NOTE: one rank's network at a time: the build holds one rank's weights
+            graph_file, weights_file = cpu_rank_files(rank)
+            _, tensors = open_checkpoint(checkpoint, rank=rank)
+            steps.set_postfix_str(f"network (rank {rank})" if ranks > 1 else "network"), steps.update()
+            staging = StagingWeights(output / (weights_file + ".staging"))
+            model = build_network(config, tensors, build, staging, lora, rank=rank)
+            steps.set_postfix_str("passes + lowering"), steps.update()
+            if build.target in ("cuda", "tensorrt"):
+                finish = _finish_cuda if build.target == "cuda" else _finish_tensorrt
+                finish(checkpoint, output, config, build, model, timing_cache)
+                steps.update(3)
+                return output
+            applied = lower_for_target(model, build)
+            steps.set_postfix_str("autotuning"), steps.update()
+            if rank == 0:  # NOTE: every rank's graph has the same nodes: rank 0's tactics are all ranks'
+                lowering = TacticLowering()
+                candidates = {"attention": attention_candidates(model, build),
+                              "quant_linears": quant_linear_candidates(model, build),
+                              "float_linears": float_linear_candidates(model, build, lowering.dense_linears)}
+                tactics = {}
+                if build.autotune != "off":
+                    tactics = tune(model, config, build, output, lowering, candidates, timer, cache)
+                build = dataclasses.replace(build, **{family: tactics[family]["chosen"] if tactics else options[0]
+                                                      for family, options in candidates.items()})
+            applied += lowering(model, build)
+            if build.quant_linears == "native":
+                from trtbuild.builder.native_linears import describe_tables
 
-            log.info("packed linears and tables: %s", describe_tables(model) or "none")
-        steps.set_postfix_str("saving"), steps.update()
-        weight_bytes = save_engine_files(model, output / CPU_ENGINE_FILE, output / CPU_WEIGHTS_FILE)
-        onnx.checker.check_model(str(output / CPU_ENGINE_FILE))  # by path: it reads the graph file, not the weights
+                log.info("packed linears and tables: %s", describe_tables(model) or "none")
+            steps.set_postfix_str("saving"), steps.update()
+            weight_files[weights_file] = save_engine_files(model, output / graph_file, output / weights_file)
+            onnx.checker.check_model(str(output / graph_file))  # by path: it reads the graph file, not the weights
+            steps.update()
+            if rank == 0:
+                io = io_spec(model)
         copy_tokenizer_files(checkpoint, output)
-        io = io_spec(model)
         tables = {name for t in read_slot_tables(model) for name in (t.a, t.b)}  # LoRA slots' (builder/lora_slots.py)
         assert [i["name"] for i in io["inputs"] if i["name"] not in tables] == list(engine_inputs(config, build))
         assert [o["name"] for o in io["outputs"]] == list(engine_outputs(build))
-        write_engine_config(output, config, build, cpu_fingerprint(), io, applied, {CPU_WEIGHTS_FILE: weight_bytes},
-                            tactics)
-        steps.update()
+        write_engine_config(output, config, build, cpu_fingerprint(), io, applied, weight_files, tactics)
     except BaseException:
         remove_partial_output(output)
         raise

@@ -25,6 +25,12 @@ from trtbuild.errors import EngineCompatibilityError, TrtbuildError
 ENGINE_CONFIG = "config.json"
 CPU_ENGINE_FILE = "rank0.onnx"
 CPU_WEIGHTS_FILE = "rank0.weights"
+
+
+def cpu_rank_files(rank: int) -> tuple[str, str]:
+    """The graph and weight files of one rank of a cpu engine (a tensor-parallel engine has one pair per rank)."""
+    return f"rank{rank}.onnx", f"rank{rank}.weights"
+
 CUDA_PLAN_FILE = "rank0.plan.json"  # the cuda target's files (builder/build_cuda.py)
 TENSORRT_ENGINE_FILE = "rank0.engine"  # the tensorrt target's serialized engine (builder/tensorrt/build.py)
 _CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
@@ -84,9 +90,10 @@ class EngineInfo:
 
     @property
     def kv_cache_bytes_per_block(self) -> int:
-        """Bytes of one paged-KV block, from the I/O spec: what sizes the pool before it is allocated."""
+        """Bytes of one paged-KV block over all tensor-parallel ranks (each pool holds its ranks' KV heads), from the
+        I/O spec: what sizes the pool before it is allocated."""
         spec = self.kv_cache_input
-        return math.prod(spec["shape"][1:]) * np.dtype(spec["dtype"]).itemsize
+        return math.prod(spec["shape"][1:]) * np.dtype(spec["dtype"]).itemsize * self.model.mapping.tp_size
 
     @property
     def weight_bytes(self) -> int:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -46,9 +46,11 @@ from trtbuild.builder.lora import LoraTables, SlotTables, WithLora, read_adapter
 from trtbuild.builder.lora_slots import stacked_tables, write_slot_tables
 from trtbuild.builder.mlp_activation import activation, gated_activation
 from trtbuild.builder.moe_experts import Experts
+from trtbuild.builder.network_head import HeadWriter
 from trtbuild.builder.passes.lora import LORA_ADD
 from trtbuild.builder.quantized import QuantizedLinears, kv_cache_scales
 from trtbuild.builder.rope import EngineRotaryRows, attn_temperature_table, reorders_rotary_rows, rope_tables
+from trtbuild.builder.tensor_parallel import TP_GROUP_INPUT, TensorParallel, rank_config
 from trtbuild.builder.weight_file import StagingWeights
 from trtbuild.builder.weight_only_linear import emit_nbits_gather
 from trtbuild.configs import (
@@ -75,7 +77,8 @@ KV_SCALES_METADATA = "trtbuild.kv_cache_scales"
 def engine_inputs(config: ModelConfig, build: BuildConfig) -> tuple[str, ...]:
     groups = [group_input("block_tables", g) for g in range(1, len(kv_cache_groups(config, build)))]
     lora = (LORA_IDS_INPUT,) if build.num_lora_ids else ()
-    return ENGINE_INPUTS + tuple(groups) + lora + (ACCEPT_INPUTS if build.draft_tokens else ())
+    tp = (TP_GROUP_INPUT,) if config.mapping.tp_size > 1 else ()
+    return ENGINE_INPUTS + tuple(groups) + lora + tp + (ACCEPT_INPUTS if build.draft_tokens else ())
 
 
 def engine_outputs(build: BuildConfig) -> tuple[str, ...]:
@@ -93,10 +96,11 @@ def kv_cache_shape(config: ModelConfig, build: BuildConfig, num_blocks: int | st
             build.tokens_per_block, config.head_size]
 
 
-class _NetworkWriter:
+class _NetworkWriter(HeadWriter):
     def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor], build: BuildConfig,
-                 staging: StagingWeights | None, lora: LoraTables | None) -> None:
-        self.c, self.build, self.g = config, build, GraphBuilder(staging)
+                 staging: StagingWeights | None, lora: LoraTables | None, tp: TensorParallel) -> None:
+        self.c, self.build, self.g, self.tp = config, build, GraphBuilder(staging), tp
+        self.vocab_rows = -(-config.vocab_size // tp.size)  # this rank's rows of the embedding and the LM head
         self.tensors, self.lora = tensors, lora
         self.lora_mask = ""  # [tokens, R]: which LoRA columns each token keeps (set in write)
         self.np_dtype = np.float32  # the CPU target computes in fp32 (ORT's CPU kernels are fastest there)
@@ -122,6 +126,17 @@ class _NetworkWriter:
                           name=prefix + "_bias", outputs=outputs)
         return y
 
+    def row_linear(self, x: str, prefix: str, bias: bool = False) -> str:
+        """A row-parallel linear (the attention's output projection, the MLP's down projection): over several ranks,
+        this rank's partial sum all-reduced, then the bias, once."""
+        if self.tp.size == 1:
+            return self.linear(x, prefix, bias)
+        y = self.tp.all_reduce(self.g, self.linear(x, prefix), prefix + "_allreduce")
+        if bias:
+            y = self.g.op("Add", [y, self.g.weight(prefix + ".bias", self.tensor(prefix + ".bias"))],
+                          name=prefix + "_bias")
+        return y
+
     def lora_delta(self, x: str, y: str, prefix: str, outputs: list[str] | None) -> str:
         """y + ((x @ A^T) * mask) @ B^T over every adapter's columns (builder/lora.py). The node names end in
         LORA_NODE_SUFFIXES, which the GEMM fusion passes read (builder/passes/lora.py)."""
@@ -136,20 +151,6 @@ class _NetworkWriter:
         h = self.g.op("Mul", [h, self.lora_mask], name=prefix + ".lora_mask")
         delta = self.g.op("MatMul", [h, b], name=prefix + ".lora_b")
         return self.g.op("Add", [y, delta], name=prefix + LORA_ADD, outputs=outputs)
-
-    def lm_head(self, h: str, out: str) -> None:
-        """logits = h @ lm_head^T. A tied, unquantized head reads the embedding table itself (Gemm with transB), so
-        the engine holds the [vocab, hidden] matrix once instead of twice."""
-        embedding, head = self.tensors["transformer.vocab_embedding.weight"], self.tensors["lm_head.weight"]
-        tied = (self.c.tie_word_embeddings and not self.quant.is_quantized("lm_head")
-                and not self.c.quantization.embedding_weight_only and torch.equal(embedding, head))
-        if tied:
-            self.g.op("Gemm", [h, "transformer.vocab_embedding.weight"], transB=1, name="lm_head", outputs=[out])
-        elif not self.quant.is_quantized("lm_head"):  # NOTE: as stored, [vocab, hidden]: no transposed copy
-            w = self.g.weight("lm_head.weight", self.tensor("lm_head.weight"))
-            self.g.op("Gemm", [h, w], transB=1, name="lm_head", outputs=[out])
-        else:
-            self.linear(h, "lm_head", outputs=[out])
 
     def rms_norm(self, x: str, weight_name: str) -> str:
         w = self.g.weight(weight_name, self.tensor(weight_name))
@@ -177,7 +178,7 @@ class _NetworkWriter:
             act = gated_activation(self.g, self.c, gate, up, name)
         else:
             act = activation(self.g, self.c, self.linear(h, layer + module + "fc", bias=bias), name)
-        return self.linear(act, layer + module + "proj", bias=bias)
+        return self.row_linear(act, layer + module + "proj", bias=bias)
 
     def experts(self, h: str, layer: str) -> str:
         """A mixture of experts' MLP: the router's logits, then the experts (builder/moe_experts.py), plus Qwen2-MoE's
@@ -199,34 +200,6 @@ class _NetworkWriter:
             y = self.g.op("Mul", [y, self.g.const(np.array(self.c.residual_multiplier, np.float32),
                                                   "residual_multiplier")], name=prefix + "residual_scaled")
         return y
-
-    def head(self, h: str) -> None:
-        """The logits of the selected rows' final hidden states `h`: the LM head, its transforms, and the accept op
-        of a draft-tokens engine."""
-        logits = "all_logits" if self.build.draft_tokens else "logits"
-        transforms = self.logit_transforms()  # the last one writes the logits themselves
-        y = "head_logits" if transforms else logits
-        self.lm_head(h, y)
-        for i, transform in enumerate(transforms):
-            y = transform(y, [logits] if i == len(transforms) - 1 else None)
-        if self.build.draft_tokens:
-            self.accept("all_logits")
-
-    def logit_transforms(self) -> list[Callable[[str, list[str] | None], str]]:
-        """What the lm_head's output goes through, in order: Granite's division by logits_scaling (as a product),
-        Gemma 2's soft-cap cap * tanh(x / cap). Each takes its input and, for the last, the graph output to write."""
-        c, g = self.c, self.g
-
-        def scale(x: str, value: float, name: str, outputs: list[str] | None) -> str:
-            return g.op("Mul", [x, g.const(np.array(value, np.float32), name + "_factor")], name=name, outputs=outputs)
-
-        out = []
-        if c.logits_scaling != 1.0:
-            out.append(lambda x, o: scale(x, 1.0 / c.logits_scaling, "logits_scaled", o))
-        if cap := c.final_logit_softcapping:
-            out.append(lambda x, o: scale(g.op("Tanh", [scale(x, 1.0 / cap, "logits_over_cap", None)]), cap,
-                                          "logits_softcapped", o))
-        return out
 
     def rope_inputs(self) -> dict[bool, tuple[str, str]]:
         """(cos, sin) tables by whether a layer is a sliding one: Gemma 3's sliding layers rotate with their own,
@@ -271,18 +244,6 @@ class _NetworkWriter:
         y3 = self.g.op("RotaryEmbedding", [x3, cos, sin, positions_2d], num_heads=heads)
         return self.g.op("Squeeze", [y3, self.g.const(np.array([0]), "axis0")])
 
-    def accept(self, all_logits: str) -> None:
-        """The accept step (draft-tokens mode): SpeculativeAccept over the N rows, and the rows still wanted out."""
-        g, k = self.g, self.build.max_draft_len
-        i64, f64 = TensorProto.INT64, TensorProto.DOUBLE
-        out_rows = g.input("logits_out_rows", i64, ["num_logits_out"])
-        inputs = [g.input("accept_rows", i64, ["num_accepting"]), g.input("draft_tokens", i64, ["num_accepting", k]),
-                  g.input("draft_lens", i64, ["num_accepting"]), g.input("temperatures", f64, ["num_accepting"]),
-                  g.input("uniforms", f64, ["num_accepting", k + 1])]
-        g.op(sa.OP_TYPE, [all_logits] + inputs, domain=sa.DOMAIN, name="speculative_accept", outputs=list(sa.OUTPUTS),
-             max_draft_len=k)
-        g.op("Gather", [all_logits, out_rows], axis=0, name="logits_out", outputs=["logits"])
-
     def write(self) -> onnx.ModelProto:
         c, g = self.c, self.g
         i64, f32 = TensorProto.INT64, TensorProto.FLOAT
@@ -300,17 +261,21 @@ class _NetworkWriter:
             table = g.weight("lora_table", self.lora.mask_table())
             self.lora_mask = g.op("Gather", [table, g.input(LORA_IDS_INPUT, i64, ["num_tokens"])], axis=0,
                                   name="lora_mask")
+        self.tp.group_input(g)
 
         rope = self.rope_inputs()
         positions_2d = g.op("Unsqueeze", [positions, g.const(np.array([0]), "axis0")], name="positions_2d")
         temperature = self.query_temperature(positions)
 
+        rows, held = self.tp.vocab_rows(g, input_ids, self.vocab_rows)
         if c.quantization.embedding_weight_only:
-            x = emit_nbits_gather(g, input_ids, "transformer.vocab_embedding", self.tensors, c.hidden_size)
+            x = emit_nbits_gather(g, rows, "transformer.vocab_embedding", self.tensors, c.hidden_size)
         else:
             x = g.op("Gather", [g.weight("transformer.vocab_embedding.weight",
-                                         self.tensor("transformer.vocab_embedding.weight")), input_ids],
+                                         self.tensor("transformer.vocab_embedding.weight")), rows],
                      name="embedding")
+        if held is not None:  # NOTE: another rank's id gathered this rank's row 0: zeroed before the sum
+            x = self.tp.all_reduce(g, g.op("Mul", [x, held], name="embedding_held"), "embedding_allreduce")
         if c.embedding_multiplier != 1.0:  # Gemma: sqrt(hidden_size)
             x = g.op("Mul", [x, g.const(np.array(c.embedding_multiplier, np.float32), "embedding_multiplier")],
                      name="embedding_scaled")
@@ -343,7 +308,7 @@ class _NetworkWriter:
                 num_kv_heads=c.num_key_value_heads, head_size=c.head_size, tokens_per_block=self.build.tokens_per_block,
                 scale=float(c.score_scale), rotary=0, **kv_quant, **window, **softcap,
             )
-            attn = self.branch_output(self.linear(attn, p + "attention.dense", bias=c.dense_bias), p + "attention.")
+            attn = self.branch_output(self.row_linear(attn, p + "attention.dense", bias=c.dense_bias), p + "attention.")
             if not c.parallel_residual:  # NOTE: Cohere's MLP reads the attention's input h
                 x = g.op("Add", [x, attn], name=p + "attn_residual")
                 h = self.norm(x, p + "post_layernorm.weight") if c.input_norms else x
@@ -384,8 +349,10 @@ class _NetworkWriter:
 
 
 def build_network(config: ModelConfig, tensors: Mapping[str, torch.Tensor], build: BuildConfig,
-                  staging: StagingWeights | None = None, lora: LoraTables | None = None) -> onnx.ModelProto:
-    """The unfused network for one single-rank checkpoint. `tensors` may read each tensor lazily; with `staging`,
+                  staging: StagingWeights | None = None, lora: LoraTables | None = None,
+                  rank: int = 0) -> onnx.ModelProto:
+    """The unfused network of one rank of a checkpoint (`tensors`: that rank's; over several tensor-parallel ranks,
+    builder/tensor_parallel.py). `tensors` may read each tensor lazily; with `staging`,
     the weights go to that file one at a time as the network is written (otherwise they stay in the model). A
     partial or interleaved rotary model's q / k rows are reordered for the whole-head RoPE (builder/rope.py).
     `lora`: the build's adapters, if already read (otherwise they are read from build.lora_adapters)."""
@@ -393,6 +360,8 @@ def build_network(config: ModelConfig, tensors: Mapping[str, torch.Tensor], buil
         lora = SlotTables(config, build) if build.max_loras else read_adapters(build.lora_adapters, config)
     if lora is not None:
         tensors = WithLora(tensors, lora)
-    if reorders_rotary_rows(config):
-        tensors = EngineRotaryRows(tensors, config)
-    return _NetworkWriter(config, tensors, build, staging, lora).write()
+    local = rank_config(config)
+    if reorders_rotary_rows(local):
+        tensors = EngineRotaryRows(tensors, local)
+    tp = TensorParallel(config.mapping.tp_rank(rank), config.mapping.tp_size)
+    return _NetworkWriter(local, tensors, build, staging, lora, tp).write()

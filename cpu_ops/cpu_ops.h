@@ -17,6 +17,8 @@ const OrtCustomOp* swiglu_op();
 const OrtCustomOp* geglu_op();
 const OrtCustomOp* moe_route_op();
 const OrtCustomOp* lora_add_op();
+const OrtCustomOp* all_reduce_op();
+const OrtCustomOp* all_gather_op();
 
 // An optional attribute's value, or `otherwise` when the node lacks it (engines built before it was added).
 template <typename T>

@@ -18,6 +18,8 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     d->Add(trtbuild_cpu_ops::geglu_op());
     d->Add(trtbuild_cpu_ops::moe_route_op());
     d->Add(trtbuild_cpu_ops::lora_add_op());
+    d->Add(trtbuild_cpu_ops::all_reduce_op());
+    d->Add(trtbuild_cpu_ops::all_gather_op());
     return d;
   }();
   try {

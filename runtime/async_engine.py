@@ -171,6 +171,8 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._commands.put(None)
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # NOTE: a step still running keeps the engine until it ends
+            self.core.close()
 
     # ---- loop thread -------------------------------------------------------------------------------------------
     def _apply(self, command: _Add | _Abort | _LoraUpdate) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, EngineInfo, read_engine_config
+from trtbuild.builder.engine_dir import EngineInfo, cpu_rank_files, read_engine_config
 from trtbuild.configs import LORA_IDS_INPUT, BuildConfig, group_input
 from trtbuild.cpu_ops import library_for_engine
 from trtbuild.errors import EngineCompatibilityError
@@ -200,13 +200,20 @@ class CpuEngine:
     """An ONNX Runtime session over an engine directory, plus the paged KV pool it reads and the runtime writes."""
 
     def __init__(self, engine: Path | EngineInfo, num_threads: int | None = None, num_blocks: int = 64,
-                 graph: Path | None = None, spinning: bool = True, profile_prefix: str | None = None) -> None:
+                 graph: Path | None = None, spinning: bool = True, profile_prefix: str | None = None,
+                 rank: int = 0, tp_group: int | None = None) -> None:
         """`engine`: an engine directory, or what read_engine_config said of one (already checked). `num_threads`:
         ONNX Runtime's intra-op threads [None: `default_threads`]. `graph`: another graph file than the engine's
         (the autotuner times candidates). `spinning`: ONNX Runtime's idle threads spin for work. `profile_prefix`:
-        ONNX Runtime profiles every node into `<prefix>_<time>.json` (`session.end_profiling()` writes it)."""
+        ONNX Runtime profiles every node into `<prefix>_<time>.json` (`session.end_profiling()` writes it).
+        `rank`, `tp_group`: which rank of a tensor-parallel engine this is, and the id of the channel its ranks meet
+        in (runtime/tensor_parallel.py runs all of them)."""
         self.info = engine if isinstance(engine, EngineInfo) else read_engine_config(Path(engine), expect_target="cpu")
-        path = Path(graph) if graph is not None else self.info.path / CPU_ENGINE_FILE
+        path = Path(graph) if graph is not None else self.info.path / cpu_rank_files(rank)[0]
+        tp = self.info.model.mapping.tp_size
+        if (tp > 1) != (tp_group is not None):
+            raise ValueError(f"{self.info.path} has {tp} tensor-parallel ranks: run it with TensorParallelEngine")
+        self.tp_group = None if tp_group is None else np.array([tp_group], np.int64)
         if not path.is_file():
             raise EngineCompatibilityError(f"{path} is missing; rebuild the engine with `trtbuild build`.")
         # NOTE: ONNX Runtime maps the weight file and repacks each GEMM's weights into buffers of its own (about the
@@ -236,7 +243,7 @@ class CpuEngine:
         options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",
                                          str(self.info.build.int4_accuracy_level))
         build = self.info.build
-        if "native" in (build.attention, build.quant_linears, build.float_linears):  # trtbuild:: nodes, run by cpu_ops/
+        if "native" in (build.attention, build.quant_linears, build.float_linears) or tp > 1:  # trtbuild:: nodes
             options.register_custom_ops_library(str(library_for_engine(self.info.path)))
         try:
             self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -329,6 +336,8 @@ class CpuEngine:
         feeds["kv_cache"] = self.kv.pool
         if self.lora_slots is not None:
             feeds.update(self.lora_slots.arrays)
+        if self.tp_group is not None:
+            feeds["tp_group"] = self.tp_group
         if self.max_draft_len:
             feeds.update(accept_feeds(chunks, self.max_draft_len))
         return feeds, slots

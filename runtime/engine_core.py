@@ -19,7 +19,7 @@ from trtbuild.configs import batch_blocks_needed
 from trtbuild.runtime.beam_search import BeamGroup
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.detokenizer import IncrementalDetokenizer
-from trtbuild.runtime.engine import CpuEngine, DraftAccept, SequenceChunk, StepOutput
+from trtbuild.runtime.engine import DraftAccept, SequenceChunk, StepOutput
 from trtbuild.runtime.engine_accept import advance, draft_accept, engine_can_verify
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
 from trtbuild.runtime.logprobs import TokenLogprobs, rows_logprobs
@@ -30,6 +30,7 @@ from trtbuild.runtime.request import FinishReason, Request
 from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState
 from trtbuild.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from trtbuild.runtime.speculative import make_proposer, verify
+from trtbuild.runtime.tensor_parallel import TensorParallelEngine, make_cpu_engine
 from trtbuild.runtime.tokenizer import Tokenizer, load_generation_eos
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class EngineCore:
             num_blocks = min(num_blocks, max_pool_blocks(build))  # NOTE: a profile bounds the pool's block count
             self.engine = TensorRTEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
         else:
-            self.engine = CpuEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
+            self.engine = make_cpu_engine(info, num_threads=config.num_threads, num_blocks=num_blocks)
         # seconds spent starting: the ONNX Runtime session, then the KV pool faulted in + the warm-up step
         self.start_seconds = {"session": time.perf_counter() - start, "warm_up": 0.0}
         self.kv = KVCacheManager.for_groups(info.kv_cache_groups, num_blocks, build.tokens_per_block,
@@ -111,6 +112,12 @@ class EngineCore:
             self.start_seconds["warm_up"] = time.perf_counter() - start
             log.info("warmed up: KV pool resident and one step of %d sequences in %.2f s",
                      max(1, min(limits.max_batch_size, limits.max_num_tokens)), self.start_seconds["warm_up"])
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process's memory (a tensor-parallel engine's rank processes);
+        a plain CpuEngine needs nothing."""
+        if isinstance(self.engine, TensorParallelEngine):
+            self.engine.close()
 
     # ---- requests ----------------------------------------------------------------------------------------------
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,

@@ -53,6 +53,11 @@ class LLM:
             for r in requests:
                 self.core.abort_request(r.request_id)
 
+    def close(self) -> None:
+        """Stop what the engine runs besides this process (a tensor-parallel engine's rank processes), now rather
+        than when the LLM is collected."""
+        self.core.close()
+
     def load_lora(self, name: str, path: str | Path) -> None:
         """Serve a LoRA adapter (a PEFT folder or llama.cpp's adapter .gguf) under `name`, in one of the engine's
         slots (`trtbuild build --max-loras`); LoraLoadError says why it cannot."""

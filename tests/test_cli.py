@@ -152,7 +152,7 @@ def test_convert_options_reach_the_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.safetensors")) == [f"rank{r}.safetensors"
                                                                                   for r in range(4)]
     result = invoke("build", "--checkpoint", tmp_path / "ckpt", "--output", tmp_path / "engine")
-    assert_user_error(result, r"single-rank checkpoints.*4 ranks.*--tp-size 1 --pp-size 1")
+    assert_user_error(result, r"4 ranks \(tp=2, pp=2\).*no pipeline-parallel ranks.*--tp-size 1 --pp-size 1")
     assert not (tmp_path / "engine").exists()
 
 

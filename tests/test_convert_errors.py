@@ -119,11 +119,13 @@ def test_failure_while_writing_shards_removes_the_half_written_folder(hf_dir, tm
 
 
 # ---- build refusals ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
-def test_build_refuses_multi_rank_checkpoint_on_cpu(tp, pp, converted, tmp_path):
-    with pytest.raises(TrtbuildError, match=rf"single-rank.*2 ranks \(tp={tp}, pp={pp}\).*trtbuild convert.*"
+@pytest.mark.parametrize(("tp", "pp", "target", "what"), [(1, 2, "cpu", "pipeline-parallel ranks"),
+                                                      (2, 1, "cuda", "ranks for the cuda target")])
+def test_build_refuses_the_ranks_it_cannot_build(tp, pp, target, what, converted, tmp_path):
+    """Tensor-parallel ranks build for the cpu target only (tests/test_tensor_parallel.py)."""
+    with pytest.raises(TrtbuildError, match=rf"2 ranks \(tp={tp}, pp={pp}\).*no {what}.*trtbuild convert.*"
                                             r"--tp-size 1 --pp-size 1"):
-        build_engine(converted("llama3_rope", tp, pp), tmp_path / "engine")
+        build_engine(converted("llama3_rope", tp, pp), tmp_path / "engine", target=target)
     assert not (tmp_path / "engine").exists()
 
 

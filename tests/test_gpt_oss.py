@@ -21,7 +21,6 @@ from trtbuild.builder.convert.convert import WeightOnly, convert
 from trtbuild.builder.convert.mxfp4 import ggml_blocks
 from trtbuild.builder.convert.safetensors_io import SafetensorsFile
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE, read_engine_config
-from trtbuild.errors import ConfigError
 
 Q = gguf.GGMLQuantizationType
 OPTIONS = dict(max_batch_size=4, max_num_tokens=64, max_seq_len=128, tokens_per_block=8)
@@ -150,9 +149,3 @@ def test_weight_only_experts_with_a_reachable_clamp_match_the_float_moe(tmp_path
     got, want = prefill_logits(native, ids), prefill_logits(ort, ids)
     error = np.abs(got - want) / np.abs(want).max()
     assert error.mean() <= 0.01 and error.max() <= 0.1, (error.mean(), error.max())
-
-
-def test_an_output_projection_bias_is_not_split_over_tensor_parallel_ranks(tmp_path):
-    hf = make_random_hf_model("llama", tmp_path / "hf", overrides={"attention_bias": True})
-    with pytest.raises(ConfigError, match="output projection has a bias"):
-        convert(hf, tmp_path / "ckpt", tp_size=2)

@@ -32,9 +32,6 @@ def check_mapping(config: ModelConfig, mapping: Mapping) -> None:
     if tp > 1 and config.qk_norm_full:  # each rank would normalize its own heads' share of the projection
         raise ConfigError("tp_size", f"{config.architecture} normalizes q and k over all heads, which a tensor-"
                                      "parallel split cannot; use --tp-size 1.")
-    if tp > 1 and config.dense_bias:  # every rank's partial output would add the whole bias before the all-reduce
-        raise ConfigError("tp_size", f"{config.architecture}'s attention output projection has a bias, which a "
-                                     "tensor-parallel split would add once per rank; use --tp-size 1.")
     _check_int4_split(config, tp)
 
 

@@ -1,0 +1,180 @@
+"""Tensor-parallel cpu engines (builder/tensor_parallel.py, runtime/tensor_parallel.py, cpu_ops/collectives.cc):
+a checkpoint converted with --tp-size 2 builds one graph per rank, runs as one process per rank, and computes what
+the single-rank engine of the same model computes; a rank that fails or dies stops the engine with its reason.
+
+Tolerance: max |tp - single| / max |single| <= 1e-4 over every logit row (the partial sums add in another order).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from helpers import STORIES260K, require_shared_models
+
+from trtbuild.builder.build import build_engine
+from trtbuild.builder.convert.convert import convert
+from trtbuild.builder.engine_dir import read_engine_config
+from trtbuild.errors import ConfigError, TrtbuildError
+from trtbuild.runtime.config import RuntimeConfig
+from trtbuild.runtime.engine import CpuEngine, SequenceChunk, in_every_group
+from trtbuild.runtime.llm import LLM
+from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.tensor_parallel import RankStopped, TensorParallelEngine
+
+RTOL = 1e-4
+# dense biases after the all-reduce (llama_bias), q / k / v biases (qwen2), per-head q / k norms (qwen3), a tied
+# head and Gemma 2's embedding multiplier, soft-caps and sandwich norms, a partial rotary's per-head row order
+# (phi3_partial), Cohere's parallel residual and LayerNorms, StarCoder 2's MLP biases, a vocabulary of 321 rows
+# that two ranks split as 161 + 160 (odd_vocab)
+FAMILIES = ["llama", "llama_bias", "qwen2", "qwen3", "gemma2", "phi3_partial", "cohere", "starcoder2", "odd_vocab"]
+
+
+@pytest.fixture(scope="module")
+def engines(hf_dir, tmp_path_factory, library):
+    """name -> (single-rank engine dir, tensor-parallel engine dir), float32 checkpoints of the same model."""
+    cache = {}
+
+    def get(name: str, source=None):
+        if name not in cache:
+            root = tmp_path_factory.mktemp(f"tp_{name}")
+            model = source or hf_dir(name)
+            dirs = []
+            for tp in (1, 2):
+                convert(model, root / f"ckpt{tp}", dtype="float32", tp_size=tp)
+                dirs.append(build_engine(root / f"ckpt{tp}", root / f"engine{tp}", max_seq_len=128))
+            cache[name] = tuple(dirs)
+        return cache[name]
+
+    return get
+
+
+BLOCKS = 8  # per KV cache group
+
+
+def steps(engine, vocab: int) -> list[np.ndarray]:
+    """Logits of a mixed step (two prompts of 40 and 17 tokens), then of four decode steps of both sequences."""
+    prompt = [(7 * i + 3) % (vocab - 1) + 1 for i in range(40)]
+    tables = ([0, 1, 2, 3], [4, 5, 6])
+    groups = len(engine.kv.groups)
+
+    def step(chunks: list[SequenceChunk]) -> np.ndarray:
+        return engine.step(in_every_group(chunks, groups, BLOCKS))
+
+    out = [step([SequenceChunk(0, prompt, 0, 1, tables[0]), SequenceChunk(1, prompt[:17], 0, 3, tables[1])])]
+    for i in range(4):
+        out.append(step([SequenceChunk(0, [int(out[-1][0].argmax())], 40 + i, 1, tables[0]),
+                         SequenceChunk(1, [5 + i], 17 + i, 1, tables[1])]))
+    return out
+
+
+def blocks(info) -> int:
+    return BLOCKS * len(info.kv_cache_groups)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_two_ranks_compute_the_single_rank_logits(name, engines):
+    single, parallel = engines(name)
+    info = read_engine_config(parallel)
+    assert info.model.mapping.tp_size == 2 and set(info.weight_files) == {"rank0.weights", "rank1.weights"}
+    ops = [[n.op_type for n in onnx.load(str(parallel / f"rank{r}.onnx"), load_external_data=False).graph.node
+            if n.domain == "trtbuild" and n.op_type.startswith("All")] for r in (0, 1)]
+    layers = info.model.num_hidden_layers
+    assert ops[0] == ops[1] and ops[0].count("AllReduce") == 1 + 2 * layers and ops[0].count("AllGather") == 1
+    vocab = info.model.vocab_size
+    want = steps(CpuEngine(read_engine_config(single), num_threads=1, num_blocks=blocks(info)), vocab)
+    engine = TensorParallelEngine(info, num_threads=2, num_blocks=blocks(info))
+    try:
+        got = steps(engine, vocab)
+    finally:
+        engine.close()
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape == (len(g), vocab)
+        assert np.abs(g - w).max() / np.abs(w).max() <= RTOL
+
+
+def test_each_rank_holds_its_share_of_the_kv_pool(engines):
+    single, parallel = engines("qwen2")
+    one = read_engine_config(single)
+    two = read_engine_config(parallel)
+    assert two.kv_cache_input["shape"][3] * 2 == one.kv_cache_input["shape"][3]  # KV heads per rank
+    assert two.kv_cache_bytes_per_block == one.kv_cache_bytes_per_block  # over both ranks
+    engine = TensorParallelEngine(two, num_threads=2, num_blocks=8)
+    try:
+        assert engine.kv.bytes_per_block == one.kv_cache_bytes_per_block
+        assert engine.rank0.kv.pool.shape[3] == two.kv_cache_input["shape"][3]
+    finally:
+        engine.close()
+
+
+def test_stories260k_generates_the_same_text_on_two_ranks(engines, tmp_path):
+    """The real model through LLM (the scheduler, the sampler, prefix caching, a beam search's block copies)."""
+    require_shared_models()
+    single, parallel = engines("stories260K", STORIES260K)
+    prompts = ["Once upon a time", "The little dog", "Lily and Tom went to the park"]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    beams = SamplingParams(max_tokens=12, beam_width=2)
+    texts = []
+    for engine_dir in (single, parallel):
+        llm = LLM(engine_dir, RuntimeConfig(num_threads=2))
+        try:
+            texts.append([o.text for o in llm.generate(prompts, greedy)] + [llm.generate(prompts[:1], beams)[0].text])
+        finally:
+            llm.close()
+    assert texts[0] == texts[1]
+    assert all(len(t) > 20 for t in texts[1])
+
+
+def test_a_rank_that_dies_stops_the_engine_with_its_reason(engines):
+    _, parallel = engines("llama")
+    engine = TensorParallelEngine(read_engine_config(parallel), num_threads=2, num_blocks=8)
+    try:
+        engine.ranks.processes[0].kill()
+        engine.ranks.processes[0].wait()
+        with pytest.raises(RankStopped, match=r"rank 1.*(exit code -9|gone).*start it again"):
+            steps(engine, 320)
+        with pytest.raises(RankStopped, match="rank 1"):  # and every later call
+            engine.kv.reserve()
+    finally:
+        engine.close()
+
+
+def test_bad_chunks_are_refused_before_any_rank_runs(engines):
+    _, parallel = engines("llama")
+    engine = TensorParallelEngine(read_engine_config(parallel), num_threads=2, num_blocks=8)
+    try:
+        with pytest.raises(ValueError):
+            engine.step([SequenceChunk(0, [], 0, 1, [0])])
+        assert steps(engine, 320)[-1].shape == (2, 320)  # the engine still steps
+    finally:
+        engine.close()
+
+
+def test_a_rank_whose_engine_files_are_missing_fails_to_start(engines, tmp_path):
+    import shutil
+
+    _, parallel = engines("llama")
+    broken = shutil.copytree(parallel, tmp_path / "engine")
+    (broken / "rank1.onnx").unlink()
+    with pytest.raises(RankStopped, match=r"rank 1 failed.*rank1.onnx is missing"):
+        TensorParallelEngine(read_engine_config(broken), num_threads=2, num_blocks=8)
+
+
+@pytest.mark.parametrize(("overrides", "pattern"), [
+    ({"autotune": "fast"}, "--autotune off"),
+    ({"max_loras": 2, "max_lora_rank": 8}, "LoRA adapters are not split"),
+])
+def test_tensor_parallel_builds_refuse_what_they_cannot_split(overrides, pattern, hf_dir, tmp_path, library):
+    convert(hf_dir("llama"), tmp_path / "ckpt", tp_size=2)
+    with pytest.raises((ConfigError, TrtbuildError), match=pattern):
+        build_engine(tmp_path / "ckpt", tmp_path / "engine", **overrides)
+    assert not (tmp_path / "engine").exists()
+
+
+def test_pipeline_parallel_checkpoints_are_refused_with_the_way_out(hf_dir, tmp_path):
+    convert(hf_dir("llama"), tmp_path / "ckpt", tp_size=1, pp_size=2)
+    with pytest.raises(TrtbuildError, match=r"pp=2.*no pipeline-parallel ranks.*--tp-size 1 --pp-size 1"):
+        build_engine(tmp_path / "ckpt", tmp_path / "engine")
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["mapping"]["pp_size"] == 2
