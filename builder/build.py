@@ -296,8 +296,8 @@ def build_engine(checkpoint: Path, output: Path, build: BuildConfig | None = Non
                 return output
             applied = lower_for_target(model, build)
             steps.set_postfix_str("autotuning"), steps.update()
+            lowering = TacticLowering()  # NOTE: per rank: it keeps what it packed, in this rank's weight file
             if rank == 0:  # NOTE: every rank's graph has the same nodes: rank 0's tactics are all ranks'
-                lowering = TacticLowering()
                 candidates = {"attention": attention_candidates(model, build),
                               "quant_linears": quant_linear_candidates(model, build),
                               "float_linears": float_linear_candidates(model, build, lowering.dense_linears)}

@@ -28,25 +28,27 @@ RTOL = 1e-4
 # dense biases after the all-reduce (llama_bias), q / k / v biases (qwen2), per-head q / k norms (qwen3), a tied
 # head and Gemma 2's embedding multiplier, soft-caps and sandwich norms, a partial rotary's per-head row order
 # (phi3_partial), Cohere's parallel residual and LayerNorms, StarCoder 2's MLP biases, a vocabulary of 321 rows
-# that two ranks split as 161 + 160 (odd_vocab)
-FAMILIES = ["llama", "llama_bias", "qwen2", "qwen3", "gemma2", "phi3_partial", "cohere", "starcoder2", "odd_vocab"]
+# that two ranks split as 161 + 160 (odd_vocab); bfloat16 weights, which DenseMatMul packs per rank
+FAMILIES = [("llama", "float32"), ("llama_bias", "float32"), ("qwen2", "float32"), ("qwen3", "float32"),
+            ("gemma2", "float32"), ("phi3_partial", "float32"), ("cohere", "float32"), ("starcoder2", "float32"),
+            ("odd_vocab", "float32"), ("qwen2", "bfloat16")]
 
 
 @pytest.fixture(scope="module")
 def engines(hf_dir, tmp_path_factory, library):
-    """name -> (single-rank engine dir, tensor-parallel engine dir), float32 checkpoints of the same model."""
+    """(name, dtype) -> (single-rank engine dir, tensor-parallel engine dir) of the same model."""
     cache = {}
 
-    def get(name: str, source=None):
-        if name not in cache:
-            root = tmp_path_factory.mktemp(f"tp_{name}")
+    def get(name: str, dtype: str = "float32", source=None):
+        if (name, dtype) not in cache:
+            root = tmp_path_factory.mktemp(f"tp_{name}_{dtype}")
             model = source or hf_dir(name)
             dirs = []
             for tp in (1, 2):
-                convert(model, root / f"ckpt{tp}", dtype="float32", tp_size=tp)
+                convert(model, root / f"ckpt{tp}", dtype=dtype, tp_size=tp)
                 dirs.append(build_engine(root / f"ckpt{tp}", root / f"engine{tp}", max_seq_len=128))
-            cache[name] = tuple(dirs)
-        return cache[name]
+            cache[name, dtype] = tuple(dirs)
+        return cache[name, dtype]
 
     return get
 
@@ -74,9 +76,9 @@ def blocks(info) -> int:
     return BLOCKS * len(info.kv_cache_groups)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_two_ranks_compute_the_single_rank_logits(name, engines):
-    single, parallel = engines(name)
+@pytest.mark.parametrize(("name", "dtype"), FAMILIES)
+def test_two_ranks_compute_the_single_rank_logits(name, dtype, engines):
+    single, parallel = engines(name, dtype)
     info = read_engine_config(parallel)
     assert info.model.mapping.tp_size == 2 and set(info.weight_files) == {"rank0.weights", "rank1.weights"}
     ops = [[n.op_type for n in onnx.load(str(parallel / f"rank{r}.onnx"), load_external_data=False).graph.node
@@ -112,7 +114,7 @@ def test_each_rank_holds_its_share_of_the_kv_pool(engines):
 def test_stories260k_generates_the_same_text_on_two_ranks(engines, tmp_path):
     """The real model through LLM (the scheduler, the sampler, prefix caching, a beam search's block copies)."""
     require_shared_models()
-    single, parallel = engines("stories260K", STORIES260K)
+    single, parallel = engines("stories260K", source=STORIES260K)
     prompts = ["Once upon a time", "The little dog", "Lily and Tom went to the park"]
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     beams = SamplingParams(max_tokens=12, beam_width=2)
