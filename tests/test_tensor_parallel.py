@@ -7,6 +7,7 @@ Tolerance: max |tp - single| / max |single| <= 1e-4 over every logit row (the pa
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -15,14 +16,14 @@ import pytest
 from helpers import STORIES260K, require_shared_models
 
 from trtbuild.builder.build import build_engine
-from trtbuild.builder.convert.convert import convert
+from trtbuild.builder.convert.convert import WeightOnly, convert
 from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.errors import ConfigError, TrtbuildError
 from trtbuild.runtime.config import RuntimeConfig
-from trtbuild.runtime.engine import CpuEngine, SequenceChunk, in_every_group
+from trtbuild.runtime.engine import SequenceChunk, in_every_group
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
-from trtbuild.runtime.tensor_parallel import RankStopped, TensorParallelEngine
+from trtbuild.runtime.tensor_parallel import RankStopped, TensorParallelEngine, make_cpu_engine
 
 RTOL = 1e-4
 # dense biases after the all-reduce (llama_bias), q / k / v biases (qwen2), per-head q / k norms (qwen3), a tied
@@ -76,6 +77,18 @@ def blocks(info) -> int:
     return BLOCKS * len(info.kv_cache_groups)
 
 
+@contextlib.contextmanager
+def opened(engine_dir):
+    """The engine of `engine_dir` (one rank or several), closed after."""
+    info = read_engine_config(engine_dir)
+    engine = make_cpu_engine(info, num_threads=2, num_blocks=blocks(info))
+    try:
+        yield engine
+    finally:
+        if isinstance(engine, TensorParallelEngine):
+            engine.close()
+
+
 @pytest.mark.parametrize(("name", "dtype"), FAMILIES)
 def test_two_ranks_compute_the_single_rank_logits(name, dtype, engines):
     single, parallel = engines(name, dtype)
@@ -86,12 +99,10 @@ def test_two_ranks_compute_the_single_rank_logits(name, dtype, engines):
     layers = info.model.num_hidden_layers
     assert ops[0] == ops[1] and ops[0].count("AllReduce") == 1 + 2 * layers and ops[0].count("AllGather") == 1
     vocab = info.model.vocab_size
-    want = steps(CpuEngine(read_engine_config(single), num_threads=1, num_blocks=blocks(info)), vocab)
-    engine = TensorParallelEngine(info, num_threads=2, num_blocks=blocks(info))
-    try:
+    with opened(single) as engine:
+        want = steps(engine, vocab)
+    with opened(parallel) as engine:
         got = steps(engine, vocab)
-    finally:
-        engine.close()
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape == (len(g), vocab)
         assert np.abs(g - w).max() / np.abs(w).max() <= RTOL
@@ -180,3 +191,43 @@ def test_pipeline_parallel_checkpoints_are_refused_with_the_way_out(hf_dir, tmp_
     with pytest.raises(TrtbuildError, match=r"pp=2.*no pipeline-parallel ranks.*--tp-size 1 --pp-size 1"):
         build_engine(tmp_path / "ckpt", tmp_path / "engine")
     assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["mapping"]["pp_size"] == 2
+
+
+def test_a_quantized_gguf_splits_over_two_ranks_as_it_is(tmp_path, library):
+    """A GGUF's low-bit linears stay low-bit on each rank (codes, scales and zero points split by whole groups; Q4_K
+    and Q5_K row-parallel shares of 128 inputs, half a super-block). Computed in float (MatMulNBits at accuracy
+    level 1), the two ranks give the single rank's logits; with int8 activations (the native linears), each is as
+    far from those as the single rank is (a rounding flipped by the partial sums' order changes a code, so the two
+    are not bit for bit alike)."""
+    import gguf
+    from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
+
+    q = gguf.GGMLQuantizationType
+    hf = make_hf_folder("qwen2", tmp_path / "hf", overrides={"hidden_size": 256, "intermediate_size": 512})
+    kinds = [q.Q4_K, q.Q8_0, q.Q6_K, q.Q5_K, q.Q4_0]
+    names = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+    qtypes = {f"blk.{layer}.{n}.weight": kinds[(i + layer) % len(kinds)] for layer in range(2)
+              for i, n in enumerate(names)}
+    path = write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "qwen2",
+                                     {**qtypes, "token_embd.weight": q.Q6_K, "output.weight": q.Q8_0})
+    logits = {}
+    for tp in (1, 2):
+        config = convert(path, tmp_path / f"ckpt{tp}", tp_size=tp)
+        assert config.quantization.quant_algo == "weight_only" and not config.quantization.exclude_modules
+        for level in (1, 4):
+            engine_dir = build_engine(tmp_path / f"ckpt{tp}", tmp_path / f"engine{tp}_{level}",
+                                      int4_accuracy_level=level)
+            with opened(engine_dir) as engine:
+                logits[tp, level] = steps(engine, config.vocab_size)
+    for step in range(5):
+        reference = logits[1, 1][step]
+        scale = np.abs(reference).max()
+        assert np.abs(logits[2, 1][step] - reference).max() <= RTOL * scale
+        single = np.abs(logits[1, 4][step] - reference).max()
+        assert np.abs(logits[2, 4][step] - reference).max() <= max(2 * single, 0.02 * scale)
+
+
+def test_a_weight_only_split_needs_whole_groups_on_each_rank(hf_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"48 per rank, not a multiple of its 4-bit weights' group of 32"):
+        convert(hf_dir("qwen2"), tmp_path / "ckpt", tp_size=2, weight_only=WeightOnly(4, 32))
+    assert not (tmp_path / "ckpt").exists()

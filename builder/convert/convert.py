@@ -28,7 +28,7 @@ from trtbuild.builder.convert.fused import split_fused
 from trtbuild.builder.convert.hf_reader import SourceTensor
 from trtbuild.builder.convert.names import hf_to_checkpoint_name, is_linear, model_linear_prefixes
 from trtbuild.builder.convert.safetensors_io import SafetensorsWriter
-from trtbuild.builder.convert.sharding import check_mapping, shard_for_rank
+from trtbuild.builder.convert.sharding import check_mapping, check_nbits_split, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig
 from trtbuild.configs.from_hf import model_config_from_hf, text_model_config
 from trtbuild.configs.model_config import GEMMA_FAMILIES, QuantConfig
@@ -107,9 +107,7 @@ def with_weight_only(config: ModelConfig, plan: dict[str, SourceTensor], weight_
     quantized = {p: f for p, f in forms.items() if f}
     if not quantized:
         return config
-    if config.mapping.tp_size > 1:
-        raise CheckpointError("weight-only quantized checkpoints are written for one tensor-parallel rank (the CPU "
-                              "target runs one); drop --tp-size, or use --dequantize for a GGUF file.")
+    check_nbits_split(config, {p: f[:2] for p, f in quantized.items()})
     groups = {f[1] for f in quantized.values()}
     embedding = plan[EMBEDDING].nbits
     quant = QuantConfig(quant_algo=QuantAlgo.WEIGHT_ONLY.value, group_size=groups.pop() if len(groups) == 1 else None,

@@ -118,8 +118,8 @@ LAYER_LINEARS = ("attention.q", "attention.k", "attention.v", "attention.dense",
 # rows one after the other)
 EXPERT_LINEARS = ("mlp.experts.gate", "mlp.experts.fc", "mlp.experts.proj")
 SHARED_EXPERT_LINEARS = ("mlp.shared.gate", "mlp.shared.fc", "mlp.shared.proj")  # Qwen2-MoE's shared expert
-_SCALE_SUFFIXES = ("weights_scaling_factor", "activation_scaling_factor", "prequant_scaling_factor",
-                   "kv_cache_scaling_factor")
+_SCALE_SUFFIXES = ("weights_scaling_factor", "weights_zero_point", "activation_scaling_factor",
+                   "prequant_scaling_factor", "kv_cache_scaling_factor")
 
 # How each checkpoint tensor is split over tensor-parallel ranks: axis to split, or None to replicate.
 _SPLIT_AXIS = {
@@ -215,7 +215,8 @@ def tp_split_axis(name: str, ndim: int | None = None) -> int | None:
 
     Quantization scales (`ndim`: the tensor's rank) follow their weight: `weights_scaling_factor` is split on the
     weight's axis when it has that axis (int4 [out, in/group] always, int8 [out] only for column-parallel linears,
-    the fp8 scalar never); `prequant_scaling_factor` [in] is split only for row-parallel linears (dense, proj);
+    the fp8 scalar never), and so is a weight_only linear's `weights_zero_point`; `prequant_scaling_factor` [in]
+    is split only for row-parallel linears (dense, proj);
     `activation_scaling_factor` and `kv_cache_scaling_factor` are replicated.
     """
     m = _CKPT_LAYER.match(name)
@@ -224,7 +225,8 @@ def tp_split_axis(name: str, ndim: int | None = None) -> int | None:
     if suffix not in _SCALE_SUFFIXES:
         return _SPLIT_AXIS.get(key)
     weight_axis = _SPLIT_AXIS.get(f"{prefix}.weight")
-    if suffix == "weights_scaling_factor" and weight_axis is not None and (ndim is None or ndim > weight_axis):
+    follows_weight = suffix in ("weights_scaling_factor", "weights_zero_point")
+    if follows_weight and weight_axis is not None and (ndim is None or ndim > weight_axis):
         return weight_axis
     if suffix == "prequant_scaling_factor" and weight_axis == 1:
         return 0

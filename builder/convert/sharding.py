@@ -51,6 +51,20 @@ def _check_int4_split(config: ModelConfig, tp: int) -> None:
                 "exclude these linears.")
 
 
+def check_nbits_split(config: ModelConfig, forms: dict[str, tuple[int, int]]) -> None:
+    """weight_only linears (`forms`: prefix -> (bits, group size)) hold codes and scales per group along `in`: a
+    row-parallel one needs whole groups on every rank."""
+    tp = config.mapping.tp_size
+    features = {"attention.dense": config.q_size, "mlp.proj": config.intermediate_size}
+    for prefix, (bits, group) in forms.items():
+        in_features = next((n for suffix, n in features.items() if prefix.endswith(suffix)), None)
+        if tp > 1 and in_features is not None and (in_features // tp) % group:
+            raise ConfigError(
+                "tp_size", f"{tp} splits the {in_features} input features of {prefix} into {in_features // tp} per "
+                f"rank, not a multiple of its {bits}-bit weights' group of {group}; choose a smaller --tp-size, or "
+                "--dequantize a GGUF file.")
+
+
 def _held_by(name: str, config: ModelConfig, mapping: Mapping, rank: int) -> bool:
     layer = layer_of(name)
     if layer is not None:
