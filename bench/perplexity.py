@@ -20,6 +20,9 @@ import numpy as np
 from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.errors import ConfigError
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk, in_every_group
+from trtbuild.runtime.tensor_parallel import TensorParallelEngine, make_cpu_engine
+
+AnyCpuEngine = CpuEngine | TensorParallelEngine  # one rank or several
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ def sliding_windows(num_tokens: int, max_seq_len: int, stride: int) -> list[Wind
     return windows
 
 
-def window_logits(engine: CpuEngine, token_ids: Sequence[int], window: Window, chunk_size: int | None = None
+def window_logits(engine: AnyCpuEngine, token_ids: Sequence[int], window: Window, chunk_size: int | None = None
                   ) -> np.ndarray:
     """Logits [num_targets, vocab] predicting tokens first_target .. end - 1 from the window's context."""
     b = engine.info.build
@@ -85,21 +88,21 @@ def _scores(logits: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.nda
     return log_z - x[np.arange(len(targets)), targets], logits.argmax(axis=-1)
 
 
-def _score_engine(engine: CpuEngine, token_ids: Sequence[int], windows: list[Window], chunk_size: int | None
+def _score_engine(engine: AnyCpuEngine, token_ids: Sequence[int], windows: list[Window], chunk_size: int | None
                   ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     ids = np.asarray(token_ids, dtype=np.int64)
     for w in windows:
         yield _scores(window_logits(engine, token_ids, w, chunk_size), ids[w.first_target : w.end])
 
 
-def _open(engine_dir: Path, max_seq_len: int, num_threads: int | None) -> CpuEngine:
+def _open(engine_dir: Path, max_seq_len: int, num_threads: int | None) -> AnyCpuEngine:
     info = read_engine_config(Path(engine_dir), expect_target="cpu")
     b = info.build
     if max_seq_len > b.max_seq_len:
         raise ConfigError("max_seq_len", f"{max_seq_len} exceeds the engine's build limit {b.max_seq_len} "
                                          f"({engine_dir}); ask for {b.max_seq_len} or less")
-    return CpuEngine(info, num_threads=num_threads,
-                     num_blocks=len(info.kv_cache_groups) * -(-max_seq_len // b.tokens_per_block))
+    return make_cpu_engine(info, num_threads=num_threads,
+                           num_blocks=len(info.kv_cache_groups) * -(-max_seq_len // b.tokens_per_block))
 
 
 def evaluate(engine_dir: Path, token_ids: Sequence[int], max_seq_len: int | None = None, stride: int | None = None,

@@ -25,7 +25,7 @@ import numpy as np
 from trtbuild.builder.convert.checkpoint import CONFIG_FILE
 from trtbuild.builder.engine_dir import EngineInfo, read_engine_config
 from trtbuild.configs import BuildConfig, ModelConfig
-from trtbuild.errors import TrtbuildError, VerificationError
+from trtbuild.errors import EngineCompatibilityError, TrtbuildError, VerificationError
 from trtbuild.quantization import KVPoolDtype
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,11 @@ def verify_engine(engine_dir: Path, checkpoint: Path | None, num_threads: int | 
     from trtbuild.builder.network import engine_outputs
 
     info = read_engine_config(Path(engine_dir), expect_target="cpu")
+    if info.model.mapping.tp_size > 1:  # NOTE: before the reference is built
+        raise EngineCompatibilityError(
+            f"{engine_dir} is a tensor-parallel engine of {info.model.mapping.tp_size} ranks; `trtbuild verify` "
+            "compares one rank's graph with its unfused build: verify the engine of a --tp-size 1 checkpoint of "
+            "the same model (tests/test_tensor_parallel.py holds the ranks to the single-rank logits).")
     check_checkpoint(info, checkpoint)
     precision, by_kind = tolerances_for(info.model, info.build)
     rows = engine_outputs(info.build)[0]  # an embed engine's rows are hidden states, held to the logits' tolerance

@@ -211,8 +211,11 @@ class CpuEngine:
         self.info = engine if isinstance(engine, EngineInfo) else read_engine_config(Path(engine), expect_target="cpu")
         path = Path(graph) if graph is not None else self.info.path / cpu_rank_files(rank)[0]
         tp = self.info.model.mapping.tp_size
-        if (tp > 1) != (tp_group is not None):
-            raise ValueError(f"{self.info.path} has {tp} tensor-parallel ranks: run it with TensorParallelEngine")
+        if (tp > 1) != (tp_group is not None):  # NOTE: a rank alone would wait for its peers at the first collective
+            raise EngineCompatibilityError(
+                f"{self.info.path} is a tensor-parallel engine of {tp} ranks, which `trtbuild run`, `serve`, `bench`, "
+                "`eval` and LLM run (runtime/tensor_parallel.py); this tool takes a single-rank engine: build one "
+                "from a checkpoint converted with --tp-size 1.")
         self.tp_group = None if tp_group is None else np.array([tp_group], np.int64)
         if not path.is_file():
             raise EngineCompatibilityError(f"{path} is missing; rebuild the engine with `trtbuild build`.")

@@ -161,7 +161,7 @@ class _AllRanksKV:
     """The KV pools of every rank as one: rank 0's pool answers questions, and what changes a pool changes all."""
 
     def __init__(self, engine: TensorParallelEngine) -> None:
-        self._engine, self._pool = engine, engine.rank0.kv
+        self._engine, self._pool = weakref.proxy(engine), engine.rank0.kv  # NOTE: no cycle keeps the engine
 
     def reserve(self) -> None:
         self._engine.on_all_ranks("kv.reserve")

@@ -20,7 +20,7 @@ from trtbuild.builder.convert.convert import WeightOnly, convert
 from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.errors import ConfigError, TrtbuildError
 from trtbuild.runtime.config import RuntimeConfig
-from trtbuild.runtime.engine import SequenceChunk, in_every_group
+from trtbuild.runtime.engine import CpuEngine, SequenceChunk, in_every_group
 from trtbuild.runtime.llm import LLM
 from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.runtime.tensor_parallel import RankStopped, TensorParallelEngine, make_cpu_engine
@@ -231,3 +231,18 @@ def test_a_weight_only_split_needs_whole_groups_on_each_rank(hf_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"48 per rank, not a multiple of its 4-bit weights' group of 32"):
         convert(hf_dir("qwen2"), tmp_path / "ckpt", tp_size=2, weight_only=WeightOnly(4, 32))
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_eval_scores_the_ranks_as_the_single_rank_and_verify_says_what_it_takes(engines, tmp_path):
+    from trtbuild.bench.perplexity import evaluate
+    from trtbuild.bench.verify import verify_engine
+    from trtbuild.errors import EngineCompatibilityError
+
+    single, parallel = engines("qwen2")
+    ids = [(5 * i + 2) % 300 + 1 for i in range(90)]
+    one, two = (evaluate(e, ids, max_seq_len=64, num_threads=2) for e in (single, parallel))
+    assert abs(one.perplexity - two.perplexity) <= 1e-4 * one.perplexity
+    with pytest.raises(EngineCompatibilityError, match=r"tensor-parallel engine of 2 ranks.*--tp-size 1"):
+        verify_engine(parallel, parallel.parent / "ckpt2")
+    with pytest.raises(EngineCompatibilityError, match=r"tensor-parallel engine of 2 ranks.*LLM run"):
+        CpuEngine(read_engine_config(parallel))
