@@ -63,11 +63,13 @@ class EngineTarget:
         if lora_path is not None:
             core.load_lora(core.lora.prepare(lora, lora_path))
         self.vocab_size = core.vocab_size
-        self.threads = core.engine.session.get_session_options().intra_op_num_threads  # what the engine runs with
+        # what the engine runs with: each rank's threads, over all of a tensor-parallel engine's ranks
+        ranks = info.model.mapping.tp_size
+        self.threads = core.engine.session.get_session_options().intra_op_num_threads * ranks
         self.special_ids = frozenset(core.eos_token_ids) | (core.tokenizer.special_ids if core.tokenizer else set())
-        self.sizes = {"engine_file_bytes": info.engine_bytes,
-                      "kv_bytes_per_token": core.engine.kv.bytes_per_token,
-                      "kv_pool_bytes": core.engine.kv.pool.nbytes, "load_s": core.start_seconds["session"],
+        kv = core.engine.kv  # NOTE: a tensor-parallel engine's: every rank's pool
+        self.sizes = {"engine_file_bytes": info.engine_bytes, "kv_bytes_per_token": kv.bytes_per_token,
+                      "kv_pool_bytes": kv.num_blocks * kv.bytes_per_block, "load_s": core.start_seconds["session"],
                       "warm_up_s": core.start_seconds["warm_up"]}
         self.steps: list[_Step] = []
         step = core.step

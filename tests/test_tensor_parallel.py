@@ -246,3 +246,15 @@ def test_eval_scores_the_ranks_as_the_single_rank_and_verify_says_what_it_takes(
         verify_engine(parallel, parallel.parent / "ckpt2")
     with pytest.raises(EngineCompatibilityError, match=r"tensor-parallel engine of 2 ranks.*LLM run"):
         CpuEngine(read_engine_config(parallel))
+
+
+def test_bench_reports_the_ranks_threads_and_pools_together(engines):
+    from trtbuild.bench.run import BenchOptions, run_bench
+
+    single, parallel = engines("qwen2")
+    r = run_bench(BenchOptions(engine=parallel, compare_engine=single, num_requests=4, input_len=12, output_len=6,
+                               concurrency=2, threads=2, kv_cache_blocks=16))
+    assert r["completed"] == r["engine"]["completed"] == 4
+    assert r["threads"] == r["engine"]["threads"] == 2  # one a rank, against two in one
+    assert r["kv_pool_bytes"] == r["engine"]["kv_pool_bytes"] and r["kv_bytes_per_token"] == \
+        r["engine"]["kv_bytes_per_token"]
