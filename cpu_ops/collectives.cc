@@ -32,12 +32,12 @@ namespace {
 constexpr uint32_t kMagic = 0x48435054;  // "TPCH"
 constexpr uint32_t kVersion = 1;
 constexpr int64_t kSlotHeader = 64;  // each slot: the piece's tag and element count, then its floats
-constexpr double kTimeoutSeconds = 600.0;
 
 // The channel's first 4096 bytes; the slots follow: buffer b, rank r at 4096 + (b * world + r) * slot_bytes.
 struct Header {
-  uint32_t magic, version, world, broken;  // broken: set by the runtime when a rank's process is gone
+  uint32_t magic, version, world, broken;  // broken: set by the runtime when a rank's process is gone or failed
   uint64_t slot_bytes;
+  uint32_t timeout_ms;  // how long a rank waits at a barrier for the others
   alignas(64) uint32_t arrived;
   alignas(64) uint32_t generation;
 };
@@ -96,10 +96,9 @@ class Channel {
       }
       // NOTE: yield once the wait is long: ranks may share cores with each other's threads
       sched_yield();
-      if (i % 1024 == 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >
-                               kTimeoutSeconds)
+      if (i % 1024 == 0 && std::chrono::steady_clock::now() - start > std::chrono::milliseconds(header_->timeout_ms))
         throw std::runtime_error(node + ": the other tensor-parallel ranks did not arrive within " +
-                                 std::to_string(static_cast<int>(kTimeoutSeconds)) + " s");
+                                 std::to_string(header_->timeout_ms / 1000.0) + " s");
     }
   }
 

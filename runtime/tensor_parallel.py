@@ -39,9 +39,14 @@ from trtbuild.runtime.engine import CpuEngine, SequenceChunk, StepOutput, check_
 log = logging.getLogger(__name__)
 
 # The channel's layout, as cpu_ops/collectives.cc reads it: a 4096-byte header (uint32 magic, version, world size,
-# broken flag; uint64 slot bytes; the barrier's counters at 64 and 128), then two buffers of one slot per rank.
+# broken flag; uint64 slot bytes; uint32 barrier timeout in ms; the barrier's counters at 64 and 128), then two
+# buffers of one slot per rank.
 _MAGIC, _VERSION, _HEADER_BYTES = 0x48435054, 1, 4096
 SLOT_BYTES = 8 << 20  # a collective larger than a slot goes through in pieces
+# How long a rank waits for the others at a collective, and after rank 0 ends a call for the others' answers: they
+# run the same step, so only a rank that is stopped or stuck takes this long.
+COLLECTIVE_SECONDS = 60.0
+ANSWER_SECONDS = 120.0
 _SHUT_DOWN = "the engine was shut down"
 
 
@@ -59,6 +64,7 @@ class Channel:
         header = np.ndarray(4, np.uint32, self.memory.buf)
         header[:] = (_MAGIC, _VERSION, world, 0)
         np.ndarray(1, np.uint64, self.memory.buf, offset=16)[0] = SLOT_BYTES
+        np.ndarray(1, np.uint32, self.memory.buf, offset=24)[0] = int(COLLECTIVE_SECONDS * 1000)
 
     def mark_broken(self) -> None:
         """Make every rank waiting in (or reaching) a collective fail instead of waiting for a rank that is gone."""
@@ -109,11 +115,16 @@ class _Ranks:
             except OSError:
                 self._stop(f"rank {rank}'s process is gone (exit code {self.exit_code(rank)})")
 
-    def receive(self) -> None:
-        """Every worker's answer to the last call; the first failure stops the engine."""
+    def receive(self, loading: bool = False) -> None:
+        """Every worker's answer to the last call, each within ANSWER_SECONDS of rank 0's own (`loading`: the
+        "ready" of its engine, which may take minutes); the first failure stops the engine."""
+        timeout = None if loading else ANSWER_SECONDS
         for rank, pipe in enumerate(self.pipes, start=1):
             try:
-                status, message = pipe.recv()
+                if not pipe.poll(timeout):  # NOTE: its late answer would be taken for the next call's: stop
+                    status, message = "late", f"no answer within {timeout:.0f} s of rank 0's"
+                else:
+                    status, message = pipe.recv()
             except (EOFError, OSError):
                 status, message = "gone", f"its process exited, exit code {self.processes[rank - 1].wait()}"
             if status not in ("ok", "ready") and self.stopped is None:
@@ -192,7 +203,7 @@ class TensorParallelEngine:
         self._finalizer = weakref.finalize(self, _shut_down, self.ranks, self.channel)
         try:
             self.rank0 = CpuEngine(info, num_threads=threads, num_blocks=num_blocks, rank=0, tp_group=self.channel.id)
-            self.ranks.receive()  # every worker loaded its rank
+            self.ranks.receive(loading=True)
         except BaseException:
             self._finalizer()
             raise

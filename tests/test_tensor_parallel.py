@@ -258,3 +258,23 @@ def test_bench_reports_the_ranks_threads_and_pools_together(engines):
     assert r["threads"] == r["engine"]["threads"] == 2  # one a rank, against two in one
     assert r["kv_pool_bytes"] == r["engine"]["kv_pool_bytes"] and r["kv_bytes_per_token"] == \
         r["engine"]["kv_bytes_per_token"]
+
+
+def test_a_rank_that_stops_answering_stops_the_engine(engines, monkeypatch):
+    import signal
+
+    from trtbuild.runtime import tensor_parallel
+
+    _, parallel = engines("llama")
+    monkeypatch.setattr(tensor_parallel, "COLLECTIVE_SECONDS", 1.0)
+    monkeypatch.setattr(tensor_parallel, "ANSWER_SECONDS", 0.5)
+    engine = TensorParallelEngine(read_engine_config(parallel), num_threads=2, num_blocks=8)
+    try:
+        engine.ranks.processes[0].send_signal(signal.SIGSTOP)  # alive, but never reaches the first collective
+        with pytest.raises((RankStopped, RuntimeError), match=r"rank|stopped"):
+            steps(engine, 320)
+        with pytest.raises(RankStopped, match=r"rank 1.*(no answer within|exit)"):
+            engine.kv.reserve()
+    finally:
+        engine.ranks.processes[0].send_signal(signal.SIGCONT)
+        engine.close()
