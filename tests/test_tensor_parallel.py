@@ -278,3 +278,28 @@ def test_a_rank_that_stops_answering_stops_the_engine(engines, monkeypatch):
     finally:
         engine.ranks.processes[0].send_signal(signal.SIGCONT)
         engine.close()
+
+
+def test_triton_serves_a_tensor_parallel_engine(engines, tmp_path):
+    """The Triton model's stub runs the ranks too (its worker processes start from the stub's Python): the stream
+    equals the single-rank engine's greedy text, and stopping the server leaves no rank or channel behind."""
+    import os
+
+    from triton_helpers import TIMEOUT, Stream, TritonServer, write_repo
+
+    require_shared_models()
+    single, parallel = engines("stories260K", source=STORIES260K)
+    llm = LLM(single, RuntimeConfig(num_threads=1))
+    want = llm.generate(["Lily went to the park"], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    server = TritonServer(write_repo(parallel, tmp_path / "repo", ["--threads", "2"]), tmp_path / "server.log")
+    stream = None
+    try:
+        assert server.ready.wait(TIMEOUT) and server.proc.poll() is None, f"{server.lines}\n{server.log.read_text()}"
+        stream = Stream(server)
+        stream.send(stream=True, text_input="Lily went to the park", max_tokens=20, ignore_eos=True)
+        assert stream.collect()[:2] == (want.token_ids, want.text)
+    finally:
+        if stream is not None:
+            stream.close()
+        server.stop()
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("trtbuild-tp-")]
