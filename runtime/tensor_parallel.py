@@ -34,6 +34,7 @@ import numpy as np
 
 from trtbuild.builder.engine_dir import EngineInfo
 from trtbuild.errors import TrtbuildError
+from trtbuild.runtime.cpu_topology import numa_node_cpus, pin_this_thread, rank_cpu_sets
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk, StepOutput, check_chunks, default_threads
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,8 @@ class _Ranks:
     NOTE: subprocesses, not multiprocessing's: its spawn start method runs the user's main module again in each
     worker, which a script without a `__main__` guard does not survive, and fork would copy ONNX Runtime's threads."""
 
-    def __init__(self, info: EngineInfo, threads: int, num_blocks: int, channel: Channel) -> None:
+    def __init__(self, info: EngineInfo, threads: list[int], num_blocks: int, channel: Channel,
+                 cpu_sets: list[frozenset[int]] | None) -> None:
         import trtbuild
 
         package_root = str(Path(trtbuild.__file__).resolve().parent.parent)
@@ -98,8 +100,9 @@ class _Ranks:
         self.stopped: str | None = None  # why the engine cannot step any more
         for rank in range(1, info.model.mapping.tp_size):
             ours, theirs = socket.socketpair()
+            cpus = ",".join(map(str, sorted(cpu_sets[rank]))) if cpu_sets else "-"
             command = [sys.executable, "-m", "trtbuild.runtime.tp_worker", str(theirs.fileno()), str(info.path),
-                       str(rank), str(threads), str(num_blocks), str(channel.id)]
+                       str(rank), str(threads[rank]), str(num_blocks), str(channel.id), cpus]
             self.processes.append(subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env))
             theirs.close()
             self.pipes.append(Connection(ours.detach()))
@@ -195,24 +198,43 @@ class _AllRanksKV:
 class TensorParallelEngine:
     """`CpuEngine`'s contract over the ranks of a tensor-parallel cpu engine (module docstring)."""
 
-    def __init__(self, info: EngineInfo, num_threads: int | None = None, num_blocks: int = 64) -> None:
+    def __init__(self, info: EngineInfo, num_threads: int | None = None, num_blocks: int = 64,
+                 cpu_sets: list[frozenset[int]] | None = None) -> None:
+        """`num_threads`: over all ranks [None: each rank's CPUs where they are pinned, else `default_threads`].
+        `cpu_sets`: the CPUs of each rank [None: one run of NUMA nodes each where the machine has as many nodes as
+        ranks (runtime/cpu_topology.py), else none pinned]. Rank 0's are this thread's and its later threads'."""
         self.tp_size = info.model.mapping.tp_size
-        threads = max(1, (num_threads or default_threads(info.tuned_threads)) // self.tp_size)
+        self.cpu_sets = cpu_sets or rank_cpu_sets(self.tp_size, numa_node_cpus())
+        if num_threads is None and self.cpu_sets:
+            threads = [len(cpus) for cpus in self.cpu_sets]
+        else:
+            threads = [max(1, (num_threads or default_threads(info.tuned_threads)) // self.tp_size)] * self.tp_size
         self.channel = Channel(self.tp_size)
-        self.ranks = _Ranks(info, threads, num_blocks, self.channel)
+        self.ranks = _Ranks(info, threads, num_blocks, self.channel, self.cpu_sets)
         self._finalizer = weakref.finalize(self, _shut_down, self.ranks, self.channel)
+        self._pinned: set[int] = set()  # this process's threads pinned to rank 0's CPUs
         try:
-            self.rank0 = CpuEngine(info, num_threads=threads, num_blocks=num_blocks, rank=0, tp_group=self.channel.id)
+            self._pin_this_thread()  # NOTE: before the session: ONNX Runtime's threads inherit it
+            self.rank0 = CpuEngine(info, num_threads=threads[0], num_blocks=num_blocks, rank=0,
+                                   tp_group=self.channel.id)
             self.ranks.receive(loading=True)
         except BaseException:
             self._finalizer()
             raise
         self.ranks.watch(functools.partial(_rank_exited, self.ranks, self.channel))  # NOTE: holds no engine
         self.info, self.kv = self.rank0.info, _AllRanksKV(self)
-        log.info("tensor-parallel engine: %d ranks, %d threads each", self.tp_size, threads)
+        log.info("tensor-parallel engine: %d ranks, %s threads, CPUs %s", self.tp_size, threads,
+                 [sorted(c) for c in self.cpu_sets] if self.cpu_sets else "not pinned (fewer NUMA nodes than ranks)")
+
+    def _pin_this_thread(self) -> None:
+        """Rank 0 runs on its CPUs in whichever thread steps it (its session's threads started pinned)."""
+        if self.cpu_sets and threading.get_ident() not in self._pinned:
+            pin_this_thread(self.cpu_sets[0])
+            self._pinned.add(threading.get_ident())
 
     def on_all_ranks(self, path: str, *args: Any) -> Any:
         """Call `path` (a method of CpuEngine, dotted) on every rank, rank 0 here; returns rank 0's result."""
+        self._pin_this_thread()
         self.ranks.send(path, args)
         target: Any = self.rank0
         for part in path.split("."):

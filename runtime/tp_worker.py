@@ -1,6 +1,8 @@
 """A worker process of a tensor-parallel cpu engine (runtime/tensor_parallel.py starts one per rank after rank 0):
 
-    python -m trtbuild.runtime.tp_worker <socket fd> <engine dir> <rank> <threads> <num blocks> <channel id>
+    python -m trtbuild.runtime.tp_worker <socket fd> <engine dir> <rank> <threads> <num blocks> <channel id> <cpus>
+
+(`cpus`: "0,1,..." to run on, before anything else starts a thread; "-": not pinned.)
 
 It loads its rank's engine, answers "ready" (or the error), then runs each call rank 0 sends over the socket (a
 CpuEngine method's dotted name and its arguments) and answers "ok" or the error, until the socket closes.
@@ -8,6 +10,7 @@ CpuEngine method's dotted name and its arguments) and answers "ok" or the error,
 
 from __future__ import annotations
 
+import os
 import sys
 from multiprocessing.connection import Connection
 from typing import Any
@@ -45,5 +48,7 @@ def serve(conn: Connection, engine_dir: str, rank: int, threads: int, num_blocks
 
 
 if __name__ == "__main__":
-    fd, engine_dir, rank, threads, num_blocks, group = sys.argv[1:]
+    fd, engine_dir, rank, threads, num_blocks, group, cpus = sys.argv[1:]
+    if cpus != "-":  # NOTE: first: ONNX Runtime's threads, and the pages the rank touches first, follow it
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     serve(Connection(int(fd)), engine_dir, int(rank), int(threads), int(num_blocks), int(group))

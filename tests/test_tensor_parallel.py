@@ -303,3 +303,41 @@ def test_triton_serves_a_tensor_parallel_engine(engines, tmp_path):
             stream.close()
         server.stop()
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("trtbuild-tp-")]
+
+
+def test_ranks_run_on_their_numa_nodes(engines, tmp_path):
+    """Nodes read from sysfs's CPU lists; as many runs of whole nodes as ranks, or none where the nodes are fewer;
+    each rank pinned to its set (rank 0: the threads that load and step it), computing the same logits."""
+    import os
+
+    from trtbuild.runtime.cpu_topology import numa_node_cpus, parse_cpu_list, rank_cpu_sets
+
+    assert parse_cpu_list("0-3,8-9,12\n") == {0, 1, 2, 3, 8, 9, 12}
+    for node, cpus in enumerate(["0-1", "2-3", "", "4"]):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "cpulist").write_text(cpus + "\n")
+    allowed = os.sched_getaffinity(0)
+    assert numa_node_cpus(tmp_path) == [c for c in ({0, 1}, {2, 3}, {4}) if c & allowed]
+    nodes = [frozenset({0, 1}), frozenset({2, 3}), frozenset({4})]
+    assert rank_cpu_sets(2, nodes) == [{0, 1, 2, 3}, {4}]
+    assert rank_cpu_sets(3, nodes) == nodes and rank_cpu_sets(4, nodes) is None
+    if len(allowed) < 2:
+        pytest.skip("pinning two ranks apart needs two CPUs")
+    first, second = sorted(allowed)[:2]
+    single, parallel = engines("llama")
+    with opened(single) as engine:
+        want = steps(engine, 320)
+    try:
+        engine = TensorParallelEngine(read_engine_config(parallel), cpu_sets=[frozenset({first}),
+                                                                             frozenset({second})])
+        try:
+            assert os.sched_getaffinity(engine.ranks.processes[0].pid) == {second}
+            assert os.sched_getaffinity(0) == {first}
+            assert engine.rank0.session.get_session_options().intra_op_num_threads == 1  # one CPU, one thread
+            got = steps(engine, 320)
+        finally:
+            engine.close()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    for g, w in zip(got, want, strict=True):
+        assert np.abs(g - w).max() / np.abs(w).max() <= RTOL
