@@ -241,9 +241,10 @@ class TensorParallelEngine:
             target = getattr(target, part)
         try:
             result = target(*args)
-        except Exception:
+        except Exception as e:
             self.channel.mark_broken()  # NOTE: so that no worker waits for rank 0 in a collective
-            self.ranks.receive()
+            self.ranks.stopped = self.ranks.stopped or f"rank 0 failed ({type(e).__name__}: {e})"
+            self.ranks.receive()  # raises RankStopped with the first rank's reason
             raise
         self.ranks.receive()
         return result
