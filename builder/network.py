@@ -168,9 +168,10 @@ class _NetworkWriter(HeadWriter):
             inputs.append(self.g.weight(prefix + ".bias", self.tensor(prefix + ".bias")))
         return self.g.op("LayerNormalization", inputs, axis=-1, epsilon=self.c.norm_epsilon, name=prefix)
 
-    def mlp(self, h: str, layer: str, module: str = "mlp.") -> str:
+    def mlp(self, h: str, layer: str, module: str = "mlp.", reduce: bool = True) -> str:
         """The MLP of one layer (`layer`: its `transformer.layers.{i}.`): gate and up, the activation, down (without a
-        gate: up, its activation, down)."""
+        gate: up, its activation, down). `reduce`: over several ranks, all-reduce its down projection (False: the
+        caller sums this rank's part with others first)."""
         name = layer + module.removeprefix("mlp.")
         bias = self.c.mlp_bias and module == "mlp."  # NOTE: Qwen2-MoE's shared expert has none
         if self.c.gated_mlp:  # NOTE: gate first: the gate / up fusion and the SwiGLU lowering read them in this order
@@ -178,18 +179,20 @@ class _NetworkWriter(HeadWriter):
             act = gated_activation(self.g, self.c, gate, up, name)
         else:
             act = activation(self.g, self.c, self.linear(h, layer + module + "fc", bias=bias), name)
-        return self.row_linear(act, layer + module + "proj", bias=bias)
+        down = layer + module + "proj"
+        return self.row_linear(act, down, bias=bias) if reduce else self.linear(act, down, bias=bias)
 
     def experts(self, h: str, layer: str) -> str:
         """A mixture of experts' MLP: the router's logits, then the experts (builder/moe_experts.py), plus Qwen2-MoE's
         shared expert scaled by the sigmoid of its gate's logit."""
         prefix, g = layer + "mlp.", self.g
         y = self.moe.emit(h, self.linear(h, prefix + "router", bias=self.c.moe_bias), prefix)
-        if not self.c.shared_expert_intermediate_size:
-            return y
-        scale = g.op("Sigmoid", [self.linear(h, prefix + "shared_gate")], name=prefix + "shared_scale")
-        shared = g.op("Mul", [self.mlp(h, layer, "mlp.shared."), scale], name=prefix + "shared_scaled")
-        return g.op("Add", [y, shared], name=prefix + "with_shared")
+        if self.c.shared_expert_intermediate_size:
+            scale = g.op("Sigmoid", [self.linear(h, prefix + "shared_gate")], name=prefix + "shared_scale")
+            shared = self.mlp(h, layer, "mlp.shared.", reduce=False)
+            shared = g.op("Mul", [shared, scale], name=prefix + "shared_scaled")
+            y = g.op("Add", [y, shared], name=prefix + "with_shared")
+        return self.tp.all_reduce(g, y, prefix + "experts_allreduce")
 
     def branch_output(self, y: str, prefix: str) -> str:
         """What an attention or MLP block adds to the residual stream: its output, RMS-normalized (Gemma 2 / 3's

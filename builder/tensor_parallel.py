@@ -1,12 +1,14 @@
 """Tensor-parallel networks, as Megatron-LM splits a decoder and TensorRT-LLM builds it: one graph per rank, each over
 its shard of the checkpoint (builder/convert/sharding.py), joined by collectives (cpu_ops/collectives.cc).
 
-A rank holds 1/tp of the attention heads (its KV heads too) and of the MLP's features, and 1/tp of the vocabulary's
-rows of the embedding table and the LM head. Column-parallel linears (q, k, v, gate, up) need nothing; each
-row-parallel one (the attention's output projection, the MLP's down projection) gives a partial sum that an
-AllReduce completes, its bias added once after it. The embedding gathers the rows this rank holds (zeros for the
-others' ids) and all-reduces them; the LM head's logit columns are all-gathered and the vocabulary's padding cut.
-Every rank computes the whole residual stream, bit for bit the same (the AllReduce adds in rank order).
+A rank holds 1/tp of the attention heads (its KV heads too) and of the MLP's (every expert's) features, and 1/tp of
+the vocabulary's rows of the embedding table and the LM head. Column-parallel linears (q, k, v, gate, up) need
+nothing; each row-parallel one (the attention's output projection, the MLP's down projection) gives a partial sum
+that an AllReduce completes, its bias added once after it; a mixture of experts' routed and shared experts sum their
+partial outputs first, and one AllReduce completes them (every rank routes every token alike). The embedding
+gathers the rows this rank holds (zeros for the others' ids) and all-reduces them; the LM head's logit columns are
+all-gathered and the vocabulary's padding cut. Every rank computes the whole residual stream, bit for bit the same
+(the AllReduce adds in rank order).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def rank_config(config: ModelConfig) -> ModelConfig:
         return config
     return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // tp,
                                num_key_value_heads=config.num_key_value_heads // tp,
-                               intermediate_size=config.intermediate_size // tp)
+                               intermediate_size=config.intermediate_size // tp,
+                               moe_intermediate_size=config.moe_intermediate_size // tp,
+                               shared_expert_intermediate_size=config.shared_expert_intermediate_size // tp)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -161,3 +161,33 @@ def test_open_checkpoint_checks_the_shapes_of_tp_shards_and_packed_weights(conve
     assert stored_shape("transformer.layers.0.mlp.proj.weight", int4, quantized=True) == (
         config.hidden_size, config.intermediate_size // 2 // 2)  # row-parallel: in split, two values a byte
     assert stored_shape("lm_head.weight", int4) == (-(-config.vocab_size // 2), config.hidden_size)
+
+
+@pytest.mark.parametrize(("family", "weight_only"), [("qwen2_moe", None), ("qwen3_moe", (4, 32)),
+                                                     ("qwen3_moe", (8, None))])
+def test_experts_split_per_expert_and_merge_back_exactly(family, weight_only, tmp_path):
+    """Each expert's gate and up rows and its down projection's inputs split over the ranks, float stacks
+    [experts, out, in] and weight-only ones [experts x out, in] (codes, and scales per group or per channel) alike;
+    merged back they are the tp 1 checkpoint."""
+    from helpers import make_random_hf_model
+
+    from trtbuild.builder.convert.convert import WeightOnly
+
+    hf = make_random_hf_model(family, tmp_path / "hf", overrides={"moe_intermediate_size": 64})
+    options = {"weight_only": WeightOnly(*weight_only)} if weight_only else {}
+    convert(hf, tmp_path / "tp1", **options)
+    ref = load_ranks(tmp_path / "tp1", 1)[0]
+    config = convert(hf, tmp_path / "tp2", tp_size=2, **options)
+    shards = load_ranks(tmp_path / "tp2", 2)
+    merged = merge_shards(shards, config, config.mapping)
+    assert merged.keys() == ref.keys()
+    for n, t in ref.items():
+        row_parallel = n.endswith(("proj.weights_scaling_factor", "dense.weights_scaling_factor"))
+        if row_parallel and t.ndim == 2 and t.shape[1] == 1:
+            t = t.repeat(1, 2)  # per-channel scales of a row-parallel linear: one group per rank's inputs
+        assert merged[n].dtype == t.dtype and torch.equal(merged[n], t), n
+    gate = "transformer.layers.0.mlp.experts.gate.weight"
+    experts = config.num_experts
+    for rank, shard in enumerate(shards):
+        got, want = (t.reshape(experts, -1, t.shape[-1]) for t in (shard[gate], ref[gate]))
+        assert torch.equal(got, want[:, rank * 32 : (rank + 1) * 32]), rank  # expert e's rows of this rank

@@ -29,10 +29,12 @@ RTOL = 1e-4
 # dense biases after the all-reduce (llama_bias), q / k / v biases (qwen2), per-head q / k norms (qwen3), a tied
 # head and Gemma 2's embedding multiplier, soft-caps and sandwich norms, a partial rotary's per-head row order
 # (phi3_partial), Cohere's parallel residual and LayerNorms, StarCoder 2's MLP biases, a vocabulary of 321 rows
-# that two ranks split as 161 + 160 (odd_vocab); bfloat16 weights, which DenseMatMul packs per rank
+# that two ranks split as 161 + 160 (odd_vocab); bfloat16 weights, which DenseMatMul packs per rank; mixtures of
+# experts, each expert's features split (Qwen2-MoE's shared expert too, summed before the one all-reduce)
 FAMILIES = [("llama", "float32"), ("llama_bias", "float32"), ("qwen2", "float32"), ("qwen3", "float32"),
             ("gemma2", "float32"), ("phi3_partial", "float32"), ("cohere", "float32"), ("starcoder2", "float32"),
-            ("odd_vocab", "float32"), ("qwen2", "bfloat16")]
+            ("odd_vocab", "float32"), ("qwen2", "bfloat16"),
+            ("qwen3_moe", "float32"), ("qwen2_moe", "float32"), ("mixtral", "float32")]
 
 
 @pytest.fixture(scope="module")
@@ -342,3 +344,31 @@ def test_ranks_run_on_their_numa_nodes(engines, tmp_path):
         os.sched_setaffinity(0, allowed)
     for g, w in zip(got, want, strict=True):
         assert np.abs(g - w).max() / np.abs(w).max() <= RTOL
+
+
+def test_weight_only_experts_split_per_expert(tmp_path, library):
+    """A weight-only stack of experts ([experts x out, in]) splits each expert's rows, and its down projection's
+    inputs; per-channel int8 and int4 in groups of 32. Float activations give the single rank's logits; the native
+    experts' int8 activations stay as close to those as the single rank's are."""
+    from helpers import make_random_hf_model
+
+    hf = make_random_hf_model("qwen3_moe", tmp_path / "hf", overrides={"moe_intermediate_size": 64})
+    for weight_only in (WeightOnly(8, None), WeightOnly(4, 32)):
+        logits = {}
+        for tp in (1, 2):
+            ckpt = tmp_path / f"ckpt{tp}_{weight_only.bits}"
+            convert(hf, ckpt, dtype="float32", tp_size=tp, weight_only=weight_only)
+            for level in (1, 4):
+                engine_dir = build_engine(ckpt, tmp_path / f"engine{tp}_{weight_only.bits}_{level}", max_seq_len=128,
+                                          int4_accuracy_level=level)
+                ops = {n.op_type for n in onnx.load(str(engine_dir / "rank0.onnx"), load_external_data=False)
+                       .graph.node}
+                assert ("MoERoute" in ops) == (level == 4)  # native experts, else ONNX Runtime's MoE
+                with opened(engine_dir) as engine:
+                    logits[tp, level] = steps(engine, 320)
+        for step in range(5):
+            reference = logits[1, 1][step]
+            scale = np.abs(reference).max()
+            assert np.abs(logits[2, 1][step] - reference).max() <= RTOL * scale
+            single = np.abs(logits[1, 4][step] - reference).max()
+            assert np.abs(logits[2, 4][step] - reference).max() <= max(2 * single, 0.02 * scale)

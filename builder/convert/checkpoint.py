@@ -165,7 +165,7 @@ def stored_shape(name: str, config: ModelConfig, quantized: bool = False) -> tup
             want = (want[0], want[1] // 2)
     axis, tp = tp_split_axis(name), config.mapping.tp_size
     if axis is not None and tp > 1:  # NOTE: ceil: vocab-parallel tensors are padded to a multiple of tp_size rows
-        want = tuple(-(-n // tp) if i == axis else n for i, n in enumerate(want))
+        want = tuple(-(-n // tp) if i == axis % len(want) else n for i, n in enumerate(want))
     return want
 
 

@@ -136,6 +136,14 @@ _SPLIT_AXIS = {
     "mlp.gate.bias": 0,
     "mlp.fc.bias": 0,
     "mlp.proj.weight": 1,
+    # a mixture of experts': each expert's rows (gate, up: axis 1 of [experts, out, in]; a weight-only stack
+    # [experts x out, in] is split per expert, builder/convert/sharding.py) or its inputs (down: the last axis)
+    "mlp.experts.gate.weight": 1,
+    "mlp.experts.fc.weight": 1,
+    "mlp.experts.proj.weight": -1,
+    "mlp.shared.gate.weight": 0,
+    "mlp.shared.fc.weight": 0,
+    "mlp.shared.proj.weight": 1,
     "transformer.vocab_embedding.weight": 0,
     "lm_head.weight": 0,
 }
