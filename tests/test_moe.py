@@ -152,6 +152,8 @@ def test_what_a_mixture_of_experts_cannot_be_given_is_refused(tmp_path):
     odd = make_random_hf_model("qwen3_moe", tmp_path / "odd", overrides={"moe_intermediate_size": 31})
     with pytest.raises(ConfigError, match="tp_size 2 does not divide moe_intermediate_size=31"):
         convert(odd, tmp_path / "tp", tp_size=2)  # tests/test_tensor_parallel.py splits the even ones
+    with pytest.raises(ConfigError, match="experts have biases, which a tensor-parallel split would add once per rank"):
+        convert(make_random_hf_model("gpt_oss", tmp_path / "gpt_oss"), tmp_path / "tp", tp_size=2)
     with pytest.raises(ConfigError, match="mixture of experts, which `trtbuild quantize` does not calibrate"):
         quantize(QuantizeOptions(model=hf, output=tmp_path / "q", qformat="fp8"))
     assert not (tmp_path / "q").exists()

@@ -13,13 +13,14 @@ layers it holds):
   transformer.layers.{i}.mlp.{gate,fc}.weight                [inter, hidden]          split by rows
   transformer.layers.{i}.mlp.proj.weight                     [hidden, inter]          split by input columns
   transformer.layers.{i}.{attention,mlp}.output_norm.weight   [hidden]                 replicated (Gemma 2 / 3)
-  a mixture of experts' layers hold, instead of mlp.{gate,fc,proj} (one tensor-parallel rank only):
-  transformer.layers.{i}.mlp.router.weight                   [experts, hidden]
-  transformer.layers.{i}.mlp.experts.{gate,fc}.weight        [experts, expert inter, hidden]
-  transformer.layers.{i}.mlp.experts.proj.weight             [experts, hidden, expert inter]
-  transformer.layers.{i}.mlp.router.bias, mlp.experts.{gate,fc,proj}.bias   [experts], [experts, out] (gpt-oss)
+  a mixture of experts' layers hold, instead of mlp.{gate,fc,proj}:
+  transformer.layers.{i}.mlp.router.weight                   [experts, hidden]        replicated
+  transformer.layers.{i}.mlp.experts.{gate,fc}.weight        [experts, expert inter, hidden]  each expert's rows
+  transformer.layers.{i}.mlp.experts.proj.weight             [experts, hidden, expert inter]  by input columns
+  transformer.layers.{i}.mlp.router.bias, mlp.experts.{gate,fc,proj}.bias   [experts], [experts, out] (gpt-oss:
+                                                             one tensor-parallel rank only)
   transformer.layers.{i}.mlp.shared.{gate,fc,proj}.weight    as mlp.{gate,fc,proj}, of shared inter (Qwen2-MoE)
-  transformer.layers.{i}.mlp.shared_gate.weight              [1, hidden] (Qwen2-MoE)
+  transformer.layers.{i}.mlp.shared_gate.weight              [1, hidden] (Qwen2-MoE)   replicated
   transformer.ln_f.weight                                    [hidden]                 replicated
   lm_head.weight                                             [vocab, hidden]          vocab-parallel
 
