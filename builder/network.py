@@ -227,6 +227,10 @@ class _NetworkWriter(HeadWriter):
     def head_norm(self, x: str, weight_name: str, heads: int) -> str:
         """Qwen3's per-head RMSNorm of q or k, before RoPE (Hunyuan's, after it); OLMo 2's spans the whole
         projection."""
+        if self.c.qk_norm_full and self.tp.size > 1:  # NOTE: its mean square spans every rank's heads
+            w = self.g.weight(weight_name, self.tensor(weight_name))
+            return self.tp.rms_norm(self.g, x, w, heads * self.c.head_size * self.tp.size, self.c.norm_epsilon,
+                                    weight_name.removesuffix(".weight"))
         if self.c.qk_norm_full:
             return self.rms_norm(x, weight_name)
         per_head = self.g.op("Reshape", [x, self.g.const(np.array([0, heads, self.c.head_size]), "heads_shape")])

@@ -57,6 +57,17 @@ class TensorParallel:
     def all_reduce(self, g: GraphBuilder, x: str, name: str) -> str:
         return x if self.size == 1 else self._collective(g, ALL_REDUCE, x, name, None)
 
+    def rms_norm(self, g: GraphBuilder, x: str, weight: str, width: int, epsilon: float, name: str) -> str:
+        """RMSNorm of a vector split over the ranks (x [T, width / size], this rank's part): its squares summed on
+        each rank, all-reduced, then x / sqrt(mean + epsilon) * weight (this rank's part of the weight)."""
+        squares = g.op("ReduceSumSquare", [x, g.const(np.array([-1]), "last_axis")], keepdims=1, name=name + "_squares")
+        total = self.all_reduce(g, squares, name + "_allreduce")
+        mean = g.op("Div", [total, g.const(np.array(width, np.float32), "norm_width")], name=name + "_mean")
+        inverse = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [mean, g.const(np.array(epsilon, np.float32),
+                                                                                "norm_epsilon")])])],
+                       name=name + "_inverse_rms")
+        return g.op("Mul", [g.op("Mul", [x, inverse], name=name + "_normalized"), weight], name=name)
+
     def vocab_rows(self, g: GraphBuilder, ids: str, rows: int) -> tuple[str, str | None]:
         """(this rank's row of each id, clamped into its `rows` rows; [T, 1] float: 1 where the id is one of them,
         None on a single rank)."""

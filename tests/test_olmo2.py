@@ -6,12 +6,9 @@ is in test_hf_parity.py (olmo2, olmo3), GGUF round trips in test_gguf_convert.py
 from __future__ import annotations
 
 import pytest
-from helpers import make_random_hf_model
 from quant_helpers import assert_computes_simulation, quantize_random
 
-from trtbuild.builder.convert.convert import convert
 from trtbuild.configs.from_hf import model_config_from_hf
-from trtbuild.errors import ConfigError
 
 # allenai/OLMo-2-0425-1B's config.json as released
 OLMO2_1B = {"architectures": ["Olmo2ForCausalLM"], "attention_bias": False, "bos_token_id": None,
@@ -32,13 +29,6 @@ def test_olmo3_slides_but_every_fourth_layer():
     c = model_config_from_hf({**OLMO2_1B, "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
                               "sliding_window": 4096})
     assert [i for i in range(16) if not c.is_sliding(i)] == [3, 7, 11, 15] and c.local_rotary_base is None
-
-
-def test_tensor_parallel_split_is_refused_with_the_reason(tmp_path):
-    hf = make_random_hf_model("olmo2", tmp_path / "hf")
-    with pytest.raises(ConfigError, match="normalizes q and k over all heads.*--tp-size 1"):
-        convert(hf, tmp_path / "ckpt", tp_size=2)
-    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
 
 
 @pytest.mark.parametrize("family", ["olmo2", "olmo3"])

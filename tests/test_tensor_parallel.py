@@ -30,11 +30,13 @@ RTOL = 1e-4
 # head and Gemma 2's embedding multiplier, soft-caps and sandwich norms, a partial rotary's per-head row order
 # (phi3_partial), Cohere's parallel residual and LayerNorms, StarCoder 2's MLP biases, a vocabulary of 321 rows
 # that two ranks split as 161 + 160 (odd_vocab); bfloat16 weights, which DenseMatMul packs per rank; mixtures of
-# experts, each expert's features split (Qwen2-MoE's shared expert too, summed before the one all-reduce)
+# experts, each expert's features split (Qwen2-MoE's shared expert too, summed before the one all-reduce); OLMo 2's
+# and OLMoE's q / k norms over the whole projection (their mean squares all-reduced)
 FAMILIES = [("llama", "float32"), ("llama_bias", "float32"), ("qwen2", "float32"), ("qwen3", "float32"),
             ("gemma2", "float32"), ("phi3_partial", "float32"), ("cohere", "float32"), ("starcoder2", "float32"),
             ("odd_vocab", "float32"), ("qwen2", "bfloat16"),
-            ("qwen3_moe", "float32"), ("qwen2_moe", "float32"), ("mixtral", "float32")]
+            ("qwen3_moe", "float32"), ("qwen2_moe", "float32"), ("mixtral", "float32"), ("olmo2", "float32"),
+            ("olmoe", "float32")]
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,9 @@ def test_two_ranks_compute_the_single_rank_logits(name, dtype, engines):
     ops = [[n.op_type for n in onnx.load(str(parallel / f"rank{r}.onnx"), load_external_data=False).graph.node
             if n.domain == "trtbuild" and n.op_type.startswith("All")] for r in (0, 1)]
     layers = info.model.num_hidden_layers
-    assert ops[0] == ops[1] and ops[0].count("AllReduce") == 1 + 2 * layers and ops[0].count("AllGather") == 1
+    norms = 2 * layers if info.model.qk_norm_full else 0  # the q / k norms' mean squares
+    assert ops[0] == ops[1] and ops[0].count("AllReduce") == 1 + 2 * layers + norms
+    assert ops[0].count("AllGather") == 1
     vocab = info.model.vocab_size
     with opened(single) as engine:
         want = steps(engine, vocab)

@@ -163,7 +163,7 @@ def stored_shape(name: str, config: ModelConfig, quantized: bool = False) -> tup
             return None
         if algo == QuantAlgo.INT4_AWQ:
             want = (want[0], want[1] // 2)
-    axis, tp = tp_split_axis(name), config.mapping.tp_size
+    axis, tp = tp_split_axis(name, qk_norm_full=config.qk_norm_full), config.mapping.tp_size
     if axis is not None and tp > 1:  # NOTE: ceil: vocab-parallel tensors are padded to a multiple of tp_size rows
         want = tuple(-(-n // tp) if i == axis % len(want) else n for i, n in enumerate(want))
     return want

@@ -219,8 +219,9 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def tp_split_axis(name: str, ndim: int | None = None) -> int | None:
-    """Axis along which tensor `name` is split over TP ranks, None if replicated.
+def tp_split_axis(name: str, ndim: int | None = None, qk_norm_full: bool = False) -> int | None:
+    """Axis along which tensor `name` is split over TP ranks, None if replicated. `qk_norm_full`: the model's q / k
+    norms span the whole projection (OLMo 2), so their weights split by heads as q and k do.
 
     Quantization scales (`ndim`: the tensor's rank) follow their weight: `weights_scaling_factor` is split on the
     weight's axis when it has that axis (int4 [out, in/group] always, int8 [out] only for column-parallel linears,
@@ -231,6 +232,8 @@ def tp_split_axis(name: str, ndim: int | None = None) -> int | None:
     m = _CKPT_LAYER.match(name)
     key = m.group(2) if m else name
     prefix, _, suffix = key.rpartition(".")
+    if qk_norm_full and key in ("attention.q_norm.weight", "attention.k_norm.weight"):
+        return 0
     if suffix not in _SCALE_SUFFIXES:
         return _SPLIT_AXIS.get(key)
     weight_axis = _SPLIT_AXIS.get(f"{prefix}.weight")

@@ -33,9 +33,6 @@ def check_mapping(config: ModelConfig, mapping: Mapping) -> None:
     if tp > 1 and config.moe_bias:  # NOTE: each expert's down bias is weighted by its routing weight on every rank
         raise ConfigError("tp_size", f"{config.architecture}'s experts have biases, which a tensor-parallel split "
                                      "would add once per rank; use --tp-size 1.")
-    if tp > 1 and config.qk_norm_full:  # each rank would normalize its own heads' share of the projection
-        raise ConfigError("tp_size", f"{config.architecture} normalizes q and k over all heads, which a tensor-"
-                                     "parallel split cannot; use --tp-size 1.")
     _check_int4_split(config, tp)
 
 
@@ -91,7 +88,7 @@ def shard_for_rank(tensors: dict[str, torch.Tensor], config: ModelConfig, mappin
     for name, t in tensors.items():
         if not _held_by(name, config, mapping, rank):
             continue
-        axis = tp_split_axis(name, t.ndim)
+        axis = tp_split_axis(name, t.ndim, config.qk_norm_full)
         if axis is None or tp == 1:
             out[name] = t.contiguous()
             continue
@@ -131,7 +128,7 @@ def merge_shards(shards: list[dict[str, torch.Tensor]], config: ModelConfig, map
         ranks = [pp_rank * mapping.tp_size + r for r in range(mapping.tp_size)]
         for name in shards[ranks[0]]:
             pieces = [shards[r][name] for r in ranks]
-            axis = tp_split_axis(name, pieces[0].ndim)
+            axis = tp_split_axis(name, pieces[0].ndim, config.qk_norm_full)
             views = [_expert_rows(name, p, config) for p in pieces]
             t = pieces[0] if axis is None or mapping.tp_size == 1 else torch.cat(views, dim=axis)
             t = t.reshape(-1, pieces[0].shape[1]) if views[0] is not pieces[0] else t
