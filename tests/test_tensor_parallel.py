@@ -376,3 +376,23 @@ def test_weight_only_experts_split_per_expert(tmp_path, library):
             assert np.abs(logits[2, 1][step] - reference).max() <= RTOL * scale
             single = np.abs(logits[1, 4][step] - reference).max()
             assert np.abs(logits[2, 4][step] - reference).max() <= max(2 * single, 0.02 * scale)
+
+
+def test_draft_tokens_engines_verify_drafts_on_two_ranks_as_on_one(tmp_path, library):
+    """The accept op reads the all-gathered logits: prompt-lookup speculation gives the single rank's greedy text."""
+    from trtbuild.runtime.speculative import SpeculativeConfig
+
+    require_shared_models()
+    texts = []
+    for tp in (1, 2):
+        convert(STORIES260K, tmp_path / f"ckpt{tp}", tp_size=tp)
+        engine_dir = build_engine(tmp_path / f"ckpt{tp}", tmp_path / f"engine{tp}", max_seq_len=256,
+                                  speculative_decoding_mode="draft-tokens", max_draft_len=4)
+        llm = LLM(engine_dir, RuntimeConfig(num_threads=2, speculative=SpeculativeConfig(num_speculative_tokens=4)))
+        try:
+            outputs = llm.generate(["Once upon a time", "Lily and Tom went to the park. Lily and Tom"],
+                                   SamplingParams(max_tokens=40, temperature=0.0))
+            texts.append([o.text for o in outputs])
+        finally:
+            llm.close()
+    assert texts[0] == texts[1]
