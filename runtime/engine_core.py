@@ -114,8 +114,7 @@ class EngineCore:
                      max(1, min(limits.max_batch_size, limits.max_num_tokens)), self.start_seconds["warm_up"])
 
     def close(self) -> None:
-        """Release what the engine holds outside this process's memory (a tensor-parallel engine's rank processes);
-        a plain CpuEngine needs nothing."""
+        """Stop a tensor-parallel engine's rank processes (a single-rank engine holds nothing outside this one)."""
         if isinstance(self.engine, TensorParallelEngine):
             self.engine.close()
 
