@@ -81,6 +81,17 @@ def blocks(info) -> int:
     return BLOCKS * len(info.kv_cache_groups)
 
 
+def assert_quantized_ranks_agree(logits: dict[tuple[int, int], list[np.ndarray]]) -> None:
+    """logits[(ranks, accuracy level)]: with float activations (level 1) two ranks compute one rank's logits; with
+    int8 activations (level 4) each is as close to those as the single rank is (a rounding flipped by the partial
+    sums' order changes a code, so the two are not bit for bit alike)."""
+    for step, reference in enumerate(logits[1, 1]):
+        scale = np.abs(reference).max()
+        assert np.abs(logits[2, 1][step] - reference).max() <= RTOL * scale
+        single = np.abs(logits[1, 4][step] - reference).max()
+        assert np.abs(logits[2, 4][step] - reference).max() <= max(2 * single, 0.02 * scale)
+
+
 @contextlib.contextmanager
 def opened(engine_dir):
     """The engine of `engine_dir` (one rank or several), closed after."""
@@ -201,10 +212,8 @@ def test_pipeline_parallel_checkpoints_are_refused_with_the_way_out(hf_dir, tmp_
 
 def test_a_quantized_gguf_splits_over_two_ranks_as_it_is(tmp_path, library):
     """A GGUF's low-bit linears stay low-bit on each rank (codes, scales and zero points split by whole groups; Q4_K
-    and Q5_K row-parallel shares of 128 inputs, half a super-block). Computed in float (MatMulNBits at accuracy
-    level 1), the two ranks give the single rank's logits; with int8 activations (the native linears), each is as
-    far from those as the single rank is (a rounding flipped by the partial sums' order changes a code, so the two
-    are not bit for bit alike)."""
+    and Q5_K row-parallel shares of 128 inputs, half a super-block), computing what one rank computes
+    (`assert_quantized_ranks_agree`)."""
     import gguf
     from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
 
@@ -225,12 +234,7 @@ def test_a_quantized_gguf_splits_over_two_ranks_as_it_is(tmp_path, library):
                                       int4_accuracy_level=level)
             with opened(engine_dir) as engine:
                 logits[tp, level] = steps(engine, config.vocab_size)
-    for step in range(5):
-        reference = logits[1, 1][step]
-        scale = np.abs(reference).max()
-        assert np.abs(logits[2, 1][step] - reference).max() <= RTOL * scale
-        single = np.abs(logits[1, 4][step] - reference).max()
-        assert np.abs(logits[2, 4][step] - reference).max() <= max(2 * single, 0.02 * scale)
+    assert_quantized_ranks_agree(logits)
 
 
 def test_a_weight_only_split_needs_whole_groups_on_each_rank(hf_dir, tmp_path):
@@ -352,8 +356,7 @@ def test_ranks_run_on_their_numa_nodes(engines, tmp_path):
 
 def test_weight_only_experts_split_per_expert(tmp_path, library):
     """A weight-only stack of experts ([experts x out, in]) splits each expert's rows, and its down projection's
-    inputs; per-channel int8 and int4 in groups of 32. Float activations give the single rank's logits; the native
-    experts' int8 activations stay as close to those as the single rank's are."""
+    inputs; per-channel int8 and int4 in groups of 32, in float (ONNX Runtime's MoE) and as native experts."""
     from helpers import make_random_hf_model
 
     hf = make_random_hf_model("qwen3_moe", tmp_path / "hf", overrides={"moe_intermediate_size": 64})
@@ -370,12 +373,7 @@ def test_weight_only_experts_split_per_expert(tmp_path, library):
                 assert ("MoERoute" in ops) == (level == 4)  # native experts, else ONNX Runtime's MoE
                 with opened(engine_dir) as engine:
                     logits[tp, level] = steps(engine, 320)
-        for step in range(5):
-            reference = logits[1, 1][step]
-            scale = np.abs(reference).max()
-            assert np.abs(logits[2, 1][step] - reference).max() <= RTOL * scale
-            single = np.abs(logits[1, 4][step] - reference).max()
-            assert np.abs(logits[2, 4][step] - reference).max() <= max(2 * single, 0.02 * scale)
+        assert_quantized_ranks_agree(logits)
 
 
 def test_draft_tokens_engines_verify_drafts_on_two_ranks_as_on_one(tmp_path, library):
