@@ -99,6 +99,9 @@ serving_options = options(
                       "[default: 4x the KV cache's tokens, at least max_seq_len]."),
     speculative_options,
     click.option("--threads", type=int, default=None, help="ONNX Runtime intra-op threads."),
+    click.option("--rank-cpus", default=None,
+                 help="A tensor-parallel engine's CPUs, rank by rank: '0-31|32-63' [default: a NUMA node's (or a "
+                      "run of nodes) per rank where there are as many as ranks, else none pinned]."),
 )
 
 
@@ -106,11 +109,13 @@ def runtime_config(kv_cache_memory: float | None, kv_cache_blocks: int | None, p
                    max_batch_size: int | None, max_num_tokens: int | None, max_prefill_chunk: int | None,
                    max_queue_size: int, max_queued_tokens: int | None, speculative_tokens: int, prompt_lookup_max: int,
                    draft_engine: Path | None,
-                   threads: int | None):  # -> RuntimeConfig, which checks every value (ConfigError names the field)
+                   threads: int | None,
+                   rank_cpus: str | None):  # -> RuntimeConfig, which checks every value (ConfigError names the field)
     from trtbuild.runtime.config import RuntimeConfig
 
     return RuntimeConfig(kv_cache_memory=kv_cache_memory, kv_cache_blocks=kv_cache_blocks, policy=policy,
                          enable_prefix_caching=not no_prefix_caching, max_batch_size=max_batch_size,
                          max_num_tokens=max_num_tokens, max_prefill_chunk=max_prefill_chunk,
                          max_queue_size=max_queue_size, max_queued_tokens=max_queued_tokens, num_threads=threads,
+                         rank_cpus=rank_cpus,
                          speculative=speculative_config(speculative_tokens, prompt_lookup_max, draft_engine))

@@ -39,6 +39,9 @@ class RuntimeConfig:
     # pool's tokens, at least max_seq_len]; more are refused, so that queued prompts cannot hold unbounded memory
     max_queued_tokens: int | None = None
     num_threads: int | None = None  # ONNX Runtime intra-op threads [None: the number of cores]
+    # a tensor-parallel engine's CPUs, rank by rank: "0-31|32-63" [None: one run of NUMA nodes per rank where the
+    # machine has as many nodes as ranks, else none pinned] (runtime/cpu_topology.py)
+    rank_cpus: str | None = None
     speculative: SpeculativeConfig | None = None  # draft tokens verified per decode step; None: off
     warm_up: bool = True  # at start: one dummy step of the largest batch (CpuEngine.warm_up), KV pool faulted in
 
@@ -52,6 +55,10 @@ class RuntimeConfig:
                                                  f"got {self.kv_cache_memory:g}")
         if self.policy not in POLICIES:
             raise ConfigError("policy", f"must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.rank_cpus is not None:
+            from trtbuild.runtime.cpu_topology import parse_rank_cpus
+
+            parse_rank_cpus(self.rank_cpus)  # ConfigError names the field and the format
 
     def resolve(self, build: BuildConfig) -> RuntimeConfig:
         """This config with the engine's limits in place of those left None. A limit above the engine's is a

@@ -21,6 +21,20 @@ def parse_cpu_list(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
+def parse_rank_cpus(text: str) -> list[frozenset[int]]:
+    """`--rank-cpus`: each rank's CPUs, "|"-separated Linux CPU lists ("0-31|32-63"), none empty or shared."""
+    from trtbuild.errors import ConfigError
+
+    try:
+        sets = [parse_cpu_list(part) for part in text.split("|")]
+    except ValueError:
+        sets = []
+    if len(sets) < 2 or not all(sets) or len(frozenset().union(*sets)) != sum(map(len, sets)):
+        raise ConfigError("rank_cpus", f"must give each tensor-parallel rank its own CPUs as Linux CPU lists "
+                                       f"separated by '|' (e.g. 0-31|32-63), got {text!r}")
+    return sets
+
+
 def numa_node_cpus(nodes: Path = NODES) -> list[frozenset[int]]:
     """The CPUs of each NUMA node this process may run on, nodes in order; [] where sysfs does not say."""
     allowed = os.sched_getaffinity(0)

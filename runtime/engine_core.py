@@ -72,7 +72,7 @@ class EngineCore:
             num_blocks = min(num_blocks, max_pool_blocks(build))  # NOTE: a profile bounds the pool's block count
             self.engine = TensorRTEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
         else:
-            self.engine = make_cpu_engine(info, num_threads=config.num_threads, num_blocks=num_blocks)
+            self.engine = make_cpu_engine(info, config.num_threads, num_blocks, config.rank_cpus)
         # seconds spent starting: the ONNX Runtime session, then the KV pool faulted in + the warm-up step
         self.start_seconds = {"session": time.perf_counter() - start, "warm_up": 0.0}
         self.kv = KVCacheManager.for_groups(info.kv_cache_groups, num_blocks, build.tokens_per_block,

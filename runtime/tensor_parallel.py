@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from trtbuild.builder.engine_dir import EngineInfo
-from trtbuild.errors import TrtbuildError
-from trtbuild.runtime.cpu_topology import numa_node_cpus, pin_this_thread, rank_cpu_sets
+from trtbuild.errors import ConfigError, TrtbuildError
+from trtbuild.runtime.cpu_topology import numa_node_cpus, parse_rank_cpus, pin_this_thread, rank_cpu_sets
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk, StepOutput, check_chunks, default_threads
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,8 @@ class _Ranks:
                  cpu_sets: list[frozenset[int]] | None) -> None:
         import trtbuild
 
-        package_root = str(Path(trtbuild.__file__).resolve().parent.parent)
+        # NOTE: where this process found trtbuild (not resolved: a symlinked package dir stays where it was found)
+        package_root = str(Path(trtbuild.__file__).absolute().parent.parent)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
         self.processes: list[subprocess.Popen] = []
         self.pipes: list[Connection] = []
@@ -274,9 +275,15 @@ class TensorParallelEngine:
         return getattr(self.rank0, name)
 
 
-def make_cpu_engine(info: EngineInfo, num_threads: int | None = None,
-                    num_blocks: int = 64) -> CpuEngine | TensorParallelEngine:
-    """The engine for a cpu engine directory: one session, or one per tensor-parallel rank."""
-    if info.model.mapping.tp_size > 1:
-        return TensorParallelEngine(info, num_threads=num_threads, num_blocks=num_blocks)
+def make_cpu_engine(info: EngineInfo, num_threads: int | None = None, num_blocks: int = 64,
+                    rank_cpus: str | None = None) -> CpuEngine | TensorParallelEngine:
+    """The engine for a cpu engine directory: one session, or one per tensor-parallel rank (`rank_cpus`: their
+    CPUs, RuntimeConfig.rank_cpus)."""
+    tp = info.model.mapping.tp_size
+    cpu_sets = parse_rank_cpus(rank_cpus) if rank_cpus is not None else None
+    if cpu_sets is not None and len(cpu_sets) != tp:  # NOTE: refused, not ignored
+        raise ConfigError("rank_cpus", f"gives {len(cpu_sets)} ranks' CPUs, but {info.path} has {tp} "
+                                       f"tensor-parallel rank{'s' if tp > 1 else ''}")
+    if tp > 1:
+        return TensorParallelEngine(info, num_threads=num_threads, num_blocks=num_blocks, cpu_sets=cpu_sets)
     return CpuEngine(info, num_threads=num_threads, num_blocks=num_blocks)

@@ -394,3 +394,29 @@ def test_draft_tokens_engines_verify_drafts_on_two_ranks_as_on_one(tmp_path, lib
         finally:
             llm.close()
     assert texts[0] == texts[1]
+
+
+def test_rank_cpus_pin_each_rank_or_are_refused_with_the_format(engines):
+    import os
+
+    from trtbuild.runtime.cpu_topology import parse_rank_cpus
+
+    assert parse_rank_cpus("0-3|4,6") == [{0, 1, 2, 3}, {4, 6}]
+    for bad in ("0-3", "0-3|", "0-3|3-4", "a|b"):
+        with pytest.raises(ConfigError, match=r"rank_cpus must give each tensor-parallel rank its own CPUs"):
+            RuntimeConfig(rank_cpus=bad)
+    single, parallel = engines("llama")
+    with pytest.raises(ConfigError, match=r"gives 2 ranks' CPUs, but .* has 1 tensor-parallel rank$"):
+        LLM(single, RuntimeConfig(rank_cpus="0|1"))
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("pinning two ranks apart needs two CPUs")
+    first, second = sorted(allowed)[:2]
+    llm = LLM(parallel, RuntimeConfig(rank_cpus=f"{first}|{second}", num_threads=2))
+    try:
+        engine = llm.core.engine
+        assert os.sched_getaffinity(engine.ranks.processes[0].pid) == {second}
+        assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))[0].token_ids) == 4
+    finally:
+        llm.close()
+        os.sched_setaffinity(0, allowed)
