@@ -64,10 +64,15 @@ class Channel {
     base_ = static_cast<char*>(p);
     header_ = reinterpret_cast<Header*>(base_);
     if (header_->magic != kMagic || header_->version != kVersion || header_->world != world ||
-        bytes_ < kHeaderBytes + 2 * world * header_->slot_bytes)
+        bytes_ < kHeaderBytes + 2 * world * header_->slot_bytes) {
+      munmap(base_, bytes_);
       throw std::runtime_error(std::string("tensor-parallel channel ") + name + " is not one of " +
                                std::to_string(world) + " ranks of this trtbuild version");
+    }
   }
+  ~Channel() { munmap(base_, bytes_); }
+  Channel(const Channel&) = delete;
+  Channel& operator=(const Channel&) = delete;
 
   int64_t slot_floats() const { return (static_cast<int64_t>(header_->slot_bytes) - kSlotHeader) / 4; }
 
@@ -109,20 +114,48 @@ class Channel {
   uint64_t pieces_ = 0;
 };
 
-// One channel per id in this process, mapped on first use and kept (a rank's engine lives as long as its process).
-Channel& channel_of(int64_t id, int64_t world) {
-  static std::mutex mutex;
-  static std::map<int64_t, Channel*> channels;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = channels.find(id);
-  if (it == channels.end()) it = channels.emplace(id, new Channel(id, world)).first;
-  return *it->second;
-}
+// The channels this process has mapped, each once however many nodes use it, and unmapped when the last kernel
+// using it goes (its session closed): a process that opens engine after engine keeps none of their channels.
+class Channels {
+ public:
+  static Channel* acquire(int64_t id, int64_t world) {
+    std::lock_guard<std::mutex> lock(mutex());
+    auto it = map().find(id);
+    if (it == map().end()) it = map().emplace(id, Entry{new Channel(id, world), 0}).first;
+    ++it->second.users;
+    return it->second.channel;
+  }
+
+  static void release(int64_t id) {
+    std::lock_guard<std::mutex> lock(mutex());
+    auto it = map().find(id);
+    if (it != map().end() && --it->second.users == 0) {
+      delete it->second.channel;
+      map().erase(it);
+    }
+  }
+
+ private:
+  struct Entry {
+    Channel* channel;
+    int64_t users;
+  };
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static std::map<int64_t, Entry>& map() {
+    static std::map<int64_t, Entry> m;
+    return m;
+  }
+};
 
 struct CollectiveKernel {
   const int64_t rank, world;
   const std::string node;
   const uint64_t node_tag;
+  Channel* channel_ = nullptr;  // acquired on the first step, released with the kernel
+  int64_t channel_id_ = 0;
 
   explicit CollectiveKernel(const OrtKernelInfo* info)
       : rank(Ort::ConstKernelInfo(info).GetAttribute<int64_t>("rank")),
@@ -135,10 +168,24 @@ struct CollectiveKernel {
 
   [[noreturn]] void fail(const std::string& what) const { throw std::runtime_error(node + ": " + what); }
 
-  Channel& channel(Ort::KernelContext& ctx) const {
+  ~CollectiveKernel() {
+    if (channel_ != nullptr) Channels::release(channel_id_);
+  }
+  CollectiveKernel(const CollectiveKernel&) = delete;
+  CollectiveKernel& operator=(const CollectiveKernel&) = delete;
+
+  // The channel of this step's tp_group (the engine's, the same every step).
+  Channel& channel(Ort::KernelContext& ctx) {
     const Ort::ConstValue group = ctx.GetInput(1);
     if (group.GetTensorTypeAndShapeInfo().GetElementCount() != 1) fail("tp_group must hold one channel id");
-    return channel_of(group.GetTensorData<int64_t>()[0], world);
+    const int64_t id = group.GetTensorData<int64_t>()[0];
+    if (channel_ == nullptr || id != channel_id_) {
+      Channel* next = Channels::acquire(id, world);
+      if (channel_ != nullptr) Channels::release(channel_id_);
+      channel_id_ = id;
+      channel_ = next;
+    }
+    return *channel_;
   }
 
   // One piece: this rank's `count` floats in, every rank's slot readable after the call.

@@ -8,7 +8,9 @@ Tolerance: max |tp - single| / max |single| <= 1e-4 over every logit row (the pa
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -135,8 +137,14 @@ def test_each_rank_holds_its_share_of_the_kv_pool(engines):
     try:
         assert engine.kv.bytes_per_block == one.kv_cache_bytes_per_block
         assert engine.rank0.kv.pool.shape[3] == two.kv_cache_input["shape"][3]
+        steps(engine, 320)
+        channel = f"trtbuild-tp-{engine.channel.id:x}"
+        assert channel in Path("/proc/self/maps").read_text()  # the collectives mapped it
     finally:
         engine.close()
+    del engine
+    gc.collect()
+    assert channel not in Path("/proc/self/maps").read_text()  # unmapped with the session's kernels
 
 
 def test_stories260k_generates_the_same_text_on_two_ranks(engines, tmp_path):
