@@ -27,8 +27,9 @@ ALL_REDUCE, ALL_GATHER = "AllReduce", "AllGather"
 
 
 def rank_config(config: ModelConfig) -> ModelConfig:
-    """The model as one rank of its tensor-parallel split sees it: its share of the heads and MLP features (the
-    vocabulary's share is read from the LM head's rows). Checked divisible when the checkpoint was converted."""
+    """The model as one rank of its tensor-parallel split sees it: its share of the heads and of the MLP's and
+    experts' features, checked divisible when the checkpoint was converted (the vocabulary's share, ceil(vocab / tp)
+    rows, is the network's `vocab_rows`)."""
     tp = config.mapping.tp_size
     if tp == 1:
         return config
