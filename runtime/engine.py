@@ -222,7 +222,8 @@ class CpuEngine:
         # NOTE: ONNX Runtime maps the weight file and repacks each GEMM's weights into buffers of its own (about the
         # file's size); the mapped pages are released after that, so the weights count once, plus working memory.
         # trtbuild::BlockQuantMatMul computes on its (build-time packed) initializers as loaded: no second copy.
-        require_memory(self.info.weight_bytes + LOAD_OVERHEAD_BYTES, f"engine {self.info.path}",
+        weights = self.info.weight_files.get(cpu_rank_files(rank)[1], self.info.weight_bytes)  # this rank's
+        require_memory(weights + LOAD_OVERHEAD_BYTES, f"engine {self.info.path}",
                        "free memory, or build a smaller engine (`trtbuild convert --weight-only int8|int4`, or a "
                        "quantized GGUF file converted as it is).")
         import onnxruntime as ort
