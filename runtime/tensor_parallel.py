@@ -51,6 +51,14 @@ ANSWER_SECONDS = 120.0
 _SHUT_DOWN = "the engine was shut down"
 
 
+def engine_method(engine: CpuEngine, path: str) -> Callable[..., Any]:
+    """The CpuEngine method a call names, dotted ("execute", "kv.copy_blocks"): what every rank runs."""
+    target: Any = engine
+    for part in path.split("."):
+        target = getattr(target, part)
+    return target
+
+
 class RankStopped(TrtbuildError):
     """A tensor-parallel rank's process is gone, or failed a call: the engine cannot step any more."""
 
@@ -237,11 +245,8 @@ class TensorParallelEngine:
         """Call `path` (a method of CpuEngine, dotted) on every rank, rank 0 here; returns rank 0's result."""
         self._pin_this_thread()
         self.ranks.send(path, args)
-        target: Any = self.rank0
-        for part in path.split("."):
-            target = getattr(target, part)
         try:
-            result = target(*args)
+            result = engine_method(self.rank0, path)(*args)
         except Exception as e:
             self.channel.mark_broken()  # NOTE: so that no worker waits for rank 0 in a collective
             self.ranks.stopped = self.ranks.stopped or f"rank 0 failed ({type(e).__name__}: {e})"

@@ -13,13 +13,12 @@ from __future__ import annotations
 import os
 import sys
 from multiprocessing.connection import Connection
-from typing import Any
 
 
 def serve(conn: Connection, engine_dir: str, rank: int, threads: int, num_blocks: int, group: int) -> None:
     from trtbuild.builder.engine_dir import read_engine_config
     from trtbuild.runtime.engine import CpuEngine
-    from trtbuild.runtime.tensor_parallel import Channel
+    from trtbuild.runtime.tensor_parallel import Channel, engine_method
 
     try:
         engine = CpuEngine(read_engine_config(engine_dir), num_threads=threads, num_blocks=num_blocks, rank=rank,
@@ -37,10 +36,7 @@ def serve(conn: Connection, engine_dir: str, rank: int, threads: int, num_blocks
             return
         path, args = call
         try:
-            target: Any = engine
-            for part in path.split("."):
-                target = getattr(target, part)
-            target(*args)
+            engine_method(engine, path)(*args)
             conn.send(("ok", None))
         except Exception as e:
             Channel.mark_broken_by_id(group)  # NOTE: rank 0 may be waiting for this rank in a collective
