@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 
 from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder, GraphView, topological_sort, use_opset
+from trtbuild.builder.lower_short_conv import lower_short_convs
 from trtbuild.builder.weight_file import StagingWeights
 from trtbuild.errors import ConfigError
 from trtbuild.plugins import paged_attention as pa
@@ -266,7 +267,8 @@ class _Lowering:
 
 def lower_paged_attention(model: onnx.ModelProto, variant: str = "split") -> int:
     """Replace every PagedAttention node in place (ATTENTION_VARIANTS: the same attention, computed two ways; the
-    autotuner picks one by timing both); returns how many were lowered. `native` leaves them (none lowered)."""
+    autotuner picks one by timing both), and every PagedShortConv node; returns how many attention nodes were
+    lowered. `native` leaves them all (none lowered)."""
     if variant == NATIVE:
         if (reason := native_unavailable(model)) is not None:
             raise ConfigError("attention", f"native cannot be used: {reason}. Use --attention split.")
@@ -278,6 +280,7 @@ def lower_paged_attention(model: onnx.ModelProto, variant: str = "split") -> int
     for node in targets:
         lowering.lower(node)
         model.graph.node.remove(node)
+    lower_short_convs(model, g)  # NOTE: LFM2's convolutions read the same pool, without the library too
     model.graph.node.extend(g.nodes)
     model.graph.initializer.extend(g.initializers)
     del view

@@ -46,6 +46,7 @@ from trtbuild.builder.lora import LoraTables, SlotTables, WithLora, read_adapter
 from trtbuild.builder.lora_slots import stacked_tables, write_slot_tables
 from trtbuild.builder.mlp_activation import activation, gated_activation
 from trtbuild.builder.moe_experts import Experts
+from trtbuild.builder.network_conv import ConvWriter
 from trtbuild.builder.network_head import HeadWriter
 from trtbuild.builder.passes.lora import LORA_ADD
 from trtbuild.builder.quantized import QuantizedLinears, kv_cache_scales
@@ -57,9 +58,11 @@ from trtbuild.configs import (
     LORA_IDS_INPUT,
     BuildConfig,
     ModelConfig,
+    cache_layers,
     group_input,
     kv_cache_groups,
     layer_slot,
+    num_cache_layers,
     slots_per_block,
 )
 from trtbuild.plugins import paged_attention as pa
@@ -96,7 +99,7 @@ def kv_cache_shape(config: ModelConfig, build: BuildConfig, num_blocks: int | st
             build.tokens_per_block, config.head_size]
 
 
-class _NetworkWriter(HeadWriter):
+class _NetworkWriter(HeadWriter, ConvWriter):
     def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor], build: BuildConfig,
                  staging: StagingWeights | None, lora: LoraTables | None, tp: TensorParallel) -> None:
         self.c, self.build, self.g, self.tp = config, build, GraphBuilder(staging), tp
@@ -251,6 +254,33 @@ class _NetworkWriter(HeadWriter):
         y3 = self.g.op("RotaryEmbedding", [x3, cos, sin, positions_2d], num_heads=heads)
         return self.g.op("Squeeze", [y3, self.g.const(np.array([0]), "axis0")])
 
+    def attention(self, h: str, p: str, i: int, cache: list[str], slot: int, window: int | None, positions_2d: str,
+                  rope: dict[bool, tuple[str, str]], temperature: str | None) -> tuple[str, str, str]:
+        """Layer i's attention block on its normed input h: (its output projection's output, new K, new V)."""
+        c, g = self.c, self.g
+        q, k, v = (self.linear(h, p + f"attention.{n}", bias=c.qkv_bias) for n in "qkv")
+        if c.qk_norm and not c.qk_norm_after_rope:
+            q, k = self.qk_norms(q, k, p)
+        if temperature is not None:  # NOTE: a per-token factor commutes with RoPE, so the RoPE fusion still applies
+            q = g.op("Mul", [q, temperature], name=p + "attention.q_temperature")
+        if i not in c.no_rope_layers:  # SmolLM3's NoPE layers attend without positions
+            q = self.rope(q, c.num_attention_heads, positions_2d, *rope[c.is_sliding(i)])
+            k = self.rope(k, c.num_key_value_heads, positions_2d, *rope[c.is_sliding(i)])
+        if c.qk_norm_after_rope:  # NOTE: the RoPE stays outside the attention op (no fusion past the norms)
+            q, k = self.qk_norms(q, k, p)
+        kv_quant = {} if self.kv_scales is None else dict(kv_cache_quant_algo=c.quantization.kv_cache_quant_algo,
+                                                          kv_cache_scale=[float(s) for s in self.kv_scales[i]])
+        sinks = ["", "", "", g.weight(p + "attention.sinks", self.tensor(p + "attention.sinks"))] \
+            if c.attention_sinks else []  # NOTE: after the rope inputs the RoPE fusion pass fills in
+        softcap = {"softcap": c.attn_logit_softcapping} if c.attn_logit_softcapping else {}
+        attn, k_new, v_new = g.op(
+            pa.OP_TYPE, [q, k, v, *cache, *sinks], num_outputs=3, domain=pa.DOMAIN, name=p + "attention.paged",
+            layer_idx=slot, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+            head_size=c.head_size, tokens_per_block=self.build.tokens_per_block, scale=float(c.score_scale), rotary=0,
+            **kv_quant, **({"window": window} if window else {}), **softcap,
+        )
+        return self.row_linear(attn, p + "attention.dense", bias=c.dense_bias), k_new, v_new
+
     def write(self) -> onnx.ModelProto:
         c, g = self.c, self.g
         i64, f32 = TensorProto.INT64, TensorProto.FLOAT
@@ -286,36 +316,22 @@ class _NetworkWriter(HeadWriter):
         if c.embedding_multiplier != 1.0:  # Gemma: sqrt(hidden_size)
             x = g.op("Mul", [x, g.const(np.array(c.embedding_multiplier, np.float32), "embedding_multiplier")],
                      name="embedding_scaled")
-        softcap = {"softcap": c.attn_logit_softcapping} if c.attn_logit_softcapping else {}
         new_kv = []
+        entries = cache_layers(c)
         for i in range(c.num_hidden_layers):
             p = f"transformer.layers.{i}."
             g.scope = p
             h = self.norm(x, p + "input_layernorm.weight") if c.input_norms else x
-            q, k, v = (self.linear(h, p + f"attention.{n}", bias=c.qkv_bias) for n in "qkv")
-            if c.qk_norm and not c.qk_norm_after_rope:
-                q, k = self.qk_norms(q, k, p)
-            if temperature is not None:  # NOTE: a per-token factor commutes with RoPE, so the RoPE fusion still applies
-                q = g.op("Mul", [q, temperature], name=p + "attention.q_temperature")
-            sliding = c.is_sliding(i)
-            group, slot = layer_slot(groups, i)
-            if i not in c.no_rope_layers:  # SmolLM3's NoPE layers attend without positions
-                q = self.rope(q, c.num_attention_heads, positions_2d, *rope[sliding])
-                k = self.rope(k, c.num_key_value_heads, positions_2d, *rope[sliding])
-            if c.qk_norm_after_rope:  # NOTE: the RoPE stays outside the attention op (no fusion past the norms)
-                q, k = self.qk_norms(q, k, p)
-            window = {"window": groups[group].window} if groups[group].window else {}
-            kv_quant = {} if self.kv_scales is None else dict(kv_cache_quant_algo=c.quantization.kv_cache_quant_algo,
-                                                              kv_cache_scale=[float(s) for s in self.kv_scales[i]])
-            sinks = ["", "", "", g.weight(p + "attention.sinks", self.tensor(p + "attention.sinks"))] \
-                if c.attention_sinks else []  # NOTE: after the rope inputs the RoPE fusion pass fills in
-            attn, k_new, v_new = g.op(
-                pa.OP_TYPE, [q, k, v, kv_cache, block_tables[group], past_lengths, query_start, *sinks], num_outputs=3,
-                domain=pa.DOMAIN, name=p + "attention.paged", layer_idx=slot, num_heads=c.num_attention_heads,
-                num_kv_heads=c.num_key_value_heads, head_size=c.head_size, tokens_per_block=self.build.tokens_per_block,
-                scale=float(c.score_scale), rotary=0, **kv_quant, **window, **softcap,
-            )
-            attn = self.branch_output(self.row_linear(attn, p + "attention.dense", bias=c.dense_bias), p + "attention.")
+            group, slot = layer_slot(groups, entries[i][0])
+            cache = [kv_cache, block_tables[group], past_lengths, query_start]
+            if c.is_conv(i):
+                attn, conv_rows = self.short_conv(h, p, cache, slot)
+                new_kv.append(conv_rows)
+            else:
+                attn, k_new, v_new = self.attention(h, p, i, cache, slot, groups[group].window, positions_2d, rope,
+                                                    temperature)
+                new_kv += [k_new, v_new]
+            attn = self.branch_output(attn, p + "attention.")
             if not c.parallel_residual:  # NOTE: Cohere's MLP reads the attention's input h
                 x = g.op("Add", [x, attn], name=p + "attn_residual")
                 h = self.norm(x, p + "post_layernorm.weight") if c.input_norms else x
@@ -323,7 +339,6 @@ class _NetworkWriter(HeadWriter):
             if c.parallel_residual:
                 mlp = g.op("Add", [attn, mlp], name=p + "attn_mlp")
             x = g.op("Add", [x, mlp], name=p + "mlp_residual")
-            new_kv += [k_new, v_new]
         g.scope = ""
         selected = g.op("Gather", [x, logits_indices], axis=0, name="select_logit_tokens")
         h = self.norm(selected, "transformer.ln_f.weight")
@@ -333,13 +348,13 @@ class _NetworkWriter(HeadWriter):
             self.head(h)
         # [K0; V0; K1; ...] stacked on the token axis is [L * 2 * T, KVH, D]: one copy, then a free reshape
         stacked = g.op("Concat", new_kv, axis=0, name="new_kv_stacked")
-        g.op("Reshape", [stacked, g.const(np.array([c.num_hidden_layers, 2, -1, c.num_key_value_heads, c.head_size]),
+        g.op("Reshape", [stacked, g.const(np.array([num_cache_layers(c), 2, -1, c.num_key_value_heads, c.head_size]),
                                           "new_kv_shape")], name="new_kv", outputs=["new_kv"])
         if self.build.task == "embed":
             g.output(HIDDEN_STATES_OUTPUT, f32, ["num_logits", c.hidden_size])
         else:
             g.output("logits", f32, ["num_logits_out" if self.build.draft_tokens else "num_logits", c.vocab_size])
-        g.output("new_kv", f32, [c.num_hidden_layers, 2, "num_tokens", c.num_key_value_heads, c.head_size])
+        g.output("new_kv", f32, [num_cache_layers(c), 2, "num_tokens", c.num_key_value_heads, c.head_size])
         if self.build.draft_tokens:
             for name in sa.OUTPUTS:
                 g.output(name, i64, ["num_accepting"])

@@ -61,6 +61,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Starcoder2ForCausalLM": ("starcoder2", False, False),
     # per-head q / k norms after RoPE, NTK-alpha RoPE (a fixed, larger base)
     "HunYuanDenseV1ForCausalLM": ("hunyuan_dense", False, True),
+    # short convolution layers (in_proj to B, C, x; C * conv(B * x); out_proj) among attention layers with per-head
+    # q / k norms; tied embeddings
+    "Lfm2ForCausalLM": ("lfm2", False, True),
 }
 _UNGATED_MLP_FAMILIES = ("arcee", "starcoder2")
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> the text
@@ -125,8 +128,14 @@ _LAYER_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo3": 4, "gpt_oss": 2, "exaone4"
 
 def _layer_types(hf: dict[str, Any], family: str) -> tuple[str, ...]:
     """Per-layer attention kinds (Gemma 2 / 3, OLMo 3): `layer_types`, or every `sliding_window_pattern`-th layer
-    full (the family's default period unless given), as transformers makes them."""
+    full (the family's default period unless given), as transformers makes them. LFM2's: conv or full_attention
+    (its `full_attn_idxs` where `layer_types` is absent)."""
     layers = int(hf["num_hidden_layers"])
+    if family == "lfm2":
+        full = hf.get("full_attn_idxs")
+        types = hf.get("layer_types") or ["full_attention" if full is None or i in full else "conv"
+                                          for i in range(layers)]
+        return tuple(types[:layers])
     if family not in _LAYER_PATTERNS or not hf.get("sliding_window"):
         return ()
     types = hf.get("layer_types")
@@ -227,8 +236,30 @@ def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
             "moe_bias": family == "gpt_oss"}
 
 
+def _intermediate_size(hf: dict[str, Any], family: str) -> int:
+    """The MLP's features; LFM2's: two thirds of block_ff_dim (intermediate_size) times block_ffn_dim_multiplier,
+    rounded up to block_multiple_of, where block_auto_adjust_ff_dim (as transformers)."""
+    features = int(hf.get("block_ff_dim") or hf["intermediate_size"]) if family == "lfm2" else int(
+        hf["intermediate_size"])
+    if family == "lfm2" and hf.get("block_auto_adjust_ff_dim", True):
+        features = int(2 * features / 3)
+        if hf.get("block_ffn_dim_multiplier", 1.0) is not None:
+            multiple = int(hf.get("block_multiple_of", 256))
+            features = -(-int(float(hf.get("block_ffn_dim_multiplier", 1.0)) * features) // multiple) * multiple
+    return features
+
+
+def _lfm2_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """LFM2's convolution layers' kernel length and biases."""
+    if family != "lfm2":
+        return {}
+    return {"conv_kernel": int(hf.get("conv_L_cache", 3)), "conv_bias": bool(hf.get("conv_bias", False))}
+
+
 def _norm_epsilon(hf: dict[str, Any], family: str) -> float:
     """The norms' epsilon, under each family's key."""
+    if family == "lfm2":
+        return float(hf.get("norm_eps") or 1e-5)
     if family in COHERE_FAMILIES:
         return float(hf.get("layer_norm_eps") or 1e-5)
     if family == "starcoder2":
@@ -316,7 +347,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         dtype=dtype,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
+        intermediate_size=_intermediate_size(hf, family),
         num_hidden_layers=int(hf["num_hidden_layers"]),
         num_attention_heads=heads,
         num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
@@ -328,8 +359,8 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         rotary_dim=rotary_dim,
         rotary_interleaved=family in ("ernie4_5", "glm4", *COHERE_FAMILIES),
         no_rope_layers=_no_rope_layers(hf, family, layer_types if window else ()),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", family in (*GEMMA_FAMILIES, *COHERE_FAMILIES,
-                                                                          "ernie4_5", "starcoder2"))),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", hf.get("tie_embedding", family in (
+            *GEMMA_FAMILIES, *COHERE_FAMILIES, "ernie4_5", "starcoder2", "lfm2")))),
         qkv_bias=qkv_bias,
         dense_bias=dense_bias,
         qk_norm=qk_norm,
@@ -346,5 +377,6 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         **_cohere_fields(hf, family),
         **hf_rope.temperature_fields(hf.get("rope_scaling") or rope_params),
         **_moe_fields(hf, family),
+        **_lfm2_fields(hf, family),
         **_norm_layout(family),
     )

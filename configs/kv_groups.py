@@ -8,6 +8,11 @@ them all: a block belongs to one group and holds that group's layers (its `slots
 has its own block table per sequence. A sliding group's blocks before a sequence's window go back to the pool; a full
 group keeps all of its. Groups of a kind other than the last are full; the last may leave slots unused.
 
+LFM2's short convolution layers keep their state, each token's input row, in the pool too (plugins/short_conv.py):
+a row takes `entries_per_row` slots (cache layers), and the convolution layers form groups of their own whose window
+is the kernel's length. So the pool's slots count cache layers, not model layers: `cache_layers` maps one to the
+other (an attention layer's K/V is one cache layer; every model without convolutions has cache layer i = layer i).
+
 Engine I/O per group g: the block table input `group_input("block_tables", g)`; layer l's PagedAttention node reads
 slot `layer_slot` of its group's blocks in the one `kv_cache` pool [blocks, slots, 2, kv_heads, block, head_size].
 """
@@ -19,26 +24,45 @@ from dataclasses import dataclass
 
 from trtbuild.configs.build_config import BuildConfig
 from trtbuild.configs.model_config import ModelConfig
+from trtbuild.plugins.short_conv import entries_per_row
 
 
 @dataclass(frozen=True)
 class KVCacheGroup:
-    layers: tuple[int, ...]  # the model layers whose K/V a block of this group holds, in slot order
+    layers: tuple[int, ...]  # the cache layers (cache_layers) whose K/V a block of this group holds, in slot order
     window: int | None  # every layer of the group attends within its last `window` tokens (None: to every token)
 
 
+def cache_layers(model: ModelConfig) -> tuple[range, ...]:
+    """Per model layer, the cache layers (pool slots of its group's blocks) its state takes: an attention layer's K/V
+    one, a convolution layer's input row entries_per_row of them."""
+    conv = entries_per_row(model.hidden_size, model.num_key_value_heads, model.head_size)
+    sizes = [conv if model.is_conv(i) else 1 for i in range(model.num_hidden_layers)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return tuple(range(start, start + size) for start, size in zip(starts, sizes, strict=True))
+
+
+def num_cache_layers(model: ModelConfig) -> int:
+    return cache_layers(model)[-1].stop
+
+
 def kv_cache_groups(model: ModelConfig, build: BuildConfig) -> tuple[KVCacheGroup, ...]:
-    """The engine's KV cache groups: one of every layer unless sliding and full layers mix (and the window is shorter
-    than the engine), then groups of min(#full, #sliding) layers, full ones first."""
-    layers = range(model.num_hidden_layers)
+    """The engine's KV cache groups: one of every layer unless layers of different kinds mix (full attention, sliding
+    attention where the window is shorter than the engine, convolutions), then groups of one kind each of about
+    min(cache layers of a kind) cache layers, a convolution layer's never split: full ones first."""
     window = model.sliding_window if model.window_applies(build.max_seq_len) else None
-    sliding = [i for i in layers if window and model.is_sliding(i)]
-    full = [i for i in layers if i not in sliding]
-    if not sliding or not full:
-        return (KVCacheGroup(tuple(layers), window if sliding else None),)
-    size = min(len(full), len(sliding))
-    return tuple(KVCacheGroup(tuple(kind[i : i + size]), w)
-                 for kind, w in ((full, None), (sliding, window)) for i in range(0, len(kind), size))
+    entries = cache_layers(model)
+    conv = [i for i in range(model.num_hidden_layers) if model.is_conv(i)]
+    sliding = [i for i in range(model.num_hidden_layers) if window and model.is_sliding(i)]
+    full = [i for i in range(model.num_hidden_layers) if i not in sliding and i not in conv]
+    kinds = [(layers, w) for layers, w in ((full, None), (sliding, window), (conv, model.conv_kernel)) if layers]
+    size = min(sum(len(entries[i]) for i in layers) for layers, _ in kinds)
+    groups = []
+    for layers, w in kinds:
+        per_group = len(layers) if len(kinds) == 1 else max(1, size // len(entries[layers[0]]))
+        for i in range(0, len(layers), per_group):
+            groups.append(KVCacheGroup(tuple(e for layer in layers[i:i + per_group] for e in entries[layer]), w))
+    return tuple(groups)
 
 
 def slots_per_block(groups: tuple[KVCacheGroup, ...]) -> int:
@@ -46,7 +70,7 @@ def slots_per_block(groups: tuple[KVCacheGroup, ...]) -> int:
 
 
 def layer_slot(groups: tuple[KVCacheGroup, ...], layer: int) -> tuple[int, int]:
-    """(group, slot) of a model layer."""
+    """(group, slot) of a cache layer."""
     return next((g, group.layers.index(layer)) for g, group in enumerate(groups) if layer in group.layers)
 
 

@@ -24,7 +24,7 @@ COHERE_FAMILIES = ("cohere", "cohere2")
 # g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1): swiglu_alpha, swiglu_limit),
 # or, in an MLP without a gate (gated_mlp false), of the up projection: relu2 is relu(x)^2 (Arcee)
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "swiglu_oai", "relu2")
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "conv")  # conv: LFM2's short convolution, no attention
 # the layers' and the final norm: RMSNorm, or LayerNorm: mean-centred, scaled by its weight (plus, with norm_bias, a
 # bias: StarCoder 2; Cohere's has none)
 NORM_TYPES = ("rms", "layer")
@@ -208,6 +208,9 @@ class ModelConfig:
     # per layer, LAYER_TYPES: only sliding_attention layers apply sliding_window (Gemma 2 / 3). Not given: every
     # layer alike (sliding_attention where the model has a window), filled in on creation so config.json says it
     layer_types: tuple[str, ...] = ()
+    # LFM2: "conv" layers mix each channel over its last conv_kernel tokens (conv_L_cache) in place of attention
+    conv_kernel: int = 0
+    conv_bias: bool = False
     local_rotary_base: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3); None: as every layer
     embedding_multiplier: float = 1.0  # the embedding rows are multiplied by this (Gemma: sqrt(hidden_size))
     attention_scale: float | None = None  # what q.k is multiplied by; None: head_size ** -0.5
@@ -299,6 +302,9 @@ class ModelConfig:
         if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
             raise CheckpointError(f"config.json: layer_types must list one of {', '.join(LAYER_TYPES)} per layer "
                                   f"({self.num_hidden_layers}), got {list(self.layer_types)}")
+        if not isinstance(self.conv_kernel, int) or self.conv_kernel < ("conv" in self.layer_types):
+            raise CheckpointError(f"config.json: conv_kernel must be 0 (no conv layers) or positive, got "
+                                  f"{self.conv_kernel!r}")
         for name in ("local_rotary_base", "attention_scale", "attn_logit_softcapping", "final_logit_softcapping",
                      "embedding_multiplier", "residual_multiplier", "logits_scaling", "swiglu_alpha",
                      "swiglu_limit"):
@@ -390,6 +396,9 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends within the sliding window (when the model has one)."""
         return bool(self.sliding_window) and self.layer_types[layer] == "sliding_attention"
+
+    def is_conv(self, layer: int) -> bool:
+        return self.layer_types[layer] == "conv"
 
     @property
     def score_scale(self) -> float:

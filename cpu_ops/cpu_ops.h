@@ -19,6 +19,7 @@ const OrtCustomOp* moe_route_op();
 const OrtCustomOp* lora_add_op();
 const OrtCustomOp* all_reduce_op();
 const OrtCustomOp* all_gather_op();
+const OrtCustomOp* short_conv_op();
 
 // An optional attribute's value, or `otherwise` when the node lacks it (engines built before it was added).
 template <typename T>

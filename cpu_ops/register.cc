@@ -20,6 +20,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     d->Add(trtbuild_cpu_ops::lora_add_op());
     d->Add(trtbuild_cpu_ops::all_reduce_op());
     d->Add(trtbuild_cpu_ops::all_gather_op());
+    d->Add(trtbuild_cpu_ops::short_conv_op());
     return d;
   }();
   try {

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from trtbuild.builder.engine_dir import EngineInfo, cpu_rank_files, read_engine_config
-from trtbuild.configs import LORA_IDS_INPUT, BuildConfig, group_input
+from trtbuild.configs import LORA_IDS_INPUT, BuildConfig, group_input, num_cache_layers
 from trtbuild.cpu_ops import library_for_engine
 from trtbuild.errors import EngineCompatibilityError
 from trtbuild.quantization import kv_pool_dtype
@@ -274,7 +274,7 @@ class CpuEngine:
         if dtype != (expected := kv_pool_dtype(self.info.model, self.info.build)):
             raise EngineCompatibilityError(f"{self.info.path}'s kv_cache input is {dtype} but its model and build "
                                            f"configs give a {expected} KV pool; rebuild the engine.")
-        self.kv = KVCacheStorage(self.info.model.num_hidden_layers, kv_heads, head_size, tokens_per_block, num_blocks,
+        self.kv = KVCacheStorage(num_cache_layers(self.info.model), kv_heads, head_size, tokens_per_block, num_blocks,
                                  dtype=dtype, quant_algo=self.kv_quant_algo, scales=self.kv_scales,
                                  groups=self.info.kv_cache_groups)
 

@@ -164,6 +164,17 @@ RANDOM_CONFIGS = {
     "hunyuan_dense": ("HunYuanDenseV1Config", dict(_COMMON, head_dim=32, rope_parameters={
         "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0}, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # short convolution layers (kernel 3) around an attention layer with per-head q / k norms; the MLP's features
+    # two thirds of 96 rounded up to 32 (64); a token's convolution state fills one pool slot (2 x 2 x 16 values).
+    # _wide: a state of two slots a token, the second half padding (one 24-wide KV head), a kernel of 4, and two
+    # attention layers
+    "lfm2": ("Lfm2Config", dict(_COMMON, rope_theta=1000000.0, norm_eps=1e-5, block_multiple_of=32,
+                                layer_types=["conv", "full_attention", "conv", "conv"], num_hidden_layers=4,
+                                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    "lfm2_wide": ("Lfm2Config", dict(_COMMON, rope_theta=1000000.0, norm_eps=1e-5, block_multiple_of=32,
+                                     num_key_value_heads=1, head_dim=24, conv_L_cache=4, num_hidden_layers=5,
+                                     layer_types=["conv", "conv", "full_attention", "conv", "full_attention"],
+                                     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
     # Llama whose MLP has no gate (relu(up(x))^2), with YaRN past an original context of 64 as AFM-4.5B runs
     "arcee": ("ArceeConfig", dict(_COMMON, hidden_act="relu2", rope_theta=10000.0, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},

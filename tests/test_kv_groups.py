@@ -14,9 +14,11 @@ from trtbuild.configs import (
     KVCacheGroup,
     ModelConfig,
     batch_blocks_needed,
+    cache_layers,
     kv_cache_groups,
     layer_slot,
     max_blocks_held,
+    num_cache_layers,
     slots_per_block,
 )
 from trtbuild.errors import EngineCompatibilityError
@@ -32,6 +34,30 @@ def model(layers: int, window: int | None, full_every: int | None = None) -> Mod
                                                 "sliding_attention" for i in range(layers))
     return ModelConfig("Gemma3ForCausalLM", "gemma3", "float32", 64, 16, 32, layers, 2, 1, 32, 1e-6, 4096,
                        sliding_window=window, layer_types=types)
+
+
+def lfm2(hidden: int, heads: int, kv_heads: int, full: list[int], layers: int = 16) -> ModelConfig:
+    types = tuple("full_attention" if i in full else "conv" for i in range(layers))
+    return ModelConfig("Lfm2ForCausalLM", "lfm2", "float32", 65536, hidden, 8192, layers, heads, kv_heads,
+                       hidden // heads, 1e-5, 128000, layer_types=types, conv_kernel=3)
+
+
+def test_convolution_layers_take_whole_slots_in_groups_of_their_own():
+    """LFM2-1.2B (16 layers, 6 attention ones; hidden 2048, 8 KV heads of 64): a convolution layer's row of 2048
+    values takes 2 slots of 2 x 8 x 64, so its 10 layers are 20 cache layers, grouped 3 layers (6 slots) a group
+    beside the 6 attention layers' group, and windowed at the kernel (3). LFM2-350M (hidden 1024): one slot each."""
+    model_12b = lfm2(2048, 32, 8, [2, 5, 8, 10, 12, 14])
+    assert cache_layers(model_12b)[:4] == (range(0, 2), range(2, 4), range(4, 5), range(5, 7))
+    assert num_cache_layers(model_12b) == 26
+    groups = kv_cache_groups(model_12b, BuildConfig(max_seq_len=4096))
+    assert groups == (KVCacheGroup((4, 9, 14, 17, 20, 23), None), KVCacheGroup((0, 1, 2, 3, 5, 6), 3),
+                      KVCacheGroup((7, 8, 10, 11, 12, 13), 3), KVCacheGroup((15, 16, 18, 19, 21, 22), 3),
+                      KVCacheGroup((24, 25), 3))
+    assert slots_per_block(groups) == 6 and layer_slot(groups, cache_layers(model_12b)[3][0]) == (1, 4)
+    model_350m = lfm2(1024, 16, 8, [2, 5, 8, 10, 12, 14])
+    assert num_cache_layers(model_350m) == 16
+    assert [(len(g.layers), g.window) for g in kv_cache_groups(model_350m, BuildConfig())] == [
+        (6, None), (6, 3), (4, 3)]
 
 
 def test_groups_of_real_shapes():

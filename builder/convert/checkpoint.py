@@ -33,16 +33,11 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
             names += [p + "input_layernorm.weight"]
         if config.input_norms and not config.parallel_residual:
             names += [p + "post_layernorm.weight"]
-        names += [p + "attention.dense.weight"]
-        names += [p + f"attention.{x}.weight" for x in "qkv"]
-        if config.qkv_bias:
-            names += [p + f"attention.{x}.bias" for x in "qkv"]
-        if config.dense_bias:
-            names += [p + "attention.dense.bias"]
-        if config.attention_sinks:
-            names += [p + "attention.sinks"]
-        if config.qk_norm:
-            names += [p + "attention.q_norm.weight", p + "attention.k_norm.weight"]
+        if config.is_conv(i):
+            names += [p + f"conv.{x}.weight" for x in ("in_proj", "kernel", "out_proj")]
+            names += [p + f"conv.{x}.bias" for x in ("in_proj", "kernel", "out_proj")] if config.conv_bias else []
+        else:
+            names += _attention_tensors(config, p)
         if config.output_norms:
             names += [p + "attention.output_norm.weight", p + "mlp.output_norm.weight"]
         if config.is_moe:
@@ -68,6 +63,19 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
         names.append("transformer.vocab_embedding.weights_scaling_factor")
     if q.kv_cache_quant_algo is not None:
         names += [f"transformer.layers.{i}.attention.kv_cache_scaling_factor" for i in layers]
+    return names
+
+
+def _attention_tensors(config: ModelConfig, p: str) -> list[str]:
+    names = [p + "attention.dense.weight"] + [p + f"attention.{x}.weight" for x in "qkv"]
+    if config.qkv_bias:
+        names += [p + f"attention.{x}.bias" for x in "qkv"]
+    if config.dense_bias:
+        names += [p + "attention.dense.bias"]
+    if config.attention_sinks:
+        names += [p + "attention.sinks"]
+    if config.qk_norm:
+        names += [p + "attention.q_norm.weight", p + "attention.k_norm.weight"]
     return names
 
 
@@ -133,6 +141,12 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "mlp.gate.bias": (c.intermediate_size,),
         "mlp.fc.bias": (c.intermediate_size,),
         "mlp.proj.bias": (c.hidden_size,),
+        "conv.in_proj.weight": (3 * c.hidden_size, c.hidden_size),
+        "conv.in_proj.bias": (3 * c.hidden_size,),
+        "conv.kernel.weight": (c.hidden_size, c.conv_kernel),
+        "conv.kernel.bias": (c.hidden_size,),
+        "conv.out_proj.weight": (c.hidden_size, c.hidden_size),
+        "conv.out_proj.bias": (c.hidden_size,),
         "mlp.router.weight": (c.num_experts, c.hidden_size),
         "mlp.router.bias": (c.num_experts,),
         "mlp.experts.gate.bias": (c.num_experts, c.moe_intermediate_size),

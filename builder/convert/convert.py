@@ -57,6 +57,16 @@ def norm_multipliers(source: dict[str, SourceTensor], config: ModelConfig) -> di
             if name.endswith("norm.weight") else src for name, src in source.items()}
 
 
+def conv_kernels(plan: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:
+    """LFM2's convolution kernels as [hidden, L]: Hugging Face keeps nn.Conv1d's [hidden, 1, L]."""
+    def flat(src: SourceTensor) -> SourceTensor:
+        return SourceTensor((config.hidden_size, config.conv_kernel),
+                            lambda: torch.as_tensor(src.load()).reshape(config.hidden_size, config.conv_kernel))
+
+    return {name: flat(src) if name.endswith("conv.kernel.weight") and len(src.shape) == 3 else src
+            for name, src in plan.items()}
+
+
 def keeps_float32(name: str, config: ModelConfig) -> bool:
     """Gemma's norm multipliers stay float32 in a 16-bit checkpoint: 1 + w in bfloat16 would round w away."""
     return config.family in GEMMA_FAMILIES and name.endswith(("norm.weight", "ln_f.weight"))
@@ -72,6 +82,7 @@ def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dic
     embedding, lm_head = EMBEDDING, "lm_head.weight"
     if config.tie_word_embeddings and (embedding in plan) != (lm_head in plan):
         plan[lm_head if embedding in plan else embedding] = plan[embedding if embedding in plan else lm_head]
+    plan = conv_kernels(plan, config)
     base = dataclasses.replace(config, quantization=QuantConfig(), mapping=Mapping())  # the unsharded source
     needed = expected_tensors(base, range(config.num_hidden_layers), first_stage=True, last_stage=True)
     missing = [n for n in needed if n not in plan]

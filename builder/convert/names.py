@@ -21,6 +21,10 @@ layers it holds):
                                                              one tensor-parallel rank only)
   transformer.layers.{i}.mlp.shared.{gate,fc,proj}.weight    as mlp.{gate,fc,proj}, of shared inter (Qwen2-MoE)
   transformer.layers.{i}.mlp.shared_gate.weight              [1, hidden] (Qwen2-MoE)   replicated
+  an LFM2 convolution layer holds, instead of attention.*:
+  transformer.layers.{i}.conv.in_proj.weight                 [3 * hidden, hidden]     (B, C, x)
+  transformer.layers.{i}.conv.kernel.weight                  [hidden, 1, L] or [hidden, L]  each channel's taps
+  transformer.layers.{i}.conv.out_proj.weight                [hidden, hidden]
   transformer.ln_f.weight                                    [hidden]                 replicated
   lm_head.weight                                             [vocab, hidden]          vocab-parallel
 
@@ -99,13 +103,27 @@ _MOE_LAYER_MAP = {
     "mlp.shared_expert.down_proj.weight": "mlp.shared.proj.weight",
     "mlp.shared_expert_gate.weight": "mlp.shared_gate.weight",
 }
+# LFM2: its norms' and MLP's names, the attention's output projection `out_proj`, and the convolution layers
+_LFM2_LAYER_MAP = {
+    **{k: v for k, v in _LAYER_MAP.items() if k.startswith("self_attn.") and "_norm." not in k},
+    "self_attn.out_proj.weight": "attention.dense.weight",
+    "self_attn.q_layernorm.weight": "attention.q_norm.weight",
+    "self_attn.k_layernorm.weight": "attention.k_norm.weight",
+    "operator_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_layernorm.weight",
+    **{f"feed_forward.{hf}.weight": f"mlp.{ours}.weight"
+       for hf, ours in (("w1", "gate"), ("w3", "fc"), ("w2", "proj"))},
+    **{f"conv.{hf}.{w}": f"conv.{ours}.{w}" for hf, ours in (("in_proj", "in_proj"), ("out_proj", "out_proj"),
+                                                              ("conv", "kernel")) for w in ("weight", "bias")},
+}
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "transformer.vocab_embedding.weight",
     "model.norm.weight": "transformer.ln_f.weight",
     "model.norm.bias": "transformer.ln_f.bias",
+    "model.embedding_norm.weight": "transformer.ln_f.weight",  # LFM2's final norm
     "lm_head.weight": "lm_head.weight",
 }
-_CKPT_TO_HF_GLOBAL = {v: k for k, v in _GLOBAL_MAP.items()}
+_CKPT_TO_HF_GLOBAL = {v: k for k, v in _GLOBAL_MAP.items() if k != "model.embedding_norm.weight"}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # A vision-language model's text decoder (Gemma 3 4B+): its tensors as the text model's
 _TEXT_MODEL_PREFIX = re.compile(r"^(?:language_model\.model\.|model\.language_model\.)")
@@ -117,6 +135,7 @@ _CKPT_LAYER = re.compile(r"^transformer\.layers\.(\d+)\.(.+)$")
 LAYER_LINEARS = ("attention.q", "attention.k", "attention.v", "attention.dense", "mlp.gate", "mlp.fc", "mlp.proj")
 # A mixture of experts' stacked experts [experts, out, in]: as weight-only linears, [experts * out, in] (each expert's
 # rows one after the other)
+CONV_LINEARS = ("conv.in_proj", "conv.out_proj")  # an LFM2 convolution layer's, in place of the attention's
 EXPERT_LINEARS = ("mlp.experts.gate", "mlp.experts.fc", "mlp.experts.proj")
 SHARED_EXPERT_LINEARS = ("mlp.shared.gate", "mlp.shared.fc", "mlp.shared.proj")  # Qwen2-MoE's shared expert
 _SCALE_SUFFIXES = ("weights_scaling_factor", "weights_zero_point", "activation_scaling_factor",
@@ -160,6 +179,8 @@ def _layer_map(config: ModelConfig | None) -> dict[str, str]:
         return _STARCODER2_LAYER_MAP
     if config.family == "hunyuan_dense":
         return _HUNYUAN_LAYER_MAP
+    if config.family == "lfm2":
+        return _LFM2_LAYER_MAP
     if config.output_norms:  # Gemma 2 / 3, OLMo 2 / 3, EXAONE 4
         return _OUTPUT_NORM_LAYER_MAP
     return _MOE_LAYER_MAP if config.is_moe else _LAYER_MAP
@@ -202,15 +223,25 @@ def linear_prefixes(layers: Iterable[int], last_stage: bool, moe: bool = False, 
 
 
 def model_linear_prefixes(config: ModelConfig, layers: Iterable[int], last_stage: bool) -> list[str]:
-    """`linear_prefixes` of `config`'s model."""
-    return linear_prefixes(layers, last_stage and config.has_lm_head, config.is_moe,
-                           config.shared_expert_intermediate_size > 0, config.gated_mlp)
+    """`linear_prefixes` of `config`'s model (an LFM2 convolution layer's in / out projections for its attention's)."""
+    prefixes = linear_prefixes(layers, last_stage and config.has_lm_head, config.is_moe,
+                               config.shared_expert_intermediate_size > 0, config.gated_mlp)
+    if "conv" not in config.layer_types:
+        return prefixes
+    out = []
+    for prefix in prefixes:
+        layer = layer_of(prefix)
+        if layer is None or not config.is_conv(layer) or ".attention." not in prefix:
+            out.append(prefix)
+        elif prefix.endswith(".attention.q"):  # NOTE: where the attention's linears would have been
+            out += [f"transformer.layers.{layer}.{s}" for s in CONV_LINEARS]
+    return out
 
 
 def is_linear(prefix: str) -> bool:
     """Whether checkpoint prefix `prefix` (a tensor name without `.weight`) is a linear layer."""
     m = _CKPT_LAYER.match(prefix)
-    return prefix == "lm_head" or (m is not None and m.group(2) in (*LAYER_LINEARS, *EXPERT_LINEARS,
+    return prefix == "lm_head" or (m is not None and m.group(2) in (*LAYER_LINEARS, *CONV_LINEARS, *EXPERT_LINEARS,
                                                                      *SHARED_EXPERT_LINEARS))
 
 
