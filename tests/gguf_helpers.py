@@ -78,6 +78,8 @@ FAMILIES = {
     "arcee": ("arcee", "bpe", "AFM Tiny"),
     "starcoder2": ("starcoder2", "bpe", "StarCoder2 Tiny"),
     "hunyuan_dense": ("hunyuan-dense", "bpe", "Hunyuan Tiny"),
+    "lfm2": ("lfm2", "bpe", "LFM2 Tiny"),
+    "lfm2_wide": ("lfm2", "bpe", "LFM2 Tiny"),
 }
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)$")
 
@@ -319,6 +321,15 @@ def _add_gemma_parameters(w: gguf.GGUFWriter, cfg: dict, arch: str) -> None:
         w.add_rope_freq_base_swa(local["rope_theta"])
 
 
+def _lfm2_features(cfg: dict) -> int:
+    """LFM2Model._add_feed_forward_length: the MLP's features as the model computes them from block_ff_dim."""
+    features = cfg.get("block_ff_dim") or cfg["intermediate_size"]
+    if cfg["block_auto_adjust_ff_dim"]:
+        features = int(cfg["block_ffn_dim_multiplier"] * int(2 * features / 3))
+        features = -(-features // cfg["block_multiple_of"]) * cfg["block_multiple_of"]
+    return features
+
+
 def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
                               qtypes: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
     """Write the HF folder `hf_dir` of `family` as llama.cpp's converter does (f32 tensors, or the GGML type
@@ -334,9 +345,14 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     w.add_block_count(layers)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_feed_forward_length(_lfm2_features(cfg) if arch == "lfm2" else cfg["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
+    if arch == "lfm2":  # LFM2Model.set_gguf_parameters: no KV heads in the convolution layers
+        w.add_head_count_kv([0 if t == "conv" else kv_heads for t in cfg["layer_types"]])
+        w.add_shortconv_l_cache(cfg["conv_L_cache"])
+        w.add_vocab_size(cfg["vocab_size"])
+    else:
+        w.add_head_count_kv(kv_heads)
     rope = cfg.get("rope_parameters") or {}
     base = cfg.get("rope_theta") or rope.get("full_attention", rope)["rope_theta"]
     if arch == "hunyuan-dense" and rope.get("alpha"):  # HunYuanModel.set_gguf_parameters: alpha folded into the base
@@ -344,7 +360,9 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
         w.add_rope_scaling_factor(1)
     w.add_rope_freq_base(base)
-    if "layer_norm_eps" in cfg:  # TextModel.set_gguf_parameters: a LayerNorm model's epsilon
+    if arch == "lfm2":
+        w.add_layer_norm_rms_eps(cfg["norm_eps"])
+    elif "layer_norm_eps" in cfg:  # TextModel.set_gguf_parameters: a LayerNorm model's epsilon
         w.add_layer_norm_eps(cfg["layer_norm_eps"])
     else:
         w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
@@ -401,6 +419,8 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
             data = _permute(data, kv_heads)
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):  # GemmaModel.modify_tensors
             data = data + 1
+        if "conv.conv" in hf_name:  # LFM2Model.modify_tensors: [hidden, 1, L] -> [hidden, L]
+            data = data.squeeze(1)
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         qtype = (qtypes or {}).get(gguf_name)
         if qtype is None:

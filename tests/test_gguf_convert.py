@@ -37,7 +37,8 @@ def test_gguf_and_safetensors_give_the_same_checkpoint(tmp_path):
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen2_yarn", "qwen3", "phi3", "phi3_longrope",
                                     "phi3_partial", "smollm3", "smollm3_spm", "gemma", "gemma2", "gemma3", "granite",
                                     "olmo2", "olmo3", "ernie4_5", "glm4", "exaone4", "exaone4_window",
-                                    "cohere", "cohere2", "ministral3", "arcee", "starcoder2", "hunyuan_dense"])
+                                    "cohere", "cohere2", "ministral3", "arcee", "starcoder2", "hunyuan_dense",
+                                    "lfm2", "lfm2_wide"])
 def test_llama_cpp_style_gguf_converts_like_its_hf_folder(tmp_path, family, monkeypatch):
     from transformers import AutoTokenizer
 

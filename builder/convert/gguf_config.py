@@ -74,6 +74,7 @@ class GgufArch:
     # GGUF layer tensor -> HF name where the architecture's differ from the common table's (gguf_reader.py)
     renames: tuple[tuple[str, str], ...] = ()
     hidden_act: str = "silu"  # the MLP's activation, fixed per architecture in llama.cpp
+    final_norm: str = "output_norm.weight"  # the GGUF name of the norm before the LM head
 
 
 GGUF_ARCHITECTURES: dict[str, GgufArch] = {
@@ -133,6 +134,21 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     # Arcee (AFM): LlamaModel's layout (q / k permuted) with an MLP of ffn_up and ffn_down only, relu(x)^2 between
     "arcee": GgufArch("ArceeForCausalLM", "arcee", True, (*_BASE_LAYER_TENSORS, *(f"attn_{p}.weight" for p in "qkv"),
                                                           "ffn_up.weight"), hidden_act="relu2"),
+    # LFM2: attention layers (per-head q / k norms) and short convolution layers (head_count_kv 0); the final norm
+    # is written as token_embd_norm; HF's names of norms, MLP and output projection differ from Llama's
+    "lfm2": GgufArch("Lfm2ForCausalLM", "lfm2", False, ("attn_norm.weight", "ffn_norm.weight", "ffn_gate.weight",
+                                                        "ffn_up.weight", "ffn_down.weight"),
+                     optional_layer_tensors=(*(f"attn_{p}.weight" for p in "qkv"), "attn_output.weight", *_QK_NORM,
+                                             *(f"shortconv.{p}.weight" for p in ("conv", "in_proj", "out_proj"))),
+                     renames=(("attn_norm.weight", "operator_norm.weight"), ("ffn_norm.weight", "ffn_norm.weight"),
+                              *((f"ffn_{g}.weight", f"feed_forward.{w}.weight") for g, w in (
+                                  ("gate", "w1"), ("up", "w3"), ("down", "w2"))),
+                              ("attn_output.weight", "self_attn.out_proj.weight"),
+                              ("attn_q_norm.weight", "self_attn.q_layernorm.weight"),
+                              ("attn_k_norm.weight", "self_attn.k_layernorm.weight"),
+                              *((f"shortconv.{p}.weight", f"conv.{p}.weight") for p in ("conv", "in_proj",
+                                                                                       "out_proj"))),
+                     final_norm="token_embd_norm.weight"),
 }
 # Layers llama.cpp gives the larger Gemmas (27B), whose attention scale it takes from hidden / heads, not head_dim
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -156,7 +172,8 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
             f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
             f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, SmolLM3, TinyLlama, Qwen2/2.5, Qwen3, "
             "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3, Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral, Granite MoE, "
-            "gpt-oss, ERNIE 4.5, GLM-4, EXAONE 4, Command R / Aya, Command R7B, Ministral 3 ...). Convert the HF "
+            "gpt-oss, ERNIE 4.5, GLM-4, EXAONE 4, Command R / Aya, Command R7B, Ministral 3, LFM2 ...). Convert the "
+            "HF "
             "checkpoint instead."
         )
     if arch == "llama" and meta.get("llama.expert_count"):
@@ -195,7 +212,8 @@ def hf_config(
 
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     rope_dim = meta.get(f"{prefix}.rope.dimension_count")
-    kv_heads = first(meta.get(f"{prefix}.attention.head_count_kv", heads))
+    kv_per_layer = meta.get(f"{prefix}.attention.head_count_kv", heads)  # LFM2: 0 for its convolution layers
+    kv_heads = int(max(kv_per_layer) if isinstance(kv_per_layer, list) else kv_per_layer)
     q_rows = shapes["blk.0.attn_q.weight"][0] // heads if "blk.0.attn_q.weight" in shapes else None
     if "blk.0.attn_qkv.weight" in shapes:  # fused: q, k and v heads
         q_rows = shapes["blk.0.attn_qkv.weight"][0] // (heads + 2 * kv_heads)
@@ -260,6 +278,10 @@ def hf_config(
                                   " but its RoPE is not YaRN, whose original context that scaling steps over; the "
                                   "file is incomplete: re-export it.")
         cfg["rope_scaling"]["llama_4_scaling_beta"] = f32(beta)
+    if arch.model_type == "lfm2":  # its feed_forward_length is the MLP's features already
+        cfg.update(layer_types=["conv" if n == 0 else "full_attention" for n in kv_per_layer]
+                   if isinstance(kv_per_layer, list) else None, conv_L_cache=int(need("shortconv.l_cache")),
+                   block_auto_adjust_ff_dim=False, norm_eps=cfg["rms_norm_eps"])
     if arch.model_type == "starcoder2":  # LayerNorms
         cfg["norm_epsilon"] = cfg["rms_norm_eps"]
     if arch.model_type in COHERE_FAMILIES:  # LayerNorms, and the logits' multiplier

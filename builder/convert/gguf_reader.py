@@ -196,7 +196,8 @@ def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any
     layer_names = {**layer_names, **dict(arch.renames)}
     allowed = {*required, *arch.optional_layer_tensors}
     permuted = ("attn_q.", "attn_k.") if arch.permute_qk else ()
-    missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in shapes]
+    global_names = {**_GLOBAL_NAMES, arch.final_norm: "model.norm.weight"}
+    missing = [n for n in ("token_embd.weight", arch.final_norm) if n not in shapes]
     missing += [n for i in range(n_layers) for s in required if (n := f"blk.{i}.{s}") not in shapes]
     if missing:
         raise CheckpointError(
@@ -209,8 +210,8 @@ def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any
         if t.name in ROPE_TENSORS:
             continue
         m = _BLOCK_RE.fullmatch(t.name)
-        if t.name in _GLOBAL_NAMES:
-            hf = _GLOBAL_NAMES[t.name]
+        if t.name in global_names:
+            hf = global_names[t.name]
         elif m and m.group(2) in allowed and int(m.group(1)) < n_layers:
             hf = f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
         else:

@@ -1,0 +1,142 @@
+"""LFM2: short convolution layers beside attention layers, their state (each token's B * x row) kept in the paged KV
+pool as windowed cache layers (configs/kv_groups.py, plugins/short_conv.py). From the released config.json and from
+llama.cpp's `lfm2` GGUF keys; served end to end: chunked prefill, batching, prefix reuse, preemption and speculative
+decoding give Hugging Face's greedy tokens. Logits against transformers are in test_hf_parity.py (lfm2, lfm2_wide),
+the GGUF round trip in test_gguf_convert.py, the op in test_short_conv.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import RUNTIME_ENGINE_OPTIONS
+from helpers import assert_pool_full, drive
+
+from trtbuild.builder.build import check_buildable
+from trtbuild.builder.convert.convert import convert
+from trtbuild.builder.convert.gguf_config import GGUF_ARCHITECTURES, hf_config
+from trtbuild.configs import BuildConfig, QuantConfig
+from trtbuild.configs.from_hf import model_config_from_hf
+from trtbuild.errors import ConfigError, TrtbuildError
+from trtbuild.runtime.config import RuntimeConfig
+from trtbuild.runtime.engine_core import EngineCore
+from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.speculative import SpeculativeConfig
+
+# the form of LiquidAI/LFM2-1.2B's config.json
+LFM2_1_2B = {"architectures": ["Lfm2ForCausalLM"], "model_type": "lfm2", "block_auto_adjust_ff_dim": True,
+             "block_dim": 2048, "block_ff_dim": 12288, "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256,
+             "block_norm_eps": 1e-05, "conv_L_cache": 3, "conv_bias": False, "conv_dim": 2048,
+             "full_attn_idxs": [2, 5, 8, 10, 12, 14], "hidden_size": 2048, "max_position_embeddings": 128000,
+             "norm_eps": 1e-05, "num_attention_heads": 32, "num_heads": 32, "num_hidden_layers": 16,
+             "num_key_value_heads": 8, "rope_theta": 1000000.0, "tie_embedding": True, "torch_dtype": "bfloat16",
+             "vocab_size": 65536, "bos_token_id": 1, "eos_token_id": 7, "pad_token_id": 0}
+FULL = (2, 5, 8, 10, 12, 14)
+
+
+def test_the_released_config_and_the_gguf_keys_give_the_same_model():
+    c = model_config_from_hf(LFM2_1_2B)
+    assert (c.intermediate_size, c.conv_kernel, c.conv_bias, c.tie_word_embeddings, c.head_size) == (
+        8192, 3, False, True, 64)
+    assert c.layer_types == tuple("full_attention" if i in FULL else "conv" for i in range(16))
+    assert (c.qk_norm, c.qk_norm_full, c.norm_epsilon, c.rotary_base) == (True, False, 1e-5, 1e6)
+    meta = {f"lfm2.{k}": v for k, v in {
+        "embedding_length": 2048, "attention.head_count": 32, "block_count": 16, "feed_forward_length": 8192,
+        "attention.head_count_kv": [8 if i in FULL else 0 for i in range(16)], "rope.freq_base": 1e6,
+        "context_length": 128000, "attention.layer_norm_rms_epsilon": 1e-5, "shortconv.l_cache": 3}.items()}
+    from_gguf = model_config_from_hf(hf_config(meta, "lfm2", GGUF_ARCHITECTURES["lfm2"],
+                                               {"token_embd.weight": (65536, 2048)}, {}))
+    for field in ("intermediate_size", "conv_kernel", "layer_types", "num_key_value_heads", "head_size",
+                  "tie_word_embeddings", "qk_norm", "norm_epsilon"):
+        assert getattr(from_gguf, field) == getattr(c, field), field
+
+
+@pytest.fixture(scope="module")
+def lfm2(random_hf_model, engine_from_hf):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = random_hf_model("lfm2")
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    return hf, engine_from_hf(hf_dir, **RUNTIME_ENGINE_OPTIONS)
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+PROMPTS = [list(range(3, 40)), [7, 11, 13] * 5, list(range(100, 121))]
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+def test_chunked_batched_decoding_matches_hf_and_convolution_groups_hold_a_window(lfm2):
+    """Three prompts prefilled 8 tokens a step beside each other's decode steps: each one's greedy tokens are HF's.
+    The convolution groups (window 3) hold at most 2 blocks of a sequence at once, the attention group all of them."""
+    hf, engine = lfm2
+    core = EngineCore(engine, RuntimeConfig(num_threads=1, max_prefill_chunk=8))
+    assert core.kv.windows == (None, 3, 3, 3)
+    held = []
+    update = core.scheduler.update
+
+    def recording(*args, **kwargs):
+        out = update(*args, **kwargs)
+        held.extend([len([b for b in t if b >= 0]) for t in tables] for tables in core.kv.blocks.values())
+        return out
+
+    core.scheduler.update = recording
+    tokens = drive(core, PROMPTS, GREEDY)[0]
+    assert tokens == [hf_greedy(hf, p, 24) for p in PROMPTS]
+    assert_pool_full(core)
+    assert max(h[0] for h in held) == 8 and max(max(h[1:]) for h in held) == 2
+
+
+def test_prefix_reuse_revives_the_convolution_state_inside_its_window(lfm2):
+    hf, engine = lfm2
+    core = EngineCore(engine, RuntimeConfig(num_threads=1, max_prefill_chunk=8))
+    first = drive(core, [PROMPTS[0]], GREEDY)[0]
+    again, finals, _ = drive(core, [PROMPTS[0]], GREEDY)
+    assert finals[0].metrics.num_prefix_cached_tokens == 32 and again == first == [hf_greedy(hf, PROMPTS[0], 24)]
+
+
+def test_preemption_and_speculative_decoding_keep_the_tokens(lfm2):
+    """16-token steps and a pool of 26 blocks: the longest request fits (its 10 attention blocks and 4 per convolution
+    group), the three together do not, so requests are preempted and recomputed. Prompt-lookup speculation writes
+    rejected tokens' rows, which later steps overwrite."""
+    hf, engine = lfm2
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = [hf_greedy(hf, p, 40) for p in PROMPTS]
+    small = EngineCore(engine, RuntimeConfig(num_threads=1, max_num_tokens=16, kv_cache_blocks=26, warm_up=False))
+    tokens, _, stats = drive(small, PROMPTS, params)
+    assert tokens == want and any(s.num_preempted for s in stats)
+    spec = EngineCore(engine, RuntimeConfig(num_threads=1, speculative=SpeculativeConfig(3)))
+    tokens, finals, _ = drive(spec, PROMPTS, params)
+    assert tokens == want and sum(f.metrics.num_accepted_draft_tokens for f in finals) > 0
+
+
+def test_targets_and_splits_without_convolutions_refuse_it_before_any_work(random_hf_model, tmp_path):
+    hf_dir = random_hf_model("lfm2")
+    config = model_config_from_hf(__import__("json").loads((hf_dir / "config.json").read_text()))
+    for target in ("cuda", "tensorrt"):
+        with pytest.raises(TrtbuildError, match="short convolution layers have no"):
+            check_buildable(config, BuildConfig(target=target))
+    quantized_kv = dataclasses.replace(config, quantization=QuantConfig(kv_cache_quant_algo="int8"))
+    with pytest.raises(TrtbuildError, match="without --kv-cache-qformat"):
+        check_buildable(quantized_kv, BuildConfig())
+    with pytest.raises(ConfigError, match="use --tp-size 1"):
+        convert(hf_dir, tmp_path / "tp2", tp_size=2)
+    assert not (tmp_path / "tp2").exists()
+
+
+def test_verify_and_perplexity_run_it(lfm2, random_hf_model, tmp_path):
+    """verify compares the native convolution with its standard-op lowering; eval lays out every group's blocks."""
+    from trtbuild.bench.perplexity import evaluate
+    from trtbuild.bench.verify import verify_engine
+
+    convert(random_hf_model("lfm2"), tmp_path / "ckpt")
+    report = verify_engine(lfm2[1], tmp_path / "ckpt", num_threads=1)
+    assert report.passed, report.table()
+    result = evaluate(lfm2[1], [(7 * i + 3) % 300 + 5 for i in range(150)], max_seq_len=64, num_threads=1)
+    assert result.num_tokens == 149 and result.perplexity > 1
