@@ -114,6 +114,11 @@ ARCEE = Family("arcee", LLAMA3.pre, LLAMA3.digits, LLAMA3.specials, LLAMA3.bos, 
 STARCODER2 = Family("starcoder2", "starcoder", r"\p{N}", ("<|endoftext|>", "<fim_prefix>", "<fim_middle>",
                                                            "<fim_suffix>", "<fim_pad>", "<repo_name>", "<file_sep>"),
                     None, "<|endoftext|>", "<|endoftext|>", QWEN2.chat_template)
+# LFM2: short convolution layers among attention layers (Shape.attention_layers), per-head q / k norms, Llama 3's
+# pre-tokenizer kind (llama.cpp's "lfm2"), ChatML turns
+LFM2 = Family("lfm2", "lfm2", LLAMA3.digits, ("<|pad|>", "<|startoftext|>", "<|endoftext|>", "<|im_start|>",
+                                              "<|im_end|>"), "<|startoftext|>", "<|im_end|>", "<|pad|>",
+              "{{ bos_token }}" + QWEN2.chat_template)
 # the families whose GGUF names the norms after attention / MLP as Gemma's
 POST_NORMED = (GEMMA2, GEMMA3, OLMO2, EXAONE4)
 # the families llama.cpp's LlamaModel converts: q / k rows permuted
@@ -141,6 +146,7 @@ class Shape:
     multipliers: dict | None = None  # Granite's, under their HF config names
     experts: int = 0  # a mixture of experts: this many of intermediate_size features, experts_per_tok a token
     experts_per_tok: int = 0
+    attention_layers: tuple[int, ...] | None = None  # LFM2: the layers with attention, the others convolutions
 
     @property
     def head_dim(self) -> int:
@@ -185,6 +191,9 @@ SHAPES = {  # the released models' configs
     "afm-4.5b": Shape(ARCEE, 2560, 36, 20, 4, 18432, 128004, False, 1e4, dict(
         rope_type="yarn", factor=20.0, original_max_position_embeddings=4096), 65536, 1e-5, head_size=128),
     "starcoder2-3b": Shape(STARCODER2, 3072, 30, 24, 2, 12288, 49152, True, 999999.4420358813, None, 16384, 1e-5),
+    # LFM2-1.2B: 6 attention layers of 16, the MLP's 8192 features (block_ff_dim 12288, auto-adjusted), kernel 3
+    "lfm2-1.2b": Shape(LFM2, 2048, 16, 32, 8, 8192, 65536, True, 1e6, None, 128000, 1e-5,
+                       attention_layers=(2, 5, 8, 10, 12, 14)),
     "granite-2b": Shape(GRANITE, 2048, 40, 32, 8, 8192, 49159, True, 1e7, None, 131072, 1e-5, multipliers=dict(
         embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)),
 }

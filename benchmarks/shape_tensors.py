@@ -11,6 +11,7 @@ from real_shapes import (
     GEMMA3,
     GEMMAS,
     GLM4,
+    LFM2,
     OLMO2,
     OLMOE,
     PHI3,
@@ -29,13 +30,43 @@ HF_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", "self_attn.q_norm": "attn_q_norm",
               "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
               **{f"mlp.experts.{p}_proj": f"ffn_{p}_exps" for p in ("gate", "up", "down")}}
+# LFM2's names (HF's), and the final norm llama.cpp writes as token_embd_norm
+LFM2_TO_GGUF = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn.q_proj": "attn_q",
+                "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_output",
+                "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
+                "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
+                **{f"conv.{p}": f"shortconv.{p}" for p in ("conv", "in_proj", "out_proj")}}
 # Gemma 2 / 3's four norms: their post_attention_layernorm normalizes the attention's output
 GEMMA_TO_GGUF = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+def lfm2_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """LFM2's weights: a convolution (in_proj, each channel's 3 taps, out_proj) or an attention per layer."""
+    h, kv, f = shape.hidden_size, shape.num_key_value_heads * shape.head_dim, shape.intermediate_size
+    q = shape.num_attention_heads * shape.head_dim
+    yield "model.embed_tokens.weight", (shape.vocab_size, h)
+    for i in range(shape.num_hidden_layers):
+        p = f"model.layers.{i}."
+        yield p + "operator_norm.weight", (h,)
+        if i in shape.attention_layers:
+            yield from ((p + f"self_attn.{x}_proj.weight", (n, h)) for x, n in (("q", q), ("k", kv), ("v", kv)))
+            yield from ((p + f"self_attn.{x}_layernorm.weight", (shape.head_dim,)) for x in "qk")
+            yield p + "self_attn.out_proj.weight", (h, q)
+        else:  # the taps as llama.cpp holds them, [hidden, 3] (HF: [hidden, 1, 3])
+            yield from ((p + "conv.in_proj.weight", (3 * h, h)), (p + "conv.conv.weight", (h, 3)),
+                        (p + "conv.out_proj.weight", (h, h)))
+        yield p + "ffn_norm.weight", (h,)
+        yield from ((p + "feed_forward.w1.weight", (f, h)), (p + "feed_forward.w3.weight", (f, h)),
+                    (p + "feed_forward.w2.weight", (h, f)))
+    yield "model.embedding_norm.weight", (h,)
+
+
 def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every weight, in the order HF checkpoints list them per layer."""
+    if shape.family is LFM2:
+        yield from lfm2_tensors(shape)
+        return
     h, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
     q = shape.num_attention_heads * shape.head_dim
     yield "model.embed_tokens.weight", (shape.vocab_size, h)
@@ -93,9 +124,11 @@ def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 def gguf_name(hf_name: str, family: Family) -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "model.norm.bias": "output_norm.bias", "lm_head.weight": "output.weight"}
+           "model.norm.bias": "output_norm.bias", "lm_head.weight": "output.weight",
+           "model.embedding_norm.weight": "token_embd_norm.weight"}
     if hf_name in top:
         return top[hf_name]
     _, _, i, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{i}.{(GEMMA_TO_GGUF if family in POST_NORMED else HF_TO_GGUF)[module]}.{kind}"
+    names = GEMMA_TO_GGUF if family in POST_NORMED else LFM2_TO_GGUF if family is LFM2 else HF_TO_GGUF
+    return f"blk.{i}.{names[module]}.{kind}"
