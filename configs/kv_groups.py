@@ -24,13 +24,18 @@ from dataclasses import dataclass
 
 from trtbuild.configs.build_config import BuildConfig
 from trtbuild.configs.model_config import ModelConfig
-from trtbuild.plugins.short_conv import entries_per_row
 
 
 @dataclass(frozen=True)
 class KVCacheGroup:
     layers: tuple[int, ...]  # the cache layers (cache_layers) whose K/V a block of this group holds, in slot order
     window: int | None  # every layer of the group attends within its last `window` tokens (None: to every token)
+
+
+def entries_per_row(hidden: int, kv_heads: int, head_size: int) -> int:
+    """Pool slots one token's row of `hidden` values takes (a convolution layer's state, plugins/short_conv.py): a
+    slot holds 2 x kv_heads x head_size of them."""
+    return -(-hidden // (2 * kv_heads * head_size))
 
 
 def cache_layers(model: ModelConfig) -> tuple[range, ...]:

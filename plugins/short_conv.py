@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from trtbuild.configs.kv_groups import entries_per_row
+
 DOMAIN = "trtbuild"
 OP_TYPE = "PagedShortConv"
 
@@ -24,11 +26,6 @@ OP_TYPE = "PagedShortConv"
 INPUTS = ("x", "kv_cache", "block_tables", "past_lengths", "query_start_loc", "weight", "bias")
 OUTPUTS = ("y", "new_entries")
 X, KV_CACHE, BLOCK_TABLES, PAST_LENGTHS, QUERY_START_LOC, WEIGHT, BIAS = range(7)
-
-
-def entries_per_row(hidden: int, kv_heads: int, head_size: int) -> int:
-    """Pool slots one token's row of `hidden` values takes: a slot holds 2 x kv_heads x head_size of them."""
-    return -(-hidden // (2 * kv_heads * head_size))
 
 
 def row_as_entries(x: np.ndarray, entries: int, kv_heads: int, head_size: int) -> np.ndarray:
