@@ -48,6 +48,13 @@ _TARGETS: dict[str, tuple[str, ...]] = {
     "mlp.down_proj": ("mlp.proj",),
     "self_attn.qkv_proj": ("attention.q", "attention.k", "attention.v"),
     "mlp.gate_up_proj": ("mlp.gate", "mlp.fc"),
+    # LFM2's names, and its convolution layers' projections
+    "self_attn.out_proj": ("attention.dense",),
+    "feed_forward.w1": ("mlp.gate",),
+    "feed_forward.w3": ("mlp.fc",),
+    "feed_forward.w2": ("mlp.proj",),
+    "conv.in_proj": ("conv.in_proj",),
+    "conv.out_proj": ("conv.out_proj",),
 }
 _SIBLINGS = (("attention.q", "attention.k", "attention.v"), ("mlp.gate", "mlp.fc"))
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?layers\.(\d+)\.(.+)\.lora_([AB])"
@@ -73,7 +80,15 @@ def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     if not config.is_moe:
         i = config.intermediate_size
         shapes.update({"mlp.gate": (i, h), "mlp.fc": (i, h), "mlp.proj": (h, i)})
+    if "conv" in config.layer_types:
+        shapes.update({"conv.in_proj": (3 * h, h), "conv.out_proj": (h, h)})
     return shapes
+
+
+def layer_has(config: ModelConfig, layer: int, linear: str) -> bool:
+    """Whether layer `layer` has the linear `linear` (a `linear_shapes` key): LFM2's convolution layers have their
+    in / out projections in place of the attention's."""
+    return linear.startswith("conv.") == config.is_conv(layer) or linear.startswith("mlp.")
 
 
 @dataclass(frozen=True)
@@ -185,6 +200,9 @@ def read_adapter(name: str, path: Path, config: ModelConfig) -> LoraAdapter:
         if not 0 <= layer < config.num_hidden_layers:
             raise LoraError(f"{where}: the base model has {config.num_hidden_layers} layers; is this adapter for "
                             "another model?")
+        if not all(layer_has(config, layer, t) for t in _TARGETS[module]):
+            raise LoraError(f"{where}: the base model's layer {layer} is a {config.layer_types[layer]} layer, which "
+                            "has no such linear; is this adapter for another model?")
         a, b = ab["A"], ab["B"]
         outs, fan_in = [shapes[t][0] for t in _TARGETS[module]], shapes[_TARGETS[module][0]][1]
         r = a.shape[0]
@@ -274,7 +292,8 @@ class SlotTables(LoraTables):
         shapes = linear_shapes(config)
         super().__init__([LoraAdapter(f"slot{s}", build.max_lora_rank, {}) for s in range(build.max_loras)], shapes)
         layers = range(config.num_hidden_layers)
-        self.prefixes = [f"transformer.layers.{i}.{linear}" for i in layers for linear in shapes]
+        self.prefixes = [f"transformer.layers.{i}.{linear}" for i in layers for linear in shapes
+                         if layer_has(config, i, linear)]
         self._prefix_set = set(self.prefixes)
 
 

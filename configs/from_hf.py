@@ -74,6 +74,7 @@ TEXT_MODELS_OF: dict[str, dict[str | None, tuple[str, str]]] = {
     # Mistral Small 3.1 / 3.2 (a Mistral text model), Ministral 3 (3B / 8B / 14B)
     "Mistral3ForConditionalGeneration": {"mistral": ("MistralForCausalLM", "MistralConfig"),
                                          "ministral3": ("Ministral3ForCausalLM", "Ministral3Config")},
+    "Lfm2VlForConditionalGeneration": {"lfm2": ("Lfm2ForCausalLM", "Lfm2Config")},  # LFM2-VL, LFM2.5-VL
 }
 def model_config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig:
     """Map a Hugging Face `config.json` dict to a ModelConfig, refusing what the engine cannot run faithfully."""

@@ -116,6 +116,18 @@ def test_preemption_and_speculative_decoding_keep_the_tokens(lfm2):
     assert tokens == want and sum(f.metrics.num_accepted_draft_tokens for f in finals) > 0
 
 
+def test_beam_forks_copy_the_convolution_state_and_equal_hf_beams(lfm2):
+    """3 beams over 12 tokens: forks share or copy their blocks in every group, the convolution groups' included;
+    the answers are HF generate(num_beams=3)'s."""
+    hf, engine = lfm2
+    core = EngineCore(engine, RuntimeConfig(num_threads=1, max_prefill_chunk=8))
+    _, finals, _ = drive(core, [PROMPTS[2]], SamplingParams(beam_width=3, max_tokens=12, ignore_eos=True))
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([PROMPTS[2]]), num_beams=3, num_return_sequences=3, do_sample=False,
+                          max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    assert [list(b.token_ids) for b in finals[0].beams] == [seq[len(PROMPTS[2]):] for seq in out.tolist()]
+
+
 def test_targets_and_splits_without_convolutions_refuse_it_before_any_work(random_hf_model, tmp_path):
     hf_dir = random_hf_model("lfm2")
     config = model_config_from_hf(__import__("json").loads((hf_dir / "config.json").read_text()))
@@ -140,3 +152,67 @@ def test_verify_and_perplexity_run_it(lfm2, random_hf_model, tmp_path):
     assert report.passed, report.table()
     result = evaluate(lfm2[1], [(7 * i + 3) % 300 + 5 for i in range(150)], max_seq_len=64, num_threads=1)
     assert result.num_tokens == 149 and result.perplexity > 1
+
+
+def test_the_vision_language_folder_converts_its_text_decoder(tmp_path):
+    """LFM2-VL ships as Lfm2VlForConditionalGeneration: its text decoder (`model.language_model.*`) builds, and the
+    engine's logits are the HF model's on text."""
+    import numpy as np
+    import transformers
+    from helpers import RANDOM_CONFIGS, prefill_logits
+
+    from trtbuild.builder.build import build_engine
+
+    text = dict(RANDOM_CONFIGS["lfm2"][1], model_type="lfm2")
+    vision = dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, num_patches=16, patch_size=16)
+    torch.manual_seed(0)
+    model = transformers.Lfm2VlForConditionalGeneration(transformers.Lfm2VlConfig(
+        text_config=text, vision_config=vision, architectures=["Lfm2VlForConditionalGeneration"])).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(tmp_path / "hf")
+    config = convert(tmp_path / "hf", tmp_path / "ckpt")
+    assert config.architecture == "Lfm2ForCausalLM" and config.layer_types.count("conv") == 3
+    engine = build_engine(tmp_path / "ckpt", tmp_path / "engine", max_seq_len=64, tokens_per_block=8)
+    ids = np.random.default_rng(0).integers(3, 256, size=20).tolist()
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(prefill_logits(engine, ids) - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_lora_adapters_of_every_linear_built_in_and_loaded_match_peft(random_hf_model, tmp_path):
+    """A PEFT adapter of every linear (the convolution layers' in_proj / out_proj, the attention's q / k / v /
+    out_proj, the MLP's w1 / w2 / w3): built into an engine, and loaded into a slot of another, the logits are PEFT's.
+    An adapter that names a linear a layer lacks is refused."""
+    import numpy as np
+    from helpers import make_peft_adapter, peft_logits
+
+    from trtbuild.builder.build import build_engine
+    from trtbuild.builder.lora import LoraError, read_adapter
+    from trtbuild.runtime.engine import SequenceChunk, in_every_group
+
+    hf_dir = random_hf_model("lfm2")
+    adapter = make_peft_adapter(hf_dir, tmp_path / "a", seed=1, r=4, lora_alpha=8, target_modules="all-linear")
+    convert(hf_dir, tmp_path / "ckpt")
+    ids = [3, 17, 42, 9, 100, 5, 77, 12, 60, 1, 250, 31]
+    want, base = peft_logits(hf_dir, adapter, ids), peft_logits(hf_dir, None, ids)
+    assert np.abs(want - base).max() > 0.1
+    built = build_engine(tmp_path / "ckpt", tmp_path / "built", max_seq_len=64, tokens_per_block=8,
+                         lora_adapters=(("a", str(adapter)),))
+    slots = build_engine(tmp_path / "ckpt", tmp_path / "slots", max_seq_len=64, tokens_per_block=8, max_loras=2,
+                         max_lora_rank=8)
+    for engine, loaded in ((built, False), (slots, True)):
+        core = EngineCore(engine, RuntimeConfig(num_threads=1, warm_up=False))
+        if loaded:
+            core.load_lora(core.lora.prepare("a", adapter))
+        chunks = in_every_group([SequenceChunk(0, ids, 0, len(ids), [0, 1], lora_id=1)], 4, 8)
+        np.testing.assert_allclose(core.engine.step(chunks), want, atol=2e-5, rtol=0)
+    wrong = make_peft_adapter(hf_dir, tmp_path / "w", seed=1, r=4, lora_alpha=8, target_modules=["in_proj"],
+                              layers_to_transform=[0]) / "adapter_model.safetensors"
+    wrong.write_bytes(wrong.read_bytes().replace(b"layers.0.", b"layers.1."))  # layer 1 attends
+    with pytest.raises(LoraError, match="layer 1 is a full_attention layer, which has no such linear"):
+        read_adapter("w", tmp_path / "w", model_config_from_hf(__import__("json").loads(
+            (hf_dir / "config.json").read_text())))
