@@ -48,7 +48,12 @@ _TARGETS: dict[str, tuple[str, ...]] = {
     "mlp.down_proj": ("mlp.proj",),
     "self_attn.qkv_proj": ("attention.q", "attention.k", "attention.v"),
     "mlp.gate_up_proj": ("mlp.gate", "mlp.fc"),
-    # LFM2's names, and its convolution layers' projections
+    "mlp.c_fc": ("mlp.fc",),  # StarCoder 2's MLP
+    "mlp.c_proj": ("mlp.proj",),
+}
+# LFM2's names, and its convolution layers' projections
+_LFM2_TARGETS: dict[str, tuple[str, ...]] = {
+    **{k: v for k, v in _TARGETS.items() if k in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
     "self_attn.out_proj": ("attention.dense",),
     "feed_forward.w1": ("mlp.gate",),
     "feed_forward.w3": ("mlp.fc",),
@@ -56,6 +61,11 @@ _TARGETS: dict[str, tuple[str, ...]] = {
     "conv.in_proj": ("conv.in_proj",),
     "conv.out_proj": ("conv.out_proj",),
 }
+
+
+def _targets(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """HF module (`self_attn.q_proj`) -> the checkpoint linears it adapts, in `config`'s family's names."""
+    return _LFM2_TARGETS if config.family == "lfm2" else _TARGETS
 _SIBLINGS = (("attention.q", "attention.k", "attention.v"), ("mlp.gate", "mlp.fc"))
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?layers\.(\d+)\.(.+)\.lora_([AB])"
                   r"(?:\.default)?\.weight$")
@@ -187,12 +197,12 @@ def read_adapter(name: str, path: Path, config: ModelConfig) -> LoraAdapter:
         pairs, scale_of = _gguf_pairs(path, config)
     else:
         pairs, scale_of = _peft_pairs(path)
-    shapes, weights = linear_shapes(config), {}
+    shapes, weights, targets = linear_shapes(config), {}, _targets(config)
     for (layer, module), ab in sorted(pairs.items()):
         where = f"{path}: layer {layer} {module}"
-        if module not in _TARGETS or any(t not in shapes for t in _TARGETS[module]):
+        if module not in targets or any(t not in shapes for t in targets[module]):
             kind = "a mixture of experts' MLP" if config.is_moe and module.startswith("mlp.") else "this module"
-            allowed = [m.split(".")[-1] for m, t in _TARGETS.items() if len(t) == 1 and t[0] in shapes]
+            allowed = [m.split(".")[-1] for m, t in targets.items() if len(t) == 1 and t[0] in shapes]
             raise LoraError(f"{where}: trtbuild does not adapt {kind}; train the adapter with target_modules among "
                             f"{', '.join(allowed)}.")
         if set(ab) != {"A", "B"}:
@@ -200,17 +210,17 @@ def read_adapter(name: str, path: Path, config: ModelConfig) -> LoraAdapter:
         if not 0 <= layer < config.num_hidden_layers:
             raise LoraError(f"{where}: the base model has {config.num_hidden_layers} layers; is this adapter for "
                             "another model?")
-        if not all(layer_has(config, layer, t) for t in _TARGETS[module]):
+        if not all(layer_has(config, layer, t) for t in targets[module]):
             raise LoraError(f"{where}: the base model's layer {layer} is a {config.layer_types[layer]} layer, which "
                             "has no such linear; is this adapter for another model?")
         a, b = ab["A"], ab["B"]
-        outs, fan_in = [shapes[t][0] for t in _TARGETS[module]], shapes[_TARGETS[module][0]][1]
+        outs, fan_in = [shapes[t][0] for t in targets[module]], shapes[targets[module][0]][1]
         r = a.shape[0]
         if a.ndim != 2 or b.ndim != 2 or b.shape != (sum(outs), r) or a.shape[1] != fan_in or r < 1:
             raise LoraError(f"{where}: A {list(a.shape)} and B {list(b.shape)} do not fit the base model's "
                             f"[{sum(outs)}, {fan_in}] linear; is this adapter for another model?")
         scaled = b * np.float32(scale_of(module, r))
-        for target, rows in zip(_TARGETS[module], np.split(scaled, np.cumsum(outs)[:-1]), strict=True):
+        for target, rows in zip(targets[module], np.split(scaled, np.cumsum(outs)[:-1]), strict=True):
             weights[f"transformer.layers.{layer}.{target}"] = (a, np.ascontiguousarray(rows))
     if not weights:
         raise LoraError(f"{path} holds no LoRA weights.")

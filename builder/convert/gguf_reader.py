@@ -276,7 +276,7 @@ def read_gguf_lora(path: Path, num_heads: int, num_kv_heads: int
     if arch is None:
         raise CheckpointError(f"{path}: an adapter of architecture {meta.get('general.architecture')!r}; trtbuild "
                               f"reads {', '.join(GGUF_ARCHITECTURES)}.")
-    names = _FUSED_LAYER_NAMES if arch.fused else _LAYER_NAMES
+    names = {**(_FUSED_LAYER_NAMES if arch.fused else _LAYER_NAMES), **dict(arch.renames)}  # the HF modules'
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for t in reader.tensors:
         m = _LORA_RE.fullmatch(t.name)
