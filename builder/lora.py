@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from trtbuild.configs import BuildConfig, ModelConfig
+from trtbuild.configs.model_config import LFM2_FAMILIES
 from trtbuild.errors import TrtbuildError
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -65,7 +66,7 @@ _LFM2_TARGETS: dict[str, tuple[str, ...]] = {
 
 def _targets(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     """HF module (`self_attn.q_proj`) -> the checkpoint linears it adapts, in `config`'s family's names."""
-    return _LFM2_TARGETS if config.family == "lfm2" else _TARGETS
+    return _LFM2_TARGETS if config.family in LFM2_FAMILIES else _TARGETS
 _SIBLINGS = (("attention.q", "attention.k", "attention.v"), ("mlp.gate", "mlp.fc"))
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?layers\.(\d+)\.(.+)\.lora_([AB])"
                   r"(?:\.default)?\.weight$")

@@ -39,8 +39,8 @@ PROJECTIONS = ("gate", "fc", "proj")  # the stacked experts' gate, up, down
 
 def quantized_experts(config: ModelConfig) -> bool:
     """Whether the checkpoint holds weight-only experts (a GGUF's kept, or `convert --weight-only`)."""
-    return config.is_moe and config.quantization.algo_of("transformer.layers.0.mlp.experts.gate") == \
-        QuantAlgo.WEIGHT_ONLY
+    first = f"transformer.layers.{config.moe_dense_layers}.mlp.experts.gate"  # the first layer with experts
+    return config.is_moe and config.quantization.algo_of(first) == QuantAlgo.WEIGHT_ONLY
 
 
 def resolve_expert_tactic(config: ModelConfig, build: BuildConfig) -> BuildConfig:
@@ -56,10 +56,37 @@ def resolve_expert_tactic(config: ModelConfig, build: BuildConfig) -> BuildConfi
         raise ConfigError("quant_linears", f"native cannot be used: {problem}. Use --quant-linears ort.")
     chosen = build.quant_linears if build.quant_linears != "auto" else "ort" if problem else "native"
     if chosen == "ort":
-        size = 3 * config.num_hidden_layers * config.num_experts * config.hidden_size * config.moe_intermediate_size
+        size = 3 * (config.num_hidden_layers - config.moe_dense_layers) * config.num_experts * config.hidden_size * \
+            config.moe_intermediate_size
         log.warning("experts: dequantized to float32 for ONNX Runtime's MoE, %.1f GB of them (%s)", 4 * size / 1e9,
                     problem or "--quant-linears ort")
     return dataclasses.replace(build, quant_linears=chosen)
+
+
+def sigmoid_routing(g: GraphBuilder, config: ModelConfig, logits: str, selection_bias: str | None,
+                    prefix: str) -> tuple[str, str | None]:
+    """(router logits, factor or None) that make the softmax routing of both expert forms route as a sigmoid router
+    (LFM2-MoE): each token's experts are the top k of sigmoid(logit) (+ `selection_bias` [experts]), weighted by
+    their sigmoids s, renormalized where moe_normalize_topk, times moe_routed_scale. The logits given are log(s) for
+    the chosen experts and -1e30 for the others, so that the softmax over them is s / (the chosen s's sum) on the
+    chosen and 0 elsewhere, and its top k are the chosen; the experts' output is then multiplied by the factor
+    [tokens, 1] (or scalar): the scale, and the chosen s's sum where the weights are not renormalized.
+    NOTE: transformers divides by (sum + 1e-6); this divides by the sum, 1e-6 / sum apart."""
+    c, k = config, config.num_experts_per_tok
+    scores = g.op("Sigmoid", [logits], name=prefix + "router_scores")
+    ranked = g.op("Add", [scores, selection_bias], name=prefix + "router_ranked") if selection_bias else scores
+    _, chosen = g.op("TopK", [ranked, g.const(np.array([k]), "topk")], num_outputs=2, axis=-1,
+                     name=prefix + "router_topk")
+    weights = g.op("GatherElements", [scores, chosen], axis=-1, name=prefix + "router_chosen")
+    floor = g.op("Expand", [g.const(np.array(-1e30, np.float32), "unchosen_logit"), g.op("Shape", [logits])],
+                 name=prefix + "router_floor")
+    routed = g.op("ScatterElements", [floor, chosen, g.op("Log", [weights], name=prefix + "router_log")], axis=-1,
+                  name=prefix + "router_logits")
+    scale = g.const(np.array(c.moe_routed_scale, np.float32), "routed_scale")
+    if c.moe_normalize_topk:
+        return routed, scale if c.moe_routed_scale != 1.0 else None
+    total = g.op("ReduceSum", [weights, g.const(np.array([-1]), "last_axis")], keepdims=1, name=prefix + "router_sum")
+    return routed, g.op("Mul", [total, scale], name=prefix + "router_factor")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,7 +45,7 @@ from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
 from trtbuild.builder.lora import LoraTables, SlotTables, WithLora, read_adapters
 from trtbuild.builder.lora_slots import stacked_tables, write_slot_tables
 from trtbuild.builder.mlp_activation import activation, gated_activation
-from trtbuild.builder.moe_experts import Experts
+from trtbuild.builder.moe_experts import Experts, sigmoid_routing
 from trtbuild.builder.network_conv import ConvWriter
 from trtbuild.builder.network_head import HeadWriter
 from trtbuild.builder.passes.lora import LORA_ADD
@@ -189,7 +189,14 @@ class _NetworkWriter(HeadWriter, ConvWriter):
         """A mixture of experts' MLP: the router's logits, then the experts (builder/moe_experts.py), plus Qwen2-MoE's
         shared expert scaled by the sigmoid of its gate's logit."""
         prefix, g = layer + "mlp.", self.g
-        y = self.moe.emit(h, self.linear(h, prefix + "router", bias=self.c.moe_bias), prefix)
+        logits, factor = self.linear(h, prefix + "router", bias=self.c.moe_bias), None
+        if self.c.moe_scoring == "sigmoid":  # LFM2-MoE
+            bias = self.c.moe_selection_bias and g.weight(prefix + "router.selection_bias",
+                                                          self.tensor(prefix + "router.selection_bias"))
+            logits, factor = sigmoid_routing(g, self.c, logits, bias or None, prefix)
+        y = self.moe.emit(h, logits, prefix)
+        if factor is not None:
+            y = g.op("Mul", [y, factor], name=prefix + "experts_scaled")
         if self.c.shared_expert_intermediate_size:
             scale = g.op("Sigmoid", [self.linear(h, prefix + "shared_gate")], name=prefix + "shared_scale")
             shared = self.mlp(h, layer, "mlp.shared.", reduce=False)
@@ -335,7 +342,7 @@ class _NetworkWriter(HeadWriter, ConvWriter):
             if not c.parallel_residual:  # NOTE: Cohere's MLP reads the attention's input h
                 x = g.op("Add", [x, attn], name=p + "attn_residual")
                 h = self.norm(x, p + "post_layernorm.weight") if c.input_norms else x
-            mlp = self.branch_output((self.experts if c.is_moe else self.mlp)(h, p), p + "mlp.")
+            mlp = self.branch_output((self.experts if c.has_experts(i) else self.mlp)(h, p), p + "mlp.")
             if c.parallel_residual:
                 mlp = g.op("Add", [attn, mlp], name=p + "attn_mlp")
             x = g.op("Add", [x, mlp], name=p + "mlp_residual")

@@ -9,7 +9,14 @@ from typing import Any
 
 from trtbuild.configs import hf_rope
 from trtbuild.configs.hf_quantization import prequantized_weights
-from trtbuild.configs.model_config import COHERE_FAMILIES, DTYPES, GEMMA_FAMILIES, HIDDEN_ACTS, ModelConfig
+from trtbuild.configs.model_config import (
+    COHERE_FAMILIES,
+    DTYPES,
+    GEMMA_FAMILIES,
+    HIDDEN_ACTS,
+    LFM2_FAMILIES,
+    ModelConfig,
+)
 from trtbuild.errors import CheckpointError
 
 # HF `architectures[0]` -> (family, qkv_bias, qk_norm)
@@ -64,6 +71,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     # short convolution layers (in_proj to B, C, x; C * conv(B * x); out_proj) among attention layers with per-head
     # q / k norms; tied embeddings
     "Lfm2ForCausalLM": ("lfm2", False, True),
+    # + mixtures of experts after the first num_dense_layers: chosen by sigmoid scores plus a selection bias
+    "Lfm2MoeForCausalLM": ("lfm2_moe", False, True),
 }
 _UNGATED_MLP_FAMILIES = ("arcee", "starcoder2")
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> the text
@@ -132,7 +141,7 @@ def _layer_types(hf: dict[str, Any], family: str) -> tuple[str, ...]:
     full (the family's default period unless given), as transformers makes them. LFM2's: conv or full_attention
     (its `full_attn_idxs` where `layer_types` is absent)."""
     layers = int(hf["num_hidden_layers"])
-    if family == "lfm2":
+    if family in LFM2_FAMILIES:
         full = hf.get("full_attn_idxs")
         types = hf.get("layer_types") or ["full_attention" if full is None or i in full else "conv"
                                           for i in range(layers)]
@@ -214,7 +223,8 @@ def _granite_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
 # (Granite MoE takes the softmax of the chosen experts' logits: the renormalized one)
 _MOE_FAMILIES = {"qwen3_moe": ("moe_intermediate_size", False), "mixtral": ("intermediate_size", True),
                  "olmoe": ("intermediate_size", False), "granitemoe": ("intermediate_size", True),
-                 "qwen2_moe": ("moe_intermediate_size", False), "gpt_oss": ("intermediate_size", True)}
+                 "qwen2_moe": ("moe_intermediate_size", False), "gpt_oss": ("intermediate_size", True),
+                 "lfm2_moe": ("moe_intermediate_size", True)}
 
 
 def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
@@ -234,7 +244,10 @@ def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
             "moe_intermediate_size": int(hf[features_key]),
             "moe_normalize_topk": bool(hf.get("norm_topk_prob", normalize)),
             "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size") or 0),
-            "moe_bias": family == "gpt_oss"}
+            "moe_bias": family == "gpt_oss", **({} if family != "lfm2_moe" else {
+                "moe_dense_layers": int(hf.get("num_dense_layers", 2)), "moe_scoring": "sigmoid",
+                "moe_selection_bias": bool(hf.get("use_expert_bias", True)),
+                "moe_routed_scale": float(hf.get("routed_scaling_factor") or 1.0)})}
 
 
 def _intermediate_size(hf: dict[str, Any], family: str) -> int:
@@ -252,14 +265,14 @@ def _intermediate_size(hf: dict[str, Any], family: str) -> int:
 
 def _lfm2_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """LFM2's convolution layers' kernel length and biases."""
-    if family != "lfm2":
+    if family not in LFM2_FAMILIES:
         return {}
     return {"conv_kernel": int(hf.get("conv_L_cache", 3)), "conv_bias": bool(hf.get("conv_bias", False))}
 
 
 def _norm_epsilon(hf: dict[str, Any], family: str) -> float:
     """The norms' epsilon, under each family's key."""
-    if family == "lfm2":
+    if family in LFM2_FAMILIES:
         return float(hf.get("norm_eps") or 1e-5)
     if family in COHERE_FAMILIES:
         return float(hf.get("layer_norm_eps") or 1e-5)
@@ -361,7 +374,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         rotary_interleaved=family in ("ernie4_5", "glm4", *COHERE_FAMILIES),
         no_rope_layers=_no_rope_layers(hf, family, layer_types if window else ()),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", hf.get("tie_embedding", family in (
-            *GEMMA_FAMILIES, *COHERE_FAMILIES, "ernie4_5", "starcoder2", "lfm2")))),
+            *GEMMA_FAMILIES, *COHERE_FAMILIES, *LFM2_FAMILIES, "ernie4_5", "starcoder2")))),
         qkv_bias=qkv_bias,
         dense_bias=dense_bias,
         qk_norm=qk_norm,

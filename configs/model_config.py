@@ -20,6 +20,7 @@ from trtbuild.quantization import LM_HEAD_QUANT_ALGOS, QUANT_ALGOS, KVCacheQuant
 
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 COHERE_FAMILIES = ("cohere", "cohere2")
+LFM2_FAMILIES = ("lfm2", "lfm2_moe")  # convolution layers among attention layers, LFM2's tensor names
 # the MLP's activation: of the gate (SwiGLU, GeGLU with tanh-approximated GELU, or gpt-oss's clamped SwiGLU:
 # g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1): swiglu_alpha, swiglu_limit),
 # or, in an MLP without a gate (gated_mlp false), of the up projection: relu2 is relu(x)^2 (Arcee)
@@ -239,6 +240,12 @@ class ModelConfig:
     # gate's logit) beside the routed ones; 0: none
     shared_expert_intermediate_size: int = 0
     moe_bias: bool = False  # the router and the experts' projections have biases (gpt-oss)
+    moe_dense_layers: int = 0  # the first this many layers have a dense MLP of intermediate_size (LFM2-MoE)
+    # "sigmoid" (LFM2-MoE): experts chosen by sigmoid(logit) (+ the router's selection_bias where
+    # moe_selection_bias), weighted by their sigmoids, renormalized where moe_normalize_topk; "softmax": as above
+    moe_scoring: str = "softmax"
+    moe_selection_bias: bool = False
+    moe_routed_scale: float = 1.0  # the chosen experts' weights are multiplied by this
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     mapping: Mapping = field(default_factory=Mapping)
@@ -320,6 +327,13 @@ class ModelConfig:
                                   f"({self.num_experts_per_tok}) and moe_intermediate_size "
                                   f"({self.moe_intermediate_size}) must be 0, or a mixture of experts picking 1 to "
                                   "num_experts experts of at least one feature")
+        scoring_ok = self.moe_scoring == "sigmoid" or (self.moe_scoring == "softmax" and not self.moe_selection_bias)
+        if not scoring_ok or not 0 <= self.moe_dense_layers < max(1, self.num_hidden_layers) or \
+                not self.moe_routed_scale > 0:
+            raise CheckpointError(f"config.json: moe_scoring must be softmax or sigmoid (a selection bias only with "
+                                  f"sigmoid), moe_dense_layers below the layers, moe_routed_scale positive; got "
+                                  f"{self.moe_scoring!r}, {self.moe_selection_bias!r}, {self.moe_dense_layers!r}, "
+                                  f"{self.moe_routed_scale!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError(f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple "
                                   f"of num_key_value_heads ({self.num_key_value_heads})")
@@ -396,6 +410,10 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends within the sliding window (when the model has one)."""
         return bool(self.sliding_window) and self.layer_types[layer] == "sliding_attention"
+
+    def has_experts(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is the mixture of experts (LFM2-MoE's first moe_dense_layers are dense)."""
+        return self.is_moe and layer >= self.moe_dense_layers
 
     def is_conv(self, layer: int) -> bool:
         return self.layer_types[layer] == "conv"

@@ -80,8 +80,10 @@ FAMILIES = {
     "hunyuan_dense": ("hunyuan-dense", "bpe", "Hunyuan Tiny"),
     "lfm2": ("lfm2", "bpe", "LFM2 Tiny"),
     "lfm2_wide": ("lfm2", "bpe", "LFM2 Tiny"),
+    "lfm2_moe": ("lfm2moe", "bpe", "LFM2 MoE Tiny"),
+    "lfm2_moe_raw": ("lfm2moe", "bpe", "LFM2 MoE Tiny"),
 }
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+\.weight)$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe|feed_forward)\.experts)\.(\d+)\.(\w+\.weight)$")
 
 
 def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -347,7 +349,7 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(_lfm2_features(cfg) if arch == "lfm2" else cfg["intermediate_size"])
     w.add_head_count(heads)
-    if arch == "lfm2":  # LFM2Model.set_gguf_parameters: no KV heads in the convolution layers
+    if arch in ("lfm2", "lfm2moe"):  # LFM2Model.set_gguf_parameters: no KV heads in the convolution layers
         w.add_head_count_kv([0 if t == "conv" else kv_heads for t in cfg["layer_types"]])
         w.add_shortconv_l_cache(cfg["conv_L_cache"])
         w.add_vocab_size(cfg["vocab_size"])
@@ -360,7 +362,7 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
         w.add_rope_scaling_factor(1)
     w.add_rope_freq_base(base)
-    if arch == "lfm2":
+    if arch in ("lfm2", "lfm2moe"):
         w.add_layer_norm_rms_eps(cfg["norm_eps"])
     elif "layer_norm_eps" in cfg:  # TextModel.set_gguf_parameters: a LayerNorm model's epsilon
         w.add_layer_norm_eps(cfg["layer_norm_eps"])
@@ -400,6 +402,11 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if cfg.get("shared_expert_intermediate_size"):
             w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if arch == "lfm2moe":  # LFM2MoeModel.set_gguf_parameters
+        w.add_leading_dense_block_count(cfg["num_dense_layers"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        if cfg["routed_scaling_factor"] != 1.0:  # NOTE: llama.cpp's converter drops it (1.0 in the released models)
+            w.add_expert_weights_scale(cfg["routed_scaling_factor"])
     if arch == "gpt-oss":  # GptOssModel.set_gguf_parameters
         w.add_sliding_window(cfg["sliding_window"])
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
@@ -421,7 +428,10 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
             data = data + 1
         if "conv.conv" in hf_name:  # LFM2Model.modify_tensors: [hidden, 1, L] -> [hidden, L]
             data = data.squeeze(1)
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias")) or names.get_name(
+            hf_name.removeprefix("model."), try_suffixes=(".weight",))  # LFM2MoeModel's merged experts' names
+        if hf_name.endswith(".expert_bias"):  # LFM2MoeModel.filter_tensors: named ...expert_bias.bias
+            gguf_name += ".bias"
         qtype = (qtypes or {}).get(gguf_name)
         if qtype is None:
             w.add_tensor(gguf_name, data.astype(np.float32))

@@ -175,6 +175,17 @@ RANDOM_CONFIGS = {
                                      num_key_value_heads=1, head_dim=24, conv_L_cache=4, num_hidden_layers=5,
                                      layer_types=["conv", "conv", "full_attention", "conv", "full_attention"],
                                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # LFM2-MoE: layer 0 dense, the others 8 experts of 32 features, 2 a token, chosen by sigmoid + a selection bias,
+    # weighted by their renormalized sigmoids x 1.5; _raw: not renormalized
+    "lfm2_moe": ("Lfm2MoeConfig", dict(_COMMON, norm_eps=1e-5, moe_intermediate_size=32, num_dense_layers=1,
+                                       num_experts=8, num_experts_per_tok=2, routed_scaling_factor=1.5,
+                                       layer_types=["conv", "full_attention", "conv", "conv"], num_hidden_layers=4,
+                                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    "lfm2_moe_raw": ("Lfm2MoeConfig", dict(_COMMON, norm_eps=1e-5, moe_intermediate_size=32, num_dense_layers=1,
+                                           num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                           layer_types=["conv", "full_attention", "conv", "conv"],
+                                           num_hidden_layers=4, tie_word_embeddings=True, bos_token_id=1,
+                                           eos_token_id=2, pad_token_id=0)),
     # Llama whose MLP has no gate (relu(up(x))^2), with YaRN past an original context of 64 as AFM-4.5B runs
     "arcee": ("ArceeConfig", dict(_COMMON, hidden_act="relu2", rope_theta=10000.0, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},

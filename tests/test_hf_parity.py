@@ -21,7 +21,8 @@ MODELS = ["stories260K", "tinystories-656K", "llama", "llama_bias", "llama3_rope
           "mistral", "mistral_window", "phi3", "phi3_longrope", "phi3_partial", "smollm3", "gemma", "gemma2", "gemma3",
           "granite", "olmo2", "olmo3", "qwen3_moe", "mixtral", "olmoe", "granitemoe", "qwen2_moe", "gpt_oss",
           "ernie4_5", "glm4", "exaone4", "exaone4_window", "cohere", "cohere2",
-          "ministral3", "arcee", "starcoder2", "hunyuan_dense", "lfm2", "lfm2_wide"]
+          "ministral3", "arcee", "starcoder2", "hunyuan_dense", "lfm2", "lfm2_wide",
+          "lfm2_moe", "lfm2_moe_raw"]
 
 
 @pytest.fixture(scope="module")

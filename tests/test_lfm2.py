@@ -52,6 +52,37 @@ def test_the_released_config_and_the_gguf_keys_give_the_same_model():
         assert getattr(from_gguf, field) == getattr(c, field), field
 
 
+# the form of LiquidAI/LFM2-8B-A1B's config.json
+LFM2_8B_A1B = {"architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe", "conv_L_cache": 3,
+               "conv_bias": False, "hidden_size": 2048, "intermediate_size": 7168, "moe_intermediate_size": 1792,
+               "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 8, "num_dense_layers": 2,
+               "num_experts": 32, "num_experts_per_tok": 4, "norm_topk_prob": True, "use_expert_bias": True,
+               "routed_scaling_factor": 1.0, "norm_eps": 1e-05, "rope_theta": 1000000.0, "vocab_size": 65536,
+               "max_position_embeddings": 128000, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+               "layer_types": ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]}
+
+
+def test_the_mixture_of_experts_config_and_its_gguf_keys_give_the_same_model():
+    """LFM2-MoE: two dense layers, then 32 experts of 1792 features, 4 a token, chosen by sigmoid + a bias."""
+    c = model_config_from_hf(LFM2_8B_A1B)
+    assert (c.family, c.intermediate_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok) == (
+        "lfm2_moe", 7168, 1792, 32, 4)
+    assert (c.moe_dense_layers, c.moe_scoring, c.moe_selection_bias, c.moe_normalize_topk) == (2, "sigmoid", True, True)
+    assert [c.has_experts(i) for i in range(3)] == [False, False, True] and c.layer_types.count("conv") == 18
+    meta = {f"lfm2moe.{k}": v for k, v in {
+        "embedding_length": 2048, "attention.head_count": 32, "block_count": 24, "feed_forward_length": 7168,
+        "attention.head_count_kv": [0 if t == "conv" else 8 for t in LFM2_8B_A1B["layer_types"]],
+        "rope.freq_base": 1e6, "context_length": 128000, "attention.layer_norm_rms_epsilon": 1e-5,
+        "shortconv.l_cache": 3, "expert_count": 32, "expert_used_count": 4, "expert_feed_forward_length": 1792,
+        "leading_dense_block_count": 2, "expert_gating_func": 2}.items()}
+    shapes = {"token_embd.weight": (65536, 2048), "blk.2.exp_probs_b.bias": (32,)}
+    from_gguf = model_config_from_hf(hf_config(meta, "lfm2moe", GGUF_ARCHITECTURES["lfm2moe"], shapes, {}))
+    for field in ("intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "layer_types",
+                  "moe_dense_layers", "moe_scoring", "moe_selection_bias", "moe_normalize_topk", "moe_routed_scale",
+                  "conv_kernel", "tie_word_embeddings"):
+        assert getattr(from_gguf, field) == getattr(c, field), field
+
+
 @pytest.fixture(scope="module")
 def lfm2(random_hf_model, engine_from_hf):
     from transformers import AutoModelForCausalLM

@@ -56,7 +56,7 @@ def test_the_checkpoint_holds_each_layer_s_router_and_stacked_experts(tmp_path, 
     assert not any(n.startswith(tuple(p + x for x in ("gate", "fc", "proj"))) for n in ckpt)
 
 
-@pytest.mark.parametrize("family", MOE)
+@pytest.mark.parametrize("family", [*MOE, "lfm2_moe"])
 def test_a_llama_cpp_style_gguf_converts_like_its_hf_folder(tmp_path, family, monkeypatch):
     require_shared_models()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -103,20 +103,22 @@ def test_a_quantized_moe_gguf_keeps_its_experts_as_the_file_holds_them(tmp_path,
     assert len(outputs[0].token_ids) == 12
 
 
-@pytest.mark.parametrize(("family", "bits"), [("qwen3_moe", 4), ("mixtral", 8), ("olmoe", 4), ("qwen2_moe", 8)])
+@pytest.mark.parametrize(("family", "bits"), [("qwen3_moe", 4), ("mixtral", 8), ("olmoe", 4), ("qwen2_moe", 8),
+                                            ("lfm2_moe", 4)])
 def test_weight_only_experts_run_as_tables_of_experts_or_in_float(tmp_path, family, bits):
     """`convert --weight-only` quantizes the stacked experts (one [experts x out, in] linear each); the native
     tables of experts compute what ONNX Runtime's float MoE over the same weights dequantized does (--quant-linears
     ort), to the int8 rounding of the activations."""
-    features = "moe_intermediate_size" if family in ("qwen3_moe", "qwen2_moe") else "intermediate_size"
+    features = "moe_intermediate_size" if family in ("qwen3_moe", "qwen2_moe", "lfm2_moe") else "intermediate_size"
     shared = {"shared_expert_intermediate_size": 96} if family == "qwen2_moe" else {}
     hf = make_random_hf_model(family, tmp_path / "hf", overrides={"hidden_size": 128, features: 64, **shared})
     config = convert(hf, tmp_path / "ckpt", weight_only=WeightOnly(bits, 32))
     ckpt = SafetensorsFile(tmp_path / "ckpt" / "rank0.safetensors")
-    codes = ckpt["transformer.layers.0.mlp.experts.proj.weight"]
+    p = f"transformer.layers.{config.moe_dense_layers}.mlp."  # LFM2-MoE's layer 0 is dense
+    codes = ckpt[p + "experts.proj.weight"]
     assert codes.dtype.itemsize == 1 and tuple(codes.shape) == (8 * 128, 64 * bits // 8)
     assert config.quantization.quant_algo == "weight_only"
-    assert ckpt["transformer.layers.0.mlp.router.weight"].dtype.itemsize == 4  # the router stays in float
+    assert ckpt[p + "router.weight"].dtype.itemsize == 4  # the router stays in float
     native = build_engine(tmp_path / "ckpt", tmp_path / "native", **OPTIONS)
     ort = build_engine(tmp_path / "ckpt", tmp_path / "ort", quant_linears="ort", **OPTIONS)
     ops = [{n.op_type for n in onnx.load(str(e / CPU_ENGINE_FILE), load_external_data=False).graph.node}

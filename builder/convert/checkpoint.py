@@ -40,8 +40,9 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
             names += _attention_tensors(config, p)
         if config.output_norms:
             names += [p + "attention.output_norm.weight", p + "mlp.output_norm.weight"]
-        if config.is_moe:
+        if config.has_experts(i):
             names += [p + "mlp.router.weight"] + [p + f"mlp.experts.{x}.weight" for x in ("gate", "fc", "proj")]
+            names += [p + "mlp.router.selection_bias"] if config.moe_selection_bias else []
             if config.moe_bias:
                 names += [p + "mlp.router.bias"] + [p + f"mlp.experts.{x}.bias" for x in ("gate", "fc", "proj")]
             if config.shared_expert_intermediate_size:
@@ -149,6 +150,7 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "conv.out_proj.bias": (c.hidden_size,),
         "mlp.router.weight": (c.num_experts, c.hidden_size),
         "mlp.router.bias": (c.num_experts,),
+        "mlp.router.selection_bias": (c.num_experts,),
         "mlp.experts.gate.bias": (c.num_experts, c.moe_intermediate_size),
         "mlp.experts.fc.bias": (c.num_experts, c.moe_intermediate_size),
         "mlp.experts.proj.bias": (c.num_experts, c.hidden_size),

@@ -8,9 +8,10 @@ Hugging Face checkpoints store one tensor per expert and projection, named per f
 `mlp.experts.gate_up_proj` [experts, hidden, 2 x inter] with gate and up columns interleaved, `down_proj`
 [experts, inter, hidden] (both [in, out]), their biases, and the router `mlp.router` with a bias; its released
 checkpoints hold the expert weights as MXFP4 `_blocks` and `_scales`, kept as they are, as GGUF's MXFP4 tensors
-are). GGUF files store them stacked already (`ffn_gate_exps`, ...), which the GGUF reader names as the stacked form
-here. Stacking is lazy, as every source tensor is: the experts of one projection are read when the stacked tensor is
-loaded.
+are); LFM2-MoE: `feed_forward.experts.{e}.w1` / `w3` / `w2`, its router `feed_forward.gate` (named by
+builder/convert/names.py). GGUF files store them stacked already (`ffn_gate_exps`, ...), which the GGUF reader names
+as the stacked form here. Stacking is lazy, as every source tensor is: the experts of one projection are read when
+the stacked tensor is loaded.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from trtbuild.errors import CheckpointError
 ROUTER = "mlp.gate.weight"  # [experts, hidden]
 STACKED = ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight", "mlp.experts.down_proj.weight")
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.experts\.(\d+)\.(\w+)\.weight$")
 _MIXTRAL_ROUTER = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.(?:gate|router\.layer)\.weight$")
 # Granite MoE: every expert's gate and up rows in one [experts, 2 x inter, hidden] tensor, down in another
 _GRANITE_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.(input|output)_linear\.weight$")

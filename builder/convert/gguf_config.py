@@ -7,6 +7,7 @@ so one reader serves all of them; `GGUF_ARCHITECTURES` holds what differs. The d
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,15 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
                                                                                        "out_proj"))),
                      final_norm="token_embd_norm.weight"),
 }
+# LFM2-MoE: LFM2's layers, a dense MLP before leading_dense_block_count, experts after it (chosen by sigmoid scores
+# plus exp_probs_b, renormalized: llama.cpp's build_moe_ffn with norm_w for this architecture)
+_LFM2 = GGUF_ARCHITECTURES["lfm2"]
+GGUF_ARCHITECTURES["lfm2moe"] = dataclasses.replace(
+    _LFM2, hf_architecture="Lfm2MoeForCausalLM", model_type="lfm2_moe", layer_tensors=_LFM2.layer_tensors[:2],
+    optional_layer_tensors=(*_LFM2.optional_layer_tensors, *_LFM2.layer_tensors[2:], "exp_probs_b.bias",
+                            *(f"ffn_{p}.weight" for p in ("gate_inp", "gate_exps", "up_exps", "down_exps"))),
+    renames=(*_LFM2.renames, ("ffn_gate_inp.weight", "feed_forward.gate.weight"),
+             ("exp_probs_b.bias", "feed_forward.expert_bias")), moe_normalize=True)
 # Layers llama.cpp gives the larger Gemmas (27B), whose attention scale it takes from hidden / heads, not head_dim
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
@@ -278,10 +288,14 @@ def hf_config(
                                   " but its RoPE is not YaRN, whose original context that scaling steps over; the "
                                   "file is incomplete: re-export it.")
         cfg["rope_scaling"]["llama_4_scaling_beta"] = f32(beta)
-    if arch.model_type == "lfm2":  # its feed_forward_length is the MLP's features already
+    if arch.model_type in ("lfm2", "lfm2_moe"):  # its feed_forward_length is the MLP's features already
         cfg.update(layer_types=["conv" if n == 0 else "full_attention" for n in kv_per_layer]
                    if isinstance(kv_per_layer, list) else None, conv_L_cache=int(need("shortconv.l_cache")),
                    block_auto_adjust_ff_dim=False, norm_eps=cfg["rms_norm_eps"])
+    if arch.model_type == "lfm2_moe":
+        dense = int(meta.get(f"{prefix}.leading_dense_block_count") or 0)
+        cfg.update(num_dense_layers=dense, use_expert_bias=f"blk.{dense}.exp_probs_b.bias" in shapes,
+                   routed_scaling_factor=f32(meta.get(f"{prefix}.expert_weights_scale") or 1.0))
     if arch.model_type == "starcoder2":  # LayerNorms
         cfg["norm_epsilon"] = cfg["rms_norm_eps"]
     if arch.model_type in COHERE_FAMILIES:  # LayerNorms, and the logits' multiplier

@@ -115,6 +115,11 @@ _LFM2_LAYER_MAP = {
        for hf, ours in (("w1", "gate"), ("w3", "fc"), ("w2", "proj"))},
     **{f"conv.{hf}.{w}": f"conv.{ours}.{w}" for hf, ours in (("in_proj", "in_proj"), ("out_proj", "out_proj"),
                                                               ("conv", "kernel")) for w in ("weight", "bias")},
+    # LFM2-MoE's router, its selection bias and the experts stacked (builder/convert/experts.py)
+    "feed_forward.gate.weight": "mlp.router.weight",
+    "feed_forward.expert_bias": "mlp.router.selection_bias",
+    **{f"mlp.experts.{hf}_proj.weight": f"mlp.experts.{p}.weight" for hf, p in (("gate", "gate"), ("up", "fc"),
+                                                                                  ("down", "proj"))},
 }
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "transformer.vocab_embedding.weight",
@@ -179,7 +184,7 @@ def _layer_map(config: ModelConfig | None) -> dict[str, str]:
         return _STARCODER2_LAYER_MAP
     if config.family == "hunyuan_dense":
         return _HUNYUAN_LAYER_MAP
-    if config.family == "lfm2":
+    if config.family in ("lfm2", "lfm2_moe"):
         return _LFM2_LAYER_MAP
     if config.output_norms:  # Gemma 2 / 3, OLMo 2 / 3, EXAONE 4
         return _OUTPUT_NORM_LAYER_MAP
@@ -223,19 +228,18 @@ def linear_prefixes(layers: Iterable[int], last_stage: bool, moe: bool = False, 
 
 
 def model_linear_prefixes(config: ModelConfig, layers: Iterable[int], last_stage: bool) -> list[str]:
-    """`linear_prefixes` of `config`'s model (an LFM2 convolution layer's in / out projections for its attention's)."""
-    prefixes = linear_prefixes(layers, last_stage and config.has_lm_head, config.is_moe,
-                               config.shared_expert_intermediate_size > 0, config.gated_mlp)
-    if "conv" not in config.layer_types:
-        return prefixes
+    """`linear_prefixes` of `config`'s model, layer by layer: an LFM2 convolution layer's in / out projections in
+    place of its attention's, a dense MLP in the layers before a mixture of experts' first (LFM2-MoE)."""
     out = []
-    for prefix in prefixes:
-        layer = layer_of(prefix)
-        if layer is None or not config.is_conv(layer) or ".attention." not in prefix:
-            out.append(prefix)
-        elif prefix.endswith(".attention.q"):  # NOTE: where the attention's linears would have been
-            out += [f"transformer.layers.{layer}.{s}" for s in CONV_LINEARS]
-    return out
+    for i in layers:
+        prefixes = linear_prefixes([i], False, config.has_experts(i), config.shared_expert_intermediate_size > 0,
+                                   config.gated_mlp)
+        if config.is_conv(i):  # NOTE: where the attention's linears would have been
+            at = next(j for j, p in enumerate(prefixes) if ".attention." in p)
+            prefixes = [p for p in prefixes if ".attention." not in p]
+            prefixes[at:at] = [f"transformer.layers.{i}.{s}" for s in CONV_LINEARS]
+        out += prefixes
+    return out + (["lm_head"] if last_stage and config.has_lm_head else [])
 
 
 def is_linear(prefix: str) -> bool:
