@@ -1,8 +1,8 @@
 """Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B, Llama-3.2-1B / Llama-3.1-8B, SmolLM3-3B (NoPE
 layers), Granite 3.3 2B (Granite's multipliers), Gemma 3 1B / Gemma 2 2B (sandwich norms, sliding-window layers, soft-
 capping), ERNIE-4.5-0.3B / GLM-4-9B (interleaved RoPE), EXAONE-4.0-1.2B (post norms), AFM-4.5B / StarCoder2-3B (MLPs
-without a gate; StarCoder 2's LayerNorms and biases), LFM2-1.2B (short convolution layers; GGUF only), OLMoE-1B-7B /
-Granite 3.1 3B-A800M (mixtures of experts; GGUF only) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up,
+without a gate; StarCoder 2's LayerNorms and biases), LFM2-1.2B / LFM2-8B-A1B (short convolution layers; GGUF
+only), OLMoE-1B-7B / Granite 3.1 3B-A800M (mixtures of experts; GGUF only) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up,
 LongRoPE, Phi-4-mini's partial rotary embeddings;
 with a byte-level BPE as Phi-4 has), as an HF folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a
 GGUF with a Q4_K / Q6_K mix written with the `gguf` package, for measuring convert / build / load / decode at real
@@ -27,6 +27,7 @@ tokens and chat template.
     python benchmarks/make_real_size_model.py --out /work/models/afm --shape afm-4.5b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/sc2 --shape starcoder2-3b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/lfm2 --shape lfm2-1.2b --no-hf --gguf-type f32
+    python benchmarks/make_real_size_model.py --out /work/models/lfm2moe --shape lfm2-8b-a1b --no-hf --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
 would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
@@ -63,6 +64,7 @@ from real_shapes import (  # noqa: E402
     GRANITE,
     GRANITEMOE,
     LFM2,
+    LFM2MOE,
     LLAMA3,
     OLMO2,
     PERMUTED,
@@ -166,9 +168,13 @@ def write_metadata(w, shape: Shape, tok) -> None:
     w.add_context_length(shape.max_position_embeddings)
     w.add_embedding_length(shape.hidden_size)
     w.add_block_count(shape.num_hidden_layers)
-    w.add_feed_forward_length(shape.intermediate_size)
+    w.add_feed_forward_length(shape.dense_intermediate_size or shape.intermediate_size)
     w.add_head_count(shape.num_attention_heads)
-    if fam is LFM2:  # LFM2Model.set_gguf_parameters: no KV heads in the convolution layers
+    if fam is LFM2MOE:  # LFM2MoeModel.set_gguf_parameters
+        w.add_expert_feed_forward_length(shape.intermediate_size)
+        w.add_leading_dense_block_count(shape.dense_layers)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if fam in (LFM2, LFM2MOE):  # LFM2Model.set_gguf_parameters: no KV heads in the convolution layers
         w.add_head_count_kv([shape.num_key_value_heads if i in shape.attention_layers else 0
                              for i in range(shape.num_hidden_layers)])
         w.add_shortconv_l_cache(3)
@@ -327,7 +333,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="write only the GGUF, from seeded random tensors")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
-    if (shape.experts or shape.family is LFM2) and not args.no_hf:
+    if (shape.experts or shape.family in (LFM2, LFM2MOE)) and not args.no_hf:
         ap.error(f"{args.shape} is written as a GGUF only: pass --no-hf")
     hf = None if args.no_hf else args.out / "hf"
     tok_dir = args.out / "tokenizer" if hf is None else hf

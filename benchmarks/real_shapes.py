@@ -119,6 +119,9 @@ STARCODER2 = Family("starcoder2", "starcoder", r"\p{N}", ("<|endoftext|>", "<fim
 LFM2 = Family("lfm2", "lfm2", LLAMA3.digits, ("<|pad|>", "<|startoftext|>", "<|endoftext|>", "<|im_start|>",
                                               "<|im_end|>"), "<|startoftext|>", "<|im_end|>", "<|pad|>",
               "{{ bos_token }}" + QWEN2.chat_template)
+# LFM2-MoE: LFM2's layers, a dense MLP in the first Shape.dense_layers, experts after them
+LFM2MOE = Family("lfm2moe", *(getattr(LFM2, f) for f in ("pre", "digits", "specials", "bos", "eos", "pad",
+                                                          "chat_template")))
 # the families whose GGUF names the norms after attention / MLP as Gemma's
 POST_NORMED = (GEMMA2, GEMMA3, OLMO2, EXAONE4)
 # the families llama.cpp's LlamaModel converts: q / k rows permuted
@@ -147,6 +150,8 @@ class Shape:
     experts: int = 0  # a mixture of experts: this many of intermediate_size features, experts_per_tok a token
     experts_per_tok: int = 0
     attention_layers: tuple[int, ...] | None = None  # LFM2: the layers with attention, the others convolutions
+    dense_layers: int = 0  # LFM2-MoE: the first this many layers' MLPs are dense, of dense_intermediate_size
+    dense_intermediate_size: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -194,6 +199,10 @@ SHAPES = {  # the released models' configs
     # LFM2-1.2B: 6 attention layers of 16, the MLP's 8192 features (block_ff_dim 12288, auto-adjusted), kernel 3
     "lfm2-1.2b": Shape(LFM2, 2048, 16, 32, 8, 8192, 65536, True, 1e6, None, 128000, 1e-5,
                        attention_layers=(2, 5, 8, 10, 12, 14)),
+    # LFM2-8B-A1B: 24 layers (6 with attention), two dense MLPs of 7168, then 32 experts of 1792, 4 a token
+    "lfm2-8b-a1b": Shape(LFM2MOE, 2048, 24, 32, 8, 1792, 65536, True, 1e6, None, 128000, 1e-5, experts=32,
+                         experts_per_tok=4, attention_layers=(2, 6, 10, 14, 18, 21), dense_layers=2,
+                         dense_intermediate_size=7168),
     "granite-2b": Shape(GRANITE, 2048, 40, 32, 8, 8192, 49159, True, 1e7, None, 131072, 1e-5, multipliers=dict(
         embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)),
 }

@@ -12,6 +12,7 @@ from real_shapes import (
     GEMMAS,
     GLM4,
     LFM2,
+    LFM2MOE,
     OLMO2,
     OLMOE,
     PHI3,
@@ -35,7 +36,11 @@ LFM2_TO_GGUF = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn
                 "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_output",
                 "self_attn.q_layernorm": "attn_q_norm", "self_attn.k_layernorm": "attn_k_norm",
                 "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
-                **{f"conv.{p}": f"shortconv.{p}" for p in ("conv", "in_proj", "out_proj")}}
+                **{f"conv.{p}": f"shortconv.{p}" for p in ("conv", "in_proj", "out_proj")},
+                # LFM2-MoE's router, selection bias and stacked experts
+                "feed_forward.gate": "ffn_gate_inp", "feed_forward.expert_bias": "exp_probs_b",
+                **{f"feed_forward.experts.{w}": f"ffn_{p}_exps" for w, p in (("w1", "gate"), ("w3", "up"),
+                                                                              ("w2", "down"))}}
 # Gemma 2 / 3's four norms: their post_attention_layernorm normalizes the attention's output
 GEMMA_TO_GGUF = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
@@ -57,14 +62,21 @@ def lfm2_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield from ((p + "conv.in_proj.weight", (3 * h, h)), (p + "conv.conv.weight", (h, 3)),
                         (p + "conv.out_proj.weight", (h, h)))
         yield p + "ffn_norm.weight", (h,)
-        yield from ((p + "feed_forward.w1.weight", (f, h)), (p + "feed_forward.w3.weight", (f, h)),
-                    (p + "feed_forward.w2.weight", (h, f)))
+        if shape.experts and i >= shape.dense_layers:  # the router, its selection bias, the experts stacked
+            e = shape.experts
+            yield from ((p + "feed_forward.gate.weight", (e, h)), (p + "feed_forward.expert_bias.bias", (e,)))
+            yield from ((p + f"feed_forward.experts.{w}.weight", (e, f, h)) for w in ("w1", "w3"))
+            yield p + "feed_forward.experts.w2.weight", (e, h, f)
+            continue
+        dense = shape.dense_intermediate_size or f
+        yield from ((p + "feed_forward.w1.weight", (dense, h)), (p + "feed_forward.w3.weight", (dense, h)),
+                    (p + "feed_forward.w2.weight", (h, dense)))
     yield "model.embedding_norm.weight", (h,)
 
 
 def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every weight, in the order HF checkpoints list them per layer."""
-    if shape.family is LFM2:
+    if shape.family in (LFM2, LFM2MOE):
         yield from lfm2_tensors(shape)
         return
     h, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
@@ -130,5 +142,5 @@ def gguf_name(hf_name: str, family: Family) -> str:
         return top[hf_name]
     _, _, i, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    names = GEMMA_TO_GGUF if family in POST_NORMED else LFM2_TO_GGUF if family is LFM2 else HF_TO_GGUF
+    names = GEMMA_TO_GGUF if family in POST_NORMED else LFM2_TO_GGUF if family in (LFM2, LFM2MOE) else HF_TO_GGUF
     return f"blk.{i}.{names[module]}.{kind}"
