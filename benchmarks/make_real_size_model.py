@@ -2,8 +2,8 @@
 layers), Granite 3.3 2B (Granite's multipliers), Gemma 3 1B / Gemma 2 2B (sandwich norms, sliding-window layers, soft-
 capping), ERNIE-4.5-0.3B / GLM-4-9B (interleaved RoPE), EXAONE-4.0-1.2B (post norms), AFM-4.5B / StarCoder2-3B (MLPs
 without a gate; StarCoder 2's LayerNorms and biases), LFM2-1.2B / LFM2-8B-A1B (short convolution layers; GGUF
-only), OLMoE-1B-7B / Granite 3.1 3B-A800M (mixtures of experts; GGUF only) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up,
-LongRoPE, Phi-4-mini's partial rotary embeddings;
+only), OLMoE-1B-7B / Granite 3.1 3B-A800M (mixtures of experts; GGUF only) or Phi-3.5-mini / Phi-4-mini (3.8B:
+fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings;
 with a byte-level BPE as Phi-4 has), as an HF folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a
 GGUF with a Q4_K / Q6_K mix written with the `gguf` package, for measuring convert / build / load / decode at real
 sizes. No weights are downloaded: the weights are random (seeded) and the tokenizer is a small byte-level BPE trained
