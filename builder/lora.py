@@ -67,6 +67,8 @@ _LFM2_TARGETS: dict[str, tuple[str, ...]] = {
 def _targets(config: ModelConfig) -> dict[str, tuple[str, ...]]:
     """HF module (`self_attn.q_proj`) -> the checkpoint linears it adapts, in `config`'s family's names."""
     return _LFM2_TARGETS if config.family in LFM2_FAMILIES else _TARGETS
+
+
 _SIBLINGS = (("attention.q", "attention.k", "attention.v"), ("mlp.gate", "mlp.fc"))
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?:language_model\.)?layers\.(\d+)\.(.+)\.lora_([AB])"
                   r"(?:\.default)?\.weight$")

@@ -191,9 +191,9 @@ class _NetworkWriter(HeadWriter, ConvWriter):
         prefix, g = layer + "mlp.", self.g
         logits, factor = self.linear(h, prefix + "router", bias=self.c.moe_bias), None
         if self.c.moe_scoring == "sigmoid":  # LFM2-MoE
-            bias = self.c.moe_selection_bias and g.weight(prefix + "router.selection_bias",
-                                                          self.tensor(prefix + "router.selection_bias"))
-            logits, factor = sigmoid_routing(g, self.c, logits, bias or None, prefix)
+            name = prefix + "router.selection_bias"
+            bias = g.weight(name, self.tensor(name)) if self.c.moe_selection_bias else None
+            logits, factor = sigmoid_routing(g, self.c, logits, bias, prefix)
         y = self.moe.emit(h, logits, prefix)
         if factor is not None:
             y = g.op("Mul", [y, factor], name=prefix + "experts_scaled")

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from trtbuild.builder.convert.gguf_rope import f32, rope_scaling
-from trtbuild.configs.model_config import COHERE_FAMILIES
+from trtbuild.configs.model_config import COHERE_FAMILIES, LFM2_FAMILIES
 from trtbuild.errors import CheckpointError
 
 # Per-layer GGUF tensors (the part after `blk.N.`) of the architectures with separate projections, and of those with
@@ -182,9 +182,8 @@ def resolve_architecture(meta: dict[str, Any], path: Path) -> tuple[str, GgufArc
             f"{path} has GGUF architecture {arch!r}; trtbuild reads GGUF architectures "
             f"{', '.join(GGUF_ARCHITECTURES)} (Llama, Mistral, SmolLM, SmolLM3, TinyLlama, Qwen2/2.5, Qwen3, "
             "Phi-3/3.5, Phi-4, Gemma 1/2/3, Granite 3, OLMo 2/3, Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral, Granite MoE, "
-            "gpt-oss, ERNIE 4.5, GLM-4, EXAONE 4, Command R / Aya, Command R7B, Ministral 3, LFM2 ...). Convert the "
-            "HF "
-            "checkpoint instead."
+            "gpt-oss, ERNIE 4.5, GLM-4, EXAONE 4, Command R / Aya, Command R7B, Ministral 3, LFM2, LFM2-MoE ...). "
+            "Convert the HF checkpoint instead."
         )
     if arch == "llama" and meta.get("llama.expert_count"):
         return arch, GGUF_ARCHITECTURES["mixtral"]
@@ -288,7 +287,7 @@ def hf_config(
                                   " but its RoPE is not YaRN, whose original context that scaling steps over; the "
                                   "file is incomplete: re-export it.")
         cfg["rope_scaling"]["llama_4_scaling_beta"] = f32(beta)
-    if arch.model_type in ("lfm2", "lfm2_moe"):  # its feed_forward_length is the MLP's features already
+    if arch.model_type in LFM2_FAMILIES:  # its feed_forward_length is the MLP's features already
         cfg.update(layer_types=["conv" if n == 0 else "full_attention" for n in kv_per_layer]
                    if isinstance(kv_per_layer, list) else None, conv_L_cache=int(need("shortconv.l_cache")),
                    block_auto_adjust_ff_dim=False, norm_eps=cfg["rms_norm_eps"])

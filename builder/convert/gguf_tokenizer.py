@@ -54,8 +54,7 @@ _STARCODER = _PreTokenizer(_GPT2.split, digits_first=True)
 # tokenizer.ggml.pre -> pre-tokenizer (the names llama.cpp's llama-vocab.cpp maps to LLAMA3, QWEN2, GPT4O, CHATGLM4,
 # GPT2, TEKKEN and STARCODER)
 _PRE_TOKENIZERS = {"qwen2": _QWEN2, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "lfm2": _LLAMA3,
-                   "gpt-4o": _GPT4O,
-                   "glm4": _GLM4, "exaone4": _GPT2, "tekken": _TEKKEN,
+                   "gpt-4o": _GPT4O, "glm4": _GLM4, "exaone4": _GPT2, "tekken": _TEKKEN,
                    **dict.fromkeys(("starcoder", "smollm", "command-r", "refact", "codeshell", "exaone", "minerva-7b",
                                     "mellum2"), _STARCODER)}
 

@@ -23,7 +23,7 @@ layers it holds):
   transformer.layers.{i}.mlp.shared_gate.weight              [1, hidden] (Qwen2-MoE)   replicated
   an LFM2 convolution layer holds, instead of attention.*:
   transformer.layers.{i}.conv.in_proj.weight                 [3 * hidden, hidden]     (B, C, x)
-  transformer.layers.{i}.conv.kernel.weight                  [hidden, 1, L] or [hidden, L]  each channel's taps
+  transformer.layers.{i}.conv.kernel.weight                  [hidden, L]              each channel's taps
   transformer.layers.{i}.conv.out_proj.weight                [hidden, hidden]
   transformer.ln_f.weight                                    [hidden]                 replicated
   lm_head.weight                                             [vocab, hidden]          vocab-parallel
@@ -37,6 +37,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
+
+from trtbuild.configs.model_config import LFM2_FAMILIES
 
 if TYPE_CHECKING:
     from trtbuild.configs import ModelConfig
@@ -184,7 +186,7 @@ def _layer_map(config: ModelConfig | None) -> dict[str, str]:
         return _STARCODER2_LAYER_MAP
     if config.family == "hunyuan_dense":
         return _HUNYUAN_LAYER_MAP
-    if config.family in ("lfm2", "lfm2_moe"):
+    if config.family in LFM2_FAMILIES:
         return _LFM2_LAYER_MAP
     if config.output_norms:  # Gemma 2 / 3, OLMo 2 / 3, EXAONE 4
         return _OUTPUT_NORM_LAYER_MAP
