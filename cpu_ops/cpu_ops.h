@@ -21,6 +21,15 @@ const OrtCustomOp* all_reduce_op();
 const OrtCustomOp* all_gather_op();
 const OrtCustomOp* short_conv_op();
 
+// Whether this build reads a float16 KV pool: PagedAttention and PagedShortConv widen its rows (and round the step's
+// own rows) with F16C, which every AVX-512 CPU has.
+constexpr bool kReadsHalf =
+#if defined(__F16C__)
+    true;
+#else
+    false;
+#endif
+
 // An optional attribute's value, or `otherwise` when the node lacks it (engines built before it was added).
 template <typename T>
 T optional_attribute(const Ort::ConstKernelInfo& info, const char* name, T otherwise) {

@@ -48,14 +48,6 @@ void rope(float* x, int64_t heads, int64_t d, const float* cos_row, const float*
   }
 }
 
-// Whether this build reads a float16 pool: every path widens its rows with F16C (every AVX-512 CPU has it).
-constexpr bool kReadsHalf =
-#if defined(__F16C__)
-    true;
-#else
-    false;
-#endif
-
 // Row `row` (d values) as float32: the pool's own memory for a float32 pool, else widened into `buffer`.
 template <typename T>
 inline const float* widened(const T* row, int64_t d, std::vector<float>& buffer) {

@@ -27,14 +27,6 @@ namespace {
 
 constexpr int64_t kTokensPerTask = 4;
 
-// Whether this build reads a float16 pool: its rows are widened (and the new rows rounded) with F16C.
-constexpr bool kReadsHalf =
-#if defined(__F16C__)
-    true;
-#else
-    false;
-#endif
-
 void fail(const std::string& what) { ORT_CXX_API_THROW("trtbuild::PagedShortConv: " + what, ORT_INVALID_ARGUMENT); }
 
 // n float16 values widened to float32.

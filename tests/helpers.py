@@ -214,6 +214,19 @@ def make_random_hf_model(family: str, out_dir: Path, seed: int = 0, overrides: d
     return out_dir
 
 
+def save_with_nontrivial_norms(model, out_dir: Path) -> Path:
+    """Save a randomly initialised transformers model (its norms moved off 1, so that a mis-mapped norm shows in the
+    logits) to out_dir."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
 def make_peft_adapter(base_dir: Path, out_dir: Path, seed: int = 0, **lora_config: object) -> Path:
     """Save a LoRA adapter of the HF model at base_dir as PEFT does (`lora_config`: peft.LoraConfig's fields), its A
     and B both random (PEFT's init_lora_weights=False), so that it changes the model's logits."""

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import make_random_hf_model, prefill_logits, require_shared_models
+from helpers import make_random_hf_model, prefill_logits, require_shared_models, save_with_nontrivial_norms
 
 from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.convert.gguf_config import GGUF_ARCHITECTURES, hf_config
@@ -233,11 +233,7 @@ def test_gemma3_vision_language_folder_converts_its_text_decoder(tmp_path):
     model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
         text_config=text, vision_config=vision, mm_tokens_per_image=4,
         architectures=["Gemma3ForConditionalGeneration"])).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(tmp_path / "hf")
+    save_with_nontrivial_norms(model, tmp_path / "hf")
     config = convert(tmp_path / "hf", tmp_path / "ckpt")
     assert (config.architecture, config.local_rotary_base, config.rotary_scaling["factor"]) == \
         ("Gemma3ForCausalLM", 1e4, 2.0)

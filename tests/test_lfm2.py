@@ -190,7 +190,7 @@ def test_the_vision_language_folder_converts_its_text_decoder(tmp_path):
     engine's logits are the HF model's on text."""
     import numpy as np
     import transformers
-    from helpers import RANDOM_CONFIGS, prefill_logits
+    from helpers import RANDOM_CONFIGS, prefill_logits, save_with_nontrivial_norms
 
     from trtbuild.builder.build import build_engine
 
@@ -200,11 +200,7 @@ def test_the_vision_language_folder_converts_its_text_decoder(tmp_path):
     torch.manual_seed(0)
     model = transformers.Lfm2VlForConditionalGeneration(transformers.Lfm2VlConfig(
         text_config=text, vision_config=vision, architectures=["Lfm2VlForConditionalGeneration"])).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(tmp_path / "hf")
+    save_with_nontrivial_norms(model, tmp_path / "hf")
     config = convert(tmp_path / "hf", tmp_path / "ckpt")
     assert config.architecture == "Lfm2ForCausalLM" and config.layer_types.count("conv") == 3
     engine = build_engine(tmp_path / "ckpt", tmp_path / "engine", max_seq_len=64, tokens_per_block=8)
