@@ -12,7 +12,8 @@ from trtbuild.configs.kv_groups import (
     num_cache_layers,
     slots_per_block,
 )
-from trtbuild.configs.model_config import Mapping, ModelConfig, QuantConfig
+from trtbuild.configs.model_config import Mapping, ModelConfig
+from trtbuild.configs.quant_config import QuantConfig
 
 __all__ = ["LORA_IDS_INPUT", "BuildConfig", "KVCacheGroup", "Mapping", "ModelConfig", "QuantConfig",
            "batch_blocks_needed", "cache_layers", "group_input", "kv_cache_groups", "layer_slot", "lora_index",

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from trtbuild.builder.convert.checkpoint import CONFIG_FILE, copy_tokenizer_files, load_checkpoint, save_rank
-from trtbuild.configs.model_config import QuantConfig
+from trtbuild.configs.quant_config import QuantConfig
 from trtbuild.quantization import pack_int4, unpack_int4
 
 LINEARS = ("attention.q", "attention.k", "attention.v", "attention.dense", "mlp.gate", "mlp.fc", "mlp.proj")

@@ -21,7 +21,7 @@ from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.convert.names import hf_to_checkpoint_name, layer_of
 from trtbuild.builder.convert.sharding import merge_shards
 from trtbuild.configs import Mapping, ModelConfig
-from trtbuild.configs.model_config import QuantConfig
+from trtbuild.configs.quant_config import QuantConfig
 from trtbuild.errors import CheckpointError, ConfigError
 
 # qwen2: q/k/v biases; llama3_rope: llama3 RoPE + tied embeddings; odd_vocab: the same with vocab 321 (TP=2 pads

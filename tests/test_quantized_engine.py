@@ -26,7 +26,7 @@ from trtbuild.builder.convert.checkpoint import load_checkpoint
 from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
 from trtbuild.configs import BuildConfig
-from trtbuild.configs.model_config import QuantConfig
+from trtbuild.configs.quant_config import QuantConfig
 from trtbuild.errors import ConfigError
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk

@@ -15,7 +15,7 @@ from trtbuild.builder.build import build_engine
 from trtbuild.builder.convert.checkpoint import load_checkpoint
 from trtbuild.builder.network import build_network
 from trtbuild.configs import BuildConfig
-from trtbuild.configs.model_config import QuantConfig
+from trtbuild.configs.quant_config import QuantConfig
 from trtbuild.errors import TrtbuildError
 
 

@@ -18,7 +18,7 @@ from trtbuild.builder.convert.convert import WeightOnly, convert
 from trtbuild.builder.convert.weight_only import NBitsWeight
 from trtbuild.builder.engine_dir import CPU_ENGINE_FILE
 from trtbuild.cli import main
-from trtbuild.configs.model_config import QuantConfig
+from trtbuild.configs.quant_config import QuantConfig
 from trtbuild.errors import ConfigError
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 

@@ -31,7 +31,8 @@ from trtbuild.builder.convert.safetensors_io import SafetensorsWriter
 from trtbuild.builder.convert.sharding import check_mapping, check_nbits_split, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig
 from trtbuild.configs.from_hf import model_config_from_hf, text_model_config
-from trtbuild.configs.model_config import GEMMA_FAMILIES, QuantConfig
+from trtbuild.configs.model_config import GEMMA_FAMILIES
+from trtbuild.configs.quant_config import QuantConfig
 from trtbuild.errors import CheckpointError, ConfigError
 from trtbuild.quantization import QuantAlgo
 
