@@ -253,14 +253,17 @@ def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
 def _intermediate_size(hf: dict[str, Any], family: str) -> int:
     """The MLP's features; LFM2's: two thirds of block_ff_dim (intermediate_size) times block_ffn_dim_multiplier,
     rounded up to block_multiple_of, where block_auto_adjust_ff_dim (as transformers)."""
-    features = int(hf.get("block_ff_dim") or hf["intermediate_size"]) if family == "lfm2" else int(
-        hf["intermediate_size"])
-    if family == "lfm2" and hf.get("block_auto_adjust_ff_dim", True):
-        features = int(2 * features / 3)
-        if hf.get("block_ffn_dim_multiplier", 1.0) is not None:
-            multiple = int(hf.get("block_multiple_of", 256))
-            features = -(-int(float(hf.get("block_ffn_dim_multiplier", 1.0)) * features) // multiple) * multiple
-    return features
+    if family != "lfm2":
+        return int(hf["intermediate_size"])
+    features = int(hf.get("block_ff_dim") or hf["intermediate_size"])
+    if not hf.get("block_auto_adjust_ff_dim", True):
+        return features
+    features = int(2 * features / 3)
+    multiplier = hf.get("block_ffn_dim_multiplier", 1.0)
+    if multiplier is None:
+        return features
+    multiple = int(hf.get("block_multiple_of", 256))
+    return -(-int(float(multiplier) * features) // multiple) * multiple
 
 
 def _lfm2_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:

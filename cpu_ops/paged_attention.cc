@@ -56,12 +56,7 @@ inline const float* widened(const T* row, int64_t d, std::vector<float>& buffer)
     return row;
   } else {
     buffer.resize(static_cast<size_t>(d));
-#if defined(__F16C__)
-    int64_t i = 0;
-    for (; i + 8 <= d; i += 8)
-      _mm256_storeu_ps(buffer.data() + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i))));
-    for (; i < d; ++i) buffer[i] = _cvtsh_ss(row[i]);
-#endif
+    widen_half(row, buffer.data(), d);
     return buffer.data();
   }
 }

@@ -13,6 +13,7 @@
 // float16 (to nearest even, as numpy rounds when the runtime writes them), so that every input the convolution sees
 // is a stored one and chunked and whole prefills give the same values.
 #include "cpu_ops.h"
+#include "simd_math.h"
 
 #include <immintrin.h>
 
@@ -28,18 +29,6 @@ namespace {
 constexpr int64_t kTokensPerTask = 4;
 
 void fail(const std::string& what) { ORT_CXX_API_THROW("trtbuild::PagedShortConv: " + what, ORT_INVALID_ARGUMENT); }
-
-// n float16 values widened to float32.
-inline void widen(const uint16_t* from, float* to, int64_t n) {
-#if defined(__F16C__)
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(to + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i))));
-  for (; i < n; ++i) to[i] = _cvtsh_ss(from[i]);
-#else
-  (void)from, (void)to, (void)n;  // never called: Compute refuses a float16 pool first
-#endif
-}
 
 // n float32 values as a float16 pool holds them: rounded to float16 (nearest even) and widened back.
 inline void round_through_half(const float* from, float* to, int64_t n) {
@@ -82,7 +71,7 @@ void pool_row(const Problem& p, int64_t b, int64_t q, float* row) {
     if constexpr (std::is_same_v<T, float>)
       std::memcpy(row + c, from, sizeof(float) * n);
     else
-      widen(from, row + c, n);
+      widen_half(from, row + c, n);
   }
 }
 
@@ -235,13 +224,11 @@ struct PagedShortConvOp : Ort::CustomOpBase<PagedShortConvOp, PagedShortConvKern
     return (i >= 2 && i <= 4) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
-    return i == kBiasInput ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+    return i == PagedShortConvKernel::kBias ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
                            : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 2; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-
-  static constexpr size_t kBiasInput = PagedShortConvKernel::kBias;
 };
 
 }  // namespace

@@ -197,4 +197,17 @@ inline float exp_shifted(float* p, int64_t n, float m) {
   for (; j < n; ++j) sum += (p[j] = std::exp(p[j] - m));
   return sum;
 }
+// n float16 values (bits in uint16_t) widened exactly to float32 (F16C; the pool readers refuse a float16 pool on a
+// build without it, kReadsHalf in cpu_ops.h).
+inline void widen_half(const uint16_t* from, float* to, int64_t n) {
+#if defined(__F16C__)
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(to + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i))));
+  for (; i < n; ++i) to[i] = _cvtsh_ss(from[i]);
+#else
+  (void)from, (void)to, (void)n;
+#endif
+}
+
 }  // namespace trtbuild_cpu_ops
