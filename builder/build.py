@@ -45,9 +45,9 @@ def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
     if not config.has_lm_head and build.task != "embed":
         raise TrtbuildError("the checkpoint has no LM head (converted from a base model saved without one, as "
                             "embedding models are): build it with --task embed.")
-    if config.is_moe and build.target != "cpu":
-        raise TrtbuildError(f"{config.architecture} is a mixture of experts, which the {build.target} target has no "
-                            "kernel for yet; build it with --target cpu.")
+    if config.is_moe and build.target == "tensorrt":
+        raise TrtbuildError(f"{config.architecture} is a mixture of experts, which the tensorrt target has no "
+                            "kernel for yet; build it with --target cpu or cuda.")
     if "conv" in config.layer_types and build.target != "cpu":
         raise TrtbuildError(f"{config.architecture}'s short convolution layers have no {build.target} kernel yet; "
                             "build it with --target cpu.")

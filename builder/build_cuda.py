@@ -8,22 +8,25 @@ Engine directory: config.json (target {"name": "cuda", ...fingerprint}) + rank0.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Any
 
 import onnx
 import torch
 
-from trtbuild.builder.cuda_plan import Plan, emit_plan
+from trtbuild.builder.cuda_plan import TORCH_DTYPES, Plan, emit_plan
 from trtbuild.builder.engine_dir import CUDA_PLAN_FILE
 from trtbuild.configs import BuildConfig, ModelConfig
 from trtbuild.errors import ConfigError, TrtbuildError
 
+log = logging.getLogger(__name__)
 CUDA_WEIGHTS_FILE = "rank0.safetensors"
 INTERPRETER_DEVICE = "cpu (Triton interpreter)"
 # Tile sizes the kernels use when nothing was timed (no GPU at build time): the launchers' own defaults
 DEFAULT_TACTICS = {"paged_attention": {"block_m": 16, "block_n": 64, "num_splits": 1},
-                   "weight_only_gemm": {"block_m": 16, "block_n": 64, "block_k": 64}}
+                   "weight_only_gemm": {"block_m": 16, "block_n": 64, "block_k": 64},
+                   "fused_moe": {"block_m": 16, "block_n": 64, "block_k": 32}}
 
 
 def cuda_fingerprint() -> dict[str, Any]:
@@ -85,16 +88,17 @@ def check_tensorrt_available() -> None:
 def tactics(config: ModelConfig, build: BuildConfig, timing_cache: Path | None) -> dict[str, Any]:
     """The kernels' tile sizes as the engine's tactics. NOTE: real autotuning times candidates on the GPU it builds
     for (gpu_kernels/autotune.py); without one the launchers' defaults are recorded and the reason with them."""
+    defaults = {name: t for name, t in DEFAULT_TACTICS.items() if name != "fused_moe" or config.is_moe}
     if build.autotune == "off":
-        return {name: {"chosen": dict(t), "source": "default"} for name, t in DEFAULT_TACTICS.items()}
+        return {name: {"chosen": dict(t), "source": "default"} for name, t in defaults.items()}
     if not torch.cuda.is_available():
         return {name: {"chosen": dict(t), "source": "default: autotuning needs a GPU, none here"}
-                for name, t in DEFAULT_TACTICS.items()}
+                for name, t in defaults.items()}
     from trtbuild.gpu_kernels.autotune import tune_cuda
     from trtbuild.gpu_kernels.load import load_kernels
 
     tuned = tune_cuda(config, build, cuda_fingerprint(), timing_cache, load_kernels(interpret=False))
-    return {**{name: {"chosen": dict(t), "source": "default"} for name, t in DEFAULT_TACTICS.items()}, **tuned}
+    return {**{name: {"chosen": dict(t), "source": "default"} for name, t in defaults.items()}, **tuned}
 
 
 def build_cuda_files(model: onnx.ModelProto, config: ModelConfig, build: BuildConfig, output: Path,
@@ -102,6 +106,12 @@ def build_cuda_files(model: onnx.ModelProto, config: ModelConfig, build: BuildCo
     """Write rank0.plan.json and rank0.safetensors; returns the plan, {weight file: bytes} and the tactics."""
     from safetensors.torch import save_file
 
+    from trtbuild.builder.moe_experts import expert_parameters, quantized_experts
+
+    if quantized_experts(config):
+        size = expert_parameters(config) * TORCH_DTYPES[build.dtype].itemsize
+        log.warning("experts: weight-only in the checkpoint, dequantized to %s for the fused MoE kernel, %.1f GB of "
+                    "them (the cuda target has no weight-only grouped GEMM yet)", build.dtype, size / 1e9)
     plan, weights = emit_plan(model, build.dtype)
     (output / CUDA_PLAN_FILE).write_text(plan.to_json())
     save_file(weights, str(output / CUDA_WEIGHTS_FILE), metadata={"plan": CUDA_PLAN_FILE})

@@ -13,7 +13,8 @@ Each node maps to one kernel (gpu_kernels/ for the Triton ones, torch for the re
   silu(gate) * up (separate GEMMs)        silu_mul             torch (weight-only gate and up stay two GEMMs)
   Split -> Gelu(gate, tanh) * up (fused)  geglu                gpu_kernels/swiglu.py (Gemma's MLP)
   Gelu(gate) * up (otherwise)             gelu_mul             torch, with the Gelu's approximate
-  Gelu, Tanh, Relu (alone)                gelu, tanh, relu     torch (Relu, then Mul(x, x): Arcee's relu^2)
+  Gelu, Tanh, Relu, Sigmoid (alone)       gelu, tanh, relu,    torch (Relu, then Mul(x, x): Arcee's relu^2;
+                                          sigmoid              Sigmoid: Qwen2-MoE's shared-expert gate)
   Mul(x, constant scalar)                 scale                torch (embedding and residual multipliers, logits
                                                                scaling; with Tanh, the soft-cap c2 * tanh(c1 * x))
   Add, Split, Reshape                     add, split, reshape  torch
@@ -39,7 +40,7 @@ import onnx
 import torch
 from onnx import helper
 
-from trtbuild.builder.graph import GraphView, other_input
+from trtbuild.builder.graph import MS_DOMAIN, GraphView, other_input
 from trtbuild.builder.network import ACCEPT_INPUTS
 from trtbuild.configs import LORA_IDS_INPUT
 from trtbuild.errors import TrtbuildError
@@ -84,6 +85,12 @@ class Plan:
         steps = tuple(PlanStep(s["kernel"], s["name"], tuple(s["inputs"]), tuple(s["outputs"]), s.get("attrs", {}))
                       for s in doc["steps"])
         return cls(doc["dtype"], steps, tuple(doc["outputs"]), tuple(doc.get("inputs", PLAN_INPUTS)))
+
+
+def _gate_rows_first(fused: np.ndarray) -> np.ndarray:
+    """[E, 2I, ...] with gate j in row 2j and up j in row 2j + 1 -> [E, 2I, ...] with the I gate rows first."""
+    e, two_i = fused.shape[:2]
+    return fused.reshape(e, two_i // 2, 2, *fused.shape[2:]).swapaxes(1, 2).reshape(fused.shape)
 
 
 def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
@@ -203,7 +210,7 @@ class _PlanWriter:
             self.emit("concat", n, list(n.input), list(n.output), axis=int(a["axis"]))
         elif op == "Gelu" and n.domain in ("", "ai.onnx"):
             self.emit("gelu", n, [n.input[0]], list(n.output), approximate=a.get("approximate", "none"))
-        elif op in ("Tanh", "Relu"):
+        elif op in ("Tanh", "Relu", "Sigmoid"):
             self.emit(op.lower(), n, [n.input[0]], list(n.output))
         elif op == "Split":
             sizes = self.const(n.input[1]).tolist() if len(n.input) > 1 else None
@@ -212,6 +219,8 @@ class _PlanWriter:
             self.emit("reshape", n, [n.input[0]], list(n.output), shape=self.const(n.input[1]).tolist())
         elif op == pa.OP_TYPE and n.domain == pa.DOMAIN:
             self.attention(n, a)
+        elif op == "MoE" and n.domain == MS_DOMAIN:
+            self.experts(n, a)
         elif op == sa.OP_TYPE and n.domain == sa.DOMAIN:
             self.emit("speculative_accept", n, list(n.input), list(n.output))
         else:
@@ -240,6 +249,25 @@ class _PlanWriter:
             self.group_inputs |= {table, slots}
         self.steps.append(PlanStep("kv_write", n.name + "/kv_write", ("kv_cache", n.output[1], n.output[2], slots),
                                    (), {"layer_idx": a["layer_idx"]}))
+
+    def experts(self, n: onnx.NodeProto, a: dict[str, Any]) -> None:
+        """ONNX Runtime's MoE (builder/moe_experts.py: the float form) as a `moe` step (gpu_kernels/fused_moe.py):
+        its interleaved gate / up rows (swiglu_fusion 1: row 2j gate j, 2j + 1 up j) stored gate rows first, as the
+        SwiGLU kernel reads them."""
+        if a.get("activation_type") != "swiglu" or a.get("swiglu_fusion") != 1:
+            raise TrtbuildError(f"{n.name}: the cuda target runs SwiGLU experts with fused gate / up rows, not "
+                                f"{a.get('activation_type')} (swiglu_fusion {a.get('swiglu_fusion')})")
+        gate_up, down = self.const(n.input[2]), self.const(n.input[4])
+        experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        inputs = [n.input[0], n.input[1], self.weight(n.input[2], _gate_rows_first(gate_up)),
+                  self.weight(n.input[4], down)]
+        if len(n.input) > 5 and n.input[5]:  # gpt-oss: both projections biased
+            bias = self.const(n.input[3]).reshape(experts, 2 * inter)
+            inputs += [self.weight(n.input[3], _gate_rows_first(bias)), self.weight(n.input[5], self.const(n.input[5]))]
+        limit = a.get("swiglu_limit", float("inf"))
+        self.emit("moe", n, inputs, list(n.output), k=int(a["k"]), normalize=bool(a.get("normalize_routing_weights")),
+                  alpha=float(a.get("activation_alpha", 1.0)), beta=float(a.get("activation_beta", 0.0)),
+                  limit=None if limit == float("inf") else float(limit))
 
     def weight_only(self, n: onnx.NodeProto, a: dict[str, Any]) -> None:
         """MatMulNBits' tensors as weight_only_gemm reads them: codes [N, K * bits / 8], scales [N, K / block],

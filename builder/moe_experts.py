@@ -43,6 +43,12 @@ def quantized_experts(config: ModelConfig) -> bool:
     return config.is_moe and config.quantization.algo_of(first) == QuantAlgo.WEIGHT_ONLY
 
 
+def expert_parameters(config: ModelConfig) -> int:
+    """Weights of every layer's experts (gate, up and down of each)."""
+    layers = config.num_hidden_layers - config.moe_dense_layers
+    return 3 * layers * config.num_experts * config.hidden_size * config.moe_intermediate_size
+
+
 def resolve_expert_tactic(config: ModelConfig, build: BuildConfig) -> BuildConfig:
     """`build` with quant_linears decided before the network for weight-only experts, which the network writes in
     their final form: native where the native ops run here (auto), else ort (float experts, with a warning of their
@@ -56,10 +62,8 @@ def resolve_expert_tactic(config: ModelConfig, build: BuildConfig) -> BuildConfi
         raise ConfigError("quant_linears", f"native cannot be used: {problem}. Use --quant-linears ort.")
     chosen = build.quant_linears if build.quant_linears != "auto" else "ort" if problem else "native"
     if chosen == "ort":
-        size = 3 * (config.num_hidden_layers - config.moe_dense_layers) * config.num_experts * config.hidden_size * \
-            config.moe_intermediate_size
-        log.warning("experts: dequantized to float32 for ONNX Runtime's MoE, %.1f GB of them (%s)", 4 * size / 1e9,
-                    problem or "--quant-linears ort")
+        log.warning("experts: dequantized to float32 for ONNX Runtime's MoE, %.1f GB of them (%s)",
+                    4 * expert_parameters(config) / 1e9, problem or "--quant-linears ort")
     return dataclasses.replace(build, quant_linears=chosen)
 
 

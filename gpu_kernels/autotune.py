@@ -1,7 +1,8 @@
 """Autotuning of the CUDA target's kernel tactics on the GPU an engine is built for (`build --target cuda
 --autotune fast|full`): paged attention's key tile and split-K at the engine's decode shape, the weight-only GEMM's
-tiles at a decode batch. Timed with triton.testing.do_bench; a JSON timing cache keyed by GPU, stack and shape lets a
-rebuild skip what it measured. GPU only: without one the builder records the launchers' defaults and why.
+and the fused experts' tiles at a decode batch. Timed with triton.testing.do_bench; a JSON timing cache keyed by GPU,
+stack and shape lets a rebuild skip what it measured. GPU only: without one the builder records the launchers'
+defaults and why.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 ATTENTION_CANDIDATES = [dict(block_m=16, block_n=n, num_splits=s) for n in (32, 64, 128) for s in (1, 2, 4, 8)]
 GEMM_CANDIDATES = [dict(block_m=16, block_n=n, block_k=k) for n in (32, 64, 128) for k in (32, 64, 128)]
+MOE_CANDIDATES = [dict(block_m=m, block_n=n, block_k=k) for m in (16, 32) for n in (32, 64, 128) for k in (32, 64)]
 
 
 def _load_cache(path: Path | None) -> dict[str, dict[str, float]]:
@@ -44,7 +46,8 @@ def _time(cache: dict, key: str, candidates: list[dict], run) -> tuple[dict, dic
 
 def tune_cuda(config, build, fingerprint: dict[str, Any], timing_cache: Path | None,
               kernels: dict) -> dict[str, Any]:
-    """{"paged_attention": {...}, "weight_only_gemm": {...}}, each {"chosen", "source", "timings_ms"}."""
+    """{"paged_attention": {...}, "weight_only_gemm": {...}, "fused_moe": {...}} (those the model has), each
+    {"chosen", "source", "timings_ms"}."""
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[build.dtype]
     cache = _load_cache(timing_cache)
     stack = "|".join(str(fingerprint.get(f)) for f in ("device", "cuda_version", "torch_version", "triton_version"))
@@ -78,6 +81,17 @@ def tune_cuda(config, build, fingerprint: dict[str, Any], timing_cache: Path | N
         best, timings, source = _time(cache, key, GEMM_CANDIDATES,
                                       lambda c: kernels["weight_only_gemm"].weight_only_gemm(x, codes, scales, **c))
         out["weight_only_gemm"] = {"chosen": best, "source": source, "timings_ms": timings, "shape": key}
+    if config.is_moe:  # a decode batch's tokens through one layer's experts
+        experts, inter, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
+        x = torch.randn(batch, hidden, dtype=dtype, device=dev)
+        logits = torch.randn(batch, experts, device=dev)
+        gate_up = torch.randn(experts, 2 * inter, hidden, dtype=dtype, device=dev) * hidden**-0.5
+        down = torch.randn(experts, hidden, inter, dtype=dtype, device=dev) * inter**-0.5
+        k = config.num_experts_per_tok
+        key = f"{stack}|fused_moe|{build.dtype}|t{batch}|e{experts}k{k}|{hidden}x{inter}"
+        best, timings, source = _time(cache, key, MOE_CANDIDATES, lambda c: kernels["fused_moe"].fused_moe(
+            x, logits, gate_up, down, k, True, **c))
+        out["fused_moe"] = {"chosen": best, "source": source, "timings_ms": timings, "shape": key}
     if timing_cache is not None:
         Path(timing_cache).write_text(json.dumps(cache, indent=1) + "\n")
     return out

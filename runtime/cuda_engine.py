@@ -97,7 +97,7 @@ class CudaEngine:
         self.weights = load_file(str(self.info.path / next(iter(self.info.weight_files))), device=str(self.device))
         self.dtype = TORCH_DTYPES[self.plan.dtype]
         chosen = {name: t["chosen"] for name, t in self.info.tactics.items() if isinstance(t, dict) and "chosen" in t}
-        tactic_of = {"paged_attention": "paged_attention", "weight_only_linear": "weight_only_gemm"}
+        tactic_of = {"paged_attention": "paged_attention", "weight_only_linear": "weight_only_gemm", "moe": "fused_moe"}
         self.step_attrs: list[dict[str, Any]] = [
             {**s.attrs, "tactics": chosen.get(tactic_of.get(s.kernel, ""), {})} for s in self.plan.steps]
         self.frees = _last_uses(self.plan)

@@ -101,6 +101,10 @@ def relu(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, 
     return (torch.relu(x),)
 
 
+def sigmoid(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.sigmoid(x),)
+
+
 def scale(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """x times a constant scalar: Gemma's embedding multiplier, and the two around its final-logit Tanh."""
     return (x * a["value"],)
@@ -132,6 +136,14 @@ def kv_write(k: Kernels, a: dict[str, Any], kv_cache: torch.Tensor, k_new: torch
     return ()
 
 
+def moe(k: Kernels, a: dict[str, Any], x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
+        down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """A mixture of experts' output for the normalized hidden states x and the router's logits."""
+    return (k["fused_moe"].fused_moe(x, logits, gate_up, down, a["k"], a["normalize"], gate_up_bias, down_bias,
+                                     a["alpha"], a["beta"], a["limit"], **a.get("tactics", {})),)
+
+
 def speculative_accept(k: Kernels, a: dict[str, Any], logits: torch.Tensor, accept_rows: torch.Tensor,
                        draft_tokens: torch.Tensor, draft_lens: torch.Tensor, temperatures: torch.Tensor,
                        uniforms: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -141,5 +153,6 @@ def speculative_accept(k: Kernels, a: dict[str, Any], logits: torch.Tensor, acce
 
 OPS: dict[str, Op] = {f.__name__: f for f in (gather_rows, rmsnorm, add_rmsnorm, layernorm, linear, weight_only_linear,
                                               add, mul, concat, split, reshape, swiglu, silu_mul, geglu, gelu_mul,
-                                              gelu, tanh, relu, scale, paged_attention, kv_write, speculative_accept)}
+                                              gelu, tanh, relu, sigmoid, scale, paged_attention, kv_write, moe,
+                                              speculative_accept)}
 OPS["embedding"] = gather_rows

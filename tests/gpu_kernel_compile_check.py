@@ -89,6 +89,12 @@ for dtype in (torch.float32, torch.bfloat16):
     K["rmsnorm"].add_rmsnorm(x, torch.zeros(576, dtype=dtype), 1e-5, residual=torch.zeros_like(x))
     K["swiglu"].swiglu(torch.zeros(3, 2 * 1536, dtype=dtype))
     K["weight_only_gemm"].weight_only_gemm(x, torch.zeros(1536, 288, dtype=torch.uint8), torch.zeros(1536, 18))
+    # a mixture of experts (8 experts, 2 a token), then gpt-oss's biased experts and clamped SwiGLU
+    moe = [torch.zeros(3, 576, dtype=dtype), torch.zeros(3, 8), torch.zeros(8, 512, 576, dtype=dtype),
+           torch.zeros(8, 576, 256, dtype=dtype)]
+    K["fused_moe"].fused_moe(*moe, 2, True)
+    K["fused_moe"].fused_moe(*moe, 2, True, torch.zeros(8, 512, dtype=dtype), torch.zeros(8, 576, dtype=dtype),
+                             1.702, 1.0, 7.0, block_n=128, block_k=64)
 attention(torch.float16, 4, 2, 64, int8=True)
 x = torch.zeros(3, 576, dtype=torch.bfloat16)
 K["rmsnorm"].add_rmsnorm(x, torch.zeros(576, dtype=torch.bfloat16), 1e-5)

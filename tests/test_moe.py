@@ -160,9 +160,8 @@ def test_what_a_mixture_of_experts_cannot_be_given_is_refused(tmp_path):
         quantize(QuantizeOptions(model=hf, output=tmp_path / "q", qformat="fp8"))
     assert not (tmp_path / "q").exists()
     convert(hf, tmp_path / "ckpt")
-    for target in ("cuda", "tensorrt"):
-        with pytest.raises(TrtbuildError, match="mixture of experts, which the .* target has no kernel"):
-            build_engine(tmp_path / "ckpt", tmp_path / target, target=target, **OPTIONS)
+    with pytest.raises(TrtbuildError, match="mixture of experts, which the tensorrt target has no kernel"):
+        build_engine(tmp_path / "ckpt", tmp_path / "tensorrt", target="tensorrt", **OPTIONS)
     config = json.loads((hf / "config.json").read_text())
     for edit, pattern in (({"mlp_only_layers": [1]}, "dense MLP layers among its expert layers"),
                           ({"decoder_sparse_step": 2}, "dense MLP layers among its expert layers")):
