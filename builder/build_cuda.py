@@ -65,8 +65,10 @@ def check_cuda_buildable(config: ModelConfig, build: BuildConfig) -> None:
     if algo:
         raise ConfigError("target", f"cuda does not run {algo} checkpoints yet (weight-only int8/int4 and float "
                                     "ones); build them for cpu.")
-    if config.quantization.kv_cache_quant_algo:
-        raise ConfigError("target", "cuda does not run a quantized KV cache yet; build it for cpu.")
+    if config.quantization.kv_cache_quant_algo not in (None, "int8"):
+        raise ConfigError("target", f"cuda runs an int8 KV cache, not {config.quantization.kv_cache_quant_algo} "
+                                    "yet (its attention kernel reads float and int8 pools): quantize with "
+                                    "--kv-cache-qformat int8, or build it for cpu.")
     if config.qk_norm_after_rope:
         raise ConfigError("target", "cuda does not run q / k norms after RoPE (Hunyuan) yet: its attention kernel "
                                     "rotates q and k itself; build it for cpu.")

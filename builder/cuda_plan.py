@@ -19,7 +19,8 @@ Each node maps to one kernel (gpu_kernels/ for the Triton ones, torch for the re
                                                                scaling; with Tanh, the soft-cap c2 * tanh(c1 * x))
   Add, Split, Reshape                     add, split, reshape  torch
   trtbuild::PagedAttention                paged_attention      gpu_kernels/paged_attention.py, then kv_write: this
-                                                               layer's K/V scattered into the pool (torch); the
+                                                               layer's K/V scattered into the pool (torch; an int8
+                                                               pool: round(x / scale) clipped to +-127); the
                                                                sinks (a constant) are the last input, attr sinks
   trtbuild::SpeculativeAccept             speculative_accept   gpu_kernels/speculative_accept.py on the lm_head rows
                                                                (draft-tokens engines: plan inputs and outputs
@@ -228,16 +229,17 @@ class _PlanWriter:
                                 "build this model for --target cpu")
 
     def attention(self, n: onnx.NodeProto, a: dict[str, Any]) -> None:
-        if a.get("kv_cache_quant_algo"):
-            raise TrtbuildError(f"{n.name}: a quantized KV cache is not supported by the cuda target yet; build "
-                                "for --target cpu")
+        if a.get("kv_cache_quant_algo") not in (None, "int8"):
+            raise TrtbuildError(f"{n.name}: a {a['kv_cache_quant_algo']} KV cache is not supported by the cuda "
+                                "target yet (int8 is); build for --target cpu")
+        kv_quant = {k: a[k] for k in ("kv_cache_quant_algo", "kv_cache_scale") if k in a}
         inputs = [n.input[pa.Q], n.input[pa.K], n.input[pa.V], "kv_cache", n.input[pa.BLOCK_TABLES],
                   n.input[pa.PAST_LENGTHS], n.input[pa.QUERY_START_LOC]]
         if a.get("rotary"):
             inputs += [n.input[pa.POSITION_IDS]] + [self.weight(n.input[i], self.const(n.input[i]), torch.float32)
                                                      for i in (pa.ROPE_COS, pa.ROPE_SIN)]
         keep = ("layer_idx", "num_heads", "num_kv_heads", "head_size", "scale", "tokens_per_block", "window", "softcap")
-        attrs = {k: a[k] for k in keep if k in a}
+        attrs = {k: a[k] for k in keep if k in a} | kv_quant
         if sinks := pa.sinks_input(n.input):  # gpt-oss: the step's last input, float32 whatever the plan's dtype
             inputs.append(self.weight(sinks, self.const(sinks), torch.float32))
             attrs["sinks"] = True
@@ -248,7 +250,7 @@ class _PlanWriter:
         if table != "block_tables":
             self.group_inputs |= {table, slots}
         self.steps.append(PlanStep("kv_write", n.name + "/kv_write", ("kv_cache", n.output[1], n.output[2], slots),
-                                   (), {"layer_idx": a["layer_idx"]}))
+                                   (), {"layer_idx": a["layer_idx"], **kv_quant}))
 
     def experts(self, n: onnx.NodeProto, a: dict[str, Any]) -> None:
         """ONNX Runtime's MoE (builder/moe_experts.py: the float form) as a `moe` step (gpu_kernels/fused_moe.py):

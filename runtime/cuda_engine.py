@@ -111,8 +111,10 @@ class CudaEngine:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)create the KV pool with `num_blocks` blocks; its previous contents and captured graphs are dropped."""
         self.graphs.clear()
-        self.kv = TorchKVPool(self.info.kv_cache_input["shape"], num_blocks, self.dtype, self.device,
-                              self.info.kv_cache_groups)
+        # NOTE: an int8 KV cache (the checkpoint's kv_cache_quant_algo) holds int8 values; a float one the compute dtype
+        quantized = self.info.model.quantization.kv_cache_quant_algo == "int8"
+        self.kv = TorchKVPool(self.info.kv_cache_input["shape"], num_blocks, torch.int8 if quantized else self.dtype,
+                              self.device, self.info.kv_cache_groups)
 
     @property
     def max_blocks_per_seq(self) -> int:

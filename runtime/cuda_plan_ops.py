@@ -122,17 +122,24 @@ def paged_attention(k: Kernels, a: dict[str, Any], q: torch.Tensor, key: torch.T
         q, key, v, kv_cache, block_tables, past_lengths, query_start_loc, layer_idx=a["layer_idx"],
         num_heads=a["num_heads"], num_kv_heads=a["num_kv_heads"], head_size=a["head_size"], scale=a["scale"],
         position_ids=position_ids, rope_cos=rope_cos, rope_sin=rope_sin, max_query_len=a["max_query_len"],
-        window=a.get("window", 0), softcap=a.get("softcap", 0.0), sinks=sinks, **a.get("tactics", {}))
+        window=a.get("window", 0), softcap=a.get("softcap", 0.0), sinks=sinks,
+        kv_cache_quant_algo=a.get("kv_cache_quant_algo"), kv_cache_scale=a.get("kv_cache_scale"),
+        **a.get("tactics", {}))
 
 
 def kv_write(k: Kernels, a: dict[str, Any], kv_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
              slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """This step's K/V of one layer into their pool slots, [T, KVH, D] each: O(T), on the device."""
+    """This step's K/V of one layer into their pool slots, [T, KVH, D] each: O(T), on the device. An int8 pool
+    (`kv_cache_scale` (K scale, V scale)) stores round(x / scale), half to even, clipped to +-127, as
+    runtime/kv_cache.py: quantize_kv does for the CPU engine."""
     block_size = kv_cache.shape[4]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     layer = a["layer_idx"]
-    kv_cache[blocks, layer, 0, :, offsets] = k_new.to(kv_cache.dtype)
-    kv_cache[blocks, layer, 1, :, offsets] = v_new.to(kv_cache.dtype)
+    scales = a.get("kv_cache_scale")
+    for i, x in enumerate((k_new, v_new)):
+        if scales is not None:  # NOTE: float32 division, whatever the compute dtype: the CPU engine's values
+            x = torch.round(x.float() / scales[i]).clamp_(-127, 127)
+        kv_cache[blocks, layer, i, :, offsets] = x.to(kv_cache.dtype)
     return ()
 
 

@@ -145,6 +145,26 @@ def test_weight_only_experts_plan_matches_cpu_engine(random_hf_model, tmp_path):
         np.testing.assert_allclose(cuda.step(chunks), cpu.step(chunks), atol=2e-4, rtol=0)
 
 
+def test_int8_kv_cache_plan_matches_cpu_engine(random_hf_model, tmp_path):
+    """An int8 KV cache: the plan's kv_write stores what the CPU engine stores (round half to even of x / scale,
+    clipped), and its attention reads the pool in units of the layer's scales."""
+    from quant_helpers import calibrate, quantize_checkpoint
+
+    from trtbuild.builder.build import build_engine
+
+    hf = random_hf_model("qwen2")
+    convert(hf, tmp_path / "float")
+    ckpt = quantize_checkpoint(tmp_path / "float", tmp_path / "ckpt", None, "int8", calibrate(hf, list(range(3, 40))))
+    cpu = CpuEngine(build_engine(ckpt, tmp_path / "cpu", **OPTIONS), num_blocks=8)
+    cuda = CudaEngine(build_engine(ckpt, tmp_path / "cuda", target="cuda", **OPTIONS), num_blocks=8)
+    assert cuda.kv.pool.dtype == torch.int8 and cpu.kv.pool.dtype == np.int8
+    for i, chunks in enumerate(STEPS):
+        np.testing.assert_allclose(cuda.step(chunks), cpu.step(chunks), atol=1e-4, rtol=0, err_msg=f"step {i}")
+    stored = cuda.kv.pool[: cuda.kv.num_blocks].cpu().numpy().astype(np.int32)
+    assert np.abs(stored - cpu.kv.pool).max() <= 1 and (stored != cpu.kv.pool).mean() < 1e-3  # ties apart
+    assert np.abs(stored).max() > 64  # the scales put the values in int8's range
+
+
 def test_other_gpu_or_stack_is_refused_with_the_rebuild_command(engine_pair, tmp_path):
     import shutil
 
