@@ -39,6 +39,8 @@ class QuantAlgo(StrEnum):
 QUANT_ALGOS = (QuantAlgo.FP8, QuantAlgo.INT4_AWQ, QuantAlgo.INT8_SQ, QuantAlgo.WEIGHT_ONLY)
 LM_HEAD_QUANT_ALGOS = (QuantAlgo.INT8_WO,)
 CALIBRATED_QUANT_ALGOS = (QuantAlgo.FP8, QuantAlgo.INT4_AWQ, QuantAlgo.INT8_SQ)
+# `--qformat` that keeps every linear as it is and quantizes only the KV cache (TensorRT-LLM's name for it)
+FULL_PRECISION = "full_prec"
 
 
 class KVCacheQuantAlgo(StrEnum):

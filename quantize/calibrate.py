@@ -55,7 +55,9 @@ def mtq_config(qformat: str, kv_cache_qformat: str | None, block_size: int, excl
     """modelopt's config for `qformat`, with the AWQ block size, the SmoothQuant alpha, the KV-cache quantizers and
     the exclusions."""
     mtq = import_mtq()
-    config = copy.deepcopy(getattr(mtq, MTQ_CONFIGS[qformat]))
+    # NOTE: no weight format (--qformat full_prec): every quantizer off but the KV cache's, calibrated by max
+    no_weights = {"quant_cfg": [{"quantizer_name": "*", "enable": False}], "algorithm": "max"}
+    config = copy.deepcopy(getattr(mtq, MTQ_CONFIGS[qformat]) if qformat else no_weights)
     if qformat == QuantAlgo.INT8_SQ and smoothquant_alpha is not None:
         config["algorithm"] = {"method": "smoothquant", "alpha": float(smoothquant_alpha)}
     entries: list[dict[str, Any]] = config["quant_cfg"]

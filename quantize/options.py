@@ -8,7 +8,13 @@ from pathlib import Path
 
 from trtbuild.configs import QuantConfig
 from trtbuild.errors import ConfigError
-from trtbuild.quantization import CALIBRATED_QUANT_ALGOS, LM_HEAD_QUANT_ALGOS, KVCacheQuantAlgo, QuantAlgo
+from trtbuild.quantization import (
+    CALIBRATED_QUANT_ALGOS,
+    FULL_PRECISION,
+    LM_HEAD_QUANT_ALGOS,
+    KVCacheQuantAlgo,
+    QuantAlgo,
+)
 
 # SmoothQuant migration strength for int8_sq when smoothquant_alpha is not given, by per-token activations or not:
 # the most accurate of those measured on SmolLM2-135M (docs/quantization-results.md). Static per-tensor activation
@@ -25,7 +31,7 @@ class QuantizeOptions:
 
     model: Path  # HF folder, .gguf file or unquantized trtbuild checkpoint folder
     output: Path  # checkpoint folder to create
-    qformat: str  # CALIBRATED_QUANT_ALGOS
+    qformat: str  # CALIBRATED_QUANT_ALGOS, or FULL_PRECISION (the KV cache only)
     kv_cache_qformat: str | None = None  # KVCacheQuantAlgo, or None: the KV cache stays in the checkpoint dtype
     calib_dataset: Path | None = None  # None: the default corpus (quantize/calib.py)
     calib_size: int = 512
@@ -54,11 +60,19 @@ class QuantizeOptions:
 
     def _check_formats(self) -> None:
         qformat = self.qformat
-        if qformat not in CALIBRATED_QUANT_ALGOS:
-            raise ConfigError("qformat", f"{qformat!r} is not one of {', '.join(CALIBRATED_QUANT_ALGOS)}.")
+        if qformat not in (*CALIBRATED_QUANT_ALGOS, FULL_PRECISION):
+            raise ConfigError("qformat", f"{qformat!r} is not one of {', '.join(CALIBRATED_QUANT_ALGOS)}, "
+                                         f"{FULL_PRECISION}.")
         if self.kv_cache_qformat not in (None, *KVCacheQuantAlgo):
             raise ConfigError("kv_cache_qformat", f"{self.kv_cache_qformat!r} is not one of "
                                                   f"{', '.join(KVCacheQuantAlgo)}.")
+        if qformat == FULL_PRECISION and self.kv_cache_qformat is None:
+            raise ConfigError("qformat", f"{FULL_PRECISION} keeps the weights as they are, so it needs a KV cache "
+                                         f"format ({', '.join(KVCacheQuantAlgo)}): nothing else would be quantized "
+                                         "(`trtbuild convert` writes a full-precision checkpoint).")
+        if qformat == FULL_PRECISION and self.lm_head_qformat is not None:
+            raise ConfigError("lm_head_qformat", f"the {FULL_PRECISION} format keeps every linear as it is, lm_head "
+                                                 "included: drop lm_head's format, or pick a weight format.")
         block = self.awq_block_size
         if qformat == QuantAlgo.INT4_AWQ and block is not None and (not 16 <= block <= 256 or block & (block - 1)):
             raise ConfigError("awq_block_size", f"{block} must be a power of two from 16 to 256 (what ONNX Runtime's "
@@ -100,10 +114,13 @@ class QuantizeOptions:
         qformat, alpha = self.qformat, self.smoothquant_alpha
         if qformat == QuantAlgo.INT8_SQ and alpha is None:
             alpha = DEFAULT_SMOOTHQUANT_ALPHA[bool(self.per_token_activations)]
-        return QuantConfig(quant_algo=str(qformat), kv_cache_quant_algo=_plain(self.kv_cache_qformat),
+        weights = qformat != FULL_PRECISION
+        return QuantConfig(quant_algo=str(qformat) if weights else None,
+                           kv_cache_quant_algo=_plain(self.kv_cache_qformat),
                            group_size=self.awq_block_size if qformat == QuantAlgo.INT4_AWQ else None,
                            pre_quant_scale=qformat in (QuantAlgo.INT4_AWQ, QuantAlgo.INT8_SQ),
-                           exclude_modules=self.exclude, shared_input_scales=bool(self.shared_input_scales),
+                           exclude_modules=self.exclude if weights else (),
+                           shared_input_scales=bool(self.shared_input_scales),
                            smoothquant_alpha=None if alpha is None else float(alpha),
                            per_token_activations=bool(self.per_token_activations),
                            lm_head_quant_algo=_plain(self.lm_head_qformat))

@@ -50,9 +50,10 @@ class QuantizeResult:
                  if q.smoothquant_alpha is not None else "")
         head = f", lm_head {q.lm_head_quant_algo}" if q.lm_head_quant_algo else ""
         kept = sum(q.algo_of(p) is None for p in self.excluded)
-        return (f"{q.quant_algo}{group}{alpha}, {'shared' if q.shared_input_scales else 'per-linear'} input scales, "
-                f"KV cache {q.kv_cache_quant_algo or dtype}, {len(self.quantized)} linears quantized, {kept} kept in "
-                f"{dtype}{head}, calibrated on {self.calib_shape[0]} x {self.calib_shape[1]} tokens in "
+        weights = f"{q.quant_algo}{group}{alpha}, {'shared' if q.shared_input_scales else 'per-linear'} input " \
+            f"scales" if q.quant_algo else "weights as they are"
+        return (f"{weights}, KV cache {q.kv_cache_quant_algo or dtype}, {len(self.quantized)} linears quantized, "
+                f"{kept} kept in {dtype}{head}, calibrated on {self.calib_shape[0]} x {self.calib_shape[1]} tokens in "
                 f"{self.seconds['calibrate']:.1f} s, {self.config.mapping.world_size} rank(s)")
 
 
@@ -64,6 +65,8 @@ def split_linears(config: ModelConfig) -> tuple[list[str], list[str]]:
         if not any(fnmatch.fnmatchcase(p, pattern) for p in prefixes):
             log.warning("--exclude %r matches no linear (they are named like lm_head, transformer.layers.0.attention."
                         "q, transformer.layers.0.mlp.proj); nothing is excluded by it", pattern)
+    if q.quant_algo is None:  # --qformat full_prec: the KV cache only
+        return [], prefixes
     return [p for p in prefixes if not q.is_excluded(p)], [p for p in prefixes if q.is_excluded(p)]
 
 
@@ -149,7 +152,7 @@ def _quantize(options: QuantizeOptions, qconfig: QuantConfig, texts: list[str]) 
     config = dataclasses.replace(config, mapping=Mapping(tp_size=options.tp_size, pp_size=options.pp_size),
                                  quantization=qconfig)
     quantized, excluded = split_linears(config)
-    if not quantized:
+    if not quantized and qconfig.quant_algo:
         raise ConfigError("exclude", f"{' '.join(qconfig.exclude_modules)} matches every linear: nothing to quantize.")
     if qconfig.quant_algo == QuantAlgo.INT4_AWQ and qconfig.group_size is None:
         config = _with_default_group_size(config, quantized)

@@ -68,6 +68,7 @@ CASES = {  # name -> (--qformat, --kv-cache-qformat, flags)
     "int8_sq-per_token": ("int8_sq", None, ("--per-token-activations",)),
     "int8_sq-alpha1": ("int8_sq", None, ("--smoothquant-alpha", "1.0")),
     "int4_awq-lm_head_int8": ("int4_awq", None, ("--lm-head-qformat", "int8_wo")),
+    "full_prec-kv_int8": ("full_prec", "int8", ()),  # the KV cache only
 }
 FLAGS = {"--fuse-shared-scales": "shared_input_scales", "--per-token-activations": "per_token_activations"}
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The cat sat on the mat and",

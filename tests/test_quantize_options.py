@@ -10,7 +10,10 @@ from trtbuild.quantize.options import QuantizeOptions
 
 
 @pytest.mark.parametrize(("options", "field", "problem"), [
-    (dict(qformat="weight_only"), "qformat", "'weight_only' is not one of fp8, int4_awq, int8_sq."),
+    (dict(qformat="weight_only"), "qformat", "'weight_only' is not one of fp8, int4_awq, int8_sq, full_prec."),
+    (dict(qformat="full_prec"), "qformat", "full_prec keeps the weights as they are, so it needs a KV cache format"),
+    (dict(qformat="full_prec", kv_cache_qformat="int8", lm_head_qformat="int8_wo"), "lm_head_qformat",
+     "the full_prec format keeps every linear as it is"),
     (dict(kv_cache_qformat="float16"), "kv_cache_qformat", "'float16' is not one of fp8, int8."),
     (dict(qformat="int4_awq", awq_block_size=48), "awq_block_size", "48 must be a power of two from 16 to 256"),
     (dict(lm_head_qformat="int4"), "lm_head_qformat", "'int4' is not one of int8_wo."),
@@ -31,6 +34,11 @@ def test_quantize_options_are_checked_on_creation(options, field, problem):
     with pytest.raises(ConfigError) as error:
         QuantizeOptions(**{"model": "m", "output": "o", "qformat": "fp8", **options})
     assert error.value.field == field and problem in error.value.problem and "--" not in error.value.problem
+
+
+def test_full_precision_quantizes_the_kv_cache_only():
+    q = QuantizeOptions("m", "o", "full_prec", kv_cache_qformat="int8", exclude=("lm_head",)).quant_config()
+    assert (q.quant_algo, q.kv_cache_quant_algo, q.exclude_modules, q.pre_quant_scale) == (None, "int8", (), False)
 
 
 def test_quantize_options_quant_config():
