@@ -48,9 +48,9 @@ def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
     if config.is_moe and build.target == "tensorrt":
         raise TrtbuildError(f"{config.architecture} is a mixture of experts, which the tensorrt target has no "
                             "kernel for yet; build it with --target cpu or cuda.")
-    if "conv" in config.layer_types and build.target != "cpu":
-        raise TrtbuildError(f"{config.architecture}'s short convolution layers have no {build.target} kernel yet; "
-                            "build it with --target cpu.")
+    if "conv" in config.layer_types and build.target == "tensorrt":
+        raise TrtbuildError(f"{config.architecture}'s short convolution layers have no tensorrt kernel yet; build it "
+                            "with --target cpu or cuda.")
     if "conv" in config.layer_types and config.quantization.kv_cache_quant_algo:
         raise TrtbuildError(f"{config.architecture}'s convolution layers keep their state in the KV pool, which a "
                             "quantized KV cache has no scales for: quantize without --kv-cache-qformat.")

@@ -13,8 +13,11 @@ Each node maps to one kernel (gpu_kernels/ for the Triton ones, torch for the re
   silu(gate) * up (separate GEMMs)        silu_mul             torch (weight-only gate and up stay two GEMMs)
   Split -> Gelu(gate, tanh) * up (fused)  geglu                gpu_kernels/swiglu.py (Gemma's MLP)
   Gelu(gate) * up (otherwise)             gelu_mul             torch, with the Gelu's approximate
-  Gelu, Tanh, Relu, Sigmoid (alone)       gelu, tanh, relu,    torch (Relu, then Mul(x, x): Arcee's relu^2;
-                                          sigmoid              Sigmoid: Qwen2-MoE's shared-expert gate)
+  Gelu, Tanh, Relu, Sigmoid, Log         gelu, tanh, relu,    torch (Relu, then Mul(x, x): Arcee's relu^2;
+                                          sigmoid, log         Sigmoid: Qwen2-MoE's shared-expert gate)
+  TopK, GatherElements, ScatterElements,  topk, gather_elements, torch: a sigmoid router's ops (LFM2-MoE)
+  ReduceSum, Expand(constant, Shape(x))   scatter_elements,
+                                          reduce_sum, full_like
   Mul(x, constant scalar)                 scale                torch (embedding and residual multipliers, logits
                                                                scaling; with Tanh, the soft-cap c2 * tanh(c1 * x))
   Add, Split, Reshape                     add, split, reshape  torch
@@ -22,6 +25,8 @@ Each node maps to one kernel (gpu_kernels/ for the Triton ones, torch for the re
                                                                layer's K/V scattered into the pool (torch; an int8
                                                                pool: round(x / scale) clipped to +-127); the
                                                                sinks (a constant) are the last input, attr sinks
+  trtbuild::PagedShortConv                short_conv           gpu_kernels/short_conv.py (LFM2), then conv_write:
+                                                               the step's rows over the layer's slots (torch)
   trtbuild::SpeculativeAccept             speculative_accept   gpu_kernels/speculative_accept.py on the lm_head rows
                                                                (draft-tokens engines: plan inputs and outputs
                                                                gain the op's, as builder/network.py describes)
@@ -46,6 +51,7 @@ from trtbuild.builder.network import ACCEPT_INPUTS
 from trtbuild.configs import LORA_IDS_INPUT
 from trtbuild.errors import TrtbuildError
 from trtbuild.plugins import paged_attention as pa
+from trtbuild.plugins import short_conv as sc
 from trtbuild.plugins import speculative_accept as sa
 from trtbuild.quantization import unpack_int4
 
@@ -86,6 +92,10 @@ class Plan:
         steps = tuple(PlanStep(s["kernel"], s["name"], tuple(s["inputs"]), tuple(s["outputs"]), s.get("attrs", {}))
                       for s in doc["steps"])
         return cls(doc["dtype"], steps, tuple(doc["outputs"]), tuple(doc.get("inputs", PLAN_INPUTS)))
+
+
+def _snake(op_type: str) -> str:
+    return "".join(f"_{c.lower()}" if c.isupper() else c for c in op_type).lstrip("_")
 
 
 def _gate_rows_first(fused: np.ndarray) -> np.ndarray:
@@ -211,8 +221,12 @@ class _PlanWriter:
             self.emit("concat", n, list(n.input), list(n.output), axis=int(a["axis"]))
         elif op == "Gelu" and n.domain in ("", "ai.onnx"):
             self.emit("gelu", n, [n.input[0]], list(n.output), approximate=a.get("approximate", "none"))
-        elif op in ("Tanh", "Relu", "Sigmoid"):
+        elif op in ("Tanh", "Relu", "Sigmoid", "Log"):
             self.emit(op.lower(), n, [n.input[0]], list(n.output))
+        elif op in ("TopK", "GatherElements", "ScatterElements", "Expand", "ReduceSum"):
+            self.routing(n, a)
+        elif op == "Shape" and all(c.op_type == "Expand" for c in v.consumers.get(n.output[0], [])):
+            pass  # read by its Expands' full_like steps
         elif op == "Split":
             sizes = self.const(n.input[1]).tolist() if len(n.input) > 1 else None
             self.emit("split", n, [n.input[0]], list(n.output), sizes=sizes, axis=int(a.get("axis", 0)))
@@ -220,6 +234,8 @@ class _PlanWriter:
             self.emit("reshape", n, [n.input[0]], list(n.output), shape=self.const(n.input[1]).tolist())
         elif op == pa.OP_TYPE and n.domain == pa.DOMAIN:
             self.attention(n, a)
+        elif op == sc.OP_TYPE and n.domain == sc.DOMAIN:
+            self.short_conv(n, a)
         elif op == "MoE" and n.domain == MS_DOMAIN:
             self.experts(n, a)
         elif op == sa.OP_TYPE and n.domain == sa.DOMAIN:
@@ -244,13 +260,49 @@ class _PlanWriter:
             inputs.append(self.weight(sinks, self.const(sinks), torch.float32))
             attrs["sinks"] = True
         self.emit("paged_attention", n, inputs, list(n.output), **attrs)
-        # NOTE: a KV cache group's K/V go to the slots of its own table (configs/kv_groups.py: group_input)
-        table = n.input[pa.BLOCK_TABLES]
+        # NOTE: a KV cache group's K/V go to the slots of its own table
+        slots = self.group_tables(n.input[pa.BLOCK_TABLES])
+        self.steps.append(PlanStep("kv_write", n.name + "/kv_write", ("kv_cache", n.output[1], n.output[2], slots),
+                                   (), {"layer_idx": a["layer_idx"], **kv_quant}))
+
+    def routing(self, n: onnx.NodeProto, a: dict[str, Any]) -> None:
+        """The ops of a sigmoid router (builder/moe_experts.py: sigmoid_routing, LFM2-MoE), in torch: TopK,
+        GatherElements, ScatterElements, ReduceSum, and Expand of a constant to Shape(x) as `full_like` x."""
+        op, v = n.op_type, self.view
+        if op == "TopK" and a.get("largest", 1) == 1:
+            self.emit("topk", n, [n.input[0]], list(n.output), k=int(self.const(n.input[1]).reshape(-1)[0]),
+                      axis=int(a.get("axis", -1)))
+        elif op == "ReduceSum" and len(n.input) == 2 and not a.get("noop_with_empty_axes"):
+            self.emit("reduce_sum", n, [n.input[0]], list(n.output), axes=self.const(n.input[1]).tolist(),
+                      keepdims=bool(a.get("keepdims", 1)))
+        elif op in ("GatherElements", "ScatterElements") and a.get("reduction", "none") == "none":
+            self.emit(_snake(op), n, list(n.input), list(n.output), axis=int(a.get("axis", 0)))
+        elif op == "Expand" and (fill := self.scalar(n.input[0])) is not None and \
+                (shape := v.producer.get(n.input[1])) is not None and shape.op_type == "Shape":
+            self.emit("full_like", n, [shape.input[0]], list(n.output), value=fill)
+        else:
+            raise TrtbuildError(f"the cuda target has no kernel for {op} with {a} (node {n.name}); build this "
+                                "model for --target cpu")
+
+    def group_tables(self, table: str) -> str:
+        """The slot mapping of a block table input; a KV cache group's own pair becomes plan inputs
+        (configs/kv_groups.py: group_input)."""
         slots = table.replace("block_tables", "slot_mapping", 1)
         if table != "block_tables":
             self.group_inputs |= {table, slots}
-        self.steps.append(PlanStep("kv_write", n.name + "/kv_write", ("kv_cache", n.output[1], n.output[2], slots),
-                                   (), {"layer_idx": a["layer_idx"], **kv_quant}))
+        return slots
+
+    def short_conv(self, n: onnx.NodeProto, a: dict[str, Any]) -> None:
+        """LFM2's convolution (gpu_kernels/short_conv.py) reads the pool, then `conv_write` stores this step's rows
+        (the node's input x) over the layer's slots; its new_entries output is not needed (see new_kv_nodes)."""
+        x, table = n.input[sc.X], n.input[sc.BLOCK_TABLES]
+        inputs = [x, "kv_cache", table, n.input[sc.PAST_LENGTHS], n.input[sc.QUERY_START_LOC],
+                  self.weight(n.input[sc.WEIGHT], self.const(n.input[sc.WEIGHT]), torch.float32)]
+        if len(n.input) > sc.BIAS and n.input[sc.BIAS]:
+            inputs.append(self.weight(n.input[sc.BIAS], self.const(n.input[sc.BIAS]), torch.float32))
+        self.emit("short_conv", n, inputs, [n.output[0]], layer_idx=a["layer_idx"])
+        self.steps.append(PlanStep("conv_write", n.name + "/conv_write", ("kv_cache", x, self.group_tables(table)),
+                                   (), {"layer_idx": a["layer_idx"]}))
 
     def experts(self, n: onnx.NodeProto, a: dict[str, Any]) -> None:
         """ONNX Runtime's MoE (builder/moe_experts.py: the float form) as a `moe` step (gpu_kernels/fused_moe.py):
@@ -295,12 +347,16 @@ class _PlanWriter:
         return (raw - (1 << (bits - 1))) * np.repeat(scales.astype(np.float32), block, axis=1)
 
     def new_kv_nodes(self) -> set[str]:
-        """The Concat + Reshape that stack every layer's K/V into the `new_kv` output (not part of the plan)."""
+        """The Concat + Reshape that stack every layer's K/V into the `new_kv` output, and the Reshapes of the
+        convolution layers' new_entries into it (not part of the plan: the steps write the pool themselves)."""
         reshape = self.view.producer.get("new_kv")
         if reshape is None:
             return set()
         concat = self.view.producer.get(reshape.input[0])
-        return {reshape.name} | ({concat.name} if concat is not None and concat.op_type == "Concat" else set())
+        nodes = {reshape.name} | ({concat.name} if concat is not None and concat.op_type == "Concat" else set())
+        for conv in (n for n in self.view.graph.node if n.op_type == sc.OP_TYPE and n.domain == sc.DOMAIN):
+            nodes |= {r.name for r in self.view.consumers.get(conv.output[1], []) if r.op_type == "Reshape"}
+        return nodes
 
     def write(self) -> Plan:
         self.skip |= self.new_kv_nodes()

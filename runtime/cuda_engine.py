@@ -209,7 +209,7 @@ class CudaEngine:
         weights = self.weights
         for step, attrs, frees in zip(self.plan.steps, self.step_attrs, self.frees, strict=True):
             args = [env[n] if n in env else weights[n] for n in step.inputs]
-            if step.kernel == "paged_attention":
+            if step.kernel in ("paged_attention", "short_conv"):
                 attrs = {**attrs, "max_query_len": max_query_len}
             env.update(zip(step.outputs, OPS[step.kernel](self.kernels, attrs, *args), strict=True))
             for name in frees:

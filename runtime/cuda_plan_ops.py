@@ -105,6 +105,33 @@ def sigmoid(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tenso
     return (torch.sigmoid(x),)
 
 
+def log(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.log(x),)
+
+
+def topk(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    values, indices = torch.topk(x, a["k"], dim=a["axis"])
+    return values, indices
+
+
+def gather_elements(k: Kernels, a: dict[str, Any], x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.gather(x, a["axis"], index),)
+
+
+def scatter_elements(k: Kernels, a: dict[str, Any], x: torch.Tensor, index: torch.Tensor,
+                     updates: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.scatter(x, a["axis"], index, updates.to(x.dtype)),)
+
+
+def reduce_sum(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (x.sum(dim=a["axes"], keepdim=a["keepdims"]),)
+
+
+def full_like(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x's shape and dtype filled with a constant (ONNX Expand of a scalar to Shape(x))."""
+    return (torch.full_like(x, a["value"]),)
+
+
 def scale(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """x times a constant scalar: Gemma's embedding multiplier, and the two around its final-logit Tanh."""
     return (x * a["value"],)
@@ -143,6 +170,20 @@ def kv_write(k: Kernels, a: dict[str, Any], kv_cache: torch.Tensor, k_new: torch
     return ()
 
 
+def short_conv(k: Kernels, a: dict[str, Any], x: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+               past_lengths: torch.Tensor, query_start_loc: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """LFM2's convolution over this step's rows and the pool's (`max_query_len` from the host, as attention's)."""
+    return (k["short_conv"].paged_short_conv(x, kv_cache, block_tables, past_lengths, query_start_loc, weight, bias,
+                                             layer_idx=a["layer_idx"], max_query_len=a["max_query_len"]),)
+
+
+def conv_write(k: Kernels, a: dict[str, Any], kv_cache: torch.Tensor, x: torch.Tensor,
+               slot_mapping: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    k["short_conv"].write_rows(kv_cache, x, slot_mapping, a["layer_idx"])
+    return ()
+
+
 def moe(k: Kernels, a: dict[str, Any], x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
         down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
         down_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
@@ -158,8 +199,8 @@ def speculative_accept(k: Kernels, a: dict[str, Any], logits: torch.Tensor, acce
                                                       uniforms)
 
 
-OPS: dict[str, Op] = {f.__name__: f for f in (gather_rows, rmsnorm, add_rmsnorm, layernorm, linear, weight_only_linear,
-                                              add, mul, concat, split, reshape, swiglu, silu_mul, geglu, gelu_mul,
-                                              gelu, tanh, relu, sigmoid, scale, paged_attention, kv_write, moe,
-                                              speculative_accept)}
+OPS: dict[str, Op] = {f.__name__: f for f in (
+    gather_rows, rmsnorm, add_rmsnorm, layernorm, linear, weight_only_linear, add, mul, concat, split, reshape, swiglu,
+    silu_mul, geglu, gelu_mul, gelu, tanh, relu, sigmoid, log, topk, gather_elements, scatter_elements, reduce_sum,
+    full_like, scale, paged_attention, kv_write, short_conv, conv_write, moe, speculative_accept)}
 OPS["embedding"] = gather_rows

@@ -95,6 +95,11 @@ for dtype in (torch.float32, torch.bfloat16):
     K["fused_moe"].fused_moe(*moe, 2, True)
     K["fused_moe"].fused_moe(*moe, 2, True, torch.zeros(8, 512, dtype=dtype), torch.zeros(8, 576, dtype=dtype),
                              1.702, 1.0, 7.0, block_n=128, block_k=64)
+    # LFM2-1.2B's convolution: rows of 2048 over 2 slots of 8 x 2 x 64
+    K["short_conv"].paged_short_conv(
+        torch.zeros(5, 2048, dtype=dtype), torch.zeros(8, 6, 2, 8, 16, 64, dtype=dtype),
+        torch.zeros(2, 4, dtype=torch.int64), torch.tensor([3, 0]), torch.tensor([0, 1, 5]), torch.zeros(2048, 3),
+        layer_idx=2, max_query_len=4)
 attention(torch.float16, 4, 2, 64, int8=True)
 x = torch.zeros(3, 576, dtype=torch.bfloat16)
 K["rmsnorm"].add_rmsnorm(x, torch.zeros(576, dtype=torch.bfloat16), 1e-5)

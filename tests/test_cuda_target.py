@@ -61,7 +61,8 @@ STEPS = [
 
 @pytest.mark.parametrize("model", ["stories260K", "qwen2", "mistral_window", "gemma2", "gemma3", "granite", "olmo3",
                                    "glm4", "cohere2", "ministral3", "arcee", "starcoder2", "qwen3_moe", "mixtral",
-                                   "olmoe", "qwen2_moe", "granitemoe", "gpt_oss"])
+                                   "olmoe", "qwen2_moe", "granitemoe", "gpt_oss", "lfm2", "lfm2_wide",
+                                   "lfm2_moe", "lfm2_moe_raw"])
 def test_cuda_plan_matches_cpu_engine(engine_pair, model):
     cpu_dir, cuda_dir = engine_pair(model)
     groups = len(read_engine_config(cpu_dir).kv_cache_groups)  # Gemma 2 / 3, OLMo 3: a table per group
@@ -101,10 +102,12 @@ def test_autotune_without_gpu_records_defaults_and_why(random_hf_model, engine_f
     assert "needs a GPU" in tactics["paged_attention"]["source"]
 
 
-def test_greedy_generation_equals_cpu_engine(engine_pair):
-    cpu_dir, cuda_dir = engine_pair("stories260K")
+@pytest.mark.parametrize("model", ["stories260K", "lfm2"])
+def test_greedy_generation_equals_cpu_engine(engine_pair, model):
+    """Through EngineCore (LFM2: convolution groups whose blocks are released as sequences advance)."""
+    cpu_dir, cuda_dir = engine_pair(model)
     config = RuntimeConfig(kv_cache_blocks=32, warm_up=False)
-    prompts = ["Once upon a time", "The cat"]
+    prompts = ["Once upon a time", "The cat"] if model == "stories260K" else [[5, 9, 3, 7, 11, 2, 8], [2, 4]]
     params = SamplingParams(max_tokens=6, temperature=0.0)
     cuda_core = EngineCore(cuda_dir, config)
     assert isinstance(cuda_core.engine, CudaEngine)

@@ -159,12 +159,12 @@ def test_beam_forks_copy_the_convolution_state_and_equal_hf_beams(lfm2):
     assert [list(b.token_ids) for b in finals[0].beams] == [seq[len(PROMPTS[2]):] for seq in out.tolist()]
 
 
-def test_targets_and_splits_without_convolutions_refuse_it_before_any_work(random_hf_model, tmp_path):
+def test_a_target_and_splits_without_convolutions_refuse_it_before_any_work(random_hf_model, tmp_path):
     hf_dir = random_hf_model("lfm2")
     config = model_config_from_hf(__import__("json").loads((hf_dir / "config.json").read_text()))
-    for target in ("cuda", "tensorrt"):
-        with pytest.raises(TrtbuildError, match="short convolution layers have no"):
-            check_buildable(config, BuildConfig(target=target))
+    with pytest.raises(TrtbuildError, match="short convolution layers have no tensorrt kernel yet; build it with "
+                                            "--target cpu or cuda"):
+        check_buildable(config, BuildConfig(target="tensorrt"))
     quantized_kv = dataclasses.replace(config, quantization=QuantConfig(kv_cache_quant_algo="int8"))
     with pytest.raises(TrtbuildError, match="without --kv-cache-qformat"):
         check_buildable(quantized_kv, BuildConfig())
