@@ -60,11 +60,6 @@ def check_cuda_buildable(config: ModelConfig, build: BuildConfig) -> None:
     """What the cuda target refuses before any work (the rest of check_buildable applies too)."""
     if importlib.util.find_spec("triton") is None:
         raise TrtbuildError("the cuda target needs Triton: `pip install triton` (the kernels are Triton kernels).")
-    quant = config.quantization
-    algo = next((a for a in (quant.quant_algo, quant.lm_head_quant_algo) if a and a != "weight_only"), None)
-    if algo:
-        raise ConfigError("target", f"cuda does not run {algo} checkpoints yet (weight-only int8/int4 and float "
-                                    "ones); build them for cpu.")
     if config.quantization.kv_cache_quant_algo not in (None, "int8"):
         raise ConfigError("target", f"cuda runs an int8 KV cache, not {config.quantization.kv_cache_quant_algo} "
                                     "yet (its attention kernel reads float and int8 pools): quantize with "

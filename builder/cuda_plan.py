@@ -9,6 +9,11 @@ Each node maps to one kernel (gpu_kernels/ for the Triton ones, torch for the re
   LayerNormalization (weight[, bias])     layernorm            torch (Cohere's and StarCoder 2's norms)
   MatMul / Gemm(transB) on a constant     linear               torch (cuBLAS): weight stored [out, in]
   MatMulNBits (weight-only int8/int4)     weight_only_linear   gpu_kernels/weight_only_gemm.py on the checkpoint codes
+  MatMul(x, DequantizeLinear(W)), with    weight_only_linear,  trtbuild quantize's formats (int4_awq, int8_sq, fp8,
+  Q/DQ on x for int8_sq and fp8           int8_linear,         an int8 lm_head): builder/cuda_plan_quant.py
+                                          fp8_linear
+  Mul / Div / Max (a constant operand),   mul, div, maximum,   torch (int4_awq's prequant, a per-token int8 scale)
+  Abs, ReduceMax                          abs, reduce_max
   Split -> silu(gate) * up (fused gate|up) swiglu              gpu_kernels/swiglu.py on the Split's input
   silu(gate) * up (separate GEMMs)        silu_mul             torch (weight-only gate and up stay two GEMMs)
   Split -> Gelu(gate, tanh) * up (fused)  geglu                gpu_kernels/swiglu.py (Gemma's MLP)
@@ -46,6 +51,7 @@ import onnx
 import torch
 from onnx import helper
 
+from trtbuild.builder.cuda_plan_quant import QuantizedSteps, find_quantized_linears
 from trtbuild.builder.graph import MS_DOMAIN, GraphView, other_input
 from trtbuild.builder.network import ACCEPT_INPUTS
 from trtbuild.configs import LORA_IDS_INPUT
@@ -53,7 +59,6 @@ from trtbuild.errors import TrtbuildError
 from trtbuild.plugins import paged_attention as pa
 from trtbuild.plugins import short_conv as sc
 from trtbuild.plugins import speculative_accept as sa
-from trtbuild.quantization import unpack_int4
 
 PLAN_FORMAT = 1
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -112,7 +117,7 @@ def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
     return out
 
 
-class _PlanWriter:
+class _PlanWriter(QuantizedSteps):
     def __init__(self, model: onnx.ModelProto, dtype: str) -> None:
         self.view, self.dtype = GraphView(model), TORCH_DTYPES[dtype]
         self.steps: list[PlanStep] = []
@@ -200,6 +205,8 @@ class _PlanWriter:
         elif op == "SkipSimplifiedLayerNormalization":
             self.emit("add_rmsnorm", n, [n.input[0], n.input[1], self.weight(n.input[2], self.const(n.input[2]))],
                       [n.output[0], n.output[3]], eps=float(a.get("epsilon", 1e-5)))
+        elif op == "MatMul" and n.name in self.quantized:
+            self.quantized_linear(n)
         elif op == "MatMul" and n.input[1] in v.initializers:  # [in, out] -> [out, in], as cuBLAS reads x @ W^T
             w = self.const(n.input[1])
             self.emit("linear", n, [n.input[0], self.weight(n.input[1], w.T)], list(n.output))
@@ -215,8 +222,13 @@ class _PlanWriter:
             self.emit(kernel, n, inputs, list(n.output), **attrs)
         elif op == "Mul" and len(scalars := [i for i in n.input if self.scalar(i) is not None]) == 1:
             self.emit("scale", n, [other_input(n, scalars[0])], list(n.output), value=self.scalar(scalars[0]))
-        elif op == "Mul" and not any(i in v.initializers for i in n.input):
-            self.emit("mul", n, list(n.input), list(n.output))
+        elif op in ("Mul", "Div", "Max"):  # elementwise, a constant operand (int4_awq's prequant) as a weight
+            inputs = [self.weight(i, self.const(i), torch.float32) if i in v.initializers else i for i in n.input]
+            self.emit({"Mul": "mul", "Div": "div", "Max": "maximum"}[op], n, inputs, list(n.output))
+        elif op in ("Abs", "ReduceMax") and (op == "Abs" or len(n.input) == 2):  # a per-token int8 scale
+            attrs = {} if op == "Abs" else {"axes": self.const(n.input[1]).tolist(), "keepdims": bool(a.get("keepdims",
+                                                                                                              1))}
+            self.emit(_snake(op), n, [n.input[0]], list(n.output), **attrs)
         elif op == "Concat":
             self.emit("concat", n, list(n.input), list(n.output), axis=int(a["axis"]))
         elif op == "Gelu" and n.domain in ("", "ai.onnx"):
@@ -323,29 +335,6 @@ class _PlanWriter:
                   alpha=float(a.get("activation_alpha", 1.0)), beta=float(a.get("activation_beta", 0.0)),
                   limit=None if limit == float("inf") else float(limit))
 
-    def weight_only(self, n: onnx.NodeProto, a: dict[str, Any]) -> None:
-        """MatMulNBits' tensors as weight_only_gemm reads them: codes [N, K * bits / 8], scales [N, K / block],
-        float zero points [N, K / block] when present (absent: 2^(bits-1), which the kernel applies itself)."""
-        k, out_features, bits = a["K"], a["N"], a["bits"]
-        codes = self.const(n.input[1]).reshape(out_features, k * bits // 8)
-        scales = self.const(n.input[2]).reshape(out_features, -1)
-        inputs = [n.input[0], self.weight(n.input[1], codes), self.weight(n.input[2], scales, torch.float32)]
-        if len(n.input) > 3 and n.input[3]:
-            zp = self.const(n.input[3])
-            if zp.dtype != np.float32:
-                raise TrtbuildError(f"{n.name}: packed integer zero points are not supported by the cuda target")
-            inputs.append(self.weight(n.input[3], zp.reshape(out_features, -1), torch.float32))
-        self.emit("weight_only_linear", n, inputs, list(n.output))
-
-    def dequantized_table(self, n: onnx.NodeProto, a: dict[str, Any]) -> np.ndarray:
-        """A weight-only embedding table dequantized at build time: the engine gathers rows of the step's tokens
-        from it (the codes would only save memory, and one table of the compute dtype is simple)."""
-        codes, scales, bits = self.const(n.input[0]), self.const(n.input[2]), a.get("bits", 4)
-        # NOTE: unpack_int4 returns code - 8; the raw code is what the zero point applies to
-        raw = unpack_int4(codes).astype(np.float32) + 8 if bits == 4 else codes.astype(np.float32)
-        block = raw.shape[1] // scales.shape[1]
-        return (raw - (1 << (bits - 1))) * np.repeat(scales.astype(np.float32), block, axis=1)
-
     def new_kv_nodes(self) -> set[str]:
         """The Concat + Reshape that stack every layer's K/V into the `new_kv` output, and the Reshapes of the
         convolution layers' new_entries into it (not part of the plan: the steps write the pool themselves)."""
@@ -360,6 +349,8 @@ class _PlanWriter:
 
     def write(self) -> Plan:
         self.skip |= self.new_kv_nodes()
+        self.quantized, absorbed = find_quantized_linears(self.view)
+        self.skip |= absorbed
         self.glus = self.find_glus()
         for n in self.view.graph.node:
             if n.name not in self.skip:

@@ -51,6 +51,26 @@ def weight_only_linear(k: Kernels, a: dict[str, Any], x: torch.Tensor, codes: to
     return (k["weight_only_gemm"].weight_only_gemm(x, codes, scales, zero_points, **t),)
 
 
+def int8_linear(k: Kernels, a: dict[str, Any], x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                w_scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """SmoothQuant's W8A8: x quantized with its (static or per-token) scale, int8 x int8 in gpu_kernels/int8_gemm.py."""
+    return (k["int8_gemm"].int8_gemm(x, x_scale, weight, w_scale),)
+
+
+def fp8_linear(k: Kernels, a: dict[str, Any], x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+               w_scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """x quantized to e4m3 (x / s_x saturated to +-448, as ONNX QuantizeLinear), times the e4m3 weight [N, K]:
+    torch._scaled_mm (float32 accumulation, both scales applied after) where it runs, else the same products in
+    float32 (GPUs before compute capability 8.9, and dimensions that are not multiples of 16)."""
+    xq = (x.float() / x_scale).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+    n_out, k_in = weight.shape
+    native = x.device.type == "cpu" or torch.cuda.get_device_capability(x.device) >= (8, 9)
+    if native and n_out % 16 == 0 and k_in % 16 == 0:
+        return (torch._scaled_mm(xq, weight.t(), scale_a=x_scale.reshape(()), scale_b=w_scale.reshape(()),
+                                 out_dtype=x.dtype),)
+    return (((xq.float() @ weight.float().t()) * (x_scale * w_scale)).to(x.dtype),)
+
+
 def add(k: Kernels, a: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (x + y,)
 
@@ -103,6 +123,22 @@ def relu(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, 
 
 def sigmoid(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (torch.sigmoid(x),)
+
+
+def div(k: Kernels, a: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (x / y,)
+
+
+def maximum(k: Kernels, a: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.maximum(x, y.to(x.dtype)),)
+
+
+def abs(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: A001 (ONNX's name)
+    return (torch.abs(x),)
+
+
+def reduce_max(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.amax(x, dim=a["axes"], keepdim=a["keepdims"]),)
 
 
 def log(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -202,5 +238,6 @@ def speculative_accept(k: Kernels, a: dict[str, Any], logits: torch.Tensor, acce
 OPS: dict[str, Op] = {f.__name__: f for f in (
     gather_rows, rmsnorm, add_rmsnorm, layernorm, linear, weight_only_linear, add, mul, concat, split, reshape, swiglu,
     silu_mul, geglu, gelu_mul, gelu, tanh, relu, sigmoid, log, topk, gather_elements, scatter_elements, reduce_sum,
-    full_like, scale, paged_attention, kv_write, short_conv, conv_write, moe, speculative_accept)}
+    full_like, scale, paged_attention, kv_write, short_conv, conv_write, moe, speculative_accept, int8_linear,
+    fp8_linear, div, maximum, abs, reduce_max)}
 OPS["embedding"] = gather_rows

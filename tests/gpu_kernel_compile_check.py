@@ -95,6 +95,7 @@ for dtype in (torch.float32, torch.bfloat16):
     K["fused_moe"].fused_moe(*moe, 2, True)
     K["fused_moe"].fused_moe(*moe, 2, True, torch.zeros(8, 512, dtype=dtype), torch.zeros(8, 576, dtype=dtype),
                              1.702, 1.0, 7.0, block_n=128, block_k=64)
+    K["int8_gemm"].int8_gemm(x, torch.tensor([0.02]), torch.zeros(1536, 576, dtype=torch.int8), torch.zeros(1536))
     # LFM2-1.2B's convolution: rows of 2048 over 2 slots of 8 x 2 x 64
     K["short_conv"].paged_short_conv(
         torch.zeros(5, 2048, dtype=dtype), torch.zeros(8, 6, 2, 8, 16, 64, dtype=dtype),

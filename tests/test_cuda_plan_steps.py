@@ -191,10 +191,28 @@ def test_gemma_steps_match_ort(fused, approximate, glu):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
-def test_a_mul_of_a_non_scalar_constant_is_refused():
+def test_elementwise_steps_with_constant_operands_match_ort():
+    """int4_awq's prequant Mul by a constant vector and a per-token int8 scale's Abs -> ReduceMax -> Max -> Div."""
     g = GraphBuilder()
     x = g.input("x", F32, ["T", 4])
-    g.op("Mul", [x, g.const(np.ones(4, np.float32), "per_channel")], outputs=["logits"], name="per_channel")
+    scaled = g.op("Mul", [x, g.const(np.array([0.5, 2.0, -1.0, 3.0], np.float32), "prequant")], name="prescale")
+    amax = g.op("ReduceMax", [g.op("Abs", [scaled], name="abs"), g.const(np.array([-1]), "axes")], keepdims=1,
+                name="amax")
+    scale = g.op("Div", [g.op("Max", [amax, g.const(np.array([1e-3], np.float32), "floor")], name="floor"),
+                         g.const(np.array([127.0], np.float32), "int8_max")], name="scale")
+    g.op("Mul", [scaled, scale], outputs=["logits"], name="out")
     g.output("logits", F32, ["T", 4])
-    with pytest.raises(TrtbuildError, match="no kernel for ai.onnx::Mul \\(node per_channel\\)"):
-        emit_plan(g.model("mul"), "float32")
+    model = g.model("elementwise")
+    feeds = {"x": np.array([[1.0, -2.0, 0.25, 0.5], [0.0, 0.0, 0.0, 0.0]], np.float32)}
+    got, plan = run_plan(model, feeds)
+    assert [s.kernel for s in plan.steps] == ["mul", "abs", "reduce_max", "maximum", "div", "mul"]
+    np.testing.assert_array_equal(got, run_ort(model, feeds))
+
+
+def test_an_op_without_a_kernel_is_refused():
+    g = GraphBuilder()
+    x = g.input("x", F32, ["T", 4])
+    g.op("Cos", [x], outputs=["logits"], name="cosine")
+    g.output("logits", F32, ["T", 4])
+    with pytest.raises(TrtbuildError, match="no kernel for ai.onnx::Cos \\(node cosine\\)"):
+        emit_plan(g.model("cos"), "float32")

@@ -148,6 +148,39 @@ def test_weight_only_experts_plan_matches_cpu_engine(random_hf_model, tmp_path):
         np.testing.assert_allclose(cuda.step(chunks), cpu.step(chunks), atol=2e-4, rtol=0)
 
 
+# quantized checkpoint -> (format, quantize_checkpoint options, the plan kernel its linears become)
+QUANTIZED = {"int4_awq": ("int4_awq", {}, "weight_only_linear"),
+             "int4_awq-own_prequant-lm_head_int8": ("int4_awq", dict(shared_prequant=False, lm_head_int8=True),
+                                                    "weight_only_linear"),
+             "int8_sq": ("int8_sq", {}, "int8_linear"),
+             "int8_sq-per_token": ("int8_sq", dict(per_token=True, shared_prequant=False), "int8_linear"),
+             "fp8-lm_head": ("fp8", dict(exclude=()), "fp8_linear")}
+
+
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_quantized_checkpoint_plan_matches_cpu_engine(name, random_hf_model, tmp_path):
+    """trtbuild quantize's formats (builder/cuda_plan_quant.py): int4_awq through the weight-only GEMM (its prequant
+    a `mul` step), int8_sq through the int8 GEMM (static or per-token activation scales), fp8 through
+    torch._scaled_mm; each against the CPU engine (a float32 KV pool on both)."""
+    from quant_helpers import calibrate, quantize_checkpoint
+
+    from trtbuild.builder.build import build_engine
+
+    algo, options, kernel = QUANTIZED[name]
+    hf = random_hf_model("qwen2")
+    convert(hf, tmp_path / "float")
+    ckpt = quantize_checkpoint(tmp_path / "float", tmp_path / "ckpt", algo, None,
+                               calibrate(hf, list(range(3, 40))), **options)
+    # NOTE: int4 accuracy level 1: float activations, as the weight-only GEMM's
+    cpu = CpuEngine(build_engine(ckpt, tmp_path / "cpu", kv_pool_dtype="float32", int4_accuracy_level=1, **OPTIONS),
+                    num_blocks=8)
+    cuda = CudaEngine(build_engine(ckpt, tmp_path / "cuda", target="cuda", **OPTIONS), num_blocks=8)
+    kernels = [s["kernel"] for s in json.loads((tmp_path / "cuda" / "rank0.plan.json").read_text())["steps"]]
+    assert kernels.count(kernel) == 2 * 7 + ("lm_head" in name)  # 7 linears a layer (q, k, v apart), lm_head
+    for i, chunks in enumerate(STEPS):
+        np.testing.assert_allclose(cuda.step(chunks), cpu.step(chunks), atol=1e-4, rtol=0, err_msg=f"step {i}")
+
+
 def test_int8_kv_cache_plan_matches_cpu_engine(random_hf_model, tmp_path):
     """An int8 KV cache: the plan's kv_write stores what the CPU engine stores (round half to even of x / scale,
     clipped), and its attention reads the pool in units of the layer's scales."""

@@ -198,3 +198,33 @@ def test_speculative_accept_draws_never_pick_zero_probability_tokens():
         want = sa.reference_speculative_accept(**inputs)
         got = K["speculative_accept"].speculative_accept(*(_dev(inputs[n]) for n in sa.INPUTS), block=16)
         assert int(got[1][0]) == int(want[1][0]) in (5, 40), u
+
+
+# ---- int8 x int8 GEMM (int8_sq) ------------------------------------------------------------------------------
+@DTYPES
+@pytest.mark.parametrize("per_token", [False, True], ids=["static_scale", "per_token"])
+def test_int8_gemm_matches_reference(dtype, per_token):
+    """Activations rounded half to even and saturated at [-128, 127] (ties and values past the range included), int8
+    products summed exactly, then both scales; 2 row and 3 column tiles, K off the tile."""
+    rng = np.random.default_rng(7)
+    tokens, k_in, n_out = 19, 72, 40
+    x = rng.standard_normal((tokens, k_in)).astype(np.float32)
+    x_scale = (np.abs(x).max(axis=1, keepdims=True) / 127 if per_token else np.array([0.02])).astype(np.float32)
+    x[0, :4] = np.array([2.5, -3.5, 0.5, 400.0]) * x_scale.reshape(-1)[0]  # ties, and one past the range
+    w = rng.integers(-127, 128, (n_out, k_in)).astype(np.int8)
+    w_scale = rng.uniform(0.001, 0.01, n_out).astype(np.float32)
+    tx = _dev(x).to(dtype)
+    got = K["int8_gemm"].int8_gemm(tx, _dev(x_scale), _dev(w), _dev(w_scale), block_m=16, block_n=16, block_k=32)
+    xs = tx.float().cpu().numpy()
+    q = np.clip(np.rint(xs / x_scale), -128, 127)
+    assert q[0, 3] == 127 and (dtype != torch.float32 or (q[0, 0], q[0, 1]) == (2, -4))  # saturated; ties to even
+    # (float16 rounds x, so its ties are gone)
+    want = (q.astype(np.float64) @ w.T.astype(np.float64)) * x_scale * w_scale[None, :]
+    assert got.dtype == dtype
+    assert_close(got, want, dtype, "int8 gemm")
+
+
+def test_int8_gemm_refuses_scales_that_do_not_fit():
+    with pytest.raises(ValueError, match="do not agree"):
+        K["int8_gemm"].int8_gemm(_dev(np.zeros((3, 8), np.float32)), _dev(np.ones(2, np.float32)),
+                                 _dev(np.zeros((4, 8), np.int8)), _dev(np.ones(4, np.float32)))
