@@ -198,9 +198,10 @@ class _NetworkWriter(HeadWriter, ConvWriter):
         if factor is not None:
             y = g.op("Mul", [y, factor], name=prefix + "experts_scaled")
         if self.c.shared_expert_intermediate_size:
-            scale = g.op("Sigmoid", [self.linear(h, prefix + "shared_gate")], name=prefix + "shared_scale")
             shared = self.mlp(h, layer, "mlp.shared.", reduce=False)
-            shared = g.op("Mul", [shared, scale], name=prefix + "shared_scaled")
+            if self.c.shared_expert_gated:
+                scale = g.op("Sigmoid", [self.linear(h, prefix + "shared_gate")], name=prefix + "shared_scale")
+                shared = g.op("Mul", [shared, scale], name=prefix + "shared_scaled")
             y = g.op("Add", [y, shared], name=prefix + "with_shared")
         return self.tp.all_reduce(g, y, prefix + "experts_allreduce")
 

@@ -8,6 +8,7 @@ import copy
 from typing import Any
 
 from trtbuild.configs import hf_rope
+from trtbuild.configs.granite4 import GRANITE4_ARCHITECTURES, granite4_as_granite
 from trtbuild.configs.hf_quantization import prequantized_weights
 from trtbuild.configs.model_config import (
     COHERE_FAMILIES,
@@ -244,6 +245,7 @@ def _moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
             "moe_intermediate_size": int(hf[features_key]),
             "moe_normalize_topk": bool(hf.get("norm_topk_prob", normalize)),
             "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size") or 0),
+            "shared_expert_gated": bool(hf.get("shared_expert_gated", True)),
             "moe_bias": family == "gpt_oss", **({} if family != "lfm2_moe" else {
                 "moe_dense_layers": int(hf.get("num_dense_layers", 2)), "moe_scoring": "sigmoid",
                 "moe_selection_bias": bool(hf.get("use_expert_bias", True)),
@@ -318,16 +320,16 @@ def _gpt_oss_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
 
 def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     prequantized_weights(hf)  # NOTE: refuses a quantization the readers do not undo (configs/hf_quantization.py)
-    hf = text_model_config(hf)
+    hf = granite4_as_granite(text_model_config(hf))
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
     if isinstance(arch, str) and arch.endswith("Model") and arch[:-5] + "ForCausalLM" in SUPPORTED_ARCHITECTURES:
         arch = arch[:-5] + "ForCausalLM"  # its base model without the head, as embedding models are saved
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(
-            f"unsupported architecture {arch!r}; trtbuild converts {', '.join(SUPPORTED_ARCHITECTURES)} and the "
-            f"text models of {', '.join(TEXT_MODELS_OF)}."
-        )
+        known = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise CheckpointError(f"unsupported architecture {arch!r}; trtbuild converts {known}, "
+                              f"{', '.join(GRANITE4_ARCHITECTURES)} without Mamba2 layers, and the text models of "
+                              f"{', '.join(TEXT_MODELS_OF)}.")
     family, qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
     # NOTE: these families' attention_bias puts a bias on the output projection too
     dense_bias = family in ("llama", "granite", "granitemoe", "gpt_oss", *COHERE_FAMILIES) and bool(

@@ -131,8 +131,9 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     moe_normalize_topk: bool = True
     # Qwen2-MoE: a shared expert (a SwiGLU MLP of this many features every token takes, scaled by the sigmoid of its
-    # gate's logit) beside the routed ones; 0: none
+    # gate's logit unless not shared_expert_gated) beside the routed ones; 0: none
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True  # False: the shared expert is added as it is (Granite 4.0's shared_mlp)
     moe_bias: bool = False  # the router and the experts' projections have biases (gpt-oss)
     moe_dense_layers: int = 0  # the first this many layers have a dense MLP of intermediate_size (LFM2-MoE)
     # "sigmoid" (LFM2-MoE): experts chosen by sigmoid(logit) (+ the router's selection_bias where

@@ -255,6 +255,7 @@ def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
     from transformers.initialization import no_init_weights
 
     from trtbuild.configs.from_hf import TEXT_MODELS_OF, model_config_from_hf
+    from trtbuild.configs.granite4 import GRANITE4_ARCHITECTURES, granite4_as_granite
 
     config_dict = source.hf_config
     if (arch := (config_dict.get("architectures") or [None])[0]) in TEXT_MODELS_OF:
@@ -262,6 +263,11 @@ def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
                               f"run `trtbuild convert --model {source.path} --output CKPT` first, then quantize CKPT.")
     if arch in FUSED_AS_MISTRAL:
         config_dict, source.hf_tensors = _as_mistral(config_dict, source.hf_tensors)
+    if arch in GRANITE4_ARCHITECTURES:  # calibrated as the Granite model it computes (its shared MLP split)
+        from trtbuild.builder.convert.fused import split_fused_tensors
+
+        config_dict = granite4_as_granite(config_dict)
+        source.hf_tensors = split_fused_tensors(source.hf_tensors, model_config_from_hf(config_dict))
     if source.kind == "hf" and config_dict is source.hf_config:
         hf_cfg = transformers.AutoConfig.from_pretrained(str(source.path), local_files_only=True)
     else:

@@ -66,6 +66,9 @@ FAMILIES = {
     "mixtral": ("llama", "spm", "Mixtral Tiny"),
     "olmoe": ("olmoe", "spm", "OLMoE Tiny"),
     "granitemoe": ("granitemoe", "spm", "Granite MoE Tiny"),
+    # Granite 4.0 without Mamba2 layers: GraniteHybridModel writes them as granite / granitemoe
+    "granite4": ("granite", "spm", "Granite 4.0 Tiny"),
+    "granite4_moe": ("granitemoe", "spm", "Granite 4.0 MoE Tiny"),
     "qwen2_moe": ("qwen2moe", "bpe", "Qwen2 MoE Tiny"),
     "gpt_oss": ("gpt-oss", "bpe", "GPT OSS Tiny"),
     "ernie4_5": ("ernie4_5", "spm", "ERNIE 4.5 Tiny"),
@@ -101,6 +104,14 @@ def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         gate, up = np.split(out.pop(name), 2, axis=1)
         layer = name.removesuffix(".block_sparse_moe.input_linear.weight")
         out[f"{layer}.mlp.experts.gate_proj.weight"], out[f"{layer}.mlp.experts.up_proj.weight"] = gate, up
+    # Granite 4.0's shared_mlp (GraniteMoeModel.modify_tensors): the shared expert beside experts, else the MLP
+    mlp = "mlp.shared_expert" if any("block_sparse_moe" in n for n in out) else "mlp"
+    for name in [n for n in out if ".shared_mlp." in n]:
+        layer, which = name.split(".shared_mlp.")
+        if which.startswith("input_linear"):
+            out[f"{layer}.{mlp}.gate_proj.weight"], out[f"{layer}.{mlp}.up_proj.weight"] = np.split(out.pop(name), 2)
+        else:
+            out[f"{layer}.{mlp}.down_proj.weight"] = out.pop(name)
     return out
 
 
@@ -347,7 +358,9 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     w.add_block_count(layers)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(_lfm2_features(cfg) if arch == "lfm2" else cfg["intermediate_size"])
+    granite4_dense = cfg["model_type"] == "granitemoehybrid" and not cfg.get("num_local_experts")
+    w.add_feed_forward_length(_lfm2_features(cfg) if arch == "lfm2" else cfg["shared_intermediate_size"]
+                              if granite4_dense else cfg["intermediate_size"])
     w.add_head_count(heads)
     if arch in ("lfm2", "lfm2moe"):  # LFM2Model.set_gguf_parameters: no KV heads in the convolution layers
         w.add_head_count_kv([0 if t == "conv" else kv_heads for t in cfg["layer_types"]])
@@ -400,8 +413,8 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         if "moe_intermediate_size" in cfg:  # Qwen2MoeModel, Qwen3MoeModel
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-        if cfg.get("shared_expert_intermediate_size"):
-            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        if shared := cfg.get("shared_expert_intermediate_size") or cfg.get("shared_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(shared)
     if arch == "lfm2moe":  # LFM2MoeModel.set_gguf_parameters
         w.add_leading_dense_block_count(cfg["num_dense_layers"])
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)

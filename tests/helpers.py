@@ -44,6 +44,9 @@ TINYSTORIES656K = MODELS / "tinystories-656K"
 _COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
 _SMOLLM3 = dict(_COMMON, rope_theta=5000000.0, num_hidden_layers=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_GRANITE4 = dict(_COMMON, shared_intermediate_size=48, layer_types=["attention"] * 2, embedding_multiplier=12.0,
+                 attention_multiplier=0.05, residual_multiplier=0.22, logits_scaling=8.0, bos_token_id=1,
+                 eos_token_id=2, pad_token_id=0)
 RANDOM_CONFIGS = {
     "llama": ("LlamaConfig", dict(_COMMON, rope_theta=10000.0)),
     "llama3_rope": ("LlamaConfig", dict(_COMMON, rope_theta=500000.0, tie_word_embeddings=True, rope_scaling={
@@ -121,6 +124,15 @@ RANDOM_CONFIGS = {
                                             embedding_multiplier=12.0, attention_multiplier=0.05,
                                             residual_multiplier=0.22, logits_scaling=8.0, bos_token_id=1,
                                             eos_token_id=2, pad_token_id=0)),
+    # Granite 4.0 (GraniteMoeHybrid without Mamba2 layers): the shared MLP as the MLP, RoPE or none (NoPE), and
+    # with experts beside an ungated shared one
+    "granite4": ("GraniteMoeHybridConfig", dict(_GRANITE4, num_local_experts=0, position_embedding_type="rope")),
+    "granite4_nope": ("GraniteMoeHybridConfig", dict(_GRANITE4, num_local_experts=0)),
+    "granite4_moe": ("GraniteMoeHybridConfig", dict(_GRANITE4, num_local_experts=4, num_experts_per_tok=2,
+                                                    intermediate_size=32, position_embedding_type="rope")),
+    "granitemoeshared": ("GraniteMoeSharedConfig", dict({k: v for k, v in _GRANITE4.items() if k != "layer_types"},
+                                                        num_local_experts=4, num_experts_per_tok=2,
+                                                        intermediate_size=32)),
     # gpt-oss: biases everywhere, attention sinks, layers 0 and 2 windowed (6), experts with biases and a clamped
     # SwiGLU whose limit (0.1) random activations reach
     "gpt_oss": ("GptOssConfig", dict(_COMMON, head_dim=16, num_hidden_layers=4, intermediate_size=32,

@@ -22,7 +22,8 @@ MODELS = ["stories260K", "tinystories-656K", "llama", "llama_bias", "llama3_rope
           "granite", "olmo2", "olmo3", "qwen3_moe", "mixtral", "olmoe", "granitemoe", "qwen2_moe", "gpt_oss",
           "ernie4_5", "glm4", "exaone4", "exaone4_window", "cohere", "cohere2",
           "ministral3", "arcee", "starcoder2", "hunyuan_dense", "lfm2", "lfm2_wide",
-          "lfm2_moe", "lfm2_moe_raw"]
+          "lfm2_moe", "lfm2_moe_raw", "granite4", "granite4_nope", "granite4_moe",
+          "granitemoeshared"]
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,8 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
             if config.moe_bias:
                 names += [p + "mlp.router.bias"] + [p + f"mlp.experts.{x}.bias" for x in ("gate", "fc", "proj")]
             if config.shared_expert_intermediate_size:
-                names += [p + "mlp.shared_gate.weight"] + [p + f"mlp.shared.{x}.weight" for x in ("gate", "fc", "proj")]
+                names += [p + "mlp.shared_gate.weight"] if config.shared_expert_gated else []
+                names += [p + f"mlp.shared.{x}.weight" for x in ("gate", "fc", "proj")]
         else:
             mlp = ("gate", "fc", "proj") if config.gated_mlp else ("fc", "proj")
             names += [p + f"mlp.{x}.weight" for x in mlp] + ([p + f"mlp.{x}.bias" for x in mlp] if config.mlp_bias

@@ -1,7 +1,8 @@
 """Fused projections split into the separate ones every other family has.
 
 Phi-3 stores each layer's q, k and v projections as one `qkv_proj` (rows q, then k, then v) and gate and up as one
-`gate_up_proj` (rows gate, then up); its GGUF files do the same (`attn_qkv`, and `ffn_up` twice as tall). Splitting
+`gate_up_proj` (rows gate, then up); its GGUF files do the same (`attn_qkv`, and `ffn_up` twice as tall). Granite
+4.0 stores its MLP's (or shared expert's) gate and up as `shared_mlp.input_linear`, down as `output_linear`. Splitting
 them here, by rows and without reading anything, lets the converter, the quantizer and the engine see one layout
 (the engine fuses q/k/v and gate/up again itself: builder/passes/fuse_gemms.py). A row range of a GGUF tensor kept
 quantized is a row range of its blocks, so it stays exact.
@@ -16,7 +17,9 @@ from typing import Any
 from trtbuild.builder.convert.hf_reader import SourceTensor
 from trtbuild.configs import ModelConfig
 
-_FUSED_LAYER = re.compile(r"^(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight$")
+_FUSED_LAYER = re.compile(r"^(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj|shared_mlp\.input_linear)"
+                          r"\.weight$")
+_GRANITE4_DOWN = re.compile(r"^(model\.layers\.\d+)\.shared_mlp\.output_linear\.weight$")
 
 
 def fused_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -26,6 +29,11 @@ def fused_parts(config: ModelConfig) -> dict[str, tuple[tuple[str, int], ...]]:
                                ("self_attn.v_proj", config.kv_size)),
         "mlp.gate_up_proj": (("mlp.gate_proj", config.intermediate_size),
                              ("mlp.up_proj", config.intermediate_size)),
+        # Granite 4.0 (configs/granite4.py): its MLP, or the shared expert beside its experts
+        "shared_mlp.input_linear": (("mlp.gate_proj", config.intermediate_size),
+                                    ("mlp.up_proj", config.intermediate_size)) if not config.is_moe else (
+            ("mlp.shared_expert.gate_proj", config.shared_expert_intermediate_size),
+            ("mlp.shared_expert.up_proj", config.shared_expert_intermediate_size)),
     }
 
 
@@ -50,6 +58,9 @@ def split_fused(sources: dict[str, SourceTensor], config: ModelConfig) -> dict[s
     out: dict[str, SourceTensor] = {}
     for name, src in sources.items():
         m = _FUSED_LAYER.match(name)
+        if down := _GRANITE4_DOWN.match(name):  # named as the MLP's down, or the shared expert's
+            out[f"{down.group(1)}.{'mlp.shared_expert' if config.is_moe else 'mlp'}.down_proj.weight"] = src
+            continue
         if m is None:
             out[name] = src
             continue

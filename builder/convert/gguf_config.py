@@ -101,8 +101,11 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
     "olmoe": GgufArch("OlmoeForCausalLM", "olmoe", False, (*_MOE_LAYER_TENSORS, *_QK_NORM), moe_normalize=False),
     # llama.cpp writes Mixtral as general.architecture "llama" with experts (see resolve_architecture)
     "mixtral": GgufArch("MixtralForCausalLM", "mixtral", True, _MOE_LAYER_TENSORS, moe_normalize=True),
+    # Granite 4.0's experts come with an ungated shared expert (the _shexp tensors)
     "granitemoe": GgufArch("GraniteMoeForCausalLM", "granitemoe", True, _MOE_LAYER_TENSORS,
-                           optional_layer_tensors=_QKV_BIAS, moe_normalize=True),
+                           optional_layer_tensors=(*_QKV_BIAS, *(f"ffn_{p}_shexp.weight" for p in ("gate", "up",
+                                                                                                   "down"))),
+                           moe_normalize=True),
     "qwen2moe": GgufArch("Qwen2MoeForCausalLM", "qwen2_moe", False, (*_MOE_LAYER_TENSORS, *_QKV_BIAS),
                          optional_layer_tensors=tuple(f"ffn_{p}_shexp.weight" for p in ("gate_inp", "gate", "up",
                                                                                           "down")),
@@ -274,10 +277,11 @@ def hf_config(
     if arch.model_type.startswith("gemma"):
         cfg.update(_gemma_config(meta, prefix, cfg))
     if arch.moe_normalize is not None:
+        shared = int(meta.get(f"{prefix}.expert_shared_feed_forward_length") or 0)
         cfg.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
                    moe_intermediate_size=int(experts_features or cfg["intermediate_size"]),
-                   norm_topk_prob=arch.moe_normalize,
-                   shared_expert_intermediate_size=int(meta.get(f"{prefix}.expert_shared_feed_forward_length") or 0))
+                   norm_topk_prob=arch.moe_normalize, shared_expert_intermediate_size=shared,
+                   shared_expert_gated=not (shared and arch.model_type == "granitemoe"))  # Granite 4.0's: ungated
     pattern = meta.get(f"{prefix}.attention.sliding_window_pattern")
     if arch.model_type in ("olmo3", "exaone4") and isinstance(pattern, list):
         cfg["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
