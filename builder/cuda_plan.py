@@ -12,8 +12,9 @@ Each node maps to one kernel (gpu_kernels/ for the Triton ones, torch for the re
   MatMul(x, DequantizeLinear(W)), with    weight_only_linear,  trtbuild quantize's formats (int4_awq, int8_sq, fp8,
   Q/DQ on x for int8_sq and fp8           int8_linear,         an int8 lm_head): builder/cuda_plan_quant.py
                                           fp8_linear
-  Mul / Div / Max (a constant operand),   mul, div, maximum,   torch (int4_awq's prequant, a per-token int8 scale)
-  Abs, ReduceMax                          abs, reduce_max
+  Mul / Div / Max / Min / Sub / Greater / mul, div, ...,       torch (int4_awq's prequant, a per-token int8 scale,
+  Where (a constant operand as a weight), abs, reduce_max,     Apertus's xIELU)
+  Abs, ReduceMax, Exp                     exp
   Split -> silu(gate) * up (fused gate|up) swiglu              gpu_kernels/swiglu.py on the Split's input
   silu(gate) * up (separate GEMMs)        silu_mul             torch (weight-only gate and up stay two GEMMs)
   Split -> Gelu(gate, tanh) * up (fused)  geglu                gpu_kernels/swiglu.py (Gemma's MLP)
@@ -61,6 +62,9 @@ from trtbuild.plugins import short_conv as sc
 from trtbuild.plugins import speculative_accept as sa
 
 PLAN_FORMAT = 1
+# ONNX elementwise ops of two operands -> their plan kernels (runtime/cuda_plan_ops.py)
+ELEMENTWISE = {"Mul": "mul", "Div": "div", "Max": "maximum", "Min": "minimum", "Sub": "sub", "Greater": "greater",
+               "Where": "where"}
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # what the engine feeds the plan each step (the CPU engine's inputs, less the pool, plus where new K/V go); an engine
 # of several KV cache groups adds each other group's block_tables_<g> and slot_mapping_<g>
@@ -222,9 +226,9 @@ class _PlanWriter(QuantizedSteps):
             self.emit(kernel, n, inputs, list(n.output), **attrs)
         elif op == "Mul" and len(scalars := [i for i in n.input if self.scalar(i) is not None]) == 1:
             self.emit("scale", n, [other_input(n, scalars[0])], list(n.output), value=self.scalar(scalars[0]))
-        elif op in ("Mul", "Div", "Max"):  # elementwise, a constant operand (int4_awq's prequant) as a weight
+        elif op in ELEMENTWISE:  # a constant operand (int4_awq's prequant, xIELU's scalars) as a weight
             inputs = [self.weight(i, self.const(i), torch.float32) if i in v.initializers else i for i in n.input]
-            self.emit({"Mul": "mul", "Div": "div", "Max": "maximum"}[op], n, inputs, list(n.output))
+            self.emit(ELEMENTWISE[op], n, inputs, list(n.output))
         elif op in ("Abs", "ReduceMax") and (op == "Abs" or len(n.input) == 2):  # a per-token int8 scale
             attrs = {} if op == "Abs" else {"axes": self.const(n.input[1]).tolist(), "keepdims": bool(a.get("keepdims",
                                                                                                               1))}
@@ -233,7 +237,7 @@ class _PlanWriter(QuantizedSteps):
             self.emit("concat", n, list(n.input), list(n.output), axis=int(a["axis"]))
         elif op == "Gelu" and n.domain in ("", "ai.onnx"):
             self.emit("gelu", n, [n.input[0]], list(n.output), approximate=a.get("approximate", "none"))
-        elif op in ("Tanh", "Relu", "Sigmoid", "Log"):
+        elif op in ("Tanh", "Relu", "Sigmoid", "Log", "Exp"):
             self.emit(op.lower(), n, [n.input[0]], list(n.output))
         elif op in ("TopK", "GatherElements", "ScatterElements", "Expand", "ReduceSum"):
             self.routing(n, a)

@@ -181,7 +181,8 @@ class _NetworkWriter(HeadWriter, ConvWriter):
             gate, up = (self.linear(h, layer + module + p, bias=bias) for p in ("gate", "fc"))
             act = gated_activation(self.g, self.c, gate, up, name)
         else:
-            act = activation(self.g, self.c, self.linear(h, layer + module + "fc", bias=bias), name)
+            act = activation(self.g, self.c, self.linear(h, layer + module + "fc", bias=bias), name,
+                             lambda p: self.tensor(f"{layer}{module}act.{p}"))
         down = layer + module + "proj"
         return self.row_linear(act, down, bias=bias) if reduce else self.linear(act, down, bias=bias)
 

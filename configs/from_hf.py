@@ -65,6 +65,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Ministral3ForCausalLM": ("ministral3", False, False),
     # Llama whose MLP has no gate: down(relu(up(x))^2) (AFM-4.5B)
     "ArceeForCausalLM": ("arcee", False, False),
+    # Llama with per-head q / k norms and an MLP without a gate, its activation xIELU (learned scalars per layer)
+    "ApertusForCausalLM": ("apertus", False, True),
     # LayerNorms with biases, biases on every projection (use_bias), a GELU MLP without a gate, sliding windows
     "Starcoder2ForCausalLM": ("starcoder2", False, False),
     # per-head q / k norms after RoPE, NTK-alpha RoPE (a fixed, larger base)
@@ -75,7 +77,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     # + mixtures of experts after the first num_dense_layers: chosen by sigmoid scores plus a selection bias
     "Lfm2MoeForCausalLM": ("lfm2_moe", False, True),
 }
-_UNGATED_MLP_FAMILIES = ("arcee", "starcoder2")
+_UNGATED_MLP_FAMILIES = ("arcee", "starcoder2", "apertus")
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> the text
 # config's model_type (None: whatever it says) -> (the text model's architecture, the transformers config class whose
 # defaults complete the released, sparse `text_config`)

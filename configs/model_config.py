@@ -23,7 +23,10 @@ LFM2_FAMILIES = ("lfm2", "lfm2_moe")  # convolution layers among attention layer
 # the MLP's activation: of the gate (SwiGLU, GeGLU with tanh-approximated GELU, or gpt-oss's clamped SwiGLU:
 # g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1): swiglu_alpha, swiglu_limit),
 # or, in an MLP without a gate (gated_mlp false), of the up projection: relu2 is relu(x)^2 (Arcee)
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "swiglu_oai", "relu2")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "swiglu_oai", "relu2", "xielu")
+# xielu (Apertus, an MLP without a gate): x > 0: a_p x^2 + beta x, else (expm1(min(x, eps)) - x) a_n + beta x, with
+# a_p = softplus(alpha_p) and a_n = beta + softplus(alpha_n): each layer's learned scalars, `mlp.act.{name}` [1]
+XIELU_PARAMETERS = ("alpha_p", "alpha_n", "beta", "eps")
 LAYER_TYPES = ("full_attention", "sliding_attention", "conv")  # conv: LFM2's short convolution, no attention
 # the layers' and the final norm: RMSNorm, or LayerNorm: mean-centred, scaled by its weight (plus, with norm_bias, a
 # bias: StarCoder 2; Cohere's has none)
@@ -185,9 +188,9 @@ class ModelConfig:
         if not self.gated_mlp and (self.hidden_act == "swiglu_oai" or self.num_experts):
             raise CheckpointError("config.json: gated_mlp false (an MLP without a gate) does not go with hidden_act "
                                   "swiglu_oai or experts")
-        if self.gated_mlp and self.hidden_act == "relu2":
-            raise CheckpointError("config.json: hidden_act relu2 is the activation of an MLP without a gate "
-                                  "(gated_mlp false)")
+        if self.gated_mlp and self.hidden_act in ("relu2", "xielu"):
+            raise CheckpointError(f"config.json: hidden_act {self.hidden_act} is the activation of an MLP without a "
+                                  "gate (gated_mlp false)")
         if (self.hidden_act == "swiglu_oai") != (self.swiglu_alpha is not None and self.swiglu_limit is not None):
             raise CheckpointError("config.json: swiglu_alpha and swiglu_limit are set with (and only with) hidden_act "
                                   f"swiglu_oai; got hidden_act {self.hidden_act!r}, swiglu_alpha "

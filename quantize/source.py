@@ -302,6 +302,8 @@ def build_torch_model(source: Source, untie: bool = False) -> torch.nn.Module:
     with torch.no_grad():
         for name in [n for n in state if n in own]:
             tensor = state.pop(name)
+            if tensor.numel() == own[name].numel() == 1:  # NOTE: a checkpoint's [1] scalar for a 0-d buffer (xIELU's)
+                tensor = tensor.reshape(own[name].shape)
             if tuple(tensor.shape) != tuple(own[name].shape):
                 raise CheckpointError(f"{source.path}: the weights do not fit the model's config ({name} has shape "
                                       f"{tuple(tensor.shape)}, the model {tuple(own[name].shape)}).")

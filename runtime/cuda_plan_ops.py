@@ -129,6 +129,27 @@ def div(k: Kernels, a: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> tupl
     return (x / y,)
 
 
+def sub(k: Kernels, a: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (x - y,)
+
+
+def minimum(k: Kernels, a: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.minimum(x, y.to(x.dtype)),)
+
+
+def greater(k: Kernels, a: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (x > y,)
+
+
+def where(k: Kernels, a: dict[str, Any], condition: torch.Tensor, x: torch.Tensor,
+          y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.where(condition, x, y),)
+
+
+def exp(k: Kernels, a: dict[str, Any], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (torch.exp(x),)
+
+
 def maximum(k: Kernels, a: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (torch.maximum(x, y.to(x.dtype)),)
 
@@ -239,5 +260,5 @@ OPS: dict[str, Op] = {f.__name__: f for f in (
     gather_rows, rmsnorm, add_rmsnorm, layernorm, linear, weight_only_linear, add, mul, concat, split, reshape, swiglu,
     silu_mul, geglu, gelu_mul, gelu, tanh, relu, sigmoid, log, topk, gather_elements, scatter_elements, reduce_sum,
     full_like, scale, paged_attention, kv_write, short_conv, conv_write, moe, speculative_accept, int8_linear,
-    fp8_linear, div, maximum, abs, reduce_max)}
+    fp8_linear, div, maximum, abs, reduce_max, sub, minimum, greater, where, exp)}
 OPS["embedding"] = gather_rows

@@ -79,6 +79,7 @@ FAMILIES = {
     "cohere2": ("cohere2", "bpe", "Command R7B Tiny"),
     "ministral3": ("mistral3", "spm", "Ministral 3 Tiny"),
     "arcee": ("arcee", "bpe", "AFM Tiny"),
+    "apertus": ("apertus", "bpe", "Apertus Tiny"),
     "starcoder2": ("starcoder2", "bpe", "StarCoder2 Tiny"),
     "hunyuan_dense": ("hunyuan-dense", "bpe", "Hunyuan Tiny"),
     "lfm2": ("lfm2", "bpe", "LFM2 Tiny"),
@@ -343,6 +344,23 @@ def _lfm2_features(cfg: dict) -> int:
     return features
 
 
+def _llama3_rope_freqs(rope: dict, base: float, dim: int) -> np.ndarray:
+    """The divisor of each rotary frequency that llama.cpp's converter stores for rope_type llama3."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / base ** (np.arange(0, dim, 2) / dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
                               qtypes: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
     """Write the HF folder `hf_dir` of `family` as llama.cpp's converter does (f32 tensors, or the GGML type
@@ -428,10 +446,16 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_logit_scale(cfg["logits_scaling"])
+    if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors
+        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope, base, head_dim))
     (_add_spm_vocab if vocab_kind == "spm" else _add_bpe_vocab)(w, hf_dir, cfg["vocab_size"])
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
-    names = gguf.get_tensor_name_map(model_arch, layers)
     tensors = load_file(str(hf_dir / "model.safetensors"))
+    if arch == "apertus":  # ApertusModel.modify_tensors: the xIELU scalars as metadata, a value per layer
+        for p in ("alpha_n", "alpha_p", "beta", "eps"):
+            getattr(w, f"add_xielu_{p}")([float(tensors.pop(f"model.layers.{i}.mlp.act_fn.{p}").reshape(()))
+                                          for i in range(layers)])
+    names = gguf.get_tensor_name_map(model_arch, layers)
     for hf_name, data in (_gpt_oss_tensors if arch == "gpt-oss" else _stack_experts)(tensors).items():
         if arch in PERMUTED and hf_name.endswith(("q_proj.weight", "q_proj.bias")):  # LlamaModel.undo_permute
             data = _permute(data, heads)

@@ -199,6 +199,11 @@ RANDOM_CONFIGS = {
                                            num_hidden_layers=4, tie_word_embeddings=True, bos_token_id=1,
                                            eos_token_id=2, pad_token_id=0)),
     # Llama whose MLP has no gate (relu(up(x))^2), with YaRN past an original context of 64 as AFM-4.5B runs
+    # Apertus: xIELU's learned scalars moved off their initial values (make_random_hf_model), llama3 RoPE (as
+    # released: llama.cpp's GGUFs leave the original context out, 8192 by default)
+    "apertus": ("ApertusConfig", dict(_COMMON, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0, "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0})),
     "arcee": ("ArceeConfig", dict(_COMMON, hidden_act="relu2", rope_theta=10000.0, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
         bos_token_id=1, eos_token_id=2, pad_token_id=0)),
@@ -220,7 +225,7 @@ def make_random_hf_model(family: str, out_dir: Path, seed: int = 0, overrides: d
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # make norms and biases non-trivial so that a mis-mapped tensor shows in the logits
         for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", ".bias", "_bias", ".sinks")):
+            if name.endswith(("norm.weight", ".bias", "_bias", ".sinks", "act_fn.alpha_p", "act_fn.alpha_n")):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

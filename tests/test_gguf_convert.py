@@ -38,7 +38,7 @@ def test_gguf_and_safetensors_give_the_same_checkpoint(tmp_path):
                                     "phi3_partial", "smollm3", "smollm3_spm", "gemma", "gemma2", "gemma3", "granite",
                                     "olmo2", "olmo3", "ernie4_5", "glm4", "exaone4", "exaone4_window",
                                     "cohere", "cohere2", "ministral3", "arcee", "starcoder2", "hunyuan_dense",
-                                    "lfm2", "lfm2_wide"])
+                                    "lfm2", "lfm2_wide", "apertus"])
 def test_llama_cpp_style_gguf_converts_like_its_hf_folder(tmp_path, family, monkeypatch):
     from transformers import AutoTokenizer
 

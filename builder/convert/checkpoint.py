@@ -11,6 +11,7 @@ import torch
 from trtbuild.builder.convert.names import model_linear_prefixes, tp_split_axis
 from trtbuild.builder.convert.safetensors_io import SafetensorsError, SafetensorsFile
 from trtbuild.configs import ModelConfig
+from trtbuild.configs.model_config import XIELU_PARAMETERS
 from trtbuild.errors import CheckpointError
 from trtbuild.quantization import QuantAlgo
 
@@ -49,6 +50,7 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
                 names += [p + "mlp.shared_gate.weight"] if config.shared_expert_gated else []
                 names += [p + f"mlp.shared.{x}.weight" for x in ("gate", "fc", "proj")]
         else:
+            names += [p + f"mlp.act.{x}" for x in XIELU_PARAMETERS] if config.hidden_act == "xielu" else []
             mlp = ("gate", "fc", "proj") if config.gated_mlp else ("fc", "proj")
             names += [p + f"mlp.{x}.weight" for x in mlp] + ([p + f"mlp.{x}.bias" for x in mlp] if config.mlp_bias
                                                              else [])
@@ -137,6 +139,7 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "attention.dense.weight": (c.hidden_size, c.q_size),
         "attention.dense.bias": (c.hidden_size,),
         "attention.sinks": (c.num_attention_heads,),
+        **{f"mlp.act.{x}": (1,) for x in XIELU_PARAMETERS},
         "mlp.gate.weight": (c.intermediate_size, c.hidden_size),
         "mlp.fc.weight": (c.intermediate_size, c.hidden_size),
         "mlp.proj.weight": (c.hidden_size, c.intermediate_size),

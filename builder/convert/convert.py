@@ -68,9 +68,18 @@ def conv_kernels(plan: dict[str, SourceTensor], config: ModelConfig) -> dict[str
             for name, src in plan.items()}
 
 
+def xielu_scalars(plan: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
+    """Apertus's xIELU scalars as [1] (Hugging Face keeps beta and eps as 0-d buffers)."""
+    def one(src: SourceTensor) -> SourceTensor:
+        return SourceTensor((1,), lambda: torch.as_tensor(src.load()).reshape(1))
+
+    return {name: one(src) if ".mlp.act." in name else src for name, src in plan.items()}
+
+
 def keeps_float32(name: str, config: ModelConfig) -> bool:
-    """Gemma's norm multipliers stay float32 in a 16-bit checkpoint: 1 + w in bfloat16 would round w away."""
-    return config.family in GEMMA_FAMILIES and name.endswith(("norm.weight", "ln_f.weight"))
+    """Gemma's norm multipliers stay float32 in a 16-bit checkpoint: 1 + w in bfloat16 would round w away; so do
+    Apertus's xIELU scalars (read once, as constants)."""
+    return (config.family in GEMMA_FAMILIES and name.endswith(("norm.weight", "ln_f.weight"))) or ".mlp.act." in name
 
 
 def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:
@@ -83,7 +92,7 @@ def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dic
     embedding, lm_head = EMBEDDING, "lm_head.weight"
     if config.tie_word_embeddings and (embedding in plan) != (lm_head in plan):
         plan[lm_head if embedding in plan else embedding] = plan[embedding if embedding in plan else lm_head]
-    plan = conv_kernels(plan, config)
+    plan = xielu_scalars(conv_kernels(plan, config))
     base = dataclasses.replace(config, quantization=QuantConfig(), mapping=Mapping())  # the unsharded source
     needed = expected_tensors(base, range(config.num_hidden_layers), first_stage=True, last_stage=True)
     missing = [n for n in needed if n not in plan]

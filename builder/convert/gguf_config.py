@@ -136,6 +136,11 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
                                   ("attn_q_norm.weight", "self_attn.query_layernorm.weight"),
                                   ("attn_k_norm.weight", "self_attn.key_layernorm.weight"))),
     # Arcee (AFM): LlamaModel's layout (q / k permuted) with an MLP of ffn_up and ffn_down only, relu(x)^2 between
+    # Apertus: per-head q / k norms, an MLP without a gate whose xIELU scalars are metadata (xielu.*, per layer)
+    "apertus": GgufArch("ApertusForCausalLM", "apertus", False, (*_BASE_LAYER_TENSORS, *(
+        f"attn_{p}.weight" for p in "qkv"), "ffn_up.weight", *_QK_NORM), optional_layer_tensors=("attn_output.bias",),
+        hidden_act="xielu", renames=(("attn_norm.weight", "attention_layernorm.weight"),
+                                     ("ffn_norm.weight", "feedforward_layernorm.weight"))),
     "arcee": GgufArch("ArceeForCausalLM", "arcee", True, (*_BASE_LAYER_TENSORS, *(f"attn_{p}.weight" for p in "qkv"),
                                                           "ffn_up.weight"), hidden_act="relu2"),
     # LFM2: attention layers (per-head q / k norms) and short convolution layers (head_count_kv 0); the final norm

@@ -20,6 +20,7 @@ import numpy as np
 
 from trtbuild.builder.convert.gguf_config import GGUF_ARCHITECTURES, ROPE_TENSORS, hf_config, resolve_architecture
 from trtbuild.builder.convert.hf_reader import SourceTensor
+from trtbuild.configs.model_config import XIELU_PARAMETERS
 from trtbuild.errors import CheckpointError
 
 _LAYER_NAMES = {
@@ -229,9 +230,26 @@ def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any
         sources[hf] = SourceTensor(shape, lambda t=t, s=rows, h=n_head, q=nbits is not None: _load(path, t, s, h, q),
                                    nbits)
         forms.setdefault(t.tensor_type.name, []).append(hf)
+    if arch.hidden_act == "xielu":
+        sources.update(_xielu_scalars(meta, n_layers, path))
     if keep_quantization:
         _report_forms(forms, sources)
     return cfg, sources
+
+
+def _xielu_scalars(meta: dict[str, Any], n_layers: int, path: Path) -> dict[str, SourceTensor]:
+    """Apertus's xIELU scalars, which llama.cpp writes as metadata (xielu.alpha_p, ...: one value per layer, or one
+    for all), as the HF model's per-layer `mlp.act_fn.*` tensors."""
+    out = {}
+    for name in XIELU_PARAMETERS:
+        values = meta.get(f"xielu.{name}")
+        values = [values] * n_layers if isinstance(values, int | float) else values
+        if not isinstance(values, list) or len(values) != n_layers:
+            raise CheckpointError(f"{path} lacks xielu.{name} (a value per layer) for its xIELU activation; the file "
+                                  "is incomplete: re-export it.")
+        for i, v in enumerate(values):
+            out[f"model.layers.{i}.mlp.act_fn.{name}"] = SourceTensor((1,), lambda v=v: np.array([v], np.float32))
+    return out
 
 
 def _report_forms(forms: dict[str, list[str]], sources: dict[str, SourceTensor]) -> None:

@@ -38,7 +38,7 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from trtbuild.configs.model_config import LFM2_FAMILIES
+from trtbuild.configs.model_config import LFM2_FAMILIES, XIELU_PARAMETERS
 
 if TYPE_CHECKING:
     from trtbuild.configs import ModelConfig
@@ -123,6 +123,13 @@ _LFM2_LAYER_MAP = {
     **{f"mlp.experts.{hf}_proj.weight": f"mlp.experts.{p}.weight" for hf, p in (("gate", "gate"), ("up", "fc"),
                                                                                   ("down", "proj"))},
 }
+# Apertus: its norms' names, and the xIELU activation's learned scalars per layer
+_APERTUS_LAYER_MAP = {
+    **{k: v for k, v in _LAYER_MAP.items() if "layernorm" not in k},
+    "attention_layernorm.weight": "input_layernorm.weight",
+    "feedforward_layernorm.weight": "post_layernorm.weight",
+    **{f"mlp.act_fn.{p}": f"mlp.act.{p}" for p in XIELU_PARAMETERS},
+}
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "transformer.vocab_embedding.weight",
     "model.norm.weight": "transformer.ln_f.weight",
@@ -186,6 +193,8 @@ def _layer_map(config: ModelConfig | None) -> dict[str, str]:
         return _STARCODER2_LAYER_MAP
     if config.family == "hunyuan_dense":
         return _HUNYUAN_LAYER_MAP
+    if config.family == "apertus":
+        return _APERTUS_LAYER_MAP
     if config.family in LFM2_FAMILIES:
         return _LFM2_LAYER_MAP
     if config.output_norms:  # Gemma 2 / 3, OLMo 2 / 3, EXAONE 4
