@@ -75,10 +75,13 @@ def test_byte_level_pre_tokenizers(tmp_path: Path, pre: str, meta: dict, bos: bo
     assert "chat_template" not in cfg
 
 
-def test_digits_and_nfc(tmp_path: Path) -> None:
-    """Qwen2 splits digits one by one and normalizes to NFC; Llama 3 groups up to three digits and does not."""
-    qwen, _, ids = _export(tmp_path / "q", "qwen2")
-    llama, _, _ = _export(tmp_path / "l", "llama-bpe")
+@pytest.mark.parametrize(("qwen_pre", "llama_pre"), [("qwen2", "llama-bpe"), ("deepseek-r1-qwen", "dbrx"),
+                                                     ("qwen2", "falcon3"), ("qwen2", "smaug-bpe")])
+def test_digits_and_nfc(tmp_path: Path, qwen_pre: str, llama_pre: str) -> None:
+    """Qwen2 splits digits one by one and normalizes to NFC; Llama 3 groups up to three digits and does not. The
+    other names llama.cpp gives these pre-tokenizers (DeepSeek-R1-Distill-Qwen's, DBRX's, Falcon 3's) read alike."""
+    qwen, _, ids = _export(tmp_path / "q", qwen_pre)
+    llama, _, _ = _export(tmp_path / "l", llama_pre)
     assert qwen.pre_tokenizer.pre_tokenize_str("12345")[:2] == [("1", (0, 1)), ("2", (1, 2))]
     assert [p for p, _ in llama.pre_tokenizer.pre_tokenize_str("12345")] == ["123", "45"]
     decomposed = "e\u0301"  # e + combining acute: NFC makes it é, two UTF-8 bytes

@@ -51,9 +51,11 @@ _GPT2 = _PreTokenizer(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{
 # StarCoder 2, SmolLM / SmolLM2, Command R and the others llama.cpp groups with them: digits one by one first, then
 # GPT-2's split on what is between
 _STARCODER = _PreTokenizer(_GPT2.split, digits_first=True)
-# tokenizer.ggml.pre -> pre-tokenizer (the names llama.cpp's llama-vocab.cpp maps to LLAMA3, QWEN2, GPT4O, CHATGLM4,
-# GPT2, TEKKEN and STARCODER)
-_PRE_TOKENIZERS = {"qwen2": _QWEN2, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "lfm2": _LLAMA3,
+# tokenizer.ggml.pre -> pre-tokenizer (the names llama.cpp's llama-vocab.cpp maps to LLAMA3 (DBRX and SMAUG: its
+# regex too), QWEN2, GPT4O, CHATGLM4, GPT2, TEKKEN and STARCODER; DeepSeek-R1-Distill-Qwen's is deepseek-r1-qwen)
+_PRE_TOKENIZERS = {**dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2"), _QWEN2),
+                   **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "lfm2", "falcon3", "pixtral", "midm-2.0",
+                                    "dbrx", "smaug-bpe"), _LLAMA3),
                    "gpt-4o": _GPT4O, "glm4": _GLM4, "exaone4": _GPT2, "tekken": _TEKKEN,
                    **dict.fromkeys(("starcoder", "smollm", "command-r", "refact", "codeshell", "exaone", "minerva-7b",
                                     "mellum2"), _STARCODER)}
