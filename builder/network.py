@@ -45,9 +45,10 @@ from trtbuild.builder.graph import MS_DOMAIN, GraphBuilder
 from trtbuild.builder.lora import LoraTables, SlotTables, WithLora, read_adapters
 from trtbuild.builder.lora_slots import stacked_tables, write_slot_tables
 from trtbuild.builder.mlp_activation import activation, gated_activation
-from trtbuild.builder.moe_experts import Experts, sigmoid_routing
+from trtbuild.builder.moe_experts import Experts
 from trtbuild.builder.network_conv import ConvWriter
 from trtbuild.builder.network_head import HeadWriter
+from trtbuild.builder.network_moe import ExpertsWriter
 from trtbuild.builder.passes.lora import LORA_ADD
 from trtbuild.builder.quantized import QuantizedLinears, kv_cache_scales
 from trtbuild.builder.rope import EngineRotaryRows, attn_temperature_table, reorders_rotary_rows, rope_tables
@@ -99,7 +100,7 @@ def kv_cache_shape(config: ModelConfig, build: BuildConfig, num_blocks: int | st
             build.tokens_per_block, config.head_size]
 
 
-class _NetworkWriter(HeadWriter, ConvWriter):
+class _NetworkWriter(HeadWriter, ConvWriter, ExpertsWriter):
     def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor], build: BuildConfig,
                  staging: StagingWeights | None, lora: LoraTables | None, tp: TensorParallel) -> None:
         self.c, self.build, self.g, self.tp = config, build, GraphBuilder(staging), tp
@@ -186,26 +187,6 @@ class _NetworkWriter(HeadWriter, ConvWriter):
         down = layer + module + "proj"
         return self.row_linear(act, down, bias=bias) if reduce else self.linear(act, down, bias=bias)
 
-    def experts(self, h: str, layer: str) -> str:
-        """A mixture of experts' MLP: the router's logits, then the experts (builder/moe_experts.py), plus Qwen2-MoE's
-        shared expert scaled by the sigmoid of its gate's logit."""
-        prefix, g = layer + "mlp.", self.g
-        logits, factor = self.linear(h, prefix + "router", bias=self.c.moe_bias), None
-        if self.c.moe_scoring == "sigmoid":  # LFM2-MoE
-            name = prefix + "router.selection_bias"
-            bias = g.weight(name, self.tensor(name)) if self.c.moe_selection_bias else None
-            logits, factor = sigmoid_routing(g, self.c, logits, bias, prefix)
-        y = self.moe.emit(h, logits, prefix)
-        if factor is not None:
-            y = g.op("Mul", [y, factor], name=prefix + "experts_scaled")
-        if self.c.shared_expert_intermediate_size:
-            shared = self.mlp(h, layer, "mlp.shared.", reduce=False)
-            if self.c.shared_expert_gated:
-                scale = g.op("Sigmoid", [self.linear(h, prefix + "shared_gate")], name=prefix + "shared_scale")
-                shared = g.op("Mul", [shared, scale], name=prefix + "shared_scaled")
-            y = g.op("Add", [y, shared], name=prefix + "with_shared")
-        return self.tp.all_reduce(g, y, prefix + "experts_allreduce")
-
     def branch_output(self, y: str, prefix: str) -> str:
         """What an attention or MLP block adds to the residual stream: its output, RMS-normalized (Gemma 2 / 3's
         sandwich norms, OLMo 2 / 3's only norms) or multiplied (Granite's residual multiplier)."""
@@ -288,6 +269,9 @@ class _NetworkWriter(HeadWriter, ConvWriter):
             head_size=c.head_size, tokens_per_block=self.build.tokens_per_block, scale=float(c.score_scale), rotary=0,
             **kv_quant, **({"window": window} if window else {}), **softcap,
         )
+        if c.attention_output_gate:  # AFMoE: each output feature times the sigmoid of its gate
+            gate = g.op("Sigmoid", [self.linear(h, p + "attention.gate")])
+            attn = g.op("Mul", [attn, gate], name=p + "attention.gated")
         return self.row_linear(attn, p + "attention.dense", bias=c.dense_bias), k_new, v_new
 
     def write(self) -> onnx.ModelProto:

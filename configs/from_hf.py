@@ -77,6 +77,10 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     "Lfm2ForCausalLM": ("lfm2", False, True),
     # + mixtures of experts after the first num_dense_layers: chosen by sigmoid scores plus a selection bias
     "Lfm2MoeForCausalLM": ("lfm2_moe", False, True),
+    # Arcee's AFMoE (Trinity): per-head q / k norms, a sigmoid gate on the attention's output, sandwich norms, three
+    # sliding layers with RoPE then a full one without, leading dense layers, then experts as LFM2-MoE's plus shared
+    # ones; embeddings times sqrt(hidden) (muP)
+    "AfmoeForCausalLM": ("afmoe", False, True),
 }
 _UNGATED_MLP_FAMILIES = ("arcee", "starcoder2", "apertus")
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> the text
@@ -108,7 +112,7 @@ def _no_rope_layers(hf: dict[str, Any], family: str, layer_types: tuple[str, ...
     its full-attention layers."""
     if family == "exaone4":
         return tuple(i for i, kind in enumerate(layer_types) if kind == "full_attention") if layer_types else ()
-    if family == "cohere2":  # NOTE: without a window transformers' Cohere 2 rotates no layer
+    if family in ("cohere2", "afmoe"):  # NOTE: without a window transformers' Cohere 2 rotates no layer
         return tuple(i for i, kind in enumerate(layer_types or ["full_attention"] * int(hf["num_hidden_layers"]))
                      if kind == "full_attention")
     layers = int(hf["num_hidden_layers"])
@@ -137,7 +141,7 @@ def _round_to_dtype(value: float, dtype: str) -> float:
 
 
 # families whose layers alternate sliding-window and full attention -> the pattern's default period (every n-th full)
-_LAYER_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo3": 4, "gpt_oss": 2, "exaone4": 4, "cohere2": 4}
+_LAYER_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo3": 4, "gpt_oss": 2, "exaone4": 4, "cohere2": 4, "afmoe": 4}
 
 
 def _layer_types(hf: dict[str, Any], family: str) -> tuple[str, ...]:
@@ -260,7 +264,7 @@ def _norm_layout(family: str) -> dict[str, Any]:
     """Where the family's layers normalize, beyond Llama's norms before attention and MLP."""
     if family in ("olmo2", "olmo3", "exaone4"):  # after them instead (OLMo 2 / 3 normalize q / k whole)
         return {"output_norms": True, "input_norms": False, "qk_norm_full": family != "exaone4"}
-    if family == "glm4":  # before and after them
+    if family in ("glm4", "afmoe"):  # before and after them
         return {"output_norms": True}
     if family in COHERE_FAMILIES:  # one LayerNorm both read
         return {"norm_type": "layer", "parallel_residual": True}
@@ -278,6 +282,14 @@ def _cohere_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     if hf.get("use_qk_norm"):
         raise CheckpointError("use_qk_norm=true (Command R+'s per-head q / k LayerNorms) is not supported.")
     return {"logits_scaling": 1.0 / float(hf.get("logit_scale") or 0.0625)}
+
+
+def _afmoe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """AFMoE's attention output gate and muP embedding scale."""
+    if family != "afmoe":
+        return {}
+    return {"attention_output_gate": True,
+            "embedding_multiplier": float(hf["hidden_size"]) ** 0.5 if hf.get("mup_enabled") else 1.0}
 
 
 def _gpt_oss_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
@@ -363,6 +375,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         local_rotary_base=local_base if window and "sliding_attention" in layer_types else None,
         **_gemma_fields(hf, family, hf_dtype if hf_dtype in DTYPES else "float32"),
         **_granite_fields(hf, family),
+        **_afmoe_fields(hf, family),
         **_cohere_fields(hf, family),
         **hf_rope.temperature_fields(hf.get("rope_scaling") or rope_params),
         **moe_fields(hf, family),

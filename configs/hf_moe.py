@@ -12,7 +12,7 @@ from trtbuild.errors import CheckpointError
 _MOE_FAMILIES = {"qwen3_moe": ("moe_intermediate_size", False), "mixtral": ("intermediate_size", True),
                  "olmoe": ("intermediate_size", False), "granitemoe": ("intermediate_size", True),
                  "qwen2_moe": ("moe_intermediate_size", False), "gpt_oss": ("intermediate_size", True),
-                 "lfm2_moe": ("moe_intermediate_size", True)}
+                 "lfm2_moe": ("moe_intermediate_size", True), "afmoe": ("moe_intermediate_size", True)}
 
 
 def moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
@@ -33,7 +33,19 @@ def moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
             "moe_normalize_topk": bool(hf.get("norm_topk_prob", normalize)),
             "shared_expert_intermediate_size": int(hf.get("shared_expert_intermediate_size") or 0),
             "shared_expert_gated": bool(hf.get("shared_expert_gated", True)),
-            "moe_bias": family == "gpt_oss", **({} if family != "lfm2_moe" else {
-                "moe_dense_layers": int(hf.get("num_dense_layers", 2)), "moe_scoring": "sigmoid",
+            "moe_bias": family == "gpt_oss", **_sigmoid_routing(hf, family)}
+
+
+def _sigmoid_routing(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """LFM2-MoE's and AFMoE's experts: chosen by sigmoid scores plus a selection bias after leading dense layers,
+    weighted by the renormalized sigmoids times a scale; AFMoE's shared experts beside them, added ungated."""
+    if family == "lfm2_moe":
+        return {"moe_dense_layers": int(hf.get("num_dense_layers", 2)), "moe_scoring": "sigmoid",
                 "moe_selection_bias": bool(hf.get("use_expert_bias", True)),
-                "moe_routed_scale": float(hf.get("routed_scaling_factor") or 1.0)})}
+                "moe_routed_scale": float(hf.get("routed_scaling_factor") or 1.0)}
+    if family == "afmoe":
+        shared = int(hf.get("num_shared_experts") or 0) * int(hf["moe_intermediate_size"])
+        return {"moe_dense_layers": int(hf.get("num_dense_layers", 1)), "moe_scoring": "sigmoid",
+                "moe_selection_bias": True, "moe_routed_scale": float(hf.get("route_scale") or 1.0),
+                "shared_expert_intermediate_size": shared, "shared_expert_gated": False}
+    return {}

@@ -138,6 +138,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True  # False: the shared expert is added as it is (Granite 4.0's shared_mlp)
     moe_bias: bool = False  # the router and the experts' projections have biases (gpt-oss)
+    attention_output_gate: bool = False  # AFMoE: attention's output times sigmoid(attention.gate(x)) before its dense
     moe_dense_layers: int = 0  # the first this many layers have a dense MLP of intermediate_size (LFM2-MoE)
     # "sigmoid" (LFM2-MoE): experts chosen by sigmoid(logit) (+ the router's selection_bias where
     # moe_selection_bias), weighted by their sigmoids, renormalized where moe_normalize_topk; "softmax": as above

@@ -39,7 +39,7 @@ PROBE_TEXTS = (
     "a</s>\n  b</s> <s> c",
 )
 # the architectures llama.cpp's LlamaModel converts (q / k rows permuted)
-PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee")
+PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee", "afmoe")
 # HF family -> (GGUF architecture llama.cpp writes, vocabulary kind, general.name)
 FAMILIES = {
     "llama": ("llama", "spm", "Llama Tiny"),
@@ -80,6 +80,7 @@ FAMILIES = {
     "ministral3": ("mistral3", "spm", "Ministral 3 Tiny"),
     "arcee": ("arcee", "bpe", "AFM Tiny"),
     "apertus": ("apertus", "bpe", "Apertus Tiny"),
+    "afmoe": ("afmoe", "bpe", "AFMoE Tiny"),
     "starcoder2": ("starcoder2", "bpe", "StarCoder2 Tiny"),
     "hunyuan_dense": ("hunyuan-dense", "bpe", "Hunyuan Tiny"),
     "lfm2": ("lfm2", "bpe", "LFM2 Tiny"),
@@ -438,6 +439,11 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         if cfg["routed_scaling_factor"] != 1.0:  # NOTE: llama.cpp's converter drops it (1.0 in the released models)
             w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if arch == "afmoe":  # AfmoeModel.set_gguf_parameters (no sliding window pattern: llama.cpp's default is 4)
+        w.add_expert_shared_count(cfg["num_shared_experts"])
+        w.add_leading_dense_block_count(cfg["num_dense_layers"])
+        w.add_expert_weights_scale(cfg["route_scale"])
+        w.add_sliding_window(cfg["sliding_window"])
     if arch == "gpt-oss":  # GptOssModel.set_gguf_parameters
         w.add_sliding_window(cfg["sliding_window"])
         w.add_expert_feed_forward_length(cfg["intermediate_size"])

@@ -204,6 +204,12 @@ RANDOM_CONFIGS = {
     "apertus": ("ApertusConfig", dict(_COMMON, rope_parameters={
         "rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0, "original_max_position_embeddings": 8192,
         "low_freq_factor": 1.0, "high_freq_factor": 4.0})),
+    # AFMoE: a dense first layer, then 4 experts (2 a token, sigmoid + selection bias, scaled) and a shared one;
+    # three sliding layers (window 6) with RoPE, then a full one without; muP embedding scale
+    "afmoe": ("AfmoeConfig", dict(_COMMON, head_dim=16, num_hidden_layers=4, num_dense_layers=1, num_experts=4,
+                                  num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32,
+                                  route_scale=2.5, sliding_window=6, global_attn_every_n_layers=4, mup_enabled=True,
+                                  rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
     "arcee": ("ArceeConfig", dict(_COMMON, hidden_act="relu2", rope_theta=10000.0, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
         bos_token_id=1, eos_token_id=2, pad_token_id=0)),

@@ -72,6 +72,7 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
 
 def _attention_tensors(config: ModelConfig, p: str) -> list[str]:
     names = [p + "attention.dense.weight"] + [p + f"attention.{x}.weight" for x in "qkv"]
+    names += [p + "attention.gate.weight"] if config.attention_output_gate else []
     if config.qkv_bias:
         names += [p + f"attention.{x}.bias" for x in "qkv"]
     if config.dense_bias:
@@ -137,6 +138,7 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "attention.q_norm.weight": (c.q_size if c.qk_norm_full else c.head_size,),
         "attention.k_norm.weight": (c.kv_size if c.qk_norm_full else c.head_size,),
         "attention.dense.weight": (c.hidden_size, c.q_size),
+        "attention.gate.weight": (c.q_size, c.hidden_size),
         "attention.dense.bias": (c.hidden_size,),
         "attention.sinks": (c.num_attention_heads,),
         **{f"mlp.act.{x}": (1,) for x in XIELU_PARAMETERS},

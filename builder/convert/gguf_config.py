@@ -136,6 +136,19 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
                                   ("attn_q_norm.weight", "self_attn.query_layernorm.weight"),
                                   ("attn_k_norm.weight", "self_attn.key_layernorm.weight"))),
     # Arcee (AFM): LlamaModel's layout (q / k permuted) with an MLP of ffn_up and ffn_down only, relu(x)^2 between
+    # AFMoE (Trinity): Gemma 2's four norms, per-head q / k norms, the attention's output gate; dense leading layers
+    # (ffn_gate / up / down), then a router with its selection bias, experts and shared experts
+    "afmoe": GgufArch("AfmoeForCausalLM", "afmoe", True, (
+        *(f"{n}.weight" for n in ("attn_norm", "post_attention_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                                  "attn_gate", "ffn_norm", "post_ffw_norm")), *_QK_NORM), optional_layer_tensors=(
+        *(f"ffn_{p}.weight" for p in ("gate", "up", "down", "gate_inp", "gate_exps", "up_exps", "down_exps",
+                                      "gate_shexp", "up_shexp", "down_shexp")), "exp_probs_b.bias"),
+        moe_normalize=True, renames=(
+            ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+            ("ffn_norm.weight", "pre_mlp_layernorm.weight"), ("post_ffw_norm.weight", "post_mlp_layernorm.weight"),
+            ("attn_gate.weight", "self_attn.gate_proj.weight"), ("ffn_gate_inp.weight", "mlp.router.gate.weight"),
+            ("exp_probs_b.bias", "mlp.expert_bias"),
+            *((f"ffn_{p}_shexp.weight", f"mlp.shared_experts.{p}_proj.weight") for p in ("gate", "up", "down")))),
     # Apertus: per-head q / k norms, an MLP without a gate whose xIELU scalars are metadata (xielu.*, per layer)
     "apertus": GgufArch("ApertusForCausalLM", "apertus", False, (*_BASE_LAYER_TENSORS, *(
         f"attn_{p}.weight" for p in "qkv"), "ffn_up.weight", *_QK_NORM), optional_layer_tensors=("attn_output.bias",),
@@ -304,6 +317,15 @@ def hf_config(
         dense = int(meta.get(f"{prefix}.leading_dense_block_count") or 0)
         cfg.update(num_dense_layers=dense, use_expert_bias=f"blk.{dense}.exp_probs_b.bias" in shapes,
                    routed_scaling_factor=f32(meta.get(f"{prefix}.expert_weights_scale") or 1.0))
+    if arch.model_type == "afmoe":  # AfmoeModel; llama.cpp scales the embeddings by sqrt(hidden) always (muP)
+        pattern = meta.get(f"{prefix}.attention.sliding_window_pattern")
+        every = 4  # llama.cpp's default: three sliding layers, then a full one
+        cfg.update(num_dense_layers=int(meta.get(f"{prefix}.leading_dense_block_count") or 0),
+                   num_shared_experts=int(meta.get(f"{prefix}.expert_shared_count") or 0),
+                   route_scale=f32(meta.get(f"{prefix}.expert_weights_scale") or 1.0), mup_enabled=True,
+                   sliding_window=meta.get(f"{prefix}.attention.sliding_window"),
+                   layer_types=[("sliding_attention" if (pattern[i] if isinstance(pattern, list) else (i + 1) % every)
+                                 else "full_attention") for i in range(cfg["num_hidden_layers"])])
     if arch.model_type == "starcoder2":  # LayerNorms
         cfg["norm_epsilon"] = cfg["rms_norm_eps"]
     if arch.model_type in COHERE_FAMILIES:  # LayerNorms, and the logits' multiplier

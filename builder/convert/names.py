@@ -130,6 +130,21 @@ _APERTUS_LAYER_MAP = {
     "feedforward_layernorm.weight": "post_layernorm.weight",
     **{f"mlp.act_fn.{p}": f"mlp.act.{p}" for p in XIELU_PARAMETERS},
 }
+# AFMoE: the attention's output gate, Gemma 2's four norms under other names, a dense MLP in the first layers, then
+# experts (stacked by builder/convert/experts.py) routed by sigmoid scores plus a selection bias, and shared experts
+_AFMOE_LAYER_MAP = {
+    **{k: v for k, v in _LAYER_MAP.items() if "layernorm" not in k or k.startswith("input")},
+    "self_attn.gate_proj.weight": "attention.gate.weight",
+    "post_attention_layernorm.weight": "attention.output_norm.weight",
+    "pre_mlp_layernorm.weight": "post_layernorm.weight",
+    "post_mlp_layernorm.weight": "mlp.output_norm.weight",
+    "mlp.router.gate.weight": "mlp.router.weight",
+    "mlp.expert_bias": "mlp.router.selection_bias",
+    **{f"mlp.experts.{hf}_proj.weight": f"mlp.experts.{p}.weight" for hf, p in (("gate", "gate"), ("up", "fc"),
+                                                                                  ("down", "proj"))},
+    **{f"mlp.shared_experts.{hf}_proj.weight": f"mlp.shared.{p}.weight" for hf, p in (("gate", "gate"), ("up", "fc"),
+                                                                                        ("down", "proj"))},
+}
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "transformer.vocab_embedding.weight",
     "model.norm.weight": "transformer.ln_f.weight",
@@ -150,6 +165,7 @@ LAYER_LINEARS = ("attention.q", "attention.k", "attention.v", "attention.dense",
 # A mixture of experts' stacked experts [experts, out, in]: as weight-only linears, [experts * out, in] (each expert's
 # rows one after the other)
 CONV_LINEARS = ("conv.in_proj", "conv.out_proj")  # an LFM2 convolution layer's, in place of the attention's
+GATE_LINEARS = ("attention.gate",)  # AFMoE's attention output gate (attention_output_gate)
 EXPERT_LINEARS = ("mlp.experts.gate", "mlp.experts.fc", "mlp.experts.proj")
 SHARED_EXPERT_LINEARS = ("mlp.shared.gate", "mlp.shared.fc", "mlp.shared.proj")  # Qwen2-MoE's shared expert
 _SCALE_SUFFIXES = ("weights_scaling_factor", "weights_zero_point", "activation_scaling_factor",
@@ -195,6 +211,8 @@ def _layer_map(config: ModelConfig | None) -> dict[str, str]:
         return _HUNYUAN_LAYER_MAP
     if config.family == "apertus":
         return _APERTUS_LAYER_MAP
+    if config.family == "afmoe":
+        return _AFMOE_LAYER_MAP
     if config.family in LFM2_FAMILIES:
         return _LFM2_LAYER_MAP
     if config.output_norms:  # Gemma 2 / 3, OLMo 2 / 3, EXAONE 4
@@ -243,8 +261,12 @@ def model_linear_prefixes(config: ModelConfig, layers: Iterable[int], last_stage
     place of its attention's, a dense MLP in the layers before a mixture of experts' first (LFM2-MoE)."""
     out = []
     for i in layers:
-        prefixes = linear_prefixes([i], False, config.has_experts(i), config.shared_expert_intermediate_size > 0,
+        moe = config.has_experts(i)
+        prefixes = linear_prefixes([i], False, moe, moe and config.shared_expert_intermediate_size > 0,
                                    config.gated_mlp)
+        if config.attention_output_gate:  # NOTE: after v, the last linear reading the attention's input
+            at = prefixes.index(f"transformer.layers.{i}.attention.v") + 1
+            prefixes[at:at] = [f"transformer.layers.{i}.{s}" for s in GATE_LINEARS]
         if config.is_conv(i):  # NOTE: where the attention's linears would have been
             at = next(j for j, p in enumerate(prefixes) if ".attention." in p)
             prefixes = [p for p in prefixes if ".attention." not in p]
@@ -257,7 +279,7 @@ def is_linear(prefix: str) -> bool:
     """Whether checkpoint prefix `prefix` (a tensor name without `.weight`) is a linear layer."""
     m = _CKPT_LAYER.match(prefix)
     return prefix == "lm_head" or (m is not None and m.group(2) in (*LAYER_LINEARS, *CONV_LINEARS, *EXPERT_LINEARS,
-                                                                     *SHARED_EXPERT_LINEARS))
+                                                                     *SHARED_EXPERT_LINEARS, *GATE_LINEARS))
 
 
 def layer_of(name: str) -> int | None:
