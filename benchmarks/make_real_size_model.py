@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from gguf_tensors import encode, gguf_type, llama3_rope_freqs, llama_permute  # noqa: E402
 from real_shapes import (  # noqa: E402
+    AFMOE,
     ARCEE,
     ERNIE,
     EXAONE4,
@@ -170,6 +171,11 @@ def write_metadata(w, shape: Shape, tok) -> None:
     w.add_block_count(shape.num_hidden_layers)
     w.add_feed_forward_length(shape.dense_intermediate_size or shape.intermediate_size)
     w.add_head_count(shape.num_attention_heads)
+    if fam is AFMOE:  # AfmoeModel.set_gguf_parameters (llama.cpp's default sliding pattern: every fourth full)
+        w.add_expert_feed_forward_length(shape.intermediate_size)
+        w.add_expert_shared_count(shape.shared_experts)
+        w.add_leading_dense_block_count(shape.dense_layers)
+        w.add_sliding_window(shape.sliding_window)
     if fam is LFM2MOE:  # LFM2MoeModel.set_gguf_parameters
         w.add_expert_feed_forward_length(shape.intermediate_size)
         w.add_leading_dense_block_count(shape.dense_layers)

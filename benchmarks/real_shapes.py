@@ -122,10 +122,14 @@ LFM2 = Family("lfm2", "lfm2", LLAMA3.digits, ("<|pad|>", "<|startoftext|>", "<|e
 # LFM2-MoE: LFM2's layers, a dense MLP in the first Shape.dense_layers, experts after them
 LFM2MOE = Family("lfm2moe", *(getattr(LFM2, f) for f in ("pre", "digits", "specials", "bos", "eos", "pad",
                                                           "chat_template")))
+# AFMoE (Arcee's Trinity): Llama 3's tokenizer here; the attention's output gate, four norms, leading dense layers
+# (Shape.dense_layers), then experts beside Shape.shared_experts shared ones
+AFMOE = Family("afmoe", *(getattr(LLAMA3, f) for f in ("pre", "digits", "specials", "bos", "eos", "pad",
+                                                        "chat_template")))
 # the families whose GGUF names the norms after attention / MLP as Gemma's
 POST_NORMED = (GEMMA2, GEMMA3, OLMO2, EXAONE4)
 # the families llama.cpp's LlamaModel converts: q / k rows permuted
-PERMUTED = (LLAMA3, SMOLLM3, GRANITE, GRANITEMOE, ARCEE)
+PERMUTED = (LLAMA3, SMOLLM3, GRANITE, GRANITEMOE, ARCEE, AFMOE)
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 
@@ -152,6 +156,7 @@ class Shape:
     attention_layers: tuple[int, ...] | None = None  # LFM2: the layers with attention, the others convolutions
     dense_layers: int = 0  # LFM2-MoE: the first this many layers' MLPs are dense, of dense_intermediate_size
     dense_intermediate_size: int = 0
+    shared_experts: int = 0  # AFMoE: shared experts of intermediate_size features beside the routed ones
 
     @property
     def head_dim(self) -> int:
@@ -203,6 +208,11 @@ SHAPES = {  # the released models' configs
     "lfm2-8b-a1b": Shape(LFM2MOE, 2048, 24, 32, 8, 1792, 65536, True, 1e6, None, 128000, 1e-5, experts=32,
                          experts_per_tok=4, attention_layers=(2, 6, 10, 14, 18, 21), dense_layers=2,
                          dense_intermediate_size=7168),
+    # a Trinity-Nano-like AFMoE (6.1B, ~1B active: llama.cpp sizes 56 layers as 6B): 2 dense MLPs of 3072, then
+    # 128 experts of 256 (8 a token) and a shared one; three sliding layers (2048) with RoPE, then a full one
+    "afmoe-6b-a1b": Shape(AFMOE, 1024, 56, 8, 2, 256, 200192, False, 1e4, None, 131072, 1e-5, 2048, head_size=128,
+                          experts=128, experts_per_tok=8, dense_layers=2, dense_intermediate_size=3072,
+                          shared_experts=1),
     "granite-2b": Shape(GRANITE, 2048, 40, 32, 8, 8192, 49159, True, 1e7, None, 131072, 1e-5, multipliers=dict(
         embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)),
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from real_shapes import (
+    AFMOE,
     ARCEE,
     EXAONE4,
     GEMMA3,
@@ -41,6 +42,11 @@ LFM2_TO_GGUF = {"operator_norm": "attn_norm", "ffn_norm": "ffn_norm", "self_attn
                 "feed_forward.gate": "ffn_gate_inp", "feed_forward.expert_bias": "exp_probs_b",
                 **{f"feed_forward.experts.{w}": f"ffn_{p}_exps" for w, p in (("w1", "gate"), ("w3", "up"),
                                                                               ("w2", "down"))}}
+# AFMoE's: its attention gate, four norms, router, selection bias and shared experts
+AFMOE_TO_GGUF = {**HF_TO_GGUF, "self_attn.gate_proj": "attn_gate", "post_attention_layernorm": "post_attention_norm",
+                 "pre_mlp_layernorm": "ffn_norm", "post_mlp_layernorm": "post_ffw_norm",
+                 "mlp.router.gate": "ffn_gate_inp", "mlp.expert_bias": "exp_probs_b",
+                 **{f"mlp.shared_experts.{p}_proj": f"ffn_{p}_shexp" for p in ("gate", "up", "down")}}
 # Gemma 2 / 3's four norms: their post_attention_layernorm normalizes the attention's output
 GEMMA_TO_GGUF = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
@@ -74,10 +80,43 @@ def lfm2_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "model.embedding_norm.weight", (h,)
 
 
+def afmoe_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """AFMoE's weights: attention with its output gate and per-head q / k norms, four norms, a dense MLP or a router
+    with its selection bias, the experts stacked and the shared experts."""
+    h, kv, f = shape.hidden_size, shape.num_key_value_heads * shape.head_dim, shape.intermediate_size
+    q = shape.num_attention_heads * shape.head_dim
+    yield "model.embed_tokens.weight", (shape.vocab_size, h)
+    for i in range(shape.num_hidden_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (h,)
+        yield from ((p + f"self_attn.{x}_proj.weight", (n, h)) for x, n in (("q", q), ("k", kv), ("v", kv),
+                                                                             ("gate", q)))
+        yield from ((p + f"self_attn.{x}_norm.weight", (shape.head_dim,)) for x in "qk")
+        yield p + "self_attn.o_proj.weight", (h, q)
+        yield from ((p + f"{n}.weight", (h,)) for n in ("post_attention_layernorm", "pre_mlp_layernorm"))
+        if i < shape.dense_layers:
+            d = shape.dense_intermediate_size
+            yield from ((p + "mlp.gate_proj.weight", (d, h)), (p + "mlp.up_proj.weight", (d, h)),
+                        (p + "mlp.down_proj.weight", (h, d)))
+        else:
+            e, s = shape.experts, shape.shared_experts * f
+            yield from ((p + "mlp.router.gate.weight", (e, h)), (p + "mlp.expert_bias.bias", (e,)))
+            yield from ((p + f"mlp.experts.{x}_proj.weight", (e, f, h)) for x in ("gate", "up"))
+            yield p + "mlp.experts.down_proj.weight", (e, h, f)
+            yield from ((p + f"mlp.shared_experts.{x}_proj.weight", (s, h)) for x in ("gate", "up"))
+            yield p + "mlp.shared_experts.down_proj.weight", (h, s)
+        yield p + "post_mlp_layernorm.weight", (h,)
+    yield "model.norm.weight", (h,)
+    yield "lm_head.weight", (shape.vocab_size, h)
+
+
 def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every weight, in the order HF checkpoints list them per layer."""
     if shape.family in (LFM2, LFM2MOE):
         yield from lfm2_tensors(shape)
+        return
+    if shape.family is AFMOE:
+        yield from afmoe_tensors(shape)
         return
     h, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
     q = shape.num_attention_heads * shape.head_dim
@@ -142,5 +181,6 @@ def gguf_name(hf_name: str, family: Family) -> str:
         return top[hf_name]
     _, _, i, rest = hf_name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    names = GEMMA_TO_GGUF if family in POST_NORMED else LFM2_TO_GGUF if family in (LFM2, LFM2MOE) else HF_TO_GGUF
+    names = GEMMA_TO_GGUF if family in POST_NORMED else LFM2_TO_GGUF if family in (LFM2, LFM2MOE) else \
+        AFMOE_TO_GGUF if family is AFMOE else HF_TO_GGUF
     return f"blk.{i}.{names[module]}.{kind}"

@@ -12,18 +12,17 @@ Each node maps to one kernel (gpu_kernels/ for the Triton ones, torch for the re
   MatMul(x, DequantizeLinear(W)), with    weight_only_linear,  trtbuild quantize's formats (int4_awq, int8_sq, fp8,
   Q/DQ on x for int8_sq and fp8           int8_linear,         an int8 lm_head): builder/cuda_plan_quant.py
                                           fp8_linear
-  Mul / Div / Max / Min / Sub / Greater / mul, div, ...,       torch (int4_awq's prequant, a per-token int8 scale,
-  Where (a constant operand as a weight), abs, reduce_max,     Apertus's xIELU)
-  Abs, ReduceMax, Exp                     exp
+  Mul / Div / Max / Min / Sub / Greater / mul, div, maximum,   torch (int4_awq's prequant, a per-token int8 scale,
+  Where (a constant operand as a weight)  minimum, sub, ...    Apertus's xIELU)
+  ReduceMax, ReduceSum (constant axes)    reduce_max, ...      torch (a per-token int8 scale, a sigmoid router's sum)
   Split -> silu(gate) * up (fused gate|up) swiglu              gpu_kernels/swiglu.py on the Split's input
   silu(gate) * up (separate GEMMs)        silu_mul             torch (weight-only gate and up stay two GEMMs)
   Split -> Gelu(gate, tanh) * up (fused)  geglu                gpu_kernels/swiglu.py (Gemma's MLP)
   Gelu(gate) * up (otherwise)             gelu_mul             torch, with the Gelu's approximate
-  Gelu, Tanh, Relu, Sigmoid, Log         gelu, tanh, relu,    torch (Relu, then Mul(x, x): Arcee's relu^2;
-                                          sigmoid, log         Sigmoid: Qwen2-MoE's shared-expert gate)
-  TopK, GatherElements, ScatterElements,  topk, gather_elements, torch: a sigmoid router's ops (LFM2-MoE)
-  ReduceSum, Expand(constant, Shape(x))   scatter_elements,
-                                          reduce_sum, full_like
+  Gelu, Tanh, Relu, Sigmoid, Log, Exp,    gelu, tanh, relu,    torch (Relu, then Mul(x, x): Arcee's relu^2;
+  Abs (alone)                             sigmoid, log, ...    Sigmoid: Qwen2-MoE's shared-expert gate)
+  TopK, GatherElements, ScatterElements,  topk, ...,           torch: a sigmoid router's ops (LFM2-MoE, AFMoE)
+  Expand(constant, Shape(x))              full_like
   Mul(x, constant scalar)                 scale                torch (embedding and residual multipliers, logits
                                                                scaling; with Tanh, the soft-cap c2 * tanh(c1 * x))
   Add, Split, Reshape                     add, split, reshape  torch
@@ -33,6 +32,8 @@ Each node maps to one kernel (gpu_kernels/ for the Triton ones, torch for the re
                                                                sinks (a constant) are the last input, attr sinks
   trtbuild::PagedShortConv                short_conv           gpu_kernels/short_conv.py (LFM2), then conv_write:
                                                                the step's rows over the layer's slots (torch)
+  com.microsoft::MoE (SwiGLU experts)     moe                  gpu_kernels/fused_moe.py: routing and per-expert tiles
+                                                               in torch, a grouped GEMM per projection
   trtbuild::SpeculativeAccept             speculative_accept   gpu_kernels/speculative_accept.py on the lm_head rows
                                                                (draft-tokens engines: plan inputs and outputs
                                                                gain the op's, as builder/network.py describes)
@@ -229,17 +230,16 @@ class _PlanWriter(QuantizedSteps):
         elif op in ELEMENTWISE:  # a constant operand (int4_awq's prequant, xIELU's scalars) as a weight
             inputs = [self.weight(i, self.const(i), torch.float32) if i in v.initializers else i for i in n.input]
             self.emit(ELEMENTWISE[op], n, inputs, list(n.output))
-        elif op in ("Abs", "ReduceMax") and (op == "Abs" or len(n.input) == 2):  # a per-token int8 scale
-            attrs = {} if op == "Abs" else {"axes": self.const(n.input[1]).tolist(), "keepdims": bool(a.get("keepdims",
-                                                                                                              1))}
-            self.emit(_snake(op), n, [n.input[0]], list(n.output), **attrs)
+        elif op in ("ReduceMax", "ReduceSum") and len(n.input) == 2 and not a.get("noop_with_empty_axes"):
+            self.emit(_snake(op), n, [n.input[0]], list(n.output), axes=self.const(n.input[1]).tolist(),
+                      keepdims=bool(a.get("keepdims", 1)))
         elif op == "Concat":
             self.emit("concat", n, list(n.input), list(n.output), axis=int(a["axis"]))
         elif op == "Gelu" and n.domain in ("", "ai.onnx"):
             self.emit("gelu", n, [n.input[0]], list(n.output), approximate=a.get("approximate", "none"))
-        elif op in ("Tanh", "Relu", "Sigmoid", "Log", "Exp"):
+        elif op in ("Tanh", "Relu", "Sigmoid", "Log", "Exp", "Abs"):
             self.emit(op.lower(), n, [n.input[0]], list(n.output))
-        elif op in ("TopK", "GatherElements", "ScatterElements", "Expand", "ReduceSum"):
+        elif op in ("TopK", "GatherElements", "ScatterElements", "Expand"):
             self.routing(n, a)
         elif op == "Shape" and all(c.op_type == "Expand" for c in v.consumers.get(n.output[0], [])):
             pass  # read by its Expands' full_like steps
@@ -283,14 +283,11 @@ class _PlanWriter(QuantizedSteps):
 
     def routing(self, n: onnx.NodeProto, a: dict[str, Any]) -> None:
         """The ops of a sigmoid router (builder/moe_experts.py: sigmoid_routing, LFM2-MoE), in torch: TopK,
-        GatherElements, ScatterElements, ReduceSum, and Expand of a constant to Shape(x) as `full_like` x."""
+        GatherElements, ScatterElements, and Expand of a constant to Shape(x) as `full_like` x."""
         op, v = n.op_type, self.view
         if op == "TopK" and a.get("largest", 1) == 1:
             self.emit("topk", n, [n.input[0]], list(n.output), k=int(self.const(n.input[1]).reshape(-1)[0]),
                       axis=int(a.get("axis", -1)))
-        elif op == "ReduceSum" and len(n.input) == 2 and not a.get("noop_with_empty_axes"):
-            self.emit("reduce_sum", n, [n.input[0]], list(n.output), axes=self.const(n.input[1]).tolist(),
-                      keepdims=bool(a.get("keepdims", 1)))
         elif op in ("GatherElements", "ScatterElements") and a.get("reduction", "none") == "none":
             self.emit(_snake(op), n, list(n.input), list(n.output), axis=int(a.get("axis", 0)))
         elif op == "Expand" and (fill := self.scalar(n.input[0])) is not None and \
