@@ -117,13 +117,18 @@ class Experts:
 
             self.high_bits = cpu_ops.high_bits_layout()
 
-    def emit(self, h: str, logits: str, prefix: str) -> str:
+    def emit(self, h: str, logits: str, prefix: str, selection_bias: str | None = None) -> str:
         """The experts' output for the normalized hidden states `h` and the router's `logits` (`prefix`: the
-        layer's `...mlp.`)."""
+        layer's `...mlp.`; `selection_bias`: the sigmoid router's, where it has one). A sigmoid router (moe_scoring)
+        is MoERoute's sigmoid mode natively, and `sigmoid_routing` before ONNX Runtime's softmax MoE otherwise."""
         names = [f"{prefix}experts.{p}" for p in PROJECTIONS]
         if self.native and all(self.quant.is_quantized(n) for n in names):
-            return self._native(h, logits, prefix, [self._table(n) for n in names])
-        return self._float(h, logits, prefix, names)
+            return self._native(h, logits, prefix, [self._table(n) for n in names], selection_bias)
+        factor = None
+        if self.c.moe_scoring == "sigmoid":
+            logits, factor = sigmoid_routing(self.g, self.c, logits, selection_bias, prefix)
+        y = self._float(h, logits, prefix, names)
+        return y if factor is None else self.g.op("Mul", [y, factor], name=prefix + "experts_scaled")
 
     # ---- float ---------------------------------------------------------------------------------------------------
     def _float_weight(self, name: str) -> np.ndarray:
@@ -162,11 +167,12 @@ class Experts:
         codes, scales, zero_points, layout = nbits_inputs(name, self.tensors, k)
         return _Table(codes.numpy(), scales, zero_points, layout.bits, layout.block_size)
 
-    def _native(self, h: str, logits: str, prefix: str, tables: list[_Table]) -> str:
+    def _native(self, h: str, logits: str, prefix: str, tables: list[_Table], selection_bias: str | None) -> str:
         c, g = self.c, self.g
+        sigmoid = {"sigmoid": 1, "scale": float(c.moe_routed_scale)} if c.moe_scoring == "sigmoid" else {}
         rows, weights, offsets, inverse = g.op(
-            mr.OP_TYPE, [logits], num_outputs=4, domain=mr.DOMAIN, name=prefix + "route", k=c.num_experts_per_tok,
-            normalize=int(c.moe_normalize_topk))
+            mr.OP_TYPE, [logits, *([selection_bias] if selection_bias else [])], num_outputs=4, domain=mr.DOMAIN,
+            name=prefix + "route", k=c.num_experts_per_tok, normalize=int(c.moe_normalize_topk), **sigmoid)
         xs = g.op("Gather", [h, rows], axis=0, name=prefix + "expert_inputs")
         gate, up, down = tables
         if gate.form() == up.form():  # one table: each expert's gate rows, then its up rows

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from trtbuild.builder.graph import GraphBuilder
-from trtbuild.builder.moe_experts import Experts, sigmoid_routing
+from trtbuild.builder.moe_experts import Experts
 from trtbuild.builder.tensor_parallel import TensorParallel
 from trtbuild.configs import ModelConfig
 
@@ -31,14 +31,10 @@ class ExpertsWriter:
         """A mixture of experts' MLP: the router's logits, then the experts (builder/moe_experts.py), plus the shared
         expert: Qwen2-MoE's scaled by the sigmoid of its gate's logit, Granite 4.0's and AFMoE's as it is."""
         prefix, g = layer + "mlp.", self.g
-        logits, factor = self.linear(h, prefix + "router", bias=self.c.moe_bias), None
-        if self.c.moe_scoring == "sigmoid":  # LFM2-MoE, AFMoE
-            name = prefix + "router.selection_bias"
-            bias = g.weight(name, self.tensor(name)) if self.c.moe_selection_bias else None
-            logits, factor = sigmoid_routing(g, self.c, logits, bias, prefix)
-        y = self.moe.emit(h, logits, prefix)
-        if factor is not None:
-            y = g.op("Mul", [y, factor], name=prefix + "experts_scaled")
+        logits = self.linear(h, prefix + "router", bias=self.c.moe_bias)
+        name = prefix + "router.selection_bias"  # LFM2-MoE's, AFMoE's: sigmoid scores rank with it
+        bias = g.weight(name, self.tensor(name)) if self.c.moe_selection_bias else None
+        y = self.moe.emit(h, logits, prefix, bias)
         if self.c.shared_expert_intermediate_size:
             shared = self.mlp(h, layer, "mlp.shared.", reduce=False)
             if self.c.shared_expert_gated:

@@ -12,19 +12,27 @@ DOMAIN = "trtbuild"
 OP_TYPE = "MoERoute"
 
 
-def reference_moe_route(logits: np.ndarray, k: int, normalize: bool
+def reference_moe_route(logits: np.ndarray, k: int, normalize: bool, sigmoid: bool = False,
+                        selection_bias: np.ndarray | None = None, scale: float = 1.0
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(rows [T * k], weights [T * k, 1], offsets [E + 1], inverse [T * k]) of the router's logits [T, E]: each
     token's top k experts by softmax probability (ties: the lower expert), weighted by those probabilities
     (renormalized over the k where `normalize`), as rows sorted by expert, then token; the sorted row of token t's
-    j-th expert is inverse[t * k + j]."""
+    j-th expert is inverse[t * k + j]. `sigmoid`: scores sigmoid(logit), ranked with `selection_bias` [E] added,
+    weighted unbiased. `scale` multiplies every weight."""
     t_count, e_count = logits.shape
-    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probs /= probs.sum(axis=1, keepdims=True)
-    chosen = np.argsort(-probs, axis=1, kind="stable")[:, :k]  # stable: ties keep the lower expert first
+    if sigmoid:
+        probs = 1 / (1 + np.exp(-logits.astype(np.float32)))
+        rank = probs + selection_bias if selection_bias is not None else probs
+    else:
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)
+        rank = probs
+    chosen = np.argsort(-rank, axis=1, kind="stable")[:, :k]  # stable: ties keep the lower expert first
     weights = np.take_along_axis(probs, chosen, axis=1)
     if normalize:
         weights = weights / weights.sum(axis=1, keepdims=True)
+    weights = weights * scale
     experts = chosen.reshape(-1)
     order = np.argsort(experts, kind="stable")  # by expert, then by token
     inverse = np.empty_like(order)

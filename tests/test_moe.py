@@ -104,19 +104,20 @@ def test_a_quantized_moe_gguf_keeps_its_experts_as_the_file_holds_them(tmp_path,
 
 
 @pytest.mark.parametrize(("family", "bits"), [("qwen3_moe", 4), ("mixtral", 8), ("olmoe", 4), ("qwen2_moe", 8),
-                                            ("lfm2_moe", 4)])
+                                            ("lfm2_moe", 4), ("afmoe", 4)])
 def test_weight_only_experts_run_as_tables_of_experts_or_in_float(tmp_path, family, bits):
     """`convert --weight-only` quantizes the stacked experts (one [experts x out, in] linear each); the native
     tables of experts compute what ONNX Runtime's float MoE over the same weights dequantized does (--quant-linears
-    ort), to the int8 rounding of the activations."""
-    features = "moe_intermediate_size" if family in ("qwen3_moe", "qwen2_moe", "lfm2_moe") else "intermediate_size"
+    ort), to the int8 rounding of the activations; sigmoid routers (LFM2-MoE, AFMoE) in MoERoute's sigmoid mode."""
+    features = "moe_intermediate_size" if family in ("qwen3_moe", "qwen2_moe", "lfm2_moe", "afmoe") else \
+        "intermediate_size"
     shared = {"shared_expert_intermediate_size": 96} if family == "qwen2_moe" else {}
     hf = make_random_hf_model(family, tmp_path / "hf", overrides={"hidden_size": 128, features: 64, **shared})
     config = convert(hf, tmp_path / "ckpt", weight_only=WeightOnly(bits, 32))
     ckpt = SafetensorsFile(tmp_path / "ckpt" / "rank0.safetensors")
     p = f"transformer.layers.{config.moe_dense_layers}.mlp."  # LFM2-MoE's layer 0 is dense
     codes = ckpt[p + "experts.proj.weight"]
-    assert codes.dtype.itemsize == 1 and tuple(codes.shape) == (8 * 128, 64 * bits // 8)
+    assert codes.dtype.itemsize == 1 and tuple(codes.shape) == (config.num_experts * 128, 64 * bits // 8)
     assert config.quantization.quant_algo == "weight_only"
     assert ckpt[p + "router.weight"].dtype.itemsize == 4  # the router stays in float
     native = build_engine(tmp_path / "ckpt", tmp_path / "native", **OPTIONS)

@@ -54,6 +54,32 @@ def test_moe_route_sorts_each_token_s_top_experts_by_expert(library, k, normaliz
             assert all(offsets[e] <= inverse[j] < offsets[e + 1] for j, e in enumerate(range(k)))  # experts 0 .. k-1
 
 
+@pytest.mark.parametrize(("normalize", "biased", "scale"), [(True, True, 2.5), (False, True, 1.0), (True, False, 1.0)])
+def test_moe_route_with_sigmoid_scores_ranks_with_the_selection_bias(library, normalize, biased, scale):
+    """LFM2-MoE's and AFMoE's routing: experts ranked by sigmoid(logit) + selection_bias, weighted by the unbiased
+    sigmoids (renormalized or not), times `scale`."""
+    rng = np.random.default_rng(3)
+    outs = ("rows", "weights", "offsets", "inverse")
+    node = helper.make_node(ROUTE, ["logits", "bias" if biased else ""], list(outs), domain=cpu_ops.DOMAIN, k=3,
+                            normalize=int(normalize), sigmoid=1, scale=scale)
+    types = (TensorProto.INT64, TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT64)
+    inputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["T", 8])]
+    inputs += [helper.make_tensor_value_info("bias", TensorProto.FLOAT, [8])] if biased else []
+    sess = _session(library, [node], inputs, [helper.make_tensor_value_info(n, t, None)
+                                              for n, t in zip(outs, types, strict=True)])
+    bias = (rng.standard_normal(8) * 0.3).astype(np.float32)
+    for tokens in (1, 9, 33):
+        logits = (rng.standard_normal((tokens, 8)) * 2).astype(np.float32)
+        got = sess.run(None, {"logits": logits, **({"bias": bias} if biased else {})})
+        want = reference_moe_route(logits, 3, normalize, sigmoid=True, selection_bias=bias if biased else None,
+                                   scale=scale)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-6)
+    if biased:  # the bias changes which experts are chosen, not their weights
+        plain = reference_moe_route(logits, 3, normalize, sigmoid=True, scale=scale)
+        assert not np.array_equal(plain[2], got[2])
+
+
 EXPERTS, ROWS = 4, 48
 # (bits, block, scales, minimums, K): GGUF's Q4_0, Q8_0, Q4_K, Q6_K, Q5_K and Q2_K expert forms
 FORMATS = [(4, 32, "float16", None, 256), (8, 32, "float16", None, 256), (4, 32, "k-quant", "k-quant", 512),
