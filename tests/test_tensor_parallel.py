@@ -38,7 +38,7 @@ FAMILIES = [("llama", "float32"), ("llama_bias", "float32"), ("qwen2", "float32"
             ("gemma2", "float32"), ("phi3_partial", "float32"), ("cohere", "float32"), ("starcoder2", "float32"),
             ("odd_vocab", "float32"), ("qwen2", "bfloat16"),
             ("qwen3_moe", "float32"), ("qwen2_moe", "float32"), ("mixtral", "float32"), ("olmo2", "float32"),
-            ("olmoe", "float32")]
+            ("olmoe", "float32"), ("afmoe", "float32"), ("apertus", "float32"), ("granite4_moe", "float32")]
 
 
 @pytest.fixture(scope="module")

@@ -180,6 +180,7 @@ _SPLIT_AXIS = {
     "attention.k.bias": 0,
     "attention.v.bias": 0,
     "attention.sinks": 0,
+    "attention.gate.weight": 0,  # AFMoE's output gate: its features are the heads' outputs
     "attention.dense.weight": 1,
     "mlp.gate.weight": 0,
     "mlp.fc.weight": 0,
