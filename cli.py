@@ -29,13 +29,7 @@ from trtbuild.configs.build_config import (
     TASKS,
 )
 from trtbuild.errors import TrtbuildError
-from trtbuild.quantization import (
-    CALIBRATED_QUANT_ALGOS,
-    FULL_PRECISION,
-    LM_HEAD_QUANT_ALGOS,
-    KVCacheQuantAlgo,
-    KVPoolDtype,
-)
+from trtbuild.quantization import LM_HEAD_QUANT_ALGOS, QUANTIZE_FORMATS, KVCacheQuantAlgo, KVPoolDtype
 
 
 @click.group(cls=TrtbuildCommandGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -347,7 +341,7 @@ def eval_command(engine: Path, dataset: Path, max_seq_len: int | None, stride: i
               help="Hugging Face model folder, a .gguf file, or an unquantized trtbuild checkpoint folder.")
 @click.option("--output", required=True, type=out, help="Checkpoint folder to create (must not exist or be empty).")
 @click.option("--qformat", required=True,
-              type=click.Choice([a.value for a in CALIBRATED_QUANT_ALGOS] + [FULL_PRECISION]),
+              type=click.Choice(QUANTIZE_FORMATS),
               help="fp8: e4m3 weights and activations; int4_awq: 4-bit weights, AWQ; int8_sq: int8 SmoothQuant; "
                    "full_prec: the weights as they are (with --kv-cache-qformat: the KV cache only).")
 @click.option("--kv-cache-qformat", type=click.Choice([a.value for a in KVCacheQuantAlgo]), default=None,

@@ -41,6 +41,7 @@ LM_HEAD_QUANT_ALGOS = (QuantAlgo.INT8_WO,)
 CALIBRATED_QUANT_ALGOS = (QuantAlgo.FP8, QuantAlgo.INT4_AWQ, QuantAlgo.INT8_SQ)
 # `--qformat` that keeps every linear as it is and quantizes only the KV cache (TensorRT-LLM's name for it)
 FULL_PRECISION = "full_prec"
+QUANTIZE_FORMATS = (*(a.value for a in CALIBRATED_QUANT_ALGOS), FULL_PRECISION)  # `trtbuild quantize --qformat`
 
 
 class KVCacheQuantAlgo(StrEnum):

@@ -140,10 +140,9 @@ _AFMOE_LAYER_MAP = {
     "post_mlp_layernorm.weight": "mlp.output_norm.weight",
     "mlp.router.gate.weight": "mlp.router.weight",
     "mlp.expert_bias": "mlp.router.selection_bias",
-    **{f"mlp.experts.{hf}_proj.weight": f"mlp.experts.{p}.weight" for hf, p in (("gate", "gate"), ("up", "fc"),
-                                                                                  ("down", "proj"))},
-    **{f"mlp.shared_experts.{hf}_proj.weight": f"mlp.shared.{p}.weight" for hf, p in (("gate", "gate"), ("up", "fc"),
-                                                                                        ("down", "proj"))},
+    **{k: v for k, v in _MOE_LAYER_MAP.items() if k.startswith("mlp.experts.") and k.endswith(".weight")},
+    **{k.replace("shared_expert.", "shared_experts."): v for k, v in _MOE_LAYER_MAP.items()
+       if k.startswith("mlp.shared_expert.")},
 }
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "transformer.vocab_embedding.weight",
