@@ -35,7 +35,6 @@ class QuantizedLinear:
     weight: str  # the DequantizeLinear's weight initializer
     weight_scale: str
     x_scale: str = ""  # int8 / fp8: the activation scale (an initializer, or a per-token tensor)
-    block_size: int = 0  # int4
 
 
 def _attr(node: onnx.NodeProto, name: str, default: int = 0) -> int:
@@ -59,8 +58,7 @@ def find_quantized_linears(view: GraphView) -> tuple[dict[str, QuantizedLinear],
             kind = "fp8" if w.dtype.name.startswith("float8") else "int8"
             found[n.name] = QuantizedLinear(kind, q_x.input[0], dq_w.input[0], dq_w.input[1], q_x.input[1])
         elif w.dtype.name == "int4" and _attr(dq_w, "axis") == 0:
-            found[n.name] = QuantizedLinear("int4", n.input[0], dq_w.input[0], dq_w.input[1],
-                                            block_size=_attr(dq_w, "block_size"))
+            found[n.name] = QuantizedLinear("int4", n.input[0], dq_w.input[0], dq_w.input[1])  # groups: the scales
         elif w.dtype == np.int8 and _attr(dq_w, "axis") == 1:
             found[n.name] = QuantizedLinear("int8_wo", n.input[0], dq_w.input[0], dq_w.input[1])
         else:
