@@ -55,6 +55,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     # interleaved RoPE over half of each head, q / k / v biases (attention_bias), gate and up fused, and four norms
     # per layer: before and after the attention and the MLP (Gemma 2's sandwich, in plain RMSNorms)
     "Glm4ForCausalLM": ("glm4", False, False),
+    "GlmForCausalLM": ("glm", False, False),  # GLM-4-9B (the first) and GLM-Edge: GLM-4's without its output norms
     # OLMo 2's norms after attention and MLP with per-head q / k norms; with a sliding window, every fourth layer
     # full and without RoPE (NoPE), the others windowed
     "Exaone4ForCausalLM": ("exaone4", False, True),
@@ -316,13 +317,13 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     # NOTE: these families' attention_bias puts a bias on the output projection too
     dense_bias = family in ("llama", "granite", "granitemoe", "gpt_oss", *COHERE_FAMILIES) and bool(
         hf.get("attention_bias", False)) or (family == "starcoder2" and bool(hf.get("use_bias", True)))
-    qkv_bias = qkv_bias or dense_bias or (family == "glm4" and bool(hf.get("attention_bias", True)))
+    qkv_bias = qkv_bias or dense_bias or (family in ("glm", "glm4") and bool(hf.get("attention_bias", True)))
     mlp_bias = bool(hf.get("mlp_bias")) or (family == "starcoder2" and dense_bias)
     if family == "ernie4_5" and hf.get("use_bias"):
         raise CheckpointError("ERNIE 4.5 with use_bias (biases on every projection) is not supported.")
     if mlp_bias and family not in ("llama", "starcoder2"):
         raise CheckpointError(f"biases on the MLP's projections (mlp_bias) are not supported for {family}.")
-    if family == "glm4" and "partial_rotary_factor" not in hf and "partial_rotary_factor" not in (
+    if family in ("glm", "glm4") and "partial_rotary_factor" not in hf and "partial_rotary_factor" not in (
             hf.get("rope_parameters") or {}):
         hf = {**hf, "partial_rotary_factor": 0.5}  # Glm4Config's default
     heads = int(hf["num_attention_heads"])
@@ -358,7 +359,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         rotary_base=float(hf.get("rope_theta") or rope_params.get("rope_theta") or 10000.0),
         rotary_scaling=rope_scaling,
         rotary_dim=rotary_dim,
-        rotary_interleaved=family in ("ernie4_5", "glm4", *COHERE_FAMILIES),
+        rotary_interleaved=family in ("ernie4_5", "glm", "glm4", *COHERE_FAMILIES),
         no_rope_layers=_no_rope_layers(hf, family, layer_types if window else ()),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", hf.get("tie_embedding", family in (
             *GEMMA_FAMILIES, *COHERE_FAMILIES, *LFM2_FAMILIES, "ernie4_5", "starcoder2")))),

@@ -146,6 +146,9 @@ RANDOM_CONFIGS = {
     # attention and MLP
     "glm4": ("Glm4Config", dict(_COMMON, head_dim=32, rope_theta=10000.0, partial_rotary_factor=0.5,
                                 attention_bias=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # GLM-4-9B's first release and GLM-Edge (GlmForCausalLM): GLM-4's without the norms after attention and MLP
+    "glm": ("GlmConfig", dict(_COMMON, head_dim=32, rope_theta=10000.0, partial_rotary_factor=0.5,
+                              attention_bias=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
     # norms after attention and MLP, per-head q / k norms; _window: layers 0-2 windowed (6) with RoPE, layer 3 full
     # without
     "exaone4": ("Exaone4Config", dict(_COMMON, rope_theta=1000000.0, sliding_window=None, bos_token_id=1,
