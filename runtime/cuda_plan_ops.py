@@ -6,6 +6,7 @@ Triton kernels run compiled on a GPU, or in Triton's interpreter on CPU tensors 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -57,6 +58,13 @@ def int8_linear(k: Kernels, a: dict[str, Any], x: torch.Tensor, x_scale: torch.T
     return (k["int8_gemm"].int8_gemm(x, x_scale, weight, w_scale),)
 
 
+@functools.cache
+def _scaled_mm_runs(device: torch.device) -> bool:
+    """torch._scaled_mm's e4m3 GEMM: on the CPU, and on GPUs of compute capability 8.9 and up (asked once a device,
+    not every step)."""
+    return device.type == "cpu" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def fp8_linear(k: Kernels, a: dict[str, Any], x: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                w_scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """x quantized to e4m3 (x / s_x saturated to +-448, as ONNX QuantizeLinear), times the e4m3 weight [N, K]:
@@ -64,8 +72,7 @@ def fp8_linear(k: Kernels, a: dict[str, Any], x: torch.Tensor, x_scale: torch.Te
     float32 (GPUs before compute capability 8.9, and dimensions that are not multiples of 16)."""
     xq = (x.float() / x_scale).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
     n_out, k_in = weight.shape
-    native = x.device.type == "cpu" or torch.cuda.get_device_capability(x.device) >= (8, 9)
-    if native and n_out % 16 == 0 and k_in % 16 == 0:
+    if _scaled_mm_runs(x.device) and n_out % 16 == 0 and k_in % 16 == 0:
         return (torch._scaled_mm(xq, weight.t(), scale_a=x_scale.reshape(()), scale_b=w_scale.reshape(()),
                                  out_dtype=x.dtype),)
     return (((xq.float() @ weight.float().t()) * (x_scale * w_scale)).to(x.dtype),)
