@@ -40,6 +40,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def check_recurrent_buildable(config: ModelConfig, build: BuildConfig) -> None:
+    """Refuse what a model with linear attention layers (a recurrent state per sequence) cannot be built with."""
+    name = f"{config.architecture}'s linear attention layers"
+    if build.target != "cpu":
+        raise TrtbuildError(f"{name} have no {build.target} kernel yet; build it with --target cpu.")
+    if build.draft_tokens:
+        raise TrtbuildError(f"{name} keep a recurrent state that cannot go back to the last accepted draft: build "
+                            "it without --speculative-decoding-mode draft-tokens.")
+    if config.quantization.kv_cache_quant_algo:
+        raise TrtbuildError(f"{name} keep their convolution rows in the KV pool, which a quantized KV cache has no "
+                            "scales for: quantize without --kv-cache-qformat.")
+    from trtbuild import cpu_ops
+
+    if (reason := cpu_ops.unavailable_reason()) is not None:
+        raise TrtbuildError(f"{name} run only as trtbuild's CPU op (GatedDeltaNet), and {reason}.")
+
+
 def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
     """Refuse, before any work, what the chosen target cannot build."""
     if not config.has_lm_head and build.task != "embed":
@@ -51,6 +68,8 @@ def check_buildable(config: ModelConfig, build: BuildConfig) -> None:
     if "conv" in config.layer_types and build.target == "tensorrt":
         raise TrtbuildError(f"{config.architecture}'s short convolution layers have no tensorrt kernel yet; build it "
                             "with --target cpu or cuda.")
+    if config.recurrent_layers:
+        check_recurrent_buildable(config, build)
     if "conv" in config.layer_types and config.quantization.kv_cache_quant_algo:
         raise TrtbuildError(f"{config.architecture}'s convolution layers keep their state in the KV pool, which a "
                             "quantized KV cache has no scales for: quantize without --kv-cache-qformat.")

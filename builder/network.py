@@ -28,6 +28,10 @@ it writes the pool. new_kv itself is float32 here. An unquantized pool built wit
 
 A block holds `slots` layers: all of them, or, where sliding and full layers mix, one KV cache group's
 (configs/kv_groups.py); each group after the first adds its own block table input, `block_tables_<group>`.
+
+A model with linear attention layers (Qwen3.5, builder/network_delta.py) adds its recurrent states, which its
+GatedDeltaNet nodes update in place (plugins/gated_delta.py):
+  + recurrent_state [state_slots, recurrent layers, value heads, key dim, value dim] float32, state_slots [B] int64
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from trtbuild.builder.lora_slots import stacked_tables, write_slot_tables
 from trtbuild.builder.mlp_activation import activation, gated_activation
 from trtbuild.builder.moe_experts import Experts
 from trtbuild.builder.network_conv import ConvWriter
+from trtbuild.builder.network_delta import LinearAttentionWriter
 from trtbuild.builder.network_head import HeadWriter
 from trtbuild.builder.network_moe import ExpertsWriter
 from trtbuild.builder.passes.lora import LORA_ADD
@@ -66,6 +71,7 @@ from trtbuild.configs import (
     num_cache_layers,
     slots_per_block,
 )
+from trtbuild.plugins import gated_delta as gd
 from trtbuild.plugins import paged_attention as pa
 from trtbuild.plugins import speculative_accept as sa
 from trtbuild.quantization import kv_pool_elem_type
@@ -82,7 +88,8 @@ def engine_inputs(config: ModelConfig, build: BuildConfig) -> tuple[str, ...]:
     groups = [group_input("block_tables", g) for g in range(1, len(kv_cache_groups(config, build)))]
     lora = (LORA_IDS_INPUT,) if build.num_lora_ids else ()
     tp = (TP_GROUP_INPUT,) if config.mapping.tp_size > 1 else ()
-    return ENGINE_INPUTS + tuple(groups) + lora + tp + (ACCEPT_INPUTS if build.draft_tokens else ())
+    state = (gd.STATE_INPUT, gd.STATE_SLOTS_INPUT) if config.recurrent_layers else ()
+    return ENGINE_INPUTS + tuple(groups) + state + lora + tp + (ACCEPT_INPUTS if build.draft_tokens else ())
 
 
 def engine_outputs(build: BuildConfig) -> tuple[str, ...]:
@@ -100,7 +107,7 @@ def kv_cache_shape(config: ModelConfig, build: BuildConfig, num_blocks: int | st
             build.tokens_per_block, config.head_size]
 
 
-class _NetworkWriter(HeadWriter, ConvWriter, ExpertsWriter):
+class _NetworkWriter(HeadWriter, ConvWriter, LinearAttentionWriter, ExpertsWriter):
     def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor], build: BuildConfig,
                  staging: StagingWeights | None, lora: LoraTables | None, tp: TensorParallel) -> None:
         self.c, self.build, self.g, self.tp = config, build, GraphBuilder(staging), tp
@@ -287,6 +294,8 @@ class _NetworkWriter(HeadWriter, ConvWriter, ExpertsWriter):
         groups = kv_cache_groups(c, self.build)
         block_tables += [g.input(group_input("block_tables", i), i64, ["batch", self.build.max_blocks_per_seq])
                          for i in range(1, len(groups))]
+        state = [g.input(gd.STATE_INPUT, f32, ["state_slots", len(c.recurrent_layers), *c.recurrent_state_shape]),
+                 g.input(gd.STATE_SLOTS_INPUT, i64, ["batch"])] if c.recurrent_layers else []
         if self.lora is not None:
             table = g.weight("lora_table", self.lora.mask_table())
             self.lora_mask = g.op("Gather", [table, g.input(LORA_IDS_INPUT, i64, ["num_tokens"])], axis=0,
@@ -319,6 +328,9 @@ class _NetworkWriter(HeadWriter, ConvWriter, ExpertsWriter):
             cache = [kv_cache, block_tables[group], past_lengths, query_start]
             if c.is_conv(i):
                 attn, conv_rows = self.short_conv(h, p, cache, slot)
+                new_kv.append(conv_rows)
+            elif c.is_linear_attention(i):
+                attn, conv_rows = self.linear_attention(h, p, cache, slot, state, c.recurrent_layers.index(i))
                 new_kv.append(conv_rows)
             else:
                 attn, k_new, v_new = self.attention(h, p, i, cache, slot, groups[group].window, positions_2d, rope,

@@ -82,6 +82,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     # sliding layers with RoPE then a full one without, leading dense layers, then experts as LFM2-MoE's plus shared
     # ones; embeddings times sqrt(hidden) (muP)
     "AfmoeForCausalLM": ("afmoe", False, True),
+    # Qwen3.5: three gated DeltaNet layers (linear attention with a recurrent state) then one full attention layer
+    # with a sigmoid gate on its output, per-head q / k norms and RoPE over a quarter of each head; (1 + w) RMSNorms
+    "Qwen3_5ForCausalLM": ("qwen3_5", False, True),
 }
 _UNGATED_MLP_FAMILIES = ("arcee", "starcoder2", "apertus")
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> the text
@@ -93,6 +96,7 @@ TEXT_MODELS_OF: dict[str, dict[str | None, tuple[str, str]]] = {
     "Mistral3ForConditionalGeneration": {"mistral": ("MistralForCausalLM", "MistralConfig"),
                                          "ministral3": ("Ministral3ForCausalLM", "Ministral3Config")},
     "Lfm2VlForConditionalGeneration": {"lfm2": ("Lfm2ForCausalLM", "Lfm2Config")},  # LFM2-VL, LFM2.5-VL
+    "Qwen3_5ForConditionalGeneration": {None: ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig")},  # every Qwen3.5 size
 }
 def model_config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig:
     """Map a Hugging Face `config.json` dict to a ModelConfig, refusing what the engine cannot run faithfully."""
@@ -153,6 +157,11 @@ def _layer_types(hf: dict[str, Any], family: str) -> tuple[str, ...]:
     if family in LFM2_FAMILIES:
         full = hf.get("full_attn_idxs")
         types = hf.get("layer_types") or ["full_attention" if full is None or i in full else "conv"
+                                          for i in range(layers)]
+        return tuple(types[:layers])
+    if family == "qwen3_5":  # NOTE: as Qwen3_5TextConfig makes them: every full_attention_interval-th layer full
+        interval = int(hf.get("full_attention_interval") or 4)
+        types = hf.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                           for i in range(layers)]
         return tuple(types[:layers])
     if family not in _LAYER_PATTERNS or not hf.get("sliding_window"):
@@ -293,6 +302,16 @@ def _afmoe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
             "embedding_multiplier": float(hf["hidden_size"]) ** 0.5 if hf.get("mup_enabled") else 1.0}
 
 
+def _linear_attention_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """Qwen3.5's gated DeltaNet layers' heads and convolution, and its attention's output gate. NOTE: its RoPE is
+    MRoPE (mrope_section), which for text (equal temporal, height and width positions) is plain RoPE."""
+    if family != "qwen3_5":
+        return {}
+    return {"attention_output_gate": True, "conv_kernel": int(hf.get("linear_conv_kernel_dim", 4)),
+            **{key: int(hf[key]) for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                             "linear_value_head_dim")}}
+
+
 def _gpt_oss_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """gpt-oss's attention sinks and clamped SwiGLU (its q / k / v / o biases are `attention_bias`'s)."""
     if family != "gpt_oss":
@@ -381,5 +400,6 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         **hf_rope.temperature_fields(hf.get("rope_scaling") or rope_params),
         **moe_fields(hf, family),
         **_lfm2_fields(hf, family),
+        **_linear_attention_fields(hf, family),
         **_norm_layout(family),
     )

@@ -12,6 +12,8 @@ LFM2's short convolution layers keep their state, each token's input row, in the
 a row takes `entries_per_row` slots (cache layers), and the convolution layers form groups of their own whose window
 is the kernel's length. So the pool's slots count cache layers, not model layers: `cache_layers` maps one to the
 other (an attention layer's K/V is one cache layer; every model without convolutions has cache layer i = layer i).
+Qwen3.5's linear attention layers convolve their q / k / v rows the same way; their recurrent state, a matrix per
+sequence, is not in the pool (runtime/recurrent_state.py).
 
 Engine I/O per group g: the block table input `group_input("block_tables", g)`; layer l's PagedAttention node reads
 slot `layer_slot` of its group's blocks in the one `kv_cache` pool [blocks, slots, 2, kv_heads, block, head_size].
@@ -40,9 +42,9 @@ def entries_per_row(hidden: int, kv_heads: int, head_size: int) -> int:
 
 def cache_layers(model: ModelConfig) -> tuple[range, ...]:
     """Per model layer, the cache layers (pool slots of its group's blocks) its state takes: an attention layer's K/V
-    one, a convolution layer's input row entries_per_row of them."""
-    conv = entries_per_row(model.hidden_size, model.num_key_value_heads, model.head_size)
-    sizes = [conv if model.is_conv(i) else 1 for i in range(model.num_hidden_layers)]
+    one, a convolving layer's input row (LFM2's conv, Qwen3.5's linear attention) entries_per_row of them."""
+    sizes = [entries_per_row(model.conv_channels(i), model.num_key_value_heads, model.head_size)
+             if model.has_conv_rows(i) else 1 for i in range(model.num_hidden_layers)]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return tuple(range(start, start + size) for start, size in zip(starts, sizes, strict=True))
 
@@ -57,7 +59,7 @@ def kv_cache_groups(model: ModelConfig, build: BuildConfig) -> tuple[KVCacheGrou
     min(cache layers of a kind) cache layers, a convolution layer's never split: full ones first."""
     window = model.sliding_window if model.window_applies(build.max_seq_len) else None
     entries = cache_layers(model)
-    conv = [i for i in range(model.num_hidden_layers) if model.is_conv(i)]
+    conv = [i for i in range(model.num_hidden_layers) if model.has_conv_rows(i)]
     sliding = [i for i in range(model.num_hidden_layers) if window and model.is_sliding(i)]
     full = [i for i in range(model.num_hidden_layers) if i not in sliding and i not in conv]
     kinds = [(layers, w) for layers, w in ((full, None), (sliding, window), (conv, model.conv_kernel)) if layers]

@@ -27,7 +27,8 @@ HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "swiglu_oai", "relu2", "xielu")
 # xielu (Apertus, an MLP without a gate): x > 0: a_p x^2 + beta x, else (expm1(min(x, eps)) - x) a_n + beta x, with
 # a_p = softplus(alpha_p) and a_n = beta + softplus(alpha_n): each layer's learned scalars, `mlp.act.{name}` [1]
 XIELU_PARAMETERS = ("alpha_p", "alpha_n", "beta", "eps")
-LAYER_TYPES = ("full_attention", "sliding_attention", "conv")  # conv: LFM2's short convolution, no attention
+# conv: LFM2's short convolution, no attention; linear_attention: Qwen3.5's gated DeltaNet (a recurrent state)
+LAYER_TYPES = ("full_attention", "sliding_attention", "conv", "linear_attention")
 # the layers' and the final norm: RMSNorm, or LayerNorm: mean-centred, scaled by its weight (plus, with norm_bias, a
 # bias: StarCoder 2; Cohere's has none)
 NORM_TYPES = ("rms", "layer")
@@ -109,6 +110,14 @@ class ModelConfig:
     # LFM2: "conv" layers mix each channel over its last conv_kernel tokens (conv_L_cache) in place of attention
     conv_kernel: int = 0
     conv_bias: bool = False
+    # Qwen3.5: "linear_attention" layers (gated DeltaNet) project q, k (linear_num_key_heads of linear_key_head_dim)
+    # and v (linear_num_value_heads of linear_value_head_dim), convolve them over their last conv_kernel tokens (as
+    # LFM2's conv layers), then read and update a per-sequence recurrent state [value heads, key dim, value dim]
+    # (plugins/gated_delta.py)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
     local_rotary_base: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3); None: as every layer
     embedding_multiplier: float = 1.0  # the embedding rows are multiplied by this (Gemma: sqrt(hidden_size))
     attention_scale: float | None = None  # what q.k is multiplied by; None: head_size ** -0.5
@@ -208,9 +217,18 @@ class ModelConfig:
         if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
             raise CheckpointError(f"config.json: layer_types must list one of {', '.join(LAYER_TYPES)} per layer "
                                   f"({self.num_hidden_layers}), got {list(self.layer_types)}")
-        if not isinstance(self.conv_kernel, int) or self.conv_kernel < ("conv" in self.layer_types):
-            raise CheckpointError(f"config.json: conv_kernel must be 0 (no conv layers) or positive, got "
-                                  f"{self.conv_kernel!r}")
+        convolving = "conv" in self.layer_types or "linear_attention" in self.layer_types
+        if not isinstance(self.conv_kernel, int) or self.conv_kernel < convolving:
+            raise CheckpointError(f"config.json: conv_kernel must be 0 (no conv or linear_attention layers) or "
+                                  f"positive, got {self.conv_kernel!r}")
+        linear = (self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                  self.linear_value_head_dim)
+        if "linear_attention" in self.layer_types and not (
+                all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in linear)
+                and self.linear_num_value_heads % self.linear_num_key_heads == 0):
+            raise CheckpointError(f"config.json: linear_attention layers need positive linear_num_key_heads, "
+                                  f"linear_num_value_heads (a multiple of the key heads), linear_key_head_dim and "
+                                  f"linear_value_head_dim; got {list(linear)}")
         for name in ("local_rotary_base", "attention_scale", "attn_logit_softcapping", "final_logit_softcapping",
                      "embedding_multiplier", "residual_multiplier", "logits_scaling", "swiglu_alpha",
                      "swiglu_limit"):
@@ -316,6 +334,36 @@ class ModelConfig:
 
     def is_conv(self, layer: int) -> bool:
         return self.layer_types[layer] == "conv"
+
+    def is_linear_attention(self, layer: int) -> bool:
+        return self.layer_types[layer] == "linear_attention"
+
+    def has_conv_rows(self, layer: int) -> bool:
+        """Whether `layer` keeps its last conv_kernel input rows in the pool (plugins/short_conv.py)."""
+        return self.is_conv(layer) or self.is_linear_attention(layer)
+
+    def conv_channels(self, layer: int) -> int:
+        """Channels of a convolving layer's rows: LFM2's hidden size, or a linear attention layer's q, k and v."""
+        return self.hidden_size if self.is_conv(layer) else 2 * self.linear_key_size + self.linear_value_size
+
+    @property
+    def linear_key_size(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_size(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The layers with a per-sequence recurrent state (linear_attention), in order: state layer j is layer
+        recurrent_layers[j]."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "linear_attention")
+
+    @property
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        """One layer's state of one sequence: [value heads, key dim, value dim] float32."""
+        return self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim
 
     @property
     def score_scale(self) -> float:

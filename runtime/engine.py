@@ -19,6 +19,7 @@ from trtbuild.quantization import kv_pool_dtype
 from trtbuild.runtime.kv_cache import KVCacheStorage
 from trtbuild.runtime.lora_slots import LoraSlotArrays
 from trtbuild.runtime.memory import require_memory
+from trtbuild.runtime.recurrent_state import RecurrentStateStorage
 
 LOAD_OVERHEAD_BYTES = 256 << 20  # ONNX Runtime's session, arenas and this process, beside the weights
 
@@ -58,6 +59,8 @@ class SequenceChunk:
     # group after the first; empty for an engine of one group
     group_block_ids: tuple[tuple[int, ...], ...] = ()
     lora_id: int = 0  # the LoRA adapter its tokens run under: 0 none, i the engine's i-th (BuildConfig.lora_names)
+    # its recurrent state slot (runtime/recurrent_state.py), for an engine with linear attention layers; -1: none
+    state_slot: int = -1
 
     def tables(self) -> tuple[Sequence[int], ...]:
         """The block table of every KV cache group, the first group's first."""
@@ -67,9 +70,11 @@ class SequenceChunk:
 def in_every_group(chunks: list[SequenceChunk], num_groups: int, stride: int) -> list[SequenceChunk]:
     """Chunks laid out by a caller that owns the pool (verify, autotune, perplexity, tests), given their first
     group's block tables, with one table per other KV cache group (configs/kv_groups.py): group g's blocks are the
-    first group's plus g * stride, so that a pool of num_groups * stride blocks holds the groups apart."""
-    return [replace(c, group_block_ids=tuple(tuple(b + g * stride for b in c.block_ids)
-                                          for g in range(1, num_groups))) for c in chunks]
+    first group's plus g * stride, so that a pool of num_groups * stride blocks holds the groups apart. A chunk
+    without a recurrent state slot gets its sequence's id as one where that is a number, else its index here."""
+    return [replace(c, group_block_ids=tuple(tuple(b + g * stride for b in c.block_ids) for g in range(1, num_groups)),
+                    state_slot=c.state_slot if c.state_slot >= 0 else c.seq_id if isinstance(c.seq_id, int) else i)
+            for i, c in enumerate(chunks)]
 
 
 # NOTE: the CPU attention lowering pads every sequence's queries to the step's longest chunk. Beside a long prefill
@@ -90,11 +95,17 @@ def attention_groups(chunks: list[SequenceChunk]) -> list[list[int]]:
     return [[i for i, c in enumerate(chunks) if 4 * len(c.token_ids) > longest], short]
 
 
-def check_chunks(b: BuildConfig, chunks: list[SequenceChunk], max_draft_len: int, num_groups: int = 1) -> None:
+def check_chunks(b: BuildConfig, chunks: list[SequenceChunk], max_draft_len: int, num_groups: int = 1,
+                 num_state_slots: int = 0) -> None:
     """Refuse a step the engine's build limits do not cover, before anything writes the pool (every engine of
-    `num_groups` KV cache groups)."""
+    `num_groups` KV cache groups; `num_state_slots`: its recurrent state slots, 0 for a model without)."""
     if not chunks:
         raise ValueError("a step needs at least one sequence chunk")
+    if num_state_slots:
+        slots = [c.state_slot for c in chunks]
+        if not all(0 <= s < num_state_slots for s in slots) or len(set(slots)) != len(slots):
+            raise ValueError(f"state slots {slots}: each sequence of an engine with linear attention layers needs its "
+                             f"own recurrent state slot, one of 0..{num_state_slots - 1}")
     if len(chunks) > b.max_batch_size:
         raise ValueError(f"{len(chunks)} sequences exceed the engine's max_batch_size {b.max_batch_size}")
     num_tokens = sum(len(c.token_ids) for c in chunks)
@@ -247,7 +258,9 @@ class CpuEngine:
         options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level",
                                          str(self.info.build.int4_accuracy_level))
         build = self.info.build
-        if "native" in (build.attention, build.quant_linears, build.float_linears) or tp > 1:  # trtbuild:: nodes
+        model = self.info.model
+        if "native" in (build.attention, build.quant_linears, build.float_linears) or tp > 1 or \
+                model.recurrent_layers:  # trtbuild:: nodes
             options.register_custom_ops_library(str(library_for_engine(self.info.path)))
         try:
             self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -263,6 +276,8 @@ class CpuEngine:
                                                "rebuild the engine.")
             self.kv_scales = np.array(json.loads(meta), dtype=np.float32)
         self.lora_slots = LoraSlotArrays.of(self.session, self.info)
+        # NOTE: a slot per sequence the engine can batch; the scheduler holds at most that many running
+        self.states = RecurrentStateStorage(model, build.max_batch_size) if model.recurrent_layers else None
         self.allocate_kv_cache(num_blocks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -291,7 +306,7 @@ class CpuEngine:
         blocks are always written before they are read."""
         num_seqs = max(1, min(max_batch_size, max_num_tokens))
         others = ((0,),) * (len(self.kv.groups) - 1)
-        self.step([SequenceChunk(i, [0], 0, 1, (0,), group_block_ids=others) for i in range(num_seqs)])
+        self.step([SequenceChunk(i, [0], 0, 1, (0,), group_block_ids=others, state_slot=i) for i in range(num_seqs)])
 
     @property
     def max_draft_len(self) -> int:
@@ -306,7 +321,8 @@ class CpuEngine:
     def execute(self, chunks: list[SequenceChunk]) -> StepOutput:
         """Execute one packed step. A step that mixes short and long chunks may run as two engine calls
         (`attention_groups`); the results are the same."""
-        check_chunks(self.info.build, chunks, self.max_draft_len, len(self.kv.groups))
+        check_chunks(self.info.build, chunks, self.max_draft_len, len(self.kv.groups),
+                     0 if self.states is None else self.states.num_slots)
         groups = attention_groups(chunks)
         if len(groups) == 1:
             return self._run(chunks)
@@ -338,6 +354,9 @@ class CpuEngine:
         feeds, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots, len(self.kv.groups),
                                    lora=bool(self.info.build.num_lora_ids))
         feeds["kv_cache"] = self.kv.pool
+        if self.states is not None:  # NOTE: updated in place by the engine (plugins/gated_delta.py)
+            feeds["recurrent_state"] = self.states.states
+            feeds["state_slots"] = np.array([c.state_slot for c in chunks], dtype=np.int64)
         if self.lora_slots is not None:
             feeds.update(self.lora_slots.arrays)
         if self.tp_group is not None:

@@ -16,6 +16,7 @@ import numpy as np
 
 from trtbuild.builder.engine_dir import engine_target, read_engine_config
 from trtbuild.configs import batch_blocks_needed
+from trtbuild.errors import ConfigError
 from trtbuild.runtime.beam_search import BeamGroup
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.detokenizer import IncrementalDetokenizer
@@ -75,8 +76,12 @@ class EngineCore:
             self.engine = make_cpu_engine(info, config.num_threads, num_blocks, config.rank_cpus)
         # seconds spent starting: the ONNX Runtime session, then the KV pool faulted in + the warm-up step
         self.start_seconds = {"session": time.perf_counter() - start, "warm_up": 0.0}
+        if model.recurrent_layers and config.enable_prefix_caching:
+            log.info("prefix caching is off: %s's linear attention layers keep a recurrent state, which a cached "
+                     "prefix does not have", model.architecture)
         self.kv = KVCacheManager.for_groups(info.kv_cache_groups, num_blocks, build.tokens_per_block,
-                                            config.enable_prefix_caching)
+                                            config.enable_prefix_caching,
+                                            config.max_batch_size if model.recurrent_layers else 0)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_tokens=config.max_num_tokens, max_batch_size=config.max_batch_size,
                             max_seq_len=build.max_seq_len, policy=config.policy,
@@ -88,6 +93,9 @@ class EngineCore:
         self.embeds = build.task == "embed"  # every request's answer is its prompt's embedding (BuildConfig.task)
         self.sampler = Sampler()
         self.proposer = None
+        if config.speculative and model.recurrent_layers:
+            raise ConfigError("speculative", f"{model.architecture}'s linear attention layers keep a recurrent state "
+                              "that cannot go back to the last accepted draft; serve it without speculative decoding.")
         if config.speculative:
             # NOTE: a draft pool holds as many tokens as the target's, plus every request's drafts
             draft_tokens = (num_blocks * build.tokens_per_block
@@ -299,7 +307,7 @@ class EngineCore:
         chunks = [SequenceChunk(c.request.request_id,
                                 (c.request.token_ids + c.request.spec_token_ids)[c.start : c.start + c.num_tokens],
                                 c.start, c.num_logits, c.block_ids, self._engine_accept(c), c.group_block_ids,
-                                c.request.lora_id)
+                                c.request.lora_id, self.kv.state_slot(c.request))
                   for c in scheduled.chunks]
         run_before = self.engine.run_seconds
         tokens, logprobs = self._sample(scheduled, self.engine.execute(chunks))

@@ -1,5 +1,6 @@
 """Per-request block tables over a BlockPool, one table per KV cache group (configs/kv_groups.py), with prefix reuse
-of full blocks identified by chained hashes, and the release of the blocks a sliding-window group no longer reads."""
+of full blocks identified by chained hashes, and the release of the blocks a sliding-window group no longer reads.
+A model with linear attention layers also gives each request a recurrent state slot (runtime/recurrent_state.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 from trtbuild.configs import KVCacheGroup, max_blocks_held
 from trtbuild.runtime.block_pool import BlockPool, hash_block
+from trtbuild.runtime.recurrent_state import StateSlots
 from trtbuild.runtime.request import Request
 
 RELEASED = -1  # a table entry whose block went back to the pool (every later query is past it: `window`)
@@ -36,9 +38,12 @@ class KVCacheManager:
     never reads (or masks out). All groups draw from one pool, so memory goes where the requests need it."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: Sequence[int | None] = (None,)) -> None:
-        """`windows`: one per KV cache group, its layers' sliding window (None: they read every position)."""
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+                 windows: Sequence[int | None] = (None,), num_state_slots: int = 0) -> None:
+        """`windows`: one per KV cache group, its layers' sliding window (None: they read every position).
+        `num_state_slots`: recurrent state slots (a model with linear attention layers; 0: none), one per running
+        request. NOTE: with them, no prefix is reused: the state after a cached prefix is not kept."""
+        self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching and self.state_slots is None)
         self.block_size = block_size
         self.windows = tuple(windows)
         self.blocks: dict[str, list[list[int]]] = {}
@@ -46,8 +51,8 @@ class KVCacheManager:
 
     @classmethod
     def for_groups(cls, groups: Sequence[KVCacheGroup], num_blocks: int, block_size: int,
-                   enable_prefix_caching: bool = True) -> KVCacheManager:
-        return cls(num_blocks, block_size, enable_prefix_caching, [g.window for g in groups])
+                   enable_prefix_caching: bool = True, num_state_slots: int = 0) -> KVCacheManager:
+        return cls(num_blocks, block_size, enable_prefix_caching, [g.window for g in groups], num_state_slots)
 
     @property
     def num_groups(self) -> int:
@@ -109,6 +114,8 @@ class KVCacheManager:
         first). Returns False, changing nothing, when the pool lacks free blocks."""
         if self.blocks_needed(request, num_tokens, prefix) > self.pool.num_free:
             return False
+        if self.state_slots is not None and not self.state_slots.take(request.request_id):
+            return False
         tables = self.blocks.setdefault(request.request_id, [[] for _ in self.windows])
         if prefix:
             for table, cached in zip(tables, prefix.tables, strict=True):
@@ -123,7 +130,10 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
         """Make `child` hold the K/V of the parent's computed tokens: their full blocks shared (one more reference),
         their partial last block copied into a new block of each group. Returns the (source, destination) blocks the
-        KV storage must copy, or None, changing nothing, when the pool lacks a free block for each copy."""
+        KV storage must copy, or None, changing nothing, when the pool lacks a free block for each copy or the model
+        keeps recurrent states (which are not shared: the child recomputes its tokens)."""
+        if self.state_slots is not None:
+            return None
         n = parent.num_computed_tokens
         full, partial = divmod(n, self.block_size)
         if partial and self.num_groups > self.pool.num_free:
@@ -174,6 +184,8 @@ class KVCacheManager:
         """Return the request's blocks; tail blocks go first in the free queue so shared prefixes live longest."""
         tables = self.blocks.pop(request.request_id, [])
         self.num_cached.pop(request.request_id, None)
+        if self.state_slots is not None:
+            self.state_slots.release(request.request_id)
         for table in tables:
             self.pool.free([b for b in reversed(table) if b != RELEASED])
 
@@ -182,6 +194,10 @@ class KVCacheManager:
         released)."""
         return tuple(tuple(0 if b == RELEASED else b for b in table)
                      for table in self.blocks.get(request.request_id, [[]] * self.num_groups))
+
+    def state_slot(self, request: Request) -> int:
+        """The request's recurrent state slot (-1: none, or a model without linear attention layers)."""
+        return -1 if self.state_slots is None else self.state_slots.slot(request.request_id)
 
     def block_table(self, request: Request) -> list[int]:
         """The first group's table (the only one of most engines)."""

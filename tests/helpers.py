@@ -213,6 +213,11 @@ RANDOM_CONFIGS = {
                                   num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=32,
                                   route_scale=2.5, sliding_window=6, global_attn_every_n_layers=4, mup_enabled=True,
                                   rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # Qwen3.5: three gated DeltaNet layers (2 key heads, 4 value heads of 16, conv kernel 4), then a full attention
+    # layer with an output gate and RoPE over a quarter of each head
+    "qwen3_5": ("Qwen3_5TextConfig", dict(_COMMON, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
+                                          linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                          linear_conv_kernel_dim=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
     "arcee": ("ArceeConfig", dict(_COMMON, hidden_act="relu2", rope_theta=10000.0, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
         bos_token_id=1, eos_token_id=2, pad_token_id=0)),
@@ -234,7 +239,8 @@ def make_random_hf_model(family: str, out_dir: Path, seed: int = 0, overrides: d
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # make norms and biases non-trivial so that a mis-mapped tensor shows in the logits
         for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", ".bias", "_bias", ".sinks", "act_fn.alpha_p", "act_fn.alpha_n")):
+            if name.endswith(("norm.weight", ".bias", "_bias", ".sinks", "act_fn.alpha_p", "act_fn.alpha_n",
+                              "A_log")):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from trtbuild.builder.convert.names import model_linear_prefixes, tp_split_axis
+from trtbuild.builder.convert.names import LINEAR_ATTENTION_TENSORS, model_linear_prefixes, tp_split_axis
 from trtbuild.builder.convert.safetensors_io import SafetensorsError, SafetensorsFile
 from trtbuild.configs import ModelConfig
 from trtbuild.configs.model_config import XIELU_PARAMETERS
@@ -37,6 +37,8 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
         if config.is_conv(i):
             names += [p + f"conv.{x}.weight" for x in ("in_proj", "kernel", "out_proj")]
             names += [p + f"conv.{x}.bias" for x in ("in_proj", "kernel", "out_proj")] if config.conv_bias else []
+        elif config.is_linear_attention(i):
+            names += [p + f"linear_attn.{x}" for x in LINEAR_ATTENTION_TENSORS]
         else:
             names += _attention_tensors(config, p)
         if config.output_norms:
@@ -154,6 +156,15 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "conv.kernel.bias": (c.hidden_size,),
         "conv.out_proj.weight": (c.hidden_size, c.hidden_size),
         "conv.out_proj.bias": (c.hidden_size,),
+        "linear_attn.in_proj_qkv.weight": (2 * c.linear_key_size + c.linear_value_size, c.hidden_size),
+        "linear_attn.in_proj_z.weight": (c.linear_value_size, c.hidden_size),
+        "linear_attn.in_proj_b.weight": (c.linear_num_value_heads, c.hidden_size),
+        "linear_attn.in_proj_a.weight": (c.linear_num_value_heads, c.hidden_size),
+        "linear_attn.conv.weight": (2 * c.linear_key_size + c.linear_value_size, c.conv_kernel),
+        "linear_attn.A_log": (c.linear_num_value_heads,),
+        "linear_attn.dt_bias": (c.linear_num_value_heads,),
+        "linear_attn.norm.weight": (c.linear_value_head_dim,),
+        "linear_attn.out_proj.weight": (c.hidden_size, c.linear_value_size),
         "mlp.router.weight": (c.num_experts, c.hidden_size),
         "mlp.router.bias": (c.num_experts,),
         "mlp.router.selection_bias": (c.num_experts,),

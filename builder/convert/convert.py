@@ -49,23 +49,30 @@ class WeightOnly:
     group_size: int | None
 
 
+def zero_centered_norm(name: str, config: ModelConfig) -> bool:
+    """Whether HF tensor `name` is an RMSNorm weight w whose norm multiplies by 1 + w: every norm of Gemma's, and
+    Qwen3.5's but the gated norm of its linear attention."""
+    if config.family == "qwen3_5":
+        return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
+    return config.family in GEMMA_FAMILIES and name.endswith("norm.weight")
+
+
 def norm_multipliers(source: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:
-    """An HF Gemma's RMSNorm weights w as the multipliers 1 + w its RMSNorms apply (in float32): the checkpoint holds
-    those, as llama.cpp's Gemma GGUF files do, so every target's plain RMSNorm computes Gemma's."""
-    if config.family not in GEMMA_FAMILIES:
-        return source
+    """An HF Gemma's (or Qwen3.5's) RMSNorm weights w as the multipliers 1 + w its RMSNorms apply (in float32): the
+    checkpoint holds those, as llama.cpp's GGUF files do, so every target's plain RMSNorm computes them."""
     return {name: SourceTensor(src.shape, lambda src=src: torch.as_tensor(src.load()).to(torch.float32) + 1.0)
-            if name.endswith("norm.weight") else src for name, src in source.items()}
+            if zero_centered_norm(name, config) else src for name, src in source.items()}
 
 
 def conv_kernels(plan: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:
-    """LFM2's convolution kernels as [hidden, L]: Hugging Face keeps nn.Conv1d's [hidden, 1, L]."""
+    """Convolution kernels (LFM2's, Qwen3.5's linear attention's) as [channels, L]: Hugging Face keeps nn.Conv1d's
+    [channels, 1, L]."""
     def flat(src: SourceTensor) -> SourceTensor:
-        return SourceTensor((config.hidden_size, config.conv_kernel),
-                            lambda: torch.as_tensor(src.load()).reshape(config.hidden_size, config.conv_kernel))
+        shape = (src.shape[0], config.conv_kernel)
+        return SourceTensor(shape, lambda: torch.as_tensor(src.load()).reshape(shape))
 
-    return {name: flat(src) if name.endswith("conv.kernel.weight") and len(src.shape) == 3 else src
-            for name, src in plan.items()}
+    return {name: flat(src) if name.endswith(("conv.kernel.weight", "linear_attn.conv.weight"))
+            and len(src.shape) == 3 else src for name, src in plan.items()}
 
 
 def xielu_scalars(plan: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
@@ -79,7 +86,10 @@ def xielu_scalars(plan: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
 def keeps_float32(name: str, config: ModelConfig) -> bool:
     """Gemma's norm multipliers stay float32 in a 16-bit checkpoint: 1 + w in bfloat16 would round w away; so do
     Apertus's xIELU scalars (read once, as constants)."""
-    return (config.family in GEMMA_FAMILIES and name.endswith(("norm.weight", "ln_f.weight"))) or ".mlp.act." in name
+    zero_centered = config.family in (*GEMMA_FAMILIES, "qwen3_5") and name.endswith(("norm.weight", "ln_f.weight"))
+    # NOTE: the linear attention's decay parameters are read once, as constants, in float32
+    return (zero_centered and not name.endswith("linear_attn.norm.weight")) or ".mlp.act." in name or \
+        name.endswith(("linear_attn.A_log", "linear_attn.dt_bias"))
 
 
 def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:

@@ -25,6 +25,14 @@ layers it holds):
   transformer.layers.{i}.conv.in_proj.weight                 [3 * hidden, hidden]     (B, C, x)
   transformer.layers.{i}.conv.kernel.weight                  [hidden, L]              each channel's taps
   transformer.layers.{i}.conv.out_proj.weight                [hidden, hidden]
+  a Qwen3.5 linear attention layer (gated DeltaNet) holds, instead of attention.* (Kd, Vd: key and value heads
+  times their dims; Hv value heads):
+  transformer.layers.{i}.linear_attn.in_proj_qkv.weight      [2 * Kd + Vd, hidden]    (q, k, v)
+  transformer.layers.{i}.linear_attn.in_proj_{z,b,a}.weight  [Vd | Hv | Hv, hidden]   output gate, beta, decay
+  transformer.layers.{i}.linear_attn.conv.weight             [2 * Kd + Vd, L]         each channel's taps
+  transformer.layers.{i}.linear_attn.{A_log,dt_bias}         [Hv]
+  transformer.layers.{i}.linear_attn.norm.weight             [value head dim]         the gated RMSNorm's
+  transformer.layers.{i}.linear_attn.out_proj.weight         [hidden, Vd]
   transformer.ln_f.weight                                    [hidden]                 replicated
   lm_head.weight                                             [vocab, hidden]          vocab-parallel
 
@@ -144,6 +152,17 @@ _AFMOE_LAYER_MAP = {
     **{k.replace("shared_expert.", "shared_experts."): v for k, v in _MOE_LAYER_MAP.items()
        if k.startswith("mlp.shared_expert.")},
 }
+# Qwen3.5: q_proj's per-head gate rows as AFMoE's attention gate (builder/convert/fused.py), and the linear attention
+LINEAR_ATTENTION_LINEARS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                            "linear_attn.in_proj_a", "linear_attn.out_proj")
+LINEAR_ATTENTION_TENSORS = (*(f"{p.removeprefix('linear_attn.')}.weight" for p in LINEAR_ATTENTION_LINEARS),
+                            "conv.weight", "A_log", "dt_bias", "norm.weight")
+_QWEN35_LAYER_MAP = {
+    **_LAYER_MAP,
+    "self_attn.gate_proj.weight": "attention.gate.weight",
+    **{f"linear_attn.{n}": f"linear_attn.{n}" for n in LINEAR_ATTENTION_TENSORS if n != "conv.weight"},
+    "linear_attn.conv1d.weight": "linear_attn.conv.weight",
+}
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "transformer.vocab_embedding.weight",
     "model.norm.weight": "transformer.ln_f.weight",
@@ -213,6 +232,8 @@ def _layer_map(config: ModelConfig | None) -> dict[str, str]:
         return _APERTUS_LAYER_MAP
     if config.family == "afmoe":
         return _AFMOE_LAYER_MAP
+    if config.family == "qwen3_5":
+        return _QWEN35_LAYER_MAP
     if config.family in LFM2_FAMILIES:
         return _LFM2_LAYER_MAP
     if config.output_norms:  # Gemma 2 / 3, OLMo 2 / 3, EXAONE 4
@@ -267,10 +288,11 @@ def model_linear_prefixes(config: ModelConfig, layers: Iterable[int], last_stage
         if config.attention_output_gate:  # NOTE: after v, the last linear reading the attention's input
             at = prefixes.index(f"transformer.layers.{i}.attention.v") + 1
             prefixes[at:at] = [f"transformer.layers.{i}.{s}" for s in GATE_LINEARS]
-        if config.is_conv(i):  # NOTE: where the attention's linears would have been
+        if config.is_conv(i) or config.is_linear_attention(i):  # NOTE: where the attention's linears would be
             at = next(j for j, p in enumerate(prefixes) if ".attention." in p)
             prefixes = [p for p in prefixes if ".attention." not in p]
-            prefixes[at:at] = [f"transformer.layers.{i}.{s}" for s in CONV_LINEARS]
+            linears = CONV_LINEARS if config.is_conv(i) else LINEAR_ATTENTION_LINEARS
+            prefixes[at:at] = [f"transformer.layers.{i}.{s}" for s in linears]
         out += prefixes
     return out + (["lm_head"] if last_stage and config.has_lm_head else [])
 
@@ -278,8 +300,9 @@ def model_linear_prefixes(config: ModelConfig, layers: Iterable[int], last_stage
 def is_linear(prefix: str) -> bool:
     """Whether checkpoint prefix `prefix` (a tensor name without `.weight`) is a linear layer."""
     m = _CKPT_LAYER.match(prefix)
-    return prefix == "lm_head" or (m is not None and m.group(2) in (*LAYER_LINEARS, *CONV_LINEARS, *EXPERT_LINEARS,
-                                                                     *SHARED_EXPERT_LINEARS, *GATE_LINEARS))
+    return prefix == "lm_head" or (m is not None and m.group(2) in (
+        *LAYER_LINEARS, *CONV_LINEARS, *EXPERT_LINEARS, *SHARED_EXPERT_LINEARS, *GATE_LINEARS,
+        *LINEAR_ATTENTION_LINEARS))
 
 
 def layer_of(name: str) -> int | None:

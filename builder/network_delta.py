@@ -1,0 +1,48 @@
+"""Qwen3.5's linear attention block (gated DeltaNet, builder/network.py): q, k and v projected together and convolved
+over each channel's last `conv_kernel` tokens by a trtbuild::PagedShortConv node (its rows in the pool, as LFM2's),
+then one trtbuild::GatedDeltaNet node (plugins/gated_delta.py) that runs the gated delta rule over the sequences'
+recurrent states and applies the gated RMSNorm; out_proj. The convolution's rows for the pool join new_kv."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from trtbuild.builder.graph import GraphBuilder
+from trtbuild.configs import ModelConfig
+from trtbuild.plugins import gated_delta as gd
+from trtbuild.plugins import short_conv as sc
+
+
+class LinearAttentionWriter:
+    """The linear attention part of _NetworkWriter (which sets these attributes and defines the methods below)."""
+
+    c: ModelConfig
+    g: GraphBuilder
+
+    if TYPE_CHECKING:
+        def linear(self, x: str, prefix: str, bias: bool = False, outputs: list[str] | None = None) -> str: ...
+
+        def row_linear(self, x: str, prefix: str, bias: bool = False) -> str: ...
+
+        def tensor(self, name: str) -> np.ndarray: ...
+
+    def linear_attention(self, h: str, layer: str, cache: list[str], slot: int, state: list[str],
+                         state_layer: int) -> tuple[str, str]:
+        """(the block's output, its convolution's new pool rows [entries * 2 * T, kv_heads, head_size]) for the
+        normed input `h` of layer `layer` (`transformer.layers.{i}.`); `cache`: the pool, the layer's group's block
+        table, past_lengths and query_start_loc; `slot`: its rows' first cache layer in the group's blocks; `state`:
+        the recurrent_state and state_slots inputs; `state_layer`: the layer's index among the recurrent ones."""
+        c, g, prefix = self.c, self.g, layer + "linear_attn."
+        qkv = self.linear(h, prefix + "in_proj_qkv")
+        kernel = g.weight(prefix + "conv.weight", self.tensor(prefix + "conv.weight"))
+        mixed, entries = g.op(sc.OP_TYPE, [qkv, *cache, kernel], num_outputs=2, domain=sc.DOMAIN,
+                              name=prefix + "conv", layer_idx=slot)
+        z, b, a = (self.linear(h, prefix + name) for name in ("in_proj_z", "in_proj_b", "in_proj_a"))
+        params = [g.weight(prefix + name, self.tensor(prefix + name)) for name in ("A_log", "dt_bias", "norm.weight")]
+        y = g.op(gd.OP_TYPE, [mixed, z, b, a, *params, *state, *cache[2:]], domain=gd.DOMAIN, name=prefix + "delta",
+                 state_layer=state_layer, epsilon=float(c.norm_epsilon))
+        rows = g.op("Reshape", [entries, g.const(np.array([-1, c.num_key_value_heads, c.head_size]), "entry_rows")],
+                    name=prefix + "new_rows")
+        return self.row_linear(y, prefix + "out_proj"), rows

@@ -1,0 +1,176 @@
+// trtbuild::GatedDeltaNet for ONNX Runtime's CPU provider: Qwen3.5's linear attention (the gated delta rule) over
+// per-sequence recurrent states, with the layer's gated RMSNorm; the contract and numpy reference of
+// plugins/gated_delta.py.
+//
+// A task is one (sequence, value head): its state S [key dim, value dim] is read from the sequence's slot (zero for
+// a sequence without a past), carried through the sequence's new tokens in order, and written back. Per token, two
+// passes over S, each an auto-vectorized loop over the value dim: decay S and accumulate k^T S; then add k delta^T
+// and accumulate q^T S. A head's state (64 KiB at 128 x 128) stays in the core's L2 across a prefill's tokens.
+#include "cpu_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace trtbuild_cpu_ops {
+namespace {
+
+constexpr float kL2Epsilon = 1e-6f;  // plugins/gated_delta.py: L2_EPSILON
+
+void fail(const std::string& what) { ORT_CXX_API_THROW("trtbuild::GatedDeltaNet: " + what, ORT_INVALID_ARGUMENT); }
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+struct Problem {
+  const float *qkv, *z, *b, *a, *a_log, *dt_bias, *norm_weight;
+  float* states;  // [slots, state layers, Hv, dk, dv], written in place
+  const int64_t *slots, *past, *starts;
+  float* y;  // [T, Vd]
+  int64_t channels, key_heads, value_heads, dk, dv, state_layers, layer;
+  float epsilon;
+};
+
+// x (n values of a q or k head after the SiLU) L2-normalized, times `scale`.
+void l2_normalized(const float* qkv_row, int64_t offset, int64_t n, float scale, float* out) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = silu(qkv_row[offset + i]);
+    sum += out[i] * out[i];
+  }
+  const float inv = scale / std::sqrt(sum + kL2Epsilon);
+  for (int64_t i = 0; i < n; ++i) out[i] *= inv;
+}
+
+void run_head(void* data, size_t task) {
+  const Problem& p = *static_cast<const Problem*>(data);
+  const int64_t seq = static_cast<int64_t>(task) / p.value_heads, h = static_cast<int64_t>(task) % p.value_heads;
+  const int64_t dk = p.dk, dv = p.dv, kh = h / (p.value_heads / p.key_heads), kd = p.key_heads * dk;
+  const int64_t vd = p.value_heads * dv;
+  float* s = p.states + ((p.slots[seq] * p.state_layers + p.layer) * p.value_heads + h) * dk * dv;
+  if (p.past[seq] == 0) std::fill(s, s + dk * dv, 0.0f);
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(2 * dk + 3 * dv));
+  float *q = buffer.data(), *k = q + dk, *v = k + dk, *kv = v + dv, *o = kv + dv;
+  const float decay_rate = -std::exp(p.a_log[h]), q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  for (int64_t t = p.starts[seq]; t < p.starts[seq + 1]; ++t) {
+    const float* row = p.qkv + t * p.channels;
+    l2_normalized(row, kh * dk, dk, q_scale, q);
+    l2_normalized(row, kd + kh * dk, dk, 1.0f, k);
+    for (int64_t j = 0; j < dv; ++j) v[j] = silu(row[2 * kd + h * dv + j]);
+    const float beta = 1.0f / (1.0f + std::exp(-p.b[t * p.value_heads + h]));
+    const float decay = std::exp(decay_rate * softplus(p.a[t * p.value_heads + h] + p.dt_bias[h]));
+    std::fill(kv, kv + dv, 0.0f);
+    for (int64_t i = 0; i < dk; ++i) {  // S *= decay; kv = k^T S
+      float* si = s + i * dv;
+      const float ki = k[i];
+      for (int64_t j = 0; j < dv; ++j) {
+        si[j] *= decay;
+        kv[j] += ki * si[j];
+      }
+    }
+    for (int64_t j = 0; j < dv; ++j) kv[j] = (v[j] - kv[j]) * beta;  // delta
+    std::fill(o, o + dv, 0.0f);
+    for (int64_t i = 0; i < dk; ++i) {  // S += k delta^T; o = q^T S
+      float* si = s + i * dv;
+      const float ki = k[i], qi = q[i];
+      for (int64_t j = 0; j < dv; ++j) {
+        si[j] += ki * kv[j];
+        o[j] += qi * si[j];
+      }
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < dv; ++j) sum += o[j] * o[j];
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(dv) + p.epsilon);
+    const float* z = p.z + t * vd + h * dv;
+    float* y = p.y + t * vd + h * dv;
+    for (int64_t j = 0; j < dv; ++j) y[j] = o[j] * inv * p.norm_weight[j] * silu(z[j]);
+  }
+}
+
+struct GatedDeltaNetKernel {
+  int64_t layer;
+  float epsilon;
+
+  GatedDeltaNetKernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo k(info);
+    layer = k.GetAttribute<int64_t>("state_layer");
+    epsilon = k.GetAttribute<float>("epsilon");
+    if (layer < 0) fail("state_layer must not be negative");
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    const auto shape_of = [&](size_t i) { return ctx.GetInput(i).GetTensorTypeAndShapeInfo().GetShape(); };
+    const std::vector<int64_t> qkv = shape_of(0), state = shape_of(7);
+    if (state.size() != 5) fail("recurrent_state must be [slots, state layers, value heads, key dim, value dim]");
+    const int64_t num_slots = state[0], state_layers = state[1], hv = state[2], dk = state[3], dv = state[4];
+    if (layer >= state_layers) fail("state_layer is beyond recurrent_state's layers");
+    if (qkv.size() != 2 || hv <= 0 || dk <= 0 || dv <= 0) fail("mixed_qkv must be [T, 2 Kd + Vd]");
+    const int64_t tokens = qkv[0], channels = qkv[1], kd2 = channels - hv * dv;
+    const int64_t hk = kd2 > 0 && kd2 % (2 * dk) == 0 ? kd2 / (2 * dk) : 0;
+    if (hk <= 0 || hv % hk) fail("mixed_qkv's channels are not 2 x key heads x key dim + value heads x value dim");
+    const std::vector<int64_t> want_z{tokens, hv * dv}, want_ab{tokens, hv}, want_h{hv}, want_w{dv};
+    if (shape_of(1) != want_z) fail("z must be [T, value heads x value dim]");
+    if (shape_of(2) != want_ab || shape_of(3) != want_ab) fail("b and a must be [T, value heads]");
+    if (shape_of(4) != want_h || shape_of(5) != want_h) fail("A_log and dt_bias must be [value heads]");
+    if (shape_of(6) != want_w) fail("norm_weight must be [value dim]");
+    const std::vector<int64_t> slots_shape = shape_of(8);
+    if (slots_shape.size() != 1) fail("state_slots must be [B]");
+    const int64_t num_seqs = slots_shape[0];
+    if (shape_of(9) != std::vector<int64_t>{num_seqs}) fail("past_lengths must be [B], B state_slots' entries");
+    if (shape_of(10) != std::vector<int64_t>{num_seqs + 1}) fail("query_start_loc must be [B + 1]");
+    const int64_t* slots = ctx.GetInput(8).GetTensorData<int64_t>();
+    const int64_t* past = ctx.GetInput(9).GetTensorData<int64_t>();
+    const int64_t* starts = ctx.GetInput(10).GetTensorData<int64_t>();
+    std::vector<int64_t> seen;
+    for (int64_t b = 0; b < num_seqs; ++b) {
+      if (starts[b] < 0 || starts[b + 1] < starts[b] || starts[b + 1] > tokens)
+        fail("query_start_loc is not ascending within [0, T]");
+      if (slots[b] < 0 || slots[b] >= num_slots) fail("a state slot is outside recurrent_state");
+      if (past[b] < 0) fail("a past length is negative");
+      seen.push_back(slots[b]);
+    }
+    std::sort(seen.begin(), seen.end());
+    if (std::adjacent_find(seen.begin(), seen.end()) != seen.end()) fail("two sequences share a state slot");
+    if (num_seqs > 0 && (starts[0] != 0 || starts[num_seqs] != tokens))
+      fail("query_start_loc does not cover every token");
+
+    float* y = ctx.GetOutput(0, {tokens, hv * dv}).GetTensorMutableData<float>();
+    if (tokens == 0) return;
+    // NOTE: the state is updated in place in the runtime's own array, which ONNX Runtime reads without copying (a
+    // contiguous float32 numpy input on the CPU provider): the state of a 0.8B model is ~18 MiB a sequence, and
+    // returning it as an output for the runtime to copy back would double the step's state traffic.
+    float* states = const_cast<float*>(ctx.GetInput(7).GetTensorData<float>());
+    Problem p{ctx.GetInput(0).GetTensorData<float>(), ctx.GetInput(1).GetTensorData<float>(),
+              ctx.GetInput(2).GetTensorData<float>(), ctx.GetInput(3).GetTensorData<float>(),
+              ctx.GetInput(4).GetTensorData<float>(), ctx.GetInput(5).GetTensorData<float>(),
+              ctx.GetInput(6).GetTensorData<float>(), states, slots, past, starts, y, channels, hk, hv, dk, dv,
+              state_layers, layer, epsilon};
+    ctx.ParallelFor(run_head, static_cast<size_t>(num_seqs * hv), 0, &p);
+  }
+};
+
+struct GatedDeltaNetOp : Ort::CustomOpBase<GatedDeltaNetOp, GatedDeltaNetKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const {
+    return new GatedDeltaNetKernel(api, info);
+  }
+  const char* GetName() const { return "GatedDeltaNet"; }
+  size_t GetInputTypeCount() const { return 11; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i >= 8 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+}  // namespace
+
+const OrtCustomOp* gated_delta_op() {
+  static GatedDeltaNetOp op;
+  return &op;
+}
+
+}  // namespace trtbuild_cpu_ops

@@ -1,0 +1,121 @@
+"""trtbuild::GatedDeltaNet (Qwen3.5's linear attention): the numpy reference of plugins/gated_delta.py against
+transformers' own recurrence, and the native CPU kernel (cpu_ops/gated_delta.cc) run by ONNX Runtime against the
+reference: a packed batch of a fresh prefill, a continuing chunk and decode tokens, two value heads per key head,
+states updated in place in their slots (the others untouched), a stale slot ignored where the past is 0, and bad
+slots refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+from trtbuild import cpu_ops
+from trtbuild.plugins import gated_delta as gd
+
+KEY_HEADS, VALUE_HEADS, DK, DV, SLOTS, LAYERS = 2, 4, 8, 16, 6, 3
+CHANNELS = 2 * KEY_HEADS * DK + VALUE_HEADS * DV
+SEQS = [(0, 5), (7, 3), (12, 1), (3, 1)]  # (past length, new tokens)
+SEQ_SLOTS = [4, 0, 2, 5]
+EPS = 1e-6
+
+native = pytest.mark.skipif(cpu_ops.unavailable_reason() is not None,
+                            reason=f"the native CPU op library is unavailable: {cpu_ops.unavailable_reason()}")
+
+
+def inputs(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    tokens = sum(n for _, n in SEQS)
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    return {"mixed_qkv": f(tokens, CHANNELS), "z": f(tokens, VALUE_HEADS * DV), "b": f(tokens, VALUE_HEADS),
+            "a": f(tokens, VALUE_HEADS), "A_log": f(VALUE_HEADS) * 0.5, "dt_bias": f(VALUE_HEADS),
+            "norm_weight": 1 + 0.1 * f(DV), "recurrent_state": f(SLOTS, LAYERS, VALUE_HEADS, DK, DV),
+            "state_slots": np.array(SEQ_SLOTS, dtype=np.int64),
+            "past_lengths": np.array([p for p, _ in SEQS], dtype=np.int64),
+            "query_start_loc": np.cumsum([0] + [n for _, n in SEQS]).astype(np.int64)}
+
+
+def test_the_reference_is_transformers_recurrence():
+    """One sequence from a zero state: the reference equals transformers' torch_recurrent_gated_delta_rule on the
+    SiLU'd, split inputs, followed by the gated RMSNorm, and leaves transformers' final state in its slot."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    feeds = inputs(1)
+    n = 6
+    x = torch.nn.functional.silu(torch.tensor(feeds["mixed_qkv"][:n]))
+    kd = KEY_HEADS * DK
+    q, k, v = x[:, :kd], x[:, kd:2 * kd], x[:, 2 * kd:]
+    beta = torch.sigmoid(torch.tensor(feeds["b"][:n]))
+    g = -torch.exp(torch.tensor(feeds["A_log"])) * torch.nn.functional.softplus(
+        torch.tensor(feeds["a"][:n]) + torch.tensor(feeds["dt_bias"]))
+    out, final = torch_recurrent_gated_delta_rule(
+        q.reshape(1, n, KEY_HEADS, DK), k.reshape(1, n, KEY_HEADS, DK), v.reshape(1, n, VALUE_HEADS, DV),
+        g=g[None], beta=beta[None], initial_state=None, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o = out[0].numpy()  # [n, value heads, DV]
+    z, weight = feeds["z"][:n].reshape(n, VALUE_HEADS, DV), feeds["norm_weight"]
+    expected = o / np.sqrt((o * o).mean(-1, keepdims=True) + EPS) * weight * (z / (1 + np.exp(-z)))
+    state = np.zeros((1, 1, VALUE_HEADS, DK, DV), dtype=np.float32)
+    y = gd.reference_gated_delta(feeds["mixed_qkv"][:n], feeds["z"][:n], feeds["b"][:n], feeds["a"][:n],
+                                 feeds["A_log"], feeds["dt_bias"], weight, state, np.array([0]), np.array([0]),
+                                 np.array([0, n]), state_layer=0, epsilon=EPS)
+    np.testing.assert_allclose(y, expected.reshape(n, -1), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(state[0, 0], final[0].numpy(), rtol=1e-5, atol=1e-6)
+
+
+def model() -> onnx.ModelProto:
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    shapes = {"mixed_qkv": ["T", CHANNELS], "z": ["T", VALUE_HEADS * DV], "b": ["T", VALUE_HEADS],
+              "a": ["T", VALUE_HEADS], "A_log": [VALUE_HEADS], "dt_bias": [VALUE_HEADS], "norm_weight": [DV],
+              "recurrent_state": ["S", LAYERS, VALUE_HEADS, DK, DV], "state_slots": ["B"], "past_lengths": ["B"],
+              "query_start_loc": ["B1"]}
+    ins = [helper.make_tensor_value_info(n, i64 if n in ("state_slots", "past_lengths", "query_start_loc") else f32,
+                                         shapes[n]) for n in gd.INPUTS]
+    node = helper.make_node(gd.OP_TYPE, list(gd.INPUTS), ["y"], domain=gd.DOMAIN, state_layer=1, epsilon=EPS)
+    graph = helper.make_graph([node], "gated_delta", ins, [helper.make_tensor_value_info("y", f32, ["T", "V"])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(gd.DOMAIN, 1)])
+
+
+def session() -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(cpu_ops.library_path()))
+    options.intra_op_num_threads = 2
+    return ort.InferenceSession(model().SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+@native
+def test_native_kernel_matches_the_reference_and_updates_the_states_in_place():
+    feeds = inputs()
+    expected_state = feeds["recurrent_state"].copy()
+    expected = gd.reference_gated_delta(*(feeds[n] for n in gd.INPUTS[:7]), expected_state,
+                                        *(feeds[n] for n in gd.INPUTS[8:]), state_layer=1, epsilon=EPS)
+    before = feeds["recurrent_state"].copy()
+    (y,) = session().run(None, feeds)
+    np.testing.assert_allclose(y, expected, rtol=2e-4, atol=2e-5)
+    states = feeds["recurrent_state"]  # the array the engine was given, changed where the op wrote
+    np.testing.assert_allclose(states, expected_state, rtol=2e-4, atol=2e-5)
+    untouched = [s for s in range(SLOTS) if s not in SEQ_SLOTS]
+    assert np.array_equal(states[untouched], before[untouched])
+    assert np.array_equal(states[:, [0, 2]], before[:, [0, 2]])  # other layers' states
+    assert not np.array_equal(states[SEQ_SLOTS, 1], before[SEQ_SLOTS, 1])
+
+
+@native
+def test_a_sequence_without_a_past_ignores_what_its_slot_held():
+    feeds = inputs()
+    (first,) = session().run(None, dict(feeds, recurrent_state=feeds["recurrent_state"].copy()))
+    stale = feeds["recurrent_state"].copy()
+    stale[SEQ_SLOTS[0]] = 1e3
+    (second,) = session().run(None, dict(feeds, recurrent_state=stale))
+    rows = slice(0, SEQS[0][1])  # sequence 0's tokens (past 0)
+    np.testing.assert_array_equal(first[rows], second[rows])
+
+
+@native
+@pytest.mark.parametrize("slots, message", [([4, 0, 2, 4], "share a state slot"), ([4, 0, 2, 6], "outside")])
+def test_bad_state_slots_are_refused(slots, message):
+    feeds = dict(inputs(), state_slots=np.array(slots, dtype=np.int64))
+    with pytest.raises(Exception, match=message):
+        session().run(None, feeds)

@@ -1,0 +1,126 @@
+"""Qwen3.5: gated DeltaNet layers (linear attention over a recurrent state per sequence) among gated full attention
+layers. Logits against transformers: tests/test_hf_parity.py (qwen3_5); the op: tests/test_gated_delta.py. Here: the
+config of the released models, the state slots the KV cache manager hands out (exact ids), what recomputes instead
+of sharing a state (preemption, beam forks, prefixes) with its answers unchanged, and what is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from trtbuild.builder.build import check_buildable
+from trtbuild.configs import BuildConfig
+from trtbuild.configs.from_hf import model_config_from_hf
+from trtbuild.errors import ConfigError, TrtbuildError
+from trtbuild.runtime.config import RuntimeConfig
+from trtbuild.runtime.kv_cache_manager import NO_PREFIX, KVCacheManager
+from trtbuild.runtime.llm import LLM
+from trtbuild.runtime.request import Request
+from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.speculative import SpeculativeConfig
+
+# the text part of Qwen3.5-0.8B's config.json (a vision-language model's, as released); values as published
+QWEN35_08B = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "text_config": {"model_type": "qwen3_5_text", "hidden_size": 1024, "intermediate_size": 3584,
+                              "num_hidden_layers": 24, "num_attention_heads": 8, "num_key_value_heads": 2,
+                              "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 16,
+                              "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+                              "full_attention_interval": 4, "vocab_size": 248320, "tie_word_embeddings": True,
+                              "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+                              "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                                                  "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                                                  "mrope_section": [11, 11, 10]}},
+              "torch_dtype": "bfloat16", "tie_word_embeddings": True}
+
+
+def test_the_released_config_reads_as_its_text_model():
+    c = model_config_from_hf(QWEN35_08B)
+    assert (c.architecture, c.family, c.dtype, c.attention_output_gate, c.qk_norm) == (
+        "Qwen3_5ForCausalLM", "qwen3_5", "bfloat16", True, True)
+    assert c.recurrent_layers == tuple(i for i in range(24) if (i + 1) % 4)
+    assert c.recurrent_state_shape == (16, 128, 128) and c.conv_kernel == 4 and c.rotary_dim == 64
+    assert c.conv_channels(0) == 3 * 2048 and c.rotary_base == 1e7 and c.tie_word_embeddings
+
+
+def request(rid: str, n: int = 5) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=4))
+
+
+def test_the_manager_gives_each_running_request_a_state_slot():
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True, windows=(None, 4),
+                        num_state_slots=2)
+    a, b, c = request("a"), request("b"), request("c")
+    assert kv.allocate(a, 5) and kv.allocate(b, 5)
+    assert (kv.state_slot(a), kv.state_slot(b), kv.state_slot(c)) == (0, 1, -1)
+    free = kv.pool.num_free
+    assert not kv.allocate(c, 5)  # no slot left: nothing taken
+    assert kv.pool.num_free == free and kv.state_slot(c) == -1 and "c" not in kv.blocks
+    kv.free(a)
+    assert kv.allocate(c, 5) and kv.state_slot(c) == 0 and kv.allocate(c, 9) and kv.state_slot(c) == 0
+    assert kv.fork(b, request("b2")) is None  # a state is not shared: the beam recomputes
+    kv.num_cached["b"] = 0
+    b.num_computed_tokens = 5
+    kv.cache_full_blocks(b)
+    assert kv.computed_prefix(request("d", 9)) is NO_PREFIX  # no prefix reuse without the state after it
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(random_hf_model, engine_from_hf):
+    from transformers import AutoModelForCausalLM
+
+    path = random_hf_model("qwen3_5")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return hf, engine_from_hf(path, max_batch_size=4, max_num_tokens=256)
+
+
+def prompts(n: int) -> list[list[int]]:
+    rng = np.random.default_rng(3)
+    return [rng.integers(3, 320, size=int(rng.integers(4, 20))).tolist() for _ in range(n)]
+
+
+def test_preempted_requests_recompute_their_states(qwen3_5):
+    """Eight requests in a pool too small for all of them: preempted ones give back their slots and recompute from
+    position 0; every answer is the one a roomy pool gives."""
+    _, engine = qwen3_5
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    roomy = [c.token_ids for c in LLM(engine, RuntimeConfig(num_threads=1)).generate(prompts(8), params)]
+    tight = LLM(engine, RuntimeConfig(num_threads=1, kv_cache_blocks=30, max_batch_size=4))
+    preempted = []
+    original = tight.core.scheduler.schedule
+
+    def schedule():
+        out = original()
+        preempted.extend(out.preempted)
+        return out
+
+    tight.core.scheduler.schedule = schedule
+    assert [c.token_ids for c in tight.generate(prompts(8), params)] == roomy
+    assert preempted, "the pool was meant to be too small"
+    assert sorted(tight.core.kv.state_slots.free) == [0, 1, 2, 3] and not tight.core.kv.state_slots.held
+
+
+def test_beam_search_equals_hugging_face(qwen3_5):
+    """Beams fork by recomputing the parent's tokens (no state is shared); the answers are transformers'."""
+    hf, engine = qwen3_5
+    ids = prompts(1)[0]
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), num_beams=3, num_return_sequences=3, do_sample=False,
+                          max_new_tokens=8, length_penalty=1.0)
+    expected = [seq[len(ids):] for seq in out.tolist()]
+    llm = LLM(engine, RuntimeConfig(num_threads=1))
+    (done,) = llm.generate([ids], SamplingParams(max_tokens=8, beam_width=3, ignore_eos=True))
+    assert [list(b.token_ids) for b in done.beams] == expected
+    assert not llm.core.kv.state_slots.held
+
+
+def test_what_a_recurrent_state_cannot_do_is_refused(qwen3_5):
+    _, engine = qwen3_5
+    with pytest.raises(ConfigError, match="recurrent state"):
+        LLM(engine, RuntimeConfig(num_threads=1, speculative=SpeculativeConfig(num_speculative_tokens=2)))
+    config = model_config_from_hf(QWEN35_08B)
+    for build, match in ((BuildConfig(target="cuda"), "no cuda kernel"),
+                         (BuildConfig(speculative_decoding_mode="draft-tokens", max_draft_len=2), "draft")):
+        with pytest.raises(TrtbuildError, match=match):
+            check_buildable(config, build)
