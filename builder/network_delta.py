@@ -40,9 +40,9 @@ class LinearAttentionWriter:
         mixed, entries = g.op(sc.OP_TYPE, [qkv, *cache, kernel], num_outputs=2, domain=sc.DOMAIN,
                               name=prefix + "conv", layer_idx=slot)
         z, b, a = (self.linear(h, prefix + name) for name in ("in_proj_z", "in_proj_b", "in_proj_a"))
-        params = [g.weight(prefix + name, self.tensor(prefix + name)) for name in ("A_log", "dt_bias", "norm.weight")]
+        params = [g.weight(prefix + name, self.tensor(prefix + name)) for name in ("A", "dt_bias", "norm.weight")]
         y = g.op(gd.OP_TYPE, [mixed, z, b, a, *params, *state, *cache[2:]], domain=gd.DOMAIN, name=prefix + "delta",
-                 state_layer=state_layer, epsilon=float(c.norm_epsilon))
+                 state_layer=state_layer, epsilon=float(c.norm_epsilon), tiled=int(c.linear_value_heads_tiled))
         rows = g.op("Reshape", [entries, g.const(np.array([-1, c.num_key_value_heads, c.head_size]), "entry_rows")],
                     name=prefix + "new_rows")
         return self.row_linear(y, prefix + "out_proj"), rows

@@ -308,6 +308,7 @@ def _linear_attention_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     if family != "qwen3_5":
         return {}
     return {"attention_output_gate": True, "conv_kernel": int(hf.get("linear_conv_kernel_dim", 4)),
+            "linear_value_heads_tiled": bool(hf.get("linear_value_heads_tiled")),  # a GGUF's (gguf_qwen35.py)
             **{key: int(hf[key]) for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                              "linear_value_head_dim")}}
 

@@ -118,6 +118,8 @@ class ModelConfig:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # value head h reads key head h % key heads (llama.cpp's GGUF order), not h // (value heads / key heads)
+    linear_value_heads_tiled: bool = False
     local_rotary_base: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3); None: as every layer
     embedding_multiplier: float = 1.0  # the embedding rows are multiplied by this (Gemma: sqrt(hidden_size))
     attention_scale: float | None = None  # what q.k is multiplied by; None: head_size ** -0.5

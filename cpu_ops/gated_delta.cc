@@ -25,12 +25,13 @@ inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
 
 struct Problem {
-  const float *qkv, *z, *b, *a, *a_log, *dt_bias, *norm_weight;
+  const float *qkv, *z, *b, *a, *decay_rate, *dt_bias, *norm_weight;
   float* states;  // [slots, state layers, Hv, dk, dv], written in place
   const int64_t *slots, *past, *starts;
   float* y;  // [T, Vd]
   int64_t channels, key_heads, value_heads, dk, dv, state_layers, layer;
   float epsilon;
+  bool tiled;  // value head h reads key head h % key heads (else h / (value heads / key heads))
 };
 
 // x (n values of a q or k head after the SiLU) L2-normalized, times `scale`.
@@ -47,14 +48,15 @@ void l2_normalized(const float* qkv_row, int64_t offset, int64_t n, float scale,
 void run_head(void* data, size_t task) {
   const Problem& p = *static_cast<const Problem*>(data);
   const int64_t seq = static_cast<int64_t>(task) / p.value_heads, h = static_cast<int64_t>(task) % p.value_heads;
-  const int64_t dk = p.dk, dv = p.dv, kh = h / (p.value_heads / p.key_heads), kd = p.key_heads * dk;
+  const int64_t dk = p.dk, dv = p.dv, kd = p.key_heads * dk;
+  const int64_t kh = p.tiled ? h % p.key_heads : h / (p.value_heads / p.key_heads);
   const int64_t vd = p.value_heads * dv;
   float* s = p.states + ((p.slots[seq] * p.state_layers + p.layer) * p.value_heads + h) * dk * dv;
   if (p.past[seq] == 0) std::fill(s, s + dk * dv, 0.0f);
   thread_local std::vector<float> buffer;
   buffer.resize(static_cast<size_t>(2 * dk + 3 * dv));
   float *q = buffer.data(), *k = q + dk, *v = k + dk, *kv = v + dv, *o = kv + dv;
-  const float decay_rate = -std::exp(p.a_log[h]), q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  const float decay_rate = p.decay_rate[h], q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
   for (int64_t t = p.starts[seq]; t < p.starts[seq + 1]; ++t) {
     const float* row = p.qkv + t * p.channels;
     l2_normalized(row, kh * dk, dk, q_scale, q);
@@ -93,11 +95,13 @@ void run_head(void* data, size_t task) {
 struct GatedDeltaNetKernel {
   int64_t layer;
   float epsilon;
+  bool tiled;
 
   GatedDeltaNetKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo k(info);
     layer = k.GetAttribute<int64_t>("state_layer");
     epsilon = k.GetAttribute<float>("epsilon");
+    tiled = optional_attribute<int64_t>(k, "tiled", 0) != 0;
     if (layer < 0) fail("state_layer must not be negative");
   }
 
@@ -115,7 +119,7 @@ struct GatedDeltaNetKernel {
     const std::vector<int64_t> want_z{tokens, hv * dv}, want_ab{tokens, hv}, want_h{hv}, want_w{dv};
     if (shape_of(1) != want_z) fail("z must be [T, value heads x value dim]");
     if (shape_of(2) != want_ab || shape_of(3) != want_ab) fail("b and a must be [T, value heads]");
-    if (shape_of(4) != want_h || shape_of(5) != want_h) fail("A_log and dt_bias must be [value heads]");
+    if (shape_of(4) != want_h || shape_of(5) != want_h) fail("A and dt_bias must be [value heads]");
     if (shape_of(6) != want_w) fail("norm_weight must be [value dim]");
     const std::vector<int64_t> slots_shape = shape_of(8);
     if (slots_shape.size() != 1) fail("state_slots must be [B]");
@@ -148,7 +152,7 @@ struct GatedDeltaNetKernel {
               ctx.GetInput(2).GetTensorData<float>(), ctx.GetInput(3).GetTensorData<float>(),
               ctx.GetInput(4).GetTensorData<float>(), ctx.GetInput(5).GetTensorData<float>(),
               ctx.GetInput(6).GetTensorData<float>(), states, slots, past, starts, y, channels, hk, hv, dk, dv,
-              state_layers, layer, epsilon};
+              state_layers, layer, epsilon, tiled};
     ctx.ParallelFor(run_head, static_cast<size_t>(num_seqs * hv), 0, &p);
   }
 };

@@ -5,9 +5,10 @@ value head, S [key dim, value dim], which each token decays, corrects towards it
 
     S <- S * exp(g);  S <- S + k (beta (v - k^T S))^T;  o = q^T S
 
-with q, k L2-normalized per head (q also scaled by key_dim^-1/2), beta = sigmoid(b), g = -exp(A_log) softplus(a +
-dt_bias). A value head h reads key head h // (value heads / key heads). The op also applies the layer's gated
-RMSNorm to o: y = rmsnorm(o) * norm_weight * silu(z), per value head.
+with q, k L2-normalized per head (q also scaled by key_dim^-1/2), beta = sigmoid(b), g = A softplus(a + dt_bias)
+(A: the layer's decay rates, -exp(A_log)). A value head h reads key head h // (value heads / key heads), or
+h % key heads where the attribute `tiled` is 1 (llama.cpp's order of the value heads in its GGUF files). The op also
+applies the layer's gated RMSNorm to o: y = rmsnorm(o) * norm_weight * silu(z), per value head.
 
 The state is not a row a token writes (as K/V and LFM2's convolution rows are), so it does not live in the paged
 pool: `recurrent_state` [state slots, state layers, value heads, key dim, value dim] float32 holds every sequence's
@@ -16,8 +17,9 @@ state_slots[b], layer `state_layer`, in place. A sequence whose past length is 0
 its slot held. Tokens are packed as for PagedAttention: sequence b owns tokens query_start_loc[b]:query_start_loc[b+1].
 
 Inputs: mixed_qkv [T, 2 Kd + Vd] (the convolution's output, before its SiLU: q, then k, then v), z [T, Vd],
-b [T, Hv], a [T, Hv], A_log [Hv], dt_bias [Hv], norm_weight [value dim], recurrent_state, state_slots [B] int64,
-past_lengths [B] int64, query_start_loc [B + 1] int64. Attributes: state_layer, epsilon (the gated norm's).
+b [T, Hv], a [T, Hv], A [Hv], dt_bias [Hv], norm_weight [value dim], recurrent_state, state_slots [B] int64,
+past_lengths [B] int64, query_start_loc [B + 1] int64. Attributes: state_layer, epsilon (the gated norm's), tiled
+(0 unless given).
 Output: y [T, Vd].
 """
 
@@ -27,7 +29,7 @@ import numpy as np
 
 DOMAIN = "trtbuild"
 OP_TYPE = "GatedDeltaNet"
-INPUTS = ("mixed_qkv", "z", "b", "a", "A_log", "dt_bias", "norm_weight", "recurrent_state", "state_slots",
+INPUTS = ("mixed_qkv", "z", "b", "a", "A", "dt_bias", "norm_weight", "recurrent_state", "state_slots",
           "past_lengths", "query_start_loc")
 STATE_INPUT, STATE_SLOTS_INPUT = "recurrent_state", "state_slots"
 L2_EPSILON = 1e-6  # the q / k L2 norms' (as transformers' and flash-linear-attention's)
@@ -42,10 +44,10 @@ def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
-def reference_gated_delta(mixed_qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray, a_log: np.ndarray,
+def reference_gated_delta(mixed_qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray, decay: np.ndarray,
                           dt_bias: np.ndarray, norm_weight: np.ndarray, recurrent_state: np.ndarray,
                           state_slots: np.ndarray, past_lengths: np.ndarray, query_start_loc: np.ndarray, *,
-                          state_layer: int, epsilon: float) -> np.ndarray:
+                          state_layer: int, epsilon: float, tiled: bool = False) -> np.ndarray:
     """y [T, Vd] in float64 loops, one token at a time; updates `recurrent_state` in place as the op does."""
     value_heads, key_dim, value_dim = recurrent_state.shape[2:]
     key_heads = (mixed_qkv.shape[1] - value_heads * value_dim) // (2 * key_dim)
@@ -64,9 +66,9 @@ def reference_gated_delta(mixed_qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a
             q = q / np.sqrt((q * q).sum(-1, keepdims=True) + L2_EPSILON) / np.sqrt(key_dim)
             k = k / np.sqrt((k * k).sum(-1, keepdims=True) + L2_EPSILON)
             beta = 1.0 / (1.0 + np.exp(-b[t].astype(np.float64)))
-            g = -np.exp(a_log.astype(np.float64)) * _softplus(a[t].astype(np.float64) + dt_bias)
+            g = decay.astype(np.float64) * _softplus(a[t].astype(np.float64) + dt_bias)
             for h in range(value_heads):
-                kh = h // (value_heads // key_heads)
+                kh = h % key_heads if tiled else h // (value_heads // key_heads)
                 s = states[h] * np.exp(g[h])
                 delta = (v[h] - k[kh] @ s) * beta[h]
                 s = s + np.outer(k[kh], delta)

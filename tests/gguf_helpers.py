@@ -13,6 +13,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from gguf_qwen35_helpers import add_qwen35_parameters, qwen35_tensor
 from helpers import STORIES260K, make_random_hf_model
 
 # The Split regex of Qwen2's tokenizer.json
@@ -81,6 +82,7 @@ FAMILIES = {
     "arcee": ("arcee", "bpe", "AFM Tiny"),
     "apertus": ("apertus", "bpe", "Apertus Tiny"),
     "afmoe": ("afmoe", "bpe", "AFMoE Tiny"),
+    "qwen3_5": ("qwen35", "bpe", "Qwen3.5 Tiny"),
     "starcoder2": ("starcoder2", "bpe", "StarCoder2 Tiny"),
     "hunyuan_dense": ("hunyuan-dense", "bpe", "Hunyuan Tiny"),
     "lfm2": ("lfm2", "bpe", "LFM2 Tiny"),
@@ -232,8 +234,9 @@ def _add_spm_vocab(w: gguf.GGUFWriter, hf_dir: Path, n_vocab: int) -> None:
     gguf.SpecialVocab(hf_dir, n_vocab=n_vocab).add_to_gguf(w)
 
 
-def _add_bpe_vocab(w: gguf.GGUFWriter, hf_dir: Path, n_vocab: int) -> None:
-    """TextModel._set_vocab_gpt2 / get_vocab_base (the pre-tokenizer hash of a real Qwen tokenizer gives "qwen2")."""
+def _add_bpe_vocab(w: gguf.GGUFWriter, hf_dir: Path, n_vocab: int, pre: str = "qwen2") -> None:
+    """TextModel._set_vocab_gpt2 / get_vocab_base (the pre-tokenizer hash of a real Qwen tokenizer gives "qwen2", of
+    a Qwen3.5 one "qwen35")."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
@@ -250,7 +253,7 @@ def _add_bpe_vocab(w: gguf.GGUFWriter, hf_dir: Path, n_vocab: int) -> None:
         types.append(gguf.TokenType.NORMAL if i not in added else gguf.TokenType.CONTROL
                      if added[i].special or looks_special else gguf.TokenType.USER_DEFINED)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(types)
     gguf.SpecialVocab(hf_dir, load_merges=True).add_to_gguf(w)
@@ -452,9 +455,14 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_logit_scale(cfg["logits_scaling"])
+    if arch == "qwen35":
+        add_qwen35_parameters(w, cfg, head_dim)
     if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors
         w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope, base, head_dim))
-    (_add_spm_vocab if vocab_kind == "spm" else _add_bpe_vocab)(w, hf_dir, cfg["vocab_size"])
+    if vocab_kind == "spm":
+        _add_spm_vocab(w, hf_dir, cfg["vocab_size"])
+    else:
+        _add_bpe_vocab(w, hf_dir, cfg["vocab_size"], "qwen35" if arch == "qwen35" else "qwen2")
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     tensors = load_file(str(hf_dir / "model.safetensors"))
     if arch == "apertus":  # ApertusModel.modify_tensors: the xIELU scalars as metadata, a value per layer
@@ -467,6 +475,8 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
             data = _permute(data, heads)
         elif arch in PERMUTED and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             data = _permute(data, kv_heads)
+        if arch == "qwen35":
+            hf_name, data = qwen35_tensor(hf_name, data, cfg)
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):  # GemmaModel.modify_tensors
             data = data + 1
         if "conv.conv" in hf_name:  # LFM2Model.modify_tensors: [hidden, 1, L] -> [hidden, L]

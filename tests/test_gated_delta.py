@@ -31,7 +31,7 @@ def inputs(seed: int = 0) -> dict[str, np.ndarray]:
     tokens = sum(n for _, n in SEQS)
     f = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
     return {"mixed_qkv": f(tokens, CHANNELS), "z": f(tokens, VALUE_HEADS * DV), "b": f(tokens, VALUE_HEADS),
-            "a": f(tokens, VALUE_HEADS), "A_log": f(VALUE_HEADS) * 0.5, "dt_bias": f(VALUE_HEADS),
+            "a": f(tokens, VALUE_HEADS), "A": -np.exp(f(VALUE_HEADS) * 0.5), "dt_bias": f(VALUE_HEADS),
             "norm_weight": 1 + 0.1 * f(DV), "recurrent_state": f(SLOTS, LAYERS, VALUE_HEADS, DK, DV),
             "state_slots": np.array(SEQ_SLOTS, dtype=np.int64),
             "past_lengths": np.array([p for p, _ in SEQS], dtype=np.int64),
@@ -49,7 +49,7 @@ def test_the_reference_is_transformers_recurrence():
     kd = KEY_HEADS * DK
     q, k, v = x[:, :kd], x[:, kd:2 * kd], x[:, 2 * kd:]
     beta = torch.sigmoid(torch.tensor(feeds["b"][:n]))
-    g = -torch.exp(torch.tensor(feeds["A_log"])) * torch.nn.functional.softplus(
+    g = torch.tensor(feeds["A"]) * torch.nn.functional.softplus(
         torch.tensor(feeds["a"][:n]) + torch.tensor(feeds["dt_bias"]))
     out, final = torch_recurrent_gated_delta_rule(
         q.reshape(1, n, KEY_HEADS, DK), k.reshape(1, n, KEY_HEADS, DK), v.reshape(1, n, VALUE_HEADS, DV),
@@ -59,40 +59,44 @@ def test_the_reference_is_transformers_recurrence():
     expected = o / np.sqrt((o * o).mean(-1, keepdims=True) + EPS) * weight * (z / (1 + np.exp(-z)))
     state = np.zeros((1, 1, VALUE_HEADS, DK, DV), dtype=np.float32)
     y = gd.reference_gated_delta(feeds["mixed_qkv"][:n], feeds["z"][:n], feeds["b"][:n], feeds["a"][:n],
-                                 feeds["A_log"], feeds["dt_bias"], weight, state, np.array([0]), np.array([0]),
+                                 feeds["A"], feeds["dt_bias"], weight, state, np.array([0]), np.array([0]),
                                  np.array([0, n]), state_layer=0, epsilon=EPS)
     np.testing.assert_allclose(y, expected.reshape(n, -1), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(state[0, 0], final[0].numpy(), rtol=1e-5, atol=1e-6)
 
 
-def model() -> onnx.ModelProto:
+def model(tiled: int = 0) -> onnx.ModelProto:
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     shapes = {"mixed_qkv": ["T", CHANNELS], "z": ["T", VALUE_HEADS * DV], "b": ["T", VALUE_HEADS],
-              "a": ["T", VALUE_HEADS], "A_log": [VALUE_HEADS], "dt_bias": [VALUE_HEADS], "norm_weight": [DV],
+              "a": ["T", VALUE_HEADS], "A": [VALUE_HEADS], "dt_bias": [VALUE_HEADS], "norm_weight": [DV],
               "recurrent_state": ["S", LAYERS, VALUE_HEADS, DK, DV], "state_slots": ["B"], "past_lengths": ["B"],
               "query_start_loc": ["B1"]}
     ins = [helper.make_tensor_value_info(n, i64 if n in ("state_slots", "past_lengths", "query_start_loc") else f32,
                                          shapes[n]) for n in gd.INPUTS]
-    node = helper.make_node(gd.OP_TYPE, list(gd.INPUTS), ["y"], domain=gd.DOMAIN, state_layer=1, epsilon=EPS)
+    node = helper.make_node(gd.OP_TYPE, list(gd.INPUTS), ["y"], domain=gd.DOMAIN, state_layer=1, epsilon=EPS,
+                            tiled=tiled)
     graph = helper.make_graph([node], "gated_delta", ins, [helper.make_tensor_value_info("y", f32, ["T", "V"])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(gd.DOMAIN, 1)])
 
 
-def session() -> ort.InferenceSession:
+def session(tiled: int = 0) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(cpu_ops.library_path()))
     options.intra_op_num_threads = 2
-    return ort.InferenceSession(model().SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model(tiled).SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
 @native
-def test_native_kernel_matches_the_reference_and_updates_the_states_in_place():
+@pytest.mark.parametrize("tiled", [0, 1])
+def test_native_kernel_matches_the_reference_and_updates_the_states_in_place(tiled):
+    """tiled 1: value head h reads key head h % key heads (a GGUF's order) instead of h // 2."""
     feeds = inputs()
     expected_state = feeds["recurrent_state"].copy()
     expected = gd.reference_gated_delta(*(feeds[n] for n in gd.INPUTS[:7]), expected_state,
-                                        *(feeds[n] for n in gd.INPUTS[8:]), state_layer=1, epsilon=EPS)
+                                        *(feeds[n] for n in gd.INPUTS[8:]), state_layer=1, epsilon=EPS,
+                                        tiled=bool(tiled))
     before = feeds["recurrent_state"].copy()
-    (y,) = session().run(None, feeds)
+    (y,) = session(tiled).run(None, feeds)
     np.testing.assert_allclose(y, expected, rtol=2e-4, atol=2e-5)
     states = feeds["recurrent_state"]  # the array the engine was given, changed where the op wrote
     np.testing.assert_allclose(states, expected_state, rtol=2e-4, atol=2e-5)

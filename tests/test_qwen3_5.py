@@ -124,3 +124,34 @@ def test_what_a_recurrent_state_cannot_do_is_refused(qwen3_5):
                          (BuildConfig(speculative_decoding_mode="draft-tokens", max_draft_len=2), "draft")):
         with pytest.raises(TrtbuildError, match=match):
             check_buildable(config, build)
+
+
+def test_a_gguf_keeps_llama_cpps_order_of_the_value_heads(tmp_path, monkeypatch):
+    """With more value heads than key heads llama.cpp's converter tiles the value heads in every tensor they index;
+    the checkpoint keeps that order (`linear_value_heads_tiled`) and the engine's logits are transformers' (the
+    round trip of a GGUF with as many of each: tests/test_gguf_convert.py)."""
+    from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
+    from helpers import require_shared_models
+    from transformers import AutoModelForCausalLM
+
+    from trtbuild.builder.build import build_engine
+    from trtbuild.builder.convert.convert import convert
+    from trtbuild.runtime.engine import CpuEngine, SequenceChunk, in_every_group
+
+    require_shared_models()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hf_dir = make_hf_folder("qwen3_5", tmp_path / "hf")
+    config = convert(write_gguf_like_llama_cpp(hf_dir, tmp_path / "m.gguf", "qwen3_5"), tmp_path / "ckpt")
+    assert config.linear_value_heads_tiled and config.recurrent_state_shape == (4, 16, 16)
+    build_engine(tmp_path / "ckpt", tmp_path / "engine", BuildConfig(max_batch_size=2, max_num_tokens=64,
+                                                                     max_seq_len=64))
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = prompts(1)[0][:12]
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    engine = CpuEngine(tmp_path / "engine", num_threads=1, num_blocks=64)
+    groups = len(engine.kv.groups)
+    got = np.concatenate([engine.step(in_every_group([SequenceChunk(0, ids[:9], 0, 9, list(range(4)))], groups, 16)),
+                          *(engine.step(in_every_group([SequenceChunk(0, [ids[p]], p, 1, list(range(4)))], groups,
+                                                       16)) for p in range(9, len(ids)))])
+    assert np.abs(got - expected).max() <= 1e-4 * np.abs(expected).max()

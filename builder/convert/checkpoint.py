@@ -161,7 +161,7 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "linear_attn.in_proj_b.weight": (c.linear_num_value_heads, c.hidden_size),
         "linear_attn.in_proj_a.weight": (c.linear_num_value_heads, c.hidden_size),
         "linear_attn.conv.weight": (2 * c.linear_key_size + c.linear_value_size, c.conv_kernel),
-        "linear_attn.A_log": (c.linear_num_value_heads,),
+        "linear_attn.A": (c.linear_num_value_heads,),
         "linear_attn.dt_bias": (c.linear_num_value_heads,),
         "linear_attn.norm.weight": (c.linear_value_head_dim,),
         "linear_attn.out_proj.weight": (c.hidden_size, c.linear_value_size),

@@ -83,13 +83,25 @@ def xielu_scalars(plan: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
     return {name: one(src) if ".mlp.act." in name else src for name, src in plan.items()}
 
 
+def decay_rates(plan: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
+    """Qwen3.5's linear attention decay rates A = -exp(A_log), as transformers computes them (in float32) and as
+    llama.cpp's GGUF files hold them (ssm_a)."""
+    out = {}
+    for name, src in plan.items():
+        if name.endswith("linear_attn.A_log"):
+            name, src = name.removesuffix("_log"), SourceTensor(
+                src.shape, lambda src=src: -torch.exp(torch.as_tensor(src.load()).to(torch.float32)))
+        out[name] = src
+    return out
+
+
 def keeps_float32(name: str, config: ModelConfig) -> bool:
     """Gemma's norm multipliers stay float32 in a 16-bit checkpoint: 1 + w in bfloat16 would round w away; so do
     Apertus's xIELU scalars (read once, as constants)."""
     zero_centered = config.family in (*GEMMA_FAMILIES, "qwen3_5") and name.endswith(("norm.weight", "ln_f.weight"))
     # NOTE: the linear attention's decay parameters are read once, as constants, in float32
     return (zero_centered and not name.endswith("linear_attn.norm.weight")) or ".mlp.act." in name or \
-        name.endswith(("linear_attn.A_log", "linear_attn.dt_bias"))
+        name.endswith(("linear_attn.A", "linear_attn.dt_bias"))
 
 
 def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:
@@ -102,7 +114,7 @@ def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dic
     embedding, lm_head = EMBEDDING, "lm_head.weight"
     if config.tie_word_embeddings and (embedding in plan) != (lm_head in plan):
         plan[lm_head if embedding in plan else embedding] = plan[embedding if embedding in plan else lm_head]
-    plan = xielu_scalars(conv_kernels(plan, config))
+    plan = decay_rates(xielu_scalars(conv_kernels(plan, config)))
     base = dataclasses.replace(config, quantization=QuantConfig(), mapping=Mapping())  # the unsharded source
     needed = expected_tensors(base, range(config.num_hidden_layers), first_stage=True, last_stage=True)
     missing = [n for n in needed if n not in plan]

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from trtbuild.builder.convert import gguf_qwen35
 from trtbuild.builder.convert.gguf_rope import f32, rope_scaling
 from trtbuild.configs.model_config import COHERE_FAMILIES, LFM2_FAMILIES
 from trtbuild.errors import CheckpointError
@@ -172,6 +173,9 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
                                                                                        "out_proj"))),
                      final_norm="token_embd_norm.weight"),
 }
+# Qwen3.5: gated DeltaNet layers (ssm_* tensors) among gated full attention layers (builder/convert/gguf_qwen35.py)
+GGUF_ARCHITECTURES["qwen35"] = GgufArch("Qwen3_5ForCausalLM", "qwen3_5_text", False, gguf_qwen35.LAYER_TENSORS,
+                                        gguf_qwen35.OPTIONAL_LAYER_TENSORS, renames=gguf_qwen35.RENAMES)
 # LFM2-MoE: LFM2's layers, a dense MLP before leading_dense_block_count, experts after it (chosen by sigmoid scores
 # plus exp_probs_b, renormalized: llama.cpp's build_moe_ffn with norm_w for this architecture)
 _LFM2 = GGUF_ARCHITECTURES["lfm2"]
@@ -326,6 +330,8 @@ def hf_config(
                    sliding_window=meta.get(f"{prefix}.attention.sliding_window"),
                    layer_types=[("sliding_attention" if (pattern[i] if isinstance(pattern, list) else (i + 1) % every)
                                  else "full_attention") for i in range(cfg["num_hidden_layers"])])
+    if arch.model_type == "qwen3_5_text":
+        cfg.update(gguf_qwen35.qwen35_config(meta, prefix))
     if arch.model_type == "starcoder2":  # LayerNorms
         cfg["norm_epsilon"] = cfg["rms_norm_eps"]
     if arch.model_type in COHERE_FAMILIES:  # LayerNorms, and the logits' multiplier

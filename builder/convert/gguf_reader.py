@@ -211,6 +211,8 @@ def open_gguf(path: Path, keep_quantization: bool = True) -> tuple[dict[str, Any
         if t.name in ROPE_TENSORS:
             continue
         m = _BLOCK_RE.fullmatch(t.name)
+        if m and int(m.group(1)) >= n_layers and meta.get(f"{prefix}.nextn_predict_layers"):
+            continue  # NOTE: a multi-token-prediction block after the model's layers (Qwen3.5), which is not used
         if t.name in global_names:
             hf = global_names[t.name]
         elif m and m.group(2) in allowed and int(m.group(1)) < n_layers:

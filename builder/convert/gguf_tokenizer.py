@@ -38,6 +38,9 @@ _WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+"
 _REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2 = _PreTokenizer(_WORDS + r"|\p{N}" + _REST, nfc=True)  # digits one by one
 _LLAMA3 = _PreTokenizer(_WORDS + r"|\p{N}{1,3}" + _REST, ignore_merges=True, add_bos=True)
+# Qwen3.5: Qwen2's, with combining marks (\p{M}) kept in words
+_QWEN35 = _PreTokenizer(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                        r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+", nfc=True)
 # o200k (gpt-4o, gpt-oss): words split before capitals, a contraction kept on its word, digits by three
 _UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
 _CONTRACTION, _LEAD = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?", r"[^\r\n\p{L}\p{N}]?"
@@ -56,7 +59,7 @@ _STARCODER = _PreTokenizer(_GPT2.split, digits_first=True)
 _PRE_TOKENIZERS = {**dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "kormo", "f2llmv2"), _QWEN2),
                    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "lfm2", "falcon3", "pixtral", "midm-2.0",
                                     "dbrx", "smaug-bpe"), _LLAMA3),
-                   "gpt-4o": _GPT4O, "glm4": _GLM4, "exaone4": _GPT2, "tekken": _TEKKEN,
+                   "qwen35": _QWEN35, "gpt-4o": _GPT4O, "glm4": _GLM4, "exaone4": _GPT2, "tekken": _TEKKEN,
                    **dict.fromkeys(("starcoder", "smollm", "command-r", "refact", "codeshell", "exaone", "minerva-7b",
                                     "mellum2"), _STARCODER)}
 

@@ -30,7 +30,7 @@ layers it holds):
   transformer.layers.{i}.linear_attn.in_proj_qkv.weight      [2 * Kd + Vd, hidden]    (q, k, v)
   transformer.layers.{i}.linear_attn.in_proj_{z,b,a}.weight  [Vd | Hv | Hv, hidden]   output gate, beta, decay
   transformer.layers.{i}.linear_attn.conv.weight             [2 * Kd + Vd, L]         each channel's taps
-  transformer.layers.{i}.linear_attn.{A_log,dt_bias}         [Hv]
+  transformer.layers.{i}.linear_attn.{A,dt_bias}             [Hv]                     A = -exp(A_log)
   transformer.layers.{i}.linear_attn.norm.weight             [value head dim]         the gated RMSNorm's
   transformer.layers.{i}.linear_attn.out_proj.weight         [hidden, Vd]
   transformer.ln_f.weight                                    [hidden]                 replicated
@@ -156,12 +156,13 @@ _AFMOE_LAYER_MAP = {
 LINEAR_ATTENTION_LINEARS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
                             "linear_attn.in_proj_a", "linear_attn.out_proj")
 LINEAR_ATTENTION_TENSORS = (*(f"{p.removeprefix('linear_attn.')}.weight" for p in LINEAR_ATTENTION_LINEARS),
-                            "conv.weight", "A_log", "dt_bias", "norm.weight")
+                            "conv.weight", "A", "dt_bias", "norm.weight")
 _QWEN35_LAYER_MAP = {
     **_LAYER_MAP,
     "self_attn.gate_proj.weight": "attention.gate.weight",
     **{f"linear_attn.{n}": f"linear_attn.{n}" for n in LINEAR_ATTENTION_TENSORS if n != "conv.weight"},
     "linear_attn.conv1d.weight": "linear_attn.conv.weight",
+    "linear_attn.A_log": "linear_attn.A_log",  # made linear_attn.A = -exp(A_log) by convert.py's decay_rates
 }
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "transformer.vocab_embedding.weight",

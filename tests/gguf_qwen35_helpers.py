@@ -1,0 +1,58 @@
+"""What llama.cpp's converter writes for Qwen3.5 (conversion/qwen.py: Qwen3NextModel, _LinearAttentionVReorderBase,
+Qwen3_5TextModel), for tests/gguf_helpers.py's write_gguf_like_llama_cpp."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+
+def add_qwen35_parameters(w: gguf.GGUFWriter, cfg: dict[str, Any], head_dim: int) -> None:
+    """Qwen3NextModel.set_gguf_parameters (+ _Qwen35MRopeMixin's rope sections)."""
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(cfg["linear_key_head_dim"])
+    w.add_ssm_group_count(cfg["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    # NOTE: the gguf package here has no add_recurrent_layers yet (llama.cpp's newer one writes this key)
+    w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in cfg["layer_types"]])
+    w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+    w.add_rope_dimension_count(int(head_dim * cfg["rope_parameters"]["partial_rotary_factor"]))
+    w.add_rope_dimension_sections([11, 11, 10, 0])
+
+
+def _tiled(x: np.ndarray, axis: int, key_heads: int, per_key: int, head_dim: int) -> np.ndarray:
+    """_reorder_v_heads: value heads grouped by key head -> tiled along `axis`."""
+    x = np.moveaxis(x, axis, 0)
+    shape = x.shape
+    x = x.reshape(key_heads, per_key, head_dim, *shape[1:]).swapaxes(0, 1).reshape(shape)
+    return np.moveaxis(x, 0, axis)
+
+
+def qwen35_tensor(name: str, data: np.ndarray, cfg: dict[str, Any]) -> tuple[str, np.ndarray]:
+    """(HF name as llama.cpp maps it, data as it writes it) of one Qwen3.5 tensor."""
+    hk, hv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, r = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], hv // hk
+    if hk != hv and "linear_attn." in name:  # _LinearAttentionVReorderBase.modify_tensors
+        if ".in_proj_qkv." in name:
+            data = np.concatenate([data[:2 * hk * dk], _tiled(data[2 * hk * dk:], 0, hk, r, dv)])
+        elif ".in_proj_z." in name:
+            data = _tiled(data, 0, hk, r, dv)
+        elif ".in_proj_b." in name or ".in_proj_a." in name or name.endswith((".A_log", ".dt_bias")):
+            data = _tiled(data, 0, hk, r, 1)
+        elif ".conv1d." in name:
+            data = np.concatenate([data[:2 * hk * dk], _tiled(data[2 * hk * dk:], 0, hk, r, dv)])
+        elif ".out_proj." in name:
+            data = _tiled(data, 1, hk, r, dv)
+    if name.endswith(".A_log"):  # Qwen3NextModel.modify_tensors (in torch, as it: numpy's exp rounds otherwise)
+        data = (-torch.exp(torch.from_numpy(data))).numpy()
+    elif name.endswith(".dt_bias"):
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif "conv1d" in name:
+        data = data.squeeze()
+    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        data = data + 1
+    return name, data
