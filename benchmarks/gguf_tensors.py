@@ -30,8 +30,9 @@ def gguf_type(name: str, cols: int, form: str):
     `form` f32 / f16: every matrix in that type, for llama.cpp's own `llama-quantize` to make the others from."""
     from gguf import GGMLQuantizationType as Q
 
-    if form == "f32" or name.endswith(("norm.weight", ".bias", "shortconv.conv.weight")):  # NOTE: ggml's ssm_conv
-        return None  # reads float32 taps only; llama.cpp's converter writes them so
+    if form == "f32" or name.endswith(("norm.weight", ".bias", "shortconv.conv.weight", "ssm_conv1d.weight")) or \
+            not name.endswith(".weight"):  # NOTE: ggml's ssm_conv reads float32 taps only; llama.cpp's converter
+        return None  # writes them so, and any tensor not named .weight (Qwen3.5's ssm_a)
     if form == "f16":
         return Q.F16
     if name.endswith("attn_qkv.weight"):

@@ -1,14 +1,14 @@
 """Make a random-weight model with the real shape of Qwen2.5-0.5B / -1.5B, Llama-3.2-1B / Llama-3.1-8B, SmolLM3-3B (NoPE
-layers), Granite 3.3 2B (Granite's multipliers), Gemma 3 1B / Gemma 2 2B (sandwich norms, sliding-window layers, soft-
-capping), ERNIE-4.5-0.3B / GLM-4-9B (interleaved RoPE), EXAONE-4.0-1.2B (post norms), AFM-4.5B / StarCoder2-3B (MLPs
-without a gate; StarCoder 2's LayerNorms and biases), LFM2-1.2B / LFM2-8B-A1B (short convolution layers; GGUF
-only), OLMoE-1B-7B / Granite 3.1 3B-A800M (mixtures of experts; GGUF only) or Phi-3.5-mini / Phi-4-mini (3.8B:
-fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings;
-with a byte-level BPE as Phi-4 has), as an HF folder (bf16 safetensors; `--dtype float32` for float32 weights) and as a
-GGUF with a Q4_K / Q6_K mix written with the `gguf` package, for measuring convert / build / load / decode at real
+layers), Granite 3.3 2B (Granite's multipliers), Gemma 3 1B / Gemma 2 2B (sandwich norms, sliding-window layers,
+soft-capping), ERNIE-4.5-0.3B / GLM-4-9B (interleaved RoPE), EXAONE-4.0-1.2B (post norms), AFM-4.5B / StarCoder2-3B
+(MLPs without a gate; StarCoder 2's LayerNorms and biases), LFM2-1.2B / LFM2-8B-A1B (short convolution layers; GGUF
+only), Qwen3.5-0.8B (gated DeltaNet layers; GGUF only), OLMoE-1B-7B / Granite 3.1 3B-A800M (mixtures of experts; GGUF
+only) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings;
+with a byte-level BPE as Phi-4 has), as an HF folder (bf16 safetensors; `--dtype float32` for float32 weights) and as
+a GGUF with a Q4_K / Q6_K mix written with the `gguf` package, for measuring convert / build / load / decode at real
 sizes. No weights are downloaded: the weights are random (seeded) and the tokenizer is a small byte-level BPE trained
-here on this repository's docs, padded to the model's vocabulary as the real tokenizers are, with the family's special
-tokens and chat template.
+here on this repository's docs, padded to the model's vocabulary as the real tokenizers are, with the family's
+special tokens and chat template.
 
     python benchmarks/make_real_size_model.py --out /work/models/qwen1p5b [--shape 0.5b|1.5b|llama-1b]
     python benchmarks/make_real_size_model.py --out /work/models/llama8b --shape llama-8b --no-hf
@@ -28,6 +28,7 @@ tokens and chat template.
     python benchmarks/make_real_size_model.py --out /work/models/sc2 --shape starcoder2-3b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/lfm2 --shape lfm2-1.2b --no-hf --gguf-type f32
     python benchmarks/make_real_size_model.py --out /work/models/lfm2moe --shape lfm2-8b-a1b --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/qwen35 --shape qwen3.5-0.8b --no-hf --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
 would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
@@ -71,6 +72,7 @@ from real_shapes import (  # noqa: E402
     PERMUTED,
     PHI3,
     QWEN2,
+    QWEN35,
     SHAPES,
     SMOLLM3,
     STARCODER2,
@@ -87,8 +89,9 @@ def make_tokenizer(out: Path, family: Family):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    split = Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|" + family.digits +
-                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    letters = rf"[\p{{L}}{family.marks}]+" if family.marks else r"\p{L}+"
+    split = Regex(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?" + letters + "|" + family.digits +
+                  r"| ?[^\s\p{L}" + family.marks + r"\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(split, "isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
@@ -157,6 +160,10 @@ def random_rows(name: str, shape: tuple[int, ...], seed: int) -> Callable[[int, 
         x = rng.standard_normal((b - a, *shape[1:]), dtype=np.float32)
         if name.endswith("norm.weight"):
             return 1 + 0.1 * x
+        if name.endswith(".A_log"):  # as Qwen3.5's GGUF holds it, ssm_a = -exp(A_log): transformers' A_log is
+            return -rng.uniform(1, 16, b - a).astype(np.float32)  # log(uniform(0, 16)), kept off 0 here
+        if name.endswith(".dt_bias"):  # transformers' ones
+            return 1 + 0.1 * x
         return (0.1 if name.endswith(".bias") else 0.02) * x
     return rows
 
@@ -198,6 +205,17 @@ def write_metadata(w, shape: Shape, tok) -> None:
     if shape.head_size:  # TextModel.set_gguf_parameters, where the config gives head_dim
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
+    if (la := shape.linear_attention) is not None:  # Qwen3NextModel / _Qwen35MRopeMixin.set_gguf_parameters, no MTP
+        w.add_ssm_conv_kernel(la.conv_kernel)
+        w.add_ssm_state_size(la.key_head_dim)
+        w.add_ssm_group_count(la.key_heads)
+        w.add_ssm_time_step_rank(la.value_heads)
+        w.add_ssm_inner_size(la.value_dim)
+        w.add_array(f"{fam.arch}.attention.recurrent_layers",  # NOTE: gguf 0.19 has no add_recurrent_layers
+                    [bool((i + 1) % la.interval) for i in range(shape.num_hidden_layers)])
+        w.add_full_attention_interval(la.interval)
+        w.add_rope_dimension_count(shape.rotary_dim)
+        w.add_rope_dimension_sections([11, 11, 10, 0])  # the released config's mrope_section, padded to 4
     if shape.rope_scaling and shape.rope_scaling["rope_type"] == "yarn":  # TextModel.set_gguf_parameters
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(shape.rope_scaling["factor"])
@@ -339,7 +357,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="write only the GGUF, from seeded random tensors")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
-    if (shape.experts or shape.family in (LFM2, LFM2MOE)) and not args.no_hf:
+    if (shape.experts or shape.family in (LFM2, LFM2MOE, QWEN35)) and not args.no_hf:
         ap.error(f"{args.shape} is written as a GGUF only: pass --no-hf")
     hf = None if args.no_hf else args.out / "hf"
     tok_dir = args.out / "tokenizer" if hf is None else hf

@@ -18,6 +18,7 @@ class Family:
     eos: str
     pad: str
     chat_template: str
+    marks: str = ""  # what the pre-tokenizer's letter runs take besides \p{L} (Qwen3.5's: \p{M})
 
 
 QWEN2 = Family(
@@ -126,11 +127,36 @@ LFM2MOE = Family("lfm2moe", *(getattr(LFM2, f) for f in ("pre", "digits", "speci
 # (Shape.dense_layers), then experts beside Shape.shared_experts shared ones
 AFMOE = Family("afmoe", *(getattr(LLAMA3, f) for f in ("pre", "digits", "specials", "bos", "eos", "pad",
                                                         "chat_template")))
+# Qwen3.5 (llama.cpp's qwen35): gated DeltaNet layers (Shape.linear_attention) among full attention layers with an
+# output gate (q_proj twice as tall: each head's query then its gate), partial multi-section RoPE, norms stored as
+# 1 + w; Qwen2's specials and ChatML, its pre-tokenizer's letter runs taking combining marks
+QWEN35 = Family("qwen35", "qwen35", QWEN2.digits, QWEN2.specials, None, QWEN2.eos, QWEN2.pad, QWEN2.chat_template,
+                r"\p{M}")
 # the families whose GGUF names the norms after attention / MLP as Gemma's
 POST_NORMED = (GEMMA2, GEMMA3, OLMO2, EXAONE4)
 # the families llama.cpp's LlamaModel converts: q / k rows permuted
 PERMUTED = (LLAMA3, SMOLLM3, GRANITE, GRANITEMOE, ARCEE, AFMOE)
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """Qwen3.5's gated DeltaNet layers: every `interval`-th layer is full attention, the others these."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    interval: int = 4
+
+    @property
+    def key_dim(self) -> int:
+        return self.key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.value_heads * self.value_head_dim
 
 
 @dataclass(frozen=True)
@@ -157,6 +183,7 @@ class Shape:
     dense_layers: int = 0  # LFM2-MoE: the first this many layers' MLPs are dense, of dense_intermediate_size
     dense_intermediate_size: int = 0
     shared_experts: int = 0  # AFMoE: shared experts of intermediate_size features beside the routed ones
+    linear_attention: LinearAttention | None = None  # Qwen3.5: its gated DeltaNet layers
 
     @property
     def head_dim(self) -> int:
@@ -213,6 +240,11 @@ SHAPES = {  # the released models' configs
     "afmoe-6b-a1b": Shape(AFMOE, 1024, 56, 8, 2, 256, 200192, False, 1e4, None, 131072, 1e-5, 2048, head_size=128,
                           experts=128, experts_per_tok=8, dense_layers=2, dense_intermediate_size=3072,
                           shared_experts=1),
+    # Qwen3.5-0.8B's text model: 18 gated DeltaNet layers (16 key / value heads of 128, kernel 4), every fourth
+    # layer full attention (8 heads, 2 KV, of 256, RoPE over 64 of each); tied embeddings
+    "qwen3.5-0.8b": Shape(QWEN35, 1024, 24, 8, 2, 3584, 248320, True, 1e7, None, 262144, 1e-6,
+                          partial_rotary_factor=0.25, head_size=256,
+                          linear_attention=LinearAttention(16, 16, 128, 128, 4)),
     "granite-2b": Shape(GRANITE, 2048, 40, 32, 8, 8192, 49159, True, 1e7, None, 131072, 1e-5, multipliers=dict(
         embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)),
 }

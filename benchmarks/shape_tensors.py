@@ -19,6 +19,7 @@ from real_shapes import (
     PHI3,
     POST_NORMED,
     QWEN2,
+    QWEN35,
     STARCODER2,
     Family,
     Shape,
@@ -47,6 +48,14 @@ AFMOE_TO_GGUF = {**HF_TO_GGUF, "self_attn.gate_proj": "attn_gate", "post_attenti
                  "pre_mlp_layernorm": "ffn_norm", "post_mlp_layernorm": "post_ffw_norm",
                  "mlp.router.gate": "ffn_gate_inp", "mlp.expert_bias": "exp_probs_b",
                  **{f"mlp.shared_experts.{p}_proj": f"ffn_{p}_shexp" for p in ("gate", "up", "down")}}
+# Qwen3.5's (Qwen3_5TextModel): its pre-MLP norm as post_attention_norm, the gated DeltaNet's projections, taps, decay
+# (A_log, stored as ssm_a = -exp(A_log)), dt bias, gated norm and output
+QWEN35_TO_GGUF = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
+                  **{f"linear_attn.{hf}": g for hf, g in (
+                      ("in_proj_qkv", "attn_qkv"), ("in_proj_z", "attn_gate"), ("in_proj_b", "ssm_beta"),
+                      ("in_proj_a", "ssm_alpha"), ("conv1d", "ssm_conv1d"), ("norm", "ssm_norm"),
+                      ("out_proj", "ssm_out"))}}
+QWEN35_WHOLE = {"linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}  # names without a .weight
 # Gemma 2 / 3's four norms: their post_attention_layernorm normalizes the attention's output
 GEMMA_TO_GGUF = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
@@ -110,6 +119,34 @@ def afmoe_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "lm_head.weight", (shape.vocab_size, h)
 
 
+def qwen35_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Qwen3.5's weights: a gated DeltaNet (q / k / v and z projections, each q / k / v channel's taps as llama.cpp
+    holds them, squeezed, per value head a decay, dt bias, beta and alpha rows, a gated norm over each head, its output)
+    or every `interval`-th layer gated attention (q_proj: each head's query then its gate), per-head q / k norms."""
+    h, f, la = shape.hidden_size, shape.intermediate_size, shape.linear_attention
+    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    yield "model.embed_tokens.weight", (shape.vocab_size, h)
+    for i in range(shape.num_hidden_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (h,)
+        if (i + 1) % la.interval:
+            a = p + "linear_attn."
+            yield from ((a + "in_proj_qkv.weight", (2 * la.key_dim + la.value_dim, h)),
+                        (a + "in_proj_z.weight", (la.value_dim, h)), (a + "in_proj_b.weight", (la.value_heads, h)),
+                        (a + "in_proj_a.weight", (la.value_heads, h)),
+                        (a + "conv1d.weight", (2 * la.key_dim + la.value_dim, la.conv_kernel)),
+                        (a + "dt_bias", (la.value_heads,)), (a + "A_log", (la.value_heads,)),
+                        (a + "norm.weight", (la.value_head_dim,)), (a + "out_proj.weight", (h, la.value_dim)))
+        else:
+            yield from ((p + f"self_attn.{x}_proj.weight", (n, h)) for x, n in (("q", 2 * q), ("k", kv), ("v", kv)))
+            yield from ((p + f"self_attn.{x}_norm.weight", (shape.head_dim,)) for x in "qk")
+            yield p + "self_attn.o_proj.weight", (h, q)
+        yield p + "post_attention_layernorm.weight", (h,)
+        yield from ((p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)),
+                    (p + "mlp.down_proj.weight", (h, f)))
+    yield "model.norm.weight", (h,)
+
+
 def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every weight, in the order HF checkpoints list them per layer."""
     if shape.family in (LFM2, LFM2MOE):
@@ -117,6 +154,9 @@ def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
         return
     if shape.family is AFMOE:
         yield from afmoe_tensors(shape)
+        return
+    if shape.family is QWEN35:
+        yield from qwen35_tensors(shape)
         return
     h, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
     q = shape.num_attention_heads * shape.head_dim
@@ -180,7 +220,9 @@ def gguf_name(hf_name: str, family: Family) -> str:
     if hf_name in top:
         return top[hf_name]
     _, _, i, rest = hf_name.split(".", 3)
+    if family is QWEN35 and rest in QWEN35_WHOLE:
+        return f"blk.{i}.{QWEN35_WHOLE[rest]}"
     module, kind = rest.rsplit(".", 1)
     names = GEMMA_TO_GGUF if family in POST_NORMED else LFM2_TO_GGUF if family in (LFM2, LFM2MOE) else \
-        AFMOE_TO_GGUF if family is AFMOE else HF_TO_GGUF
+        AFMOE_TO_GGUF if family is AFMOE else QWEN35_TO_GGUF if family is QWEN35 else HF_TO_GGUF
     return f"blk.{i}.{names[module]}.{kind}"

@@ -88,3 +88,16 @@ def test_a_mixture_of_experts_gguf_keeps_its_experts(script, tmp_path: Path, nam
     assert not cfg.quantization.is_excluded("transformer.layers.1.mlp.experts.proj")
     codes = load_file(tmp_path / "ckpt" / "rank0.safetensors")["transformer.layers.1.mlp.experts.gate.weight"]
     assert codes.dtype == np.uint8 and codes.shape == (4 * 512, 256 // 2)  # Q4_K: 4-bit codes of [experts x out, in]
+
+
+def test_a_qwen35_gguf_converts(script, tmp_path: Path):
+    """Qwen3.5 is written as a GGUF only: gated DeltaNet layers (ssm_*) beside every fourth full attention layer."""
+    from real_shapes import LinearAttention
+
+    shape = replace(_tiny(script, "qwen3.5-0.8b"), num_hidden_layers=4, head_size=64,
+                    linear_attention=LinearAttention(4, 4, 32, 32, 4))
+    tok = script.make_tokenizer(tmp_path, shape.family)
+    script.make_gguf(tmp_path / "model.gguf", shape, tok, None, seed=0, form="f32")
+    cfg = convert(tmp_path / "model.gguf", tmp_path / "ckpt")
+    assert (cfg.architecture, cfg.num_hidden_layers, cfg.recurrent_layers) == ("Qwen3_5ForCausalLM", 4, (0, 1, 2))
+    assert cfg.recurrent_state_shape == (4, 32, 32) and cfg.rotary_dim == 16
