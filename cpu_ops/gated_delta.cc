@@ -4,8 +4,8 @@
 //
 // A task is one (sequence, value head): its state S [key dim, value dim] is read from the sequence's slot (zero for
 // a sequence without a past), carried through the sequence's new tokens in order, and written back. Per token, two
-// passes over S, each an auto-vectorized loop over the value dim: decay S and accumulate k^T S; then add k delta^T
-// and accumulate q^T S. A head's state (64 KiB at 128 x 128) stays in the core's L2 across a prefill's tokens.
+// passes over S, each an auto-vectorized loop over the value dim: one reading S for k^T S; one rewriting S decayed
+// plus k delta^T and accumulating q^T S. A head's state (64 KiB at 128 x 128) stays in the core's L2 across a prefill's tokens.
 #include "cpu_ops.h"
 
 #include <algorithm>
@@ -64,22 +64,20 @@ void run_head(void* data, size_t task) {
     for (int64_t j = 0; j < dv; ++j) v[j] = silu(row[2 * kd + h * dv + j]);
     const float beta = 1.0f / (1.0f + std::exp(-p.b[t * p.value_heads + h]));
     const float decay = std::exp(decay_rate * softplus(p.a[t * p.value_heads + h] + p.dt_bias[h]));
+    // NOTE: (decay S)^T k = decay (S^T k): S is read once, then rewritten once (decayed and updated together)
     std::fill(kv, kv + dv, 0.0f);
-    for (int64_t i = 0; i < dk; ++i) {  // S *= decay; kv = k^T S
-      float* si = s + i * dv;
+    for (int64_t i = 0; i < dk; ++i) {  // kv = S^T k
+      const float* si = s + i * dv;
       const float ki = k[i];
-      for (int64_t j = 0; j < dv; ++j) {
-        si[j] *= decay;
-        kv[j] += ki * si[j];
-      }
+      for (int64_t j = 0; j < dv; ++j) kv[j] += ki * si[j];
     }
-    for (int64_t j = 0; j < dv; ++j) kv[j] = (v[j] - kv[j]) * beta;  // delta
+    for (int64_t j = 0; j < dv; ++j) kv[j] = (v[j] - decay * kv[j]) * beta;  // delta
     std::fill(o, o + dv, 0.0f);
-    for (int64_t i = 0; i < dk; ++i) {  // S += k delta^T; o = q^T S
+    for (int64_t i = 0; i < dk; ++i) {  // S = decay S + k delta^T; o = q^T S
       float* si = s + i * dv;
       const float ki = k[i], qi = q[i];
       for (int64_t j = 0; j < dv; ++j) {
-        si[j] += ki * kv[j];
+        si[j] = decay * si[j] + ki * kv[j];
         o[j] += qi * si[j];
       }
     }

@@ -155,3 +155,18 @@ def test_a_gguf_keeps_llama_cpps_order_of_the_value_heads(tmp_path, monkeypatch)
                           *(engine.step(in_every_group([SequenceChunk(0, [ids[p]], p, 1, list(range(4)))], groups,
                                                        16)) for p in range(9, len(ids)))])
     assert np.abs(got - expected).max() <= 1e-4 * np.abs(expected).max()
+
+
+def test_ranks_and_calibration_are_refused_with_what_to_do(tmp_path, random_hf_model):
+    from trtbuild.builder.convert.convert import convert
+    from trtbuild.quantize.options import QuantizeOptions
+    from trtbuild.quantize.quantize import quantize
+
+    path = random_hf_model("qwen3_5")
+    for option in ("tp_size", "pp_size"):
+        with pytest.raises(ConfigError, match="not split over ranks"):
+            convert(path, tmp_path / option, **{option: 2})
+    calib = tmp_path / "calib.txt"
+    calib.write_text("Some text to calibrate on.\n")
+    with pytest.raises(ConfigError, match="trtbuild convert"):
+        quantize(QuantizeOptions(model=path, output=tmp_path / "q", qformat="fp8", calib_dataset=calib))
