@@ -17,6 +17,7 @@ from trtbuild.configs.model_config import (
     GEMMA_FAMILIES,
     HIDDEN_ACTS,
     LFM2_FAMILIES,
+    QWEN35_FAMILIES,
     ModelConfig,
 )
 from trtbuild.errors import CheckpointError
@@ -85,6 +86,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     # Qwen3.5: three gated DeltaNet layers (linear attention with a recurrent state) then one full attention layer
     # with a sigmoid gate on its output, per-head q / k norms and RoPE over a quarter of each head; (1 + w) RMSNorms
     "Qwen3_5ForCausalLM": ("qwen3_5", False, True),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", False, True),  # + experts beside a gated shared expert (Qwen2-MoE's)
 }
 _UNGATED_MLP_FAMILIES = ("arcee", "starcoder2", "apertus")
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> the text
@@ -97,6 +99,7 @@ TEXT_MODELS_OF: dict[str, dict[str | None, tuple[str, str]]] = {
                                          "ministral3": ("Ministral3ForCausalLM", "Ministral3Config")},
     "Lfm2VlForConditionalGeneration": {"lfm2": ("Lfm2ForCausalLM", "Lfm2Config")},  # LFM2-VL, LFM2.5-VL
     "Qwen3_5ForConditionalGeneration": {None: ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig")},  # every Qwen3.5 size
+    "Qwen3_5MoeForConditionalGeneration": {None: ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig")},
 }
 def model_config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig:
     """Map a Hugging Face `config.json` dict to a ModelConfig, refusing what the engine cannot run faithfully."""
@@ -159,7 +162,7 @@ def _layer_types(hf: dict[str, Any], family: str) -> tuple[str, ...]:
         types = hf.get("layer_types") or ["full_attention" if full is None or i in full else "conv"
                                           for i in range(layers)]
         return tuple(types[:layers])
-    if family == "qwen3_5":  # NOTE: as Qwen3_5TextConfig makes them: every full_attention_interval-th layer full
+    if family in QWEN35_FAMILIES:  # NOTE: as Qwen3_5TextConfig makes them: every full_attention_interval-th layer full
         interval = int(hf.get("full_attention_interval") or 4)
         types = hf.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                                           for i in range(layers)]
@@ -305,7 +308,7 @@ def _afmoe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
 def _linear_attention_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """Qwen3.5's gated DeltaNet layers' heads and convolution, and its attention's output gate. NOTE: its RoPE is
     MRoPE (mrope_section), which for text (equal temporal, height and width positions) is plain RoPE."""
-    if family != "qwen3_5":
+    if family not in QWEN35_FAMILIES:
         return {}
     return {"attention_output_gate": True, "conv_kernel": int(hf.get("linear_conv_kernel_dim", 4)),
             "linear_value_heads_tiled": bool(hf.get("linear_value_heads_tiled")),  # a GGUF's (gguf_qwen35.py)

@@ -12,7 +12,8 @@ from trtbuild.errors import CheckpointError
 _MOE_FAMILIES = {"qwen3_moe": ("moe_intermediate_size", False), "mixtral": ("intermediate_size", True),
                  "olmoe": ("intermediate_size", False), "granitemoe": ("intermediate_size", True),
                  "qwen2_moe": ("moe_intermediate_size", False), "gpt_oss": ("intermediate_size", True),
-                 "lfm2_moe": ("moe_intermediate_size", True), "afmoe": ("moe_intermediate_size", True)}
+                 "lfm2_moe": ("moe_intermediate_size", True), "afmoe": ("moe_intermediate_size", True),
+                 "qwen3_5_moe": ("moe_intermediate_size", True)}
 
 
 def moe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from trtbuild.errors import CheckpointError
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 COHERE_FAMILIES = ("cohere", "cohere2")
 LFM2_FAMILIES = ("lfm2", "lfm2_moe")  # convolution layers among attention layers, LFM2's tensor names
+QWEN35_FAMILIES = ("qwen3_5", "qwen3_5_moe")  # gated DeltaNet layers among gated attention layers; (1 + w) norms
 # the MLP's activation: of the gate (SwiGLU, GeGLU with tanh-approximated GELU, or gpt-oss's clamped SwiGLU:
 # g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1): swiglu_alpha, swiglu_limit),
 # or, in an MLP without a gate (gated_mlp false), of the up projection: relu2 is relu(x)^2 (Arcee)

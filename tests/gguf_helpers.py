@@ -83,6 +83,7 @@ FAMILIES = {
     "apertus": ("apertus", "bpe", "Apertus Tiny"),
     "afmoe": ("afmoe", "bpe", "AFMoE Tiny"),
     "qwen3_5": ("qwen35", "bpe", "Qwen3.5 Tiny"),
+    "qwen3_5_moe": ("qwen35moe", "bpe", "Qwen3.5 MoE Tiny"),
     "starcoder2": ("starcoder2", "bpe", "StarCoder2 Tiny"),
     "hunyuan_dense": ("hunyuan-dense", "bpe", "Hunyuan Tiny"),
     "lfm2": ("lfm2", "bpe", "LFM2 Tiny"),
@@ -455,14 +456,14 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
         w.add_logit_scale(cfg["logits_scaling"])
-    if arch == "qwen35":
+    if arch in ("qwen35", "qwen35moe"):
         add_qwen35_parameters(w, cfg, head_dim)
     if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors
         w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(rope, base, head_dim))
     if vocab_kind == "spm":
         _add_spm_vocab(w, hf_dir, cfg["vocab_size"])
     else:
-        _add_bpe_vocab(w, hf_dir, cfg["vocab_size"], "qwen35" if arch == "qwen35" else "qwen2")
+        _add_bpe_vocab(w, hf_dir, cfg["vocab_size"], "qwen35" if arch.startswith("qwen35") else "qwen2")
     model_arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     tensors = load_file(str(hf_dir / "model.safetensors"))
     if arch == "apertus":  # ApertusModel.modify_tensors: the xIELU scalars as metadata, a value per layer
@@ -475,7 +476,7 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
             data = _permute(data, heads)
         elif arch in PERMUTED and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             data = _permute(data, kv_heads)
-        if arch == "qwen35":
+        if arch in ("qwen35", "qwen35moe"):
             hf_name, data = qwen35_tensor(hf_name, data, cfg)
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):  # GemmaModel.modify_tensors
             data = data + 1

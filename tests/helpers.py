@@ -218,6 +218,13 @@ RANDOM_CONFIGS = {
     "qwen3_5": ("Qwen3_5TextConfig", dict(_COMMON, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
                                           linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
                                           linear_conv_kernel_dim=4, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # + 4 experts (2 a token, renormalized) beside a sigmoid-gated shared expert in every layer
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(_COMMON, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
+                                                 linear_num_value_heads=4, linear_key_head_dim=16,
+                                                 linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+                                                 num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 shared_expert_intermediate_size=48, bos_token_id=1, eos_token_id=2,
+                                                 pad_token_id=0)),
     "arcee": ("ArceeConfig", dict(_COMMON, hidden_act="relu2", rope_theta=10000.0, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
         bos_token_id=1, eos_token_id=2, pad_token_id=0)),

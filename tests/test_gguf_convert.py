@@ -38,7 +38,7 @@ def test_gguf_and_safetensors_give_the_same_checkpoint(tmp_path):
                                     "phi3_partial", "smollm3", "smollm3_spm", "gemma", "gemma2", "gemma3", "granite",
                                     "olmo2", "olmo3", "ernie4_5", "glm4", "exaone4", "exaone4_window",
                                     "cohere", "cohere2", "ministral3", "arcee", "starcoder2", "hunyuan_dense",
-                                    "lfm2", "lfm2_wide", "apertus", "qwen3_5"])
+                                    "lfm2", "lfm2_wide", "apertus", "qwen3_5", "qwen3_5_moe"])
 def test_llama_cpp_style_gguf_converts_like_its_hf_folder(tmp_path, family, monkeypatch):
     from transformers import AutoTokenizer
 
@@ -49,7 +49,7 @@ def test_llama_cpp_style_gguf_converts_like_its_hf_folder(tmp_path, family, monk
     overrides = {"query_pre_attn_scalar": 16} if family in ("gemma2", "gemma3") else None
     if family == "starcoder2":  # NOTE: llama.cpp runs StarCoder 2 without its sliding window, so a GGUF has none
         overrides = {"sliding_window": None}
-    if family == "qwen3_5":  # NOTE: with more value heads than key heads a GGUF keeps them in another order
+    if family.startswith("qwen3_5"):  # NOTE: with more value heads than key heads a GGUF keeps them in another order
         overrides = {"linear_num_value_heads": 2}  # (tests/test_qwen3_5.py)
     hf = make_hf_folder(family, tmp_path / family, overrides)
     convert(hf, tmp_path / "from_hf")

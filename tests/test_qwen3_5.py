@@ -43,6 +43,20 @@ def test_the_released_config_reads_as_its_text_model():
     assert c.conv_channels(0) == 3 * 2048 and c.rotary_base == 1e7 and c.tie_word_embeddings
 
 
+def test_the_mixture_of_experts_reads_as_qwen2_moe_experts_beside_linear_attention():
+    """A config in the shape of Qwen3.5-35B-A3B's text model (values illustrative): 256 experts, 8 a token,
+    renormalized, beside a sigmoid-gated shared expert; twice as many value heads as key heads."""
+    text = {**QWEN35_08B["text_config"], "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40,
+            "num_attention_heads": 16, "linear_num_value_heads": 32, "num_experts": 256, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False}
+    c = model_config_from_hf({"architectures": ["Qwen3_5MoeForConditionalGeneration"], "text_config": text})
+    assert (c.architecture, c.family, c.num_experts, c.num_experts_per_tok, c.moe_normalize_topk) == (
+        "Qwen3_5MoeForCausalLM", "qwen3_5_moe", 256, 8, True)
+    assert (c.shared_expert_intermediate_size, c.shared_expert_gated, c.recurrent_state_shape) == (512, True,
+                                                                                                   (32, 128, 128))
+    assert len(c.recurrent_layers) == 30 and not c.linear_value_heads_tiled
+
+
 def request(rid: str, n: int = 5) -> Request:
     return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=4))
 

@@ -31,7 +31,7 @@ from trtbuild.builder.convert.safetensors_io import SafetensorsWriter
 from trtbuild.builder.convert.sharding import check_mapping, check_nbits_split, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig
 from trtbuild.configs.from_hf import model_config_from_hf, text_model_config
-from trtbuild.configs.model_config import GEMMA_FAMILIES
+from trtbuild.configs.model_config import GEMMA_FAMILIES, QWEN35_FAMILIES
 from trtbuild.configs.quant_config import QuantConfig
 from trtbuild.errors import CheckpointError, ConfigError
 from trtbuild.quantization import QuantAlgo
@@ -52,7 +52,7 @@ class WeightOnly:
 def zero_centered_norm(name: str, config: ModelConfig) -> bool:
     """Whether HF tensor `name` is an RMSNorm weight w whose norm multiplies by 1 + w: every norm of Gemma's, and
     Qwen3.5's but the gated norm of its linear attention."""
-    if config.family == "qwen3_5":
+    if config.family in QWEN35_FAMILIES:
         return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
     return config.family in GEMMA_FAMILIES and name.endswith("norm.weight")
 
@@ -98,7 +98,8 @@ def decay_rates(plan: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
 def keeps_float32(name: str, config: ModelConfig) -> bool:
     """Gemma's norm multipliers stay float32 in a 16-bit checkpoint: 1 + w in bfloat16 would round w away; so do
     Apertus's xIELU scalars (read once, as constants)."""
-    zero_centered = config.family in (*GEMMA_FAMILIES, "qwen3_5") and name.endswith(("norm.weight", "ln_f.weight"))
+    zero_centered = config.family in (*GEMMA_FAMILIES, *QWEN35_FAMILIES) and \
+        name.endswith(("norm.weight", "ln_f.weight"))
     # NOTE: the linear attention's decay parameters are read once, as constants, in float32
     return (zero_centered and not name.endswith("linear_attn.norm.weight")) or ".mlp.act." in name or \
         name.endswith(("linear_attn.A", "linear_attn.dt_bias"))

@@ -22,6 +22,7 @@ import torch
 
 from trtbuild.builder.convert.hf_reader import SourceTensor
 from trtbuild.configs import ModelConfig
+from trtbuild.configs.model_config import QWEN35_FAMILIES
 
 _FUSED_LAYER = re.compile(r"^(model\.layers\.\d+)\.(self_attn\.qkv_proj|mlp\.gate_up_proj|shared_mlp\.input_linear)"
                           r"\.weight$")
@@ -96,7 +97,7 @@ def split_fused(sources: dict[str, SourceTensor], config: ModelConfig) -> dict[s
         if down := _GRANITE4_DOWN.match(name):  # named as the MLP's down, or the shared expert's
             out[f"{down.group(1)}.{'mlp.shared_expert' if config.is_moe else 'mlp'}.down_proj.weight"] = src
             continue
-        if config.family == "qwen3_5" and _GATED_QUERY.match(name):
+        if config.family in QWEN35_FAMILIES and _GATED_QUERY.match(name):
             out.update(split_gated_query(name, src, config))
             continue
         if m is None:

@@ -176,6 +176,10 @@ GGUF_ARCHITECTURES: dict[str, GgufArch] = {
 # Qwen3.5: gated DeltaNet layers (ssm_* tensors) among gated full attention layers (builder/convert/gguf_qwen35.py)
 GGUF_ARCHITECTURES["qwen35"] = GgufArch("Qwen3_5ForCausalLM", "qwen3_5_text", False, gguf_qwen35.LAYER_TENSORS,
                                         gguf_qwen35.OPTIONAL_LAYER_TENSORS, renames=gguf_qwen35.RENAMES)
+GGUF_ARCHITECTURES["qwen35moe"] = GgufArch(  # + Qwen2-MoE's experts and gated shared expert in every layer
+    "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", False, gguf_qwen35.MOE_LAYER_TENSORS,
+    (*gguf_qwen35.OPTIONAL_LAYER_TENSORS, *gguf_qwen35.SHARED_EXPERT_TENSORS), moe_normalize=True,
+    renames=gguf_qwen35.RENAMES)
 # LFM2-MoE: LFM2's layers, a dense MLP before leading_dense_block_count, experts after it (chosen by sigmoid scores
 # plus exp_probs_b, renormalized: llama.cpp's build_moe_ffn with norm_w for this architecture)
 _LFM2 = GGUF_ARCHITECTURES["lfm2"]
@@ -330,7 +334,7 @@ def hf_config(
                    sliding_window=meta.get(f"{prefix}.attention.sliding_window"),
                    layer_types=[("sliding_attention" if (pattern[i] if isinstance(pattern, list) else (i + 1) % every)
                                  else "full_attention") for i in range(cfg["num_hidden_layers"])])
-    if arch.model_type == "qwen3_5_text":
+    if arch.model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
         cfg.update(gguf_qwen35.qwen35_config(meta, prefix))
     if arch.model_type == "starcoder2":  # LayerNorms
         cfg["norm_epsilon"] = cfg["rms_norm_eps"]

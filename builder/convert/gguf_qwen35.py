@@ -24,6 +24,10 @@ RENAMES = (("attn_qkv.weight", "linear_attn.in_proj_qkv.weight"), ("attn_gate.we
            ("ssm_out.weight", "linear_attn.out_proj.weight"))
 LAYER_TENSORS = ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight", "ffn_up.weight",
                  "ffn_down.weight")
+# Qwen3.5-MoE's: the router and the stacked experts in place of the MLP, a shared expert with its gate beside them
+MOE_LAYER_TENSORS = (*LAYER_TENSORS[:2],
+                     *(f"ffn_{p}.weight" for p in ("gate_inp", "gate_exps", "up_exps", "down_exps")))
+SHARED_EXPERT_TENSORS = tuple(f"ffn_{p}_shexp.weight" for p in ("gate_inp", "gate", "up", "down"))
 OPTIONAL_LAYER_TENSORS = (*(f"attn_{p}.weight" for p in ("q", "k", "v", "output", "q_norm", "k_norm")),
                           *(gguf for gguf, _ in RENAMES))
 

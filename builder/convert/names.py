@@ -46,7 +46,7 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from trtbuild.configs.model_config import LFM2_FAMILIES, XIELU_PARAMETERS
+from trtbuild.configs.model_config import LFM2_FAMILIES, QWEN35_FAMILIES, XIELU_PARAMETERS
 
 if TYPE_CHECKING:
     from trtbuild.configs import ModelConfig
@@ -233,8 +233,8 @@ def _layer_map(config: ModelConfig | None) -> dict[str, str]:
         return _APERTUS_LAYER_MAP
     if config.family == "afmoe":
         return _AFMOE_LAYER_MAP
-    if config.family == "qwen3_5":
-        return _QWEN35_LAYER_MAP
+    if config.family in QWEN35_FAMILIES:  # NOTE: the MoE's MLP is Qwen2-MoE's
+        return {**_QWEN35_LAYER_MAP, **_MOE_LAYER_MAP} if config.is_moe else _QWEN35_LAYER_MAP
     if config.family in LFM2_FAMILIES:
         return _LFM2_LAYER_MAP
     if config.output_norms:  # Gemma 2 / 3, OLMo 2 / 3, EXAONE 4
