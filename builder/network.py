@@ -329,8 +329,9 @@ class _NetworkWriter(HeadWriter, ConvWriter, LinearAttentionWriter, ExpertsWrite
             if c.is_conv(i):
                 attn, conv_rows = self.short_conv(h, p, cache, slot)
                 new_kv.append(conv_rows)
-            elif c.is_linear_attention(i):
-                attn, conv_rows = self.linear_attention(h, p, cache, slot, state, c.recurrent_layers.index(i))
+            elif c.is_linear_attention(i) or c.is_mamba(i):
+                block = self.linear_attention if c.is_linear_attention(i) else self.mamba
+                attn, conv_rows = block(h, p, cache, slot, state, c.recurrent_layers.index(i))
                 new_kv.append(conv_rows)
             else:
                 attn, k_new, v_new = self.attention(h, p, i, cache, slot, groups[group].window, positions_2d, rope,

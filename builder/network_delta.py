@@ -1,7 +1,9 @@
-"""Qwen3.5's linear attention block (gated DeltaNet, builder/network.py): q, k and v projected together and convolved
-over each channel's last `conv_kernel` tokens by a trtbuild::PagedShortConv node (its rows in the pool, as LFM2's),
-then one trtbuild::GatedDeltaNet node (plugins/gated_delta.py) that runs the gated delta rule over the sequences'
-recurrent states and applies the gated RMSNorm; out_proj. The convolution's rows for the pool join new_kv."""
+"""The blocks with a recurrent state per sequence (builder/network.py). Qwen3.5's linear attention (gated DeltaNet):
+q, k and v projected together and convolved over each channel's last `conv_kernel` tokens by a
+trtbuild::PagedShortConv node (its rows in the pool, as LFM2's), then one trtbuild::GatedDeltaNet node
+(plugins/gated_delta.py) that runs the gated delta rule over the sequences' states and applies the gated RMSNorm;
+out_proj. Granite 4.0-H's Mamba2: in_proj to z, x | B | C and dt, the same convolution of x | B | C, one
+trtbuild::Mamba2Scan node (plugins/mamba2.py), out_proj. The convolutions' rows for the pool join new_kv."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import numpy as np
 from trtbuild.builder.graph import GraphBuilder
 from trtbuild.configs import ModelConfig
 from trtbuild.plugins import gated_delta as gd
+from trtbuild.plugins import mamba2
 from trtbuild.plugins import short_conv as sc
 
 
@@ -43,6 +46,29 @@ class LinearAttentionWriter:
         params = [g.weight(prefix + name, self.tensor(prefix + name)) for name in ("A", "dt_bias", "norm.weight")]
         y = g.op(gd.OP_TYPE, [mixed, z, b, a, *params, *state, *cache[2:]], domain=gd.DOMAIN, name=prefix + "delta",
                  state_layer=state_layer, epsilon=float(c.norm_epsilon), tiled=int(c.linear_value_heads_tiled))
-        rows = g.op("Reshape", [entries, g.const(np.array([-1, c.num_key_value_heads, c.head_size]), "entry_rows")],
-                    name=prefix + "new_rows")
-        return self.row_linear(y, prefix + "out_proj"), rows
+        return self.row_linear(y, prefix + "out_proj"), self.pool_rows(entries, prefix)
+
+    def mamba(self, h: str, layer: str, cache: list[str], slot: int, state: list[str], state_layer: int
+              ) -> tuple[str, str]:
+        """As linear_attention, for a Mamba2 layer."""
+        c, g, prefix = self.c, self.g, layer + "mamba."
+        inner, heads = c.mamba_inner_size, c.mamba_num_heads
+        channels = inner + 2 * c.mamba_num_groups * c.mamba_state_size
+        projected = self.linear(h, prefix + "in_proj", bias=c.mamba_proj_bias)
+        z, xbc, dt = g.op("Split", [projected, g.const(np.array([inner, channels, heads]), prefix + "split_sizes")],
+                          axis=-1, num_outputs=3, name=prefix + "split")
+        taps = [g.weight(prefix + "conv.weight", self.tensor(prefix + "conv.weight"))]
+        taps += [g.weight(prefix + "conv.bias", self.tensor(prefix + "conv.bias"))] if c.mamba_conv_bias else []
+        mixed, entries = g.op(sc.OP_TYPE, [xbc, *cache, *taps], num_outputs=2, domain=sc.DOMAIN, name=prefix + "conv",
+                              layer_idx=slot)
+        params = [g.weight(prefix + name, self.tensor(prefix + name)) for name in ("A", "dt_bias", "D", "norm.weight")]
+        y = g.op(mamba2.OP_TYPE, [mixed, z, dt, *params, *state, *cache[2:]], domain=mamba2.DOMAIN,
+                 name=prefix + "scan", state_layer=state_layer, num_groups=c.mamba_num_groups,
+                 epsilon=float(c.norm_epsilon))
+        return self.row_linear(y, prefix + "out_proj", bias=c.mamba_proj_bias), self.pool_rows(entries, prefix)
+
+    def pool_rows(self, entries: str, prefix: str) -> str:
+        """A convolution's new entries as rows of new_kv [entries * 2 * T, kv_heads, head_size]."""
+        c = self.c
+        return self.g.op("Reshape", [entries, self.g.const(np.array([-1, c.num_key_value_heads, c.head_size]),
+                                                           "entry_rows")], name=prefix + "new_rows")

@@ -11,13 +11,13 @@ from trtbuild.configs import hf_rope
 from trtbuild.configs.granite4 import GRANITE4_ARCHITECTURES, granite4_as_granite
 from trtbuild.configs.hf_moe import moe_fields
 from trtbuild.configs.hf_quantization import prequantized_weights
+from trtbuild.configs.hf_recurrent import recurrent_fields, recurrent_layer_types
 from trtbuild.configs.model_config import (
     COHERE_FAMILIES,
     DTYPES,
     GEMMA_FAMILIES,
     HIDDEN_ACTS,
     LFM2_FAMILIES,
-    QWEN35_FAMILIES,
     ModelConfig,
 )
 from trtbuild.errors import CheckpointError
@@ -162,11 +162,8 @@ def _layer_types(hf: dict[str, Any], family: str) -> tuple[str, ...]:
         types = hf.get("layer_types") or ["full_attention" if full is None or i in full else "conv"
                                           for i in range(layers)]
         return tuple(types[:layers])
-    if family in QWEN35_FAMILIES:  # NOTE: as Qwen3_5TextConfig makes them: every full_attention_interval-th layer full
-        interval = int(hf.get("full_attention_interval") or 4)
-        types = hf.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                          for i in range(layers)]
-        return tuple(types[:layers])
+    if (recurrent := recurrent_layer_types(hf, family, layers)) is not None:
+        return recurrent
     if family not in _LAYER_PATTERNS or not hf.get("sliding_window"):
         return ()
     types = hf.get("layer_types")
@@ -305,17 +302,6 @@ def _afmoe_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
             "embedding_multiplier": float(hf["hidden_size"]) ** 0.5 if hf.get("mup_enabled") else 1.0}
 
 
-def _linear_attention_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
-    """Qwen3.5's gated DeltaNet layers' heads and convolution, and its attention's output gate. NOTE: its RoPE is
-    MRoPE (mrope_section), which for text (equal temporal, height and width positions) is plain RoPE."""
-    if family not in QWEN35_FAMILIES:
-        return {}
-    return {"attention_output_gate": True, "conv_kernel": int(hf.get("linear_conv_kernel_dim", 4)),
-            "linear_value_heads_tiled": bool(hf.get("linear_value_heads_tiled")),  # a GGUF's (gguf_qwen35.py)
-            **{key: int(hf[key]) for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                                             "linear_value_head_dim")}}
-
-
 def _gpt_oss_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
     """gpt-oss's attention sinks and clamped SwiGLU (its q / k / v / o biases are `attention_bias`'s)."""
     if family != "gpt_oss":
@@ -334,7 +320,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         known = ", ".join(SUPPORTED_ARCHITECTURES)
         raise CheckpointError(f"unsupported architecture {arch!r}; trtbuild converts {known}, "
-                              f"{', '.join(GRANITE4_ARCHITECTURES)} without Mamba2 layers, and the text models of "
+                              f"{', '.join(GRANITE4_ARCHITECTURES)}, and the text models of "
                               f"{', '.join(TEXT_MODELS_OF)}.")
     family, qkv_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
     # NOTE: these families' attention_bias puts a bias on the output projection too
@@ -404,6 +390,6 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         **hf_rope.temperature_fields(hf.get("rope_scaling") or rope_params),
         **moe_fields(hf, family),
         **_lfm2_fields(hf, family),
-        **_linear_attention_fields(hf, family),
+        **recurrent_fields(hf, family),
         **_norm_layout(family),
     )

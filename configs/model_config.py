@@ -15,6 +15,7 @@ from typing import Any
 
 from trtbuild import CHECKPOINT_FORMAT_VERSION
 from trtbuild.configs.quant_config import QuantConfig
+from trtbuild.configs.recurrent_checks import check_recurrent_fields
 from trtbuild.errors import CheckpointError
 
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
@@ -28,8 +29,9 @@ HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "swiglu_oai", "relu2", "xielu")
 # xielu (Apertus, an MLP without a gate): x > 0: a_p x^2 + beta x, else (expm1(min(x, eps)) - x) a_n + beta x, with
 # a_p = softplus(alpha_p) and a_n = beta + softplus(alpha_n): each layer's learned scalars, `mlp.act.{name}` [1]
 XIELU_PARAMETERS = ("alpha_p", "alpha_n", "beta", "eps")
-# conv: LFM2's short convolution, no attention; linear_attention: Qwen3.5's gated DeltaNet (a recurrent state)
-LAYER_TYPES = ("full_attention", "sliding_attention", "conv", "linear_attention")
+# conv: LFM2's short convolution, no attention; linear_attention: Qwen3.5's gated DeltaNet, mamba: Granite 4.0-H's
+# Mamba2 (both a recurrent state per sequence)
+LAYER_TYPES = ("full_attention", "sliding_attention", "conv", "linear_attention", "mamba")
 # the layers' and the final norm: RMSNorm, or LayerNorm: mean-centred, scaled by its weight (plus, with norm_bias, a
 # bias: StarCoder 2; Cohere's has none)
 NORM_TYPES = ("rms", "layer")
@@ -121,6 +123,16 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     # value head h reads key head h % key heads (llama.cpp's GGUF order), not h // (value heads / key heads)
     linear_value_heads_tiled: bool = False
+    # Granite 4.0-H: "mamba" layers project z, x | B | C and dt, convolve x | B | C over their last conv_kernel tokens
+    # (as LFM2's conv layers), then scan a per-sequence state [mamba_num_heads, mamba_head_dim, mamba_state_size]
+    # whose heads share B and C in mamba_num_groups groups (plugins/mamba2.py); biases on the convolution and on the
+    # in / out projections where given
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state_size: int = 0
+    mamba_num_groups: int = 0
+    mamba_conv_bias: bool = False
+    mamba_proj_bias: bool = False
     local_rotary_base: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3); None: as every layer
     embedding_multiplier: float = 1.0  # the embedding rows are multiplied by this (Gemma: sqrt(hidden_size))
     attention_scale: float | None = None  # what q.k is multiplied by; None: head_size ** -0.5
@@ -220,18 +232,11 @@ class ModelConfig:
         if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
             raise CheckpointError(f"config.json: layer_types must list one of {', '.join(LAYER_TYPES)} per layer "
                                   f"({self.num_hidden_layers}), got {list(self.layer_types)}")
-        convolving = "conv" in self.layer_types or "linear_attention" in self.layer_types
+        convolving = bool({"conv", "linear_attention", "mamba"} & set(self.layer_types))
         if not isinstance(self.conv_kernel, int) or self.conv_kernel < convolving:
             raise CheckpointError(f"config.json: conv_kernel must be 0 (no conv or linear_attention layers) or "
                                   f"positive, got {self.conv_kernel!r}")
-        linear = (self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
-                  self.linear_value_head_dim)
-        if "linear_attention" in self.layer_types and not (
-                all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in linear)
-                and self.linear_num_value_heads % self.linear_num_key_heads == 0):
-            raise CheckpointError(f"config.json: linear_attention layers need positive linear_num_key_heads, "
-                                  f"linear_num_value_heads (a multiple of the key heads), linear_key_head_dim and "
-                                  f"linear_value_head_dim; got {list(linear)}")
+        check_recurrent_fields(self)
         for name in ("local_rotary_base", "attention_scale", "attn_logit_softcapping", "final_logit_softcapping",
                      "embedding_multiplier", "residual_multiplier", "logits_scaling", "swiglu_alpha",
                      "swiglu_limit"):
@@ -341,13 +346,23 @@ class ModelConfig:
     def is_linear_attention(self, layer: int) -> bool:
         return self.layer_types[layer] == "linear_attention"
 
+    def is_mamba(self, layer: int) -> bool:
+        return self.layer_types[layer] == "mamba"
+
     def has_conv_rows(self, layer: int) -> bool:
         """Whether `layer` keeps its last conv_kernel input rows in the pool (plugins/short_conv.py)."""
-        return self.is_conv(layer) or self.is_linear_attention(layer)
+        return self.layer_types[layer] in ("conv", "linear_attention", "mamba")
 
     def conv_channels(self, layer: int) -> int:
-        """Channels of a convolving layer's rows: LFM2's hidden size, or a linear attention layer's q, k and v."""
+        """Channels of a convolving layer's rows: LFM2's hidden size, a linear attention layer's q, k and v, a Mamba2
+        layer's x, B and C."""
+        if self.is_mamba(layer):
+            return self.mamba_inner_size + 2 * self.mamba_num_groups * self.mamba_state_size
         return self.hidden_size if self.is_conv(layer) else 2 * self.linear_key_size + self.linear_value_size
+
+    @property
+    def mamba_inner_size(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
 
     @property
     def linear_key_size(self) -> int:
@@ -359,13 +374,16 @@ class ModelConfig:
 
     @property
     def recurrent_layers(self) -> tuple[int, ...]:
-        """The layers with a per-sequence recurrent state (linear_attention), in order: state layer j is layer
-        recurrent_layers[j]."""
-        return tuple(i for i, kind in enumerate(self.layer_types) if kind == "linear_attention")
+        """The layers with a per-sequence recurrent state (linear_attention, mamba), in order: state layer j is
+        layer recurrent_layers[j]."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind in ("linear_attention", "mamba"))
 
     @property
     def recurrent_state_shape(self) -> tuple[int, int, int]:
-        """One layer's state of one sequence: [value heads, key dim, value dim] float32."""
+        """One layer's state of one sequence, float32: [value heads, key dim, value dim] (gated DeltaNet), or [heads,
+        head dim, state size] (Mamba2)."""
+        if "mamba" in self.layer_types:
+            return self.mamba_num_heads, self.mamba_head_dim, self.mamba_state_size
         return self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim
 
     @property

@@ -22,7 +22,8 @@ from trtbuild.errors import TrtbuildError
 
 log = logging.getLogger(__name__)
 SOURCES = ("register.cc", "paged_attention.cc", "block_matmul.cc", "block_gather.cc", "dense_matmul.cc", "swiglu.cc",
-           "moe_route.cc", "lora.cc", "collectives.cc", "short_conv.cc", "gated_delta.cc")
+           "moe_route.cc", "lora.cc", "collectives.cc", "short_conv.cc", "gated_delta.cc",
+           "mamba2.cc")
 HEADERS = ("cpu_ops.h", "packed_table.h", "quantized_x.h", "simd_math.h", "float_weights.h", "block_problem.h",
            "block_tile_avx512.h", "block_tile_avx2.h", "attention_task.h", "attend_avx512.h", "attend_avx2.h")
 DOMAIN = "trtbuild"

@@ -21,6 +21,7 @@ const OrtCustomOp* all_reduce_op();
 const OrtCustomOp* all_gather_op();
 const OrtCustomOp* short_conv_op();
 const OrtCustomOp* gated_delta_op();
+const OrtCustomOp* mamba2_op();
 
 // Whether this build reads a float16 KV pool: PagedAttention and PagedShortConv widen its rows (and round the step's
 // own rows) with F16C, which every AVX-512 CPU has.

@@ -22,6 +22,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     d->Add(trtbuild_cpu_ops::all_gather_op());
     d->Add(trtbuild_cpu_ops::short_conv_op());
     d->Add(trtbuild_cpu_ops::gated_delta_op());
+    d->Add(trtbuild_cpu_ops::mamba2_op());
     return d;
   }();
   try {

@@ -35,12 +35,12 @@ STATE_INPUT, STATE_SLOTS_INPUT = "recurrent_state", "state_slots"
 L2_EPSILON = 1e-6  # the q / k L2 norms' (as transformers' and flash-linear-attention's)
 
 
-def _softplus(x: np.ndarray) -> np.ndarray:
+def softplus(x: np.ndarray) -> np.ndarray:
     """torch's softplus (beta 1, threshold 20: x itself above it)."""
     return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
 
 
-def _silu(x: np.ndarray) -> np.ndarray:
+def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
@@ -52,7 +52,7 @@ def reference_gated_delta(mixed_qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a
     value_heads, key_dim, value_dim = recurrent_state.shape[2:]
     key_heads = (mixed_qkv.shape[1] - value_heads * value_dim) // (2 * key_dim)
     kd = key_heads * key_dim
-    x = _silu(mixed_qkv.astype(np.float64))
+    x = silu(mixed_qkv.astype(np.float64))
     y = np.zeros((mixed_qkv.shape[0], value_heads * value_dim))
     for seq in range(len(past_lengths)):
         slot = int(state_slots[seq])
@@ -66,7 +66,7 @@ def reference_gated_delta(mixed_qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a
             q = q / np.sqrt((q * q).sum(-1, keepdims=True) + L2_EPSILON) / np.sqrt(key_dim)
             k = k / np.sqrt((k * k).sum(-1, keepdims=True) + L2_EPSILON)
             beta = 1.0 / (1.0 + np.exp(-b[t].astype(np.float64)))
-            g = decay.astype(np.float64) * _softplus(a[t].astype(np.float64) + dt_bias)
+            g = decay.astype(np.float64) * softplus(a[t].astype(np.float64) + dt_bias)
             for h in range(value_heads):
                 kh = h % key_heads if tiled else h // (value_heads // key_heads)
                 s = states[h] * np.exp(g[h])
@@ -75,6 +75,6 @@ def reference_gated_delta(mixed_qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a
                 states[h] = s
                 o = q[kh] @ s
                 normed = o / np.sqrt((o * o).mean() + epsilon) * norm_weight
-                y[t, h * value_dim:(h + 1) * value_dim] = normed * _silu(z[t, h * value_dim:(h + 1) * value_dim])
+                y[t, h * value_dim:(h + 1) * value_dim] = normed * silu(z[t, h * value_dim:(h + 1) * value_dim])
         recurrent_state[slot, state_layer] = states
     return y.astype(np.float32)

@@ -13,7 +13,12 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf_qwen35_helpers import add_qwen35_parameters, qwen35_tensor
+from gguf_recurrent_helpers import (
+    add_granite_hybrid_parameters,
+    add_qwen35_parameters,
+    granite_hybrid_tensor,
+    qwen35_tensor,
+)
 from helpers import STORIES260K, make_random_hf_model
 
 # The Split regex of Qwen2's tokenizer.json
@@ -40,7 +45,7 @@ PROBE_TEXTS = (
     "a</s>\n  b</s> <s> c",
 )
 # the architectures llama.cpp's LlamaModel converts (q / k rows permuted)
-PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee", "afmoe")
+PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee", "afmoe", "granitehybrid")
 # HF family -> (GGUF architecture llama.cpp writes, vocabulary kind, general.name)
 FAMILIES = {
     "llama": ("llama", "spm", "Llama Tiny"),
@@ -70,6 +75,9 @@ FAMILIES = {
     # Granite 4.0 without Mamba2 layers: GraniteHybridModel writes them as granite / granitemoe
     "granite4": ("granite", "spm", "Granite 4.0 Tiny"),
     "granite4_moe": ("granitemoe", "spm", "Granite 4.0 MoE Tiny"),
+    # Granite 4.0-H: GraniteHybridModel with Mamba2 layers
+    "granite4_h": ("granitehybrid", "spm", "Granite 4.0-H Tiny"),
+    "granite4_h_moe": ("granitehybrid", "spm", "Granite 4.0-H MoE Tiny"),
     "qwen2_moe": ("qwen2moe", "bpe", "Qwen2 MoE Tiny"),
     "gpt_oss": ("gpt-oss", "bpe", "GPT OSS Tiny"),
     "ernie4_5": ("ernie4_5", "spm", "ERNIE 4.5 Tiny"),
@@ -451,7 +459,9 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
     if arch == "gpt-oss":  # GptOssModel.set_gguf_parameters
         w.add_sliding_window(cfg["sliding_window"])
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
-    if arch in ("granite", "granitemoe"):  # GraniteModel.set_gguf_parameters
+    if arch == "granitehybrid":
+        add_granite_hybrid_parameters(w, cfg)
+    if arch in ("granite", "granitemoe", "granitehybrid"):  # GraniteModel.set_gguf_parameters
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
         w.add_residual_scale(cfg["residual_multiplier"])
@@ -478,6 +488,8 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
             data = _permute(data, kv_heads)
         if arch in ("qwen35", "qwen35moe"):
             hf_name, data = qwen35_tensor(hf_name, data, cfg)
+        if arch == "granitehybrid":
+            hf_name, data = granite_hybrid_tensor(hf_name, data, cfg)
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):  # GemmaModel.modify_tensors
             data = data + 1
         if "conv.conv" in hf_name:  # LFM2Model.modify_tensors: [hidden, 1, L] -> [hidden, L]

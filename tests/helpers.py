@@ -47,6 +47,8 @@ _SMOLLM3 = dict(_COMMON, rope_theta=5000000.0, num_hidden_layers=4, bos_token_id
 _GRANITE4 = dict(_COMMON, shared_intermediate_size=48, layer_types=["attention"] * 2, embedding_multiplier=12.0,
                  attention_multiplier=0.05, residual_multiplier=0.22, logits_scaling=8.0, bos_token_id=1,
                  eos_token_id=2, pad_token_id=0)
+_MAMBA = dict(layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+              mamba_n_groups=2, mamba_expand=2, mamba_d_conv=4)
 RANDOM_CONFIGS = {
     "llama": ("LlamaConfig", dict(_COMMON, rope_theta=10000.0)),
     "llama3_rope": ("LlamaConfig", dict(_COMMON, rope_theta=500000.0, tie_word_embeddings=True, rope_scaling={
@@ -130,6 +132,11 @@ RANDOM_CONFIGS = {
     "granite4_nope": ("GraniteMoeHybridConfig", dict(_GRANITE4, num_local_experts=0)),
     "granite4_moe": ("GraniteMoeHybridConfig", dict(_GRANITE4, num_local_experts=4, num_experts_per_tok=2,
                                                     intermediate_size=32, position_embedding_type="rope")),
+    # Granite 4.0-H: Mamba2 layers (8 heads of 16 in 2 groups, state 16, kernel 4, a conv bias) around an attention
+    # layer, NoPE; with experts beside the shared MLP
+    "granite4_h": ("GraniteMoeHybridConfig", dict(_GRANITE4, num_local_experts=0, num_hidden_layers=4, **_MAMBA)),
+    "granite4_h_moe": ("GraniteMoeHybridConfig", dict(_GRANITE4, num_local_experts=4, num_experts_per_tok=2,
+                                                      intermediate_size=32, num_hidden_layers=4, **_MAMBA)),
     "granitemoeshared": ("GraniteMoeSharedConfig", dict({k: v for k, v in _GRANITE4.items() if k != "layer_types"},
                                                         num_local_experts=4, num_experts_per_tok=2,
                                                         intermediate_size=32)),
@@ -247,7 +254,7 @@ def make_random_hf_model(family: str, out_dir: Path, seed: int = 0, overrides: d
     with torch.no_grad():  # make norms and biases non-trivial so that a mis-mapped tensor shows in the logits
         for name, p in model.named_parameters():
             if name.endswith(("norm.weight", ".bias", "_bias", ".sinks", "act_fn.alpha_p", "act_fn.alpha_n",
-                              "A_log")):
+                              "A_log", "mamba.D")):
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

@@ -1,4 +1,4 @@
-"""Granite 4.0 without Mamba2 layers (configs/granite4.py): GraniteMoeHybrid / GraniteMoeShared configs as the
+"""Granite 4.0 (configs/granite4.py): GraniteMoeHybrid / GraniteMoeShared configs as the
 Granite ones they compute, their shared MLP split by rows, GGUF files as llama.cpp writes them, and the hybrids
 refused. Logits against transformers: tests/test_hf_parity.py (granite4, granite4_nope, granite4_moe,
 granitemoeshared)."""
@@ -39,22 +39,31 @@ def test_an_attention_only_config_is_granite_with_its_shared_mlp():
             moe.shared_expert_gated) == ("granitemoe", 64, 512, 1024, False)
 
 
-def test_mamba_layers_are_refused_with_what_builds():
-    hybrid = {**MICRO, "layer_types": ["mamba"] * 36 + ["attention"] * 4, "position_embedding_type": "nope"}
-    with pytest.raises(CheckpointError, match="36 of its 40 layers are Mamba2 layers, which trtbuild does not build; "
-                                              "Granite 4.0's attention-only models"):
-        model_config_from_hf(hybrid)
+def test_mamba_layers_read_as_mamba_layers():
+    """The H- models: Mamba2 layers ("mamba" as released, "linear_attention" as transformers 5 saves them) with
+    GraniteMoeHybridConfig's defaults (128 heads of (2 x hidden) / 128, state 256, one group, kernel 4, a conv bias)."""
+    for mamba in ("mamba", "linear_attention"):
+        hybrid = {**MICRO, "layer_types": [mamba] * 36 + ["attention"] * 4, "position_embedding_type": "nope"}
+        c = model_config_from_hf(hybrid)
+        assert c.family == "granite" and c.recurrent_layers == tuple(range(36)) and c.no_rope_layers == tuple(range(40))
+        assert (c.recurrent_state_shape, c.mamba_num_groups, c.conv_kernel, c.mamba_conv_bias, c.mamba_proj_bias) == (
+            (128, 40, 256), 1, 4, True, False)
+        assert c.conv_channels(0) == 5120 + 2 * 256
+    with pytest.raises(CheckpointError, match="time_step_limit"):
+        model_config_from_hf({**hybrid, "time_step_limit": [0.0, 1.0]})
     with pytest.raises(CheckpointError, match="without shared_intermediate_size"):
         model_config_from_hf({k: v for k, v in MICRO.items() if k != "shared_intermediate_size"})
 
 
-@pytest.mark.parametrize("family", ["granite4", "granite4_moe"])
+@pytest.mark.parametrize("family", ["granite4", "granite4_moe", "granite4_h", "granite4_h_moe"])
 def test_a_llama_cpp_style_gguf_converts_like_its_hf_folder(tmp_path, family, monkeypatch):
     """llama.cpp writes these as `granite` (the shared MLP as ffn_gate / ffn_up / ffn_down) or `granitemoe` (it as
-    the _shexp tensors, with no gate of its own)."""
+    the _shexp tensors, with no gate of its own); with Mamba2 layers as `granitehybrid` (its ssm_* tensors, no KV
+    heads in the Mamba2 layers, and a context of 2^20, which the HF folder is given here too)."""
     require_shared_models()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    hf = make_hf_folder(family, tmp_path / family)
+    overrides = {"max_position_embeddings": 2**20} if family.startswith("granite4_h") else None
+    hf = make_hf_folder(family, tmp_path / family, overrides)
     hf_config = convert(hf, tmp_path / "from_hf")
     config = convert(write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", family), tmp_path / "from_gguf")
     assert config.family == hf_config.family == ("granitemoe" if family.endswith("moe") else "granite")

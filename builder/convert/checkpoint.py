@@ -8,7 +8,13 @@ from pathlib import Path
 
 import torch
 
-from trtbuild.builder.convert.names import LINEAR_ATTENTION_TENSORS, model_linear_prefixes, tp_split_axis
+from trtbuild.builder.convert.names import (
+    LINEAR_ATTENTION_TENSORS,
+    MAMBA_LINEARS,
+    MAMBA_TENSORS,
+    model_linear_prefixes,
+    tp_split_axis,
+)
 from trtbuild.builder.convert.safetensors_io import SafetensorsError, SafetensorsFile
 from trtbuild.configs import ModelConfig
 from trtbuild.configs.model_config import XIELU_PARAMETERS
@@ -39,6 +45,10 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
             names += [p + f"conv.{x}.bias" for x in ("in_proj", "kernel", "out_proj")] if config.conv_bias else []
         elif config.is_linear_attention(i):
             names += [p + f"linear_attn.{x}" for x in LINEAR_ATTENTION_TENSORS]
+        elif config.is_mamba(i):
+            names += [p + f"{x}.weight" for x in MAMBA_LINEARS] + [p + f"mamba.{x}" for x in MAMBA_TENSORS]
+            names += [p + "mamba.conv.bias"] if config.mamba_conv_bias else []
+            names += [p + f"{x}.bias" for x in MAMBA_LINEARS] if config.mamba_proj_bias else []
         else:
             names += _attention_tensors(config, p)
         if config.output_norms:
@@ -165,6 +175,7 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "linear_attn.dt_bias": (c.linear_num_value_heads,),
         "linear_attn.norm.weight": (c.linear_value_head_dim,),
         "linear_attn.out_proj.weight": (c.hidden_size, c.linear_value_size),
+        **_mamba_shapes(c),
         "mlp.router.weight": (c.num_experts, c.hidden_size),
         "mlp.router.bias": (c.num_experts,),
         "mlp.router.selection_bias": (c.num_experts,),
@@ -179,6 +190,15 @@ def expected_shape(name: str, c: ModelConfig) -> tuple[int, ...] | None:
         "mlp.experts.fc.weight": (c.num_experts, c.moe_intermediate_size, c.hidden_size),
         "mlp.experts.proj.weight": (c.num_experts, c.hidden_size, c.moe_intermediate_size),
     }.get(suffix)
+
+
+def _mamba_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    inner, heads = c.mamba_inner_size, c.mamba_num_heads
+    channels = inner + 2 * c.mamba_num_groups * c.mamba_state_size
+    return {"mamba.in_proj.weight": (inner + channels + heads, c.hidden_size), "mamba.in_proj.bias": (
+        inner + channels + heads,), "mamba.conv.weight": (channels, c.conv_kernel), "mamba.conv.bias": (channels,),
+        **{f"mamba.{n}": (heads,) for n in ("A", "dt_bias", "D")}, "mamba.norm.weight": (inner,),
+        "mamba.out_proj.weight": (c.hidden_size, inner), "mamba.out_proj.bias": (c.hidden_size,)}
 
 
 def stored_shape(name: str, config: ModelConfig, quantized: bool = False) -> tuple[int, ...] | None:

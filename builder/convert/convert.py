@@ -7,6 +7,7 @@ tensor, whatever the model's size. Names and shapes are checked from the source'
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +72,7 @@ def conv_kernels(plan: dict[str, SourceTensor], config: ModelConfig) -> dict[str
         shape = (src.shape[0], config.conv_kernel)
         return SourceTensor(shape, lambda: torch.as_tensor(src.load()).reshape(shape))
 
-    return {name: flat(src) if name.endswith(("conv.kernel.weight", "linear_attn.conv.weight"))
+    return {name: flat(src) if name.endswith(("conv.kernel.weight", "linear_attn.conv.weight", "mamba.conv.weight"))
             and len(src.shape) == 3 else src for name, src in plan.items()}
 
 
@@ -83,12 +84,22 @@ def xielu_scalars(plan: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
     return {name: one(src) if ".mlp.act." in name else src for name, src in plan.items()}
 
 
+def per_head_vectors(plan: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
+    """A Mamba2 layer's A and D as [heads] and its norm as [inner]: llama.cpp's GGUF holds [heads, 1] and [groups,
+    inner / groups]."""
+    def flat(src: SourceTensor) -> SourceTensor:
+        return SourceTensor((math.prod(src.shape),), lambda: torch.as_tensor(src.load()).reshape(-1))
+
+    return {name: flat(src) if name.endswith(("mamba.A", "mamba.D", "mamba.norm.weight")) and len(src.shape) > 1
+            else src for name, src in plan.items()}
+
+
 def decay_rates(plan: dict[str, SourceTensor]) -> dict[str, SourceTensor]:
     """Qwen3.5's linear attention decay rates A = -exp(A_log), as transformers computes them (in float32) and as
     llama.cpp's GGUF files hold them (ssm_a)."""
     out = {}
     for name, src in plan.items():
-        if name.endswith("linear_attn.A_log"):
+        if name.endswith(("linear_attn.A_log", "mamba.A_log")):
             name, src = name.removesuffix("_log"), SourceTensor(
                 src.shape, lambda src=src: -torch.exp(torch.as_tensor(src.load()).to(torch.float32)))
         out[name] = src
@@ -102,7 +113,7 @@ def keeps_float32(name: str, config: ModelConfig) -> bool:
         name.endswith(("norm.weight", "ln_f.weight"))
     # NOTE: the linear attention's decay parameters are read once, as constants, in float32
     return (zero_centered and not name.endswith("linear_attn.norm.weight")) or ".mlp.act." in name or \
-        name.endswith(("linear_attn.A", "linear_attn.dt_bias"))
+        name.endswith(("linear_attn.A", "linear_attn.dt_bias", "mamba.A", "mamba.dt_bias", "mamba.D"))
 
 
 def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:
@@ -115,7 +126,7 @@ def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dic
     embedding, lm_head = EMBEDDING, "lm_head.weight"
     if config.tie_word_embeddings and (embedding in plan) != (lm_head in plan):
         plan[lm_head if embedding in plan else embedding] = plan[embedding if embedding in plan else lm_head]
-    plan = decay_rates(xielu_scalars(conv_kernels(plan, config)))
+    plan = decay_rates(per_head_vectors(xielu_scalars(conv_kernels(plan, config))))
     base = dataclasses.replace(config, quantization=QuantConfig(), mapping=Mapping())  # the unsharded source
     needed = expected_tensors(base, range(config.num_hidden_layers), first_stage=True, last_stage=True)
     missing = [n for n in needed if n not in plan]

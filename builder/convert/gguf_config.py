@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from trtbuild.builder.convert import gguf_qwen35
+from trtbuild.builder.convert import gguf_granite_hybrid, gguf_qwen35
 from trtbuild.builder.convert.gguf_rope import f32, rope_scaling
 from trtbuild.configs.model_config import COHERE_FAMILIES, LFM2_FAMILIES
 from trtbuild.errors import CheckpointError
@@ -180,6 +180,10 @@ GGUF_ARCHITECTURES["qwen35moe"] = GgufArch(  # + Qwen2-MoE's experts and gated s
     "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", False, gguf_qwen35.MOE_LAYER_TENSORS,
     (*gguf_qwen35.OPTIONAL_LAYER_TENSORS, *gguf_qwen35.SHARED_EXPERT_TENSORS), moe_normalize=True,
     renames=gguf_qwen35.RENAMES)
+# Granite 4.0-H: Mamba2 layers (ssm_* tensors) among attention layers (builder/convert/gguf_granite_hybrid.py)
+GGUF_ARCHITECTURES["granitehybrid"] = GgufArch(
+    "GraniteMoeHybridForCausalLM", "granitemoehybrid", True, gguf_granite_hybrid.LAYER_TENSORS,
+    gguf_granite_hybrid.OPTIONAL_LAYER_TENSORS, renames=gguf_granite_hybrid.RENAMES)
 # LFM2-MoE: LFM2's layers, a dense MLP before leading_dense_block_count, experts after it (chosen by sigmoid scores
 # plus exp_probs_b, renormalized: llama.cpp's build_moe_ffn with norm_w for this architecture)
 _LFM2 = GGUF_ARCHITECTURES["lfm2"]
@@ -334,13 +338,15 @@ def hf_config(
                    sliding_window=meta.get(f"{prefix}.attention.sliding_window"),
                    layer_types=[("sliding_attention" if (pattern[i] if isinstance(pattern, list) else (i + 1) % every)
                                  else "full_attention") for i in range(cfg["num_hidden_layers"])])
+    if arch.model_type == "granitemoehybrid":
+        cfg.update(gguf_granite_hybrid.granite_hybrid_config(meta, prefix, shapes))
     if arch.model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
         cfg.update(gguf_qwen35.qwen35_config(meta, prefix))
     if arch.model_type == "starcoder2":  # LayerNorms
         cfg["norm_epsilon"] = cfg["rms_norm_eps"]
     if arch.model_type in COHERE_FAMILIES:  # LayerNorms, and the logits' multiplier
         cfg.update(layer_norm_eps=cfg["rms_norm_eps"], logit_scale=f32(need("logit_scale")))
-    if arch.model_type in ("granite", "granitemoe"):  # llama.cpp's names for Granite's multipliers
+    if arch.model_type in ("granite", "granitemoe", "granitemoehybrid"):  # llama.cpp's names for its multipliers
         for theirs, ours in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
                              ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
             if (value := meta.get(f"{prefix}.{theirs}")) is not None:

@@ -33,6 +33,12 @@ layers it holds):
   transformer.layers.{i}.linear_attn.{A,dt_bias}             [Hv]                     A = -exp(A_log)
   transformer.layers.{i}.linear_attn.norm.weight             [value head dim]         the gated RMSNorm's
   transformer.layers.{i}.linear_attn.out_proj.weight         [hidden, Vd]
+  a Granite 4.0-H Mamba2 layer holds, instead of attention.* (I: heads x head dim, C: I + 2 groups x state size):
+  transformer.layers.{i}.mamba.in_proj.weight|bias           [I + C + heads, hidden]  (z, x | B | C, dt)
+  transformer.layers.{i}.mamba.conv.weight|bias              [C, L] | [C]
+  transformer.layers.{i}.mamba.{A,dt_bias,D}                 [heads]                  A = -exp(A_log)
+  transformer.layers.{i}.mamba.norm.weight                   [I]                      the gated group norm's
+  transformer.layers.{i}.mamba.out_proj.weight|bias          [hidden, I] | [hidden]
   transformer.ln_f.weight                                    [hidden]                 replicated
   lm_head.weight                                             [vocab, hidden]          vocab-parallel
 
@@ -51,8 +57,16 @@ from trtbuild.configs.model_config import LFM2_FAMILIES, QWEN35_FAMILIES, XIELU_
 if TYPE_CHECKING:
     from trtbuild.configs import ModelConfig
 
+MAMBA_LINEARS = ("mamba.in_proj", "mamba.out_proj")
+# a Mamba2 layer's tensors (besides its linears' weights and, where mamba_proj_bias, biases)
+MAMBA_TENSORS = ("conv.weight", "A", "dt_bias", "D", "norm.weight")
 _LAYER_MAP = {
     "input_layernorm.weight": "input_layernorm.weight",
+    # Granite 4.0-H's Mamba2 layers (A_log made A = -exp(A_log) by convert.py's decay_rates)
+    **{f"mamba.{n}": f"mamba.{n}" for n in ("in_proj.weight", "in_proj.bias", "out_proj.weight", "out_proj.bias",
+                                            "A_log", "A", "dt_bias", "D", "norm.weight")},
+    "mamba.conv1d.weight": "mamba.conv.weight",
+    "mamba.conv1d.bias": "mamba.conv.bias",
     "self_attn.q_proj.weight": "attention.q.weight",
     "self_attn.k_proj.weight": "attention.k.weight",
     "self_attn.v_proj.weight": "attention.v.weight",
@@ -289,10 +303,11 @@ def model_linear_prefixes(config: ModelConfig, layers: Iterable[int], last_stage
         if config.attention_output_gate:  # NOTE: after v, the last linear reading the attention's input
             at = prefixes.index(f"transformer.layers.{i}.attention.v") + 1
             prefixes[at:at] = [f"transformer.layers.{i}.{s}" for s in GATE_LINEARS]
-        if config.is_conv(i) or config.is_linear_attention(i):  # NOTE: where the attention's linears would be
+        if config.has_conv_rows(i):  # NOTE: where the attention's linears would be
             at = next(j for j, p in enumerate(prefixes) if ".attention." in p)
             prefixes = [p for p in prefixes if ".attention." not in p]
-            linears = CONV_LINEARS if config.is_conv(i) else LINEAR_ATTENTION_LINEARS
+            linears = CONV_LINEARS if config.is_conv(i) else MAMBA_LINEARS if config.is_mamba(i) else \
+                LINEAR_ATTENTION_LINEARS
             prefixes[at:at] = [f"transformer.layers.{i}.{s}" for s in linears]
         out += prefixes
     return out + (["lm_head"] if last_stage and config.has_lm_head else [])
@@ -303,7 +318,7 @@ def is_linear(prefix: str) -> bool:
     m = _CKPT_LAYER.match(prefix)
     return prefix == "lm_head" or (m is not None and m.group(2) in (
         *LAYER_LINEARS, *CONV_LINEARS, *EXPERT_LINEARS, *SHARED_EXPERT_LINEARS, *GATE_LINEARS,
-        *LINEAR_ATTENTION_LINEARS))
+        *LINEAR_ATTENTION_LINEARS, *MAMBA_LINEARS))
 
 
 def layer_of(name: str) -> int | None:

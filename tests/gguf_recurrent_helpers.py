@@ -1,5 +1,6 @@
-"""What llama.cpp's converter writes for Qwen3.5 (conversion/qwen.py: Qwen3NextModel, _LinearAttentionVReorderBase,
-Qwen3_5TextModel), for tests/gguf_helpers.py's write_gguf_like_llama_cpp."""
+"""What llama.cpp's converter writes for the models with recurrent layers, for tests/gguf_helpers.py's
+write_gguf_like_llama_cpp: Qwen3.5 (conversion/qwen.py: Qwen3NextModel, _LinearAttentionVReorderBase,
+Qwen3_5TextModel) and Granite 4.0-H (conversion/granite.py: GraniteHybridModel; conversion/mamba.py: Mamba2Model)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,33 @@ def qwen35_tensor(name: str, data: np.ndarray, cfg: dict[str, Any]) -> tuple[str
     elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         data = data + 1
     return name, data
+
+
+def add_granite_hybrid_parameters(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
+    """GraniteHybridModel.set_gguf_parameters' own keys (beside GraniteMoeModel's): the Mamba2 mixer's, KV heads per
+    layer (none in a Mamba2 layer), and no RoPE in a hybrid."""
+    heads, hidden = cfg["mamba_n_heads"], cfg["hidden_size"]
+    w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+    w.add_ssm_state_size(cfg["mamba_d_state"])
+    w.add_ssm_group_count(cfg["mamba_n_groups"])
+    w.add_ssm_inner_size(cfg["mamba_expand"] * hidden)
+    w.add_ssm_time_step_rank(heads)
+    w.add_head_count_kv([0 if t != "full_attention" else cfg["num_key_value_heads"] for t in cfg["layer_types"]])
+    w.add_rope_scaling_finetuned(False)
+    w.add_context_length(2**20)
+
+
+def granite_hybrid_tensor(name: str, data: np.ndarray, cfg: dict[str, Any]) -> tuple[str, np.ndarray]:
+    """Mamba2Model.modify_tensors: dt_bias named dt_proj.bias, taps squeezed, A (= -exp(A_log)) and D as [heads, 1],
+    the norm [groups, inner / groups]."""
+    if ".mamba." not in name:
+        return name, data
+    if name.endswith(".dt_bias"):
+        return name.removesuffix(".dt_bias") + ".dt_proj.bias", data
+    if "conv1d.weight" in name:
+        return name, data.squeeze()
+    if name.endswith((".A_log", ".D")):
+        data = data.reshape(-1, 1)
+    if name.endswith("mamba.norm.weight"):
+        data = data.reshape(cfg["mamba_n_groups"], -1)
+    return name, (-torch.exp(torch.from_numpy(data))).numpy() if name.endswith(".A_log") else data

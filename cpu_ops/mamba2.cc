@@ -1,0 +1,164 @@
+// trtbuild::Mamba2Scan for ONNX Runtime's CPU provider: Granite 4.0-H's Mamba2 layers (the selective scan) over
+// per-sequence recurrent states, then the layer's gated group norm; the contract and numpy reference of
+// plugins/mamba2.py.
+//
+// Scan: a task per (sequence, head), its state S [head dim, state size] read from the sequence's slot (zero for a
+// sequence without a past), carried through the sequence's new tokens in order and written back; per token one
+// auto-vectorized pass over S (decay, the rank-1 update dt x B^T and y = S C together). Norm: a task per token, each
+// group's channels gated by silu(z), RMS-normalized, times the weight (the groups span several heads, so this waits
+// for the whole scan).
+#include "cpu_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace trtbuild_cpu_ops {
+namespace {
+
+void fail(const std::string& what) { ORT_CXX_API_THROW("trtbuild::Mamba2Scan: " + what, ORT_INVALID_ARGUMENT); }
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+struct Problem {
+  const float *xbc, *z, *dt, *decay, *dt_bias, *skip, *norm_weight;
+  float* states;  // [slots, state layers, H, P, N], written in place
+  const int64_t *slots, *past, *starts;
+  float* y;  // [T, H * P]
+  int64_t channels, heads, groups, p, n, state_layers, layer;
+  float epsilon;
+};
+
+void scan_head(void* data, size_t task) {
+  const Problem& q = *static_cast<const Problem*>(data);
+  const int64_t seq = static_cast<int64_t>(task) / q.heads, h = static_cast<int64_t>(task) % q.heads;
+  const int64_t p = q.p, n = q.n, inner = q.heads * p, g = h / (q.heads / q.groups);
+  float* s = q.states + ((q.slots[seq] * q.state_layers + q.layer) * q.heads + h) * p * n;
+  if (q.past[seq] == 0) std::fill(s, s + p * n, 0.0f);
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(p + 2 * n));
+  float *x = buffer.data(), *b = x + p, *c = b + n;
+  for (int64_t t = q.starts[seq]; t < q.starts[seq + 1]; ++t) {
+    const float* row = q.xbc + t * q.channels;
+    for (int64_t i = 0; i < p; ++i) x[i] = silu(row[h * p + i]);
+    for (int64_t j = 0; j < n; ++j) b[j] = silu(row[inner + g * n + j]);
+    for (int64_t j = 0; j < n; ++j) c[j] = silu(row[inner + (q.groups + g) * n + j]);
+    const float step = softplus(q.dt[t * q.heads + h] + q.dt_bias[h]);
+    const float da = std::exp(step * q.decay[h]);
+    float* out = q.y + t * inner + h * p;
+    for (int64_t i = 0; i < p; ++i) {  // S[i] = S[i] da + (dt x_i) B; y_i = S[i] . C + D x_i
+      float* si = s + i * n;
+      const float dx = step * x[i];
+      float acc = 0.0f;
+      for (int64_t j = 0; j < n; ++j) {
+        si[j] = si[j] * da + dx * b[j];
+        acc += si[j] * c[j];
+      }
+      out[i] = acc + q.skip[h] * x[i];
+    }
+  }
+}
+
+void norm_token(void* data, size_t task) {
+  const Problem& q = *static_cast<const Problem*>(data);
+  const int64_t t = static_cast<int64_t>(task), inner = q.heads * q.p, width = inner / q.groups;
+  float* y = q.y + t * inner;
+  const float* z = q.z + t * inner;
+  for (int64_t g = 0; g < q.groups; ++g) {
+    float* yg = y + g * width;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < width; ++i) {
+      yg[i] *= silu(z[g * width + i]);
+      sum += yg[i] * yg[i];
+    }
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(width) + q.epsilon);
+    for (int64_t i = 0; i < width; ++i) yg[i] *= inv * q.norm_weight[g * width + i];
+  }
+}
+
+struct Mamba2ScanKernel {
+  int64_t layer, groups;
+  float epsilon;
+
+  Mamba2ScanKernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo k(info);
+    layer = k.GetAttribute<int64_t>("state_layer");
+    groups = k.GetAttribute<int64_t>("num_groups");
+    epsilon = k.GetAttribute<float>("epsilon");
+    if (layer < 0 || groups < 1) fail("state_layer must not be negative, num_groups at least 1");
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    const auto shape_of = [&](size_t i) { return ctx.GetInput(i).GetTensorTypeAndShapeInfo().GetShape(); };
+    const std::vector<int64_t> xbc = shape_of(0), state = shape_of(7);
+    if (state.size() != 5) fail("recurrent_state must be [slots, state layers, heads, head dim, state size]");
+    const int64_t num_slots = state[0], state_layers = state[1], heads = state[2], p = state[3], n = state[4];
+    if (layer >= state_layers) fail("state_layer is beyond recurrent_state's layers");
+    if (heads % groups) fail("num_groups must divide the heads");
+    const int64_t inner = heads * p;
+    if (xbc.size() != 2 || xbc[1] != inner + 2 * groups * n)
+      fail("xbc must be [T, heads x head dim + 2 x num_groups x state size]");
+    const int64_t tokens = xbc[0];
+    const std::vector<int64_t> want_z{tokens, inner}, want_dt{tokens, heads}, want_h{heads}, want_w{inner};
+    if (shape_of(1) != want_z) fail("z must be [T, heads x head dim]");
+    if (shape_of(2) != want_dt) fail("dt must be [T, heads]");
+    if (shape_of(3) != want_h || shape_of(4) != want_h || shape_of(5) != want_h) fail("A, dt_bias and D must be [heads]");
+    if (shape_of(6) != want_w) fail("norm_weight must be [heads x head dim]");
+    const std::vector<int64_t> slots_shape = shape_of(8);
+    if (slots_shape.size() != 1) fail("state_slots must be [B]");
+    const int64_t num_seqs = slots_shape[0];
+    if (shape_of(9) != std::vector<int64_t>{num_seqs}) fail("past_lengths must be [B], B state_slots' entries");
+    if (shape_of(10) != std::vector<int64_t>{num_seqs + 1}) fail("query_start_loc must be [B + 1]");
+    const int64_t* slots = ctx.GetInput(8).GetTensorData<int64_t>();
+    const int64_t* past = ctx.GetInput(9).GetTensorData<int64_t>();
+    const int64_t* starts = ctx.GetInput(10).GetTensorData<int64_t>();
+    std::vector<int64_t> seen;
+    for (int64_t b = 0; b < num_seqs; ++b) {
+      if (starts[b] < 0 || starts[b + 1] < starts[b] || starts[b + 1] > tokens)
+        fail("query_start_loc is not ascending within [0, T]");
+      if (slots[b] < 0 || slots[b] >= num_slots) fail("a state slot is outside recurrent_state");
+      if (past[b] < 0) fail("a past length is negative");
+      seen.push_back(slots[b]);
+    }
+    std::sort(seen.begin(), seen.end());
+    if (std::adjacent_find(seen.begin(), seen.end()) != seen.end()) fail("two sequences share a state slot");
+    if (num_seqs > 0 && (starts[0] != 0 || starts[num_seqs] != tokens))
+      fail("query_start_loc does not cover every token");
+
+    float* y = ctx.GetOutput(0, {tokens, inner}).GetTensorMutableData<float>();
+    if (tokens == 0) return;
+    // NOTE: in place, as trtbuild::GatedDeltaNet's states (cpu_ops/gated_delta.cc)
+    float* states = const_cast<float*>(ctx.GetInput(7).GetTensorData<float>());
+    Problem q{ctx.GetInput(0).GetTensorData<float>(), ctx.GetInput(1).GetTensorData<float>(),
+              ctx.GetInput(2).GetTensorData<float>(), ctx.GetInput(3).GetTensorData<float>(),
+              ctx.GetInput(4).GetTensorData<float>(), ctx.GetInput(5).GetTensorData<float>(),
+              ctx.GetInput(6).GetTensorData<float>(), states, slots, past, starts, y, xbc[1], heads, groups, p, n,
+              state_layers, layer, epsilon};
+    ctx.ParallelFor(scan_head, static_cast<size_t>(num_seqs * heads), 0, &q);
+    ctx.ParallelFor(norm_token, static_cast<size_t>(tokens), 0, &q);
+  }
+};
+
+struct Mamba2ScanOp : Ort::CustomOpBase<Mamba2ScanOp, Mamba2ScanKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new Mamba2ScanKernel(api, info); }
+  const char* GetName() const { return "Mamba2Scan"; }
+  size_t GetInputTypeCount() const { return 11; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i >= 8 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+}  // namespace
+
+const OrtCustomOp* mamba2_op() {
+  static Mamba2ScanOp op;
+  return &op;
+}
+
+}  // namespace trtbuild_cpu_ops
