@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 
 
 def check_recurrent_buildable(config: ModelConfig, build: BuildConfig) -> None:
-    """Refuse what a model with linear attention layers (a recurrent state per sequence) cannot be built with."""
-    name = f"{config.architecture}'s linear attention layers"
+    """Refuse what a model with recurrent layers (linear attention, Mamba2: a state per sequence) cannot be built
+    with."""
+    name = f"{config.architecture}'s recurrent layers (linear attention, Mamba2)"
     if build.target != "cpu":
         raise TrtbuildError(f"{name} have no {build.target} kernel yet; build it with --target cpu.")
     if build.draft_tokens:
@@ -54,7 +55,7 @@ def check_recurrent_buildable(config: ModelConfig, build: BuildConfig) -> None:
     from trtbuild import cpu_ops
 
     if (reason := cpu_ops.unavailable_reason()) is not None:
-        raise TrtbuildError(f"{name} run only as trtbuild's CPU op (GatedDeltaNet), and {reason}.")
+        raise TrtbuildError(f"{name} run only as trtbuild's CPU ops (GatedDeltaNet, Mamba2Scan), and {reason}.")
 
 
 def check_buildable(config: ModelConfig, build: BuildConfig) -> None:

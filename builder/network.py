@@ -29,8 +29,8 @@ it writes the pool. new_kv itself is float32 here. An unquantized pool built wit
 A block holds `slots` layers: all of them, or, where sliding and full layers mix, one KV cache group's
 (configs/kv_groups.py); each group after the first adds its own block table input, `block_tables_<group>`.
 
-A model with linear attention layers (Qwen3.5, builder/network_delta.py) adds its recurrent states, which its
-GatedDeltaNet nodes update in place (plugins/gated_delta.py):
+A model with recurrent layers (Qwen3.5's linear attention, Granite 4.0-H's Mamba2: builder/network_delta.py) adds
+their states, which its GatedDeltaNet / Mamba2Scan nodes update in place (plugins/gated_delta.py, mamba2.py):
   + recurrent_state [state_slots, recurrent layers, value heads, key dim, value dim] float32, state_slots [B] int64
 """
 

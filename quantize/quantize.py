@@ -150,7 +150,7 @@ def _quantize(options: QuantizeOptions, qconfig: QuantConfig, texts: list[str]) 
                                    "not calibrate yet; build it with `trtbuild convert` (a GGUF file keeps its "
                                    "attention's quantization).")
     if config.recurrent_layers:
-        raise ConfigError("model", f"{config.architecture}'s linear attention layers are not calibrated by `trtbuild "
+        raise ConfigError("model", f"{config.architecture}'s recurrent layers are not calibrated by `trtbuild "
                                    "quantize` yet; convert it with `trtbuild convert` (--weight-only int8|int4, or "
                                    "a quantized GGUF file kept as it is).")
     config = dataclasses.replace(config, mapping=Mapping(tp_size=options.tp_size, pp_size=options.pp_size),

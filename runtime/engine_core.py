@@ -77,7 +77,7 @@ class EngineCore:
         # seconds spent starting: the ONNX Runtime session, then the KV pool faulted in + the warm-up step
         self.start_seconds = {"session": time.perf_counter() - start, "warm_up": 0.0}
         if model.recurrent_layers and config.enable_prefix_caching:
-            log.info("prefix caching is off: %s's linear attention layers keep a recurrent state, which a cached "
+            log.info("prefix caching is off: %s's recurrent layers keep a state per sequence, which a cached "
                      "prefix does not have", model.architecture)
         self.kv = KVCacheManager.for_groups(info.kv_cache_groups, num_blocks, build.tokens_per_block,
                                             config.enable_prefix_caching,
@@ -94,8 +94,9 @@ class EngineCore:
         self.sampler = Sampler()
         self.proposer = None
         if config.speculative and model.recurrent_layers:
-            raise ConfigError("speculative", f"{model.architecture}'s linear attention layers keep a recurrent state "
-                              "that cannot go back to the last accepted draft; serve it without speculative decoding.")
+            raise ConfigError("num_speculative_tokens", f"{model.architecture}'s recurrent layers (linear attention, "
+                              "Mamba2) keep a state that cannot go back to the last accepted draft; run it without "
+                              "speculative decoding.")
         if config.speculative:
             # NOTE: a draft pool holds as many tokens as the target's, plus every request's drafts
             draft_tokens = (num_blocks * build.tokens_per_block

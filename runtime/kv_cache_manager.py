@@ -1,6 +1,7 @@
 """Per-request block tables over a BlockPool, one table per KV cache group (configs/kv_groups.py), with prefix reuse
 of full blocks identified by chained hashes, and the release of the blocks a sliding-window group no longer reads.
-A model with linear attention layers also gives each request a recurrent state slot (runtime/recurrent_state.py)."""
+A model with recurrent layers (linear attention, Mamba2) also gives each request a state slot
+(runtime/recurrent_state.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  windows: Sequence[int | None] = (None,), num_state_slots: int = 0) -> None:
         """`windows`: one per KV cache group, its layers' sliding window (None: they read every position).
-        `num_state_slots`: recurrent state slots (a model with linear attention layers; 0: none), one per running
+        `num_state_slots`: recurrent state slots (a model with recurrent layers; 0: none), one per running
         request. NOTE: with them, no prefix is reused: the state after a cached prefix is not kept."""
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching and self.state_slots is None)
@@ -196,7 +197,7 @@ class KVCacheManager:
                      for table in self.blocks.get(request.request_id, [[]] * self.num_groups))
 
     def state_slot(self, request: Request) -> int:
-        """The request's recurrent state slot (-1: none, or a model without linear attention layers)."""
+        """The request's recurrent state slot (-1: none, or a model without recurrent layers)."""
         return -1 if self.state_slots is None else self.state_slots.slot(request.request_id)
 
     def block_table(self, request: Request) -> list[int]:

@@ -1,13 +1,14 @@
-"""The recurrent states of linear attention layers (Qwen3.5's gated DeltaNet, plugins/gated_delta.py): one slot per
-live sequence, holding that sequence's state in every such layer after its computed tokens.
+"""The states of recurrent layers (Qwen3.5's gated DeltaNet, plugins/gated_delta.py; Granite 4.0-H's Mamba2,
+plugins/mamba2.py): one slot per live sequence, holding that sequence's state in every such layer after its computed
+tokens.
 
-Unlike K/V, a recurrent state is not a row per token: it is one matrix per value head that every token rewrites. So
+Unlike K/V, a recurrent state is not a row per token: it is one matrix per head that every token rewrites. So
 it cannot be shared between sequences or rolled back, and it is kept apart from the paged pool: the KV cache manager
 gives a request a slot with its first blocks and takes it back with them (runtime/kv_cache_manager.py). What follows:
 a preempted request recomputes (its slot is freed), a prefix cannot be reused (the state after it is not kept), a
 beam's fork recomputes its tokens, and drafts cannot be verified (the state would have to return to the last
-accepted token). The engine's GatedDeltaNet nodes read and overwrite their sequences' slots in place; a sequence
-without a past starts from zero, whatever its slot held before.
+accepted token). The engine's GatedDeltaNet / Mamba2Scan nodes read and overwrite their sequences' slots in place;
+a sequence without a past starts from zero, whatever its slot held before.
 """
 
 from __future__ import annotations

@@ -131,7 +131,7 @@ def test_beam_search_equals_hugging_face(qwen3_5):
 
 def test_what_a_recurrent_state_cannot_do_is_refused(qwen3_5):
     _, engine = qwen3_5
-    with pytest.raises(ConfigError, match="recurrent state"):
+    with pytest.raises(ConfigError, match="recurrent layers"):
         LLM(engine, RuntimeConfig(num_threads=1, speculative=SpeculativeConfig(num_speculative_tokens=2)))
     config = model_config_from_hf(QWEN35_08B)
     for build, match in ((BuildConfig(target="cuda"), "no cuda kernel"),

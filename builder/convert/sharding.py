@@ -34,7 +34,7 @@ def check_mapping(config: ModelConfig, mapping: Mapping) -> None:
         raise ConfigError("tp_size", f"{config.architecture}'s experts have biases, which a tensor-parallel split "
                                      "would add once per rank; use --tp-size 1.")
     if (tp > 1 or pp > 1) and config.recurrent_layers:
-        raise ConfigError("tp_size" if tp > 1 else "pp_size", f"{config.architecture}'s linear attention layers are "
+        raise ConfigError("tp_size" if tp > 1 else "pp_size", f"{config.architecture}'s recurrent layers are "
                           "not split over ranks yet; use --tp-size 1 --pp-size 1.")
     if tp > 1 and "conv" in config.layer_types:
         raise ConfigError("tp_size", f"{config.architecture}'s convolution layers are not split over tensor-parallel "
