@@ -2,13 +2,13 @@
 layers), Granite 3.3 2B (Granite's multipliers), Gemma 3 1B / Gemma 2 2B (sandwich norms, sliding-window layers,
 soft-capping), ERNIE-4.5-0.3B / GLM-4-9B (interleaved RoPE), EXAONE-4.0-1.2B (post norms), AFM-4.5B / StarCoder2-3B
 (MLPs without a gate; StarCoder 2's LayerNorms and biases), LFM2-1.2B / LFM2-8B-A1B (short convolution layers; GGUF
-only), Qwen3.5-0.8B (gated DeltaNet layers; GGUF only), OLMoE-1B-7B / Granite 3.1 3B-A800M (mixtures of experts; GGUF
-only) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings;
-with a byte-level BPE as Phi-4 has), as an HF folder (bf16 safetensors; `--dtype float32` for float32 weights) and as
-a GGUF with a Q4_K / Q6_K mix written with the `gguf` package, for measuring convert / build / load / decode at real
-sizes. No weights are downloaded: the weights are random (seeded) and the tokenizer is a small byte-level BPE trained
-here on this repository's docs, padded to the model's vocabulary as the real tokenizers are, with the family's
-special tokens and chat template.
+only), Qwen3.5-0.8B (gated DeltaNet layers; GGUF only), a Granite-4.0-H-Micro-like 3B (Mamba2 layers; GGUF only),
+OLMoE-1B-7B / Granite 3.1 3B-A800M (mixtures of experts; GGUF only) or Phi-3.5-mini / Phi-4-mini (3.8B: fused q/k/v
+and gate/up, LongRoPE, Phi-4-mini's partial rotary embeddings; with a byte-level BPE as Phi-4 has), as an HF folder
+(bf16 safetensors; `--dtype float32` for float32 weights) and as a GGUF with a Q4_K / Q6_K mix written with the
+`gguf` package, for measuring convert / build / load / decode at real sizes. No weights are downloaded: the weights
+are random (seeded) and the tokenizer is a small byte-level BPE trained here on this repository's docs, padded to the
+model's vocabulary as the real tokenizers are, with the family's special tokens and chat template.
 
     python benchmarks/make_real_size_model.py --out /work/models/qwen1p5b [--shape 0.5b|1.5b|llama-1b]
     python benchmarks/make_real_size_model.py --out /work/models/llama8b --shape llama-8b --no-hf
@@ -29,6 +29,8 @@ special tokens and chat template.
     python benchmarks/make_real_size_model.py --out /work/models/lfm2 --shape lfm2-1.2b --no-hf --gguf-type f32
     python benchmarks/make_real_size_model.py --out /work/models/lfm2moe --shape lfm2-8b-a1b --no-hf --gguf-type f16
     python benchmarks/make_real_size_model.py --out /work/models/qwen35 --shape qwen3.5-0.8b --no-hf --gguf-type f16
+    python benchmarks/make_real_size_model.py --out /work/models/granite4h --shape granite4-h-micro --no-hf \\
+        --gguf-type f16
 
 `--no-hf` writes the GGUF straight from seeded random tensors, one at a time, without the HF folder (an 8B one
 would take 16 GB of disk); its tensors are drawn as transformers initializes them. The GGUF is written tensor by
@@ -54,6 +56,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from gguf_tensors import encode, gguf_type, llama3_rope_freqs, llama_permute  # noqa: E402
+from hybrid_metadata import context_length, head_count_kv, write_linear_attention, write_mamba2  # noqa: E402
 from real_shapes import (  # noqa: E402
     AFMOE,
     ARCEE,
@@ -64,6 +67,7 @@ from real_shapes import (  # noqa: E402
     GEMMAS,
     GLM4,
     GRANITE,
+    GRANITEHYBRID,
     GRANITEMOE,
     LFM2,
     LFM2MOE,
@@ -160,9 +164,10 @@ def random_rows(name: str, shape: tuple[int, ...], seed: int) -> Callable[[int, 
         x = rng.standard_normal((b - a, *shape[1:]), dtype=np.float32)
         if name.endswith("norm.weight"):
             return 1 + 0.1 * x
-        if name.endswith(".A_log"):  # as Qwen3.5's GGUF holds it, ssm_a = -exp(A_log): transformers' A_log is
-            return -rng.uniform(1, 16, b - a).astype(np.float32)  # log(uniform(0, 16)), kept off 0 here
-        if name.endswith(".dt_bias"):  # transformers' ones
+        if name.endswith(".A_log"):  # drawn as the GGUFs hold it, ssm_a = -exp(A_log), in Mamba2's A_init_range
+            return -rng.uniform(1, 16, (b - a, *shape[1:])).astype(np.float32)  # (1, 16); transformers' Qwen3.5
+            # A_log is log(uniform(0, 16)), kept off 0 here; its Granite 4.0-H one log(1 .. heads)
+        if name.endswith((".dt_bias", ".D")):  # transformers' ones (Mamba2's D: the skip)
             return 1 + 0.1 * x
         return (0.1 if name.endswith(".bias") else 0.02) * x
     return rows
@@ -173,7 +178,7 @@ def write_metadata(w, shape: Shape, tok) -> None:
 
     fam = shape.family
     w.add_name(f"{fam.arch}-random")
-    w.add_context_length(shape.max_position_embeddings)
+    w.add_context_length(context_length(shape))
     w.add_embedding_length(shape.hidden_size)
     w.add_block_count(shape.num_hidden_layers)
     w.add_feed_forward_length(shape.dense_intermediate_size or shape.intermediate_size)
@@ -187,13 +192,10 @@ def write_metadata(w, shape: Shape, tok) -> None:
         w.add_expert_feed_forward_length(shape.intermediate_size)
         w.add_leading_dense_block_count(shape.dense_layers)
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    if fam in (LFM2, LFM2MOE):  # LFM2Model.set_gguf_parameters: no KV heads in the convolution layers
-        w.add_head_count_kv([shape.num_key_value_heads if i in shape.attention_layers else 0
-                             for i in range(shape.num_hidden_layers)])
+    w.add_head_count_kv(head_count_kv(shape))
+    if fam in (LFM2, LFM2MOE):  # LFM2Model.set_gguf_parameters
         w.add_shortconv_l_cache(3)
         w.add_vocab_size(shape.vocab_size)
-    else:
-        w.add_head_count_kv(shape.num_key_value_heads)
     w.add_rope_freq_base(shape.rope_theta)
     if fam is STARCODER2:  # LayerNorms (TextModel.set_gguf_parameters, from norm_epsilon)
         w.add_layer_norm_eps(shape.rms_norm_eps)
@@ -205,17 +207,10 @@ def write_metadata(w, shape: Shape, tok) -> None:
     if shape.head_size:  # TextModel.set_gguf_parameters, where the config gives head_dim
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
-    if (la := shape.linear_attention) is not None:  # Qwen3NextModel / _Qwen35MRopeMixin.set_gguf_parameters, no MTP
-        w.add_ssm_conv_kernel(la.conv_kernel)
-        w.add_ssm_state_size(la.key_head_dim)
-        w.add_ssm_group_count(la.key_heads)
-        w.add_ssm_time_step_rank(la.value_heads)
-        w.add_ssm_inner_size(la.value_dim)
-        w.add_array(f"{fam.arch}.attention.recurrent_layers",  # NOTE: gguf 0.19 has no add_recurrent_layers
-                    [bool((i + 1) % la.interval) for i in range(shape.num_hidden_layers)])
-        w.add_full_attention_interval(la.interval)
-        w.add_rope_dimension_count(shape.rotary_dim)
-        w.add_rope_dimension_sections([11, 11, 10, 0])  # the released config's mrope_section, padded to 4
+    if shape.linear_attention is not None:
+        write_linear_attention(w, shape)
+    if shape.mamba2 is not None:
+        write_mamba2(w, shape)
     if shape.rope_scaling and shape.rope_scaling["rope_type"] == "yarn":  # TextModel.set_gguf_parameters
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(shape.rope_scaling["factor"])
@@ -232,7 +227,7 @@ def write_metadata(w, shape: Shape, tok) -> None:
     if shape.experts:  # TextModel.set_gguf_parameters
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_per_tok)
-    if fam in (GRANITE, GRANITEMOE):  # GraniteModel.set_gguf_parameters
+    if fam in (GRANITE, GRANITEMOE, GRANITEHYBRID):  # GraniteModel.set_gguf_parameters
         m = shape.multipliers
         w.add_attention_scale(m["attention_multiplier"])
         w.add_embedding_scale(m["embedding_multiplier"])
@@ -357,7 +352,7 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true", help="write only the GGUF, from seeded random tensors")
     args = ap.parse_args()
     shape = SHAPES[args.shape]
-    if (shape.experts or shape.family in (LFM2, LFM2MOE, QWEN35)) and not args.no_hf:
+    if (shape.experts or shape.family in (LFM2, LFM2MOE, QWEN35, GRANITEHYBRID)) and not args.no_hf:
         ap.error(f"{args.shape} is written as a GGUF only: pass --no-hf")
     hf = None if args.no_hf else args.out / "hf"
     tok_dir = args.out / "tokenizer" if hf is None else hf

@@ -132,10 +132,15 @@ AFMOE = Family("afmoe", *(getattr(LLAMA3, f) for f in ("pre", "digits", "special
 # 1 + w; Qwen2's specials and ChatML, its pre-tokenizer's letter runs taking combining marks
 QWEN35 = Family("qwen35", "qwen35", QWEN2.digits, QWEN2.specials, None, QWEN2.eos, QWEN2.pad, QWEN2.chat_template,
                 r"\p{M}")
+# Granite 4.0-H (llama.cpp's granitehybrid): Mamba2 layers (Shape.mamba2) among a few attention layers without RoPE
+# (Shape.attention_layers), a dense shared MLP, Granite's multipliers; Granite's role markers and <|pad|>, and a
+# cl100k-like pre-tokenizer (llama.cpp's "dbrx": Llama 3's regex)
+GRANITEHYBRID = Family("granitehybrid", "dbrx", LLAMA3.digits, (*GRANITE.specials, "<|pad|>"), None, GRANITE.eos,
+                       "<|pad|>", GRANITE.chat_template)
 # the families whose GGUF names the norms after attention / MLP as Gemma's
 POST_NORMED = (GEMMA2, GEMMA3, OLMO2, EXAONE4)
 # the families llama.cpp's LlamaModel converts: q / k rows permuted
-PERMUTED = (LLAMA3, SMOLLM3, GRANITE, GRANITEMOE, ARCEE, AFMOE)
+PERMUTED = (LLAMA3, SMOLLM3, GRANITE, GRANITEMOE, ARCEE, AFMOE, GRANITEHYBRID)  # GraniteHybridModel too, RoPE or not
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 
@@ -160,6 +165,30 @@ class LinearAttention:
 
 
 @dataclass(frozen=True)
+class Mamba2:
+    """Granite 4.0-H's Mamba2 layers: `heads` heads of `head_dim` (inner: twice the hidden size), a state of
+    `state_size` per head, B and C in `groups` groups, taps of `conv_kernel` with biases; no projection biases."""
+
+    heads: int
+    head_dim: int
+    state_size: int
+    groups: int = 1
+    conv_kernel: int = 4
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:  # the convolved channels: x | B | C
+        return self.inner + 2 * self.groups * self.state_size
+
+    @property
+    def in_proj_rows(self) -> int:  # z | x B C | dt
+        return self.inner + self.conv_dim + self.heads
+
+
+@dataclass(frozen=True)
 class Shape:
     family: Family
     hidden_size: int
@@ -179,11 +208,12 @@ class Shape:
     multipliers: dict | None = None  # Granite's, under their HF config names
     experts: int = 0  # a mixture of experts: this many of intermediate_size features, experts_per_tok a token
     experts_per_tok: int = 0
-    attention_layers: tuple[int, ...] | None = None  # LFM2: the layers with attention, the others convolutions
+    attention_layers: tuple[int, ...] | None = None  # LFM2, Granite 4.0-H: the layers with attention
     dense_layers: int = 0  # LFM2-MoE: the first this many layers' MLPs are dense, of dense_intermediate_size
     dense_intermediate_size: int = 0
     shared_experts: int = 0  # AFMoE: shared experts of intermediate_size features beside the routed ones
     linear_attention: LinearAttention | None = None  # Qwen3.5: its gated DeltaNet layers
+    mamba2: Mamba2 | None = None  # Granite 4.0-H: its Mamba2 layers, those not in attention_layers
 
     @property
     def head_dim(self) -> int:
@@ -245,6 +275,14 @@ SHAPES = {  # the released models' configs
     "qwen3.5-0.8b": Shape(QWEN35, 1024, 24, 8, 2, 3584, 248320, True, 1e7, None, 262144, 1e-6,
                           partial_rotary_factor=0.25, head_size=256,
                           linear_attention=LinearAttention(16, 16, 128, 128, 4)),
+    # Granite 4.0-H-Micro-like (illustrative values in its shape, not the released config): 40 layers, attention (16
+    # heads, 4 KV, of 128, no RoPE) in layers 9, 19, 29 and 39, Mamba2 in the others (64 heads of 64, state 128, one
+    # group, kernel 4); a dense shared MLP of 8192 in every layer; tied embeddings; a vocabulary that llama.cpp's
+    # converter does not pad further (a multiple of 8, its pad_vocab_size_multiple for hybrids)
+    "granite4-h-micro": Shape(GRANITEHYBRID, 2048, 40, 16, 4, 8192, 100352, True, 1e4, None, 131072, 1e-5,
+                              multipliers=dict(embedding_multiplier=12.0, attention_multiplier=0.0078125,
+                                               residual_multiplier=0.22, logits_scaling=8.0),
+                              attention_layers=(9, 19, 29, 39), mamba2=Mamba2(64, 64, 128)),
     "granite-2b": Shape(GRANITE, 2048, 40, 32, 8, 8192, 49159, True, 1e7, None, 131072, 1e-5, multipliers=dict(
         embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)),
 }

@@ -12,6 +12,7 @@ from real_shapes import (
     GEMMA3,
     GEMMAS,
     GLM4,
+    GRANITEHYBRID,
     LFM2,
     LFM2MOE,
     OLMO2,
@@ -56,6 +57,14 @@ QWEN35_TO_GGUF = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm
                       ("in_proj_a", "ssm_alpha"), ("conv1d", "ssm_conv1d"), ("norm", "ssm_norm"),
                       ("out_proj", "ssm_out"))}}
 QWEN35_WHOLE = {"linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}  # names without a .weight
+# Granite 4.0-H's (GraniteMoeHybridForCausalLM), as llama.cpp's GraniteHybridModel writes them: the Mamba2 mixer's
+# projections, taps and their biases, gated norm; its decay (A_log, stored as ssm_a = -exp(A_log)), skip D and dt bias;
+# the shared MLP's input_linear split into gate and up halves (named here as such), its output_linear
+GRANITEHYBRID_TO_GGUF = {**HF_TO_GGUF, **{f"mamba.{hf}": g for hf, g in (
+    ("in_proj", "ssm_in"), ("conv1d", "ssm_conv1d"), ("norm", "ssm_norm"), ("out_proj", "ssm_out"))},
+    "shared_mlp.gate_proj": "ffn_gate", "shared_mlp.up_proj": "ffn_up", "shared_mlp.output_linear": "ffn_down"}
+MAMBA2_WHOLE = {"mamba.A_log": "ssm_a", "mamba.D": "ssm_d", "mamba.dt_bias": "ssm_dt.bias"}  # names without a .weight
+WHOLE = {QWEN35: QWEN35_WHOLE, GRANITEHYBRID: MAMBA2_WHOLE}
 # Gemma 2 / 3's four norms: their post_attention_layernorm normalizes the attention's output
 GEMMA_TO_GGUF = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
@@ -147,6 +156,33 @@ def qwen35_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "model.norm.weight", (h,)
 
 
+def granite_hybrid_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Granite 4.0-H's weights: a Mamba2 mixer (in_proj's z | x B C | dt rows; each x / B / C channel's taps as
+    llama.cpp holds them, squeezed, and their biases; per head a dt bias, decay and skip, A and D as [heads, 1]; the
+    gated norm as [groups, inner / groups]; out_proj) or, in Shape.attention_layers, attention; a dense MLP in each."""
+    h, f, m = shape.hidden_size, shape.intermediate_size, shape.mamba2
+    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    yield "model.embed_tokens.weight", (shape.vocab_size, h)
+    for i in range(shape.num_hidden_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (h,)
+        if i in shape.attention_layers:
+            yield from ((p + f"self_attn.{x}_proj.weight", (n, h)) for x, n in (("q", q), ("k", kv), ("v", kv)))
+            yield p + "self_attn.o_proj.weight", (h, q)
+        else:
+            a = p + "mamba."
+            yield from ((a + "in_proj.weight", (m.in_proj_rows, h)), (a + "conv1d.weight", (m.conv_dim, m.conv_kernel)),
+                        (a + "conv1d.bias", (m.conv_dim,)), (a + "dt_bias", (m.heads,)), (a + "A_log", (m.heads, 1)),
+                        (a + "D", (m.heads, 1)), (a + "norm.weight", (m.groups, m.inner // m.groups)),
+                        (a + "out_proj.weight", (h, m.inner)))
+        yield p + "post_attention_layernorm.weight", (h,)
+        yield from ((p + "shared_mlp.gate_proj.weight", (f, h)), (p + "shared_mlp.up_proj.weight", (f, h)),
+                    (p + "shared_mlp.output_linear.weight", (h, f)))
+    yield "model.norm.weight", (h,)
+    if not shape.tie_word_embeddings:
+        yield "lm_head.weight", (shape.vocab_size, h)
+
+
 def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
     """(HF name, shape) of every weight, in the order HF checkpoints list them per layer."""
     if shape.family in (LFM2, LFM2MOE):
@@ -157,6 +193,9 @@ def hf_tensors(shape: Shape) -> Iterator[tuple[str, tuple[int, ...]]]:
         return
     if shape.family is QWEN35:
         yield from qwen35_tensors(shape)
+        return
+    if shape.family is GRANITEHYBRID:
+        yield from granite_hybrid_tensors(shape)
         return
     h, kv = shape.hidden_size, shape.num_key_value_heads * shape.head_dim
     q = shape.num_attention_heads * shape.head_dim
@@ -220,9 +259,10 @@ def gguf_name(hf_name: str, family: Family) -> str:
     if hf_name in top:
         return top[hf_name]
     _, _, i, rest = hf_name.split(".", 3)
-    if family is QWEN35 and rest in QWEN35_WHOLE:
-        return f"blk.{i}.{QWEN35_WHOLE[rest]}"
+    if rest in WHOLE.get(family, {}):
+        return f"blk.{i}.{WHOLE[family][rest]}"
     module, kind = rest.rsplit(".", 1)
     names = GEMMA_TO_GGUF if family in POST_NORMED else LFM2_TO_GGUF if family in (LFM2, LFM2MOE) else \
-        AFMOE_TO_GGUF if family is AFMOE else QWEN35_TO_GGUF if family is QWEN35 else HF_TO_GGUF
+        AFMOE_TO_GGUF if family is AFMOE else QWEN35_TO_GGUF if family is QWEN35 else \
+        GRANITEHYBRID_TO_GGUF if family is GRANITEHYBRID else HF_TO_GGUF
     return f"blk.{i}.{names[module]}.{kind}"

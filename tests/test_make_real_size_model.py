@@ -101,3 +101,22 @@ def test_a_qwen35_gguf_converts(script, tmp_path: Path):
     cfg = convert(tmp_path / "model.gguf", tmp_path / "ckpt")
     assert (cfg.architecture, cfg.num_hidden_layers, cfg.recurrent_layers) == ("Qwen3_5ForCausalLM", 4, (0, 1, 2))
     assert cfg.recurrent_state_shape == (4, 32, 32) and cfg.rotary_dim == 16
+
+
+def test_a_granite4_h_gguf_converts(script, tmp_path: Path):
+    """Granite 4.0-H is written as a GGUF only: Mamba2 layers (ssm_*, no KV heads) beside attention layers without
+    RoPE, a dense shared MLP in each layer, Granite's multipliers."""
+    from real_shapes import Mamba2
+
+    shape = replace(_tiny(script, "granite4-h-micro"), num_hidden_layers=4, attention_layers=(1, 3),
+                    mamba2=Mamba2(8, 64, 32))  # inner 512: twice the hidden size; vocabulary 4096, a multiple of 8
+    tok = script.make_tokenizer(tmp_path, shape.family)
+    script.make_gguf(tmp_path / "model.gguf", shape, tok, None, seed=0, form="f32")
+    cfg = convert(tmp_path / "model.gguf", tmp_path / "ckpt")
+    assert cfg.layer_types == ("mamba", "full_attention", "mamba", "full_attention") and cfg.recurrent_layers == (0, 2)
+    assert cfg.recurrent_state_shape == (8, 64, 32) and cfg.no_rope_layers == (0, 1, 2, 3)
+    assert (cfg.mamba_num_groups, cfg.mamba_conv_bias, cfg.mamba_proj_bias) == (1, True, False)
+    assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) == (12.0, 0.22, 8.0)
+    w = load_file(tmp_path / "ckpt" / "rank0.safetensors")
+    assert w["transformer.layers.0.mamba.in_proj.weight"].shape == (512 + 576 + 8, 256)  # z | x B C | dt
+    assert (w["transformer.layers.0.mamba.A"] < 0).all()  # ssm_a = -exp(A_log)
