@@ -340,6 +340,8 @@ class _NetworkWriter(HeadWriter, ConvWriter, LinearAttentionWriter, ExpertsWrite
             attn = self.branch_output(attn, p + "attention.")
             if not c.parallel_residual:  # NOTE: Cohere's MLP reads the attention's input h
                 x = g.op("Add", [x, attn], name=p + "attn_residual")
+                if not c.has_mlp(i):  # a Nemotron-H mixer without an MLP after it
+                    continue
                 h = self.norm(x, p + "post_layernorm.weight") if c.input_norms else x
             mlp = self.branch_output((self.experts if c.has_experts(i) else self.mlp)(h, p), p + "mlp.")
             if c.parallel_residual:

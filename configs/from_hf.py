@@ -20,6 +20,7 @@ from trtbuild.configs.model_config import (
     LFM2_FAMILIES,
     ModelConfig,
 )
+from trtbuild.configs.nemotron_h import nemotron_h_as_hybrid
 from trtbuild.errors import CheckpointError
 
 # HF `architectures[0]` -> (family, qkv_bias, qk_norm)
@@ -87,8 +88,11 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     # with a sigmoid gate on its output, per-head q / k norms and RoPE over a quarter of each head; (1 + w) RMSNorms
     "Qwen3_5ForCausalLM": ("qwen3_5", False, True),
     "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", False, True),  # + experts beside a gated shared expert (Qwen2-MoE's)
+    # Mamba2 layers and attention layers without RoPE, each followed by an MLP without a gate (relu^2) or not
+    # (configs/nemotron_h.py)
+    "NemotronHForCausalLM": ("nemotron_h", False, False),
 }
-_UNGATED_MLP_FAMILIES = ("arcee", "starcoder2", "apertus")
+_UNGATED_MLP_FAMILIES = ("arcee", "starcoder2", "apertus", "nemotron_h")
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> the text
 # config's model_type (None: whatever it says) -> (the text model's architecture, the transformers config class whose
 # defaults complete the released, sparse `text_config`)
@@ -312,7 +316,7 @@ def _gpt_oss_fields(hf: dict[str, Any], family: str) -> dict[str, Any]:
 
 def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
     prequantized_weights(hf)  # NOTE: refuses a quantization the readers do not undo (configs/hf_quantization.py)
-    hf = granite4_as_granite(text_model_config(hf))
+    hf = nemotron_h_as_hybrid(granite4_as_granite(text_model_config(hf)))
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
     if isinstance(arch, str) and arch.endswith("Model") and arch[:-5] + "ForCausalLM" in SUPPORTED_ARCHITECTURES:
@@ -382,6 +386,7 @@ def _model_config_from_hf(hf: dict[str, Any], dtype: str) -> ModelConfig:
         gated_mlp=family not in _UNGATED_MLP_FAMILIES,
         mlp_bias=mlp_bias,
         layer_types=layer_types,
+        mlp_free_layers=tuple(hf.get("mlp_free_layers") or ()),
         local_rotary_base=local_base if window and "sliding_attention" in layer_types else None,
         **_gemma_fields(hf, family, hf_dtype if hf_dtype in DTYPES else "float32"),
         **_granite_fields(hf, family),

@@ -13,7 +13,7 @@ def recurrent_layer_types(hf: dict[str, Any], family: str, layers: int) -> tuple
     """Qwen3.5's layer types as Qwen3_5TextConfig makes them (every full_attention_interval-th layer full, the others
     linear_attention) and Granite 4.0-H's (mamba or full_attention); None for another family or an attention-only
     Granite."""
-    if family in ("granite", "granitemoe") and hf.get("layer_types"):
+    if family in ("granite", "granitemoe", "nemotron_h") and hf.get("layer_types"):
         return tuple(hf["layer_types"][:layers])
     if family in QWEN35_FAMILIES:
         interval = int(hf.get("full_attention_interval") or 4)

@@ -133,6 +133,7 @@ class ModelConfig:
     mamba_num_groups: int = 0
     mamba_conv_bias: bool = False
     mamba_proj_bias: bool = False
+    mlp_free_layers: tuple[int, ...] = ()  # layers without an MLP (Nemotron-H's mixers not followed by one)
     local_rotary_base: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3); None: as every layer
     embedding_multiplier: float = 1.0  # the embedding rows are multiplied by this (Gemma: sqrt(hidden_size))
     attention_scale: float | None = None  # what q.k is multiplied by; None: head_size ** -0.5
@@ -271,6 +272,7 @@ class ModelConfig:
         d["eos_token_ids"] = list(self.eos_token_ids)
         d["no_rope_layers"] = list(self.no_rope_layers)
         d["layer_types"] = list(self.layer_types)
+        d["mlp_free_layers"] = list(self.mlp_free_layers)
         return {"format_version": CHECKPOINT_FORMAT_VERSION, **d}
 
     @classmethod
@@ -293,6 +295,7 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         d["no_rope_layers"] = tuple(d.get("no_rope_layers") or ())
         d["layer_types"] = tuple(d.get("layer_types") or ())
+        d["mlp_free_layers"] = tuple(d.get("mlp_free_layers") or ())
         try:
             return cls(
                 **d,
@@ -335,6 +338,10 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends within the sliding window (when the model has one)."""
         return bool(self.sliding_window) and self.layer_types[layer] == "sliding_attention"
+
+    def has_mlp(self, layer: int) -> bool:
+        """Whether `layer` has an MLP (or experts) after its attention / mixer: all but mlp_free_layers."""
+        return layer not in self.mlp_free_layers
 
     def has_experts(self, layer: int) -> bool:
         """Whether `layer`'s MLP is the mixture of experts (LFM2-MoE's first moe_dense_layers are dense)."""

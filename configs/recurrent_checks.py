@@ -11,7 +11,11 @@ if TYPE_CHECKING:
 
 
 def check_recurrent_fields(c: ModelConfig) -> None:
-    """Refuse linear_attention or mamba layers without the sizes they need (or both kinds in one model)."""
+    """Refuse linear_attention or mamba layers without the sizes they need (or both kinds in one model), and
+    mlp_free_layers that are not layer indices."""
+    if not all(isinstance(i, int) and 0 <= i < c.num_hidden_layers for i in c.mlp_free_layers):
+        raise CheckpointError(f"config.json: mlp_free_layers must list layer indices below num_hidden_layers "
+                              f"({c.num_hidden_layers}), got {list(c.mlp_free_layers)}")
     linear = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
               c.linear_value_head_dim)
     if "linear_attention" in c.layer_types and not (

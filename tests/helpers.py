@@ -137,6 +137,13 @@ RANDOM_CONFIGS = {
     "granite4_h": ("GraniteMoeHybridConfig", dict(_GRANITE4, num_local_experts=0, num_hidden_layers=4, **_MAMBA)),
     "granite4_h_moe": ("GraniteMoeHybridConfig", dict(_GRANITE4, num_local_experts=4, num_experts_per_tok=2,
                                                       intermediate_size=32, num_hidden_layers=4, **_MAMBA)),
+    # Nemotron-H: Mamba2 (8 heads of 16 in 2 groups), relu^2 MLPs, attention without RoPE; the second Mamba2 layer
+    # has no MLP after it
+    "nemotron_h": ("NemotronHConfig", dict(
+        {k: v for k, v in _COMMON.items() if k not in ("num_hidden_layers", "rms_norm_eps")}, head_dim=16,
+        layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention", "mlp", "linear_attention",
+                           "mlp"], mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
+        conv_kernel=4, layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
     "granitemoeshared": ("GraniteMoeSharedConfig", dict({k: v for k, v in _GRANITE4.items() if k != "layer_types"},
                                                         num_local_experts=4, num_experts_per_tok=2,
                                                         intermediate_size=32)),

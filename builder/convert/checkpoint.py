@@ -38,7 +38,7 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
         p = f"transformer.layers.{i}."
         if config.input_norms:
             names += [p + "input_layernorm.weight"]
-        if config.input_norms and not config.parallel_residual:
+        if config.input_norms and not config.parallel_residual and config.has_mlp(i):
             names += [p + "post_layernorm.weight"]
         if config.is_conv(i):
             names += [p + f"conv.{x}.weight" for x in ("in_proj", "kernel", "out_proj")]
@@ -53,19 +53,7 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
             names += _attention_tensors(config, p)
         if config.output_norms:
             names += [p + "attention.output_norm.weight", p + "mlp.output_norm.weight"]
-        if config.has_experts(i):
-            names += [p + "mlp.router.weight"] + [p + f"mlp.experts.{x}.weight" for x in ("gate", "fc", "proj")]
-            names += [p + "mlp.router.selection_bias"] if config.moe_selection_bias else []
-            if config.moe_bias:
-                names += [p + "mlp.router.bias"] + [p + f"mlp.experts.{x}.bias" for x in ("gate", "fc", "proj")]
-            if config.shared_expert_intermediate_size:
-                names += [p + "mlp.shared_gate.weight"] if config.shared_expert_gated else []
-                names += [p + f"mlp.shared.{x}.weight" for x in ("gate", "fc", "proj")]
-        else:
-            names += [p + f"mlp.act.{x}" for x in XIELU_PARAMETERS] if config.hidden_act == "xielu" else []
-            mlp = ("gate", "fc", "proj") if config.gated_mlp else ("fc", "proj")
-            names += [p + f"mlp.{x}.weight" for x in mlp] + ([p + f"mlp.{x}.bias" for x in mlp] if config.mlp_bias
-                                                             else [])
+        names += _mlp_tensors(config, p, i) if config.has_mlp(i) else []  # Nemotron-H: not every layer has one
         if config.norm_bias:
             names += [p + n for n in ("input_layernorm.bias", "post_layernorm.bias")[:1 if config.parallel_residual
                                                                                         else 2]]
@@ -79,6 +67,25 @@ def expected_tensors(config: ModelConfig, layers: Iterable[int], first_stage: bo
         names.append("transformer.vocab_embedding.weights_scaling_factor")
     if q.kv_cache_quant_algo is not None:
         names += [f"transformer.layers.{i}.attention.kv_cache_scaling_factor" for i in layers]
+    return names
+
+
+def _mlp_tensors(config: ModelConfig, p: str, i: int) -> list[str]:
+    """The tensors of layer i's MLP or experts (`p`: its `transformer.layers.{i}.`)."""
+    names: list[str] = []
+    if config.has_experts(i):
+        names += [p + "mlp.router.weight"] + [p + f"mlp.experts.{x}.weight" for x in ("gate", "fc", "proj")]
+        names += [p + "mlp.router.selection_bias"] if config.moe_selection_bias else []
+        if config.moe_bias:
+            names += [p + "mlp.router.bias"] + [p + f"mlp.experts.{x}.bias" for x in ("gate", "fc", "proj")]
+        if config.shared_expert_intermediate_size:
+            names += [p + "mlp.shared_gate.weight"] if config.shared_expert_gated else []
+            names += [p + f"mlp.shared.{x}.weight" for x in ("gate", "fc", "proj")]
+    else:
+        names += [p + f"mlp.act.{x}" for x in XIELU_PARAMETERS] if config.hidden_act == "xielu" else []
+        mlp = ("gate", "fc", "proj") if config.gated_mlp else ("fc", "proj")
+        names += [p + f"mlp.{x}.weight" for x in mlp] + ([p + f"mlp.{x}.bias" for x in mlp] if config.mlp_bias
+                                                         else [])
     return names
 
 

@@ -28,6 +28,7 @@ from trtbuild.builder.convert.experts import stack_experts
 from trtbuild.builder.convert.fused import split_fused
 from trtbuild.builder.convert.hf_reader import SourceTensor
 from trtbuild.builder.convert.names import hf_to_checkpoint_name, is_linear, model_linear_prefixes
+from trtbuild.builder.convert.nemotron_h import as_layer_pairs
 from trtbuild.builder.convert.safetensors_io import SafetensorsWriter
 from trtbuild.builder.convert.sharding import check_mapping, check_nbits_split, shard_for_rank
 from trtbuild.configs import Mapping, ModelConfig
@@ -119,7 +120,7 @@ def keeps_float32(name: str, config: ModelConfig) -> bool:
 def checkpoint_plan(source: dict[str, SourceTensor], config: ModelConfig) -> dict[str, SourceTensor]:
     """Checkpoint name -> source tensor for every tensor the checkpoint needs; checks names and shapes first."""
     plan = {}
-    for hf_name, src in stack_experts(split_fused(source, config), config).items():
+    for hf_name, src in stack_experts(split_fused(as_layer_pairs(source, config), config), config).items():
         if (name := hf_to_checkpoint_name(hf_name, config)) is not None:
             plan[name] = src
     # Tied models store one of the two (which one depends on who saved them); the checkpoint holds both.

@@ -300,6 +300,8 @@ def model_linear_prefixes(config: ModelConfig, layers: Iterable[int], last_stage
         moe = config.has_experts(i)
         prefixes = linear_prefixes([i], False, moe, moe and config.shared_expert_intermediate_size > 0,
                                    config.gated_mlp)
+        if not config.has_mlp(i):  # a Nemotron-H mixer without an MLP after it
+            prefixes = [p for p in prefixes if ".mlp." not in p]
         if config.attention_output_gate:  # NOTE: after v, the last linear reading the attention's input
             at = prefixes.index(f"transformer.layers.{i}.attention.v") + 1
             prefixes[at:at] = [f"transformer.layers.{i}.{s}" for s in GATE_LINEARS]

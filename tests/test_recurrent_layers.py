@@ -1,7 +1,8 @@
-"""Qwen3.5: gated DeltaNet layers (linear attention over a recurrent state per sequence) among gated full attention
-layers. Logits against transformers: tests/test_hf_parity.py (qwen3_5); the op: tests/test_gated_delta.py. Here: the
-config of the released models, the state slots the KV cache manager hands out (exact ids), what recomputes instead
-of sharing a state (preemption, beam forks, prefixes) with its answers unchanged, and what is refused."""
+"""Models with recurrent layers: Qwen3.5's gated DeltaNet (linear attention) among gated attention layers, Granite
+4.0-H's and Nemotron-H's Mamba2 layers. Logits against transformers: tests/test_hf_parity.py (qwen3_5, qwen3_5_moe,
+granite4_h, granite4_h_moe, nemotron_h); the ops: tests/test_gated_delta.py, tests/test_mamba2.py. Here: the configs
+of the released models, the state slots the KV cache manager hands out (exact ids), what recomputes instead of
+sharing a state (preemption, beam forks, prefixes) with its answers unchanged, and what is refused."""
 
 from __future__ import annotations
 
@@ -184,3 +185,19 @@ def test_ranks_and_calibration_are_refused_with_what_to_do(tmp_path, random_hf_m
     calib.write_text("Some text to calibrate on.\n")
     with pytest.raises(ConfigError, match="trtbuild convert"):
         quantize(QuantizeOptions(model=path, output=tmp_path / "q", qformat="fp8", calib_dataset=calib))
+
+
+def test_nemotron_h_layers_pair_each_mixer_with_the_mlp_after_it():
+    """Nemotron-H's one-block layers (M: Mamba2, *: attention, -: MLP) as trtbuild's mixer + MLP layers: a mixer
+    without an MLP after it makes a layer without one; experts and an MLP after no mixer are refused."""
+    hf = {"architectures": ["NemotronHForCausalLM"], "hidden_size": 64, "intermediate_size": 96, "vocab_size": 320,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "mamba_num_heads": 8,
+          "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "hybrid_override_pattern": "M-M*-M-"}
+    c = model_config_from_hf(hf)
+    assert (c.family, c.num_hidden_layers, c.layer_types, c.mlp_free_layers) == (
+        "nemotron_h", 4, ("mamba", "mamba", "full_attention", "mamba"), (1,))
+    assert (c.hidden_act, c.gated_mlp, c.no_rope_layers, c.recurrent_state_shape) == (
+        "relu2", False, (0, 1, 2, 3), (8, 16, 16))
+    for pattern, match in (("-M", "follows no mixer"), ("ME", "experts")):
+        with pytest.raises(TrtbuildError, match=match):
+            model_config_from_hf({**hf, "hybrid_override_pattern": pattern})
