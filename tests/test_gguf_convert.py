@@ -50,7 +50,7 @@ def test_llama_cpp_style_gguf_converts_like_its_hf_folder(tmp_path, family, monk
     if family == "starcoder2":  # NOTE: llama.cpp runs StarCoder 2 without its sliding window, so a GGUF has none
         overrides = {"sliding_window": None}
     if family.startswith("qwen3_5"):  # NOTE: with more value heads than key heads a GGUF keeps them in another order
-        overrides = {"linear_num_value_heads": 2}  # (tests/test_qwen3_5.py)
+        overrides = {"linear_num_value_heads": 2}  # (tests/test_recurrent_layers.py)
     hf = make_hf_folder(family, tmp_path / family, overrides)
     convert(hf, tmp_path / "from_hf")
     config = convert(write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", family), tmp_path / "from_gguf")
