@@ -15,8 +15,10 @@ import gguf
 import numpy as np
 from gguf_recurrent_helpers import (
     add_granite_hybrid_parameters,
+    add_nemotron_h_parameters,
     add_qwen35_parameters,
     granite_hybrid_tensor,
+    nemotron_h_hf_config,
     qwen35_tensor,
 )
 from helpers import STORIES260K, make_random_hf_model
@@ -45,7 +47,7 @@ PROBE_TEXTS = (
     "a</s>\n  b</s> <s> c",
 )
 # the architectures llama.cpp's LlamaModel converts (q / k rows permuted)
-PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee", "afmoe", "granitehybrid")
+PERMUTED = ("llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee", "afmoe", "granitehybrid", "nemotron_h")
 # HF family -> (GGUF architecture llama.cpp writes, vocabulary kind, general.name)
 FAMILIES = {
     "llama": ("llama", "spm", "Llama Tiny"),
@@ -78,6 +80,7 @@ FAMILIES = {
     # Granite 4.0-H: GraniteHybridModel with Mamba2 layers
     "granite4_h": ("granitehybrid", "spm", "Granite 4.0-H Tiny"),
     "granite4_h_moe": ("granitehybrid", "spm", "Granite 4.0-H MoE Tiny"),
+    "nemotron_h": ("nemotron_h", "bpe", "Nemotron-H Tiny"),
     "qwen2_moe": ("qwen2moe", "bpe", "Qwen2 MoE Tiny"),
     "gpt_oss": ("gpt-oss", "bpe", "GPT OSS Tiny"),
     "ernie4_5": ("ernie4_5", "spm", "ERNIE 4.5 Tiny"),
@@ -382,6 +385,8 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
 
     arch, vocab_kind, name = FAMILIES[family]
     cfg = json.loads((hf_dir / "config.json").read_text())
+    if arch == "nemotron_h":
+        cfg = nemotron_h_hf_config(cfg)
     heads, kv_heads, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -461,6 +466,8 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
     if arch == "granitehybrid":
         add_granite_hybrid_parameters(w, cfg)
+    if arch == "nemotron_h":
+        add_nemotron_h_parameters(w, cfg)
     if arch in ("granite", "granitemoe", "granitehybrid"):  # GraniteModel.set_gguf_parameters
         w.add_attention_scale(cfg["attention_multiplier"])
         w.add_embedding_scale(cfg["embedding_multiplier"])
@@ -488,7 +495,7 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
             data = _permute(data, kv_heads)
         if arch in ("qwen35", "qwen35moe"):
             hf_name, data = qwen35_tensor(hf_name, data, cfg)
-        if arch == "granitehybrid":
+        if arch in ("granitehybrid", "nemotron_h"):
             hf_name, data = granite_hybrid_tensor(hf_name, data, cfg)
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):  # GemmaModel.modify_tensors
             data = data + 1

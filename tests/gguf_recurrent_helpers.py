@@ -1,6 +1,7 @@
 """What llama.cpp's converter writes for the models with recurrent layers, for tests/gguf_helpers.py's
 write_gguf_like_llama_cpp: Qwen3.5 (conversion/qwen.py: Qwen3NextModel, _LinearAttentionVReorderBase,
-Qwen3_5TextModel) and Granite 4.0-H (conversion/granite.py: GraniteHybridModel; conversion/mamba.py: Mamba2Model)."""
+Qwen3_5TextModel), Granite 4.0-H (conversion/granite.py: GraniteHybridModel; conversion/mamba.py: Mamba2Model) and
+Nemotron-H (conversion/nemotron.py: NemotronHModel, a GraniteHybridModel)."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def add_granite_hybrid_parameters(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> No
 def granite_hybrid_tensor(name: str, data: np.ndarray, cfg: dict[str, Any]) -> tuple[str, np.ndarray]:
     """Mamba2Model.modify_tensors: dt_bias named dt_proj.bias, taps squeezed, A (= -exp(A_log)) and D as [heads, 1],
     the norm [groups, inner / groups]."""
-    if ".mamba." not in name:
+    if ".mamba." not in name and ".mixer." not in name:
         return name, data
     if name.endswith(".dt_bias"):
         return name.removesuffix(".dt_bias") + ".dt_proj.bias", data
@@ -84,6 +85,28 @@ def granite_hybrid_tensor(name: str, data: np.ndarray, cfg: dict[str, Any]) -> t
         return name, data.squeeze()
     if name.endswith((".A_log", ".D")):
         data = data.reshape(-1, 1)
-    if name.endswith("mamba.norm.weight"):
-        data = data.reshape(cfg["mamba_n_groups"], -1)
+    if name.endswith(("mamba.norm.weight", "mixer.norm.weight")):
+        data = data.reshape(cfg.get("mamba_n_groups") or cfg["n_groups"], -1)
     return name, (-torch.exp(torch.from_numpy(data))).numpy() if name.endswith(".A_log") else data
+
+
+def nemotron_h_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A saved NemotronHConfig with the keys the common writer reads (its layers, the norms' epsilon, a RoPE base
+    its attention does not use: TextModel writes 10000)."""
+    return {**cfg, "num_hidden_layers": len(cfg["layers_block_type"]), "rms_norm_eps": cfg["layer_norm_epsilon"],
+            "rope_theta": 10000.0}
+
+
+def add_nemotron_h_parameters(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
+    """NemotronHModel.set_gguf_parameters (after GraniteHybridModel's): the Mamba2 mixer's keys, and per layer its
+    KV heads (an attention layer's) and feed-forward features (an MLP layer's)."""
+    kinds = cfg["layers_block_type"]
+    w.add_ssm_conv_kernel(cfg["conv_kernel"])
+    w.add_ssm_state_size(cfg["ssm_state_size"])
+    w.add_ssm_group_count(cfg["n_groups"])
+    w.add_ssm_inner_size(cfg["mamba_num_heads"] * cfg["mamba_head_dim"])
+    w.add_ssm_time_step_rank(cfg["mamba_num_heads"])
+    w.add_head_count_kv([cfg["num_key_value_heads"] if k == "full_attention" else 0 for k in kinds])
+    w.add_feed_forward_length([cfg["intermediate_size"] if k == "mlp" else 0 for k in kinds])
+    w.add_rope_scaling_finetuned(False)
+    w.add_context_length(2**20)

@@ -201,3 +201,21 @@ def test_nemotron_h_layers_pair_each_mixer_with_the_mlp_after_it():
     for pattern, match in (("-M", "follows no mixer"), ("ME", "experts")):
         with pytest.raises(TrtbuildError, match=match):
             model_config_from_hf({**hf, "hybrid_override_pattern": pattern})
+
+
+def test_a_nemotron_h_gguf_converts_like_its_hf_folder(tmp_path, monkeypatch):
+    """llama.cpp's nemotron_h keeps one block a GGUF layer (its kinds told by the KV heads and feed-forward
+    features each layer has) and a context of 2^20, which the HF folder is given here too."""
+    from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
+    from helpers import require_shared_models
+    from test_gguf_convert import assert_same_checkpoint
+
+    from trtbuild.builder.convert.convert import convert
+
+    require_shared_models()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hf = make_hf_folder("nemotron_h", tmp_path / "hf", {"max_position_embeddings": 2**20})
+    convert(hf, tmp_path / "from_hf")
+    config = convert(write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "nemotron_h"), tmp_path / "from_gguf")
+    assert config.family == "nemotron_h" and config.mlp_free_layers == (1,)
+    assert_same_checkpoint(tmp_path / "from_hf", tmp_path / "from_gguf")

@@ -184,6 +184,9 @@ GGUF_ARCHITECTURES["qwen35moe"] = GgufArch(  # + Qwen2-MoE's experts and gated s
 GGUF_ARCHITECTURES["granitehybrid"] = GgufArch(
     "GraniteMoeHybridForCausalLM", "granitemoehybrid", True, gguf_granite_hybrid.LAYER_TENSORS,
     gguf_granite_hybrid.OPTIONAL_LAYER_TENSORS, renames=gguf_granite_hybrid.RENAMES)
+GGUF_ARCHITECTURES["nemotron_h"] = GgufArch(
+    "NemotronHForCausalLM", "nemotron_h", True, ("attn_norm.weight",), gguf_granite_hybrid.NEMOTRON_H_TENSORS,
+    renames=gguf_granite_hybrid.NEMOTRON_H_RENAMES)
 # LFM2-MoE: LFM2's layers, a dense MLP before leading_dense_block_count, experts after it (chosen by sigmoid scores
 # plus exp_probs_b, renormalized: llama.cpp's build_moe_ffn with norm_w for this architecture)
 _LFM2 = GGUF_ARCHITECTURES["lfm2"]
@@ -340,6 +343,8 @@ def hf_config(
                                  else "full_attention") for i in range(cfg["num_hidden_layers"])])
     if arch.model_type == "granitemoehybrid":
         cfg.update(gguf_granite_hybrid.granite_hybrid_config(meta, prefix, shapes))
+    if arch.model_type == "nemotron_h":
+        cfg.update(gguf_granite_hybrid.nemotron_h_config(meta, prefix, shapes))
     if arch.model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
         cfg.update(gguf_qwen35.qwen35_config(meta, prefix))
     if arch.model_type == "starcoder2":  # LayerNorms

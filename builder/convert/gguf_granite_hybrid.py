@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trtbuild.builder.convert.gguf_rope import f32
+
 RENAMES = (("ssm_in.weight", "mamba.in_proj.weight"), ("ssm_conv1d.weight", "mamba.conv1d.weight"),
            ("ssm_conv1d.bias", "mamba.conv1d.bias"), ("ssm_dt.bias", "mamba.dt_bias"), ("ssm_a", "mamba.A"),
            ("ssm_d", "mamba.D"), ("ssm_norm.weight", "mamba.norm.weight"), ("ssm_out.weight", "mamba.out_proj.weight"))
@@ -42,3 +44,32 @@ def granite_hybrid_config(meta: dict[str, Any], prefix: str, shapes: dict[str, t
             "mamba_n_heads": heads, "mamba_d_head": inner // heads, "mamba_d_state": int(key("ssm.state_size")),
             "mamba_n_groups": int(key("ssm.group_count")), "mamba_d_conv": int(key("ssm.conv_kernel")),
             "mamba_conv_bias": any(name.endswith("ssm_conv1d.bias") for name in shapes), "mamba_proj_bias": False}
+
+
+# Nemotron-H (llama.cpp's `nemotron_h`, written by a GraniteHybridModel): one block per GGUF layer as in the HF
+# checkpoint, named back to its `mixer.*` (builder/convert/nemotron_h.py pairs them into trtbuild's layers); the
+# layers' kinds from the KV heads (attention) and feed-forward features (MLP) each layer has
+NEMOTRON_H_RENAMES = (("attn_norm.weight", "norm.weight"),
+                      *((g, "mixer." + hf.removeprefix("mamba.")) for g, hf in RENAMES),
+                      *((f"attn_{p}.weight", f"mixer.{p}_proj.weight") for p in "qkv"),
+                      ("attn_output.weight", "mixer.o_proj.weight"),
+                      ("ffn_up.weight", "mixer.up_proj.weight"), ("ffn_down.weight", "mixer.down_proj.weight"))
+NEMOTRON_H_TENSORS = tuple(g for g, _ in NEMOTRON_H_RENAMES)
+
+
+def nemotron_h_config(meta: dict[str, Any], prefix: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """NemotronHConfig's fields of a nemotron_h file (its layer pattern as hybrid_override_pattern)."""
+    def key(name: str, default: Any = None) -> Any:
+        return meta.get(f"{prefix}.{name}", default)
+
+    layers = int(key("block_count"))
+    kv, ff = key("attention.head_count_kv"), key("feed_forward_length")
+    kv, ff = (v if isinstance(v, list) else [v] * layers for v in (kv, ff))
+    experts = bool(key("expert_count"))
+    pattern = "".join("*" if kv[j] else ("E" if experts else "-") if ff[j] else "M" for j in range(layers))
+    heads, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
+    return {"hybrid_override_pattern": pattern, "intermediate_size": max(ff), "mamba_num_heads": heads,
+            "mamba_head_dim": inner // heads, "ssm_state_size": int(key("ssm.state_size")),
+            "n_groups": int(key("ssm.group_count")), "conv_kernel": int(key("ssm.conv_kernel")),
+            "use_conv_bias": any(name.endswith("ssm_conv1d.bias") for name in shapes),
+            "layer_norm_epsilon": f32(key("attention.layer_norm_rms_epsilon") or 1e-5), "mlp_hidden_act": "relu2"}

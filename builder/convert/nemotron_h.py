@@ -11,7 +11,8 @@ from trtbuild.configs import ModelConfig
 from trtbuild.errors import CheckpointError
 
 _GLOBAL = {"backbone.embeddings.weight": "model.embed_tokens.weight", "backbone.norm_f.weight": "model.norm.weight"}
-_LAYER = re.compile(r"^backbone\.layers\.(\d+)\.(norm\.weight|mixer\.(.+))$")
+# NOTE: a GGUF's come as model.layers.{j}.* (builder/convert/gguf_granite_hybrid.py)
+_LAYER = re.compile(r"^(?:backbone|model)\.layers\.(\d+)\.(norm\.weight|mixer\.(.+))$")
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
