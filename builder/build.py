@@ -44,8 +44,8 @@ def check_recurrent_buildable(config: ModelConfig, build: BuildConfig) -> None:
     """Refuse what a model with recurrent layers (linear attention, Mamba2: a state per sequence) cannot be built
     with."""
     name = f"{config.architecture}'s recurrent layers (linear attention, Mamba2)"
-    if build.target != "cpu":
-        raise TrtbuildError(f"{name} have no {build.target} kernel yet; build it with --target cpu.")
+    if build.target == "tensorrt":
+        raise TrtbuildError(f"{name} have no tensorrt kernel yet; build it with --target cpu or cuda.")
     if build.draft_tokens:
         raise TrtbuildError(f"{name} keep a recurrent state that cannot go back to the last accepted draft: build "
                             "it without --speculative-decoding-mode draft-tokens.")
@@ -54,7 +54,7 @@ def check_recurrent_buildable(config: ModelConfig, build: BuildConfig) -> None:
                             "scales for: quantize without --kv-cache-qformat.")
     from trtbuild import cpu_ops
 
-    if (reason := cpu_ops.unavailable_reason()) is not None:
+    if build.target == "cpu" and (reason := cpu_ops.unavailable_reason()) is not None:
         raise TrtbuildError(f"{name} run only as trtbuild's CPU ops (GatedDeltaNet, Mamba2Scan), and {reason}.")
 
 
@@ -111,7 +111,7 @@ def check_parallel_buildable(config: ModelConfig, build: BuildConfig) -> None:
                                       "at every collective: build with --autotune off.")
     from trtbuild import cpu_ops
 
-    if (reason := cpu_ops.unavailable_reason()) is not None:
+    if build.target == "cpu" and (reason := cpu_ops.unavailable_reason()) is not None:
         raise TrtbuildError(f"tensor-parallel ranks meet in the native CPU library's collectives, which cannot be "
                             f"built here ({reason}); {again}.")
 

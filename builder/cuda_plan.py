@@ -32,6 +32,9 @@ Each node maps to one kernel (gpu_kernels/ for the Triton ones, torch for the re
                                                                sinks (a constant) are the last input, attr sinks
   trtbuild::PagedShortConv                short_conv           gpu_kernels/short_conv.py (LFM2), then conv_write:
                                                                the step's rows over the layer's slots (torch)
+  trtbuild::GatedDeltaNet,                gated_delta,         gpu_kernels/recurrent.py: a scan per (sequence, head),
+  trtbuild::Mamba2Scan                    mamba2_scan          its state in the engine's recurrent_state (Qwen3.5,
+                                                               Granite 4.0-H, Nemotron-H), the gated norm in torch
   com.microsoft::MoE (SwiGLU experts)     moe                  gpu_kernels/fused_moe.py: routing and per-expert tiles
                                                                in torch, a grouped GEMM per projection
   trtbuild::SpeculativeAccept             speculative_accept   gpu_kernels/speculative_accept.py on the lm_head rows
@@ -58,6 +61,8 @@ from trtbuild.builder.graph import MS_DOMAIN, GraphView, other_input
 from trtbuild.builder.network import ACCEPT_INPUTS
 from trtbuild.configs import LORA_IDS_INPUT
 from trtbuild.errors import TrtbuildError
+from trtbuild.plugins import gated_delta as gd
+from trtbuild.plugins import mamba2
 from trtbuild.plugins import paged_attention as pa
 from trtbuild.plugins import short_conv as sc
 from trtbuild.plugins import speculative_accept as sa
@@ -128,7 +133,9 @@ class _PlanWriter(QuantizedSteps):
         self.steps: list[PlanStep] = []
         self.weights: dict[str, torch.Tensor] = {}
         self.skip: set[str] = set()  # node names folded into an earlier step
-        self.group_inputs: set[str] = set()  # block tables and slot mappings of KV cache groups after the first
+        # plan inputs beyond PLAN_INPUTS: block tables and slot mappings of KV cache groups after the first, the
+        # recurrent layers' state slots
+        self.group_inputs: set[str] = set()
 
     def weight(self, name: str, value: np.ndarray, dtype: torch.dtype | None = None, key: str | None = None) -> str:
         key = key or name
@@ -252,6 +259,8 @@ class _PlanWriter(QuantizedSteps):
             self.attention(n, a)
         elif op == sc.OP_TYPE and n.domain == sc.DOMAIN:
             self.short_conv(n, a)
+        elif (op, n.domain) in ((gd.OP_TYPE, gd.DOMAIN), (mamba2.OP_TYPE, mamba2.DOMAIN)):
+            self.recurrent(n, a)
         elif op == "MoE" and n.domain == MS_DOMAIN:
             self.experts(n, a)
         elif op == sa.OP_TYPE and n.domain == sa.DOMAIN:
@@ -316,6 +325,17 @@ class _PlanWriter(QuantizedSteps):
         self.emit("short_conv", n, inputs, [n.output[0]], layer_idx=a["layer_idx"])
         self.steps.append(PlanStep("conv_write", n.name + "/conv_write", ("kv_cache", x, self.group_tables(table)),
                                    (), {"layer_idx": a["layer_idx"]}))
+
+    def recurrent(self, n: onnx.NodeProto, a: dict[str, Any]) -> None:
+        """A gated DeltaNet or Mamba2 scan (gpu_kernels/recurrent.py) over the engine's `recurrent_state`, with the
+        step's state slots a plan input; its per-head constants float32."""
+        names = gd.INPUTS if n.op_type == gd.OP_TYPE else mamba2.INPUTS
+        inputs = [self.weight(i, self.const(i), torch.float32) if i in self.view.initializers else
+                  "recurrent_state" if name == gd.STATE_INPUT else i for name, i in zip(names, n.input, strict=True)]
+        self.group_inputs.add(gd.STATE_SLOTS_INPUT)
+        keep = ("state_layer", "epsilon", "tiled", "num_groups")
+        self.emit("gated_delta" if n.op_type == gd.OP_TYPE else "mamba2_scan", n, inputs, [n.output[0]],
+                  **{k: a[k] for k in keep if k in a})
 
     def experts(self, n: onnx.NodeProto, a: dict[str, Any]) -> None:
         """ONNX Runtime's MoE (builder/moe_experts.py: the float form) as a `moe` step (gpu_kernels/fused_moe.py):

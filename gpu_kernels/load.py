@@ -14,8 +14,8 @@ from types import ModuleType
 
 from trtbuild.errors import TrtbuildError
 
-KERNEL_MODULES = ("fused_moe", "int8_gemm", "paged_attention", "rmsnorm", "short_conv", "speculative_accept",
-                  "swiglu", "weight_only_gemm")
+KERNEL_MODULES = ("fused_moe", "int8_gemm", "paged_attention", "recurrent", "rmsnorm", "short_conv",
+                  "speculative_accept", "swiglu", "weight_only_gemm")
 
 
 def _interpreted(module: ModuleType) -> bool:

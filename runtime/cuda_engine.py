@@ -106,6 +106,12 @@ class CudaEngine:
         # draft-tokens engines yet: their decode steps verify drafts (several rows per sequence) and run eagerly
         self.use_cuda_graphs = gpu and not self.max_draft_len
         self.graphs: dict[int, Any] = {}
+        model = self.info.model
+        # the recurrent layers' states (runtime/recurrent_state.py), float32, a slot per sequence the engine batches
+        # plus a scratch slot for the padded rows of a CUDA-graph decode batch
+        self.state_slots = self.info.build.max_batch_size if model.recurrent_layers else 0
+        self.states = torch.zeros((self.state_slots + 1, len(model.recurrent_layers), *model.recurrent_state_shape),
+                                  dtype=torch.float32, device=self.device) if model.recurrent_layers else None
         self.allocate_kv_cache(num_blocks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -134,7 +140,8 @@ class CudaEngine:
         per_seq = min(max_num_tokens // num_seqs, b.max_seq_len)
         blocks = (0,) * -(-per_seq // b.tokens_per_block)
         others = (blocks,) * (len(self.kv.groups) - 1)
-        self.step([SequenceChunk(i, [0] * per_seq, 0, 1, blocks, group_block_ids=others) for i in range(num_seqs)])
+        self.step([SequenceChunk(i, [0] * per_seq, 0, 1, blocks, group_block_ids=others, state_slot=i)
+                   for i in range(num_seqs)])
         if self.use_cuda_graphs:
             from trtbuild.runtime.cuda_graphs import batch_buckets
 
@@ -147,7 +154,7 @@ class CudaEngine:
     def execute(self, chunks: list[SequenceChunk]) -> StepOutput:
         """One packed step: logits rows of every chunk without `accept`, in order, and the accept results of those
         with it (only those rows and results leave the device)."""
-        check_chunks(self.info.build, chunks, self.max_draft_len, len(self.kv.groups))
+        check_chunks(self.info.build, chunks, self.max_draft_len, len(self.kv.groups), self.state_slots)
         start = time.perf_counter()
         rows = sum(c.num_logits for c in chunks)
         decode = all(len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks)
@@ -196,6 +203,8 @@ class CudaEngine:
                     host[name] = np.concatenate([host[name], np.zeros(pad, dtype=np.int64)])
             host["logits_indices"] = np.concatenate([host["logits_indices"], tokens + np.arange(pad)])
         host.update((group_input("slot_mapping", g), slots[g]) for g in groups)
+        if self.states is not None:  # NOTE: padded rows share the scratch slot (past 0: nothing is read from it)
+            host["state_slots"] = np.array([c.state_slot for c in chunks] + [self.state_slots] * pad, dtype=np.int64)
         if self.max_draft_len:
             host.update(accept_feeds(chunks, self.max_draft_len))
         return {name: torch.from_numpy(host[name]).to(self.device, non_blocking=True) for name in self.plan.inputs}
@@ -206,6 +215,8 @@ class CudaEngine:
         graph can capture it."""
         env: dict[str, torch.Tensor] = dict(inputs)
         env["kv_cache"] = self.kv.pool
+        if self.states is not None:
+            env["recurrent_state"] = self.states
         weights = self.weights
         for step, attrs, frees in zip(self.plan.steps, self.step_attrs, self.frees, strict=True):
             args = [env[n] if n in env else weights[n] for n in step.inputs]
@@ -213,6 +224,6 @@ class CudaEngine:
                 attrs = {**attrs, "max_query_len": max_query_len}
             env.update(zip(step.outputs, OPS[step.kernel](self.kernels, attrs, *args), strict=True))
             for name in frees:
-                if name not in inputs and name != "kv_cache":
+                if name not in inputs and name not in ("kv_cache", "recurrent_state"):
                     env.pop(name, None)
         return {name: env[name] for name in self.plan.outputs}

@@ -248,6 +248,18 @@ def conv_write(k: Kernels, a: dict[str, Any], kv_cache: torch.Tensor, x: torch.T
     return ()
 
 
+def gated_delta(k: Kernels, a: dict[str, Any], *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Qwen3.5's linear attention over the engine's recurrent states (updated in place)."""
+    return (k["recurrent"].gated_delta(*args, state_layer=a["state_layer"], epsilon=a["epsilon"],
+                                       tiled=bool(a.get("tiled", 0))),)
+
+
+def mamba2_scan(k: Kernels, a: dict[str, Any], *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A Mamba2 layer's scan over the engine's recurrent states (updated in place)."""
+    return (k["recurrent"].mamba2_scan(*args, state_layer=a["state_layer"], num_groups=a["num_groups"],
+                                       epsilon=a["epsilon"]),)
+
+
 def moe(k: Kernels, a: dict[str, Any], x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor,
         down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
         down_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
@@ -267,5 +279,5 @@ OPS: dict[str, Op] = {f.__name__: f for f in (
     gather_rows, rmsnorm, add_rmsnorm, layernorm, linear, weight_only_linear, add, mul, concat, split, reshape, swiglu,
     silu_mul, geglu, gelu_mul, gelu, tanh, relu, sigmoid, log, topk, gather_elements, scatter_elements, reduce_sum,
     full_like, scale, paged_attention, kv_write, short_conv, conv_write, moe, speculative_accept, int8_linear,
-    fp8_linear, div, maximum, abs, reduce_max, sub, minimum, greater, where, exp)}
+    fp8_linear, div, maximum, abs, reduce_max, sub, minimum, greater, where, exp, gated_delta, mamba2_scan)}
 OPS["embedding"] = gather_rows

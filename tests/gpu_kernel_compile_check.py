@@ -101,6 +101,18 @@ for dtype in (torch.float32, torch.bfloat16):
         torch.zeros(5, 2048, dtype=dtype), torch.zeros(8, 6, 2, 8, 16, 64, dtype=dtype),
         torch.zeros(2, 4, dtype=torch.int64), torch.tensor([3, 0]), torch.tensor([0, 1, 5]), torch.zeros(2048, 3),
         layer_idx=2, max_query_len=4)
+    # Qwen3.5-0.8B's gated DeltaNet (16 + 16 heads of 128; tiled as a GGUF's), Granite 4.0-H's Mamba2 (64 heads of 64,
+    # state 128, one group)
+    K["recurrent"].gated_delta(
+        torch.zeros(5, 6144, dtype=dtype), torch.zeros(5, 2048, dtype=dtype), torch.zeros(5, 16, dtype=dtype),
+        torch.zeros(5, 16, dtype=dtype), torch.zeros(16), torch.zeros(16), torch.zeros(128),
+        torch.zeros(3, 18, 16, 128, 128), torch.tensor([0, 1]), torch.tensor([3, 0]), torch.tensor([0, 1, 5]),
+        state_layer=2, epsilon=1e-6, tiled=True)
+    K["recurrent"].mamba2_scan(
+        torch.zeros(5, 4352, dtype=dtype), torch.zeros(5, 4096, dtype=dtype), torch.zeros(5, 64, dtype=dtype),
+        torch.zeros(64), torch.zeros(64), torch.zeros(64), torch.zeros(4096), torch.zeros(3, 36, 64, 64, 128),
+        torch.tensor([0, 1]), torch.tensor([3, 0]), torch.tensor([0, 1, 5]), state_layer=2, num_groups=1,
+        epsilon=1e-5)
 attention(torch.float16, 4, 2, 64, int8=True)
 x = torch.zeros(3, 576, dtype=torch.bfloat16)
 K["rmsnorm"].add_rmsnorm(x, torch.zeros(576, dtype=torch.bfloat16), 1e-5)

@@ -62,7 +62,8 @@ STEPS = [
 @pytest.mark.parametrize("model", ["stories260K", "qwen2", "mistral_window", "gemma2", "gemma3", "granite", "olmo3",
                                    "glm4", "cohere2", "ministral3", "arcee", "starcoder2", "qwen3_moe", "mixtral",
                                    "olmoe", "qwen2_moe", "granitemoe", "gpt_oss", "lfm2", "lfm2_wide",
-                                   "lfm2_moe", "lfm2_moe_raw", "granite4_moe", "apertus", "afmoe", "glm"])
+                                   "lfm2_moe", "lfm2_moe_raw", "granite4_moe", "apertus", "afmoe", "glm", "qwen3_5",
+                                   "granite4_h", "nemotron_h"])
 def test_cuda_plan_matches_cpu_engine(engine_pair, model):
     cpu_dir, cuda_dir = engine_pair(model)
     groups = len(read_engine_config(cpu_dir).kv_cache_groups)  # Gemma 2 / 3, OLMo 3: a table per group
@@ -75,6 +76,8 @@ def test_cuda_plan_matches_cpu_engine(engine_pair, model):
     # the K/V each step wrote, slot by slot (the scratch block past the pool's blocks aside)
     np.testing.assert_allclose(cuda.kv.pool[: cuda.kv.num_blocks].float().cpu().numpy(), cpu.kv.pool, atol=1e-5,
                                rtol=1e-6)  # NOTE: ONNX Runtime's GEMMs round differently per instruction set
+    if cpu.states is not None:  # the recurrent layers' states in the slots of both sequences
+        np.testing.assert_allclose(cuda.states[:2].cpu().numpy(), cpu.states.states[:2], atol=1e-5, rtol=1e-5)
 
 
 def test_cuda_engine_directory_describes_itself(engine_pair):
@@ -102,9 +105,10 @@ def test_autotune_without_gpu_records_defaults_and_why(random_hf_model, engine_f
     assert "needs a GPU" in tactics["paged_attention"]["source"]
 
 
-@pytest.mark.parametrize("model", ["stories260K", "lfm2"])
+@pytest.mark.parametrize("model", ["stories260K", "lfm2", "qwen3_5"])
 def test_greedy_generation_equals_cpu_engine(engine_pair, model):
-    """Through EngineCore (LFM2: convolution groups whose blocks are released as sequences advance)."""
+    """Through EngineCore (LFM2: convolution groups whose blocks are released as sequences advance; Qwen3.5: state
+    slots handed out by the KV cache manager)."""
     cpu_dir, cuda_dir = engine_pair(model)
     config = RuntimeConfig(kv_cache_blocks=32, warm_up=False)
     prompts = ["Once upon a time", "The cat"] if model == "stories260K" else [[5, 9, 3, 7, 11, 2, 8], [2, 4]]

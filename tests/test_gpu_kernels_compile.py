@@ -15,7 +15,7 @@ import trtbuild.gpu_kernels as gpu_kernels
 def test_every_kernel_compiles_for_sm90_as_the_plan_launches_it():
     """tests/gpu_kernel_compile_check.py: each launcher's kernels, in the specializations engines use (float32 and
     bfloat16, GQA, split-K with sinks, softcap with a window, head size 8, an int8 pool, 4/8-bit and int8 weights,
-    int8 x int8, experts with and without biases, LFM2's convolution),
+    int8 x int8, experts with and without biases, LFM2's convolution, the gated DeltaNet and Mamba2 scans),
     through triton.compile to cubin."""
     pytest.importorskip("triton", reason="triton is not installed (pip install -e .[dev])")
     script = Path(__file__).with_name("gpu_kernel_compile_check.py")
@@ -25,4 +25,4 @@ def test_every_kernel_compiles_for_sm90_as_the_plan_launches_it():
     # every launched kernel (a @triton.jit function named *_kernel) of every module
     kernels = set(re.findall(r"@triton\.jit\ndef (\w+_kernel)\(", "".join(
         f.read_text() for f in Path(gpu_kernels.__file__).parent.glob("*.py"))))
-    assert len(kernels) == 10 and compiled == kernels, (compiled, kernels)
+    assert len(kernels) == 12 and compiled == kernels, (compiled, kernels)
