@@ -2,10 +2,12 @@
 // per-sequence recurrent states, with the layer's gated RMSNorm; the contract and numpy reference of
 // plugins/gated_delta.py.
 //
-// A task is one (sequence, value head): its state S [key dim, value dim] is read from the sequence's slot (zero for
+// First a task per token: q | k | v's SiLU and L2 norms, each head's beta and decay, once for every head. Then a
+// task per (sequence, value head): its state S [key dim, value dim] is read from the sequence's slot (zero for
 // a sequence without a past), carried through the sequence's new tokens in order, and written back. Per token, two
 // passes over S, each an auto-vectorized loop over the value dim: one reading S for k^T S; one rewriting S decayed
-// plus k delta^T and accumulating q^T S. A head's state (64 KiB at 128 x 128) stays in the core's L2 across a prefill's tokens.
+// plus k delta^T and accumulating q^T S. A head's state (64 KiB at 128 x 128) stays in the core's L2 across a
+// prefill's tokens.
 #include "cpu_ops.h"
 
 #include <algorithm>
@@ -26,6 +28,9 @@ inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x));
 
 struct Problem {
   const float *qkv, *z, *b, *a, *decay_rate, *dt_bias, *norm_weight;
+  // prepare_token's, per token: q | k | v after the SiLU, q and k L2-normalized (q also scaled) [channels]; each
+  // value head's beta and decay [Hv, 2]
+  float *u, *gates;
   float* states;  // [slots, state layers, Hv, dk, dv], written in place
   const int64_t *slots, *past, *starts;
   float* y;  // [T, Vd]
@@ -34,15 +39,31 @@ struct Problem {
   bool tiled;  // value head h reads key head h % key heads (else h / (value heads / key heads))
 };
 
-// x (n values of a q or k head after the SiLU) L2-normalized, times `scale`.
-void l2_normalized(const float* qkv_row, int64_t offset, int64_t n, float scale, float* out) {
+// n values L2-normalized in place, times `scale`.
+void l2_normalize(float* x, int64_t n, float scale) {
   float sum = 0.0f;
-  for (int64_t i = 0; i < n; ++i) {
-    out[i] = silu(qkv_row[offset + i]);
-    sum += out[i] * out[i];
-  }
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
   const float inv = scale / std::sqrt(sum + kL2Epsilon);
-  for (int64_t i = 0; i < n; ++i) out[i] *= inv;
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+// Token t's activations, once for all value heads. NOTE: computed per (head, token) in the scan, their exps cost
+// more than the state's two passes.
+void prepare_token(void* data, size_t task) {
+  const Problem& p = *static_cast<const Problem*>(data);
+  const int64_t t = static_cast<int64_t>(task), kd = p.key_heads * p.dk;
+  float* u = p.u + t * p.channels;
+  for (int64_t c = 0; c < p.channels; ++c) u[c] = silu(p.qkv[t * p.channels + c]);
+  const float q_scale = 1.0f / std::sqrt(static_cast<float>(p.dk));
+  for (int64_t kh = 0; kh < p.key_heads; ++kh) {
+    l2_normalize(u + kh * p.dk, p.dk, q_scale);
+    l2_normalize(u + kd + kh * p.dk, p.dk, 1.0f);
+  }
+  for (int64_t h = 0; h < p.value_heads; ++h) {
+    float* g = p.gates + (t * p.value_heads + h) * 2;
+    g[0] = 1.0f / (1.0f + std::exp(-p.b[t * p.value_heads + h]));
+    g[1] = std::exp(p.decay_rate[h] * softplus(p.a[t * p.value_heads + h] + p.dt_bias[h]));
+  }
 }
 
 void run_head(void* data, size_t task) {
@@ -54,16 +75,12 @@ void run_head(void* data, size_t task) {
   float* s = p.states + ((p.slots[seq] * p.state_layers + p.layer) * p.value_heads + h) * dk * dv;
   if (p.past[seq] == 0) std::fill(s, s + dk * dv, 0.0f);
   thread_local std::vector<float> buffer;
-  buffer.resize(static_cast<size_t>(2 * dk + 3 * dv));
-  float *q = buffer.data(), *k = q + dk, *v = k + dk, *kv = v + dv, *o = kv + dv;
-  const float decay_rate = p.decay_rate[h], q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
+  buffer.resize(static_cast<size_t>(2 * dv));
+  float *kv = buffer.data(), *o = kv + dv;
   for (int64_t t = p.starts[seq]; t < p.starts[seq + 1]; ++t) {
-    const float* row = p.qkv + t * p.channels;
-    l2_normalized(row, kh * dk, dk, q_scale, q);
-    l2_normalized(row, kd + kh * dk, dk, 1.0f, k);
-    for (int64_t j = 0; j < dv; ++j) v[j] = silu(row[2 * kd + h * dv + j]);
-    const float beta = 1.0f / (1.0f + std::exp(-p.b[t * p.value_heads + h]));
-    const float decay = std::exp(decay_rate * softplus(p.a[t * p.value_heads + h] + p.dt_bias[h]));
+    const float* row = p.u + t * p.channels;
+    const float *q = row + kh * dk, *k = row + kd + kh * dk, *v = row + 2 * kd + h * dv;
+    const float beta = p.gates[(t * p.value_heads + h) * 2], decay = p.gates[(t * p.value_heads + h) * 2 + 1];
     // NOTE: (decay S)^T k = decay (S^T k): S is read once, then rewritten once (decayed and updated together)
     std::fill(kv, kv + dv, 0.0f);
     for (int64_t i = 0; i < dk; ++i) {  // kv = S^T k
@@ -146,11 +163,15 @@ struct GatedDeltaNetKernel {
     // contiguous float32 numpy input on the CPU provider): the state of a 0.8B model is ~18 MiB a sequence, and
     // returning it as an output for the runtime to copy back would double the step's state traffic.
     float* states = const_cast<float*>(ctx.GetInput(7).GetTensorData<float>());
+    thread_local std::vector<float> u, gates;
+    u.resize(static_cast<size_t>(tokens * channels));
+    gates.resize(static_cast<size_t>(tokens * hv * 2));
     Problem p{ctx.GetInput(0).GetTensorData<float>(), ctx.GetInput(1).GetTensorData<float>(),
               ctx.GetInput(2).GetTensorData<float>(), ctx.GetInput(3).GetTensorData<float>(),
               ctx.GetInput(4).GetTensorData<float>(), ctx.GetInput(5).GetTensorData<float>(),
-              ctx.GetInput(6).GetTensorData<float>(), states, slots, past, starts, y, channels, hk, hv, dk, dv,
-              state_layers, layer, epsilon, tiled};
+              ctx.GetInput(6).GetTensorData<float>(), u.data(), gates.data(), states, slots, past, starts, y,
+              channels, hk, hv, dk, dv, state_layers, layer, epsilon, tiled};
+    ctx.ParallelFor(prepare_token, static_cast<size_t>(tokens), 0, &p);
     ctx.ParallelFor(run_head, static_cast<size_t>(num_seqs * hv), 0, &p);
   }
 };
