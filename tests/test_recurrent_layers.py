@@ -135,7 +135,7 @@ def test_what_a_recurrent_state_cannot_do_is_refused(qwen3_5):
     with pytest.raises(ConfigError, match="recurrent layers"):
         LLM(engine, RuntimeConfig(num_threads=1, speculative=SpeculativeConfig(num_speculative_tokens=2)))
     config = model_config_from_hf(QWEN35_08B)
-    for build, match in ((BuildConfig(target="cuda"), "no cuda kernel"),
+    for build, match in ((BuildConfig(target="tensorrt"), "no tensorrt kernel"),
                          (BuildConfig(speculative_decoding_mode="draft-tokens", max_draft_len=2), "draft")):
         with pytest.raises(TrtbuildError, match=match):
             check_buildable(config, build)
