@@ -25,7 +25,8 @@ SOURCES = ("register.cc", "paged_attention.cc", "block_matmul.cc", "block_gather
            "moe_route.cc", "lora.cc", "collectives.cc", "short_conv.cc", "gated_delta.cc",
            "mamba2.cc")
 HEADERS = ("cpu_ops.h", "packed_table.h", "quantized_x.h", "simd_math.h", "float_weights.h", "block_problem.h",
-           "block_tile_avx512.h", "block_tile_avx2.h", "attention_task.h", "attend_avx512.h", "attend_avx2.h")
+           "block_tile_avx512.h", "block_tile_avx2.h", "attention_task.h", "attend_avx512.h", "attend_avx2.h",
+           "state_batch.h")
 DOMAIN = "trtbuild"
 WITHOUT_NATIVE_OPS = "--attention split --quant-linears ort --float-linears ort"  # the build flags that need no library
 _HERE = Path(__file__).parent

@@ -9,6 +9,7 @@
 // plus k delta^T and accumulating q^T S. A head's state (64 KiB at 128 x 128) stays in the core's L2 across a
 // prefill's tokens.
 #include "cpu_ops.h"
+#include "state_batch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -136,26 +137,8 @@ struct GatedDeltaNetKernel {
     if (shape_of(2) != want_ab || shape_of(3) != want_ab) fail("b and a must be [T, value heads]");
     if (shape_of(4) != want_h || shape_of(5) != want_h) fail("A and dt_bias must be [value heads]");
     if (shape_of(6) != want_w) fail("norm_weight must be [value dim]");
-    const std::vector<int64_t> slots_shape = shape_of(8);
-    if (slots_shape.size() != 1) fail("state_slots must be [B]");
-    const int64_t num_seqs = slots_shape[0];
-    if (shape_of(9) != std::vector<int64_t>{num_seqs}) fail("past_lengths must be [B], B state_slots' entries");
-    if (shape_of(10) != std::vector<int64_t>{num_seqs + 1}) fail("query_start_loc must be [B + 1]");
-    const int64_t* slots = ctx.GetInput(8).GetTensorData<int64_t>();
-    const int64_t* past = ctx.GetInput(9).GetTensorData<int64_t>();
-    const int64_t* starts = ctx.GetInput(10).GetTensorData<int64_t>();
-    std::vector<int64_t> seen;
-    for (int64_t b = 0; b < num_seqs; ++b) {
-      if (starts[b] < 0 || starts[b + 1] < starts[b] || starts[b + 1] > tokens)
-        fail("query_start_loc is not ascending within [0, T]");
-      if (slots[b] < 0 || slots[b] >= num_slots) fail("a state slot is outside recurrent_state");
-      if (past[b] < 0) fail("a past length is negative");
-      seen.push_back(slots[b]);
-    }
-    std::sort(seen.begin(), seen.end());
-    if (std::adjacent_find(seen.begin(), seen.end()) != seen.end()) fail("two sequences share a state slot");
-    if (num_seqs > 0 && (starts[0] != 0 || starts[num_seqs] != tokens))
-      fail("query_start_loc does not cover every token");
+    const StateBatch batch = state_batch(ctx, tokens, num_slots, fail);
+    const int64_t num_seqs = batch.num_seqs, *slots = batch.slots, *past = batch.past, *starts = batch.starts;
 
     float* y = ctx.GetOutput(0, {tokens, hv * dv}).GetTensorMutableData<float>();
     if (tokens == 0) return;

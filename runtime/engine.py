@@ -59,7 +59,7 @@ class SequenceChunk:
     # group after the first; empty for an engine of one group
     group_block_ids: tuple[tuple[int, ...], ...] = ()
     lora_id: int = 0  # the LoRA adapter its tokens run under: 0 none, i the engine's i-th (BuildConfig.lora_names)
-    # its recurrent state slot (runtime/recurrent_state.py), for an engine with linear attention layers; -1: none
+    # its state slot (runtime/recurrent_state.py), for an engine with recurrent layers; -1: none
     state_slot: int = -1
 
     def tables(self) -> tuple[Sequence[int], ...]:
@@ -104,8 +104,8 @@ def check_chunks(b: BuildConfig, chunks: list[SequenceChunk], max_draft_len: int
     if num_state_slots:
         slots = [c.state_slot for c in chunks]
         if not all(0 <= s < num_state_slots for s in slots) or len(set(slots)) != len(slots):
-            raise ValueError(f"state slots {slots}: each sequence of an engine with linear attention layers needs its "
-                             f"own recurrent state slot, one of 0..{num_state_slots - 1}")
+            raise ValueError(f"state slots {slots}: each sequence of an engine with recurrent layers needs its own "
+                             f"state slot, one of 0..{num_state_slots - 1}")
     if len(chunks) > b.max_batch_size:
         raise ValueError(f"{len(chunks)} sequences exceed the engine's max_batch_size {b.max_batch_size}")
     num_tokens = sum(len(c.token_ids) for c in chunks)
@@ -354,7 +354,7 @@ class CpuEngine:
         feeds, slots = pack_chunks(chunks, self.max_blocks_per_seq, self.kv.slots, len(self.kv.groups),
                                    lora=bool(self.info.build.num_lora_ids))
         feeds["kv_cache"] = self.kv.pool
-        if self.states is not None:  # NOTE: updated in place by the engine (plugins/gated_delta.py)
+        if self.states is not None:  # NOTE: updated in place by the engine's recurrent ops (plugins/gated_delta.py)
             feeds["recurrent_state"] = self.states.states
             feeds["state_slots"] = np.array([c.state_slot for c in chunks], dtype=np.int64)
         if self.lora_slots is not None:

@@ -57,6 +57,10 @@ class EngineCore:
         info = read_engine_config(engine_dir, expect_target=target)  # compatibility, before any work
         build, model = info.build, info.model
         self.config = config = (config or RuntimeConfig()).resolve(build)
+        if config.speculative and model.recurrent_layers:
+            raise ConfigError("num_speculative_tokens", f"{model.architecture}'s recurrent layers (linear attention, "
+                              "Mamba2) keep a state that cannot go back to the last accepted draft; run it without "
+                              "speculative decoding.")
         device = gpu_memory_for_kv(info.weight_bytes) if target != "cpu" and config.kv_cache_blocks is None else None
         full_batch = batch_blocks_needed([g.window for g in info.kv_cache_groups], build.tokens_per_block,
                                          config.max_batch_size, build.max_seq_len, config.max_num_tokens)
@@ -93,10 +97,6 @@ class EngineCore:
         self.embeds = build.task == "embed"  # every request's answer is its prompt's embedding (BuildConfig.task)
         self.sampler = Sampler()
         self.proposer = None
-        if config.speculative and model.recurrent_layers:
-            raise ConfigError("num_speculative_tokens", f"{model.architecture}'s recurrent layers (linear attention, "
-                              "Mamba2) keep a state that cannot go back to the last accepted draft; run it without "
-                              "speculative decoding.")
         if config.speculative:
             # NOTE: a draft pool holds as many tokens as the target's, plus every request's drafts
             draft_tokens = (num_blocks * build.tokens_per_block
