@@ -41,6 +41,10 @@ class ConvWriter:
         conv, entries = g.op(sc.OP_TYPE, [bx, *cache, kernel, *bias], num_outputs=2, domain=sc.DOMAIN,
                              name=prefix + "paged", layer_idx=slot)
         y = g.op("Mul", [gate, conv], name=prefix + "gated")
-        rows = g.op("Reshape", [entries, g.const(np.array([-1, c.num_key_value_heads, c.head_size]), "entry_rows")],
-                    name=prefix + "new_rows")
-        return self.row_linear(y, prefix + "out_proj", bias=c.conv_bias), rows
+        return self.row_linear(y, prefix + "out_proj", bias=c.conv_bias), self.pool_rows(entries, prefix)
+
+    def pool_rows(self, entries: str, prefix: str) -> str:
+        """A convolution's new entries (PagedShortConv's) as rows of new_kv [entries * 2 * T, kv_heads, head_size]."""
+        c = self.c
+        return self.g.op("Reshape", [entries, self.g.const(np.array([-1, c.num_key_value_heads, c.head_size]),
+                                                           "entry_rows")], name=prefix + "new_rows")

@@ -31,6 +31,8 @@ class LinearAttentionWriter:
 
         def tensor(self, name: str) -> np.ndarray: ...
 
+        def pool_rows(self, entries: str, prefix: str) -> str: ...  # ConvWriter's
+
     def linear_attention(self, h: str, layer: str, cache: list[str], slot: int, state: list[str],
                          state_layer: int) -> tuple[str, str]:
         """(the block's output, its convolution's new pool rows [entries * 2 * T, kv_heads, head_size]) for the
@@ -66,9 +68,3 @@ class LinearAttentionWriter:
                  name=prefix + "scan", state_layer=state_layer, num_groups=c.mamba_num_groups,
                  epsilon=float(c.norm_epsilon))
         return self.row_linear(y, prefix + "out_proj", bias=c.mamba_proj_bias), self.pool_rows(entries, prefix)
-
-    def pool_rows(self, entries: str, prefix: str) -> str:
-        """A convolution's new entries as rows of new_kv [entries * 2 * T, kv_heads, head_size]."""
-        c = self.c
-        return self.g.op("Reshape", [entries, self.g.const(np.array([-1, c.num_key_value_heads, c.head_size]),
-                                                           "entry_rows")], name=prefix + "new_rows")

@@ -48,12 +48,17 @@ def granite4_as_granite(hf: dict[str, Any]) -> dict[str, Any]:
     return {**out, "architectures": ["GraniteForCausalLM"], "model_type": "granite", "intermediate_size": shared}
 
 
-def _mamba_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """The Mamba2 layers' ModelConfig fields (GraniteMoeHybridConfig's defaults where a config leaves them out)."""
-    # NOTE: transformers saves infinity as {"__float__": "Infinity"}
+def check_time_step_limit(hf: dict[str, Any]) -> None:
+    """Refuse a Mamba2 config whose dt is clamped (time_step_limit other than (0, inf)), which the scan does not do.
+    NOTE: transformers saves infinity as {"__float__": "Infinity"}."""
     limit = [float(v["__float__"] if isinstance(v, dict) else v) for v in hf.get("time_step_limit") or (0, "inf")]
     if limit != [0.0, float("inf")]:
         raise CheckpointError(f"time_step_limit {limit} (dt clamped) is not supported; (0, inf) is.")
+
+
+def _mamba_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The Mamba2 layers' ModelConfig fields (GraniteMoeHybridConfig's defaults where a config leaves them out)."""
+    check_time_step_limit(hf)
     heads, inner = int(hf.get("mamba_n_heads") or 128), int(hf.get("mamba_expand") or 2) * int(hf["hidden_size"])
     head_dim = hf.get("mamba_d_head")
     return {"mamba_num_heads": heads, "mamba_head_dim": int(head_dim) if head_dim not in (None, "auto")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trtbuild.configs.granite4 import MAMBA_FIELDS
+from trtbuild.configs.granite4 import MAMBA_FIELDS, check_time_step_limit
 from trtbuild.errors import CheckpointError
 
 ARCHITECTURE = "NemotronHForCausalLM"
@@ -48,9 +48,7 @@ def nemotron_h_as_hybrid(hf: dict[str, Any]) -> dict[str, Any]:
         else:
             raise CheckpointError(f"this {ARCHITECTURE} has {kind!r} layers (experts: Nemotron 3), which trtbuild "
                                   "does not build; the dense Nemotron-H models build.")
-    limit = [float(v["__float__"] if isinstance(v, dict) else v) for v in hf.get("time_step_limit") or (0, "inf")]
-    if limit != [0.0, float("inf")]:
-        raise CheckpointError(f"time_step_limit {limit} (dt clamped) is not supported; (0, inf) is.")
+    check_time_step_limit(hf)
     heads = int(hf["mamba_num_heads"])
     head_dim = int(hf.get("mamba_head_dim") or int(hf.get("expand", 2)) * int(hf["hidden_size"]) // heads)
     mamba = {"mamba_num_heads": heads, "mamba_head_dim": head_dim,

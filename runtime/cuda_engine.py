@@ -109,9 +109,10 @@ class CudaEngine:
         model = self.info.model
         # the recurrent layers' states (runtime/recurrent_state.py), float32, a slot per sequence the engine batches
         # plus a scratch slot for the padded rows of a CUDA-graph decode batch
-        self.state_slots = self.info.build.max_batch_size if model.recurrent_layers else 0
-        self.states = torch.zeros((self.state_slots + 1, len(model.recurrent_layers), *model.recurrent_state_shape),
-                                  dtype=torch.float32, device=self.device) if model.recurrent_layers else None
+        self.num_state_slots = self.info.build.max_batch_size if model.recurrent_layers else 0
+        self.states = torch.zeros(
+            (self.num_state_slots + 1, len(model.recurrent_layers), *model.recurrent_state_shape), dtype=torch.float32,
+            device=self.device) if model.recurrent_layers else None
         self.allocate_kv_cache(num_blocks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -154,7 +155,7 @@ class CudaEngine:
     def execute(self, chunks: list[SequenceChunk]) -> StepOutput:
         """One packed step: logits rows of every chunk without `accept`, in order, and the accept results of those
         with it (only those rows and results leave the device)."""
-        check_chunks(self.info.build, chunks, self.max_draft_len, len(self.kv.groups), self.state_slots)
+        check_chunks(self.info.build, chunks, self.max_draft_len, len(self.kv.groups), self.num_state_slots)
         start = time.perf_counter()
         rows = sum(c.num_logits for c in chunks)
         decode = all(len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks)
@@ -204,7 +205,8 @@ class CudaEngine:
             host["logits_indices"] = np.concatenate([host["logits_indices"], tokens + np.arange(pad)])
         host.update((group_input("slot_mapping", g), slots[g]) for g in groups)
         if self.states is not None:  # NOTE: padded rows share the scratch slot (past 0: nothing is read from it)
-            host["state_slots"] = np.array([c.state_slot for c in chunks] + [self.state_slots] * pad, dtype=np.int64)
+            host["state_slots"] = np.array([c.state_slot for c in chunks] + [self.num_state_slots] * pad,
+                                           dtype=np.int64)
         if self.max_draft_len:
             host.update(accept_feeds(chunks, self.max_draft_len))
         return {name: torch.from_numpy(host[name]).to(self.device, non_blocking=True) for name in self.plan.inputs}

@@ -30,10 +30,6 @@ class RecurrentStateStorage:
     def num_slots(self) -> int:
         return self.states.shape[0]
 
-    @property
-    def bytes_per_slot(self) -> int:
-        return self.states[0].nbytes
-
 
 class StateSlots:
     """Which request holds which slot; slots are taken lowest first."""
