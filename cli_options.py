@@ -88,6 +88,9 @@ serving_options = options(
     click.option("--policy", type=click.Choice(["guaranteed_no_evict", "max_utilization"]), default="max_utilization",
                  help="guaranteed_no_evict reserves a request's whole lifetime; max_utilization preempts when full."),
     click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes."),
+    click.option("--max-state-snapshots", type=int, default=None,
+                 help="Recurrent states (linear attention, Mamba2) kept after prompts and answers for prefix reuse "
+                      "[default: --max-batch-size; 0: such a model reuses no prefix]."),
     click.option("--max-batch-size", type=int, default=None, help="[default: the engine's]"),
     click.option("--max-num-tokens", type=int, default=None, help="[default: the engine's]"),
     click.option("--max-prefill-chunk", type=int, default=None,
@@ -106,7 +109,8 @@ serving_options = options(
 
 
 def runtime_config(kv_cache_memory: float | None, kv_cache_blocks: int | None, policy: str, no_prefix_caching: bool,
-                   max_batch_size: int | None, max_num_tokens: int | None, max_prefill_chunk: int | None,
+                   max_state_snapshots: int | None, max_batch_size: int | None, max_num_tokens: int | None,
+                   max_prefill_chunk: int | None,
                    max_queue_size: int, max_queued_tokens: int | None, speculative_tokens: int, prompt_lookup_max: int,
                    draft_engine: Path | None,
                    threads: int | None,
@@ -114,7 +118,8 @@ def runtime_config(kv_cache_memory: float | None, kv_cache_blocks: int | None, p
     from trtbuild.runtime.config import RuntimeConfig
 
     return RuntimeConfig(kv_cache_memory=kv_cache_memory, kv_cache_blocks=kv_cache_blocks, policy=policy,
-                         enable_prefix_caching=not no_prefix_caching, max_batch_size=max_batch_size,
+                         enable_prefix_caching=not no_prefix_caching, max_state_snapshots=max_state_snapshots,
+                         max_batch_size=max_batch_size,
                          max_num_tokens=max_num_tokens, max_prefill_chunk=max_prefill_chunk,
                          max_queue_size=max_queue_size, max_queued_tokens=max_queued_tokens, num_threads=threads,
                          rank_cpus=rank_cpus,

@@ -126,7 +126,7 @@ class EngineTarget:
         return result
 
     def begin(self) -> None:  # between runs the loop is idle: drop cached prefixes so runs do not help each other
-        self.core.kv.pool.reset_cache()
+        self.core.kv.reset_prefix_cache()
         self.steps = []
 
     def end(self) -> tuple[list[float], dict[str, Any] | None]:

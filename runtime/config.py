@@ -31,6 +31,9 @@ class RuntimeConfig:
     kv_cache_blocks: int | None = None  # exact number of blocks (overrides kv_cache_memory)
     policy: str = "max_utilization"  # POLICIES: max_utilization preempts when full, guaranteed_no_evict reserves
     enable_prefix_caching: bool = True
+    # recurrent states (linear attention, Mamba2 layers) kept after prompts and answers so that a prefix of them can
+    # be reused [None: max_batch_size; 0: none, so such a model reuses no prefix]
+    max_state_snapshots: int | None = None
     max_batch_size: int | None = None  # sequences per engine step [None: the engine's]
     max_num_tokens: int | None = None  # tokens per engine step [None: the engine's]
     max_prefill_chunk: int | None = None  # prefill tokens of one request per step [None: the whole token budget]
@@ -50,6 +53,8 @@ class RuntimeConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(name, f"must be at least 1, got {value}")
+        if self.max_state_snapshots is not None and self.max_state_snapshots < 0:
+            raise ConfigError("max_state_snapshots", f"must be 0 or more, got {self.max_state_snapshots}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError("kv_cache_memory", f"must be positive (bytes, or a fraction of available memory), "
                                                  f"got {self.kv_cache_memory:g}")

@@ -8,6 +8,7 @@ Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors (slo
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from trtbuild.errors import EngineCompatibilityError, TrtbuildError
 from trtbuild.gpu_kernels.load import load_kernels
 from trtbuild.runtime.cuda_plan_ops import OPS
 from trtbuild.runtime.engine import SequenceChunk, StepOutput, accept_feeds, check_chunks, pack_chunks
+from trtbuild.runtime.recurrent_state import StateCopy
 
 
 class TorchKVPool:
@@ -113,7 +115,22 @@ class CudaEngine:
         self.states = torch.zeros(
             (self.num_state_slots + 1, len(model.recurrent_layers), *model.recurrent_state_shape), dtype=torch.float32,
             device=self.device) if model.recurrent_layers else None
+        self.snapshots = None
         self.allocate_kv_cache(num_blocks)
+
+    def allocate_state_snapshots(self, num_snapshots: int) -> None:
+        """Room for `num_snapshots` recurrent states kept for prefix reuse (runtime/recurrent_state.py), on the
+        device beside the running states."""
+        self.snapshots = torch.zeros((num_snapshots, *self.states.shape[1:]), dtype=torch.float32, device=self.device)
+
+    def copy_states(self, copies: Sequence[StateCopy]) -> None:
+        """Save running sequences' states into snapshots, or restore snapshots into their slots, in order (in place:
+        the captured decode graphs read the same `states`)."""
+        for c in copies:
+            if c.save:
+                self.snapshots[c.snapshot].copy_(self.states[c.slot])
+            else:
+                self.states[c.slot].copy_(self.snapshots[c.snapshot])
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)create the KV pool with `num_blocks` blocks; its previous contents and captured graphs are dropped."""

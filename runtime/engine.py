@@ -19,7 +19,7 @@ from trtbuild.quantization import kv_pool_dtype
 from trtbuild.runtime.kv_cache import KVCacheStorage
 from trtbuild.runtime.lora_slots import LoraSlotArrays
 from trtbuild.runtime.memory import require_memory
-from trtbuild.runtime.recurrent_state import RecurrentStateStorage
+from trtbuild.runtime.recurrent_state import RecurrentStateStorage, StateCopy
 
 LOAD_OVERHEAD_BYTES = 256 << 20  # ONNX Runtime's session, arenas and this process, beside the weights
 
@@ -279,6 +279,14 @@ class CpuEngine:
         # NOTE: a slot per sequence the engine can batch; the scheduler holds at most that many running
         self.states = RecurrentStateStorage(model, build.max_batch_size) if model.recurrent_layers else None
         self.allocate_kv_cache(num_blocks)
+
+    def allocate_state_snapshots(self, num_snapshots: int) -> None:
+        """Room for `num_snapshots` recurrent states kept for prefix reuse (runtime/recurrent_state.py)."""
+        self.states.allocate_snapshots(num_snapshots)
+
+    def copy_states(self, copies: Sequence[StateCopy]) -> None:
+        """Save running sequences' states into snapshots, or restore snapshots into their slots, in order."""
+        self.states.copy(copies)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """(Re)create the KV pool with `num_blocks` blocks, as the engine's kv_cache input describes it; its

@@ -80,12 +80,16 @@ class EngineCore:
             self.engine = make_cpu_engine(info, config.num_threads, num_blocks, config.rank_cpus)
         # seconds spent starting: the ONNX Runtime session, then the KV pool faulted in + the warm-up step
         self.start_seconds = {"session": time.perf_counter() - start, "warm_up": 0.0}
+        snapshots = 0
         if model.recurrent_layers and config.enable_prefix_caching:
-            log.info("prefix caching is off: %s's recurrent layers keep a state per sequence, which a cached "
-                     "prefix does not have", model.architecture)
+            snapshots = config.max_batch_size if config.max_state_snapshots is None else config.max_state_snapshots
+            self.engine.allocate_state_snapshots(snapshots)
+            if not snapshots:
+                log.info("prefix caching is off: %s's recurrent layers need a kept state to reuse a prefix, and "
+                         "--state-snapshots is 0", model.architecture)
         self.kv = KVCacheManager.for_groups(info.kv_cache_groups, num_blocks, build.tokens_per_block,
                                             config.enable_prefix_caching,
-                                            config.max_batch_size if model.recurrent_layers else 0)
+                                            config.max_batch_size if model.recurrent_layers else 0, snapshots)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_tokens=config.max_num_tokens, max_batch_size=config.max_batch_size,
                             max_seq_len=build.max_seq_len, policy=config.policy,
@@ -310,6 +314,8 @@ class EngineCore:
                                 c.start, c.num_logits, c.block_ids, self._engine_accept(c), c.group_block_ids,
                                 c.request.lora_id, self.kv.state_slot(c.request))
                   for c in scheduled.chunks]
+        if copies := self.kv.take_state_copies():
+            self.engine.copy_states(copies)
         run_before = self.engine.run_seconds
         tokens, logprobs = self._sample(scheduled, self.engine.execute(chunks))
         outputs = [self._output(self.tracked[request.request_id], new_tokens, logprobs[request.request_id])

@@ -1,7 +1,7 @@
 """Per-request block tables over a BlockPool, one table per KV cache group (configs/kv_groups.py), with prefix reuse
 of full blocks identified by chained hashes, and the release of the blocks a sliding-window group no longer reads.
-A model with recurrent layers (linear attention, Mamba2) also gives each request a state slot
-(runtime/recurrent_state.py)."""
+A model with recurrent layers (linear attention, Mamba2) also gives each request a state slot, and reuses a prefix
+only up to a block after which a snapshot of the state was kept (runtime/recurrent_state.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from trtbuild.configs import KVCacheGroup, max_blocks_held
 from trtbuild.runtime.block_pool import BlockPool, hash_block
-from trtbuild.runtime.recurrent_state import StateSlots
+from trtbuild.runtime.recurrent_state import StateCopy, StateSlots, StateSnapshots
 from trtbuild.runtime.request import Request
 
 RELEASED = -1  # a table entry whose block went back to the pool (every later query is past it: `window`)
@@ -19,9 +19,11 @@ RELEASED = -1  # a table entry whose block went back to the pool (every later qu
 @dataclass(frozen=True)
 class CachedPrefix:
     """Cached blocks for a request's leading full blocks: one table per group, each `len(self)` entries long (a
-    sliding group's entries before its window are RELEASED)."""
+    sliding group's entries before its window are RELEASED), and the snapshot of the recurrent state after them (-1:
+    a model without recurrent layers)."""
 
     tables: tuple[tuple[int, ...], ...] = ()
+    snapshot: int = -1
 
     def __len__(self) -> int:
         return len(self.tables[0]) if self.tables else 0
@@ -39,21 +41,29 @@ class KVCacheManager:
     never reads (or masks out). All groups draw from one pool, so memory goes where the requests need it."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 windows: Sequence[int | None] = (None,), num_state_slots: int = 0) -> None:
+                 windows: Sequence[int | None] = (None,), num_state_slots: int = 0,
+                 num_state_snapshots: int = 0) -> None:
         """`windows`: one per KV cache group, its layers' sliding window (None: they read every position).
         `num_state_slots`: recurrent state slots (a model with recurrent layers; 0: none), one per running
-        request. NOTE: with them, no prefix is reused: the state after a cached prefix is not kept."""
+        request; `num_state_snapshots`: states kept for prefix reuse. NOTE: with slots and no snapshots, no prefix is
+        reused: the state after it is not kept."""
         self.state_slots = StateSlots(num_state_slots) if num_state_slots else None
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching and self.state_slots is None)
+        self.snapshots = StateSnapshots(num_state_snapshots) if num_state_slots and num_state_snapshots else None
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching and (
+            self.state_slots is None or self.snapshots is not None))
         self.block_size = block_size
         self.windows = tuple(windows)
         self.blocks: dict[str, list[list[int]]] = {}
         self.num_cached: dict[str, int] = {}
+        self.state_copies: list[StateCopy] = []  # for the engine, before its next step (take_state_copies)
+        self.output_snapshot: dict[str, int] = {}  # the prefix hash of the snapshot a request's outputs made last
 
     @classmethod
     def for_groups(cls, groups: Sequence[KVCacheGroup], num_blocks: int, block_size: int,
-                   enable_prefix_caching: bool = True, num_state_slots: int = 0) -> KVCacheManager:
-        return cls(num_blocks, block_size, enable_prefix_caching, [g.window for g in groups], num_state_slots)
+                   enable_prefix_caching: bool = True, num_state_slots: int = 0,
+                   num_state_snapshots: int = 0) -> KVCacheManager:
+        return cls(num_blocks, block_size, enable_prefix_caching, [g.window for g in groups], num_state_slots,
+                   num_state_snapshots)
 
     @property
     def num_groups(self) -> int:
@@ -80,8 +90,9 @@ class KVCacheManager:
 
     def computed_prefix(self, request: Request) -> CachedPrefix:
         """The longest run of leading full blocks whose K/V are cached for every group: all of them for a group
-        without a window, those inside the window of the first query after them for a sliding one. The last known
-        token is never taken from the cache: it must be computed to produce the next token's logits."""
+        without a window, those inside the window of the first query after them for a sliding one; with recurrent
+        layers, also a snapshot of the state after them. The last known token is never taken from the cache: it
+        must be computed to produce the next token's logits."""
         if not self.pool.enable_caching:
             return NO_PREFIX
         hashes = self._extend_hashes(request, len(request.token_ids) - 1)
@@ -93,14 +104,16 @@ class KVCacheManager:
         for g, window in enumerate(self.windows):
             if window is None:
                 n = next((i for i in range(n) if not cached(g, i, i + 1)), n)
-        while n and not all(cached(g, self.window_start(g, n * self.block_size), n)
-                            for g, window in enumerate(self.windows) if window):
+        while n and not ((self.snapshots is None or hashes[n - 1] in self.snapshots) and
+                         all(cached(g, self.window_start(g, n * self.block_size), n)
+                             for g, window in enumerate(self.windows) if window)):
             n -= 1
         if not n:
             return NO_PREFIX
         starts = [self.window_start(g, n * self.block_size) for g in range(self.num_groups)]
         return CachedPrefix(tuple((RELEASED,) * s + tuple(self.pool.lookup(self._key(g, h)) for h in hashes[s:n])
-                                  for g, s in enumerate(starts)))
+                                  for g, s in enumerate(starts)),
+                            -1 if self.snapshots is None else self.snapshots.find(hashes[n - 1]))
 
     def blocks_needed(self, request: Request, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> int:
         """Free blocks that allocate(request, num_tokens, prefix) would consume."""
@@ -123,6 +136,8 @@ class KVCacheManager:
                 self.pool.touch([b for b in cached if b != RELEASED])
                 table.extend(cached)
             self.num_cached[request.request_id] = len(prefix)
+            if prefix.snapshot >= 0:
+                self.state_copies.append(StateCopy(self.state_slot(request), prefix.snapshot, save=False))
         total = -(-num_tokens // self.block_size)
         for table in tables:
             table.extend(self.pool.allocate(max(total - len(table), 0)))
@@ -168,6 +183,42 @@ class KVCacheManager:
                     self.pool.cache(table[i], self._key(g, hashes[i]))
         self.num_cached[request.request_id] = len(hashes)
 
+    def state_save_point(self, request: Request) -> int:
+        """Where a prefill chunk of the request stops, so that the state there can be kept: after the last full block
+        of its known tokens (0: no state is kept)."""
+        if self.snapshots is None:
+            return 0
+        return len(request.token_ids) // self.block_size * self.block_size
+
+    def keep_state(self, request: Request) -> None:
+        """After a step (and cache_full_blocks): snapshot the request's state if its computed tokens end at its save
+        point. A request keeps one snapshot of its outputs, its newest: the states a conversation's next turn can
+        use are after its prompt and after its answer."""
+        n = request.num_computed_tokens
+        if self.snapshots is None or not n or n != self.state_save_point(request):
+            return
+        prefix_hash = request.block_hashes[n // self.block_size - 1]
+        if request.num_output_tokens > 1:  # NOTE: the first output token came with the prompt's last chunk
+            previous = self.output_snapshot.get(request.request_id)
+            if previous is not None and previous != prefix_hash:
+                self.snapshots.drop(previous)
+            self.output_snapshot[request.request_id] = prefix_hash
+        snapshot = self.snapshots.keep(prefix_hash)
+        if snapshot is not None:
+            self.state_copies.append(StateCopy(self.state_slot(request), snapshot, save=True))
+
+    def take_state_copies(self) -> list[StateCopy]:
+        """The state copies the engine must make before its next step, in order (given once)."""
+        copies, self.state_copies = self.state_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix: blocks no request holds, and kept states."""
+        self.pool.reset_cache()
+        if self.snapshots is not None:
+            self.snapshots.clear()
+            self.output_snapshot.clear()
+
     def release_outside_window(self, request: Request) -> None:
         """Give back each sliding group's blocks wholly before the window of the request's next query (position n =
         num_computed_tokens sees keys n - window + 1 .. n): no later query of it reads them. They stay cached
@@ -185,6 +236,7 @@ class KVCacheManager:
         """Return the request's blocks; tail blocks go first in the free queue so shared prefixes live longest."""
         tables = self.blocks.pop(request.request_id, [])
         self.num_cached.pop(request.request_id, None)
+        self.output_snapshot.pop(request.request_id, None)
         if self.state_slots is not None:
             self.state_slots.release(request.request_id)
         for table in tables:

@@ -1,34 +1,66 @@
 """The states of recurrent layers (Qwen3.5's gated DeltaNet, plugins/gated_delta.py; Granite 4.0-H's Mamba2,
 plugins/mamba2.py): one slot per live sequence, holding that sequence's state in every such layer after its computed
-tokens.
+tokens, and snapshots of states kept after full blocks for prefix reuse.
 
-Unlike K/V, a recurrent state is not a row per token: it is one matrix per head that every token rewrites. So
-it cannot be shared between sequences or rolled back, and it is kept apart from the paged pool: the KV cache manager
+Unlike K/V, a recurrent state is not a row per token: it is one matrix per head that every token rewrites. So it
+cannot be shared between sequences or rolled back, and it is kept apart from the paged pool: the KV cache manager
 gives a request a slot with its first blocks and takes it back with them (runtime/kv_cache_manager.py). What follows:
-a preempted request recomputes (its slot is freed), a prefix cannot be reused (the state after it is not kept), a
-beam's fork recomputes its tokens, and drafts cannot be verified (the state would have to return to the last
-accepted token). The engine's GatedDeltaNet / Mamba2Scan nodes read and overwrite their sequences' slots in place;
-a sequence without a past starts from zero, whatever its slot held before.
+a preempted request recomputes (its slot is freed), a beam's fork recomputes its tokens, and drafts cannot be
+verified (the state would have to return to the last accepted token). The engine's GatedDeltaNet / Mamba2Scan nodes
+read and overwrite their sequences' slots in place; a sequence without a past starts from zero, whatever its slot
+held before.
+
+A prefix is reused through snapshots (as llama.cpp's server keeps context checkpoints): the state after a request's
+last full block of known tokens is copied out of its slot (`StateCopy`, save) after the step that computed it, and a
+later request whose leading blocks are cached up to such a block copies it into its own slot (restore) instead of
+computing them. Snapshots live beside the running slots, never read by the engine's nodes.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from trtbuild.configs import ModelConfig
 
 
+@dataclass(frozen=True)
+class StateCopy:
+    """A state moved between a running sequence's slot and a snapshot: saved (slot -> snapshot) after the step that
+    computed the snapshot's prefix, or restored (snapshot -> slot) before a request that reuses the prefix runs.
+    Copies apply in the order they were made, all before the next step."""
+
+    slot: int
+    snapshot: int
+    save: bool
+
+
 class RecurrentStateStorage:
-    """states[slot, recurrent layer, value head, key dim, value dim] float32 (the engine's `recurrent_state`)."""
+    """states[slot, recurrent layer, value head, key dim, value dim] float32 (the engine's `recurrent_state`), and
+    snapshots of the same shape (no slot of the engine's)."""
 
     def __init__(self, model: ModelConfig, num_slots: int) -> None:
-        # NOTE: np.zeros maps its pages lazily: slots no sequence has used take no memory
+        # NOTE: np.zeros maps its pages lazily: slots (and snapshots) no sequence has used take no memory
         self.states = np.zeros((num_slots, len(model.recurrent_layers), *model.recurrent_state_shape),
                                dtype=np.float32)
+        self.snapshots = self.states[:0]
 
     @property
     def num_slots(self) -> int:
         return self.states.shape[0]
+
+    def allocate_snapshots(self, num_snapshots: int) -> None:
+        self.snapshots = np.zeros((num_snapshots, *self.states.shape[1:]), dtype=np.float32)
+
+    def copy(self, copies: Sequence[StateCopy]) -> None:
+        for c in copies:
+            if c.save:
+                self.snapshots[c.snapshot] = self.states[c.slot]
+            else:
+                self.states[c.slot] = self.snapshots[c.snapshot]
 
 
 class StateSlots:
@@ -54,3 +86,43 @@ class StateSlots:
     def slot(self, request_id: str) -> int:
         """The request's slot, -1 when it holds none."""
         return self.held.get(request_id, -1)
+
+
+class StateSnapshots:
+    """Which snapshot holds the state after which prefix: by the chained hash of the prefix's last full block
+    (runtime/block_pool.py), least recently used first. Invariant: every snapshot is free or holds one prefix."""
+
+    def __init__(self, num_snapshots: int) -> None:
+        self.free = list(range(num_snapshots))
+        self.kept: OrderedDict[int, int] = OrderedDict()  # prefix hash -> snapshot
+
+    def __contains__(self, prefix_hash: int) -> bool:
+        return prefix_hash in self.kept
+
+    def find(self, prefix_hash: int) -> int:
+        """The snapshot of the state after the prefix (now the most recently used), -1 when none is kept."""
+        if prefix_hash not in self.kept:
+            return -1
+        self.kept.move_to_end(prefix_hash)
+        return self.kept[prefix_hash]
+
+    def keep(self, prefix_hash: int) -> int | None:
+        """A snapshot to save the state after the prefix into: a free one, else the least recently used one's; None
+        when that prefix's state is kept already."""
+        if prefix_hash in self.kept:
+            self.kept.move_to_end(prefix_hash)
+            return None
+        if not self.free:
+            _, evicted = self.kept.popitem(last=False)
+            self.free.append(evicted)
+        snapshot = self.free.pop(0)
+        self.kept[prefix_hash] = snapshot
+        return snapshot
+
+    def drop(self, prefix_hash: int) -> None:
+        if (snapshot := self.kept.pop(prefix_hash, None)) is not None:
+            self.free.append(snapshot)
+
+    def clear(self) -> None:
+        self.free.extend(self.kept.values())
+        self.kept.clear()

@@ -111,7 +111,14 @@ class Scheduler:
             del request.spec_token_ids[max(budget - 1, 0):]
             return min(1 + len(request.spec_token_ids), budget)
         request.spec_token_ids.clear()
-        return min(todo, budget, self.config.max_prefill_chunk or budget)
+        return self._prefill_size(request, request.num_computed_tokens, budget)
+
+    def _prefill_size(self, request: Request, start: int, budget: int) -> int:
+        """Tokens of a prefill chunk from position `start`: as many as the budget and max_prefill_chunk allow, up to
+        where a recurrent state is kept (KVCacheManager.state_save_point) if the chunk would pass it."""
+        n = min(len(request.token_ids) - start, budget, self.config.max_prefill_chunk or budget)
+        stop = self.kv.state_save_point(request)
+        return stop - start if start < stop < start + n else n
 
     @staticmethod
     def scores_prompt(request: Request) -> bool:
@@ -172,7 +179,7 @@ class Scheduler:
             # NOTE: cached prefix blocks have no logits to score the prompt with, so such a request computes it all
             prefix = NO_PREFIX if self.scores_prompt(request) else self.kv.computed_prefix(request)
             computed = len(prefix) * self.kv.block_size
-            num_new = min(len(request.token_ids) - computed, budget, self.config.max_prefill_chunk or budget)
+            num_new = self._prefill_size(request, computed, budget)
             reserve = self.lifetime_tokens(request) if self.config.policy == "guaranteed_no_evict" else 0
             if not self.kv.allocate(request, max(computed + num_new, reserve), prefix):
                 # NOTE: beams waiting for their group's others hold blocks without running; a beam search whose
@@ -232,6 +239,7 @@ class Scheduler:
             # NOTE: a stop among the accepted drafts leaves computed K/V past the last kept token; it is dropped.
             request.num_computed_tokens = min(request.num_computed_tokens, len(request.token_ids))
             self.kv.cache_full_blocks(request)
+            self.kv.keep_state(request)
             self.kv.release_outside_window(request)  # after caching: released blocks stay revivable
             if appended:
                 if request.metrics.first_token_time is None:

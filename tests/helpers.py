@@ -263,6 +263,8 @@ def make_random_hf_model(family: str, out_dir: Path, seed: int = 0, overrides: d
             if name.endswith(("norm.weight", ".bias", "_bias", ".sinks", "act_fn.alpha_p", "act_fn.alpha_n",
                               "A_log", "mamba.D")):
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("A_log"):  # NOTE: decay rates as initialised forget the state within one token
+                p.copy_(torch.log(torch.rand_like(p) * 0.05 + 0.005))
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 

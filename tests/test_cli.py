@@ -110,6 +110,7 @@ def test_config_errors_are_shown_as_the_flag_that_set_the_field():
     (["--kv-cache-memory", "-1"], "--kv-cache-memory must be positive"),
     (["--threads", "0"], "--threads must be at least 1"),
     (["--max-batch-size", "0"], "--max-batch-size must be at least 1"),
+    (["--max-state-snapshots", "-1"], "--max-state-snapshots must be 0 or more, got -1"),
 ])
 def test_serving_flags_are_checked_by_runtime_config(command, flags, message, tmp_path):
     """serve and triton-repo set the same RuntimeConfig fields; its checks come back as the flag that set them,

@@ -1,0 +1,163 @@
+"""Prefix reuse for models with recurrent layers (runtime/recurrent_state.py): the state after a request's last full
+block of known tokens is kept as a snapshot (after its prompt, and its newest after its answer), and a later request
+whose leading blocks are cached up to such a block starts from a copy of it. Here: the copies and snapshots the KV
+cache manager and scheduler make (exact ids), and conversations whose answers equal those computed from scratch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trtbuild.errors import ConfigError
+from trtbuild.runtime.config import RuntimeConfig
+from trtbuild.runtime.engine_core import EngineCore
+from trtbuild.runtime.kv_cache_manager import NO_PREFIX, KVCacheManager
+from trtbuild.runtime.recurrent_state import StateCopy, StateSnapshots
+from trtbuild.runtime.request import FinishReason, Request
+from trtbuild.runtime.sampling import SamplingParams
+from trtbuild.runtime.scheduler import Scheduler, SchedulerConfig
+
+
+def test_snapshots_are_found_by_prefix_and_the_least_recently_used_goes_first():
+    kept = StateSnapshots(2)
+    assert (kept.keep(10), kept.keep(20)) == (0, 1)
+    assert kept.keep(10) is None  # kept already: no copy to make, and now the most recently used
+    assert kept.keep(30) == 1 and 20 not in kept and kept.find(20) == -1
+    assert kept.find(10) == 0 and kept.keep(40) == 1  # 30 was the least recently used
+    kept.drop(10)
+    assert kept.free == [0] and kept.keep(50) == 0
+    kept.clear()
+    assert sorted(kept.free) == [0, 1] and 50 not in kept
+
+
+def run(scheduler: Scheduler, sampled: list[int] | None = None):
+    """One step with the given sampled token per sampling chunk; the chunks scheduled, as (start, tokens)."""
+    out = scheduler.schedule()
+    tokens = iter(sampled or [])
+    scheduler.update(out, [[next(tokens)] for c in out.chunks if c.samples])
+    return [(c.start, c.num_tokens) for c in out.chunks]
+
+
+def test_a_prompt_stops_at_its_last_full_block_and_the_answer_keeps_its_newest_state():
+    """Blocks of 4, an attention group and a convolution group (window 4), 2 slots, 2 snapshots."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, windows=(None, 4), num_state_slots=2, num_state_snapshots=2)
+    scheduler = Scheduler(SchedulerConfig(max_num_tokens=64, max_batch_size=2, max_seq_len=64), kv)
+    a = Request("a", list(range(1, 11)), SamplingParams(max_tokens=8))
+    scheduler.add_request(a)
+    assert run(scheduler) == [(0, 8)]  # stops after block 1, so that the state after it can be kept
+    assert kv.take_state_copies() == [StateCopy(slot=0, snapshot=0, save=True)]
+    assert run(scheduler, [100]) == [(8, 2)] and kv.take_state_copies() == []
+    assert run(scheduler, [101]) == [(10, 1)] and kv.take_state_copies() == []
+    assert run(scheduler, [102]) == [(11, 1)]  # 12 computed: the answer's first kept state
+    assert kv.take_state_copies() == [StateCopy(0, 1, True)] and kv.output_snapshot["a"] == a.block_hashes[2]
+    for token in (103, 104, 105, 106):
+        run(scheduler, [token])
+    # 16 computed: the answer's newer state replaces its older one (in the same snapshot, freed first)
+    assert kv.take_state_copies() == [StateCopy(0, 1, True)]
+    assert dict(kv.snapshots.kept) == {a.block_hashes[1]: 0, a.block_hashes[3]: 1}
+    scheduler.finish_requests([a], FinishReason.STOP)
+    # the next turn: a's tokens and 3 more; 18 known before the last: 4 full blocks, a state kept after them
+    b = Request("b", a.token_ids[:16] + [7, 8, 9], SamplingParams(max_tokens=2))
+    prefix = kv.computed_prefix(b)
+    assert (len(prefix), prefix.snapshot) == (4, 1)
+    scheduler.add_request(b)
+    assert run(scheduler, [5]) == [(16, 3)] and b.metrics.num_prefix_cached_tokens == 16
+    assert kv.take_state_copies() == [StateCopy(slot=0, snapshot=1, save=False)]
+    # a turn that changed a's answer after its 14th token finds the state after the prompt's blocks only
+    c = Request("c", a.token_ids[:14] + [9, 9, 9, 9], SamplingParams(max_tokens=2))
+    assert (len(kv.computed_prefix(c)), kv.computed_prefix(c).snapshot) == (2, 0)
+    kv.reset_prefix_cache()
+    assert kv.computed_prefix(c) is NO_PREFIX
+
+
+def test_without_snapshots_no_prefix_is_reused_and_chunks_are_not_cut():
+    kv = KVCacheManager(num_blocks=16, block_size=4, windows=(None, 4), num_state_slots=2)
+    scheduler = Scheduler(SchedulerConfig(max_num_tokens=64, max_batch_size=2, max_seq_len=64), kv)
+    scheduler.add_request(Request("a", list(range(1, 11)), SamplingParams(max_tokens=2)))
+    assert run(scheduler, [5]) == [(0, 10)] and kv.take_state_copies() == []
+    assert not kv.pool.enable_caching and kv.state_save_point(scheduler.running[0]) == 0
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "granite4_h"])
+def engine(request, random_hf_model, engine_from_hf):
+    """Gated DeltaNet layers, and Mamba2 layers (each beside convolution rows in the pool), blocks of 8."""
+    return engine_from_hf(random_hf_model(request.param), max_batch_size=4, max_num_tokens=256)
+
+
+def converse(core: EngineCore, turns: int, answer: int = 11) -> tuple[list[list[int]], np.ndarray, list[int]]:
+    """A conversation: each turn's prompt is the last prompt, its answer and 5 new tokens. Returns every turn's answer,
+    every answer token's logprob, and how many of each prompt's tokens came from the cache."""
+    rng = np.random.default_rng(7)
+    prompt, answers, logprobs, cached = rng.integers(3, 300, size=13).tolist(), [], [], []
+    params = SamplingParams(max_tokens=answer, temperature=0.0, ignore_eos=True, logprobs=0)
+    for turn in range(turns):
+        request = core.make_request(prompt, params, request_id=f"turn{turn}")
+        core.add_request(request)
+        tokens = []
+        while core.has_unfinished():
+            for out in core.step():
+                tokens += out.new_token_ids
+                logprobs += [lp.logprob for lp in out.logprobs]
+        answers.append(tokens)
+        cached.append(request.metrics.num_prefix_cached_tokens)
+        prompt = prompt + tokens + rng.integers(3, 300, size=5).tolist()
+    return answers, np.array(logprobs), cached
+
+
+def test_each_turn_of_a_conversation_starts_after_the_last_answer(engine):
+    """Turn t's prompt is 13 + 16 (t - 1) tokens: the state after the last full block of the last turn's computed
+    tokens (its answer's last token is never computed) is restored, and the answers are those computed from
+    scratch."""
+    reused, logprobs, cached = converse(EngineCore(engine, RuntimeConfig(num_threads=1)), turns=4)
+    scratch, want, none = converse(EngineCore(engine, RuntimeConfig(num_threads=1, max_state_snapshots=0)), turns=4)
+    assert reused == scratch and none == [0, 0, 0, 0]
+    np.testing.assert_allclose(logprobs, want, atol=1e-4, rtol=0)
+    assert cached == [0] + [(13 + 16 * t - 6) // 8 * 8 for t in range(1, 4)] == [0, 16, 32, 48]
+
+
+def test_requests_sharing_a_prompt_run_together_from_its_state(engine):
+    """A prompt computed once, then three requests that extend it, in one batch: each restores the state after the
+    first one's prompt into its own slot."""
+    core = EngineCore(engine, RuntimeConfig(num_threads=1))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    shared = list(range(40, 64))
+    first = core.make_request(shared, params)
+    core.add_request(first)
+    while core.has_unfinished():
+        core.step()
+    extended = [core.make_request(shared + [7 + i, 9], params) for i in range(3)]
+    for r in extended:
+        core.add_request(r)
+    copies = []
+    original = core.engine.copy_states
+    core.engine.copy_states = lambda c: (copies.extend(c), original(c))
+    while core.has_unfinished():
+        core.step()
+    assert [r.metrics.num_prefix_cached_tokens for r in extended] == [24, 24, 24]
+    prompt_state = core.kv.snapshots.find(first.block_hashes[2])
+    assert [(c.slot, c.snapshot, c.save) for c in copies if not c.save] == [(s, prompt_state, False) for s in (0, 1, 2)]
+    fresh = EngineCore(engine, RuntimeConfig(num_threads=1, max_state_snapshots=0))
+    want = [fresh.make_request(shared + [7 + i, 9], params) for i in range(3)]
+    for r in want:
+        fresh.add_request(r)
+    while fresh.has_unfinished():
+        fresh.step()
+    assert [r.token_ids for r in extended] == [r.token_ids for r in want]
+
+
+def test_a_negative_snapshot_count_is_refused():
+    with pytest.raises(ConfigError, match="max_state_snapshots"):
+        RuntimeConfig(max_state_snapshots=-1)
+
+
+def test_the_cuda_engine_restores_states_as_the_cpu_engine(random_hf_model, engine_from_hf):
+    """The cuda target's snapshots live on its device beside the running states (Triton's interpreter on CPU here)."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e .[dev]); the cuda target needs it")
+    options = dict(max_seq_len=64, tokens_per_block=4, max_batch_size=4, max_num_tokens=32)
+    hf = random_hf_model("qwen3_5")
+    cpu, cuda = engine_from_hf(hf, **options), engine_from_hf(hf, target="cuda", **options)
+    config = RuntimeConfig(num_threads=1, kv_cache_blocks=48, warm_up=False)
+    want, want_logprobs, want_cached = converse(EngineCore(cpu, config), turns=3, answer=6)
+    got, logprobs, cached = converse(EngineCore(cuda, config), turns=3, answer=6)
+    assert got == want and cached == want_cached == [0, 16, 28]
+    np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4, rtol=0)
