@@ -34,11 +34,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from embeddings import free_port  # noqa: E402
 from peers import run_timed, wait_healthy  # noqa: E402
 
-USER_IDS = (1000, 30000)  # new user tokens: ordinary ids of any large vocabulary
 
-
-def user_tokens(turn: int, n: int) -> list[int]:
-    lo, hi = USER_IDS
+def user_tokens(turn: int, n: int, vocab: int) -> list[int]:
+    """New user tokens: ordinary ids (1000-30000 of a large vocabulary, the upper three quarters of a small one)."""
+    lo, hi = min(1000, vocab // 4), min(30000, vocab)
     return [lo + (7919 * (turn * n + i)) % (hi - lo) for i in range(n)]
 
 
@@ -83,16 +82,16 @@ def measure_trtbuild(engine: Path, snapshots: int, args: argparse.Namespace) -> 
         return answer, {"ttft_s": first - start, "total_s": time.perf_counter() - start,
                         "cached": request.metrics.num_prefix_cached_tokens}
 
-    turn(user_tokens(99, 8))  # NOTE: untimed, as llama.cpp's warm-up: threads and weights ready
+    turn(user_tokens(99, 8, args.vocab))  # NOTE: untimed, as llama.cpp's warm-up: threads and weights ready
     return converse(turn, args)
 
 
 def converse(turn, args: argparse.Namespace) -> list[dict[str, float]]:
-    prompt, turns = user_tokens(0, args.user), []
+    prompt, turns = user_tokens(0, args.user, args.vocab), []
     for t in range(args.turns):
         answer, stats = turn(prompt)
         turns.append({**stats, "prompt": len(prompt)})
-        prompt = prompt + answer + user_tokens(t + 1, args.user)
+        prompt = prompt + answer + user_tokens(t + 1, args.user, args.vocab)
     return turns
 
 
@@ -123,7 +122,7 @@ def llama_server(gguf: Path, args: argparse.Namespace) -> list[dict[str, float]]
             return answer, {"ttft_s": first - start, "total_s": time.perf_counter() - start,
                             "cached": len(prompt) - processed}
 
-        turn(user_tokens(99, 8))
+        turn(user_tokens(99, 8, args.vocab))
         return converse(turn, args)
     finally:
         proc.terminate()
@@ -133,6 +132,7 @@ def llama_server(gguf: Path, args: argparse.Namespace) -> list[dict[str, float]]
 def trtbuild_run(engine: Path, snapshots: int, args: argparse.Namespace) -> list[dict[str, float]]:
     out, _ = run_timed([sys.executable, __file__, "--measure-trtbuild", str(engine), "--threads", str(args.threads),
                         "--turns", str(args.turns), "--user", str(args.user), "--answer", str(args.answer),
+                        "--vocab", str(args.vocab),
                         *(["--snapshots", str(snapshots)] if snapshots is not None else [])])
     return json.loads(out.splitlines()[-1])
 
@@ -174,6 +174,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None, help="Also write every round and the medians here.")
     p.add_argument("--measure-trtbuild", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--snapshots", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--vocab", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.measure_trtbuild:
         print(json.dumps(measure_trtbuild(args.measure_trtbuild, args.snapshots, args)))
@@ -181,6 +182,9 @@ def main() -> None:
     if args.gguf is None or not args.gguf.is_file():
         sys.exit(f"--gguf: give an existing GGUF file (got {args.gguf})")
     engine = build_engine(args.gguf.resolve(), args.work or Path(tempfile.mkdtemp(prefix="trtbuild-conv-")), args)
+    from trtbuild.builder.engine_dir import read_engine_config
+
+    args.vocab = read_engine_config(engine).model.vocab_size
     systems = {"trtbuild": lambda: trtbuild_run(engine, None, args),
                "trtbuild, no snapshots": lambda: trtbuild_run(engine, 0, args)}
     if (args.llama_bin / "llama-server").is_file():
