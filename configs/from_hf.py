@@ -91,6 +91,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     # Mamba2 layers and attention layers without RoPE, each followed by an MLP without a gate (relu^2) or not
     # (configs/nemotron_h.py)
     "NemotronHForCausalLM": ("nemotron_h", False, False),
+    "Mamba2ForCausalLM": ("nemotron_h", False, False),  # Mamba2 layers only, no MLP (configs/nemotron_h.py)
 }
 _UNGATED_MLP_FAMILIES = ("arcee", "starcoder2", "apertus", "nemotron_h")
 # Vision-language models whose text decoder trtbuild builds (images are not read): HF architecture -> the text

@@ -6,6 +6,9 @@ are a mixer (attention or Mamba2) then an MLP, so each mixer starts a layer and 
 completes it: the mixer's norm is the layer's input_layernorm, the MLP's its post_layernorm, and a mixer with no MLP
 after it makes a layer without one (`mlp_free_layers`). builder/convert/nemotron_h.py renames the tensors to match.
 Mixtures of experts (Nemotron 3's "E" layers) are refused.
+
+A Mamba2 model (`Mamba2ForCausalLM`: Codestral Mamba, mamba2-130m ... 2.7b) has the same tensors and is built as a
+Nemotron-H of Mamba2 layers only, none with an MLP (`mamba2_as_nemotron_h`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from trtbuild.configs.granite4 import MAMBA_FIELDS, check_time_step_limit
 from trtbuild.errors import CheckpointError
 
 ARCHITECTURE = "NemotronHForCausalLM"
+MAMBA2_ARCHITECTURE = "Mamba2ForCausalLM"
 _MIXERS = {"M": "mamba", "mamba": "mamba", "linear_attention": "mamba", "*": "full_attention",
            "attention": "full_attention", "full_attention": "full_attention"}
 _MLPS = ("-", "mlp")
@@ -30,11 +34,24 @@ def hf_layer_types(hf: dict[str, Any]) -> list[str]:
     return list(kinds)
 
 
+def mamba2_as_nemotron_h(hf: dict[str, Any]) -> dict[str, Any]:
+    """A Mamba2Config's fields under NemotronHConfig's names: every layer a Mamba2 mixer. NOTE: the model has no
+    attention and no MLP: its (unused) attention fields only shape the pool's rows, which its convolutions' rows fill,
+    and its MLP width is a placeholder."""
+    heads = int(hf.get("num_heads", 128))
+    head_dim = int(hf.get("head_dim") or int(hf.get("expand", 2)) * int(hf["hidden_size"]) // heads)
+    return {**hf, "layers_block_type": ["mamba"] * int(hf["num_hidden_layers"]), "mamba_num_heads": heads,
+            "mamba_head_dim": head_dim, "ssm_state_size": int(hf.get("state_size", 128)),
+            "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": head_dim, "intermediate_size": 1}
+
+
 def nemotron_h_as_hybrid(hf: dict[str, Any]) -> dict[str, Any]:
     """`hf` as trtbuild's layers (see the module's docstring) with its Mamba2 fields; any other config as it is."""
     archs = hf.get("architectures") if isinstance(hf, dict) else None
-    if not isinstance(archs, list) or not archs or archs[0] != ARCHITECTURE:
+    if not isinstance(archs, list) or not archs or archs[0] not in (ARCHITECTURE, MAMBA2_ARCHITECTURE):
         return hf
+    if archs[0] == MAMBA2_ARCHITECTURE:
+        hf = mamba2_as_nemotron_h(hf)
     types, mlp_free = [], []
     for kind in hf_layer_types(hf):
         if kind in _MIXERS:

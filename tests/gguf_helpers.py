@@ -18,6 +18,7 @@ from gguf_recurrent_helpers import (
     add_nemotron_h_parameters,
     add_qwen35_parameters,
     granite_hybrid_tensor,
+    mamba2_hf_config,
     nemotron_h_hf_config,
     qwen35_tensor,
 )
@@ -81,6 +82,7 @@ FAMILIES = {
     "granite4_h": ("granitehybrid", "spm", "Granite 4.0-H Tiny"),
     "granite4_h_moe": ("granitehybrid", "spm", "Granite 4.0-H MoE Tiny"),
     "nemotron_h": ("nemotron_h", "bpe", "Nemotron-H Tiny"),
+    "mamba2": ("mamba2", "bpe", "Mamba2 Tiny"),
     "qwen2_moe": ("qwen2moe", "bpe", "Qwen2 MoE Tiny"),
     "gpt_oss": ("gpt-oss", "bpe", "GPT OSS Tiny"),
     "ernie4_5": ("ernie4_5", "spm", "ERNIE 4.5 Tiny"),
@@ -385,10 +387,10 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
 
     arch, vocab_kind, name = FAMILIES[family]
     cfg = json.loads((hf_dir / "config.json").read_text())
-    if arch == "nemotron_h":
-        cfg = nemotron_h_hf_config(cfg)
+    if arch in ("nemotron_h", "mamba2"):
+        cfg = (nemotron_h_hf_config if arch == "nemotron_h" else mamba2_hf_config)(cfg)
     heads, kv_heads, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // max(heads, 1)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)  # llama.cpp derives it from the model folder's name
     w.add_block_count(layers)
@@ -466,7 +468,7 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
     if arch == "granitehybrid":
         add_granite_hybrid_parameters(w, cfg)
-    if arch == "nemotron_h":
+    if arch in ("nemotron_h", "mamba2"):
         add_nemotron_h_parameters(w, cfg)
     if arch in ("granite", "granitemoe", "granitehybrid"):  # GraniteModel.set_gguf_parameters
         w.add_attention_scale(cfg["attention_multiplier"])
@@ -495,7 +497,7 @@ def write_gguf_like_llama_cpp(hf_dir: Path, path: Path, family: str,
             data = _permute(data, kv_heads)
         if arch in ("qwen35", "qwen35moe"):
             hf_name, data = qwen35_tensor(hf_name, data, cfg)
-        if arch in ("granitehybrid", "nemotron_h"):
+        if arch in ("granitehybrid", "nemotron_h", "mamba2"):
             hf_name, data = granite_hybrid_tensor(hf_name, data, cfg)
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):  # GemmaModel.modify_tensors
             data = data + 1

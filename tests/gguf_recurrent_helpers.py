@@ -110,3 +110,12 @@ def add_nemotron_h_parameters(w: gguf.GGUFWriter, cfg: dict[str, Any]) -> None:
     w.add_feed_forward_length([cfg["intermediate_size"] if k == "mlp" else 0 for k in kinds])
     w.add_rope_scaling_finetuned(False)
     w.add_context_length(2**20)
+
+
+def mamba2_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A saved Mamba2Config as NemotronHConfig's keys (add_nemotron_h_parameters), with the common keys Mamba2Model
+    writes: no attention heads, no feed-forward features."""
+    return nemotron_h_hf_config({
+        **{k: v for k, v in cfg.items() if k != "head_dim"}, "layers_block_type": ["mamba"] * cfg["num_hidden_layers"],
+        "mamba_num_heads": cfg["num_heads"], "mamba_head_dim": cfg["head_dim"], "ssm_state_size": cfg["state_size"],
+        "num_attention_heads": 0, "num_key_value_heads": 0, "intermediate_size": 0})

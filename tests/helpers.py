@@ -144,6 +144,10 @@ RANDOM_CONFIGS = {
         layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention", "mlp", "linear_attention",
                            "mlp"], mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
         conv_kernel=4, layer_norm_epsilon=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # Mamba2: Mamba2 layers only (8 heads of 16 in 2 groups), no MLP; tied embeddings
+    "mamba2": ("Mamba2Config", dict(vocab_size=_COMMON["vocab_size"], hidden_size=64, num_hidden_layers=3, num_heads=8,
+                                    head_dim=16, state_size=16, n_groups=2, expand=2, conv_kernel=4,
+                                    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
     "granitemoeshared": ("GraniteMoeSharedConfig", dict({k: v for k, v in _GRANITE4.items() if k != "layer_types"},
                                                         num_local_experts=4, num_experts_per_tok=2,
                                                         intermediate_size=32)),

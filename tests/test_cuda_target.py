@@ -63,7 +63,7 @@ STEPS = [
                                    "glm4", "cohere2", "ministral3", "arcee", "starcoder2", "qwen3_moe", "mixtral",
                                    "olmoe", "qwen2_moe", "granitemoe", "gpt_oss", "lfm2", "lfm2_wide",
                                    "lfm2_moe", "lfm2_moe_raw", "granite4_moe", "apertus", "afmoe", "glm", "qwen3_5",
-                                   "granite4_h", "nemotron_h"])
+                                   "granite4_h", "nemotron_h", "mamba2"])
 def test_cuda_plan_matches_cpu_engine(engine_pair, model):
     cpu_dir, cuda_dir = engine_pair(model)
     groups = len(read_engine_config(cpu_dir).kv_cache_groups)  # Gemma 2 / 3, OLMo 3: a table per group

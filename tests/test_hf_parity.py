@@ -24,7 +24,7 @@ MODELS = ["stories260K", "tinystories-656K", "llama", "llama_bias", "llama3_rope
           "ministral3", "arcee", "starcoder2", "hunyuan_dense", "lfm2", "lfm2_wide",
           "lfm2_moe", "lfm2_moe_raw", "granite4", "granite4_nope", "granite4_moe",
           "granitemoeshared", "apertus", "afmoe", "glm", "qwen3_5", "qwen3_5_moe",
-          "granite4_h", "granite4_h_moe", "nemotron_h"]
+          "granite4_h", "granite4_h_moe", "nemotron_h", "mamba2"]
 
 
 @pytest.fixture(scope="module")

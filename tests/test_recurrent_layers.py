@@ -219,3 +219,24 @@ def test_a_nemotron_h_gguf_converts_like_its_hf_folder(tmp_path, monkeypatch):
     config = convert(write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "nemotron_h"), tmp_path / "from_gguf")
     assert config.family == "nemotron_h" and config.mlp_free_layers == (1,)
     assert_same_checkpoint(tmp_path / "from_hf", tmp_path / "from_gguf")
+
+
+def test_a_mamba2_model_and_its_gguf_are_mamba2_layers_without_mlps(tmp_path, monkeypatch):
+    """Mamba2ForCausalLM (Codestral Mamba): a Nemotron-H of Mamba2 layers only, no attention and no MLP; llama.cpp's
+    mamba2 file (no attention heads, no feed-forward features) converts like its HF folder."""
+    from gguf_helpers import make_hf_folder, write_gguf_like_llama_cpp
+    from helpers import require_shared_models
+    from test_gguf_convert import assert_same_checkpoint
+
+    from trtbuild.builder.convert.convert import convert
+
+    require_shared_models()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hf = make_hf_folder("mamba2", tmp_path / "hf", {"max_position_embeddings": 2**20})
+    config = convert(hf, tmp_path / "from_hf")
+    assert (config.architecture, config.family, config.mlp_free_layers, config.recurrent_layers) == (
+        "Mamba2ForCausalLM", "nemotron_h", (0, 1, 2), (0, 1, 2))
+    assert config.recurrent_state_shape == (8, 16, 16) and config.mamba_num_groups == 2
+    config = convert(write_gguf_like_llama_cpp(hf, tmp_path / "m.gguf", "mamba2"), tmp_path / "from_gguf")
+    assert (config.architecture, config.mlp_free_layers) == ("Mamba2ForCausalLM", (0, 1, 2))
+    assert_same_checkpoint(tmp_path / "from_hf", tmp_path / "from_gguf")

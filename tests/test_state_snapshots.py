@@ -78,9 +78,10 @@ def test_without_snapshots_no_prefix_is_reused_and_chunks_are_not_cut():
     assert not kv.pool.enable_caching and kv.state_save_point(scheduler.running[0]) == 0
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "granite4_h"])
+@pytest.fixture(scope="module", params=["qwen3_5", "granite4_h", "mamba2"])
 def engine(request, random_hf_model, engine_from_hf):
-    """Gated DeltaNet layers, and Mamba2 layers (each beside convolution rows in the pool), blocks of 8."""
+    """Gated DeltaNet layers, and Mamba2 layers (each beside convolution rows in the pool; Mamba2: no attention at
+    all), blocks of 8."""
     return engine_from_hf(random_hf_model(request.param), max_batch_size=4, max_num_tokens=256)
 
 

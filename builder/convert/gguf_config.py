@@ -187,6 +187,8 @@ GGUF_ARCHITECTURES["granitehybrid"] = GgufArch(
 GGUF_ARCHITECTURES["nemotron_h"] = GgufArch(
     "NemotronHForCausalLM", "nemotron_h", True, ("attn_norm.weight",), gguf_granite_hybrid.NEMOTRON_H_TENSORS,
     renames=gguf_granite_hybrid.NEMOTRON_H_RENAMES)
+GGUF_ARCHITECTURES["mamba2"] = dataclasses.replace(  # Mamba2 layers only (no attention heads, no MLP)
+    GGUF_ARCHITECTURES["nemotron_h"], hf_architecture="Mamba2ForCausalLM", model_type="mamba2")
 # LFM2-MoE: LFM2's layers, a dense MLP before leading_dense_block_count, experts after it (chosen by sigmoid scores
 # plus exp_probs_b, renormalized: llama.cpp's build_moe_ffn with norm_w for this architecture)
 _LFM2 = GGUF_ARCHITECTURES["lfm2"]
@@ -255,7 +257,8 @@ def hf_config(
     def first(value: Any) -> int:  # llama.cpp may store per-layer lists (all equal for these architectures)
         return int(value[0] if isinstance(value, list) else value)
 
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    # NOTE: a file without attention (mamba2) has 0 heads
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count")) or 1
     rope_dim = meta.get(f"{prefix}.rope.dimension_count")
     kv_per_layer = meta.get(f"{prefix}.attention.head_count_kv", heads)  # LFM2: 0 for its convolution layers
     kv_heads = int(max(kv_per_layer) if isinstance(kv_per_layer, list) else kv_per_layer)
@@ -345,6 +348,8 @@ def hf_config(
         cfg.update(gguf_granite_hybrid.granite_hybrid_config(meta, prefix, shapes))
     if arch.model_type == "nemotron_h":
         cfg.update(gguf_granite_hybrid.nemotron_h_config(meta, prefix, shapes))
+    if arch.model_type == "mamba2":
+        cfg.update(gguf_granite_hybrid.mamba2_config(meta, prefix, shapes))
     if arch.model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
         cfg.update(gguf_qwen35.qwen35_config(meta, prefix))
     if arch.model_type == "starcoder2":  # LayerNorms

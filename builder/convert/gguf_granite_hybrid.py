@@ -67,9 +67,17 @@ def nemotron_h_config(meta: dict[str, Any], prefix: str, shapes: dict[str, tuple
     kv, ff = (v if isinstance(v, list) else [v] * layers for v in (kv, ff))
     experts = bool(key("expert_count"))
     pattern = "".join("*" if kv[j] else ("E" if experts else "-") if ff[j] else "M" for j in range(layers))
-    heads, inner = int(key("ssm.time_step_rank")), int(key("ssm.inner_size"))
-    return {"hybrid_override_pattern": pattern, "intermediate_size": max(ff), "mamba_num_heads": heads,
-            "mamba_head_dim": inner // heads, "ssm_state_size": int(key("ssm.state_size")),
-            "n_groups": int(key("ssm.group_count")), "conv_kernel": int(key("ssm.conv_kernel")),
+    ssm = mamba2_config(meta, prefix, shapes)
+    return {"hybrid_override_pattern": pattern, "intermediate_size": max(ff), "mamba_num_heads": ssm["num_heads"],
+            "mamba_head_dim": ssm["head_dim"], "ssm_state_size": ssm["state_size"], "mlp_hidden_act": "relu2",
+            **{k: ssm[k] for k in ("n_groups", "conv_kernel", "use_conv_bias", "layer_norm_epsilon")}}
+
+
+def mamba2_config(meta: dict[str, Any], prefix: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """Mamba2Config's fields of a file's ssm.* keys: a `mamba2` file's config (Mamba2 layers only, named as
+    Nemotron-H's: NEMOTRON_H_RENAMES)."""
+    heads, inner = int(meta[f"{prefix}.ssm.time_step_rank"]), int(meta[f"{prefix}.ssm.inner_size"])
+    return {"num_heads": heads, "head_dim": inner // heads, "state_size": int(meta[f"{prefix}.ssm.state_size"]),
+            "n_groups": int(meta[f"{prefix}.ssm.group_count"]), "conv_kernel": int(meta[f"{prefix}.ssm.conv_kernel"]),
             "use_conv_bias": any(name.endswith("ssm_conv1d.bias") for name in shapes),
-            "layer_norm_epsilon": f32(key("attention.layer_norm_rms_epsilon") or 1e-5), "mlp_hidden_act": "relu2"}
+            "layer_norm_epsilon": f32(meta.get(f"{prefix}.attention.layer_norm_rms_epsilon") or 1e-5)}
