@@ -61,14 +61,17 @@ def build_engine(gguf: Path, work: Path, args: argparse.Namespace) -> Path:
 def measure_trtbuild(engine: Path, snapshots: int, args: argparse.Namespace) -> list[dict[str, float]]:
     """In this process (`--measure-trtbuild ENGINE --snapshots N`): the conversation through EngineCore."""
     from trtbuild.builder.engine_dir import read_engine_config
+    from trtbuild.configs import batch_blocks_needed
     from trtbuild.runtime.config import RuntimeConfig
     from trtbuild.runtime.engine_core import EngineCore
     from trtbuild.runtime.sampling import SamplingParams
 
-    per_block = read_engine_config(engine).build.tokens_per_block
+    info = read_engine_config(engine)
     # NOTE: a pool of two conversations: the last turn's blocks stay cached while the next turn takes new ones
+    blocks = 2 * batch_blocks_needed([g.window for g in info.kv_cache_groups], info.build.tokens_per_block, 1,
+                                     context_tokens(args), info.build.max_num_tokens)
     core = EngineCore(engine, RuntimeConfig(num_threads=args.threads, max_batch_size=1, max_state_snapshots=snapshots,
-                                            kv_cache_blocks=2 * -(-context_tokens(args) // per_block)))
+                                            kv_cache_blocks=blocks))
     params = SamplingParams(max_tokens=args.answer, temperature=0.0, ignore_eos=True)
 
     def turn(prompt: list[int]) -> tuple[list[int], dict[str, float]]:
