@@ -2,7 +2,7 @@
 turn waits for its first token when its prompt repeats the whole conversation so far.
 
     python benchmarks/conversation.py --gguf model.gguf [--llama-bin DIR] [--threads 2] [--rounds 3] [--turns 6]
-        [--user 128] [--answer 64] [--work DIR] [--json out.json]
+        [--user 128] [--answer 64] [--system 0] [--work DIR] [--json out.json]
 
 Turn t's prompt is turn t-1's prompt, its answer (greedy, `--answer` tokens, end-of-text ignored) and `--user` new
 token ids, as a chat client resends its history. What a turn can reuse from the last one is what this measures: for a
@@ -12,7 +12,9 @@ own process, one after another, alternated over rounds (this VM's speed drifts):
 - trtbuild: EngineCore in process, one sequence at a time (prefix caching and state snapshots on, the defaults);
 - trtbuild without snapshots (`--max-state-snapshots 0`): every turn computes its whole prompt, the baseline;
 - llama.cpp: `llama-server -np 1` (the conversation keeps its slot), streaming /completion with token-id prompts.
-Reported: each turn's time to first token (medians over rounds), the conversation's total time, the prompt tokens
+With `--system N`, the turns are instead requests of one N-token system prompt and their own `--user` tokens, one
+after another (an assistant's users, or an agent's calls): what they can reuse is the system prompt. Reported: each
+turn's time to first token (medians over rounds), the conversation's total time, the prompt tokens
 each turn took from its cache, and ratios.
 """
 
@@ -42,7 +44,7 @@ def user_tokens(turn: int, n: int, vocab: int) -> list[int]:
 
 
 def context_tokens(args: argparse.Namespace) -> int:
-    return args.turns * (args.user + args.answer) + 16
+    return (args.system + args.user + args.answer if args.system else args.turns * (args.user + args.answer)) + 16
 
 
 def build_engine(gguf: Path, work: Path, args: argparse.Namespace) -> Path:
@@ -86,15 +88,18 @@ def measure_trtbuild(engine: Path, snapshots: int, args: argparse.Namespace) -> 
                         "cached": request.metrics.num_prefix_cached_tokens}
 
     turn(user_tokens(99, 8, args.vocab))  # NOTE: untimed, as llama.cpp's warm-up: threads and weights ready
-    return converse(turn, args)
+    return workload(turn, args)
 
 
-def converse(turn, args: argparse.Namespace) -> list[dict[str, float]]:
-    prompt, turns = user_tokens(0, args.user, args.vocab), []
+def workload(turn, args: argparse.Namespace) -> list[dict[str, float]]:
+    """The turns, each through `turn(prompt) -> (answer, stats)`: a conversation, or requests of one system prompt."""
+    system = user_tokens(1000, args.system, args.vocab)
+    prompt, turns = (system if args.system else []) + user_tokens(0, args.user, args.vocab), []
     for t in range(args.turns):
         answer, stats = turn(prompt)
         turns.append({**stats, "prompt": len(prompt)})
-        prompt = prompt + answer + user_tokens(t + 1, args.user, args.vocab)
+        following = user_tokens(t + 1, args.user, args.vocab)
+        prompt = system + following if args.system else prompt + answer + following
     return turns
 
 
@@ -126,7 +131,7 @@ def llama_server(gguf: Path, args: argparse.Namespace) -> list[dict[str, float]]
                             "cached": len(prompt) - processed}
 
         turn(user_tokens(99, 8, args.vocab))
-        return converse(turn, args)
+        return workload(turn, args)
     finally:
         proc.terminate()
         proc.wait()
@@ -135,7 +140,7 @@ def llama_server(gguf: Path, args: argparse.Namespace) -> list[dict[str, float]]
 def trtbuild_run(engine: Path, snapshots: int, args: argparse.Namespace) -> list[dict[str, float]]:
     out, _ = run_timed([sys.executable, __file__, "--measure-trtbuild", str(engine), "--threads", str(args.threads),
                         "--turns", str(args.turns), "--user", str(args.user), "--answer", str(args.answer),
-                        "--vocab", str(args.vocab),
+                        "--vocab", str(args.vocab), "--system", str(args.system),
                         *(["--snapshots", str(snapshots)] if snapshots is not None else [])])
     return json.loads(out.splitlines()[-1])
 
@@ -172,6 +177,8 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--user", type=int, default=128, help="New tokens of each turn's prompt.")
     p.add_argument("--answer", type=int, default=64, help="Tokens of each answer.")
+    p.add_argument("--system", type=int, default=0,
+                   help="Tokens of a system prompt every turn starts with instead of the conversation so far.")
     p.add_argument("--ubatch", type=int, default=512, help="Most tokens per step, both systems.")
     p.add_argument("--work", type=Path, default=None, help="Where the engine is built [a temporary folder].")
     p.add_argument("--json", type=Path, default=None, help="Also write every round and the medians here.")

@@ -15,23 +15,22 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from trtbuild.builder.engine_dir import engine_target, read_engine_config
-from trtbuild.configs import batch_blocks_needed
 from trtbuild.errors import ConfigError
 from trtbuild.runtime.beam_search import BeamGroup
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.detokenizer import IncrementalDetokenizer
 from trtbuild.runtime.engine import DraftAccept, SequenceChunk, StepOutput
 from trtbuild.runtime.engine_accept import advance, draft_accept, engine_can_verify
+from trtbuild.runtime.engines import make_engine
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
 from trtbuild.runtime.logprobs import TokenLogprobs, rows_logprobs
 from trtbuild.runtime.lora_slots import LoraAdapters
-from trtbuild.runtime.memory import gpu_memory_for_kv, kv_cache_blocks
 from trtbuild.runtime.outputs import RequestOutput, StepStats
 from trtbuild.runtime.request import FinishReason, Request
 from trtbuild.runtime.sampling import Sampler, SamplingParams, SamplingState
 from trtbuild.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from trtbuild.runtime.speculative import make_proposer, verify
-from trtbuild.runtime.tensor_parallel import TensorParallelEngine, make_cpu_engine
+from trtbuild.runtime.tensor_parallel import TensorParallelEngine
 from trtbuild.runtime.tokenizer import Tokenizer, load_generation_eos
 
 if TYPE_CHECKING:
@@ -61,35 +60,13 @@ class EngineCore:
             raise ConfigError("num_speculative_tokens", f"{model.architecture}'s recurrent layers (linear attention, "
                               "Mamba2) keep a state that cannot go back to the last accepted draft; run it without "
                               "speculative decoding.")
-        device = gpu_memory_for_kv(info.weight_bytes) if target != "cpu" and config.kv_cache_blocks is None else None
-        full_batch = batch_blocks_needed([g.window for g in info.kv_cache_groups], build.tokens_per_block,
-                                         config.max_batch_size, build.max_seq_len, config.max_num_tokens)
-        num_blocks = kv_cache_blocks(info.kv_cache_bytes_per_block, build, config.kv_cache_memory,
-                                     config.kv_cache_blocks, available=device, batch_blocks=full_batch)
-        if target == "cuda":
-            from trtbuild.runtime.cuda_engine import CudaEngine
-
-            self.engine = CudaEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
-        elif target == "tensorrt":
-            from trtbuild.builder.tensorrt.plan import max_pool_blocks
-            from trtbuild.runtime.tensorrt_engine import TensorRTEngine
-
-            num_blocks = min(num_blocks, max_pool_blocks(build))  # NOTE: a profile bounds the pool's block count
-            self.engine = TensorRTEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
-        else:
-            self.engine = make_cpu_engine(info, config.num_threads, num_blocks, config.rank_cpus)
+        self.engine, num_blocks = make_engine(info, target, config)
         # seconds spent starting: the ONNX Runtime session, then the KV pool faulted in + the warm-up step
         self.start_seconds = {"session": time.perf_counter() - start, "warm_up": 0.0}
-        snapshots = 0
-        if model.recurrent_layers and config.enable_prefix_caching:
-            snapshots = config.max_batch_size if config.max_state_snapshots is None else config.max_state_snapshots
-            self.engine.allocate_state_snapshots(snapshots)
-            if not snapshots:
-                log.info("prefix caching is off: %s's recurrent layers need a kept state to reuse a prefix, and "
-                         "--state-snapshots is 0", model.architecture)
         self.kv = KVCacheManager.for_groups(info.kv_cache_groups, num_blocks, build.tokens_per_block,
                                             config.enable_prefix_caching,
-                                            config.max_batch_size if model.recurrent_layers else 0, snapshots)
+                                            config.max_batch_size if model.recurrent_layers else 0,
+                                            config.max_state_snapshots)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_tokens=config.max_num_tokens, max_batch_size=config.max_batch_size,
                             max_seq_len=build.max_seq_len, policy=config.policy,

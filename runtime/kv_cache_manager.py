@@ -20,10 +20,12 @@ RELEASED = -1  # a table entry whose block went back to the pool (every later qu
 class CachedPrefix:
     """Cached blocks for a request's leading full blocks: one table per group, each `len(self)` entries long (a
     sliding group's entries before its window are RELEASED), and the snapshot of the recurrent state after them (-1:
-    a model without recurrent layers)."""
+    a model without recurrent layers). `shared_blocks`: with recurrent layers, the leading blocks other requests
+    computed, cached beyond the kept state (a prefix they share, e.g. a system prompt: its state is worth keeping)."""
 
     tables: tuple[tuple[int, ...], ...] = ()
     snapshot: int = -1
+    shared_blocks: int = 0
 
     def __len__(self) -> int:
         return len(self.tables[0]) if self.tables else 0
@@ -57,6 +59,7 @@ class KVCacheManager:
         self.num_cached: dict[str, int] = {}
         self.state_copies: list[StateCopy] = []  # for the engine, before its next step (take_state_copies)
         self.output_snapshot: dict[str, int] = {}  # the prefix hash of the snapshot a request's outputs made last
+        self.branch_points: dict[str, int] = {}  # where a request leaves a shared prefix whose state is not kept
 
     @classmethod
     def for_groups(cls, groups: Sequence[KVCacheGroup], num_blocks: int, block_size: int,
@@ -104,16 +107,18 @@ class KVCacheManager:
         for g, window in enumerate(self.windows):
             if window is None:
                 n = next((i for i in range(n) if not cached(g, i, i + 1)), n)
+        shared = 0 if self.snapshots is None else next(
+            (i for i in range(len(hashes)) if not cached(0, i, i + 1)), len(hashes))
         while n and not ((self.snapshots is None or hashes[n - 1] in self.snapshots) and
                          all(cached(g, self.window_start(g, n * self.block_size), n)
                              for g, window in enumerate(self.windows) if window)):
             n -= 1
         if not n:
-            return NO_PREFIX
+            return CachedPrefix(shared_blocks=shared) if shared else NO_PREFIX
         starts = [self.window_start(g, n * self.block_size) for g in range(self.num_groups)]
         return CachedPrefix(tuple((RELEASED,) * s + tuple(self.pool.lookup(self._key(g, h)) for h in hashes[s:n])
                                   for g, s in enumerate(starts)),
-                            -1 if self.snapshots is None else self.snapshots.find(hashes[n - 1]))
+                            -1 if self.snapshots is None else self.snapshots.find(hashes[n - 1]), shared)
 
     def blocks_needed(self, request: Request, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> int:
         """Free blocks that allocate(request, num_tokens, prefix) would consume."""
@@ -138,6 +143,8 @@ class KVCacheManager:
             self.num_cached[request.request_id] = len(prefix)
             if prefix.snapshot >= 0:
                 self.state_copies.append(StateCopy(self.state_slot(request), prefix.snapshot, save=False))
+        if branch := self._branch_point(prefix):
+            self.branch_points[request.request_id] = branch
         total = -(-num_tokens // self.block_size)
         for table in tables:
             table.extend(self.pool.allocate(max(total - len(table), 0)))
@@ -183,22 +190,36 @@ class KVCacheManager:
                     self.pool.cache(table[i], self._key(g, hashes[i]))
         self.num_cached[request.request_id] = len(hashes)
 
-    def state_save_point(self, request: Request) -> int:
-        """Where a prefill chunk of the request stops, so that the state there can be kept: after the last full block
-        of its known tokens (0: no state is kept)."""
+    def _save_points(self, request: Request) -> tuple[int, int]:
+        """Where the request's state is kept: where it leaves a prefix others share (0: nowhere), and after the last
+        full block of its known tokens."""
+        return (self.branch_points.get(request.request_id, 0),
+                len(request.token_ids) // self.block_size * self.block_size)
+
+    def _branch_point(self, prefix: CachedPrefix) -> int:
+        """Where a request admitted with `prefix` leaves the prefix it shares with others, if no state is kept there."""
+        return prefix.shared_blocks * self.block_size if prefix.shared_blocks > len(prefix) else 0
+
+    def state_save_point(self, request: Request, start: int, prefix: CachedPrefix = NO_PREFIX) -> int:
+        """The first position after `start` where a prefill chunk of the request stops, so that the state there can be
+        kept (0: none); `prefix`: what a waiting request is about to be admitted with."""
         if self.snapshots is None:
             return 0
-        return len(request.token_ids) // self.block_size * self.block_size
+        points = (*self._save_points(request), self._branch_point(prefix))
+        return min((p for p in points if p > start), default=0)
 
     def keep_state(self, request: Request) -> None:
-        """After a step (and cache_full_blocks): snapshot the request's state if its computed tokens end at its save
+        """After a step (and cache_full_blocks): snapshot the request's state if its computed tokens end at a save
         point. A request keeps one snapshot of its outputs, its newest: the states a conversation's next turn can
-        use are after its prompt and after its answer."""
+        use are after its prompt and after its answer; a request sharing a prefix that has no state kept (a system
+        prompt) keeps the state after it, for the requests that follow."""
         n = request.num_computed_tokens
-        if self.snapshots is None or not n or n != self.state_save_point(request):
+        if self.snapshots is None or not n or n not in self._save_points(request):
             return
         prefix_hash = request.block_hashes[n // self.block_size - 1]
-        if request.num_output_tokens > 1:  # NOTE: the first output token came with the prompt's last chunk
+        if n == self.branch_points.get(request.request_id):
+            del self.branch_points[request.request_id]
+        elif request.num_output_tokens > 1:  # NOTE: the first output token came with the prompt's last chunk
             previous = self.output_snapshot.get(request.request_id)
             if previous is not None and previous != prefix_hash:
                 self.snapshots.drop(previous)
@@ -218,6 +239,7 @@ class KVCacheManager:
         if self.snapshots is not None:
             self.snapshots.clear()
             self.output_snapshot.clear()
+            self.branch_points.clear()
 
     def release_outside_window(self, request: Request) -> None:
         """Give back each sliding group's blocks wholly before the window of the request's next query (position n =
@@ -237,6 +259,7 @@ class KVCacheManager:
         tables = self.blocks.pop(request.request_id, [])
         self.num_cached.pop(request.request_id, None)
         self.output_snapshot.pop(request.request_id, None)
+        self.branch_points.pop(request.request_id, None)
         if self.state_slots is not None:
             self.state_slots.release(request.request_id)
         for table in tables:

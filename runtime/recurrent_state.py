@@ -13,18 +13,25 @@ held before.
 A prefix is reused through snapshots (as llama.cpp's server keeps context checkpoints): the state after a request's
 last full block of known tokens is copied out of its slot (`StateCopy`, save) after the step that computed it, and a
 later request whose leading blocks are cached up to such a block copies it into its own slot (restore) instead of
-computing them. Snapshots live beside the running slots, never read by the engine's nodes.
+computing them. A request whose leading blocks are cached beyond any kept state (a system prompt other requests
+sent) also keeps the state where it leaves them, for the requests after it. Snapshots live beside the running
+slots, never read by the engine's nodes.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from trtbuild.configs import ModelConfig
+from trtbuild.runtime.memory import require_memory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,26 @@ class StateCopy:
     slot: int
     snapshot: int
     save: bool
+
+
+def state_bytes(model: ModelConfig) -> int:
+    """Bytes of one sequence's states, every recurrent layer's (float32)."""
+    return 4 * len(model.recurrent_layers) * int(np.prod(model.recurrent_state_shape))
+
+
+def allocate_snapshots(engine: Any, model: ModelConfig, running: int, snapshots: int, on_cpu: bool) -> None:
+    """Give `engine` (CpuEngine, CudaEngine) room for `snapshots` kept states (RuntimeConfig.max_state_snapshots)
+    beside its `running` slots. On the CPU, where both are resident only once written, they are refused now if
+    memory cannot hold them, rather than the server being killed when requests fill them."""
+    if not snapshots:
+        log.info("prefix caching is off: %s's recurrent layers need a kept state to reuse a prefix, and "
+                 "--max-state-snapshots is 0 (or --no-prefix-caching)", model.architecture)
+    if on_cpu:
+        require_memory((running + snapshots) * state_bytes(model),
+                       f"{model.architecture}'s recurrent states ({running} running sequences' and {snapshots} kept "
+                       "for prefix reuse)",
+                       "lower --max-state-snapshots, or rebuild the engine with a smaller --max-batch-size.")
+    engine.allocate_state_snapshots(snapshots)
 
 
 class RecurrentStateStorage:

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from trtbuild.errors import ConfigError
-from trtbuild.runtime.kv_cache_manager import NO_PREFIX, KVCacheManager
+from trtbuild.runtime.kv_cache_manager import NO_PREFIX, CachedPrefix, KVCacheManager
 from trtbuild.runtime.request import FinishReason, Request, RequestStatus
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
@@ -113,11 +113,11 @@ class Scheduler:
         request.spec_token_ids.clear()
         return self._prefill_size(request, request.num_computed_tokens, budget)
 
-    def _prefill_size(self, request: Request, start: int, budget: int) -> int:
+    def _prefill_size(self, request: Request, start: int, budget: int, prefix: CachedPrefix = NO_PREFIX) -> int:
         """Tokens of a prefill chunk from position `start`: as many as the budget and max_prefill_chunk allow, up to
         where a recurrent state is kept (KVCacheManager.state_save_point) if the chunk would pass it."""
         n = min(len(request.token_ids) - start, budget, self.config.max_prefill_chunk or budget)
-        stop = self.kv.state_save_point(request)
+        stop = self.kv.state_save_point(request, start, prefix)
         return stop - start if start < stop < start + n else n
 
     @staticmethod
@@ -179,7 +179,7 @@ class Scheduler:
             # NOTE: cached prefix blocks have no logits to score the prompt with, so such a request computes it all
             prefix = NO_PREFIX if self.scores_prompt(request) else self.kv.computed_prefix(request)
             computed = len(prefix) * self.kv.block_size
-            num_new = self._prefill_size(request, computed, budget)
+            num_new = self._prefill_size(request, computed, budget, prefix)
             reserve = self.lifetime_tokens(request) if self.config.policy == "guaranteed_no_evict" else 0
             if not self.kv.allocate(request, max(computed + num_new, reserve), prefix):
                 # NOTE: beams waiting for their group's others hold blocks without running; a beam search whose

@@ -307,20 +307,21 @@ def test_peers_benchmark_smoke_reports_trtbuild_and_a_missing_peer(llama, why, t
     assert all(value > 0 for value in medians["trtbuild"].values()), medians
 
 
-def test_conversation_benchmark_reports_each_turn(tmp_path):
+@pytest.mark.parametrize(("system", "prompts", "cached"), [(0, [20, 52, 84], [0, 16, 48]), (20, [40] * 3, [0, 16, 16])])
+def test_conversation_benchmark_reports_each_turn(system, prompts, cached, tmp_path):
     """benchmarks/conversation.py with tiny lengths and no llama-server: each turn's prompt repeats the last one and
-    its answer, and takes them from the cache (this Llama's prefix blocks; a recurrent model's kept states)."""
+    its answer (or, with --system, starts with the same system prompt), and takes them from the cache (this Llama's
+    prefix blocks of 16; a recurrent model's kept states)."""
     require_shared_models()
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "conversation.py"), "--gguf",
                           str(STORIES260K / "stories260K-f32.gguf"), "--turns", "3", "--user", "20", "--answer", "12",
-                          "--rounds", "1", "--threads", "1", "--llama-bin", str(tmp_path / "bin"), "--work",
-                          str(tmp_path / "w"), "--json", str(tmp_path / "c.json")], capture_output=True, text=True,
-                         timeout=300)
+                          "--system", str(system), "--rounds", "1", "--threads", "1", "--llama-bin",
+                          str(tmp_path / "bin"), "--work", str(tmp_path / "w"), "--json", str(tmp_path / "c.json")],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "llama.cpp: missing" in out.stdout and "trtbuild vs trtbuild, no snapshots" in out.stdout
     medians = json.loads((tmp_path / "c.json").read_text())["medians"]
-    assert medians["trtbuild"]["prompt"] == [20, 52, 84]
-    assert medians["trtbuild"]["cached"] == [0, 16, 48]  # blocks of 16: the last turn's computed full blocks
+    assert (medians["trtbuild"]["prompt"], medians["trtbuild"]["cached"]) == (prompts, cached)
 
 
 def test_step_profile_splits_a_decode_step_by_op_type(engine):

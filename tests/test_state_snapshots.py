@@ -8,11 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trtbuild.errors import ConfigError
+from trtbuild.configs import BuildConfig
+from trtbuild.errors import ConfigError, TrtbuildError
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.engine_core import EngineCore
 from trtbuild.runtime.kv_cache_manager import NO_PREFIX, KVCacheManager
-from trtbuild.runtime.recurrent_state import StateCopy, StateSnapshots
+from trtbuild.runtime.recurrent_state import StateCopy, StateSnapshots, state_bytes
 from trtbuild.runtime.request import FinishReason, Request
 from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.runtime.scheduler import Scheduler, SchedulerConfig
@@ -66,8 +67,34 @@ def test_a_prompt_stops_at_its_last_full_block_and_the_answer_keeps_its_newest_s
     # a turn that changed a's answer after its 14th token finds the state after the prompt's blocks only
     c = Request("c", a.token_ids[:14] + [9, 9, 9, 9], SamplingParams(max_tokens=2))
     assert (len(kv.computed_prefix(c)), kv.computed_prefix(c).snapshot) == (2, 0)
+    kv.reset_prefix_cache()  # b's blocks (b runs) stay: c would keep the state where it leaves them
+    assert (len(kv.computed_prefix(c)), kv.computed_prefix(c).shared_blocks) == (0, 3)
+    scheduler.finish_requests([b], FinishReason.STOP)
     kv.reset_prefix_cache()
     assert kv.computed_prefix(c) is NO_PREFIX
+
+
+def test_a_prefix_shared_without_a_kept_state_gets_one_from_the_next_request_through_it():
+    """a and b share their first 8 tokens (a system prompt), which a's state was not kept after: b stops there and
+    keeps it, so c starts after it. Blocks of 4, one attention group, 3 slots, 4 snapshots."""
+    kv = KVCacheManager(num_blocks=32, block_size=4, num_state_slots=3, num_state_snapshots=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_tokens=64, max_batch_size=3, max_seq_len=64), kv)
+    system = list(range(1, 9))
+    a, b, c = (Request(r, system + [50 + 10 * i + j for j in range(6)], SamplingParams(max_tokens=1))
+               for i, r in enumerate("abc"))
+    scheduler.add_request(a)
+    assert run(scheduler) == [(0, 12)] and run(scheduler, [5]) == [(12, 2)]
+    assert kv.take_state_copies() == [StateCopy(0, 0, save=True)]  # after a's last full block only
+    prefix = kv.computed_prefix(b)
+    assert (len(prefix), prefix.shared_blocks) == (0, 2)
+    scheduler.add_request(b)
+    assert run(scheduler) == [(0, 8)] and b.metrics.num_prefix_cached_tokens == 0  # stops where it leaves a
+    assert kv.take_state_copies() == [StateCopy(0, 1, save=True)] and "b" not in kv.branch_points
+    assert run(scheduler) == [(8, 4)] and kv.take_state_copies() == [StateCopy(0, 2, save=True)]
+    assert run(scheduler, [5]) == [(12, 2)]
+    scheduler.add_request(c)
+    assert run(scheduler) == [(8, 4)] and c.metrics.num_prefix_cached_tokens == 8
+    assert kv.take_state_copies() == [StateCopy(0, 1, save=False), StateCopy(0, 3, save=True)]
 
 
 def test_without_snapshots_no_prefix_is_reused_and_chunks_are_not_cut():
@@ -75,7 +102,7 @@ def test_without_snapshots_no_prefix_is_reused_and_chunks_are_not_cut():
     scheduler = Scheduler(SchedulerConfig(max_num_tokens=64, max_batch_size=2, max_seq_len=64), kv)
     scheduler.add_request(Request("a", list(range(1, 11)), SamplingParams(max_tokens=2)))
     assert run(scheduler, [5]) == [(0, 10)] and kv.take_state_copies() == []
-    assert not kv.pool.enable_caching and kv.state_save_point(scheduler.running[0]) == 0
+    assert not kv.pool.enable_caching and kv.state_save_point(scheduler.running[0], 0) == 0
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "granite4_h", "mamba2"])
@@ -146,9 +173,49 @@ def test_requests_sharing_a_prompt_run_together_from_its_state(engine):
     assert [r.token_ids for r in extended] == [r.token_ids for r in want]
 
 
-def test_a_negative_snapshot_count_is_refused():
+def test_requests_after_one_that_shared_a_system_prompt_start_after_it(engine):
+    """Requests of one system prompt (20 tokens) and different questions, one after another: the first two compute it
+    (the second keeps the state after its 16 shared tokens), the others start after it; the answers and logprobs are
+    those computed without snapshots."""
+    def answers(core: EngineCore) -> tuple[list[list[int]], np.ndarray, list[int]]:
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0)
+        tokens, logprobs, cached = [], [], []
+        for i in range(4):
+            request = core.make_request(list(range(100, 120)) + [7 + i, 30 + i, 9, 11 + i], params)
+            core.add_request(request)
+            while core.has_unfinished():
+                logprobs += [lp.logprob for out in core.step() for lp in out.logprobs]
+            tokens.append(request.token_ids[request.num_prompt_tokens:])
+            cached.append(request.metrics.num_prefix_cached_tokens)
+        return tokens, np.array(logprobs), cached
+
+    got, logprobs, cached = answers(EngineCore(engine, RuntimeConfig(num_threads=1)))
+    want, want_logprobs, none = answers(EngineCore(engine, RuntimeConfig(num_threads=1, max_state_snapshots=0)))
+    assert got == want and cached == [0, 0, 16, 16] and none == [0, 0, 0, 0]
+    np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4, rtol=0)
+
+
+def test_the_snapshot_count_is_one_per_batch_slot_unless_asked_and_none_without_prefix_caching():
+    build = BuildConfig(max_batch_size=8)
+    assert RuntimeConfig().resolve(build).max_state_snapshots == 8
+    assert RuntimeConfig(max_batch_size=2).resolve(build).max_state_snapshots == 2
+    assert RuntimeConfig(max_state_snapshots=3).resolve(build).max_state_snapshots == 3
+    assert RuntimeConfig(max_state_snapshots=3, enable_prefix_caching=False).resolve(build).max_state_snapshots == 0
     with pytest.raises(ConfigError, match="max_state_snapshots"):
         RuntimeConfig(max_state_snapshots=-1)
+
+
+def test_states_that_memory_cannot_hold_are_refused_at_start(engine, monkeypatch):
+    """Running and kept states are resident only once written: a count memory cannot hold is refused before any
+    request, naming what to lower, instead of the server being killed when requests fill them."""
+    from trtbuild.builder.engine_dir import read_engine_config
+    from trtbuild.runtime import memory
+
+    available = memory.available_memory_bytes()
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: available)  # NOTE: fixed, for the count below
+    snapshots = available // state_bytes(read_engine_config(engine).model)  # + the 4 running slots: too many
+    with pytest.raises(TrtbuildError, match=r"recurrent states \(4 running sequences' and \d+ kept.*--max-state-snap"):
+        EngineCore(engine, RuntimeConfig(num_threads=1, max_state_snapshots=int(snapshots), warm_up=False))
 
 
 def test_the_cuda_engine_restores_states_as_the_cpu_engine(random_hf_model, engine_from_hf):
