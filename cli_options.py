@@ -90,7 +90,8 @@ serving_options = options(
     click.option("--no-prefix-caching", is_flag=True, help="Do not reuse KV blocks of shared prompt prefixes."),
     click.option("--max-state-snapshots", type=int, default=None,
                  help="Recurrent states (linear attention, Mamba2) kept after prompts and answers for prefix reuse "
-                      "[default: --max-batch-size; 0: such a model reuses no prefix]."),
+                      "[default: 2 per sequence of a batch + 8, within 10%% of available memory; 0: such a model "
+                      "reuses no prefix]."),
     click.option("--max-batch-size", type=int, default=None, help="[default: the engine's]"),
     click.option("--max-num-tokens", type=int, default=None, help="[default: the engine's]"),
     click.option("--max-prefill-chunk", type=int, default=None,

@@ -32,8 +32,8 @@ class RuntimeConfig:
     policy: str = "max_utilization"  # POLICIES: max_utilization preempts when full, guaranteed_no_evict reserves
     enable_prefix_caching: bool = True
     # recurrent states (linear attention, Mamba2 layers) kept after prompts and answers so that a prefix of them can
-    # be reused [None: max_batch_size; 0: none, so such a model reuses no prefix; 0 after `resolve` without prefix
-    # caching]
+    # be reused [None: recurrent_state.default_snapshots; 0: none, so such a model reuses no prefix; 0 after
+    # `resolve` without prefix caching]
     max_state_snapshots: int | None = None
     max_batch_size: int | None = None  # sequences per engine step [None: the engine's]
     max_num_tokens: int | None = None  # tokens per engine step [None: the engine's]
@@ -67,9 +67,9 @@ class RuntimeConfig:
             parse_rank_cpus(self.rank_cpus)  # ConfigError names the field and the format
 
     def resolve(self, build: BuildConfig) -> RuntimeConfig:
-        """This config with the engine's limits in place of those left None, and the recurrent states it keeps
-        (max_batch_size unless asked; 0 without prefix caching). A limit above the engine's is a ConfigError: an
-        engine cannot run batches larger than it was built for."""
+        """This config with the engine's limits in place of those left None (and no recurrent states kept without
+        prefix caching). A limit above the engine's is a ConfigError: an engine cannot run batches larger than it was
+        built for."""
         limits = {}
         for name in ("max_batch_size", "max_num_tokens"):
             asked, built = getattr(self, name), getattr(build, name)
@@ -77,8 +77,7 @@ class RuntimeConfig:
                 raise ConfigError(name, f"{asked} exceeds the engine's build limit {built}; ask for at most {built} "
                                         f"or rebuild the engine with a larger {name}")
             limits[name] = asked or built
-        snapshots = limits["max_batch_size"] if self.max_state_snapshots is None else self.max_state_snapshots
-        limits["max_state_snapshots"] = snapshots if self.enable_prefix_caching else 0
+        limits["max_state_snapshots"] = self.max_state_snapshots if self.enable_prefix_caching else 0
         return dataclasses.replace(self, **limits)
 
     # ---- flat string parameters (Triton's config.pbtxt) --------------------------------------------------------

@@ -60,13 +60,12 @@ class EngineCore:
             raise ConfigError("num_speculative_tokens", f"{model.architecture}'s recurrent layers (linear attention, "
                               "Mamba2) keep a state that cannot go back to the last accepted draft; run it without "
                               "speculative decoding.")
-        self.engine, num_blocks = make_engine(info, target, config)
+        self.engine, num_blocks, snapshots = make_engine(info, target, config)
         # seconds spent starting: the ONNX Runtime session, then the KV pool faulted in + the warm-up step
         self.start_seconds = {"session": time.perf_counter() - start, "warm_up": 0.0}
         self.kv = KVCacheManager.for_groups(info.kv_cache_groups, num_blocks, build.tokens_per_block,
                                             config.enable_prefix_caching,
-                                            config.max_batch_size if model.recurrent_layers else 0,
-                                            config.max_state_snapshots)
+                                            config.max_batch_size if model.recurrent_layers else 0, snapshots)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_tokens=config.max_num_tokens, max_batch_size=config.max_batch_size,
                             max_seq_len=build.max_seq_len, policy=config.policy,

@@ -14,9 +14,10 @@ from trtbuild.runtime.recurrent_state import allocate_snapshots
 from trtbuild.runtime.tensor_parallel import make_cpu_engine
 
 
-def make_engine(info: EngineInfo, target: str, config: RuntimeConfig) -> tuple[Any, int]:
-    """The engine (CpuEngine, TensorParallelEngine, CudaEngine or TensorRTEngine) and its KV pool's block count, for a
-    config `resolve`d against the engine's build."""
+def make_engine(info: EngineInfo, target: str, config: RuntimeConfig) -> tuple[Any, int, int]:
+    """The engine (CpuEngine, TensorParallelEngine, CudaEngine or TensorRTEngine), its KV pool's block count and the
+    recurrent states it keeps for prefix reuse (0: none, or a model without recurrent layers), for a config
+    `resolve`d against the engine's build."""
     build = info.build
     device = gpu_memory_for_kv(info.weight_bytes) if target != "cpu" and config.kv_cache_blocks is None else None
     full_batch = batch_blocks_needed([g.window for g in info.kv_cache_groups], build.tokens_per_block,
@@ -35,6 +36,9 @@ def make_engine(info: EngineInfo, target: str, config: RuntimeConfig) -> tuple[A
         engine = TensorRTEngine(info, num_threads=config.num_threads, num_blocks=num_blocks)
     else:
         engine = make_cpu_engine(info, config.num_threads, num_blocks, config.rank_cpus)
+    snapshots = 0
     if info.model.recurrent_layers:
-        allocate_snapshots(engine, info.model, build.max_batch_size, config.max_state_snapshots, target == "cpu")
-    return engine, num_blocks
+        gpu = gpu_memory_for_kv(0) if target == "cuda" else None  # NOTE: None without a GPU: host memory
+        snapshots = allocate_snapshots(engine, info.model, build.max_batch_size, config.max_state_snapshots,
+                                       gpu[0] if gpu else None)
+    return engine, num_blocks, snapshots

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from trtbuild.configs import ModelConfig
-from trtbuild.runtime.memory import require_memory
+from trtbuild.runtime.memory import DEFAULT_FRACTION, available_memory_bytes, require_memory
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +50,30 @@ def state_bytes(model: ModelConfig) -> int:
     return 4 * len(model.recurrent_layers) * int(np.prod(model.recurrent_state_shape))
 
 
-def allocate_snapshots(engine: Any, model: ModelConfig, running: int, snapshots: int, on_cpu: bool) -> None:
-    """Give `engine` (CpuEngine, CudaEngine) room for `snapshots` kept states (RuntimeConfig.max_state_snapshots)
-    beside its `running` slots. On the CPU, where both are resident only once written, they are refused now if
-    memory cannot hold them, rather than the server being killed when requests fill them."""
+def default_snapshots(model: ModelConfig, running: int, available: int) -> int:
+    """States kept unless asked: two per running sequence (after its prompt and its answer) and 8 more (finished
+    conversations' next turns, shared system prompts), within DEFAULT_FRACTION of `available` memory bytes."""
+    return max(1, min(2 * running + 8, int(DEFAULT_FRACTION * available) // state_bytes(model)))
+
+
+def allocate_snapshots(engine: Any, model: ModelConfig, running: int, asked: int | None,
+                       gpu_memory: int | None = None) -> int:
+    """Give `engine` (CpuEngine, CudaEngine) room for the states it keeps (RuntimeConfig.max_state_snapshots, or
+    default_snapshots of the free `gpu_memory` bytes where they live on a GPU, else of host memory) beside its
+    `running` slots; returns their number. In host memory, where both are resident only once written, a number that
+    memory cannot hold is refused now, rather than the server being killed when requests fill them."""
+    available = available_memory_bytes() if gpu_memory is None else gpu_memory
+    snapshots = default_snapshots(model, running, available) if asked is None else asked
     if not snapshots:
         log.info("prefix caching is off: %s's recurrent layers need a kept state to reuse a prefix, and "
                  "--max-state-snapshots is 0 (or --no-prefix-caching)", model.architecture)
-    if on_cpu:
+    if gpu_memory is None:
         require_memory((running + snapshots) * state_bytes(model),
                        f"{model.architecture}'s recurrent states ({running} running sequences' and {snapshots} kept "
                        "for prefix reuse)",
                        "lower --max-state-snapshots, or rebuild the engine with a smaller --max-batch-size.")
     engine.allocate_state_snapshots(snapshots)
+    return snapshots
 
 
 class RecurrentStateStorage:

@@ -8,12 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from trtbuild.builder.engine_dir import read_engine_config
 from trtbuild.configs import BuildConfig
 from trtbuild.errors import ConfigError, TrtbuildError
 from trtbuild.runtime.config import RuntimeConfig
 from trtbuild.runtime.engine_core import EngineCore
 from trtbuild.runtime.kv_cache_manager import NO_PREFIX, KVCacheManager
-from trtbuild.runtime.recurrent_state import StateCopy, StateSnapshots, state_bytes
+from trtbuild.runtime.recurrent_state import StateCopy, StateSnapshots, default_snapshots, state_bytes
 from trtbuild.runtime.request import FinishReason, Request
 from trtbuild.runtime.sampling import SamplingParams
 from trtbuild.runtime.scheduler import Scheduler, SchedulerConfig
@@ -195,20 +196,24 @@ def test_requests_after_one_that_shared_a_system_prompt_start_after_it(engine):
     np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4, rtol=0)
 
 
-def test_the_snapshot_count_is_one_per_batch_slot_unless_asked_and_none_without_prefix_caching():
+def test_states_kept_are_two_per_sequence_and_8_within_a_tenth_of_memory_unless_asked(engine):
+    model = read_engine_config(engine).model
+    per_state = state_bytes(model)
+    assert default_snapshots(model, 4, 10**12) == 16 and default_snapshots(model, 1, 10**12) == 10
+    assert default_snapshots(model, 4, 50 * per_state) == 5 and default_snapshots(model, 4, 0) == 1
     build = BuildConfig(max_batch_size=8)
-    assert RuntimeConfig().resolve(build).max_state_snapshots == 8
-    assert RuntimeConfig(max_batch_size=2).resolve(build).max_state_snapshots == 2
+    assert RuntimeConfig().resolve(build).max_state_snapshots is None  # the default, by the model's state size
     assert RuntimeConfig(max_state_snapshots=3).resolve(build).max_state_snapshots == 3
     assert RuntimeConfig(max_state_snapshots=3, enable_prefix_caching=False).resolve(build).max_state_snapshots == 0
     with pytest.raises(ConfigError, match="max_state_snapshots"):
         RuntimeConfig(max_state_snapshots=-1)
+    core = EngineCore(engine, RuntimeConfig(num_threads=1, warm_up=False))
+    assert core.kv.snapshots.free == list(range(16)) and core.engine.states.snapshots.shape[0] == 16
 
 
 def test_states_that_memory_cannot_hold_are_refused_at_start(engine, monkeypatch):
     """Running and kept states are resident only once written: a count memory cannot hold is refused before any
     request, naming what to lower, instead of the server being killed when requests fill them."""
-    from trtbuild.builder.engine_dir import read_engine_config
     from trtbuild.runtime import memory
 
     available = memory.available_memory_bytes()
