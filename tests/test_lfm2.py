@@ -13,7 +13,7 @@ import torch
 from conftest import RUNTIME_ENGINE_OPTIONS
 from helpers import assert_pool_full, drive
 
-from trtbuild.builder.build import check_buildable
+from trtbuild.builder.buildable import check_buildable
 from trtbuild.builder.convert.convert import convert
 from trtbuild.builder.convert.gguf_config import GGUF_ARCHITECTURES, hf_config
 from trtbuild.configs import BuildConfig, QuantConfig

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from trtbuild.builder.build import check_buildable
+from trtbuild.builder.buildable import check_buildable
 from trtbuild.configs import BuildConfig
 from trtbuild.configs.from_hf import model_config_from_hf
 from trtbuild.errors import ConfigError, TrtbuildError
