@@ -76,6 +76,7 @@ class OpenAITarget:
                     if usage := event.get("usage"):
                         result.prompt_tokens = usage.get("prompt_tokens", 0)
                         result.output_tokens = usage.get("completion_tokens", 0)
+                        result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         except urllib.error.HTTPError as e:
             return RequestResult(False, error=f"HTTP {e.code}: {e.read()[:200]!r}")
         except (OSError, ValueError) as e:

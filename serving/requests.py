@@ -126,6 +126,13 @@ class Accumulated:
         return self.last is not None and self.last.finished
 
 
+def cached_prompt_tokens(wholes: list[Accumulated], prompts: list[object] | None = None) -> int:
+    """Prompt tokens the prefix cache gave (as usage counts prompt tokens): each prompt's first request's, whose other
+    choices (n) share the prompt; `prompts`: each request's prompt object (None: one prompt, a chat's)."""
+    firsts = [w for i, w in enumerate(wholes) if i == 0 or (prompts is not None and prompts[i] is not prompts[i - 1])]
+    return sum(w.last.metrics.num_prefix_cached_tokens for w in firsts if w.last is not None and w.last.metrics)
+
+
 def answers(wholes: list[Accumulated]) -> list[Accumulated]:
     """Each request's answer, in order; a beam search's are its beams, best first."""
     out = []

@@ -126,6 +126,26 @@ def test_completions_match_in_process_generation_streamed_or_not(server, local):
     assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens and not chunks[-1].choices
 
 
+def test_a_conversations_next_turn_reports_the_prompt_tokens_read_from_the_cache(server, chat_engine):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's prompt caching field): the next turn's prompt repeats the
+    first one, whose full blocks it reads from the prefix cache, streamed or not."""
+    from trtbuild.builder.engine_dir import read_engine_config
+
+    block = read_engine_config(chat_engine).build.tokens_per_block
+    c = server.client()
+    messages = [{"role": "user", "content": "Ben and Sue found a red kite by the old tree near the lake. " * 3}]
+    first = c.chat.completions.create(model="stories", messages=messages, max_tokens=12, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0 and first.usage.prompt_tokens > 2 * block
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "What did they do next?"}]
+    second = c.chat.completions.create(model="stories", messages=messages, max_tokens=4, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached % block == 0 and first.usage.prompt_tokens // block * block <= cached < second.usage.prompt_tokens
+    chunks = list(c.chat.completions.create(model="stories", messages=messages, max_tokens=4, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= cached
+
+
 def test_chat_renders_the_template_and_stops_at_the_end_of_turn(server, local, chat_engine):
     c = server.client()
     messages = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "Lily went to the park"}]
@@ -306,8 +326,11 @@ def test_api_key_is_required_when_set(chat_engine):
 def test_bench_speaks_the_openai_api(server):
     from trtbuild.bench.run import BenchOptions, run_bench
 
-    r = run_bench(BenchOptions(address=f"127.0.0.1:{server.port}", backend="openai", num_requests=4, input_len=8,
-                               output_len=6, concurrency=2))
+    options = BenchOptions(address=f"127.0.0.1:{server.port}", backend="openai", num_requests=4, input_len=40,
+                           output_len=6, concurrency=2)
+    r = run_bench(options)
     assert r["completed"] == 4 and r["failed"] == 0 and r["total_output_tokens"] == 24
     assert r["target"].startswith("openai server http://127.0.0.1") and r["ttft_ms_mean"] > 0
     assert 0 <= r["kv_cache_usage_max"] <= 1
+    # the same requests again: their prompts' full blocks from the server's cache, as its usage reports them
+    assert run_bench(options)["cached_prefix_tokens"] > r["cached_prefix_tokens"]

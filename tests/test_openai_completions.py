@@ -49,7 +49,8 @@ def test_the_loglikelihood_request_of_lm_evaluation_harness(server, local):
         assert choice["text"].startswith(local.core.tokenizer.decode(prompt))
         assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     assert body["usage"] == {"prompt_tokens": sum(map(len, ids)), "completion_tokens": 2,
-                             "total_tokens": sum(map(len, ids)) + 2}
+                             "total_tokens": sum(map(len, ids)) + 2,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # echo scores every prompt token
 
 
 def test_echo_with_max_tokens_0_returns_the_prompt_alone_scored(server, local):

@@ -39,7 +39,7 @@ from trtbuild.serving.openai.streams import collect, deltas
 from trtbuild.serving.openai.tokenize import tokenizer_router
 from trtbuild.serving.openai.tool_calls import FORMATS, ToolCallFormat, format_of_template
 from trtbuild.serving.openai.tool_use import NO_TOOLS, ToolUse, tool_use
-from trtbuild.serving.requests import Accumulated, ErrorKind, answers, error_kind, sampling_params
+from trtbuild.serving.requests import Accumulated, ErrorKind, answers, cached_prompt_tokens, error_kind, sampling_params
 
 _STATUS = {ErrorKind.INVALID_ARGUMENT: (400, "invalid_request_error"), ErrorKind.QUEUE_FULL: (429, "rate_limit_error"),
            ErrorKind.UNAVAILABLE: (503, "service_unavailable"), ErrorKind.INTERNAL: (500, "internal_error")}
@@ -217,7 +217,8 @@ class OpenAIServer:
         if r.stream:
             return self._stream(streams, rid, len(prompt), r, chat=True, answers=[
                 ChatAnswer(tools, inside, in_harmony) for _ in streams])
-        wholes = answers(await collect(request, streams, self.workers))
+        collected = await collect(request, streams, self.workers)
+        wholes = answers(collected)
         choices = []
         for i, w in enumerate(wholes):
             answer = ChatAnswer(tools, inside, in_harmony)
@@ -225,7 +226,8 @@ class OpenAIServer:
                                           logprobs=self._chat_logprobs(w.logprobs, top) if r.logprobs else None,
                                           finish_reason=_finish(w.finish_reason, answer.called)))
         return api.ChatCompletion(id=rid, model=self.served_model(r), choices=choices,
-                                  usage=_usage(len(prompt), sum(len(w.token_ids) for w in wholes)))
+                                  usage=api.Usage.of(len(prompt), sum(len(w.token_ids) for w in wholes),
+                                                     cached_prompt_tokens(collected)))
 
     async def completion(self, request: Request, r: api.CompletionRequest) -> Any:
         stop_ids: tuple[int, ...] = ()
@@ -263,7 +265,8 @@ class OpenAIServer:
 
         rid, prompt_tokens = api.new_id("cmpl"), sum(len(p.token_ids) for p in prompts)
         if r.stream:
-            return self._stream(streams, rid, prompt_tokens, r, chat=False, choices=list(map(shown, stream_prompts)))
+            return self._stream(streams, rid, prompt_tokens, r, chat=False, choices=list(map(shown, stream_prompts)),
+                                stream_prompts=stream_prompts)
         collected = await collect(request, streams, self.workers)
         wholes = answers(collected)  # a beam search's stream has n answers
         choices = [shown(p) for p, w in zip(stream_prompts, collected, strict=True) for _ in answers([w])]
@@ -274,13 +277,15 @@ class OpenAIServer:
                 index=i, text=text, finish_reason=choice.finish_reason(w.finish_reason),
                 logprobs=self._completion_logprobs(scored, choice) if r.logprobs is not None else None))
         return api.Completion(id=rid, model=self.served_model(r), choices=out,
-                              usage=_usage(prompt_tokens, sum(c.num_output_tokens for c in choices)))
+                              usage=api.Usage.of(prompt_tokens, sum(c.num_output_tokens for c in choices),
+                                                 cached_prompt_tokens(collected, stream_prompts)))
 
     def _stream(self, streams: list[RequestStream], rid: str, prompt_len: int,
                 r: api.ChatCompletionRequest | api.CompletionRequest, chat: bool,
-                answers: list[ChatAnswer] | None = None, choices: list[EchoedChoice] | None = None
-                ) -> StreamingResponse:
-        """`answers`: chat only, each choice's answer; `choices`: completions only, what each choice shows."""
+                answers: list[ChatAnswer] | None = None, choices: list[EchoedChoice] | None = None,
+                stream_prompts: list[Prompt] | None = None) -> StreamingResponse:
+        """`answers`: chat only, each choice's answer; `choices`, `stream_prompts`: completions only, what each choice
+        shows and its prompt."""
         include_usage = bool(r.stream_options and r.stream_options.include_usage)
         model = self.served_model(r)
 
@@ -310,8 +315,9 @@ class OpenAIServer:
                 err = _error(e)
                 yield f"data: {json.dumps(api.error_body(str(err), err.kind, err.status, err.param))}\n\n"
             if include_usage:
-                usage = _usage(prompt_len, sum(c.num_output_tokens for c in choices) if choices
-                               else sum(len(w.token_ids) for w in wholes))
+                outputs = (sum(c.num_output_tokens for c in choices) if choices
+                           else sum(len(w.token_ids) for w in wholes))
+                usage = api.Usage.of(prompt_len, outputs, cached_prompt_tokens(wholes, stream_prompts))
                 cls = api.ChatCompletionChunk if chat else api.Completion
                 yield _sse(cls(id=rid, model=model, choices=[], usage=usage))
             yield "data: [DONE]\n\n"
@@ -392,8 +398,3 @@ def _first_set(*values: Any) -> Any:
 
 def _sse(model: Any) -> str:
     return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> api.Usage:
-    return api.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
