@@ -88,8 +88,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
     # with a sigmoid gate on its output, per-head q / k norms and RoPE over a quarter of each head; (1 + w) RMSNorms
     "Qwen3_5ForCausalLM": ("qwen3_5", False, True),
     "Qwen3_5MoeForCausalLM": ("qwen3_5_moe", False, True),  # + experts beside a gated shared expert (Qwen2-MoE's)
-    # Mamba2 layers and attention layers without RoPE, each followed by an MLP without a gate (relu^2) or not
-    # (configs/nemotron_h.py)
+    # Mamba2 layers and attention layers without RoPE, each followed by a relu^2 MLP or not (configs/nemotron_h.py)
     "NemotronHForCausalLM": ("nemotron_h", False, False),
     "Mamba2ForCausalLM": ("nemotron_h", False, False),  # Mamba2 layers only, no MLP (configs/nemotron_h.py)
 }

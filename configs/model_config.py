@@ -123,10 +123,9 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     # value head h reads key head h % key heads (llama.cpp's GGUF order), not h // (value heads / key heads)
     linear_value_heads_tiled: bool = False
-    # Granite 4.0-H: "mamba" layers project z, x | B | C and dt, convolve x | B | C over their last conv_kernel tokens
-    # (as LFM2's conv layers), then scan a per-sequence state [mamba_num_heads, mamba_head_dim, mamba_state_size]
-    # whose heads share B and C in mamba_num_groups groups (plugins/mamba2.py); biases on the convolution and on the
-    # in / out projections where given
+    # Granite 4.0-H, Nemotron-H, Mamba2: "mamba" layers project z, x | B | C and dt, convolve x | B | C over their
+    # last conv_kernel tokens (as LFM2's conv layers), then scan a per-sequence state [mamba_num_heads, mamba_head_dim,
+    # mamba_state_size] whose heads share B and C in mamba_num_groups groups (plugins/mamba2.py); biases where given
     mamba_num_heads: int = 0
     mamba_head_dim: int = 0
     mamba_state_size: int = 0
