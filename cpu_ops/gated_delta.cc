@@ -4,12 +4,14 @@
 //
 // First a task per token: q | k | v's SiLU and L2 norms, each head's beta and decay, once for every head. Then a
 // task per (sequence, value head): its state S [key dim, value dim] is read from the sequence's slot (zero for
-// a sequence without a past), carried through the sequence's new tokens in order, and written back. Per token, two
-// passes over S, each an auto-vectorized loop over the value dim: one reading S for k^T S; one rewriting S decayed
-// plus k delta^T and accumulating q^T S. A head's state (64 KiB at 128 x 128) stays in the core's L2 across a
+// a sequence without a past), carried through the sequence's new tokens in order, and written back. Per token, a
+// strip of columns at a time (token_update), two passes over the strip: one reading S for k^T S; one rewriting S
+// decayed plus k delta^T and accumulating q^T S. A head's state (64 KiB at 128 x 128) stays in the core's L2 across a
 // prefill's tokens.
 #include "cpu_ops.h"
 #include "state_batch.h"
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -26,6 +28,60 @@ void fail(const std::string& what) { ORT_CXX_API_THROW("trtbuild::GatedDeltaNet:
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// token_update over columns [j, j + 8 W): W registers of 8 columns side by side, so that the row loops carry W
+// independent sums (one chain of fused multiply-adds waited on each FMA's latency: slower than the plain loops).
+// Qwen3.5-0.8B shape, a 256-token prefill's 18 scans: 255 ms as two passes over whole rows, 210 ms in strips of 32.
+template <int W>
+inline void token_strip(float* s, const float* k, const float* q, const float* v, __m256 beta, __m256 decay,
+                        float* o, int64_t dk, int64_t dv, int64_t j) {
+  __m256 kv[W], delta[W], acc[W];
+  for (int w = 0; w < W; ++w) kv[w] = acc[w] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < dk; ++i) {
+    const __m256 ki = _mm256_set1_ps(k[i]);
+    for (int w = 0; w < W; ++w) kv[w] = _mm256_fmadd_ps(ki, _mm256_loadu_ps(s + i * dv + j + 8 * w), kv[w]);
+  }
+  for (int w = 0; w < W; ++w)
+    delta[w] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + j + 8 * w), _mm256_mul_ps(decay, kv[w])), beta);
+  for (int64_t i = 0; i < dk; ++i) {
+    const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
+    for (int w = 0; w < W; ++w) {
+      float* si = s + i * dv + j + 8 * w;
+      const __m256 x = _mm256_fmadd_ps(decay, _mm256_loadu_ps(si), _mm256_mul_ps(ki, delta[w]));
+      _mm256_storeu_ps(si, x);
+      acc[w] = _mm256_fmadd_ps(qi, x, acc[w]);
+    }
+  }
+  for (int w = 0; w < W; ++w) _mm256_storeu_ps(o + j + 8 * w, acc[w]);
+}
+#endif
+
+// One token through one head's state S [dk, dv]: kv = S^T k, delta = (v - decay kv) beta, S = decay S + k delta^T,
+// o = q^T S (NOTE: (decay S)^T k = decay (S^T k)). A column's delta needs only its own kv, so S is walked a strip of
+// columns at a time: the strip stays in L1 between its two passes, and its kv and o in registers. Each column's sums
+// run over the rows in order, as the numpy reference's.
+inline void token_update(float* s, const float* k, const float* q, const float* v, float beta, float decay, float* o,
+                         int64_t dk, int64_t dv) {
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 vdecay = _mm256_set1_ps(decay), vbeta = _mm256_set1_ps(beta);
+  for (; j + 32 <= dv; j += 32) token_strip<4>(s, k, q, v, vbeta, vdecay, o, dk, dv, j);
+  for (; j + 8 <= dv; j += 8) token_strip<1>(s, k, q, v, vbeta, vdecay, o, dk, dv, j);
+#endif
+  for (; j < dv; ++j) {
+    float kv = 0.0f;
+    for (int64_t i = 0; i < dk; ++i) kv += k[i] * s[i * dv + j];
+    const float delta = (v[j] - decay * kv) * beta;
+    float acc = 0.0f;
+    for (int64_t i = 0; i < dk; ++i) {
+      float& x = s[i * dv + j];
+      x = decay * x + k[i] * delta;
+      acc += q[i] * x;
+    }
+    o[j] = acc;
+  }
+}
 
 struct Problem {
   const float *qkv, *z, *b, *a, *decay_rate, *dt_bias, *norm_weight;
@@ -76,29 +132,13 @@ void run_head(void* data, size_t task) {
   float* s = p.states + ((p.slots[seq] * p.state_layers + p.layer) * p.value_heads + h) * dk * dv;
   if (p.past[seq] == 0) std::fill(s, s + dk * dv, 0.0f);
   thread_local std::vector<float> buffer;
-  buffer.resize(static_cast<size_t>(2 * dv));
-  float *kv = buffer.data(), *o = kv + dv;
+  buffer.resize(static_cast<size_t>(dv));
+  float* o = buffer.data();
   for (int64_t t = p.starts[seq]; t < p.starts[seq + 1]; ++t) {
     const float* row = p.u + t * p.channels;
     const float *q = row + kh * dk, *k = row + kd + kh * dk, *v = row + 2 * kd + h * dv;
     const float beta = p.gates[(t * p.value_heads + h) * 2], decay = p.gates[(t * p.value_heads + h) * 2 + 1];
-    // NOTE: (decay S)^T k = decay (S^T k): S is read once, then rewritten once (decayed and updated together)
-    std::fill(kv, kv + dv, 0.0f);
-    for (int64_t i = 0; i < dk; ++i) {  // kv = S^T k
-      const float* si = s + i * dv;
-      const float ki = k[i];
-      for (int64_t j = 0; j < dv; ++j) kv[j] += ki * si[j];
-    }
-    for (int64_t j = 0; j < dv; ++j) kv[j] = (v[j] - decay * kv[j]) * beta;  // delta
-    std::fill(o, o + dv, 0.0f);
-    for (int64_t i = 0; i < dk; ++i) {  // S = decay S + k delta^T; o = q^T S
-      float* si = s + i * dv;
-      const float ki = k[i], qi = q[i];
-      for (int64_t j = 0; j < dv; ++j) {
-        si[j] = decay * si[j] + ki * kv[j];
-        o[j] += qi * si[j];
-      }
-    }
+    token_update(s, k, q, v, beta, decay, o, dk, dv);
     float sum = 0.0f;
     for (int64_t j = 0; j < dv; ++j) sum += o[j] * o[j];
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(dv) + p.epsilon);
