@@ -60,7 +60,7 @@ def build_engine(gguf: Path, work: Path, args: argparse.Namespace) -> Path:
     return engine
 
 
-def measure_trtbuild(engine: Path, snapshots: int, args: argparse.Namespace) -> list[dict[str, float]]:
+def measure_trtbuild(engine: Path, snapshots: int | None, args: argparse.Namespace) -> list[dict[str, float]]:
     """In this process (`--measure-trtbuild ENGINE --snapshots N`): the conversation through EngineCore."""
     from trtbuild.builder.engine_dir import read_engine_config
     from trtbuild.configs import batch_blocks_needed
@@ -137,7 +137,7 @@ def llama_server(gguf: Path, args: argparse.Namespace) -> list[dict[str, float]]
         proc.wait()
 
 
-def trtbuild_run(engine: Path, snapshots: int, args: argparse.Namespace) -> list[dict[str, float]]:
+def trtbuild_run(engine: Path, snapshots: int | None, args: argparse.Namespace) -> list[dict[str, float]]:
     out, _ = run_timed([sys.executable, __file__, "--measure-trtbuild", str(engine), "--threads", str(args.threads),
                         "--turns", str(args.turns), "--user", str(args.user), "--answer", str(args.answer),
                         "--vocab", str(args.vocab), "--system", str(args.system),
