@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -378,3 +381,13 @@ def prefix_cached_tokens(core: EngineCore, prompt: list[int], lora: str | None =
     while core.has_unfinished():
         core.step()
     return request.metrics.num_prefix_cached_tokens
+
+
+def assert_soak_passes(engine: Path, kv_cache_blocks: int) -> None:
+    """benchmarks/soak.py for 8 seconds, 8 workers, a pool of `kv_cache_blocks`: it passes (every completed stream
+    equals its request alone, the pool whole, nothing unfinished, RSS flat), with preemptions and no mismatch."""
+    out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "soak.py"), "--engine",
+                          str(engine), "--duration", "8", "--concurrency", "8", "--kv-cache-blocks",
+                          str(kv_cache_blocks), "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "soak: PASS" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert re.search(r"[1-9]\d* preemptions", out.stdout) and "0 mismatches" in out.stdout, out.stdout

@@ -3,7 +3,6 @@ raw gRPC stubs, checked against in-process generation (`LLM`) of the same reques
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from helpers import STORIES260K, alone, require_shared_models
+from helpers import STORIES260K, alone, assert_soak_passes, require_shared_models
 
 from trtbuild.runtime.async_engine import EngineDeadError
 from trtbuild.runtime.config import RuntimeConfig
@@ -416,8 +415,4 @@ def test_serve_refuses_a_broken_engine_before_listening(tmp_path):
 def test_soak_with_preemption_cancels_and_bad_requests_returns_every_token_and_block(engine):
     """benchmarks/soak.py for a few seconds: every completed stream equals its request alone, the 8-block pool is
     full again, nothing unfinished, RSS flat (the 10-minute run is in docs/reliability.md)."""
-    out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "soak.py"), "--engine",
-                          str(engine), "--duration", "8", "--concurrency", "8", "--kv-cache-blocks", "8",
-                          "--threads", "1"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "soak: PASS" in out.stdout, out.stdout + out.stderr[-2000:]
-    assert re.search(r"[1-9]\d* preemptions", out.stdout) and "0 mismatches" in out.stdout, out.stdout
+    assert_soak_passes(engine, kv_cache_blocks=8)

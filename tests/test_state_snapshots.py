@@ -240,13 +240,8 @@ def test_a_soak_of_a_qwen3_5_server_returns_every_token_with_kept_states(tmp_pat
     """benchmarks/soak.py for a few seconds on a Qwen3.5 server (its prompts repeat, so states are kept and restored
     beside preemptions, cancels and dropped streams): every completed stream equals its request alone, the pool is
     whole again (the 60-second run is in docs/reliability.md)."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from gguf_helpers import make_hf_folder
-    from helpers import require_shared_models
+    from helpers import assert_soak_passes, require_shared_models
 
     from trtbuild.builder.build import build_engine
     from trtbuild.builder.convert.convert import convert
@@ -256,8 +251,4 @@ def test_a_soak_of_a_qwen3_5_server_returns_every_token_with_kept_states(tmp_pat
     convert(make_hf_folder("qwen3_5", tmp_path / "hf", {}), tmp_path / "ckpt")
     engine = build_engine(tmp_path / "ckpt", tmp_path / "engine", max_seq_len=256, tokens_per_block=8,
                           max_batch_size=8, max_num_tokens=128)
-    out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "soak.py"), "--engine",
-                          str(engine), "--duration", "8", "--concurrency", "8", "--kv-cache-blocks", "40",
-                          "--threads", "1"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "soak: PASS" in out.stdout, out.stdout + out.stderr[-2000:]
-    assert re.search(r"[1-9]\d* preemptions", out.stdout) and "0 mismatches" in out.stdout, out.stdout
+    assert_soak_passes(engine, kv_cache_blocks=40)
