@@ -16,9 +16,6 @@ def check_recurrent_buildable(config: ModelConfig, build: BuildConfig) -> None:
     name = f"{config.architecture}'s recurrent layers (linear attention, Mamba2)"
     if build.target == "tensorrt":
         raise TrtbuildError(f"{name} have no tensorrt kernel yet; build it with --target cpu or cuda.")
-    if build.draft_tokens:
-        raise TrtbuildError(f"{name} keep a recurrent state that cannot go back to the last accepted draft: build "
-                            "it without --speculative-decoding-mode draft-tokens.")
     if config.quantization.kv_cache_quant_algo:
         raise TrtbuildError(f"{name} keep their convolution rows in the KV pool, which a quantized KV cache has no "
                             "scales for: quantize without --kv-cache-qformat.")

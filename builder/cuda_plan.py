@@ -330,9 +330,11 @@ class _PlanWriter(QuantizedSteps):
         """A gated DeltaNet or Mamba2 scan (gpu_kernels/recurrent.py) over the engine's `recurrent_state`, with the
         step's state slots a plan input; its per-head constants float32."""
         names = gd.INPUTS if n.op_type == gd.OP_TYPE else mamba2.INPUTS
+        # NOTE: a node of an engine built before state_checkpoints has one input fewer
         inputs = [self.weight(i, self.const(i), torch.float32) if i in self.view.initializers else
-                  "recurrent_state" if name == gd.STATE_INPUT else i for name, i in zip(names, n.input, strict=True)]
-        self.group_inputs.add(gd.STATE_SLOTS_INPUT)
+                  "recurrent_state" if name == gd.STATE_INPUT else i
+                  for name, i in zip(names[:len(n.input)], n.input, strict=True)]
+        self.group_inputs |= {gd.STATE_SLOTS_INPUT, *(n.input[len(names) - 1:] if len(n.input) == len(names) else ())}
         keep = ("state_layer", "epsilon", "tiled", "num_groups")
         self.emit("gated_delta" if n.op_type == gd.OP_TYPE else "mamba2_scan", n, inputs, [n.output[0]],
                   **{k: a[k] for k in keep if k in a})

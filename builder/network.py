@@ -31,7 +31,8 @@ A block holds `slots` layers: all of them, or, where sliding and full layers mix
 
 A model with recurrent layers (Qwen3.5's linear attention, Granite 4.0-H's Mamba2: builder/network_delta.py) adds
 their states, which its GatedDeltaNet / Mamba2Scan nodes update in place (plugins/gated_delta.py, mamba2.py):
-  + recurrent_state [state_slots, recurrent layers, value heads, key dim, value dim] float32, state_slots [B] int64
+  + recurrent_state [state_slots, recurrent layers, value heads, key dim, value dim] float32, state_slots [B] int64,
+    state_checkpoints [B, 2] int64 (where a step that verifies drafts also keeps a sequence's state)
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def engine_inputs(config: ModelConfig, build: BuildConfig) -> tuple[str, ...]:
     groups = [group_input("block_tables", g) for g in range(1, len(kv_cache_groups(config, build)))]
     lora = (LORA_IDS_INPUT,) if build.num_lora_ids else ()
     tp = (TP_GROUP_INPUT,) if config.mapping.tp_size > 1 else ()
-    state = (gd.STATE_INPUT, gd.STATE_SLOTS_INPUT) if config.recurrent_layers else ()
+    state = (gd.STATE_INPUT, gd.STATE_SLOTS_INPUT, gd.CHECKPOINTS_INPUT) if config.recurrent_layers else ()
     return ENGINE_INPUTS + tuple(groups) + state + lora + tp + (ACCEPT_INPUTS if build.draft_tokens else ())
 
 
@@ -295,7 +296,8 @@ class _NetworkWriter(HeadWriter, ConvWriter, LinearAttentionWriter, ExpertsWrite
         block_tables += [g.input(group_input("block_tables", i), i64, ["batch", self.build.max_blocks_per_seq])
                          for i in range(1, len(groups))]
         state = [g.input(gd.STATE_INPUT, f32, ["state_slots", len(c.recurrent_layers), *c.recurrent_state_shape]),
-                 g.input(gd.STATE_SLOTS_INPUT, i64, ["batch"])] if c.recurrent_layers else []
+                 g.input(gd.STATE_SLOTS_INPUT, i64, ["batch"]),
+                 g.input(gd.CHECKPOINTS_INPUT, i64, ["batch", 2])] if c.recurrent_layers else []
         if self.lora is not None:
             table = g.weight("lora_table", self.lora.mask_table())
             self.lora_mask = g.op("Gather", [table, g.input(LORA_IDS_INPUT, i64, ["num_tokens"])], axis=0,

@@ -38,7 +38,8 @@ class LinearAttentionWriter:
         """(the block's output, its convolution's new pool rows [entries * 2 * T, kv_heads, head_size]) for the
         normed input `h` of layer `layer` (`transformer.layers.{i}.`); `cache`: the pool, the layer's group's block
         table, past_lengths and query_start_loc; `slot`: its rows' first cache layer in the group's blocks; `state`:
-        the recurrent_state and state_slots inputs; `state_layer`: the layer's index among the recurrent ones."""
+        the recurrent_state, state_slots and state_checkpoints inputs; `state_layer`: the layer's index among the
+        recurrent ones."""
         c, g, prefix = self.c, self.g, layer + "linear_attn."
         qkv = self.linear(h, prefix + "in_proj_qkv")
         kernel = g.weight(prefix + "conv.weight", self.tensor(prefix + "conv.weight"))
@@ -46,8 +47,10 @@ class LinearAttentionWriter:
                               name=prefix + "conv", layer_idx=slot)
         z, b, a = (self.linear(h, prefix + name) for name in ("in_proj_z", "in_proj_b", "in_proj_a"))
         params = [g.weight(prefix + name, self.tensor(prefix + name)) for name in ("A", "dt_bias", "norm.weight")]
-        y = g.op(gd.OP_TYPE, [mixed, z, b, a, *params, *state, *cache[2:]], domain=gd.DOMAIN, name=prefix + "delta",
-                 state_layer=state_layer, epsilon=float(c.norm_epsilon), tiled=int(c.linear_value_heads_tiled))
+        recurrent, slots, checkpoints = state
+        y = g.op(gd.OP_TYPE, [mixed, z, b, a, *params, recurrent, slots, *cache[2:], checkpoints], domain=gd.DOMAIN,
+                 name=prefix + "delta", state_layer=state_layer, epsilon=float(c.norm_epsilon),
+                 tiled=int(c.linear_value_heads_tiled))
         return self.row_linear(y, prefix + "out_proj"), self.pool_rows(entries, prefix)
 
     def mamba(self, h: str, layer: str, cache: list[str], slot: int, state: list[str], state_layer: int
@@ -64,7 +67,8 @@ class LinearAttentionWriter:
         mixed, entries = g.op(sc.OP_TYPE, [xbc, *cache, *taps], num_outputs=2, domain=sc.DOMAIN, name=prefix + "conv",
                               layer_idx=slot)
         params = [g.weight(prefix + name, self.tensor(prefix + name)) for name in ("A", "dt_bias", "D", "norm.weight")]
-        y = g.op(mamba2.OP_TYPE, [mixed, z, dt, *params, *state, *cache[2:]], domain=mamba2.DOMAIN,
-                 name=prefix + "scan", state_layer=state_layer, num_groups=c.mamba_num_groups,
+        recurrent, slots, checkpoints = state
+        y = g.op(mamba2.OP_TYPE, [mixed, z, dt, *params, recurrent, slots, *cache[2:], checkpoints],
+                 domain=mamba2.DOMAIN, name=prefix + "scan", state_layer=state_layer, num_groups=c.mamba_num_groups,
                  epsilon=float(c.norm_epsilon))
         return self.row_linear(y, prefix + "out_proj", bias=c.mamba_proj_bias), self.pool_rows(entries, prefix)

@@ -89,7 +89,7 @@ struct Problem {
   // value head's beta and decay [Hv, 2]
   float *u, *gates;
   float* states;  // [slots, state layers, Hv, dk, dv], written in place
-  const int64_t *slots, *past, *starts;
+  StateBatch batch;
   float* y;  // [T, Vd]
   int64_t channels, key_heads, value_heads, dk, dv, state_layers, layer;
   float epsilon;
@@ -129,16 +129,21 @@ void run_head(void* data, size_t task) {
   const int64_t dk = p.dk, dv = p.dv, kd = p.key_heads * dk;
   const int64_t kh = p.tiled ? h % p.key_heads : h / (p.value_heads / p.key_heads);
   const int64_t vd = p.value_heads * dv;
-  float* s = p.states + ((p.slots[seq] * p.state_layers + p.layer) * p.value_heads + h) * dk * dv;
-  if (p.past[seq] == 0) std::fill(s, s + dk * dv, 0.0f);
+  const auto head_state = [&](int64_t slot) {
+    return p.states + ((slot * p.state_layers + p.layer) * p.value_heads + h) * dk * dv;
+  };
+  float* s = head_state(p.batch.slots[seq]);
+  if (p.batch.past[seq] == 0) std::fill(s, s + dk * dv, 0.0f);
+  const int64_t checkpoint = p.batch.checkpoint_token(seq);
   thread_local std::vector<float> buffer;
   buffer.resize(static_cast<size_t>(dv));
   float* o = buffer.data();
-  for (int64_t t = p.starts[seq]; t < p.starts[seq + 1]; ++t) {
+  for (int64_t t = p.batch.starts[seq]; t < p.batch.starts[seq + 1]; ++t) {
     const float* row = p.u + t * p.channels;
     const float *q = row + kh * dk, *k = row + kd + kh * dk, *v = row + 2 * kd + h * dv;
     const float beta = p.gates[(t * p.value_heads + h) * 2], decay = p.gates[(t * p.value_heads + h) * 2 + 1];
     token_update(s, k, q, v, beta, decay, o, dk, dv);
+    if (t == checkpoint) copy_state(s, head_state(p.batch.checkpoint_slot(seq)), dk * dv);
     float sum = 0.0f;
     for (int64_t j = 0; j < dv; ++j) sum += o[j] * o[j];
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(dv) + p.epsilon);
@@ -178,7 +183,6 @@ struct GatedDeltaNetKernel {
     if (shape_of(4) != want_h || shape_of(5) != want_h) fail("A and dt_bias must be [value heads]");
     if (shape_of(6) != want_w) fail("norm_weight must be [value dim]");
     const StateBatch batch = state_batch(ctx, tokens, num_slots, fail);
-    const int64_t num_seqs = batch.num_seqs, *slots = batch.slots, *past = batch.past, *starts = batch.starts;
 
     float* y = ctx.GetOutput(0, {tokens, hv * dv}).GetTensorMutableData<float>();
     if (tokens == 0) return;
@@ -192,10 +196,10 @@ struct GatedDeltaNetKernel {
     Problem p{ctx.GetInput(0).GetTensorData<float>(), ctx.GetInput(1).GetTensorData<float>(),
               ctx.GetInput(2).GetTensorData<float>(), ctx.GetInput(3).GetTensorData<float>(),
               ctx.GetInput(4).GetTensorData<float>(), ctx.GetInput(5).GetTensorData<float>(),
-              ctx.GetInput(6).GetTensorData<float>(), u.data(), gates.data(), states, slots, past, starts, y,
+              ctx.GetInput(6).GetTensorData<float>(), u.data(), gates.data(), states, batch, y,
               channels, hk, hv, dk, dv, state_layers, layer, epsilon, tiled};
     ctx.ParallelFor(prepare_token, static_cast<size_t>(tokens), 0, &p);
-    ctx.ParallelFor(run_head, static_cast<size_t>(num_seqs * hv), 0, &p);
+    ctx.ParallelFor(run_head, static_cast<size_t>(batch.num_seqs * hv), 0, &p);
   }
 };
 
@@ -204,9 +208,14 @@ struct GatedDeltaNetOp : Ort::CustomOpBase<GatedDeltaNetOp, GatedDeltaNetKernel>
     return new GatedDeltaNetKernel(api, info);
   }
   const char* GetName() const { return "GatedDeltaNet"; }
-  size_t GetInputTypeCount() const { return 11; }
+  size_t GetInputTypeCount() const { return 12; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     return i >= 8 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  // NOTE: state_checkpoints is optional: engines built before it load as they were
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == 11 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                   : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }

@@ -31,7 +31,7 @@ struct Problem {
   const float *xbc, *z, *dt, *decay, *dt_bias, *skip, *norm_weight;
   float *u, *steps;  // [T, channels]: silu(xbc); [T, H]: softplus(dt + dt_bias) (prepare_token)
   float* states;  // [slots, state layers, H, P, N], written in place
-  const int64_t *slots, *past, *starts;
+  StateBatch batch;
   float* y;  // [T, H * P]
   int64_t channels, heads, groups, p, n, state_layers, layer;
   float epsilon;
@@ -80,9 +80,13 @@ void scan_head(void* data, size_t task) {
   const Problem& q = *static_cast<const Problem*>(data);
   const int64_t seq = static_cast<int64_t>(task) / q.heads, h = static_cast<int64_t>(task) % q.heads;
   const int64_t p = q.p, n = q.n, inner = q.heads * p, g = h / (q.heads / q.groups);
-  float* s = q.states + ((q.slots[seq] * q.state_layers + q.layer) * q.heads + h) * p * n;
-  if (q.past[seq] == 0) std::fill(s, s + p * n, 0.0f);
-  for (int64_t t = q.starts[seq]; t < q.starts[seq + 1]; ++t) {
+  const auto head_state = [&](int64_t slot) {
+    return q.states + ((slot * q.state_layers + q.layer) * q.heads + h) * p * n;
+  };
+  float* s = head_state(q.batch.slots[seq]);
+  if (q.batch.past[seq] == 0) std::fill(s, s + p * n, 0.0f);
+  const int64_t checkpoint = q.batch.checkpoint_token(seq);
+  for (int64_t t = q.batch.starts[seq]; t < q.batch.starts[seq + 1]; ++t) {
     const float* row = q.u + t * q.channels;
     const float *x = row + h * p, *b = row + inner + g * n, *c = row + inner + (q.groups + g) * n;
     const float step = q.steps[t * q.heads + h];
@@ -90,6 +94,7 @@ void scan_head(void* data, size_t task) {
     float* out = q.y + t * inner + h * p;
     for (int64_t i = 0; i < p; ++i)  // S[i] = S[i] da + (dt x_i) B; y_i = S[i] . C + D x_i
       out[i] = update_row(s + i * n, b, c, da, step * x[i], n) + q.skip[h] * x[i];
+    if (t == checkpoint) copy_state(s, head_state(q.batch.checkpoint_slot(seq)), p * n);
   }
 }
 
@@ -140,7 +145,6 @@ struct Mamba2ScanKernel {
     if (shape_of(3) != want_h || shape_of(4) != want_h || shape_of(5) != want_h) fail("A, dt_bias and D must be [heads]");
     if (shape_of(6) != want_w) fail("norm_weight must be [heads x head dim]");
     const StateBatch batch = state_batch(ctx, tokens, num_slots, fail);
-    const int64_t num_seqs = batch.num_seqs, *slots = batch.slots, *past = batch.past, *starts = batch.starts;
 
     float* y = ctx.GetOutput(0, {tokens, inner}).GetTensorMutableData<float>();
     if (tokens == 0) return;
@@ -152,10 +156,10 @@ struct Mamba2ScanKernel {
     Problem q{ctx.GetInput(0).GetTensorData<float>(), ctx.GetInput(1).GetTensorData<float>(),
               ctx.GetInput(2).GetTensorData<float>(), ctx.GetInput(3).GetTensorData<float>(),
               ctx.GetInput(4).GetTensorData<float>(), ctx.GetInput(5).GetTensorData<float>(),
-              ctx.GetInput(6).GetTensorData<float>(), u.data(), steps.data(), states, slots, past, starts, y, xbc[1],
+              ctx.GetInput(6).GetTensorData<float>(), u.data(), steps.data(), states, batch, y, xbc[1],
               heads, groups, p, n, state_layers, layer, epsilon};
     ctx.ParallelFor(prepare_token, static_cast<size_t>(tokens), 0, &q);
-    ctx.ParallelFor(scan_head, static_cast<size_t>(num_seqs * heads), 0, &q);
+    ctx.ParallelFor(scan_head, static_cast<size_t>(batch.num_seqs * heads), 0, &q);
     ctx.ParallelFor(norm_token, static_cast<size_t>(tokens), 0, &q);
   }
 };
@@ -163,9 +167,14 @@ struct Mamba2ScanKernel {
 struct Mamba2ScanOp : Ort::CustomOpBase<Mamba2ScanOp, Mamba2ScanKernel> {
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new Mamba2ScanKernel(api, info); }
   const char* GetName() const { return "Mamba2Scan"; }
-  size_t GetInputTypeCount() const { return 11; }
+  size_t GetInputTypeCount() const { return 12; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     return i >= 8 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  // NOTE: state_checkpoints is optional (cpu_ops/gated_delta.cc)
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == 11 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                   : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }

@@ -16,10 +16,15 @@ state in the slot the runtime gave it (runtime/recurrent_state.py), and the op r
 state_slots[b], layer `state_layer`, in place. A sequence whose past length is 0 starts from a zero state, whatever
 its slot held. Tokens are packed as for PagedAttention: sequence b owns tokens query_start_loc[b]:query_start_loc[b+1].
 
+A step that verifies speculative drafts keeps the state from before them: `state_checkpoints` [B, 2] int64 (optional;
+engines built before it have none) row b = (n, slot) also writes sequence b's state after its first n new tokens
+into slot `slot`, a slot no sequence of the step runs in (n = 0: none). When a draft is rejected the runtime copies
+it back (runtime/recurrent_state.py).
+
 Inputs: mixed_qkv [T, 2 Kd + Vd] (the convolution's output, before its SiLU: q, then k, then v), z [T, Vd],
 b [T, Hv], a [T, Hv], A [Hv], dt_bias [Hv], norm_weight [value dim], recurrent_state, state_slots [B] int64,
-past_lengths [B] int64, query_start_loc [B + 1] int64. Attributes: state_layer, epsilon (the gated norm's), tiled
-(0 unless given).
+past_lengths [B] int64, query_start_loc [B + 1] int64, state_checkpoints [B, 2] int64 (optional). Attributes:
+state_layer, epsilon (the gated norm's), tiled (0 unless given).
 Output: y [T, Vd].
 """
 
@@ -30,9 +35,17 @@ import numpy as np
 DOMAIN = "trtbuild"
 OP_TYPE = "GatedDeltaNet"
 INPUTS = ("mixed_qkv", "z", "b", "a", "A", "dt_bias", "norm_weight", "recurrent_state", "state_slots",
-          "past_lengths", "query_start_loc")
-STATE_INPUT, STATE_SLOTS_INPUT = "recurrent_state", "state_slots"
+          "past_lengths", "query_start_loc", "state_checkpoints")
+STATE_INPUT, STATE_SLOTS_INPUT, CHECKPOINTS_INPUT = "recurrent_state", "state_slots", "state_checkpoints"
 L2_EPSILON = 1e-6  # the q / k L2 norms' (as transformers' and flash-linear-attention's)
+
+
+def keep_checkpoint(recurrent_state: np.ndarray, state_checkpoints: np.ndarray | None, seq: int, token: int,
+                    state_layer: int, states: np.ndarray) -> None:
+    """The references' state_checkpoints: after the sequence's new token `token` (0-based), the layer's states also
+    go to the checkpoint's slot if that is where the checkpoint falls."""
+    if state_checkpoints is not None and state_checkpoints[seq, 0] == token + 1:
+        recurrent_state[int(state_checkpoints[seq, 1]), state_layer] = states
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -46,8 +59,9 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 def reference_gated_delta(mixed_qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a: np.ndarray, decay: np.ndarray,
                           dt_bias: np.ndarray, norm_weight: np.ndarray, recurrent_state: np.ndarray,
-                          state_slots: np.ndarray, past_lengths: np.ndarray, query_start_loc: np.ndarray, *,
-                          state_layer: int, epsilon: float, tiled: bool = False) -> np.ndarray:
+                          state_slots: np.ndarray, past_lengths: np.ndarray, query_start_loc: np.ndarray,
+                          state_checkpoints: np.ndarray | None = None, *, state_layer: int, epsilon: float,
+                          tiled: bool = False) -> np.ndarray:
     """y [T, Vd] in float64 loops, one token at a time; updates `recurrent_state` in place as the op does."""
     value_heads, key_dim, value_dim = recurrent_state.shape[2:]
     key_heads = (mixed_qkv.shape[1] - value_heads * value_dim) // (2 * key_dim)
@@ -76,5 +90,6 @@ def reference_gated_delta(mixed_qkv: np.ndarray, z: np.ndarray, b: np.ndarray, a
                 o = q[kh] @ s
                 normed = o / np.sqrt((o * o).mean() + epsilon) * norm_weight
                 y[t, h * value_dim:(h + 1) * value_dim] = normed * silu(z[t, h * value_dim:(h + 1) * value_dim])
+            keep_checkpoint(recurrent_state, state_checkpoints, seq, t - int(query_start_loc[seq]), state_layer, states)
         recurrent_state[slot, state_layer] = states
     return y.astype(np.float32)

@@ -20,9 +20,10 @@ from trtbuild.builder.engine_dir import EngineInfo, read_engine_config
 from trtbuild.configs import LORA_IDS_INPUT, KVCacheGroup, group_input
 from trtbuild.errors import EngineCompatibilityError, TrtbuildError
 from trtbuild.gpu_kernels.load import load_kernels
+from trtbuild.plugins.gated_delta import CHECKPOINTS_INPUT
 from trtbuild.runtime.cuda_plan_ops import OPS
 from trtbuild.runtime.engine import SequenceChunk, StepOutput, accept_feeds, check_chunks, pack_chunks
-from trtbuild.runtime.recurrent_state import StateCopy
+from trtbuild.runtime.recurrent_state import DRAFT_CHECKPOINT, StateCopy, checkpoint_feed
 
 
 class TorchKVPool:
@@ -118,6 +119,15 @@ class CudaEngine:
         self.snapshots = None
         self.allocate_kv_cache(num_blocks)
 
+    @property
+    def can_checkpoint_states(self) -> bool:
+        """Whether its recurrent steps keep states part-way (built with state_checkpoints), as drafts need."""
+        return CHECKPOINTS_INPUT in self.plan.inputs
+
+    def allocate_draft_checkpoints(self) -> None:
+        """A draft checkpoint per state slot, after the slots and the scratch slot (runtime/recurrent_state.py)."""
+        self.states = torch.cat([self.states, torch.zeros_like(self.states[:self.num_state_slots])])
+
     def allocate_state_snapshots(self, num_snapshots: int) -> None:
         """Room for `num_snapshots` recurrent states kept for prefix reuse (runtime/recurrent_state.py), on the
         device beside the running states."""
@@ -127,7 +137,9 @@ class CudaEngine:
         """Save running sequences' states into snapshots, or restore snapshots into their slots, in order (in place:
         the captured decode graphs read the same `states`)."""
         for c in copies:
-            if c.save:
+            if c.snapshot == DRAFT_CHECKPOINT:
+                self.states[c.slot].copy_(self.states[self.num_state_slots + 1 + c.slot])
+            elif c.save:
                 self.snapshots[c.snapshot].copy_(self.states[c.slot])
             else:
                 self.states[c.slot].copy_(self.snapshots[c.snapshot])
@@ -224,6 +236,10 @@ class CudaEngine:
         if self.states is not None:  # NOTE: padded rows share the scratch slot (past 0: nothing is read from it)
             host["state_slots"] = np.array([c.state_slot for c in chunks] + [self.num_state_slots] * pad,
                                            dtype=np.int64)
+            keep = [c.state_checkpoint for c in chunks] + [0] * pad
+            if any(keep) and len(self.states) == self.num_state_slots + 1:
+                raise ValueError("a chunk keeps its state for drafts, but the engine has no draft checkpoints")
+            host[CHECKPOINTS_INPUT] = checkpoint_feed(host["state_slots"], keep, self.num_state_slots + 1)
         if self.max_draft_len:
             host.update(accept_feeds(chunks, self.max_draft_len))
         return {name: torch.from_numpy(host[name]).to(self.device, non_blocking=True) for name in self.plan.inputs}

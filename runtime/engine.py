@@ -15,6 +15,7 @@ from trtbuild.builder.engine_dir import EngineInfo, cpu_rank_files, read_engine_
 from trtbuild.configs import LORA_IDS_INPUT, BuildConfig, group_input, num_cache_layers
 from trtbuild.cpu_ops import library_for_engine
 from trtbuild.errors import EngineCompatibilityError
+from trtbuild.plugins.gated_delta import CHECKPOINTS_INPUT
 from trtbuild.quantization import kv_pool_dtype
 from trtbuild.runtime.kv_cache import KVCacheStorage
 from trtbuild.runtime.lora_slots import LoraSlotArrays
@@ -61,6 +62,9 @@ class SequenceChunk:
     lora_id: int = 0  # the LoRA adapter its tokens run under: 0 none, i the engine's i-th (BuildConfig.lora_names)
     # its state slot (runtime/recurrent_state.py), for an engine with recurrent layers; -1: none
     state_slot: int = -1
+    # keep its recurrent state after this many of its tokens in the slot's draft checkpoint (a chunk ending in drafts:
+    # its known tokens); 0: not kept
+    state_checkpoint: int = 0
 
     def tables(self) -> tuple[Sequence[int], ...]:
         """The block table of every KV cache group, the first group's first."""
@@ -106,6 +110,8 @@ def check_chunks(b: BuildConfig, chunks: list[SequenceChunk], max_draft_len: int
         if not all(0 <= s < num_state_slots for s in slots) or len(set(slots)) != len(slots):
             raise ValueError(f"state slots {slots}: each sequence of an engine with recurrent layers needs its own "
                              f"state slot, one of 0..{num_state_slots - 1}")
+        if any(not 0 <= c.state_checkpoint <= len(c.token_ids) for c in chunks):
+            raise ValueError("a chunk's state checkpoint must come after some of its own tokens")
     if len(chunks) > b.max_batch_size:
         raise ValueError(f"{len(chunks)} sequences exceed the engine's max_batch_size {b.max_batch_size}")
     num_tokens = sum(len(c.token_ids) for c in chunks)
@@ -276,6 +282,7 @@ class CpuEngine:
                                                "rebuild the engine.")
             self.kv_scales = np.array(json.loads(meta), dtype=np.float32)
         self.lora_slots = LoraSlotArrays.of(self.session, self.info)
+        self.input_names = frozenset(i.name for i in self.session.get_inputs())
         # NOTE: a slot per sequence the engine can batch; the scheduler holds at most that many running
         self.states = RecurrentStateStorage(model, build.max_batch_size) if model.recurrent_layers else None
         self.allocate_kv_cache(num_blocks)
@@ -283,6 +290,15 @@ class CpuEngine:
     def allocate_state_snapshots(self, num_snapshots: int) -> None:
         """Room for `num_snapshots` recurrent states kept for prefix reuse (runtime/recurrent_state.py)."""
         self.states.allocate_snapshots(num_snapshots)
+
+    @property
+    def can_checkpoint_states(self) -> bool:
+        """Whether its recurrent nodes keep states part-way (built with state_checkpoints), as drafts need."""
+        return CHECKPOINTS_INPUT in self.input_names
+
+    def allocate_draft_checkpoints(self) -> None:
+        """A draft checkpoint per state slot (runtime/recurrent_state.py), for speculative decoding."""
+        self.states.allocate_checkpoints()
 
     def copy_states(self, copies: Sequence[StateCopy]) -> None:
         """Save running sequences' states into snapshots, or restore snapshots into their slots, in order."""
@@ -365,6 +381,8 @@ class CpuEngine:
         if self.states is not None:  # NOTE: updated in place by the engine's recurrent ops (plugins/gated_delta.py)
             feeds["recurrent_state"] = self.states.states
             feeds["state_slots"] = np.array([c.state_slot for c in chunks], dtype=np.int64)
+            if self.can_checkpoint_states:
+                feeds[CHECKPOINTS_INPUT] = self.states.checkpoint_feed(chunks)
         if self.lora_slots is not None:
             feeds.update(self.lora_slots.arrays)
         if self.tp_group is not None:

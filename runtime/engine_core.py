@@ -56,11 +56,12 @@ class EngineCore:
         info = read_engine_config(engine_dir, expect_target=target)  # compatibility, before any work
         build, model = info.build, info.model
         self.config = config = (config or RuntimeConfig()).resolve(build)
-        if config.speculative and model.recurrent_layers:
-            raise ConfigError("num_speculative_tokens", f"{model.architecture}'s recurrent layers (linear attention, "
-                              "Mamba2) keep a state that cannot go back to the last accepted draft; run it without "
-                              "speculative decoding.")
         self.engine, num_blocks, snapshots = make_engine(info, target, config)
+        if config.speculative and model.recurrent_layers and not getattr(self.engine, "can_checkpoint_states", False):
+            raise ConfigError("num_speculative_tokens", f"{engine_dir} was built before its recurrent layers (linear "
+                              "attention, Mamba2) could keep their state from before a step's drafts, which "
+                              "verifying drafts needs; rebuild the engine from its checkpoint, or run it without "
+                              "speculative decoding.")
         # seconds spent starting: the ONNX Runtime session, then the KV pool faulted in + the warm-up step
         self.start_seconds = {"session": time.perf_counter() - start, "warm_up": 0.0}
         self.kv = KVCacheManager.for_groups(info.kv_cache_groups, num_blocks, build.tokens_per_block,
@@ -197,7 +198,11 @@ class EngineCore:
         k, max_seq_len = self.config.speculative.num_speculative_tokens, self.scheduler.config.max_seq_len
         decoding, limits = [], []
         for request in self.scheduler.running:
-            if request.num_computed_tokens == len(request.token_ids) - 1 and request.beam_group is None:
+            # NOTE: a request whose drafts were rejected with recurrent layers computes the accepted ones again: its
+            # known tokens end after its prompt, at most k + 1 of them
+            todo = len(request.token_ids) - request.num_computed_tokens
+            if (0 < todo <= k + 1 and request.num_computed_tokens >= request.num_prompt_tokens
+                    and request.beam_group is None):
                 room = min(request.sampling.max_tokens - request.num_output_tokens,
                            max_seq_len - len(request.token_ids)) - 1
                 decoding.append(request)
@@ -288,7 +293,9 @@ class EngineCore:
         chunks = [SequenceChunk(c.request.request_id,
                                 (c.request.token_ids + c.request.spec_token_ids)[c.start : c.start + c.num_tokens],
                                 c.start, c.num_logits, c.block_ids, self._engine_accept(c), c.group_block_ids,
-                                c.request.lora_id, self.kv.state_slot(c.request))
+                                c.request.lora_id, self.kv.state_slot(c.request),
+                                # NOTE: the state before its drafts, kept for a rejection (runtime/recurrent_state.py)
+                                c.num_tokens - c.num_drafts if c.num_drafts and self.kv.state_slots else 0)
                   for c in scheduled.chunks]
         if copies := self.kv.take_state_copies():
             self.engine.copy_states(copies)

@@ -1,6 +1,6 @@
 """The engine an engine directory's target names (cpu: ONNX Runtime, a session or one per tensor-parallel rank; cuda:
 the plan's Triton kernels; tensorrt), its KV pool sized from the serving options, and room for its recurrent states'
-snapshots."""
+snapshots and draft checkpoints."""
 
 from __future__ import annotations
 
@@ -40,5 +40,5 @@ def make_engine(info: EngineInfo, target: str, config: RuntimeConfig) -> tuple[A
     if info.model.recurrent_layers:
         gpu = gpu_memory_for_kv(0) if target == "cuda" else None  # NOTE: None without a GPU: host memory
         snapshots = allocate_snapshots(engine, info.model, build.max_batch_size, config.max_state_snapshots,
-                                       gpu[0] if gpu else None)
+                                       gpu[0] if gpu else None, draft_checkpoints=config.speculative is not None)
     return engine, num_blocks, snapshots

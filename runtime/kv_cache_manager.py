@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from trtbuild.configs import KVCacheGroup, max_blocks_held
 from trtbuild.runtime.block_pool import BlockPool, hash_block
-from trtbuild.runtime.recurrent_state import StateCopy, StateSlots, StateSnapshots
+from trtbuild.runtime.recurrent_state import DRAFT_CHECKPOINT, StateCopy, StateSlots, StateSnapshots
 from trtbuild.runtime.request import Request
 
 RELEASED = -1  # a table entry whose block went back to the pool (every later query is past it: `window`)
@@ -227,6 +227,11 @@ class KVCacheManager:
         snapshot = self.snapshots.keep(prefix_hash)
         if snapshot is not None:
             self.state_copies.append(StateCopy(self.state_slot(request), snapshot, save=True))
+
+    def roll_back_state(self, request: Request) -> None:
+        """A draft of the request's last step was rejected: its slot goes back to the state kept before the drafts
+        (the step's state checkpoint, runtime/recurrent_state.py)."""
+        self.state_copies.append(StateCopy(self.state_slot(request), DRAFT_CHECKPOINT, save=False))
 
     def take_state_copies(self) -> list[StateCopy]:
         """The state copies the engine must make before its next step, in order (given once)."""

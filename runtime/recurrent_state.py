@@ -3,12 +3,18 @@ plugins/mamba2.py): one slot per live sequence, holding that sequence's state in
 tokens, and snapshots of states kept after full blocks for prefix reuse.
 
 Unlike K/V, a recurrent state is not a row per token: it is one matrix per head that every token rewrites. So it
-cannot be shared between sequences or rolled back, and it is kept apart from the paged pool: the KV cache manager
-gives a request a slot with its first blocks and takes it back with them (runtime/kv_cache_manager.py). What follows:
-a preempted request recomputes (its slot is freed), a beam's fork recomputes its tokens, and drafts cannot be
-verified (the state would have to return to the last accepted token). The engine's GatedDeltaNet / Mamba2Scan nodes
-read and overwrite their sequences' slots in place; a sequence without a past starts from zero, whatever its slot
-held before.
+cannot be shared between sequences or rolled back token by token, and it is kept apart from the paged pool: the KV
+cache manager gives a request a slot with its first blocks and takes it back with them (runtime/kv_cache_manager.py).
+What follows: a preempted request recomputes (its slot is freed) and a beam's fork recomputes its tokens. The
+engine's GatedDeltaNet / Mamba2Scan nodes read and overwrite their sequences' slots in place; a sequence without a
+past starts from zero, whatever its slot held before.
+
+Speculative drafts are verified against a draft checkpoint: a step whose chunk ends in drafts also writes the
+state after the chunk's known tokens (before its drafts) into the slot's checkpoint (the nodes' state_checkpoints
+input; a second row per slot, allocated only for speculative decoding). When the target rejects a draft, the
+checkpoint is copied back into the slot (`StateCopy` from DRAFT_CHECKPOINT) and the accepted drafts are computed
+again at the head of the request's next chunk, beside its next drafts; when it accepts them all, the slot is
+already right. So a rejection costs a copy of the state and a few more tokens in the next step, not a step.
 
 A prefix is reused through snapshots (as llama.cpp's server keeps context checkpoints): the state after a request's
 last full block of known tokens is copied out of its slot (`StateCopy`, save) after the step that computed it, and a
@@ -34,15 +40,27 @@ from trtbuild.runtime.memory import DEFAULT_FRACTION, available_memory_bytes, re
 log = logging.getLogger(__name__)
 
 
+DRAFT_CHECKPOINT = -1  # StateCopy.snapshot of a rollback: the slot's draft checkpoint
+
+
 @dataclass(frozen=True)
 class StateCopy:
     """A state moved between a running sequence's slot and a snapshot: saved (slot -> snapshot) after the step that
-    computed the snapshot's prefix, or restored (snapshot -> slot) before a request that reuses the prefix runs.
+    computed the snapshot's prefix, or restored (snapshot -> slot) before a request that reuses the prefix runs; or
+    restored from the slot's draft checkpoint (snapshot DRAFT_CHECKPOINT) after a step whose drafts were rejected.
     Copies apply in the order they were made, all before the next step."""
 
     slot: int
     snapshot: int
     save: bool
+
+
+def checkpoint_feed(state_slots: Sequence[int], keep_after: Sequence[int], first_checkpoint: int) -> np.ndarray:
+    """The recurrent nodes' state_checkpoints [B, 2] of a step: (n, first_checkpoint + slot) for a sequence whose
+    state is kept after its first n new tokens (`keep_after`, 0: not kept), (0, -1) for the others."""
+    return np.array([(n, first_checkpoint + slot) if n else (0, -1) for slot, n in zip(state_slots, keep_after,
+                                                                                       strict=True)],
+                    dtype=np.int64).reshape(-1, 2)
 
 
 def state_bytes(model: ModelConfig) -> int:
@@ -57,45 +75,65 @@ def default_snapshots(model: ModelConfig, running: int, available: int) -> int:
 
 
 def allocate_snapshots(engine: Any, model: ModelConfig, running: int, asked: int | None,
-                       gpu_memory: int | None = None) -> int:
+                       gpu_memory: int | None = None, draft_checkpoints: bool = False) -> int:
     """Give `engine` (CpuEngine, CudaEngine) room for the states it keeps (RuntimeConfig.max_state_snapshots, or
     default_snapshots of the free `gpu_memory` bytes where they live on a GPU, else of host memory) beside its
-    `running` slots; returns their number. In host memory, where both are resident only once written, a number that
-    memory cannot hold is refused now, rather than the server being killed when requests fill them."""
+    `running` slots, and a draft checkpoint per slot for speculative decoding; returns the number of snapshots. In
+    host memory, where all of them are resident only once written, a number that memory cannot hold is refused now,
+    rather than the server being killed when requests fill them."""
     available = available_memory_bytes() if gpu_memory is None else gpu_memory
     snapshots = default_snapshots(model, running, available) if asked is None else asked
     if not snapshots:
         log.info("prefix caching is off: %s's recurrent layers need a kept state to reuse a prefix, and "
                  "--max-state-snapshots is 0 (or --no-prefix-caching)", model.architecture)
+    slots = 2 * running if draft_checkpoints else running
     if gpu_memory is None:
-        require_memory((running + snapshots) * state_bytes(model),
-                       f"{model.architecture}'s recurrent states ({running} running sequences' and {snapshots} kept "
-                       "for prefix reuse)",
+        require_memory((slots + snapshots) * state_bytes(model),
+                       f"{model.architecture}'s recurrent states ({running} running sequences'"
+                       f"{', their draft checkpoints' if draft_checkpoints else ''} and {snapshots} kept for prefix "
+                       "reuse)",
                        "lower --max-state-snapshots, or rebuild the engine with a smaller --max-batch-size.")
+    if draft_checkpoints:
+        engine.allocate_draft_checkpoints()
     engine.allocate_state_snapshots(snapshots)
     return snapshots
 
 
 class RecurrentStateStorage:
-    """states[slot, recurrent layer, value head, key dim, value dim] float32 (the engine's `recurrent_state`), and
-    snapshots of the same shape (no slot of the engine's)."""
+    """states[slot, recurrent layer, value head, key dim, value dim] float32 (the engine's `recurrent_state`): the
+    running slots, then (with draft checkpoints) slot s's checkpoint at num_slots + s; and snapshots of the same shape
+    (no slot of the engine's)."""
 
     def __init__(self, model: ModelConfig, num_slots: int) -> None:
         # NOTE: np.zeros maps its pages lazily: slots (and snapshots) no sequence has used take no memory
+        self.num_slots = num_slots
         self.states = np.zeros((num_slots, len(model.recurrent_layers), *model.recurrent_state_shape),
                                dtype=np.float32)
         self.snapshots = self.states[:0]
 
     @property
-    def num_slots(self) -> int:
-        return self.states.shape[0]
+    def has_checkpoints(self) -> bool:
+        return self.states.shape[0] > self.num_slots
+
+    def allocate_checkpoints(self) -> None:
+        """A draft checkpoint per slot, after the slots (speculative decoding; empty slots' states are dropped)."""
+        self.states = np.zeros((2 * self.num_slots, *self.states.shape[1:]), dtype=np.float32)
+
+    def checkpoint_feed(self, chunks: Sequence[Any]) -> np.ndarray:
+        """The state_checkpoints input of a step's chunks (runtime/engine.py's SequenceChunk)."""
+        if not self.has_checkpoints and any(c.state_checkpoint for c in chunks):
+            raise ValueError("a chunk keeps its state for drafts, but the engine has no draft checkpoints "
+                             "(allocate_draft_checkpoints)")
+        return checkpoint_feed([c.state_slot for c in chunks], [c.state_checkpoint for c in chunks], self.num_slots)
 
     def allocate_snapshots(self, num_snapshots: int) -> None:
         self.snapshots = np.zeros((num_snapshots, *self.states.shape[1:]), dtype=np.float32)
 
     def copy(self, copies: Sequence[StateCopy]) -> None:
         for c in copies:
-            if c.save:
+            if c.snapshot == DRAFT_CHECKPOINT:
+                self.states[c.slot] = self.states[self.num_slots + c.slot]
+            elif c.save:
                 self.snapshots[c.snapshot] = self.states[c.slot]
             else:
                 self.states[c.slot] = self.snapshots[c.snapshot]

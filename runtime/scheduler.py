@@ -2,7 +2,9 @@
 
 Requests are scheduled in tokens: every step computes, for each scheduled request, some of the tokens between
 `num_computed_tokens` and `len(token_ids) + len(spec_token_ids)`. A decode is one such token, a prefill chunk many;
-speculative drafts are more known tokens after a decode token, with no new phase.
+speculative drafts are more known tokens after a decode token, with no new phase. With recurrent layers, a rejected
+draft sends the request back to the state before its drafts: the drafts it accepted are computed again at the head
+of its next chunk, before that chunk's own drafts (runtime/recurrent_state.py).
 
 Policies (as TensorRT-LLM's capacity scheduler):
 - guaranteed_no_evict: admit a request only when blocks for its whole lifetime (prompt + max_tokens) can be
@@ -107,9 +109,9 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------------------------
     def _chunk_size(self, request: Request, budget: int) -> int:
         todo = len(request.token_ids) - request.num_computed_tokens
-        if todo == 1:  # decoding: the newest token plus whatever drafts the budget allows
-            del request.spec_token_ids[max(budget - 1, 0):]
-            return min(1 + len(request.spec_token_ids), budget)
+        if request.spec_token_ids and todo < budget:  # its known tokens, then whatever drafts the budget allows
+            del request.spec_token_ids[budget - todo:]
+            return todo + len(request.spec_token_ids)
         request.spec_token_ids.clear()
         return self._prefill_size(request, request.num_computed_tokens, budget)
 
@@ -164,7 +166,7 @@ class Scheduler:
             while not self.kv.allocate(request, request.num_computed_tokens + num_new):
                 if request.spec_token_ids:  # drafts are optional: drop them before preempting anyone
                     request.spec_token_ids.clear()
-                    num_new = 1
+                    num_new = self._chunk_size(request, budget)
                     continue
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -228,6 +230,11 @@ class Scheduler:
             accepted = max(len(tokens) - 1, 0)  # drafts the engine verified and the sampler kept
             request.spec_token_ids.clear()
             request.num_computed_tokens += chunk.num_tokens - chunk.num_drafts + accepted
+            if accepted < chunk.num_drafts and self.kv.state_slots is not None:
+                # NOTE: the recurrent state went through the rejected drafts too; it is restored to where the step
+                # kept it, after the known tokens, and the accepted drafts are computed again with the next chunk
+                request.num_computed_tokens -= accepted
+                self.kv.roll_back_state(request)
             request.metrics.num_draft_tokens += chunk.num_drafts
             request.metrics.num_accepted_draft_tokens += accepted
             appended, reason = [], None

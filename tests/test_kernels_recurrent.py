@@ -3,7 +3,8 @@ against the numpy references of plugins/gated_delta.py and plugins/mamba2.py, ru
 others (Triton's interpreter on the CPU, or compiled for the GPU by scripts/gpu_check.sh), on the batches of
 tests/test_gated_delta.py and tests/test_mamba2.py: a fresh prefill, a continuing chunk and decode tokens over
 shuffled state slots (stale values in a slot without a past), value heads grouped or tiled over the key heads, and
-Mamba2's heads in two groups; the states written back in place, the other slots and layers untouched."""
+Mamba2's heads in two groups; the states written back in place, and into the checkpoints' slots after their tokens
+(or not, without state_checkpoints), the other slots and layers untouched."""
 
 from __future__ import annotations
 
@@ -30,15 +31,24 @@ def _run(inputs: dict[str, np.ndarray], names: tuple[str, ...], dtype: torch.dty
     return dev, inputs
 
 
+def _without_checkpoints(feeds: dict[str, np.ndarray], keep: bool) -> tuple[str, ...]:
+    """The op's inputs, state_checkpoints among them or not (then the reference is given None)."""
+    if keep:
+        return tuple(feeds)
+    feeds["state_checkpoints"] = None
+    return tuple(n for n in feeds if n != "state_checkpoints")
+
+
 @DTYPES
 @pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
-def test_gated_delta_matches_reference(dtype, tiled):
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpoints", "none"])
+def test_gated_delta_matches_reference(dtype, tiled, checkpoints):
     feeds = gdt.inputs(seed=3)
-    dev, feeds = _run(feeds, gd.INPUTS, dtype, ("mixed_qkv", "z", "b", "a"))
+    dev, feeds = _run(feeds, _without_checkpoints(feeds, checkpoints), dtype, ("mixed_qkv", "z", "b", "a"))
     want_state = feeds["recurrent_state"].copy()
     want = gd.reference_gated_delta(*(feeds[n] for n in gd.INPUTS[:7]), want_state,
                                     *(feeds[n] for n in gd.INPUTS[8:]), state_layer=1, epsilon=gdt.EPS, tiled=tiled)
-    y = K["recurrent"].gated_delta(*(dev[n] for n in gd.INPUTS), state_layer=1, epsilon=gdt.EPS, tiled=tiled,
+    y = K["recurrent"].gated_delta(*(dev.get(n) for n in gd.INPUTS), state_layer=1, epsilon=gdt.EPS, tiled=tiled,
                                    block_v=8)
     assert y.dtype == dtype and torch.isfinite(y).all()
     assert_close(y, want, dtype, "gated delta")
@@ -46,14 +56,15 @@ def test_gated_delta_matches_reference(dtype, tiled):
 
 
 @DTYPES
-def test_mamba2_scan_matches_reference(dtype):
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpoints", "none"])
+def test_mamba2_scan_matches_reference(dtype, checkpoints):
     feeds = m2t.inputs(seed=3)
-    dev, feeds = _run(feeds, mamba2.INPUTS, dtype, ("xbc", "z", "dt"))
+    dev, feeds = _run(feeds, _without_checkpoints(feeds, checkpoints), dtype, ("xbc", "z", "dt"))
     want_state = feeds["recurrent_state"].copy()
     want = mamba2.reference_mamba2(*(feeds[n] for n in mamba2.INPUTS[:7]), want_state,
                                    *(feeds[n] for n in mamba2.INPUTS[8:]), state_layer=1, num_groups=m2t.GROUPS,
                                    epsilon=m2t.EPS)
-    y = K["recurrent"].mamba2_scan(*(dev[n] for n in mamba2.INPUTS), state_layer=1, num_groups=m2t.GROUPS,
+    y = K["recurrent"].mamba2_scan(*(dev.get(n) for n in mamba2.INPUTS), state_layer=1, num_groups=m2t.GROUPS,
                                    epsilon=m2t.EPS, block_p=4)
     assert y.dtype == dtype and torch.isfinite(y).all()
     assert_close(y, want, dtype, "mamba2 scan")

@@ -20,6 +20,9 @@ INNER = HEADS * HEAD_DIM
 CHANNELS = INNER + 2 * GROUPS * STATE
 SEQS = [(0, 5), (7, 3), (12, 1), (3, 1)]  # (past length, new tokens)
 SEQ_SLOTS = [4, 0, 2, 5]
+# (new tokens, slot): sequence 0's state after 2 of its 5 tokens kept in slot 1, sequence 1's after all 3 in slot 3
+CHECKPOINTS = [[2, 1], [3, 3], [0, -1], [0, -1]]
+INT64 = ("state_slots", "past_lengths", "query_start_loc", "state_checkpoints")
 EPS = 1e-5
 
 native = pytest.mark.skipif(cpu_ops.unavailable_reason() is not None,
@@ -35,7 +38,8 @@ def inputs(seed: int = 0) -> dict[str, np.ndarray]:
             "recurrent_state": f(SLOTS, LAYERS, HEADS, HEAD_DIM, STATE),
             "state_slots": np.array(SEQ_SLOTS, dtype=np.int64),
             "past_lengths": np.array([p for p, _ in SEQS], dtype=np.int64),
-            "query_start_loc": np.cumsum([0] + [n for _, n in SEQS]).astype(np.int64)}
+            "query_start_loc": np.cumsum([0] + [n for _, n in SEQS]).astype(np.int64),
+            "state_checkpoints": np.array(CHECKPOINTS, dtype=np.int64)}
 
 
 def test_the_reference_is_transformers_recurrence_and_gated_norm():
@@ -68,14 +72,16 @@ def test_the_reference_is_transformers_recurrence_and_gated_norm():
     np.testing.assert_allclose(ours[0, 0], state[0].numpy(), rtol=1e-5, atol=1e-6)
 
 
-def session() -> ort.InferenceSession:
+def session(checkpoints: bool = True) -> ort.InferenceSession:
+    """The op alone; without `checkpoints`, as engines built before state_checkpoints have it (11 inputs)."""
+    names = mamba2.INPUTS if checkpoints else mamba2.INPUTS[:-1]
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     shapes = {"xbc": ["T", CHANNELS], "z": ["T", INNER], "dt": ["T", HEADS], "A": [HEADS], "dt_bias": [HEADS],
               "D": [HEADS], "norm_weight": [INNER], "recurrent_state": ["S", LAYERS, HEADS, HEAD_DIM, STATE],
-              "state_slots": ["B"], "past_lengths": ["B"], "query_start_loc": ["B1"]}
-    ins = [helper.make_tensor_value_info(n, i64 if n in ("state_slots", "past_lengths", "query_start_loc") else f32,
-                                         shapes[n]) for n in mamba2.INPUTS]
-    node = helper.make_node(mamba2.OP_TYPE, list(mamba2.INPUTS), ["y"], domain=mamba2.DOMAIN, state_layer=1,
+              "state_slots": ["B"], "past_lengths": ["B"], "query_start_loc": ["B1"], "state_checkpoints": ["B", 2]}
+    ins = [helper.make_tensor_value_info(n, i64 if n in INT64 else f32,
+                                         shapes[n]) for n in names]
+    node = helper.make_node(mamba2.OP_TYPE, list(names), ["y"], domain=mamba2.DOMAIN, state_layer=1,
                             num_groups=GROUPS, epsilon=EPS)
     graph = helper.make_graph([node], "mamba2", ins, [helper.make_tensor_value_info("y", f32, ["T", INNER])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(mamba2.DOMAIN, 1)])
@@ -97,9 +103,28 @@ def test_native_kernel_matches_the_reference_and_updates_the_states_in_place():
     np.testing.assert_allclose(y, expected, rtol=2e-4, atol=2e-5)
     states = feeds["recurrent_state"]
     np.testing.assert_allclose(states, expected_state, rtol=2e-4, atol=2e-5)
-    untouched = [s for s in range(SLOTS) if s not in SEQ_SLOTS]
+    untouched = [s for s in range(SLOTS) if s not in SEQ_SLOTS + [slot for n, slot in CHECKPOINTS if n]]
     assert np.array_equal(states[untouched], before[untouched]) and np.array_equal(states[:, [0, 2]],
                                                                                    before[:, [0, 2]])
+
+
+@native
+def test_a_checkpoint_holds_the_state_after_its_tokens():
+    """As tests/test_gated_delta.py's: sequence 0's checkpoint is the state its first 2 tokens alone leave; without
+    the input nothing is written there."""
+    feeds = inputs()
+    states = feeds["recurrent_state"]
+    alone = dict(feeds, recurrent_state=states.copy(), state_slots=feeds["state_slots"][:1],
+                 past_lengths=feeds["past_lengths"][:1], query_start_loc=np.array([0, 2], dtype=np.int64),
+                 state_checkpoints=np.zeros((1, 2), dtype=np.int64), **{n: feeds[n][:2] for n in ("xbc", "z", "dt")})
+    session().run(None, alone)
+    session().run(None, feeds)
+    np.testing.assert_allclose(states[1, 1], alone["recurrent_state"][SEQ_SLOTS[0], 1], rtol=1e-5, atol=1e-6)
+    old = inputs()
+    del old["state_checkpoints"]
+    before = old["recurrent_state"].copy()
+    session(checkpoints=False).run(None, old)
+    np.testing.assert_array_equal(old["recurrent_state"][[1, 3]], before[[1, 3]])
 
 
 @native
