@@ -17,6 +17,11 @@ starting at 1.
 A request whose drafts keep being rejected drafts one token per step (from ema < 1 / (2K)); one that keeps agreeing
 drafts K. NOTE: not ceil(K * ema) + 1: an average that only approaches 0 would never get below 2 drafts.
 
+A draft model with recurrent layers (a Qwen3.5 drafting for a larger one) cannot drop the drafts it fed from its
+state: its catch-up step also keeps the state before the newest token in the request's draft checkpoint
+(runtime/recurrent_state.py), and the next round restores it and feeds every token after it again, the drafts the
+target accepted among them.
+
 Greedy drafts are a deterministic q (one-hot), which `speculative.verify` assumes for both greedy and sampled
 targets, so outputs keep the target's distribution whatever the draft model.
 """
@@ -35,6 +40,7 @@ from trtbuild.builder.engine_dir import EngineInfo, read_engine_config
 from trtbuild.errors import ConfigError
 from trtbuild.runtime.engine import CpuEngine, SequenceChunk
 from trtbuild.runtime.kv_cache_manager import KVCacheManager
+from trtbuild.runtime.recurrent_state import DRAFT_CHECKPOINT, StateCopy
 from trtbuild.runtime.request import Request
 from trtbuild.runtime.speculative import Proposer, SpeculativeConfig
 
@@ -55,6 +61,7 @@ class _DraftSeq:
     acceptance: float = 1.0  # EMA of accepted / drafted per verified step
     seen_drafted: int = 0  # the request's metrics when last synced
     seen_accepted: int = 0
+    kept_state: int = 0  # recurrent drafts: tokens after which its draft checkpoint holds the state (0: none)
 
 
 def check_same_tokenizer(target: EngineInfo, draft: EngineInfo) -> None:
@@ -102,7 +109,14 @@ class DraftModelProposer(Proposer):
         # NOTE: its threads do not spin between calls: spinning draft threads took the cores from the target's
         # calls (SmolLM2 batch 1 on 2 cores: the target's engine time 1.8x, the whole run 40% slower)
         self.engine = CpuEngine(draft, num_threads=num_threads, num_blocks=num_blocks, spinning=False)
-        self.kv = KVCacheManager.for_groups(draft.kv_cache_groups, num_blocks, draft.build.tokens_per_block)
+        self.recurrent = bool(draft.model.recurrent_layers)
+        if self.recurrent:
+            if not self.engine.can_checkpoint_states:
+                raise ConfigError("draft_engine_dir", f"{draft.path} was built before its recurrent layers could keep "
+                                                      "their state part-way, which drafting needs; rebuild it")
+            self.engine.allocate_draft_checkpoints()
+        self.kv = KVCacheManager.for_groups(draft.kv_cache_groups, num_blocks, draft.build.tokens_per_block,
+                                            num_state_slots=draft.build.max_batch_size if self.recurrent else 0)
         self.max_drafts = config.num_speculative_tokens
         self.seqs: dict[str, _DraftSeq] = {}
         self.num_steps = 0  # draft engine steps run (each may be several engine calls)
@@ -134,6 +148,9 @@ class DraftModelProposer(Proposer):
         while accepted < len(seq.fed_drafts) and n + accepted < len(tokens) \
                 and tokens[n + accepted] == seq.fed_drafts[accepted]:
             accepted += 1
+        if self.recurrent and seq.kept_state:  # back to the state before the newest token of the last catch-up
+            self.engine.copy_states([StateCopy(self.kv.state_slot(seq), DRAFT_CHECKPOINT, save=False)])
+            n, accepted = seq.kept_state, 0
         seq.fed_drafts = []
         # NOTE: the newest token is always fed again so its row gives the next draft (its K/V is rewritten as is).
         seq.num_computed_tokens = min(n + accepted, len(tokens) - 1)
@@ -184,6 +201,15 @@ class DraftModelProposer(Proposer):
             active = [i for i in feeds if len(drafts[i]) < want[i]]
         return drafts
 
+    def _keep_state(self, seq: _DraftSeq, start: int, num_tokens: int) -> int:
+        """Recurrent drafts: how many of a piece's tokens [start, start + num_tokens) come before the request's
+        newest confirmed token, when the state there is to be kept (runtime/recurrent_state.py); else 0."""
+        keep = len(seq.token_ids) - 1
+        if not self.recurrent or not start < keep <= start + num_tokens:
+            return 0
+        seq.kept_state = keep
+        return keep - start
+
     def _run(self, seqs: list[_DraftSeq], feeds: dict[int, tuple[int, list[int]]]) -> dict[int, np.ndarray]:
         """One draft step: each request's fed tokens, packed into engine calls within the draft engine's limits (a
         long catch-up is split, its earlier pieces without logits); the last logits row of each request."""
@@ -210,7 +236,9 @@ class DraftModelProposer(Proposer):
                 take = min(len(tokens) - done, build.max_num_tokens - used)
                 last = done + take == len(tokens)
                 batch.append((i, SequenceChunk(seqs[i].request_id, tokens[done : done + take], start + done,
-                                               int(last), block_ids, group_block_ids=tuple(others))))
+                                               int(last), block_ids, group_block_ids=tuple(others),
+                                               state_slot=self.kv.state_slot(seqs[i]),
+                                               state_checkpoint=self._keep_state(seqs[i], start + done, take))))
                 used += take
                 done += take
                 if not last:

@@ -75,8 +75,10 @@ class Scripted(Proposer):
         return drafts
 
 
-def generate(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> tuple[dict, dict, int]:
-    """Every request's answer and its tokens' logprobs, by request id, and the drafts accepted in all."""
+def generate(core: EngineCore, prompts: list[list[int]], params: SamplingParams
+             ) -> tuple[dict, dict, list[Request]]:
+    """Every request's answer and its tokens' logprobs, by request id, and the requests (their metrics count
+    drafts)."""
     answers, logprobs, requests = {}, {}, []
     for i, prompt in enumerate(prompts):
         requests.append(core.make_request(prompt, params, request_id=f"r{i}"))
@@ -86,7 +88,13 @@ def generate(core: EngineCore, prompts: list[list[int]], params: SamplingParams)
         for out in core.step():
             answers[out.request_id] += out.new_token_ids
             logprobs[out.request_id] += [lp.logprob for lp in out.logprobs or []]
-    return answers, logprobs, sum(r.metrics.num_accepted_draft_tokens for r in requests)
+    return answers, logprobs, requests
+
+
+def drafts(requests: list[Request]) -> tuple[int, int]:
+    """Drafts accepted, and drafted, in all."""
+    return (sum(r.metrics.num_accepted_draft_tokens for r in requests),
+            sum(r.metrics.num_draft_tokens for r in requests))
 
 
 def prompts() -> list[list[int]]:
@@ -103,7 +111,8 @@ def assert_drafts_change_nothing(plain: EngineCore, drafted: EngineCore, logprob
     rollbacks = []
     original = drafted.kv.roll_back_state
     drafted.kv.roll_back_state = lambda request: (rollbacks.append(request.request_id), original(request))
-    got, got_logprobs, accepted = generate(drafted, prompts(), params)
+    got, got_logprobs, requests = generate(drafted, prompts(), params)
+    accepted, _ = drafts(requests)
     assert got == want
     for rid in want:
         np.testing.assert_allclose(got_logprobs[rid], want_logprobs[rid], atol=1e-4, rtol=0)
@@ -174,3 +183,75 @@ def test_an_engine_built_before_state_checkpoints_is_refused_with_what_to_do(eng
     EngineCore(old, RuntimeConfig(num_threads=1, warm_up=False))
     with pytest.raises(ConfigError, match="rebuild the engine from its checkpoint, or run it without speculative"):
         EngineCore(old, speculative(warm_up=False))
+
+
+def draft_model(draft_dir) -> RuntimeConfig:
+    return RuntimeConfig(num_threads=1, speculative=SpeculativeConfig(K, method="draft_model",
+                                                                       draft_engine_dir=str(draft_dir)))
+
+
+def test_a_recurrent_model_drafting_for_itself_is_always_right(engine):
+    """The draft's own states roll back too (its catch-up keeps the state before the newest token): drafting for
+    itself, every draft is accepted, and the answers are the plain ones."""
+    params = SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True)
+    want, _, _ = generate(EngineCore(engine, RuntimeConfig(num_threads=1)), prompts(), params)
+    core = EngineCore(engine, draft_model(engine))
+    got, _, requests = generate(core, prompts(), params)
+    accepted, drafted = drafts(requests)
+    assert got == want and accepted == drafted > 0
+    assert not core.proposer.seqs and not core.proposer.kv.state_slots.held
+
+
+@pytest.fixture(scope="module")
+def small_draft(random_hf_model, engine_from_hf, tmp_path_factory):
+    """(the Qwen3.5 target engine, the model cut to its first 2 layers by `convert --num-layers`, built with smaller
+    steps so that its catch-ups split)."""
+    from trtbuild.builder.build import build_engine
+    from trtbuild.builder.convert.convert import convert
+
+    path, work = random_hf_model("qwen3_5"), tmp_path_factory.mktemp("draft")
+    convert(path, work / "ckpt", num_layers=2)
+    draft = build_engine(work / "ckpt", work / "draft", max_batch_size=2, max_num_tokens=16, max_seq_len=256)
+    return engine_from_hf(path, max_batch_size=4, max_num_tokens=256), draft
+
+
+def test_a_smaller_recurrent_draft(small_draft):
+    """Some drafts are rejected, and the answers are the plain ones."""
+    target, draft = small_draft
+    params = SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True)
+    want, _, _ = generate(EngineCore(target, RuntimeConfig(num_threads=1)), prompts(), params)
+    core = EngineCore(target, draft_model(draft))
+    got, _, requests = generate(core, prompts(), params)
+    accepted, drafted = drafts(requests)
+    assert got == want and 0 < accepted < drafted
+
+
+def test_the_draft_keeps_the_state_a_fresh_prefill_computes(small_draft):
+    """Mid-run, each request's draft checkpoint holds the state that the draft engine computes from scratch over
+    the tokens before it (in pieces of its max_num_tokens)."""
+    from trtbuild.runtime.engine import CpuEngine, SequenceChunk
+
+    target, draft = small_draft
+    core = EngineCore(target, draft_model(draft))
+    for i, prompt in enumerate(prompts()[:2]):
+        core.add_request(core.make_request(prompt, SamplingParams(max_tokens=30, ignore_eos=True), f"r{i}"))
+    fresh = CpuEngine(draft, num_threads=1, num_blocks=64)
+    checked = 0
+    for _ in range(10):
+        core.step()
+        proposer = core.proposer
+        for request in core.scheduler.running:
+            seq = proposer.seqs.get(request.request_id)
+            if seq is None or not seq.kept_state:
+                continue
+            n, bs = seq.kept_state, proposer.kv.block_size
+            blocks = list(range(-(-n // bs)))
+            for start in range(0, n, 16):
+                fresh.step([SequenceChunk(0, request.token_ids[start : min(start + 16, n)], start, 1, blocks,
+                                          state_slot=0)])
+            states = proposer.engine.states
+            kept = states.states[states.num_slots + proposer.kv.state_slot(seq)]
+            np.testing.assert_allclose(kept, fresh.states.states[0], rtol=1e-4, atol=1e-5)
+            checked += 1
+    assert checked > 5 and sum(r.metrics.num_accepted_draft_tokens < r.metrics.num_draft_tokens
+                               for r in core.scheduler.running)
