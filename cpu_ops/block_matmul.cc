@@ -52,6 +52,7 @@ constexpr int64_t kTaskGroupsLong = 8;
 #ifdef TRTBUILD_NO_BLOCK_QUANT
 constexpr int kTokens = 1;  // no tiles: the op refuses to run (BlockQuantMatMulKernel)
 #else
+// The tile of exactly `left` (1 .. T) tokens.
 template <int BITS, ScaleKind KIND, bool BLOCK16, bool MINS, bool LUT, int T>
 void tail(const Problem& p, int64_t g, int64_t t0, int64_t left) {
   if constexpr (T > 0) {
@@ -72,6 +73,10 @@ void run_task(void* data, size_t task) {
   for (int64_t g = g0; g < std::min(groups, g0 + p.groups_per_task); ++g) {
     int64_t t = t0;
     for (; t + kTokens <= t1; t += kTokens) tile<BITS, KIND, BLOCK16, MINS, LUT, kTokens>(p, g, t);
+    if (t1 - t > kHalfTile && kTailTokens > kHalfTile) {
+      tail<BITS, KIND, BLOCK16, MINS, LUT, kTailTokens>(p, g, t, t1 - t);
+      continue;
+    }
     if (t + kHalfTile <= t1) {
       tile<BITS, KIND, BLOCK16, MINS, LUT, kHalfTile>(p, g, t);
       t += kHalfTile;

@@ -20,6 +20,10 @@ namespace trtbuild_cpu_ops {
 // quant_linear.py, AMD EPYC Zen 3, 2 threads). 16 tokens measured about the same as 8, with twice the tiles to compile.
 constexpr int kTokens = 8;
 constexpr int kHalfTile = kTokens / 2;
+// The largest tile of the tokens left after whole tiles: 5-7 in one tile, each weight vector unpacked once. NOTE:
+// a half tile and a tail (5 tokens as 4 + 1) unpacked every weight twice, and unpacking is most of a token's cost at
+// these counts: a 5-token step (4 drafts to verify) of the Qwen3.5-0.8B shape took 2.6x a 1-token step's time.
+constexpr int kTailTokens = kTokens - 1;
 
 // Half h (rows 8h .. 8h + 7) of the 16 rows' values of block `at`, in super-block `super_at` for two-level ones.
 template <ScaleKind KIND>

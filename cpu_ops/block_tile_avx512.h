@@ -16,6 +16,7 @@ namespace trtbuild_cpu_ops {
 // session); 16 accumulators, 8 weight vectors and the dot products' 4 still fit AVX-512's 32 registers.
 constexpr int kTokens = 16;
 constexpr int kHalfTile = kTokens / 2;
+constexpr int kTailTokens = kHalfTile - 1;  // after whole tiles: one half tile, then one of 1-7 tokens
 
 // The 16 rows' values of block `at` (of all groups' blocks), in super-block `super_at` for two-level ones.
 template <ScaleKind KIND>

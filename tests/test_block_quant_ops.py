@@ -129,8 +129,8 @@ def format_case(bits: int, block: int, scales_kind: str, mins_kind: str | None, 
 @needs_block_quant
 @pytest.mark.parametrize("bits,block,scales_kind,mins_kind,k", FORMATS)
 def test_block_quant_matmul_matches_its_reference(library, bits, block, scales_kind, mins_kind, k):
-    """Token counts around the tiles of 16 and 8 and a task's tokens; rows not a multiple of 16 nor of a task's 64 or
-    128; a zero block in x; every form of scales `pack` chooses."""
+    """Token counts around the tiles of 16 and 8, every tail of AVX2's tiles (1-7) and a task's tokens; rows not a
+    multiple of 16 nor of a task's 64 or 128; a zero block in x; every form of scales `pack` chooses."""
     n = 200
     codes, scales, mins = format_case(bits, block, scales_kind, mins_kind, k, n, seed=bits + block + k)
     table = pack(codes, scales, bits, mins)
@@ -141,7 +141,7 @@ def test_block_quant_matmul_matches_its_reference(library, bits, block, scales_k
     assert (table.super_scales is not None) == two and (table.mins is not None) == (mins is not None)
     sess = block_quant_session(library, OP_TYPE, k, n, bits, table, block)
     rng = np.random.default_rng(k)
-    for m in (1, 3, 7, 8, 9, 15, 16, 17, 25, 64, 70, 760):  # 760: past one task's tokens at K 352 (256 KiB of codes)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 25, 64, 70, 760):  # 760: past one task's tokens at K 352 (256 KiB of codes)
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[0, 32:64] = 0.0
         want = reference_block_quant_matmul(x, codes, scales, bits, mins)
