@@ -1,6 +1,7 @@
 """Soak and fuzz a real `trtbuild serve` (gRPC + OpenAI HTTP) with mixed load, then check what it returned.
 
     python benchmarks/soak.py --engine <engine dir> [--duration 600] [--concurrency 16] [--kv-cache-blocks 64]
+        [--speculative-tokens K]
 
 Workers keep the server busy for --duration seconds, each picking at random: a gRPC stream run to its end, a gRPC
 stream cancelled after a few tokens, an OpenAI completion streamed over HTTP (half of them dropped mid-stream), or a
@@ -70,7 +71,8 @@ class Soak:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trtbuild.cli", "serve", "--engine", str(args.engine), "--port", "0",
              "--http-port", str(self.http_port), "--threads", str(args.threads), "--kv-cache-blocks",
-             str(args.kv_cache_blocks), "--served-model-name", "soak"],
+             str(args.kv_cache_blocks), "--served-model-name", "soak",
+             *(["--speculative-tokens", str(args.speculative_tokens)] if args.speculative_tokens else [])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         address = None
         for line in self.proc.stdout:
@@ -208,6 +210,9 @@ class Soak:
         for what, n in sorted(self.counts.items()):
             print(f"  {what:<24}{n}")
         print(f"  finish reasons          {dict(stats.finish_reasons)}")
+        if a.speculative_tokens:
+            drafted, accepted = self.draft_counts()
+            print(f"drafts:                   {accepted} of {drafted} accepted")
         print(f"checked against alone:    {len(self.completed)} streams, {mismatches} mismatches")
         print(f"KV pool after:            {stats.kv_free_blocks}/{stats.kv_total_blocks} free, "
               f"{stats.num_unfinished} unfinished -> {'LEAK' if leaked else 'ok'}")
@@ -218,6 +223,16 @@ class Soak:
         ok = not mismatches and not leaked and rss_ok and not self.failures and len(self.completed) > 0
         print("soak: PASS" if ok else "soak: FAIL")
         return 0 if ok else 1
+
+    def draft_counts(self) -> tuple[int, int]:
+        """Draft tokens verified and accepted so far, from the OpenAI server's Prometheus metrics."""
+        with urllib.request.urlopen(self.base + "/metrics", timeout=30) as response:
+            text = response.read().decode()
+
+        def total(name: str) -> int:
+            return int(sum(float(m) for m in re.findall(rf"^{name}_total{{[^}}]*}} (\S+)$", text, re.M)))
+
+        return total("vllm:spec_decode_num_draft_tokens"), total("vllm:spec_decode_num_accepted_tokens")
 
     def check_against_alone(self) -> int:
         """Each distinct completed request, sent again alone (greedy): its tokens must be the same every time."""
@@ -254,6 +269,7 @@ def main() -> None:
     p.add_argument("--kv-cache-blocks", type=int, default=64, help="A small pool, for preemption pressure.")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative-tokens", type=int, default=0, help="Prompt-lookup drafts per step (0: none).")
     p.add_argument("--rss-tolerance", type=float, default=1.25, help="RSS after / after warm-up allowed.")
     p.add_argument("--bad-requests-table", action="store_true", help="Only print each bad request's answer.")
     args = p.parse_args()

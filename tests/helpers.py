@@ -383,11 +383,16 @@ def prefix_cached_tokens(core: EngineCore, prompt: list[int], lora: str | None =
     return request.metrics.num_prefix_cached_tokens
 
 
-def assert_soak_passes(engine: Path, kv_cache_blocks: int) -> None:
-    """benchmarks/soak.py for 8 seconds, 8 workers, a pool of `kv_cache_blocks`: it passes (every completed stream
-    equals its request alone, the pool whole, nothing unfinished, RSS flat), with preemptions and no mismatch."""
+def assert_soak_passes(engine: Path, kv_cache_blocks: int, speculative_tokens: int = 0) -> None:
+    """benchmarks/soak.py for 8 seconds, 8 workers, a pool of `kv_cache_blocks` (and prompt-lookup drafts): it
+    passes (every completed stream equals its request alone, the pool whole, nothing unfinished, RSS flat), with
+    preemptions and no mismatch."""
     out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "benchmarks" / "soak.py"), "--engine",
                           str(engine), "--duration", "8", "--concurrency", "8", "--kv-cache-blocks",
-                          str(kv_cache_blocks), "--threads", "1"], capture_output=True, text=True, timeout=300)
+                          str(kv_cache_blocks), "--threads", "1", "--speculative-tokens", str(speculative_tokens)],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "soak: PASS" in out.stdout, out.stdout + out.stderr[-2000:]
     assert re.search(r"[1-9]\d* preemptions", out.stdout) and "0 mismatches" in out.stdout, out.stdout
+    if speculative_tokens:  # drafts were verified, and some rejected
+        accepted, drafted = map(int, re.search(r"drafts: +(\d+) of (\d+) accepted", out.stdout).groups())
+        assert drafted > accepted, out.stdout

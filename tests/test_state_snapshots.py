@@ -236,10 +236,12 @@ def test_the_cuda_engine_restores_states_as_the_cpu_engine(random_hf_model, engi
     np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-4, rtol=0)
 
 
-def test_a_soak_of_a_qwen3_5_server_returns_every_token_with_kept_states(tmp_path, monkeypatch):
+@pytest.mark.parametrize("drafts", [0, 3], ids=["plain", "prompt-lookup drafts"])
+def test_a_soak_of_a_qwen3_5_server_returns_every_token_with_kept_states(tmp_path, monkeypatch, drafts):
     """benchmarks/soak.py for a few seconds on a Qwen3.5 server (its prompts repeat, so states are kept and restored
-    beside preemptions, cancels and dropped streams): every completed stream equals its request alone, the pool is
-    whole again (the 60-second run is in docs/reliability.md)."""
+    beside preemptions, cancels and dropped streams; with drafts, also rolled back after rejected ones): every
+    completed stream equals its request alone, the pool is whole again (the 60-second runs are in
+    docs/reliability.md)."""
     from gguf_helpers import make_hf_folder
     from helpers import assert_soak_passes, require_shared_models
 
@@ -251,4 +253,4 @@ def test_a_soak_of_a_qwen3_5_server_returns_every_token_with_kept_states(tmp_pat
     convert(make_hf_folder("qwen3_5", tmp_path / "hf", {}), tmp_path / "ckpt")
     engine = build_engine(tmp_path / "ckpt", tmp_path / "engine", max_seq_len=256, tokens_per_block=8,
                           max_batch_size=8, max_num_tokens=128)
-    assert_soak_passes(engine, kv_cache_blocks=40)
+    assert_soak_passes(engine, kv_cache_blocks=40, speculative_tokens=drafts)
