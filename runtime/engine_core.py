@@ -295,7 +295,7 @@ class EngineCore:
                                 c.start, c.num_logits, c.block_ids, self._engine_accept(c), c.group_block_ids,
                                 c.request.lora_id, self.kv.state_slot(c.request),
                                 # NOTE: the state before its drafts, kept for a rejection (runtime/recurrent_state.py)
-                                c.num_tokens - c.num_drafts if c.num_drafts and self.kv.state_slots else 0)
+                                c.num_tokens - c.num_drafts if c.num_drafts and self.kv.state_slots is not None else 0)
                   for c in scheduled.chunks]
         if copies := self.kv.take_state_copies():
             self.engine.copy_states(copies)

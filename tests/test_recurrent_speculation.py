@@ -169,7 +169,8 @@ def test_the_cuda_engine_rolls_states_back_as_the_cpu_engine(random_hf_model, en
 
 
 def test_an_engine_built_before_state_checkpoints_is_refused_with_what_to_do(engine, tmp_path):
-    """Its recurrent nodes lack the state_checkpoints input: it runs as before, but not with drafts."""
+    """Its recurrent nodes lack the state_checkpoints input: it runs as before, but not with drafts, nor as a draft
+    model."""
     old = tmp_path / "old"
     shutil.copytree(engine, old)
     (graph_file,) = old.glob("*.onnx")
@@ -183,6 +184,8 @@ def test_an_engine_built_before_state_checkpoints_is_refused_with_what_to_do(eng
     EngineCore(old, RuntimeConfig(num_threads=1, warm_up=False))
     with pytest.raises(ConfigError, match="rebuild the engine from its checkpoint, or run it without speculative"):
         EngineCore(old, speculative(warm_up=False))
+    with pytest.raises(ConfigError, match="could keep their state part-way, which drafting needs; rebuild it"):
+        EngineCore(engine, draft_model(old))
 
 
 def draft_model(draft_dir) -> RuntimeConfig:
