@@ -141,7 +141,8 @@ def test_block_quant_matmul_matches_its_reference(library, bits, block, scales_k
     assert (table.super_scales is not None) == two and (table.mins is not None) == (mins is not None)
     sess = block_quant_session(library, OP_TYPE, k, n, bits, table, block)
     rng = np.random.default_rng(k)
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 25, 64, 70, 760):  # 760: past one task's tokens at K 352 (256 KiB of codes)
+    # 760: past one task's tokens at K 352 (256 KiB of codes)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 15, 16, 17, 25, 64, 70, 760):
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[0, 32:64] = 0.0
         want = reference_block_quant_matmul(x, codes, scales, bits, mins)
