@@ -58,9 +58,8 @@ class StateCopy:
 def checkpoint_feed(state_slots: Sequence[int], keep_after: Sequence[int], first_checkpoint: int) -> np.ndarray:
     """The recurrent nodes' state_checkpoints [B, 2] of a step: (n, first_checkpoint + slot) for a sequence whose
     state is kept after its first n new tokens (`keep_after`, 0: not kept), (0, -1) for the others."""
-    return np.array([(n, first_checkpoint + slot) if n else (0, -1) for slot, n in zip(state_slots, keep_after,
-                                                                                       strict=True)],
-                    dtype=np.int64).reshape(-1, 2)
+    rows = [(n, first_checkpoint + slot) if n else (0, -1) for slot, n in zip(state_slots, keep_after, strict=True)]
+    return np.array(rows, dtype=np.int64).reshape(-1, 2)
 
 
 def state_bytes(model: ModelConfig) -> int:
