@@ -36,26 +36,21 @@ def test_a_rejected_draft_rolls_the_state_back_and_the_accepted_ones_are_compute
     out = scheduler.schedule()
     scheduler.update(out, [[100]])
     scheduler.set_draft_tokens(a, [101, 102, 103])
-    (chunk,) = scheduler.schedule().chunks
+    out = scheduler.schedule()
+    (chunk,) = out.chunks
     assert (chunk.start, chunk.num_tokens, chunk.num_drafts, chunk.num_logits) == (5, 4, 3, 4)
-    scheduler.update(scheduler_output(chunk), [[101, 200]])  # 101 accepted, 102 rejected: 200 instead
+    scheduler.update(out, [[101, 200]])  # 101 accepted, 102 rejected: 200 instead
     assert a.token_ids[5:] == [100, 101, 200] and a.num_computed_tokens == 6  # the state is after 100 only
     assert kv.take_state_copies() == [StateCopy(0, DRAFT_CHECKPOINT, save=False)]
     scheduler.set_draft_tokens(a, [201, 202, 203])
-    (chunk,) = scheduler.schedule().chunks  # 101 again, 200, then the new drafts
+    out = scheduler.schedule()
+    (chunk,) = out.chunks  # 101 again, 200, then the new drafts
     assert (chunk.start, chunk.num_tokens, chunk.num_drafts, chunk.num_logits) == (6, 5, 3, 4)
-    scheduler.update(scheduler_output(chunk), [[201, 202, 203, 204]])  # all accepted: no copy back
+    scheduler.update(out, [[201, 202, 203, 204]])  # all accepted: no copy back
     assert a.num_computed_tokens == 11 and len(a.token_ids) == 12 and kv.take_state_copies() == []
     scheduler.set_draft_tokens(a, [205, 206, 207])
-    (chunk,) = scheduler.schedule().chunks
-    scheduler.update(scheduler_output(chunk), [[300]])  # none accepted
+    scheduler.update(scheduler.schedule(), [[300]])  # none accepted
     assert a.num_computed_tokens == 12 and kv.take_state_copies() == [StateCopy(0, DRAFT_CHECKPOINT, save=False)]
-
-
-def scheduler_output(chunk):
-    from trtbuild.runtime.scheduler import SchedulerOutput
-
-    return SchedulerOutput([chunk], [])
 
 
 class Scripted(Proposer):
